@@ -1,0 +1,34 @@
+# Flightdeck: every target installs what it needs into .venv first; re-running is fast.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test test-unit test-integration lint chaos bench clean
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "torch==2.13.0" -e ".[dev,trainer]"
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m services.console.demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+test-unit: $(STAMP)
+	$(BIN)/python -m pytest -q tests/unit tests/contract
+
+lint: $(STAMP)
+	$(BIN)/ruff check events services trainer tests bench
+	$(BIN)/mypy events services trainer
+
+chaos: $(STAMP)
+	$(BIN)/python -m pytest -q tests/chaos
+
+clean:
+	rm -rf $(VENV) .flightdeck

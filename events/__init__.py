@@ -1,0 +1,1 @@
+"""The one typed catalog of Flightdeck events and commands, plus their codec, subjects and stores."""

@@ -1,0 +1,37 @@
+"""Every concrete message type, in one tuple: the codec's union and the fixture tests read it from here."""
+
+from events import checkpoint, clock, commands, findings, fleet, job, plan, training
+from events.base import Event
+
+ALL_TYPES: tuple[type[Event], ...] = (
+    # job
+    job.JobSubmitted, job.JobQueued, job.AllocationRequested, job.AllocationGranted,
+    job.AllocationDenied, job.AllocationReleased, job.WorkersStarted, job.WorkersExited,
+    job.JobResumed, job.JobPreempted, job.JobCompleted, job.JobFailed, job.CancelRequested,
+    job.JobCancelled,
+    # fleet
+    fleet.NodeRegistered, fleet.NodeHeartbeat, fleet.SelfCheckPassed, fleet.SelfCheckFailed,
+    fleet.NodeCordoned, fleet.NodeUncordoned, fleet.NodeLost,
+    # training telemetry
+    training.StepCompleted, training.Heartbeat, training.RankFault, training.FaultInjected,
+    training.RolledBack, training.RankStarted,
+    # checkpoint
+    checkpoint.CheckpointStaged, checkpoint.CheckpointCommitted, checkpoint.CheckpointFailed,
+    checkpoint.CheckpointDeleted,
+    # health findings
+    findings.RankLost, findings.RankHung, findings.StragglerDetected, findings.NonFiniteLoss,
+    findings.LossSpikeDetected,
+    # plan
+    plan.ReshardPlanned,
+    # commands
+    commands.CheckpointRequested, commands.RollbackRequested, commands.StopRequested,
+    commands.PauseRequested, commands.ResumeRequested,
+    # clock and shell records
+    clock.ClockTick, clock.DeadLettered,
+)
+
+BY_NAME: dict[str, type[Event]] = {t.__name__: t for t in ALL_TYPES}
+COMMAND_TYPES: tuple[type[Event], ...] = (
+    commands.CheckpointRequested, commands.RollbackRequested, commands.StopRequested,
+    commands.PauseRequested, commands.ResumeRequested,
+)

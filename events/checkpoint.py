@@ -1,0 +1,47 @@
+"""Checkpoints: staged by ranks, committed (or failed) by the checkpoint service."""
+
+import msgspec
+
+from events.base import JobEvent, RankEvent
+
+
+class ShardInfo(msgspec.Struct, frozen=True, kw_only=True):
+    path: str  # relative to the checkpoint's prefix; never absolute, never with ".."
+    size: int
+    sha256: str
+
+
+class DataPosition(msgspec.Struct, frozen=True, kw_only=True):
+    """Where the token stream stands: the next batch index and the windows skipped so far."""
+
+    next_batch: int
+    skipped: list[tuple[int, int]] = []
+
+
+class CheckpointStaged(RankEvent, frozen=True, kw_only=True):
+    step: int
+    world_size: int
+    staging_dir: str
+    shards: list[ShardInfo]
+    data: DataPosition
+    stall_s: float  # time the step loop was blocked for the host snapshot
+    write_s: float
+
+
+class CheckpointCommitted(JobEvent, frozen=True, kw_only=True):
+    checkpoint_id: str
+    step: int
+    world_size: int
+    uri: str  # manifest location in the object store
+    bytes: int
+    data: DataPosition
+
+
+class CheckpointFailed(JobEvent, frozen=True, kw_only=True):
+    step: int
+    reason: str
+
+
+class CheckpointDeleted(JobEvent, frozen=True, kw_only=True):
+    checkpoint_id: str
+    reason: str = "retention"

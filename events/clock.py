@@ -1,0 +1,23 @@
+"""Time and bookkeeping records written by the service shell itself."""
+
+from events.base import Event
+
+
+class ClockTick(Event, frozen=True, kw_only=True):
+    """Time entering a service's core. `positions` holds the last stream sequence the service had
+    folded from each input stream when the tick was taken, so a replay interleaves exactly as live."""
+
+    service: str
+    now: float
+    positions: dict[str, int]
+
+
+class DeadLettered(Event, frozen=True, kw_only=True):
+    """A message a service could not use: kept with the reason, never silently dropped."""
+
+    service: str
+    stream: str
+    seq: int
+    subject: str
+    reason: str
+    payload: bytes

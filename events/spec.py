@@ -1,0 +1,101 @@
+"""The job spec: what a user submits (TOML decoded straight into these structs) and what JobSubmitted carries."""
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+Name = Annotated[str, Meta(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")]  # safe in subjects, paths and object keys
+PositiveInt = Annotated[int, Meta(ge=1)]
+NonNegInt = Annotated[int, Meta(ge=0)]
+
+
+class Spec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Base: unknown keys in a spec are a user error, not something to ignore."""
+
+
+class ModelSpec(Spec, frozen=True, kw_only=True):
+    n_layer: Annotated[int, Meta(ge=1, le=256)] = 2
+    n_head: Annotated[int, Meta(ge=1, le=256)] = 2
+    d_model: Annotated[int, Meta(ge=8, le=65536)] = 64
+    seq_len: Annotated[int, Meta(ge=8, le=131072)] = 64
+    vocab_size: Annotated[int, Meta(ge=2, le=1_048_576)] = 256  # byte-level tokens by default
+
+
+class TrainSpec(Spec, frozen=True, kw_only=True):
+    steps: Annotated[int, Meta(ge=1, le=100_000_000)] = 100
+    batch_size: Annotated[int, Meta(ge=1, le=1_000_000)] = 8  # global batch, in sequences
+    lr: Annotated[float, Meta(gt=0.0, le=10.0)] = 3e-3
+    checkpoint_every: Annotated[int, Meta(ge=1)] = 25
+    seed: NonNegInt = 0
+    data: Literal["corpus", "synthetic"] = "corpus"
+
+
+class PolicySpec(Spec, frozen=True, kw_only=True):
+    max_restarts: Annotated[int, Meta(ge=0, le=1000)] = 3
+    min_slots: Annotated[int, Meta(ge=0)] = 0  # smallest world size to shrink to; 0 means the job's slots
+    heartbeat_interval_s: Annotated[float, Meta(gt=0.0, le=3600.0)] = 1.0
+    heartbeat_misses: Annotated[int, Meta(ge=1, le=1000)] = 5
+    hang_factor: Annotated[float, Meta(gt=1.0, le=1000.0)] = 10.0  # hang deadline = factor x recent step time
+    hang_min_s: Annotated[float, Meta(gt=0.0)] = 30.0
+    spike_z: Annotated[float, Meta(gt=0.0, le=1000.0)] = 6.0
+    spike_window: Annotated[int, Meta(ge=4, le=100_000)] = 50
+    spike_warmup: Annotated[int, Meta(ge=0)] = 20
+    straggler_factor: Annotated[float, Meta(gt=1.0, le=100.0)] = 2.0
+    straggler_window: Annotated[int, Meta(ge=1, le=100_000)] = 20
+    replace_stragglers: bool = False
+    rollback_steps_back: NonNegInt = 100
+    rollback_skip_batches: NonNegInt = 200
+
+
+FaultKind = Literal["crash", "hang", "loss_spike", "nonfinite", "slow"]
+
+
+class FaultSpec(Spec, frozen=True, kw_only=True):
+    """A fault injected on purpose for a drill; recorded as such so a postmortem can tell it apart."""
+
+    kind: FaultKind
+    step: NonNegInt
+    rank: NonNegInt = 0
+    seconds: Annotated[float, Meta(ge=0.0, le=3600.0)] = 0.5  # per-step delay for "slow"
+    attempt: NonNegInt = 0  # inject only in this attempt, so a restarted job does not fault again
+
+
+class JobSpec(Spec, frozen=True, kw_only=True):
+    name: Name
+    priority: Annotated[int, Meta(ge=0, le=1000)] = 50
+    slots: Annotated[int, Meta(ge=1, le=65536)] = 1
+    model: ModelSpec = ModelSpec()
+    train: TrainSpec = TrainSpec()
+    policy: PolicySpec = PolicySpec()
+    faults: list[FaultSpec] = []
+
+
+class InvalidSpec(ValueError):
+    """A job spec a user must fix; the message names the field and what is allowed."""
+
+
+def _check(spec: JobSpec) -> JobSpec:
+    if spec.model.d_model % spec.model.n_head:
+        raise InvalidSpec(f"model.d_model ({spec.model.d_model}) must be a multiple of model.n_head ({spec.model.n_head})")
+    if spec.policy.min_slots > spec.slots:
+        raise InvalidSpec(f"policy.min_slots ({spec.policy.min_slots}) must not exceed slots ({spec.slots})")
+    if spec.train.batch_size < spec.slots:
+        raise InvalidSpec(f"train.batch_size ({spec.train.batch_size}) must be at least slots ({spec.slots}): one sequence per rank")
+    for i, fault in enumerate(spec.faults):
+        if fault.rank >= spec.slots:
+            raise InvalidSpec(f"faults[{i}].rank ({fault.rank}) must be below slots ({spec.slots})")
+        if fault.step >= spec.train.steps:
+            raise InvalidSpec(f"faults[{i}].step ({fault.step}) must be below train.steps ({spec.train.steps})")
+    return spec
+
+
+def parse_spec(text: str | bytes) -> JobSpec:
+    """Decode a TOML job spec, refusing unknown keys, wrong types and out-of-range values."""
+    try:
+        spec = msgspec.toml.decode(text, type=JobSpec)
+    except msgspec.ValidationError as exc:
+        raise InvalidSpec(f"invalid job spec: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise InvalidSpec(f"job spec is not valid TOML: {exc}") from None
+    return _check(spec)

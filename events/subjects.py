@@ -1,0 +1,90 @@
+"""The subject grammar and the streams that hold each kind of subject.
+
+    fd.ctl.job.<job>.<Type>         a job's control history: decisions, lifecycle, commands
+    fd.ctl.node.<node>.<Type>       fleet events about one node
+    fd.ctl.clock.<service>          a service's recorded clock ticks
+    fd.tel.<job>.<rank>.<Type>      what a rank publishes: steps, heartbeats, faults, checkpoints staged
+    fd.dead.<service>               messages a service could not use, with the reason
+
+Ranks publish only under fd.tel (stream FD_TELEMETRY). Control events live in FD_CONTROL. Message-id
+de-duplication is per stream, so keeping ranks out of FD_CONTROL means no rank can suppress a decision
+by reusing its id.
+"""
+
+import re
+
+CONTROL = "FD_CONTROL"
+TELEMETRY = "FD_TELEMETRY"
+DEAD = "FD_DEAD"
+
+STREAM_SUBJECTS: dict[str, str] = {CONTROL: "fd.ctl.>", TELEMETRY: "fd.tel.>", DEAD: "fd.dead.>"}
+
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+
+
+class InvalidSubjectToken(ValueError):
+    pass
+
+
+def token(value: str | int) -> str:
+    """A value made safe to stand as one subject token: no dots, spaces or wildcards."""
+    text = str(value)
+    if not _TOKEN.match(text):
+        raise InvalidSubjectToken(f"{text!r} cannot be a subject token: use letters, digits, '-' and '_'")
+    return text
+
+
+def job(job_id: str, type_name: str) -> str:
+    return f"fd.ctl.job.{token(job_id)}.{token(type_name)}"
+
+
+def job_all(job_id: str) -> str:
+    return f"fd.ctl.job.{token(job_id)}.>"
+
+
+def node(node_id: str, type_name: str) -> str:
+    return f"fd.ctl.node.{token(node_id)}.{token(type_name)}"
+
+
+def clock(service: str) -> str:
+    return f"fd.ctl.clock.{token(service)}"
+
+
+def telemetry(job_id: str, rank: int, type_name: str) -> str:
+    return f"fd.tel.{token(job_id)}.{token(rank)}.{token(type_name)}"
+
+
+def telemetry_job(job_id: str) -> str:
+    return f"fd.tel.{token(job_id)}.>"
+
+
+def dead(service: str) -> str:
+    return f"fd.dead.{token(service)}"
+
+
+def stream_of(subject: str) -> str:
+    for stream, pattern in STREAM_SUBJECTS.items():
+        if matches(pattern, subject):
+            return stream
+    raise InvalidSubjectToken(f"subject {subject!r} belongs to no Flightdeck stream")
+
+
+def job_of(subject: str) -> str | None:
+    """The job id a control or telemetry subject is about, if any."""
+    parts = subject.split(".")
+    if parts[:3] == ["fd", "ctl", "job"] and len(parts) >= 4:
+        return parts[3]
+    if parts[:2] == ["fd", "tel"] and len(parts) >= 3:
+        return parts[2]
+    return None
+
+
+def matches(pattern: str, subject: str) -> bool:
+    """NATS subject matching: `*` is one token, `>` the rest (one token or more)."""
+    pat, sub = pattern.split("."), subject.split(".")
+    for i, p in enumerate(pat):
+        if p == ">":
+            return len(sub) > i
+        if i >= len(sub) or (p != "*" and p != sub[i]):
+            return False
+    return len(pat) == len(sub)

@@ -1,0 +1,46 @@
+"""Training telemetry published by trainer ranks: steps, heartbeats, faults and what ranks did."""
+
+from typing import Literal
+
+from events.base import RankEvent
+
+
+class StepCompleted(RankEvent, frozen=True, kw_only=True):
+    step: int
+    loss: float  # NaN and Inf survive msgpack; JSON would turn them into null
+    grad_norm: float
+    lr: float
+    tokens_per_s: float
+    step_time_s: float
+
+
+class Heartbeat(RankEvent, frozen=True, kw_only=True):
+    step: int  # last completed step: heartbeats with a frozen step are how a hang shows
+    interval_s: float
+
+
+class RankFault(RankEvent, frozen=True, kw_only=True):
+    kind: Literal["exception", "nonfinite", "cuda", "signal"]
+    error_type: str
+    message: str
+    step: int
+
+
+class FaultInjected(RankEvent, frozen=True, kw_only=True):
+    """A drill's fault, recorded by the rank before it acts, so a postmortem can tell a drill from a real fault."""
+
+    kind: Literal["crash", "hang", "loss_spike", "nonfinite", "slow"]
+    step: int
+
+
+class RolledBack(RankEvent, frozen=True, kw_only=True):
+    checkpoint_id: str
+    to_step: int
+    skip_from: int
+    skip_to: int
+
+
+class RankStarted(RankEvent, frozen=True, kw_only=True):
+    world_size: int
+    from_step: int
+    device: str
