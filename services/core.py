@@ -11,9 +11,9 @@ telemetry sequence the tick recorded in `positions`. So the interleaving of the 
 in the log, and a replay sees the same order as the live run did.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from events.base import Event
 
@@ -29,12 +29,32 @@ class Emit:
     event: Event
 
 
+@dataclass(frozen=True, slots=True)
+class Effect:
+    """Work with I/O that a core asks the shell to do (upload a checkpoint, spawn ranks).
+
+    `decide` may return Effects beside Emits. The shell calls `service.effects[kind](args)`, which
+    returns the events that record what happened (e.g. CheckpointCommitted); they are appended like
+    Emits, their msg ids continuing the input's output index, before the input is acked (the shell
+    marks the input in progress while a long effect runs). A replay does not run effects: it reads
+    their recorded events back as inputs like any other.
+    """
+
+    kind: str
+    args: Any
+
+
+Output = Emit | Effect
+EffectHandler = Callable[[Any], Awaitable[Sequence[Emit]]]
+
+
 @dataclass(frozen=True)
 class Service(Generic[S]):
     """A service's pure core plus the subjects it reads.
 
     - `evolve(state, event) -> state` folds one input into state (no decisions).
-    - `decide(state, event) -> outputs` is called right after `evolve` with the new state.
+    - `decide(state, event) -> outputs` is called right after `evolve` with the new state; outputs
+      are Emits (decisions, verified on replay) and Effects (I/O whose results are recorded).
     - `wants_tick(state, now) -> bool` lets a core say it has nothing time-dependent to watch, so an
       idle service records no ticks.
     """
@@ -42,8 +62,9 @@ class Service(Generic[S]):
     name: str
     initial: S
     evolve: Callable[[S, Event], S]
-    decide: Callable[[S, Event], Sequence[Emit]]
+    decide: Callable[[S, Event], Sequence[Output]]
     control_subjects: tuple[str, ...]  # filters on FD_CONTROL (its own clock subject is added)
     telemetry_subjects: tuple[str, ...] = ()  # filters on FD_TELEMETRY, folded at ticks
     tick_s: float = 1.0
     wants_tick: Callable[[S, float], bool] = field(default=lambda state, now: True)
+    effects: Mapping[str, EffectHandler] = field(default_factory=dict)
