@@ -11,6 +11,7 @@ class NodeRegistered(NodeEvent, frozen=True, kw_only=True):
     devices: list[str] = []  # device names, e.g. "NVIDIA H100 80GB HBM3"
     memory_gb: float = 0.0
     spare: bool = False  # held back to replace failed slots
+    address: str = "127.0.0.1"  # where ranks reach this node (MASTER_ADDR when rank 0 runs here)
 
 
 class NodeHeartbeat(NodeEvent, frozen=True, kw_only=True):

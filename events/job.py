@@ -26,6 +26,8 @@ class JobQueued(JobEvent, frozen=True, kw_only=True):
 class AllocationRequested(JobEvent, frozen=True, kw_only=True):
     slots: int
     attempt: int
+    use_spares: bool = False  # a replacement after a fault may take slots held back as spares
+    tp: int = 1  # tensor-parallel group size: each group of tp consecutive ranks stays on one node
 
 
 class AllocationGranted(JobEvent, frozen=True, kw_only=True):
