@@ -35,6 +35,7 @@ class CheckpointCommitted(JobEvent, frozen=True, kw_only=True):
     uri: str  # manifest location in the object store
     bytes: int
     data: DataPosition
+    manifest_sha256: str = ""  # sha256 of MANIFEST.json as written; a restore refuses any other manifest
 
 
 class CheckpointFailed(JobEvent, frozen=True, kw_only=True):

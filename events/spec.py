@@ -46,6 +46,7 @@ class PolicySpec(Spec, frozen=True, kw_only=True):
     replace_stragglers: bool = False
     rollback_steps_back: NonNegInt = 100
     rollback_skip_batches: NonNegInt = 200
+    keep_checkpoints: Annotated[int, Meta(ge=1, le=100_000)] = 3  # committed checkpoints kept (plus rollback targets)
 
 
 FaultKind = Literal["crash", "hang", "loss_spike", "nonfinite", "slow"]
