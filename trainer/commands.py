@@ -1,0 +1,163 @@
+"""The commands a rank obeys at step boundaries, read from its job's history on FD_CONTROL.
+
+A background thread keeps an ephemeral push consumer on `fd.ctl.job.<job>.<Command>` that delivers
+only what was appended after the inbox started. It is ordered by hand rather than with nats-py's
+ordered consumer: that one restarts from stream sequence 1 when it resets before its first message,
+which would replay a previous attempt's StopRequested into this one."""
+
+import asyncio
+import threading
+import time
+from datetime import UTC, datetime
+
+import nats
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from events import codec, subjects
+from events.base import Event
+from events.catalog import COMMAND_TYPES
+from trainer import bus
+
+CHECK_S = 2.0  # how often the consumer is checked to still exist on the server
+RETRY_WAIT_S = 0.5
+INACTIVE_S = 60.0  # the server forgets the consumer of a rank that vanished
+
+
+class CommandInbox:
+    """Commands for one job, collected in the background; `poll` at a step boundary hands them over."""
+
+    def __init__(self, url: str | None, job_id: str, rank: int, attempt: int) -> None:
+        self._url = url
+        self._job_id = job_id
+        self._log = bus.logger("trainer.commands", job_id, rank, attempt)
+        self._loop = bus.LoopThread(f"commands-{rank}")
+        self._lock = threading.Lock()
+        self._received: list[Event] = []
+        self._started_at: datetime | None = None
+        self._last_seq = 0  # stream sequence of the last message seen: where a new consumer resumes
+        self._generation = 0  # messages from a replaced subscription are ignored
+        self._next_dseq = 1
+        self._resubscribe: asyncio.Event | None = None
+
+    def start(self) -> None:
+        if self._url is None:
+            return
+        self._started_at = datetime.fromtimestamp(time.time(), UTC)
+        self._loop.start(self._main)
+
+    def poll(self) -> list[Event]:
+        """Commands received since the last poll, in history order."""
+        if not self._received:  # unlocked peek: the common step has nothing to hand over
+            return []
+        with self._lock:
+            out, self._received = self._received, []
+        return out
+
+    def close(self) -> None:
+        if self._url is None:
+            return
+        self._loop.cancel()
+        self._loop.join(3.0)
+
+    async def _main(self) -> None:
+        assert self._url is not None
+        self._resubscribe = asyncio.Event()
+        nc: NATS | None = None
+
+        async def on_change(up: bool) -> None:
+            # A restarted server may have lost the consumer (it lives in memory): make a new one from
+            # where we were as soon as the broker is back, instead of waiting for a check to notice.
+            if up:
+                assert self._resubscribe is not None
+                self._resubscribe.set()
+
+        try:
+            nc = await bus.connect(self._url, f"fd-inbox-{self._job_id}", self._log, on_change)
+            await self._consume(nc.jetstream())
+        except asyncio.CancelledError:
+            pass
+        finally:
+            await bus.close_quietly(nc, 1.0)
+
+    async def _consume(self, js: JetStreamContext) -> None:
+        assert self._resubscribe is not None
+        while True:
+            self._resubscribe.clear()
+            try:
+                sub = await self._subscribe(js)
+            except (nats.errors.Error, OSError, TimeoutError) as exc:
+                self._log.warning("inbox.subscribe_failed", error=f"{type(exc).__name__}: {exc}")
+                await asyncio.sleep(RETRY_WAIT_S)
+                continue
+            await self._watch(sub)
+            try:
+                await sub.unsubscribe()
+            except (nats.errors.Error, OSError):
+                pass
+
+    async def _watch(self, sub: JetStreamContext.PushSubscription) -> None:
+        """Return when the subscription must be replaced: a reconnect, a gap, or the consumer gone."""
+        assert self._resubscribe is not None
+        while True:
+            try:
+                await asyncio.wait_for(self._resubscribe.wait(), CHECK_S)
+                return
+            except TimeoutError:
+                pass
+            try:
+                await sub.consumer_info()
+            except nats.js.errors.NotFoundError:
+                self._log.warning("inbox.consumer_lost")
+                return
+            except (nats.errors.Error, OSError, TimeoutError):
+                pass  # a broker outage: the reconnect will tell us
+
+    async def _subscribe(self, js: JetStreamContext) -> JetStreamContext.PushSubscription:
+        self._generation += 1
+        self._next_dseq = 1
+        generation = self._generation
+        config = ConsumerConfig(
+            filter_subjects=[subjects.job(self._job_id, t.__name__) for t in COMMAND_TYPES],
+            ack_policy=AckPolicy.NONE,
+            inactive_threshold=INACTIVE_S,
+            mem_storage=True,
+            num_replicas=1,
+        )
+        if self._last_seq:
+            config.deliver_policy, config.opt_start_seq = DeliverPolicy.BY_START_SEQUENCE, self._last_seq + 1
+        else:
+            # By time, not "new": the broker may have been down when the inbox started, and a command
+            # appended in between is still meant for this attempt.
+            config.deliver_policy, config.opt_start_time = DeliverPolicy.BY_START_TIME, self._started_at
+
+        async def on_msg(msg: Msg) -> None:
+            if generation == self._generation:
+                self._take(msg)
+
+        sub = await js.subscribe(subjects.job_all(self._job_id), stream=subjects.CONTROL, config=config, cb=on_msg)
+        self._log.debug("inbox.subscribed", from_seq=self._last_seq + 1 if self._last_seq else None)
+        return sub
+
+    def _take(self, msg: Msg) -> None:
+        meta = msg.metadata
+        if meta.sequence.stream <= self._last_seq:
+            return  # already seen through an earlier consumer
+        if meta.sequence.consumer != self._next_dseq:
+            self._log.warning("inbox.gap", expected=self._next_dseq, got=meta.sequence.consumer)
+            assert self._resubscribe is not None
+            self._resubscribe.set()
+            self._generation += 1  # ignore the rest of this consumer's deliveries until replaced
+            return
+        self._next_dseq += 1
+        self._last_seq = meta.sequence.stream
+        try:
+            event = codec.decode(msg.data)
+        except codec.UndecodableEvent as exc:
+            self._log.error("inbox.undecodable", seq=meta.sequence.stream, subject=msg.subject, error=str(exc))
+            return
+        if isinstance(event, COMMAND_TYPES):
+            with self._lock:
+                self._received.append(event)
