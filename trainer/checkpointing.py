@@ -1,0 +1,213 @@
+"""Two-phase checkpoints: a host snapshot at a step boundary (the only stall), then a background thread
+that writes DCP shards (one file per rank) into <staging>/<job>/step-<N>/, hashes what this rank wrote
+and announces CheckpointStaged. Restore loads such a directory at any world size, verifying sha256s first
+when a manifest is given."""
+
+import hashlib
+import json
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import structlog
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from events.base import RankEvent
+from events.checkpoint import CheckpointStaged, DataPosition, ShardInfo
+from trainer.data import TokenStream
+from trainer.distributed import Dist
+
+log = structlog.get_logger(__name__)
+META_KEY = "trainer"  # JSON: step, data position, world size; a non-tensor DCP item
+
+
+class CorruptCheckpoint(ValueError):
+    """A checkpoint that cannot be trusted or read: missing, altered or truncated files."""
+
+
+class CheckpointWriteError(RuntimeError):
+    pass
+
+
+class Manifest(msgspec.Struct, kw_only=True):
+    """The part of a checkpoint manifest the trainer reads; other fields are the checkpoint service's."""
+
+    shards: list[ShardInfo]
+
+
+def read_manifest(path: Path) -> list[ShardInfo]:
+    try:
+        return msgspec.json.decode(path.read_bytes(), type=Manifest).shards
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise CorruptCheckpoint(f"cannot read checkpoint manifest {path}: {exc}") from None
+
+
+def train_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """The live tensors a checkpoint holds, by stable name (parameter names, not optimizer ids).
+
+    Creates AdamW's state up front (what its first step would create) so buffers and restores can
+    target it before training starts."""
+    out: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        out[f"model.{name}"] = p.data
+        state = optimizer.state[p]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            out[f"optim.{name}.{key}"] = state[key]
+    return out
+
+
+def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    out = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        out["cuda"] = torch.cuda.get_rng_state(device)
+    return out
+
+
+def sha256_file(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+class Checkpointer:
+    """Saves this rank's part of a checkpoint; at most one background write at a time."""
+
+    def __init__(self, *, job_id: str, staging: Path, dist: Dist, emit: Callable[[RankEvent], None],
+                 envelope: dict[str, Any]) -> None:
+        self.root = staging / job_id
+        self.dist = dist
+        self.emit = emit
+        self.envelope = envelope  # job_id, rank, attempt, node for the events this rank emits
+        self.buffers: dict[str, torch.Tensor] = {}
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.last_step: int | None = None
+
+    def prepare(self, live: dict[str, torch.Tensor]) -> None:
+        """Allocate the host buffers once; pinned on CUDA so device-to-host copies run at full speed."""
+        pin = self.dist.device.type == "cuda"
+        self.buffers = {k: torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin) for k, t in live.items()}
+
+    def snapshot(self, live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if not self.buffers:
+            self.prepare(live)
+        cuda = self.dist.device.type == "cuda"
+        for key, t in live.items():
+            self.buffers[key].copy_(t.detach(), non_blocking=cuda)
+        if cuda:
+            torch.cuda.current_stream(self.dist.device).synchronize()
+        return self.buffers
+
+    def save(self, step: int, live: dict[str, torch.Tensor], stream: TokenStream) -> float:
+        """Snapshot now and write in the background; returns the stall (seconds the caller was blocked)."""
+        started = time.perf_counter()
+        self.wait()  # the buffers are reused: the previous write must be done with them
+        state: dict[str, object] = dict(self.snapshot(live))
+        position = stream.position()
+        state[META_KEY] = json.dumps({"step": step, "next_batch": position.next_batch,
+                                      "skipped": position.skipped, "world_size": self.dist.world_size})
+        for kind, t in _rng_state(self.dist.device).items():
+            state[f"rng.{kind}.{self.dist.rank}"] = t
+        stall = time.perf_counter() - started
+        path = self.root / f"step-{step}"
+        self._thread = threading.Thread(target=self._write, args=(step, path, state, position, stall),
+                                        name=f"ckpt-{step}", daemon=True)
+        self._thread.start()
+        self.last_step = step
+        return stall
+
+    def _write(self, step: int, path: Path, state: dict[str, object], position: DataPosition, stall: float) -> None:
+        started = time.perf_counter()
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            metadata = dcp.save(state, storage_writer=dcp.FileSystemWriter(path), process_group=self.dist.ckpt_group)
+            prefix = f"__{self.dist.rank}_"
+            names = sorted({info.relative_path for info in metadata.storage_data.values()
+                            if info.relative_path.startswith(prefix)})
+            if self.dist.rank == 0:
+                names.append(".metadata")
+            shards = [ShardInfo(path=n, size=(path / n).stat().st_size, sha256=sha256_file(path / n)) for n in names]
+        except BaseException as exc:  # surfaced on the training thread by wait()
+            self._error = exc
+            return
+        write_s = time.perf_counter() - started
+        self.emit(CheckpointStaged(step=step, world_size=self.dist.world_size, staging_dir=str(path.resolve()),
+                                   shards=shards, data=position, stall_s=stall, write_s=write_s,
+                                   **self.envelope))
+        log.info("checkpoint staged", step=step, path=str(path), stall_s=round(stall, 4), write_s=round(write_s, 3))
+
+    def wait(self) -> None:
+        """Block until the background write is done; raise if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise CheckpointWriteError(f"writing checkpoint step {self.last_step} failed: {error!r}") from error
+
+
+def verify(path: Path, shards: list[ShardInfo]) -> None:
+    """Every listed file exists with the listed size and sha256, or CorruptCheckpoint says which does not."""
+    for shard in shards:
+        if shard.path.startswith("/") or ".." in Path(shard.path).parts:
+            raise CorruptCheckpoint(f"manifest path {shard.path!r} escapes the checkpoint directory {path}")
+        f = path / shard.path
+        if not f.is_file():
+            raise CorruptCheckpoint(f"checkpoint {path} is missing {shard.path}; restore another checkpoint")
+        size = f.stat().st_size
+        if size != shard.size:
+            raise CorruptCheckpoint(f"checkpoint {path}: {shard.path} has {size} bytes, the manifest says "
+                                    f"{shard.size}; the file is damaged, restore another checkpoint")
+        digest = sha256_file(f)
+        if digest != shard.sha256:
+            raise CorruptCheckpoint(f"checkpoint {path}: {shard.path} has sha256 {digest}, the manifest says "
+                                    f"{shard.sha256}; the file is damaged, restore another checkpoint")
+
+
+def load(path: Path, live: dict[str, torch.Tensor], stream: TokenStream, dist: Dist,
+         shards: list[ShardInfo] | None = None) -> int:
+    """Load a checkpoint into the live tensors (any saved world size) and seek the stream; returns its step."""
+    if shards is not None:
+        verify(path, shards)
+    reader = dcp.FileSystemReader(path)
+    try:
+        saved = reader.read_metadata().state_dict_metadata
+    except Exception as exc:
+        raise CorruptCheckpoint(f"checkpoint {path} has no readable .metadata (incomplete or not a checkpoint): "
+                                f"{exc}") from None
+    dest: dict[str, object] = dict(live)
+    dest[META_KEY] = ""
+    rng_keys = [k for k in (f"rng.cpu.{dist.rank}", f"rng.cuda.{dist.rank}") if k in saved]
+    for key in rng_keys:
+        md = saved[key]
+        assert isinstance(md, TensorStorageMetadata)
+        dest[key] = torch.empty(md.size, dtype=md.properties.dtype)
+    missing = sorted(set(live) - set(saved))
+    if missing:
+        raise CorruptCheckpoint(f"checkpoint {path} does not fit this model: it lacks {missing[:3]} "
+                                f"({len(missing)} tensors); was it saved from another model spec?")
+    try:
+        dcp.load(dest, storage_reader=reader, process_group=dist.ckpt_group)
+    except Exception as exc:
+        raise CorruptCheckpoint(f"cannot load checkpoint {path}: {type(exc).__name__}: {exc}") from exc
+    meta = json.loads(str(dest[META_KEY]))
+    stream.seek(DataPosition(next_batch=meta["next_batch"], skipped=[tuple(w) for w in meta["skipped"]]))
+    if f"rng.cpu.{dist.rank}" in rng_keys:
+        torch.set_rng_state(_as_tensor(dest[f"rng.cpu.{dist.rank}"]))
+    if f"rng.cuda.{dist.rank}" in rng_keys and dist.device.type == "cuda":
+        torch.cuda.set_rng_state(_as_tensor(dest[f"rng.cuda.{dist.rank}"]), dist.device)
+    return int(meta["step"])
+
+
+def _as_tensor(value: object) -> torch.Tensor:
+    assert isinstance(value, torch.Tensor)
+    return value

@@ -1,0 +1,75 @@
+"""One rank per process: the torch.distributed groups, the DDP wrap, and the small collective that makes
+every rank act on the same command at the same step."""
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)
+
+
+@dataclass
+class Dist:
+    rank: int
+    world_size: int
+    device: torch.device
+    # Separate gloo groups so the checkpoint writer thread and the command agreement never interleave
+    # their collectives with DDP's all-reduces on the default group (and stay on CPU under NCCL).
+    ctl_group: dist.ProcessGroup | None
+    ckpt_group: dist.ProcessGroup | None
+
+    @property
+    def distributed(self) -> bool:
+        return self.ctl_group is not None
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        if not self.distributed:
+            return model
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=ids)
+
+    def agree(self, flags: list[int], payload: bytes) -> tuple[list[int], bytes]:
+        """Every rank's flags OR-ed together (any rank's 1 wins) and rank 0's payload, on every rank."""
+        if self.ctl_group is None:
+            return flags, payload
+        mine = payload if self.rank == 0 else b""
+        vec = torch.tensor([*flags, len(mine)], dtype=torch.int64)
+        dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.ctl_group)
+        *agreed, size = (int(v) for v in vec.tolist())
+        if size == 0:
+            return agreed, b""
+        if self.rank == 0:
+            buf = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+        else:
+            buf = torch.empty(size, dtype=torch.uint8)
+        dist.broadcast(buf, src=0, group=self.ctl_group)
+        return agreed, bytes(buf.numpy().tobytes())
+
+    def barrier(self) -> None:
+        if self.ctl_group is not None:
+            dist.barrier(group=self.ctl_group)
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def init(rank: int, world_size: int, local_rank: int, device: str) -> Dist:
+    """Join the job's group from the torchrun variables (MASTER_ADDR/PORT); a single rank needs none."""
+    if device == "cuda":
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+    else:
+        dev = torch.device("cpu")
+    if world_size == 1:
+        return Dist(rank, 1, dev, None, None)
+    backend = "nccl" if device == "cuda" else "gloo"
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT,
+                            device_id=dev if device == "cuda" else None)
+    ctl = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
+    ckpt = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
+    return Dist(rank, world_size, dev, ctl, ckpt)

@@ -1,0 +1,47 @@
+"""Drill faults from JobSpec.faults: which fire on this rank in this attempt, and when.
+
+    crash       exit with CRASH_EXIT_CODE at the step
+    hang        stop stepping at the step (heartbeats go on) until SIGTERM
+    loss_spike  global batches [step, step + SPIKE_BATCHES) are noise: every rank's loss jumps; a
+                rollback that skips that window removes it, which is the recovery being drilled
+    nonfinite   the rank's loss is NaN at the step (the optimizer step is skipped on every rank)
+    slow        the rank sleeps `seconds` per step from the step on
+Each fires at most once per process, except `slow` (every step) and the spike's noisy data.
+"""
+
+import time
+from collections.abc import Callable
+
+from events.spec import FaultSpec
+
+CRASH_EXIT_CODE = 3
+HANG_EXIT_CODE = 143  # a hung rank told to stop exits as if SIGTERM had killed it: it saved nothing
+SPIKE_BATCHES = 3
+
+
+class Faults:
+    def __init__(self, faults: list[FaultSpec], rank: int, attempt: int) -> None:
+        live = [f for f in faults if f.attempt == attempt]
+        self.mine = [f for f in live if f.rank == rank]
+        # The spike is a property of the data, which every rank shares; only the named rank reports it.
+        self.poison = [(f.step, f.step + SPIKE_BATCHES) for f in live if f.kind == "loss_spike"]
+        self._fired: set[int] = set()
+
+    def due(self, step: int, batch_index: int) -> list[FaultSpec]:
+        """Faults to announce and act on before running `step` (which reads `batch_index`)."""
+        out = []
+        for i, f in enumerate(self.mine):
+            at = batch_index if f.kind == "loss_spike" else step
+            if i not in self._fired and f.step == at:
+                self._fired.add(i)
+                out.append(f)
+        return out
+
+    def slow_seconds(self, step: int) -> float:
+        return sum(f.seconds for f in self.mine if f.kind == "slow" and f.step <= step)
+
+
+def hang(stop: Callable[[], bool], poll_s: float = 0.2) -> None:
+    """Block like a stuck collective would, until `stop()` says the rank was told to go."""
+    while not stop():
+        time.sleep(poll_s)
