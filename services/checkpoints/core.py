@@ -1,0 +1,250 @@
+"""The checkpoint service's pure core: which checkpoints to commit and which to delete.
+
+- Commit: when every rank of (job, attempt, step) has announced CheckpointStaged, ask for the
+  "commit" effect (upload, verify, manifest last; see uploader.py), whose outcome event —
+  CheckpointCommitted or CheckpointFailed — comes back as an input.
+- Retention: keep the newest `policy.keep_checkpoints` committed checkpoints (commit order) plus any
+  a pending rollback or restart still needs; the rest get CheckpointDeleted and a "delete" effect.
+
+Stagings are ignored when they come from an attempt older than one whose ranks have started (or
+staged, or that a JobResumed names), for a set already handed to the uploader, for an ended job, or
+when they contradict the set's world size. An allocation alone does not make an attempt stale: a
+preempted job's final checkpoint may be folded after its next allocation was requested.
+`evolve` records in `State.last` what the latest input made due, so `decide` acts exactly once, on
+the input that caused it, and never again on a later one.
+"""
+
+from collections.abc import Sequence
+
+import msgspec
+from msgspec.structs import replace
+
+from events import subjects
+from events.base import Event
+from events.checkpoint import CheckpointCommitted, CheckpointDeleted, CheckpointStaged, DataPosition, ShardInfo
+from events.commands import RollbackRequested
+from events.job import JobCancelled, JobCompleted, JobFailed, JobResumed, JobSubmitted
+from events.training import RankStarted, RolledBack
+from services.core import Effect, EffectHandler, Emit, Output, Service
+
+SERVICE = "checkpoints"
+COMMIT = "commit"
+DELETE = "delete"
+DEFAULT_KEEP = 3
+
+
+def checkpoint_id(attempt: int, step: int) -> str:
+    """Unique per job (the same step may be checkpointed again by a later attempt) and sorts by step."""
+    return f"step{step:09d}-a{attempt}"
+
+
+class StagedRank(msgspec.Struct, frozen=True, kw_only=True):
+    rank: int
+    node: str
+    staging_dir: str
+    shards: list[ShardInfo]
+
+
+class CommitArgs(msgspec.Struct, frozen=True, kw_only=True):
+    """What the "commit" effect needs: every rank's staged shards of one (job, attempt, step)."""
+
+    job_id: str
+    checkpoint_id: str
+    attempt: int
+    step: int
+    world_size: int
+    created_at: float  # the completing staging's recorded time, so a re-run writes the same manifest
+    data: DataPosition
+    ranks: list[StagedRank]
+
+
+class DeleteArgs(msgspec.Struct, frozen=True, kw_only=True):
+    job_id: str
+    checkpoint_ids: list[str]
+
+
+class Staging(msgspec.Struct, frozen=True, kw_only=True):
+    world_size: int
+    ranks: dict[int, CheckpointStaged]
+
+
+class Committed(msgspec.Struct, frozen=True, kw_only=True):
+    checkpoint_id: str
+    step: int
+    world_size: int
+
+
+class Hold(msgspec.Struct, frozen=True, kw_only=True):
+    """A checkpoint ranks are about to load: kept until `world_size` ranks report they have."""
+
+    world_size: int
+    attempt: int = -1  # a restart's attempt (its ranks report RankStarted); -1: an in-process rollback
+    ranks: frozenset[int] = frozenset()
+
+
+class JobState(msgspec.Struct, frozen=True, kw_only=True):
+    keep: int = DEFAULT_KEEP
+    attempt: int = 0  # newest attempt whose ranks run; stagings from older ones are stale
+    staging: dict[tuple[int, int], Staging] = {}  # (attempt, step) -> ranks staged so far
+    handed: frozenset[tuple[int, int]] = frozenset()  # (attempt, step) given to the uploader
+    committed: tuple[Committed, ...] = ()  # commit order; deleted ones leave when CheckpointDeleted returns
+    doomed: frozenset[str] = frozenset()  # deletion decided
+    holds: dict[str, Hold] = {}
+    ended: bool = False
+
+
+class Due(msgspec.Struct, frozen=True, kw_only=True):
+    """What the latest input made due (set by evolve, acted on by decide)."""
+
+    commit: CommitArgs | None = None
+    doomed: tuple[str, ...] = ()
+
+
+NOTHING_DUE = Due()
+
+
+class State(msgspec.Struct, frozen=True, kw_only=True):
+    jobs: dict[str, JobState] = {}
+    last: Due = NOTHING_DUE
+
+
+def retention(job: JobState) -> tuple[JobState, tuple[str, ...]]:
+    """Doom every live checkpoint that is neither among the newest `keep` nor held."""
+    live = [c for c in job.committed if c.checkpoint_id not in job.doomed]
+    keep = {c.checkpoint_id for c in live[-job.keep:]} | set(job.holds)
+    doomed = tuple(c.checkpoint_id for c in live if c.checkpoint_id not in keep)
+    if not doomed:
+        return job, ()
+    return replace(job, doomed=job.doomed | set(doomed)), doomed
+
+
+def _stage(job: JobState, ev: CheckpointStaged, occurred_at: float) -> tuple[JobState, CommitArgs | None]:
+    at = (ev.attempt, ev.step)
+    if job.ended or ev.attempt < job.attempt or at in job.handed:
+        return job, None
+    if ev.world_size < 1 or not 0 <= ev.rank < ev.world_size or ev.step < 0:
+        return job, None
+    current = job.staging.get(at) or Staging(world_size=ev.world_size, ranks={})
+    if current.world_size != ev.world_size:
+        return job, None
+    # a rank that stages the same set again rewrote its files, so its newest announcement is the one to check
+    current = replace(current, ranks={**current.ranks, ev.rank: ev})
+    staging = {k: v for k, v in job.staging.items() if k[0] >= ev.attempt}  # a newer attempt drops older sets
+    job = replace(job, attempt=ev.attempt)
+    if len(current.ranks) < current.world_size:
+        return replace(job, staging={**staging, at: current}), None
+    staging.pop(at, None)
+    ranks = [current.ranks[r] for r in sorted(current.ranks)]
+    args = CommitArgs(
+        job_id=ev.job_id, checkpoint_id=checkpoint_id(ev.attempt, ev.step), attempt=ev.attempt, step=ev.step,
+        world_size=ev.world_size, created_at=occurred_at, data=ranks[0].data,
+        ranks=[StagedRank(rank=s.rank, node=s.node, staging_dir=s.staging_dir, shards=s.shards) for s in ranks],
+    )
+    return replace(job, staging=staging, handed=job.handed | {at}), args
+
+
+def _new_attempt(job: JobState, attempt: int) -> JobState:
+    if attempt <= job.attempt:
+        return job
+    return replace(job, attempt=attempt, staging={k: v for k, v in job.staging.items() if k[0] >= attempt})
+
+
+def _release(job: JobState, ev: RolledBack | RankStarted) -> JobState:
+    holds = dict(job.holds)
+    for cid, hold in job.holds.items():
+        in_process = isinstance(ev, RolledBack) and hold.attempt == -1 and ev.checkpoint_id == cid
+        restarted = isinstance(ev, RankStarted) and hold.attempt == ev.attempt
+        if in_process or restarted:
+            hold = replace(hold, ranks=hold.ranks | {ev.rank})
+            holds[cid] = hold
+            if len(hold.ranks) >= hold.world_size:
+                del holds[cid]
+    return replace(job, holds=holds)
+
+
+def _world_size_of(job: JobState, cid: str) -> int:
+    return next((c.world_size for c in job.committed if c.checkpoint_id == cid), 1)
+
+
+def _evolve_job(job: JobState, ev: Event) -> tuple[JobState, Due]:
+    match ev:
+        case CheckpointStaged():
+            job, args = _stage(job, ev, ev.occurred_at)
+            return job, Due(commit=args)
+        case CheckpointCommitted():
+            if any(c.checkpoint_id == ev.checkpoint_id for c in job.committed) or ev.checkpoint_id in job.doomed:
+                return job, NOTHING_DUE
+            c = Committed(checkpoint_id=ev.checkpoint_id, step=ev.step, world_size=ev.world_size)
+            job = replace(job, committed=(*job.committed, c))
+        case CheckpointDeleted():
+            return replace(job, committed=tuple(c for c in job.committed if c.checkpoint_id != ev.checkpoint_id),
+                           doomed=job.doomed - {ev.checkpoint_id}), NOTHING_DUE
+        case JobSubmitted():
+            return replace(job, keep=ev.spec.policy.keep_checkpoints), NOTHING_DUE
+        case RollbackRequested():
+            hold = Hold(world_size=_world_size_of(job, ev.checkpoint_id))
+            return replace(job, holds={**job.holds, ev.checkpoint_id: hold}), NOTHING_DUE
+        case JobResumed() if ev.checkpoint_id:
+            hold = Hold(world_size=ev.world_size, attempt=ev.attempt)
+            return replace(_new_attempt(job, ev.attempt), holds={**job.holds, ev.checkpoint_id: hold}), NOTHING_DUE
+        case RankStarted():
+            job = _release(_new_attempt(job, ev.attempt), ev)
+        case RolledBack():
+            job = _release(job, ev)
+        case JobCompleted() | JobFailed() | JobCancelled():
+            job = replace(job, ended=True, staging={}, holds={})
+        case _:
+            return job, NOTHING_DUE
+    job, doomed = retention(job)
+    return job, Due(doomed=doomed)
+
+
+def evolve(state: State, ev: Event) -> State:
+    job_id = getattr(ev, "job_id", None)
+    if not isinstance(job_id, str):
+        return state if state.last is NOTHING_DUE else replace(state, last=NOTHING_DUE)
+    job, due = _evolve_job(state.jobs.get(job_id, JobState()), ev)
+    return replace(state, jobs={**state.jobs, job_id: job}, last=due)
+
+
+def decide(state: State, ev: Event) -> Sequence[Output]:
+    due = state.last
+    out: list[Output] = []
+    if due.commit is not None:
+        out.append(Effect(COMMIT, due.commit))
+    if due.doomed:
+        job_id = getattr(ev, "job_id", "")
+        subject = subjects.job(job_id, "CheckpointDeleted")
+        out.extend(Emit(subject, CheckpointDeleted(job_id=job_id, checkpoint_id=cid)) for cid in due.doomed)
+        out.append(Effect(DELETE, DeleteArgs(job_id=job_id, checkpoint_ids=list(due.doomed))))
+    return out
+
+
+def wants_tick(state: State, now: float) -> bool:
+    """Telemetry (stagings) is folded only at ticks, so tick while any job may still stage."""
+    return any(not job.ended for job in state.jobs.values())
+
+
+CONTROL_TYPES = (
+    "JobSubmitted", "JobResumed", "RollbackRequested",
+    "CheckpointCommitted", "CheckpointDeleted", "JobCompleted", "JobFailed", "JobCancelled",
+)
+TELEMETRY_TYPES = ("CheckpointStaged", "RolledBack", "RankStarted")
+
+
+def core_service(effects: dict[str, EffectHandler]) -> Service[State]:
+    """The checkpoint service's core wired to its effect handlers ("commit", "delete"; see uploader.py)."""
+    missing = {COMMIT, DELETE} - set(effects)
+    if missing:
+        raise ValueError(f"the checkpoint service needs effect handlers for {sorted(missing)}")
+    return Service(
+        name=SERVICE,
+        initial=State(),
+        evolve=evolve,
+        decide=decide,
+        control_subjects=tuple(f"fd.ctl.job.*.{t}" for t in CONTROL_TYPES),
+        telemetry_subjects=tuple(f"fd.tel.*.*.{t}" for t in TELEMETRY_TYPES),
+        tick_s=1.0,
+        wants_tick=wants_tick,
+        effects=effects,
+    )

@@ -1,0 +1,178 @@
+"""The checkpoint service's effects: commit (upload, verify, manifest last) and delete.
+
+A commit uploads every rank's staged shards, checks each against the size and sha256 its rank
+announced (hashing the bytes actually sent, and on a local store re-reading what was stored), and
+only then writes MANIFEST.json with a conditional create. Any missing or corrupt shard means
+CheckpointFailed and no manifest: a half-written checkpoint is never committed. Re-running the same
+commit (a redelivered input after a crash) finds its own identical manifest and commits again.
+"""
+
+import asyncio
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from events import subjects
+from events.checkpoint import CheckpointCommitted, CheckpointFailed, ShardInfo
+from services.checkpoints import manifest as mf
+from services.checkpoints.core import CommitArgs, DeleteArgs, StagedRank
+from services.checkpoints.objectstore import ObjectAlreadyExists, ObjectNotFound, ObjectStore, local_path
+from services.core import EffectHandler, Emit
+
+log = structlog.get_logger(__name__)
+
+
+class Rejected(Exception):
+    """Why a checkpoint cannot be committed; becomes CheckpointFailed.reason."""
+
+
+def build_manifest(args: CommitArgs) -> mf.Manifest:
+    return mf.Manifest(
+        job_id=args.job_id, checkpoint_id=args.checkpoint_id, step=args.step, world_size=args.world_size,
+        attempt=args.attempt, created_at=args.created_at, data=args.data,
+        shards=[s for r in args.ranks for s in r.shards],
+    )
+
+
+async def _upload_shard(store: ObjectStore, args: CommitArgs, rank: StagedRank, shard: ShardInfo,
+                        readback: bool) -> None:
+    where = f"shard {shard.path!r} of rank {rank.rank} (node {rank.node or '?'})"
+    try:
+        local = local_path(Path(rank.staging_dir), shard.path)
+    except ValueError as exc:
+        raise Rejected(f"{where}: {exc}") from None
+    key = mf.shard_key(args.job_id, args.checkpoint_id, shard.path)
+    try:
+        size, sha = await store.put_file(key, local)
+    except (FileNotFoundError, IsADirectoryError):
+        raise Rejected(f"{where} is missing from {rank.staging_dir}") from None
+    if (size, sha) != (shard.size, shard.sha256):
+        raise Rejected(f"{where} is corrupt: staged {size} bytes with sha256 {sha}, the rank announced "
+                       f"{shard.size} bytes with {shard.sha256}")
+    if readback:
+        stored = await store.hash_object(key)
+        if stored != (size, sha):
+            raise Rejected(f"{where}: the stored copy has {stored[0]} bytes with sha256 {stored[1]}, "
+                           f"not what was written ({size} bytes, {sha})")
+
+
+async def _upload_all(store: ObjectStore, args: CommitArgs, file_concurrency: int, readback: bool) -> None:
+    slots = asyncio.Semaphore(file_concurrency)
+
+    async def one(rank: StagedRank, shard: ShardInfo) -> None:
+        async with slots:
+            await _upload_shard(store, args, rank, shard, readback)
+
+    try:
+        async with asyncio.TaskGroup() as tg:  # the first rejection cancels the other uploads
+            for rank in args.ranks:
+                for shard in rank.shards:
+                    tg.create_task(one(rank, shard))
+    except BaseExceptionGroup as group:
+        rejected: list[BaseException] = [e for e in group.exceptions if isinstance(e, Rejected)]
+        raise (rejected or list(group.exceptions))[0] from None
+
+
+async def _existing_manifest(store: ObjectStore, key: str) -> bytes | None:
+    try:
+        return await store.get_bytes(key)
+    except ObjectNotFound:
+        return None
+
+
+async def commit(store: ObjectStore, args: CommitArgs, *, file_concurrency: int = 4,
+                 readback: bool | None = None) -> list[Emit]:
+    """Upload and verify one checkpoint; the Emits record the outcome (committed or failed)."""
+    blog = log.bind(job_id=args.job_id, checkpoint_id=args.checkpoint_id, step=args.step)
+    manifest = build_manifest(args)
+    body = mf.encode(manifest)
+    mkey = mf.manifest_key(args.job_id, args.checkpoint_id)
+    started = time.monotonic()
+    wrote_shards = False
+    try:
+        try:
+            mf.check_shard_paths(manifest.shards)
+        except mf.CorruptCheckpoint as exc:
+            raise Rejected(f"the ranks' shard lists cannot form a checkpoint: {exc}") from None
+        existing = await _existing_manifest(store, mkey)
+        if existing is None:
+            wrote_shards = True
+            await _upload_all(store, args, file_concurrency, store.readback_after_put if readback is None else readback)
+            try:
+                await store.put_bytes(mkey, body, if_none_match=True)  # last: this write is the commit
+            except ObjectAlreadyExists:
+                existing = await _existing_manifest(store, mkey)
+        if existing is not None and existing != body:
+            wrote_shards = False  # the prefix belongs to the checkpoint that holds it: leave it alone
+            raise Rejected(f"{store.uri(mkey)} already holds a different manifest")
+    except Rejected as exc:
+        return await _failed(store, args, str(exc), cleanup=wrote_shards)
+    except Exception as exc:
+        blog.error("checkpoint upload failed", exc_info=True)
+        return await _failed(store, args, f"upload failed: {type(exc).__name__}: {exc}", cleanup=wrote_shards)
+    seconds = time.monotonic() - started
+    blog.info("checkpoint committed", bytes=manifest.bytes, seconds=round(seconds, 3),
+              mb_s=round(manifest.bytes / (1 << 20) / max(seconds, 1e-9), 1), uri=store.uri(mkey))
+    event = CheckpointCommitted(
+        job_id=args.job_id, checkpoint_id=args.checkpoint_id, step=args.step, world_size=args.world_size,
+        uri=store.uri(mkey), bytes=manifest.bytes, data=args.data, manifest_sha256=mf.sha256(body),
+    )
+    return [Emit(subjects.job(args.job_id, "CheckpointCommitted"), event)]
+
+
+async def _failed(store: ObjectStore, args: CommitArgs, reason: str, *, cleanup: bool) -> list[Emit]:
+    log.warning("checkpoint failed", job_id=args.job_id, checkpoint_id=args.checkpoint_id, reason=reason)
+    if cleanup:
+        try:
+            await store.delete_prefix(mf.prefix(args.job_id, args.checkpoint_id))
+        except Exception:  # orphans without a manifest are harmless; the failure is what must be recorded
+            log.error("could not remove a failed checkpoint's shards", checkpoint_id=args.checkpoint_id, exc_info=True)
+    event = CheckpointFailed(job_id=args.job_id, step=args.step, reason=f"{args.checkpoint_id}: {reason}")
+    return [Emit(subjects.job(args.job_id, "CheckpointFailed"), event)]
+
+
+async def delete(store: ObjectStore, args: DeleteArgs) -> list[Emit]:
+    """Remove deleted checkpoints' objects, manifest first so a half-removed one no longer exists."""
+    for cid in args.checkpoint_ids:
+        try:
+            await store.delete(mf.manifest_key(args.job_id, cid))
+            removed = await store.delete_prefix(mf.prefix(args.job_id, cid))
+            log.info("checkpoint objects removed", job_id=args.job_id, checkpoint_id=cid, objects=removed + 1)
+        except Exception:  # CheckpointDeleted is already recorded; leftover objects only cost space
+            log.error("could not remove checkpoint objects", job_id=args.job_id, checkpoint_id=cid, exc_info=True)
+    return []
+
+
+def remove_staged(args: CommitArgs) -> None:
+    """Delete the staged files a commit uploaded (and their folders once empty)."""
+    for rank in args.ranks:
+        root = Path(rank.staging_dir)
+        for shard in rank.shards:
+            local_path(root, shard.path).unlink(missing_ok=True)
+        try:
+            os.rmdir(root)
+        except OSError:  # other ranks' files, or already gone
+            pass
+
+
+def handlers(store: ObjectStore, *, file_concurrency: int = 4, readback: bool | None = None,
+             remove_staging: bool = False) -> dict[str, EffectHandler]:
+    """The effect handlers `core_service` needs, bound to one store.
+
+    `remove_staging`: after a commit, delete the staged files (where the service shares the ranks' disk)."""
+
+    async def on_commit(args: Any) -> list[Emit]:
+        assert isinstance(args, CommitArgs), type(args)
+        out = await commit(store, args, file_concurrency=file_concurrency, readback=readback)
+        if remove_staging and isinstance(out[0].event, CheckpointCommitted):
+            await asyncio.to_thread(remove_staged, args)
+        return out
+
+    async def on_delete(args: Any) -> list[Emit]:
+        assert isinstance(args, DeleteArgs), type(args)
+        return await delete(store, args)
+
+    return {"commit": on_commit, "delete": on_delete}

@@ -1,0 +1,42 @@
+"""A real S3 endpoint for tests: moto's server over HTTP on a free port, with a fresh bucket.
+
+moto's in-process mocks do not reach aioboto3, so tests talk HTTP to `ThreadedMotoServer`.
+Import the fixture into a test module: `from tests.integration.s3_fixture import moto_s3`.
+Credentials go through the environment, the same standard chain production uses.
+"""
+
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import boto3
+import pytest
+from moto.server import ThreadedMotoServer
+
+
+@dataclass(frozen=True)
+class MotoS3:
+    endpoint: str
+    bucket: str
+    region: str = "us-east-1"
+
+
+@pytest.fixture
+def moto_s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[MotoS3]:
+    for name, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
+                        ("AWS_DEFAULT_REGION", "us-east-1")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    # moto keeps one backend per process, so each test gets its own bucket rather than a reset
+    bucket = f"fd-test-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
+    try:
+        yield MotoS3(endpoint=endpoint, bucket=bucket)
+    finally:
+        server.stop()

@@ -1,0 +1,225 @@
+"""The checkpoint core: the all-ranks rule, stale and duplicate stagings, retention and rollback holds."""
+
+from collections.abc import Iterable, Sequence
+
+import msgspec
+import pytest
+
+from events import subjects
+from events.base import Event
+from events.checkpoint import CheckpointCommitted, CheckpointDeleted, CheckpointStaged, DataPosition, ShardInfo
+from events.clock import ClockTick
+from events.codec import encode
+from events.commands import RollbackRequested
+from events.job import JobCompleted, JobResumed, JobSubmitted
+from events.spec import JobSpec, PolicySpec
+from events.store import Stored
+from events.training import RankStarted, RolledBack
+from services.checkpoints import core
+from services.checkpoints.core import CommitArgs, DeleteArgs, State, checkpoint_id
+from services.core import Effect, Emit, Output
+from services.fold import Folder
+
+JOB = "llm-abc123"
+
+
+def staged(rank: int, step: int, world: int, *, attempt: int = 0, at: float = 0.0, job: str = JOB) -> CheckpointStaged:
+    return CheckpointStaged(
+        job_id=job, rank=rank, attempt=attempt, node=f"n{rank}", step=step, world_size=world,
+        staging_dir=f"/stage/{job}/step-{step}", data=DataPosition(next_batch=step * 10),
+        shards=[ShardInfo(path=f"__{rank}_0.distcp", size=10 + rank, sha256=f"{rank:x}" * 64)],
+        stall_s=0.01, write_s=0.1, occurred_at=at,
+    )
+
+
+def committed(step: int, *, attempt: int = 0, world: int = 2, job: str = JOB) -> CheckpointCommitted:
+    return CheckpointCommitted(job_id=job, checkpoint_id=checkpoint_id(attempt, step), step=step, world_size=world,
+                               uri="file:///x", bytes=1, data=DataPosition(next_batch=0))
+
+
+def submitted(keep: int, job: str = JOB) -> JobSubmitted:
+    return JobSubmitted(job_id=job, spec=JobSpec(name="llm", policy=PolicySpec(keep_checkpoints=keep)))
+
+
+def run(events: Iterable[Event], state: State | None = None) -> tuple[State, list[list[Output]]]:
+    state = state if state is not None else core.State()
+    outs = []
+    for ev in events:
+        state = core.evolve(state, ev)
+        outs.append(list(core.decide(state, ev)))
+    return state, outs
+
+
+def commits(outs: Sequence[Sequence[Output]]) -> list[CommitArgs]:
+    return [o.args for step in outs for o in step if isinstance(o, Effect) and o.kind == core.COMMIT]
+
+
+def deleted(outs: Sequence[Sequence[Output]]) -> list[str]:
+    return [o.event.checkpoint_id for step in outs for o in step
+            if isinstance(o, Emit) and isinstance(o.event, CheckpointDeleted)]
+
+
+def test_commit_is_asked_once_when_the_last_rank_stages() -> None:
+    _, outs = run([staged(2, 50, 3, at=1.0), staged(0, 50, 3, at=2.0), staged(1, 50, 3, at=3.0)])
+    assert outs[0] == [] and outs[1] == []
+    [effect] = outs[2]
+    assert isinstance(effect, Effect) and effect.kind == core.COMMIT
+    args = effect.args
+    assert args.checkpoint_id == checkpoint_id(0, 50) and args.step == 50 and args.world_size == 3
+    assert [r.rank for r in args.ranks] == [0, 1, 2]
+    assert args.created_at == 3.0 and args.data == DataPosition(next_batch=500)
+    assert args.ranks[2].shards == staged(2, 50, 3).shards and args.ranks[2].staging_dir == "/stage/llm-abc123/step-50"
+
+
+def test_duplicates_and_late_copies_are_ignored() -> None:
+    _, outs = run([staged(0, 50, 2), staged(0, 50, 2), staged(1, 50, 2), staged(1, 50, 2), staged(0, 50, 2)])
+    assert [len(o) for o in outs] == [0, 0, 1, 0, 0]
+
+
+def test_a_rank_staging_the_same_set_again_replaces_its_announcement() -> None:
+    again = msgspec.structs.replace(staged(0, 50, 2), shards=[ShardInfo(path="__0_0.distcp", size=99, sha256="f" * 64)])
+    _, outs = run([staged(0, 50, 2), again, staged(1, 50, 2)])
+    [args] = commits(outs)
+    assert args.ranks[0].shards == again.shards
+
+
+def test_steps_and_jobs_are_counted_apart() -> None:
+    _, outs = run([staged(0, 50, 2), staged(1, 75, 2), staged(0, 50, 2, job="other-000001"),
+                   staged(1, 50, 2), staged(0, 75, 2)])
+    assert [(a.job_id, a.step) for a in commits(outs)] == [(JOB, 50), (JOB, 75)]
+
+
+def test_stagings_of_an_older_attempt_are_ignored_once_a_newer_one_runs() -> None:
+    _, outs = run([
+        staged(0, 50, 2, attempt=0),  # half a set from attempt 0...
+        RankStarted(job_id=JOB, rank=0, attempt=1, world_size=2, from_step=25, device="cpu"),
+        staged(1, 50, 2, attempt=0),  # ...its other half arrives after attempt 1 started: stale
+        staged(0, 50, 2, attempt=1), staged(1, 50, 2, attempt=1),
+        staged(0, 75, 2, attempt=0), staged(1, 75, 2, attempt=0),  # a zombie rank of attempt 0
+    ])
+    assert [(a.attempt, a.step) for a in commits(outs)] == [(1, 50)]
+
+
+def test_a_newer_attempt_staging_drops_the_older_partial_set() -> None:
+    state, outs = run([staged(0, 50, 2, attempt=0), staged(0, 60, 2, attempt=1), staged(1, 50, 2, attempt=0)])
+    assert commits(outs) == []
+    assert list(state.jobs[JOB].staging) == [(1, 60)]
+
+
+def test_final_checkpoint_of_a_preempted_attempt_still_commits() -> None:
+    # the next attempt is only allocated (not running) when the final staging is folded
+    _, outs = run([staged(0, 90, 2, attempt=0), staged(1, 90, 2, attempt=0)])
+    assert [(a.attempt, a.step) for a in commits(outs)] == [(0, 90)]
+
+
+@pytest.mark.parametrize("bad", [
+    staged(2, 50, 2),  # rank outside the world
+    staged(1, 50, 3),  # disagrees with the set's world size
+])
+def test_inconsistent_stagings_are_ignored(bad: CheckpointStaged) -> None:
+    state, outs = run([staged(0, 50, 2), bad])
+    assert commits(outs) == [] and set(state.jobs[JOB].staging[(0, 50)].ranks) == {0}
+
+
+def test_an_ended_job_commits_nothing() -> None:
+    _, outs = run([staged(0, 50, 2), JobCompleted(job_id=JOB, steps=60), staged(1, 50, 2)])
+    assert commits(outs) == []
+
+
+def test_retention_keeps_the_newest_k_and_deletes_each_once() -> None:
+    events: list[Event] = [submitted(keep=2)] + [committed(s) for s in (10, 20, 30, 40)]
+    state, outs = run(events)
+    assert deleted(outs) == [checkpoint_id(0, 10), checkpoint_id(0, 20)]
+    effects = [o for step in outs for o in step if isinstance(o, Effect)]
+    assert [e.args for e in effects] == [DeleteArgs(job_id=JOB, checkpoint_ids=[checkpoint_id(0, s)]) for s in (10, 20)]
+    emits = [o for step in outs for o in step if isinstance(o, Emit)]
+    assert all(e.subject == subjects.job(JOB, "CheckpointDeleted") for e in emits)
+    # the deletions come back as inputs: nothing more is decided, and the state forgets them
+    state, outs = run([CheckpointDeleted(job_id=JOB, checkpoint_id=checkpoint_id(0, s)) for s in (10, 20)], state)
+    assert outs == [[], []]
+    assert [c.step for c in state.jobs[JOB].committed] == [30, 40] and not state.jobs[JOB].doomed
+
+
+def test_a_repeated_commit_event_is_counted_once() -> None:
+    _, outs = run([submitted(keep=1), committed(10), committed(10), committed(20)])
+    assert deleted(outs) == [checkpoint_id(0, 10)]
+
+
+def test_rollback_target_is_kept_until_every_rank_rolled_back() -> None:
+    target = checkpoint_id(0, 10)
+    state, outs = run([
+        submitted(keep=1), committed(10, world=2),
+        RollbackRequested(job_id=JOB, checkpoint_id=target, to_step=10, skip_from=100, skip_to=120, reason="spike"),
+        committed(20), committed(30),
+    ])
+    assert deleted(outs) == [checkpoint_id(0, 20)]  # 10 is held, 30 is the newest
+    roll = [RolledBack(job_id=JOB, rank=r, checkpoint_id=target, to_step=10, skip_from=100, skip_to=120)
+            for r in (0, 0, 1)]
+    _, outs = run(roll, state)
+    assert [deleted([o]) for o in outs] == [[], [], [target]]
+
+
+def test_restart_target_is_kept_until_its_attempt_started() -> None:
+    target = checkpoint_id(0, 10)
+    state, outs = run([
+        submitted(keep=1), committed(10),
+        JobResumed(job_id=JOB, attempt=1, from_step=10, checkpoint_id=target, world_size=2),
+        committed(20, attempt=1),
+        RankStarted(job_id=JOB, rank=0, attempt=1, world_size=2, from_step=10, device="cpu"),
+    ])
+    assert deleted(outs) == []
+    _, outs = run([RankStarted(job_id=JOB, rank=1, attempt=1, world_size=2, from_step=10, device="cpu")], state)
+    assert deleted(outs) == [target]
+
+
+def test_job_end_releases_holds() -> None:
+    target = checkpoint_id(0, 10)
+    _, outs = run([
+        submitted(keep=1), committed(10),
+        RollbackRequested(job_id=JOB, checkpoint_id=target, to_step=10, skip_from=0, skip_to=1, reason="x"),
+        committed(20), JobCompleted(job_id=JOB, steps=30),
+    ])
+    assert deleted(outs) == [target]
+    assert deleted(outs[-1:]) == [target]
+
+
+def test_service_wiring() -> None:
+    async def nothing(args: object) -> list[Emit]:
+        return []
+
+    with pytest.raises(ValueError, match="delete"):
+        core.core_service({"commit": nothing})
+    svc = core.core_service({"commit": nothing, "delete": nothing})
+    assert "fd.tel.*.*.CheckpointStaged" in svc.telemetry_subjects
+    assert "fd.ctl.job.*.CheckpointCommitted" in svc.control_subjects
+    assert not svc.wants_tick(svc.initial, 0.0)
+    state, _ = run([staged(0, 5, 2)])
+    assert svc.wants_tick(state, 0.0)
+    state, _ = run([JobCompleted(job_id=JOB, steps=6)], state)
+    assert not svc.wants_tick(state, 0.0)
+
+
+def test_outputs_pass_the_shared_fold() -> None:
+    """Through services/fold.py: telemetry folded at a tick, outputs stamped and checked against the grammar."""
+
+    async def nothing(args: object) -> list[Emit]:
+        return []
+
+    folder = Folder(core.core_service({"commit": nothing, "delete": nothing}))
+
+    def stored(stream: str, seq: int, subject: str, ev: Event) -> Stored:
+        return Stored(stream=stream, seq=seq, subject=subject, data=encode(ev), msg_id="", event=ev)
+
+    tel = [stored(subjects.TELEMETRY, i + 1, subjects.telemetry(JOB, r, "CheckpointStaged"), staged(r, 50, 2))
+           for i, r in enumerate((0, 1))]
+    tick = ClockTick(service=core.SERVICE, now=1.0, positions={subjects.TELEMETRY: 2})
+    steps = folder.apply(stored(subjects.CONTROL, 1, subjects.clock(core.SERVICE), tick), tel)
+    assert [s.error for s in steps] == ["", "", ""]
+    assert [len(s.effects) for s in steps] == [0, 1, 0]
+    seq = 1
+    for ev in [submitted(keep=1), committed(10), committed(20)]:
+        seq += 1
+        [step] = folder.apply(stored(subjects.CONTROL, seq, subjects.job(JOB, type(ev).__name__), ev))
+        assert step.error == ""
+    assert [o.event.checkpoint_id for o in step.outputs] == [checkpoint_id(0, 10)]
+    assert step.outputs[0].msg_id == f"{core.SERVICE}:{subjects.CONTROL}:{seq}:0"

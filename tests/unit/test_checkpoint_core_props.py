@@ -1,0 +1,89 @@
+"""Properties of the checkpoint core over generated histories: the all-ranks rule and retention."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from events.base import Event
+from events.checkpoint import CheckpointCommitted, CheckpointDeleted, DataPosition
+from events.commands import RollbackRequested
+from events.training import RolledBack
+from services.checkpoints import core
+from services.checkpoints.core import checkpoint_id
+from services.core import Effect, Emit
+from tests.unit.test_checkpoint_core import JOB, staged, submitted
+
+WORLD = 2
+
+
+@settings(max_examples=200, deadline=None)
+@given(world=st.integers(1, 6), data=st.data())
+def test_one_commit_exactly_when_every_rank_has_staged(world: int, data: st.DataObject) -> None:
+    ranks = data.draw(st.lists(st.integers(0, world - 1), max_size=3 * world))
+    state = core.State()
+    seen: set[int] = set()
+    for i, rank in enumerate(ranks):
+        ev = staged(rank, 7, world, at=float(i))
+        state = core.evolve(state, ev)
+        outs = core.decide(state, ev)
+        completes = rank not in seen and len(seen | {rank}) == world
+        seen.add(rank)
+        assert len(outs) == (1 if completes else 0)
+        if completes:
+            [effect] = outs
+            assert isinstance(effect, Effect) and [r.rank for r in effect.args.ranks] == list(range(world))
+            assert effect.args.created_at == float(i)
+
+
+# one operation of a generated history
+commit_op = st.just(("commit", 0))
+rollback_op = st.tuples(st.just("rollback"), st.integers(0, 30))  # index into the committed so far
+rolled_op = st.tuples(st.just("rolled"), st.integers(0, 30), st.integers(0, WORLD - 1))
+echo_op = st.just(("echo", 0))  # the recorded CheckpointDeleted events come back as inputs
+ops = st.lists(st.one_of(commit_op, commit_op, rollback_op, rolled_op, echo_op), max_size=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(keep=st.integers(1, 4), history=ops)
+def test_retention_keeps_newest_k_and_every_held_checkpoint(keep: int, history: list[tuple]) -> None:
+    state = core.State()
+    commits: list[str] = []
+    deleted: list[str] = []
+    echo_pending: list[str] = []
+    holds: dict[str, set[int]] = {}  # the model: rollback target -> ranks that rolled back
+
+    def feed(ev: Event) -> None:
+        nonlocal state
+        state = core.evolve(state, ev)
+        for out in core.decide(state, ev):
+            if isinstance(out, Emit):
+                assert isinstance(out.event, CheckpointDeleted)
+                deleted.append(out.event.checkpoint_id)
+                echo_pending.append(out.event.checkpoint_id)
+            else:
+                assert out.kind == core.DELETE
+
+    feed(submitted(keep))
+    for op in history:
+        if op[0] == "commit":
+            cid = checkpoint_id(0, len(commits))
+            commits.append(cid)
+            feed(CheckpointCommitted(job_id=JOB, checkpoint_id=cid, step=len(commits), world_size=WORLD, uri="u",
+                                     bytes=1, data=DataPosition(next_batch=0)))
+        elif op[0] == "rollback" and commits:
+            cid = commits[op[1] % len(commits)]
+            if cid not in deleted:
+                holds[cid] = set()
+                feed(RollbackRequested(job_id=JOB, checkpoint_id=cid, to_step=0, skip_from=0, skip_to=0, reason="t"))
+        elif op[0] == "rolled" and holds:
+            cid = sorted(holds)[op[1] % len(holds)]
+            holds[cid].add(op[2])
+            if len(holds[cid]) == WORLD:
+                del holds[cid]
+            feed(RolledBack(job_id=JOB, rank=op[2], checkpoint_id=cid, to_step=0, skip_from=0, skip_to=0))
+        elif op[0] == "echo" and echo_pending:
+            feed(CheckpointDeleted(job_id=JOB, checkpoint_id=echo_pending.pop(0)))
+        live = [c for c in commits if c not in deleted]
+        assert len(deleted) == len(set(deleted)), "a checkpoint was deleted twice"
+        assert not set(deleted) & set(holds), "a held rollback target was deleted"
+        assert not set(deleted) & set(commits[-keep:]), "one of the newest K was deleted"
+        assert set(live) <= set(commits[-keep:]) | set(holds), "an unneeded checkpoint was kept"
