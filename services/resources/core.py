@@ -1,0 +1,169 @@
+"""The resource manager's pure core: node inventory, cordons, the allocation ledger, placement.
+
+`evolve` applies a whole transition, decisions included: an allocation is booked in the ledger on
+the AllocationRequested that asks for it, because the next request may arrive before the grant comes
+back through the stream. The outputs of the latest transition ride in `State.outbox`, which `decide`
+returns; own outputs read back later (AllocationGranted/Denied, NodeCordoned) change nothing.
+
+Cordons: NodeCordoned, SelfCheckFailed and NodeLost cordon a node (the last two are recorded as a
+NodeCordoned so every reader of the fleet sees it); only NodeUncordoned lifts a cordon. A lost node
+that registers again is no longer lost but stays cordoned until someone uncordons it. Slots held on a
+cordoned or lost node stay booked until their job's allocation is released, so nothing is double-booked
+when the node comes back.
+"""
+
+import zlib
+from typing import Literal
+
+import msgspec
+
+from events import subjects
+from events.base import Event
+from events.fleet import NodeCordoned, NodeLost, NodeRegistered, NodeUncordoned, SelfCheckFailed
+from events.job import (
+    AllocationDenied,
+    AllocationGranted,
+    AllocationReleased,
+    AllocationRequested,
+    JobCancelled,
+    JobCompleted,
+    JobFailed,
+    SlotRef,
+)
+from services.core import Emit, Output, Service
+from services.resources import ledger as ledger_mod
+from services.resources.ledger import Ledger
+from services.resources.placement import Candidate, Unplaceable, place
+
+NAME = "resources"
+
+
+class Node(msgspec.Struct, frozen=True, kw_only=True):
+    kind: Literal["cpu", "gpu"] = "cpu"
+    slots: int = 0
+    spare: bool = False
+    address: str = "127.0.0.1"
+    cordoned: bool = False
+    cordon_reason: str = ""
+    lost: bool = False
+
+
+class State(msgspec.Struct, frozen=True, kw_only=True):
+    nodes: dict[str, Node] = {}
+    ledger: Ledger = Ledger()
+    outbox: tuple[Emit, ...] = ()  # outputs of the transition that produced this state
+
+
+class Ports(msgspec.Struct, frozen=True, kw_only=True):
+    """MASTER_PORT range: a new attempt gets a different port, so a restart never meets its old rendezvous."""
+
+    base: int = 29500
+    span: int = 1000
+
+
+def master_port(job_id: str, attempt: int, ports: Ports) -> int:
+    # crc32, not hash(): Python salts str hashes per process, and a replay must pick the same port.
+    return ports.base + zlib.crc32(f"{job_id}:{attempt}".encode()) % ports.span
+
+
+def candidates(state: State) -> list[Candidate]:
+    """Nodes placement may use now, with their free slots."""
+    return [Candidate(node=name, free=ledger_mod.free_slots(state.ledger, name, node.slots), spare=node.spare)
+            for name, node in sorted(state.nodes.items()) if not node.cordoned and not node.lost]
+
+
+def _node_emit(event: Event, node: str) -> Emit:
+    return Emit(subjects.node(node, type(event).__name__), event)
+
+
+def _job_emit(event: AllocationGranted | AllocationDenied) -> Emit:
+    return Emit(subjects.job(event.job_id, type(event).__name__), event)
+
+
+def _with_node(state: State, name: str, **changes: object) -> State:
+    node = msgspec.structs.replace(state.nodes.get(name, Node()), **changes)
+    return msgspec.structs.replace(state, nodes={**state.nodes, name: node}, outbox=())
+
+
+def _cordon(state: State, name: str, reason: str, *, lost: bool = False) -> State:
+    """Cordon on a self-check failure or a loss, recorded as a NodeCordoned unless already cordoned."""
+    before = state.nodes.get(name, Node())
+    changes: dict[str, object] = {"lost": True} if lost else {}
+    if before.cordoned:
+        return _with_node(state, name, **changes)
+    after = _with_node(state, name, cordoned=True, cordon_reason=reason, **changes)
+    return msgspec.structs.replace(after, outbox=(_node_emit(NodeCordoned(node=name, reason=reason), name),))
+
+
+def _allocate(state: State, ev: AllocationRequested, ports: Ports) -> State:
+    held = state.ledger.allocations.get(ev.job_id)
+    if held is not None and held.attempt == ev.attempt and len(held.assignments) == ev.slots:
+        granted = _grant(state, ev.job_id, ev.attempt, held.assignments, ports)  # asked again: the same answer
+        return msgspec.structs.replace(state, outbox=(_job_emit(granted),))
+    if held is not None and held.attempt >= ev.attempt:
+        why = (f"attempt {ev.attempt} is stale: attempt {held.attempt} holds slots" if held.attempt > ev.attempt
+               else f"attempt {ev.attempt} already holds {len(held.assignments)} slots, not {ev.slots}")
+        denied = AllocationDenied(job_id=ev.job_id, attempt=ev.attempt, reason=why)
+        return msgspec.structs.replace(state, outbox=(_job_emit(denied),))
+    # A job runs one attempt at a time: asking for a newer one gives back what an older one held.
+    base = msgspec.structs.replace(state, ledger=ledger_mod.release(state.ledger, ev.job_id))
+    placed = place(candidates(base), ev.slots, tp=ev.tp, use_spares=ev.use_spares)
+    if isinstance(placed, Unplaceable):
+        denied = AllocationDenied(job_id=ev.job_id, attempt=ev.attempt, reason=placed.reason)
+        return msgspec.structs.replace(base, outbox=(_job_emit(denied),))
+    booked = ledger_mod.book(base.ledger, ev.job_id, ev.attempt, placed)
+    after = msgspec.structs.replace(base, ledger=booked)
+    return msgspec.structs.replace(after, outbox=(_job_emit(_grant(after, ev.job_id, ev.attempt, placed, ports)),))
+
+
+def _grant(state: State, job_id: str, attempt: int, refs: tuple[SlotRef, ...],
+           ports: Ports) -> AllocationGranted:
+    first = next(r for r in refs if r.rank == 0)
+    return AllocationGranted(job_id=job_id, attempt=attempt, assignments=list(refs),
+                             master_addr=state.nodes[first.node].address,
+                             master_port=master_port(job_id, attempt, ports))
+
+
+def transition(state: State, event: Event, ports: Ports) -> State:
+    match event:
+        case NodeRegistered(node=name):
+            return _with_node(state, name, kind=event.kind, slots=event.slots, spare=event.spare,
+                              address=event.address, lost=False)
+        case NodeCordoned(node=name, reason=reason):
+            return _with_node(state, name, cordoned=True, cordon_reason=reason)
+        case NodeUncordoned(node=name):
+            return _with_node(state, name, cordoned=False, cordon_reason="")
+        case SelfCheckFailed(node=name, reason=reason):
+            return _cordon(state, name, f"self-check failed: {reason}")
+        case NodeLost(node=name, reason=reason):
+            return _cordon(state, name, f"lost: {reason}", lost=True)
+        case AllocationRequested():
+            return _allocate(state, event, ports)
+        case AllocationReleased(job_id=job_id, attempt=attempt):
+            return State(nodes=state.nodes, ledger=ledger_mod.release(state.ledger, job_id, attempt))
+        case JobCompleted(job_id=job_id) | JobFailed(job_id=job_id) | JobCancelled(job_id=job_id):
+            return State(nodes=state.nodes, ledger=ledger_mod.release(state.ledger, job_id))
+        case _:
+            return msgspec.structs.replace(state, outbox=()) if state.outbox else state
+
+
+def decide(state: State, event: Event) -> list[Output]:
+    return list(state.outbox)
+
+
+CONTROL_TYPES = ("AllocationRequested", "AllocationReleased", "JobCompleted", "JobFailed", "JobCancelled")
+FLEET_TYPES = ("NodeRegistered", "NodeCordoned", "NodeUncordoned", "SelfCheckFailed", "NodeLost")
+
+
+def core_service(*, ports: Ports | None = None) -> Service[State]:
+    """The resources core wired as a Service; the shell adds consumers, effects and logging."""
+    chosen = ports or Ports()
+    return Service(
+        name=NAME,
+        initial=State(),
+        evolve=lambda state, event: transition(state, event, chosen),
+        decide=decide,
+        control_subjects=(*(f"fd.ctl.job.*.{t}" for t in CONTROL_TYPES),
+                          *(f"fd.ctl.node.*.{t}" for t in FLEET_TYPES)),
+        wants_tick=lambda state, now: False,  # nothing here waits on time
+    )

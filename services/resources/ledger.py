@@ -1,0 +1,64 @@
+"""The allocation ledger: which job (and attempt) holds each slot. A slot has at most one holder, ever.
+
+Values are frozen; every operation returns a new ledger. `book` asserts the slots are free, because
+a double booking is a bug in placement, not a condition to handle: placement only offers free slots.
+"""
+
+from collections.abc import Iterable
+
+import msgspec
+
+from events.job import SlotRef
+
+
+class Allocation(msgspec.Struct, frozen=True, kw_only=True):
+    attempt: int
+    assignments: tuple[SlotRef, ...]
+
+
+class Ledger(msgspec.Struct, frozen=True, kw_only=True):
+    allocations: dict[str, Allocation] = {}  # job id -> what it holds
+    taken: dict[str, dict[int, str]] = {}  # node -> slot -> job id; the same facts, indexed by node
+
+
+def holder(ledger: Ledger, node: str, slot: int) -> str | None:
+    return ledger.taken.get(node, {}).get(slot)
+
+
+def free_slots(ledger: Ledger, node: str, slots: int) -> tuple[int, ...]:
+    """Slot ids 0..slots-1 of `node` that nobody holds, lowest first."""
+    taken = ledger.taken.get(node, {})
+    return tuple(s for s in range(slots) if s not in taken)
+
+
+def book(ledger: Ledger, job_id: str, attempt: int, assignments: Iterable[SlotRef]) -> Ledger:
+    """Give `assignments` to `job_id`. The job must hold nothing and every slot must be free."""
+    refs = tuple(assignments)
+    assert job_id not in ledger.allocations, f"{job_id} already holds slots; release them first"
+    taken = dict(ledger.taken)
+    for node in {ref.node for ref in refs}:
+        taken[node] = dict(taken.get(node, {}))  # copy only the nodes this booking touches
+    for ref in refs:
+        current = taken[ref.node].get(ref.slot)
+        assert current is None, f"slot {ref.node}/{ref.slot} is held by {current}; {job_id} cannot have it"
+        taken[ref.node][ref.slot] = job_id
+    allocations = {**ledger.allocations, job_id: Allocation(attempt=attempt, assignments=refs)}
+    return Ledger(allocations=allocations, taken=taken)
+
+
+def release(ledger: Ledger, job_id: str, attempt: int | None = None) -> Ledger:
+    """Free what `job_id` holds; with `attempt`, only if it holds that attempt (a late release of an
+    older attempt must not free a newer one). Releasing what is not held changes nothing."""
+    held = ledger.allocations.get(job_id)
+    if held is None or (attempt is not None and held.attempt != attempt):
+        return ledger
+    nodes = {ref.node for ref in held.assignments}
+    taken = dict(ledger.taken)
+    for node in nodes:
+        left = {slot: job for slot, job in taken[node].items() if job != job_id}
+        if left:
+            taken[node] = left
+        else:
+            del taken[node]
+    allocations = {job: a for job, a in ledger.allocations.items() if job != job_id}
+    return Ledger(allocations=allocations, taken=taken)

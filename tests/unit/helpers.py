@@ -1,0 +1,132 @@
+"""Drive pure service cores by hand: fold events through one core, or route several over an in-memory log.
+
+`Bus` plays the shell's part without NATS: one ordered log (FD_CONTROL), each service reading the
+messages its control subjects match, in log order, with outputs stamped the way the shell stamps them
+(event id = msg id, the input's time, causation, producer) and appended to the end of the log.
+"""
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import msgspec
+
+from events import subjects
+from events.base import Event, JobEvent, NodeEvent
+from events.job import AllocationGranted, WorkersExited, WorkersStarted
+from events.spec import JobSpec, PolicySpec, TrainSpec
+from services.core import Emit, Service
+
+S = TypeVar("S")
+
+
+def subject_of(event: Event) -> str:
+    name = type(event).__name__
+    if isinstance(event, JobEvent):
+        return subjects.job(event.job_id, name)
+    assert isinstance(event, NodeEvent), f"no subject rule for {name} in these tests"
+    return subjects.node(event.node, name)
+
+
+def check_emit(emit: Emit) -> None:
+    """An output must stand under the subject its own fields give it, with the envelope left to the shell."""
+    assert isinstance(emit, Emit), emit
+    assert emit.subject == subject_of(emit.event), (emit.subject, emit.event)
+    ev = emit.event
+    assert (ev.event_id, ev.occurred_at, ev.causation_id, ev.producer) == ("", 0.0, "", ""), ev
+
+
+def step(service: Service[S], state: S, event: Event) -> tuple[S, list[Emit]]:
+    state = service.evolve(state, event)
+    outs = list(service.decide(state, event))
+    for out in outs:
+        check_emit(out)  # type: ignore[arg-type]
+    return state, outs  # type: ignore[return-value]
+
+
+def fold(service: Service[S], events: Iterable[Event], state: S | None = None) -> tuple[S, list[Emit]]:
+    """Fold `events` in order from `state` (default: the service's initial state); all outputs, in order."""
+    current = service.initial if state is None else state
+    collected: list[Emit] = []
+    for ev in events:
+        current, outs = step(service, current, ev)
+        collected.extend(outs)
+    return current, collected
+
+
+def events_of(outs: Sequence[Emit], kind: type[Event] | None = None) -> list[Any]:
+    return [o.event for o in outs if kind is None or isinstance(o.event, kind)]
+
+
+def spec(name: str = "job", *, slots: int = 1, priority: int = 50, max_restarts: int = 3,
+         steps: int = 100) -> JobSpec:
+    return JobSpec(name=name, slots=slots, priority=priority, train=TrainSpec(steps=steps, batch_size=max(8, slots)),
+                   policy=PolicySpec(max_restarts=max_restarts))
+
+
+@dataclass
+class Bus:
+    services: Sequence[Service[Any]]
+    log: list[Event] = field(default_factory=list)
+    states: list[Any] = field(default_factory=list)
+    read: list[int] = field(default_factory=list)  # how far each service has read the log
+    clock: float = 1000.0
+
+    def __post_init__(self) -> None:
+        self.states = [s.initial for s in self.services]
+        self.read = [0 for _ in self.services]
+
+    def publish(self, *events: Event) -> None:
+        """Append events from outside the services (CLI, agents, trainer), stamped as their producer would."""
+        for ev in events:
+            self.clock += 1.0
+            self.log.append(msgspec.structs.replace(ev, event_id=ev.event_id or f"ext:{len(self.log) + 1}",
+                                                    occurred_at=ev.occurred_at or self.clock))
+        self.pump()
+
+    def pump(self) -> None:
+        """Let every service read the log to its end, outputs included, until nobody has anything left."""
+        busy = True
+        while busy:
+            busy = False
+            for i, service in enumerate(self.services):
+                while self.read[i] < len(self.log):
+                    seq = self.read[i] + 1
+                    ev = self.log[seq - 1]
+                    self.read[i] = seq
+                    filters = service.control_subjects
+                    if not any(subjects.matches(f, subject_of(ev)) for f in filters):
+                        continue
+                    busy = True
+                    self.states[i], outs = step(service, self.states[i], ev)
+                    for n, out in enumerate(outs):
+                        self.log.append(msgspec.structs.replace(
+                            out.event, event_id=f"{service.name}:{seq}:{n}", occurred_at=ev.occurred_at,
+                            causation_id=ev.event_id, producer=service.name))
+
+    def state(self, name: str) -> Any:
+        return self.states[[s.name for s in self.services].index(name)]
+
+    def of(self, kind: type[Event], job_id: str | None = None) -> list[Any]:
+        return [e for e in self.log if isinstance(e, kind) and (job_id is None or getattr(e, "job_id", None) == job_id)]
+
+    def start_workers(self, grant: AllocationGranted) -> None:
+        """What the node agents do with a grant: one WorkersStarted per node."""
+        by_node: dict[str, list[int]] = {}
+        for ref in grant.assignments:
+            by_node.setdefault(ref.node, []).append(ref.rank)
+        for node, ranks in sorted(by_node.items()):
+            self.publish(WorkersStarted(job_id=grant.job_id, node=node, attempt=grant.attempt, ranks=ranks,
+                                        pids=[1000 + r for r in ranks]))
+
+    def exit_workers(self, grant: AllocationGranted, code: int = 0, ranks: Iterable[int] | None = None) -> None:
+        chosen = set(ranks) if ranks is not None else {r.rank for r in grant.assignments}
+        for ref in grant.assignments:
+            if ref.rank in chosen:
+                self.publish(WorkersExited(job_id=grant.job_id, node=ref.node, attempt=grant.attempt,
+                                           rank=ref.rank, exit_code=code))
+
+    def last_grant(self, job_id: str) -> AllocationGranted:
+        grants = self.of(AllocationGranted, job_id)
+        assert grants, f"{job_id} was never granted"
+        return grants[-1]

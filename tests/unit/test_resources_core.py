@@ -1,0 +1,118 @@
+"""The resources core, input by input: grants, denials, cordons, releases and MASTER_PORT."""
+
+import zlib
+
+from events.fleet import NodeCordoned, NodeLost, NodeRegistered, NodeUncordoned, SelfCheckFailed
+from events.job import (
+    AllocationDenied,
+    AllocationGranted,
+    AllocationReleased,
+    AllocationRequested,
+    JobCompleted,
+)
+from services.resources.core import Ports, State, core_service, master_port
+from tests.unit.helpers import events_of, fold, step
+
+SVC = core_service()
+
+
+def fleet(*nodes: tuple[str, int]) -> State:
+    state, outs = fold(SVC, [NodeRegistered(node=n, kind="gpu", slots=s, address=f"10.0.0.{i}")
+                             for i, (n, s) in enumerate(nodes)])
+    assert outs == []
+    return state
+
+
+def ask(state: State, job: str, slots: int, attempt: int = 0, **kw: object) -> tuple[State, object]:
+    state, outs = step(SVC, state, AllocationRequested(job_id=job, slots=slots, attempt=attempt, **kw))
+    (answer,) = events_of(outs)
+    return state, answer
+
+
+def test_a_grant_names_rank_zero_s_node_and_a_port_derived_from_job_and_attempt() -> None:
+    _, grant = ask(fleet(("a", 2), ("b", 4)), "job-1", 3)
+    assert isinstance(grant, AllocationGranted)
+    assert [(r.node, r.slot, r.rank) for r in grant.assignments] == [("b", 0, 0), ("b", 1, 1), ("b", 2, 2)]
+    assert grant.master_addr == "10.0.0.1"
+    assert grant.master_port == 29500 + zlib.crc32(b"job-1:0") % 1000
+    assert master_port("job-1", 1, Ports(base=40000, span=10)) in range(40000, 40010)
+    assert master_port("job-1", 0, Ports()) == grant.master_port  # stable: no per-process salt
+
+
+def test_a_denial_says_why_and_books_nothing() -> None:
+    state, answer = ask(fleet(("a", 2)), "big", 3)
+    assert isinstance(answer, AllocationDenied) and "1 nodes" in answer.reason
+    assert state.ledger.allocations == {}
+
+
+def test_cordoned_and_lost_nodes_take_no_new_work_until_uncordoned() -> None:
+    state = fleet(("a", 2), ("b", 2))
+    state, outs = fold(SVC, [NodeCordoned(node="a", reason="drain")], state)
+    state, grant = ask(state, "j", 2)
+    assert isinstance(grant, AllocationGranted) and {r.node for r in grant.assignments} == {"b"}
+    state, outs = fold(SVC, [NodeLost(node="b", reason="gone")], state)
+    assert events_of(outs) == [NodeCordoned(node="b", reason="lost: gone")]
+    assert state.ledger.allocations["j"].attempt == 0  # its slots stay booked until released
+    state, _ = fold(SVC, [NodeRegistered(node="b", kind="gpu", slots=2)], state)
+    assert state.nodes["b"].cordoned and not state.nodes["b"].lost  # back, but cordoned until someone says so
+    state, answer = ask(state, "k", 1)
+    assert isinstance(answer, AllocationDenied)
+    state, _ = fold(SVC, [NodeUncordoned(node="a")], state)
+    state, answer = ask(state, "k", 1)
+    assert isinstance(answer, AllocationGranted) and answer.assignments[0].node == "a"
+
+
+def test_a_failed_self_check_is_recorded_as_a_cordon_once() -> None:
+    state, outs = fold(SVC, [SelfCheckFailed(node="a", reason="nan in matmul")], fleet(("a", 1)))
+    assert events_of(outs) == [NodeCordoned(node="a", reason="self-check failed: nan in matmul")]
+    state, outs = fold(SVC, [SelfCheckFailed(node="a", reason="again"), NodeLost(node="a", reason="x")], state)
+    assert outs == []
+    state, outs = fold(SVC, [NodeCordoned(node="a", reason="self-check failed: nan in matmul")], state)
+    assert outs == [] and state.nodes["a"].lost  # reading its own cordon back changes nothing
+
+
+def test_releases_free_only_the_attempt_that_holds_and_job_ends_free_everything() -> None:
+    state, _ = ask(fleet(("a", 2)), "j", 2, attempt=1)
+    state, _ = fold(SVC, [AllocationReleased(job_id="j", attempt=0)], state)
+    assert "j" in state.ledger.allocations
+    state, _ = fold(SVC, [AllocationReleased(job_id="j", attempt=1), AllocationReleased(job_id="j", attempt=1)], state)
+    assert state.ledger.allocations == {} and state.ledger.taken == {}
+    state, _ = ask(state, "j", 2, attempt=2)
+    state, _ = fold(SVC, [JobCompleted(job_id="j", steps=5)], state)
+    assert state.ledger.allocations == {}
+
+
+def test_asking_again_gets_the_same_answer_and_a_newer_attempt_replaces_the_old() -> None:
+    state, first = ask(fleet(("a", 4)), "j", 2)
+    state, again = ask(state, "j", 2)
+    assert again == first
+    state, newer = ask(state, "j", 4, attempt=1)
+    assert isinstance(newer, AllocationGranted) and len(newer.assignments) == 4
+    assert newer.master_port == master_port("j", 1, Ports())
+    state, stale = ask(state, "j", 2, attempt=0)
+    assert isinstance(stale, AllocationDenied) and "stale" in stale.reason
+
+
+def test_spares_serve_only_requests_that_allow_them() -> None:
+    state, _ = fold(SVC, [NodeRegistered(node="a", kind="gpu", slots=1),
+                          NodeRegistered(node="s", kind="gpu", slots=2, spare=True)])
+    state, answer = ask(state, "j", 2)
+    assert isinstance(answer, AllocationDenied)
+    state, answer = ask(state, "j", 2, attempt=1, use_spares=True)
+    assert isinstance(answer, AllocationGranted) and {r.node for r in answer.assignments} == {"s"}
+
+
+def test_tp_groups_are_honoured_from_the_request() -> None:
+    _, answer = ask(fleet(("a", 3), ("b", 3)), "j", 4, tp=2)
+    assert isinstance(answer, AllocationGranted)
+    _, answer = ask(fleet(("a", 3), ("b", 3)), "j", 6, tp=2)
+    assert isinstance(answer, AllocationDenied)
+
+
+def test_the_service_reads_what_it_needs_and_never_ticks() -> None:
+    assert "fd.ctl.job.*.AllocationRequested" in SVC.control_subjects
+    assert "fd.ctl.node.*.NodeLost" in SVC.control_subjects
+    assert SVC.name == "resources" and not SVC.wants_tick(SVC.initial, 0.0)
+    state, answer = ask(fleet(("a", 1)), "j", 1)
+    state, outs = fold(SVC, [answer], state)  # its own grant read back
+    assert outs == [] and state.outbox == ()
