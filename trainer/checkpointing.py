@@ -7,6 +7,7 @@ import hashlib
 import json
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,8 @@ from trainer.data import TokenStream
 from trainer.distributed import Dist
 
 log = structlog.get_logger(__name__)
+# DCP warns on every single-process save and load; one rank alone is a supported way to run here.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 META_KEY = "trainer"  # JSON: step, data position, world size; a non-tensor DCP item
 
 
@@ -129,7 +132,9 @@ class Checkpointer:
         started = time.perf_counter()
         try:
             path.mkdir(parents=True, exist_ok=True)
-            metadata = dcp.save(state, storage_writer=dcp.FileSystemWriter(path), process_group=self.dist.ckpt_group)
+            group = self.dist.ckpt_group
+            metadata = dcp.save(state, storage_writer=dcp.FileSystemWriter(path), process_group=group,
+                                no_dist=group is None)
             prefix = f"__{self.dist.rank}_"
             names = sorted({info.relative_path for info in metadata.storage_data.values()
                             if info.relative_path.startswith(prefix)})
@@ -196,7 +201,7 @@ def load(path: Path, live: dict[str, torch.Tensor], stream: TokenStream, dist: D
         raise CorruptCheckpoint(f"checkpoint {path} does not fit this model: it lacks {missing[:3]} "
                                 f"({len(missing)} tensors); was it saved from another model spec?")
     try:
-        dcp.load(dest, storage_reader=reader, process_group=dist.ckpt_group)
+        dcp.load(dest, storage_reader=reader, process_group=dist.ckpt_group, no_dist=dist.ckpt_group is None)
     except Exception as exc:
         raise CorruptCheckpoint(f"cannot load checkpoint {path}: {type(exc).__name__}: {exc}") from exc
     meta = json.loads(str(dest[META_KEY]))

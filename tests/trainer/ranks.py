@@ -1,0 +1,100 @@
+"""Helpers for trainer tests: write a tiny job spec, start real `python -m trainer` ranks as processes
+(torchrun's variables, a free MASTER_PORT), and read the JSON-lines events they log."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from services.broker import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+
+TINY = {
+    "model": {"n_layer": 2, "n_head": 2, "d_model": 32, "seq_len": 32, "vocab_size": 64},
+    "train": {"steps": 30, "batch_size": 8, "lr": 0.01, "checkpoint_every": 1000, "data": "synthetic"},
+}
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return json.dumps(v)
+    return repr(v)
+
+
+def write_spec(path: Path, *, slots: int = 1, faults: list[dict[str, Any]] | None = None,
+               **sections: dict[str, Any]) -> Path:
+    lines = ['name = "t"', f"slots = {slots}"]
+    for section, defaults in TINY.items():
+        lines.append(f"[{section}]")
+        merged = {**defaults, **sections.get(section, {})}
+        lines += [f"{k} = {_toml_value(v)}" for k, v in merged.items()]
+    for fault in faults or []:
+        lines.append("[[faults]]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in fault.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def start(tmp: Path, spec: Path, *, world: int, job_id: str = "job-1", args: tuple[str, ...] = (),
+          log_name: str = "events.jsonl") -> list[subprocess.Popen[bytes]]:
+    """Start `world` ranks; each writes its output to tmp/rank-<r>.log and its events to tmp/<log_name>."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+               "PYTHONUNBUFFERED": "1"}
+        cmd = [sys.executable, "-m", "trainer", "--job-id", job_id, "--spec", str(spec), "--device", "cpu",
+               "--staging", str(tmp / "staging"), "--events-log", str(tmp / log_name), *args]
+        out = (tmp / f"rank-{rank}.log").open("ab")
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT))
+    return procs
+
+
+def wait(procs: list[subprocess.Popen[bytes]], timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    codes = []
+    try:
+        for p in procs:
+            codes.append(p.wait(max(deadline - time.monotonic(), 0.1)))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return codes
+
+
+def run(tmp: Path, spec: Path, *, world: int, timeout: float = 50, **kw: Any) -> list[int]:
+    return wait(start(tmp, spec, world=world, **kw), timeout)
+
+
+def events(path: Path, type_name: str | None = None, rank: int | None = None) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [e for e in out if (type_name is None or e["type"] == type_name) and (rank is None or e["rank"] == rank)]
+
+
+def losses(path: Path, rank: int) -> list[tuple[int, float]]:
+    """(step, loss) in the order the rank reported them; NaN arrives as the string 'nan'."""
+    return [(e["step"], float(e["loss"])) for e in events(path, "StepCompleted", rank)]
+
+
+def wait_for(cond: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def log_tail(tmp: Path, world: int) -> str:
+    logs = [tmp / f"rank-{r}.log" for r in range(world)]
+    return "\n".join(f.read_text()[-3000:] for f in logs if f.exists())

@@ -1,0 +1,125 @@
+"""The loop obeys commands at step boundaries: one rank in this process, a hand-written scripted inbox,
+events read back from the JSON-lines log; then once through a real broker and `python -m trainer`."""
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+
+import nats
+import pytest
+
+from events import codec, subjects
+from events.base import Event
+from events.commands import CheckpointRequested, PauseRequested, ResumeRequested, RollbackRequested, StopRequested
+from events.spec import parse_spec
+from services import broker as broker_mod
+from tests.trainer import ranks
+from trainer import distributed
+from trainer.config import RunConfig
+from trainer.loop import PAUSE_POLL_S, Loop
+from trainer.reports import Emitter
+from trainer.telemetry import Telemetry
+
+JOB = "job-c"
+
+
+class ScriptedInbox:
+    """Hands over the commands scripted for (step, n): the n-th poll at that step (a paused loop polls again)."""
+
+    def __init__(self, script: dict[tuple[int, int], list[Event]]) -> None:
+        self.script = script
+        self.step_of: Callable[[], int] = lambda: 0
+        self.polls_at: dict[int, int] = {}
+
+    def poll(self) -> list[Event]:
+        step = self.step_of()
+        self.polls_at[step] = self.polls_at.get(step, 0) + 1
+        return self.script.pop((step, self.polls_at[step]), [])
+
+
+def run_loop(tmp: Path, script: dict[tuple[int, int], list[Event]], steps: int = 30,
+             every: int = 10) -> tuple[int, Path, ScriptedInbox, Loop]:
+    spec_path = ranks.write_spec(tmp / "job.toml", train={"steps": steps, "checkpoint_every": every})
+    cfg = RunConfig(job_id=JOB, spec=parse_spec(spec_path.read_bytes()), attempt=0, node="n", nats_url=None,
+                    staging=tmp / "staging", restore=None, manifest=None, rank=0, world_size=1, local_rank=0,
+                    device="cpu", sync_every=1, events_log=tmp / "events.jsonl")
+    envelope = {"job_id": JOB, "rank": 0, "attempt": 0, "node": "n"}
+    emitter = Emitter(Telemetry(None, JOB, 0, 0, "n"), envelope, cfg.events_log)
+    inbox = ScriptedInbox(script)
+    loop = Loop(cfg, distributed.init(0, 1, 0, "cpu"), emitter, inbox)
+    inbox.step_of = lambda: loop.step
+    code = loop.run()
+    emitter.close()
+    return code, tmp / "events.jsonl", inbox, loop
+
+
+def cmd(cls: type[Event], **kw: object) -> Event:
+    return cls(job_id=JOB, **kw)
+
+
+def test_rollback_restores_the_checkpoint_and_skips_the_window(tmp_path: Path) -> None:
+    rollback = cmd(RollbackRequested, checkpoint_id="step-10", to_step=10, skip_from=10, skip_to=15, reason="spike")
+    code, log, _, loop = run_loop(tmp_path, {(20, 1): [rollback]})
+    assert code == 0
+    steps = [s for s, _ in ranks.losses(log, 0)]
+    assert steps == list(range(20)) + list(range(10, 30))
+    (rb,) = ranks.events(log, "RolledBack")
+    assert (rb["checkpoint_id"], rb["to_step"], rb["skip_from"], rb["skip_to"]) == ("step-10", 10, 10, 15)
+    assert loop.stream.next_batch == 35  # batches 10..14 were skipped after the rollback
+    first, second = (loss for s, loss in ranks.losses(log, 0) if s == 10)
+    assert first != second  # step 10 read batch 15 the second time
+    # Commands come before the periodic save at a boundary: step 20 was saved only on the new timeline.
+    staged = [(e["step"], e["data"]) for e in ranks.events(log, "CheckpointStaged")]
+    assert staged == [(10, {"next_batch": 10, "skipped": []}), (20, {"next_batch": 25, "skipped": [[10, 15]]}),
+                      (30, {"next_batch": 35, "skipped": [[10, 15]]})]
+
+
+def test_pause_holds_the_step_until_resume(tmp_path: Path) -> None:
+    code, log, inbox, _ = run_loop(tmp_path, {(5, 1): [cmd(PauseRequested)], (5, 4): [cmd(ResumeRequested)]}, steps=8)
+    assert code == 0
+    assert inbox.polls_at[5] == 4  # paused: the loop kept polling at step 5 and ran no step
+    done = ranks.events(log, "StepCompleted")
+    assert [e["step"] for e in done] == list(range(8))
+    assert done[5]["occurred_at"] - done[4]["occurred_at"] >= 3 * PAUSE_POLL_S
+
+
+def test_stop_with_checkpoint_saves_then_exits_zero(tmp_path: Path) -> None:
+    script = {(3, 1): [cmd(CheckpointRequested)], (7, 1): [cmd(StopRequested, checkpoint=True)]}
+    code, log, _, _ = run_loop(tmp_path, script)
+    assert code == 0
+    assert [s for s, _ in ranks.losses(log, 0)] == list(range(7))
+    assert [e["step"] for e in ranks.events(log, "CheckpointStaged")] == [3, 7]
+    assert (tmp_path / "staging" / JOB / "step-7" / ".metadata").exists()
+
+
+def test_commands_arrive_through_the_broker(nats_server: broker_mod.Broker, tmp_path: Path) -> None:
+    ranks_url = nats_server.url
+
+    async def setup_and_publish(stage: str) -> None:
+        nc = await nats.connect(ranks_url)
+        js = nc.jetstream()
+        if stage == "streams":
+            for name, pattern in subjects.STREAM_SUBJECTS.items():
+                await js.add_stream(name=name, subjects=[pattern])
+        else:
+            for c in (cmd(CheckpointRequested, reason="test"), cmd(StopRequested, checkpoint=False)):
+                await js.publish(subjects.job(JOB, type(c).__name__), codec.encode(c))
+        await nc.close()
+
+    asyncio.run(setup_and_publish("streams"))
+    spec = ranks.write_spec(tmp_path / "job.toml", slots=2, train={"steps": 100_000, "checkpoint_every": 100_000})
+    procs = ranks.start(tmp_path, spec, world=2, job_id=JOB, args=("--nats", ranks_url, "--sync-every", "5"))
+    log = tmp_path / "events.jsonl"
+    ranks.wait_for(lambda: len(ranks.events(log, "StepCompleted", 1)) >= 3, 40, "steps")
+    asyncio.run(setup_and_publish("commands"))
+    assert ranks.wait(procs, 30) == [0, 0], ranks.log_tail(tmp_path, 2)
+    staged = ranks.events(log, "CheckpointStaged")
+    assert sorted(e["rank"] for e in staged) == [0, 1] and len({e["step"] for e in staged}) == 1
+    stopped = {ranks.events(log, "StepCompleted", r)[-1]["step"] + 1 for r in (0, 1)}
+    assert len(stopped) == 1  # only rank 0 reads commands; both ranks stopped at the same boundary
+    # Commands are agreed every --sync-every steps: both took effect at such boundaries.
+    (stopped_at,) = stopped
+    assert staged[0]["step"] % 5 == 0 and stopped_at % 5 == 0 and staged[0]["step"] <= stopped_at
+
+
+pytestmark = pytest.mark.timeout(60)
