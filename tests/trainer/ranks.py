@@ -6,11 +6,20 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from events.base import Event
+from events.spec import parse_spec
 from services.broker import free_port
+from trainer import distributed
+from trainer.config import RunConfig
+from trainer.loop import Loop
+from trainer.reports import Emitter
+from trainer.telemetry import Telemetry
 
+JOB = "job-c"
 REPO = Path(__file__).resolve().parents[2]
 
 TINY = {
@@ -30,9 +39,9 @@ def _toml_value(v: Any) -> str:
 def write_spec(path: Path, *, slots: int = 1, faults: list[dict[str, Any]] | None = None,
                **sections: dict[str, Any]) -> Path:
     lines = ['name = "t"', f"slots = {slots}"]
-    for section, defaults in TINY.items():
+    for section in {**TINY, **sections}:
         lines.append(f"[{section}]")
-        merged = {**defaults, **sections.get(section, {})}
+        merged = {**TINY.get(section, {}), **sections.get(section, {})}
         lines += [f"{k} = {_toml_value(v)}" for k, v in merged.items()]
     for fault in faults or []:
         lines.append("[[faults]]")
@@ -98,3 +107,34 @@ def wait_for(cond: Any, timeout: float, what: str) -> None:
 def log_tail(tmp: Path, world: int) -> str:
     logs = [tmp / f"rank-{r}.log" for r in range(world)]
     return "\n".join(f.read_text()[-3000:] for f in logs if f.exists())
+
+
+class ScriptedInbox:
+    """Hands over the commands scripted for (step, n): the n-th poll at that step (a paused loop polls again)."""
+
+    def __init__(self, script: dict[tuple[int, int], list[Event]]) -> None:
+        self.script = script
+        self.step_of: Callable[[], int] = lambda: 0
+        self.polls_at: dict[int, int] = {}
+
+    def poll(self) -> list[Event]:
+        step = self.step_of()
+        self.polls_at[step] = self.polls_at.get(step, 0) + 1
+        return self.script.pop((step, self.polls_at[step]), [])
+
+
+def run_loop(tmp: Path, script: dict[tuple[int, int], list[Event]], steps: int = 30, every: int = 10,
+             faults: list[dict[str, Any]] | None = None) -> tuple[int, Path, ScriptedInbox, Loop]:
+    """One rank in this process (telemetry off), commands from `script`; returns its exit code and log."""
+    spec_path = write_spec(tmp / "job.toml", train={"steps": steps, "checkpoint_every": every}, faults=faults)
+    cfg = RunConfig(job_id=JOB, spec=parse_spec(spec_path.read_bytes()), attempt=0, node="n", nats_url=None,
+                    staging=tmp / "staging", restore=None, manifest=None, rank=0, world_size=1, local_rank=0,
+                    device="cpu", sync_every=1, events_log=tmp / "events.jsonl")
+    envelope = {"job_id": JOB, "rank": 0, "attempt": 0, "node": "n"}
+    emitter = Emitter(Telemetry(None, JOB, 0, 0, "n"), envelope, cfg.events_log)
+    inbox = ScriptedInbox(script)
+    loop = Loop(cfg, distributed.init(0, 1, 0, "cpu"), emitter, inbox)
+    inbox.step_of = lambda: loop.step
+    code = loop.run()
+    emitter.close()
+    return code, tmp / "events.jsonl", inbox, loop

@@ -2,7 +2,6 @@
 events read back from the JSON-lines log; then once through a real broker and `python -m trainer`."""
 
 import asyncio
-from collections.abc import Callable
 from pathlib import Path
 
 import nats
@@ -11,46 +10,12 @@ import pytest
 from events import codec, subjects
 from events.base import Event
 from events.commands import CheckpointRequested, PauseRequested, ResumeRequested, RollbackRequested, StopRequested
-from events.spec import parse_spec
+from events.streams import ensure_streams
 from services import broker as broker_mod
 from tests.trainer import ranks
-from trainer import distributed
-from trainer.config import RunConfig
-from trainer.loop import PAUSE_POLL_S, Loop
-from trainer.reports import Emitter
-from trainer.telemetry import Telemetry
+from trainer.loop import PAUSE_POLL_S
 
-JOB = "job-c"
-
-
-class ScriptedInbox:
-    """Hands over the commands scripted for (step, n): the n-th poll at that step (a paused loop polls again)."""
-
-    def __init__(self, script: dict[tuple[int, int], list[Event]]) -> None:
-        self.script = script
-        self.step_of: Callable[[], int] = lambda: 0
-        self.polls_at: dict[int, int] = {}
-
-    def poll(self) -> list[Event]:
-        step = self.step_of()
-        self.polls_at[step] = self.polls_at.get(step, 0) + 1
-        return self.script.pop((step, self.polls_at[step]), [])
-
-
-def run_loop(tmp: Path, script: dict[tuple[int, int], list[Event]], steps: int = 30,
-             every: int = 10) -> tuple[int, Path, ScriptedInbox, Loop]:
-    spec_path = ranks.write_spec(tmp / "job.toml", train={"steps": steps, "checkpoint_every": every})
-    cfg = RunConfig(job_id=JOB, spec=parse_spec(spec_path.read_bytes()), attempt=0, node="n", nats_url=None,
-                    staging=tmp / "staging", restore=None, manifest=None, rank=0, world_size=1, local_rank=0,
-                    device="cpu", sync_every=1, events_log=tmp / "events.jsonl")
-    envelope = {"job_id": JOB, "rank": 0, "attempt": 0, "node": "n"}
-    emitter = Emitter(Telemetry(None, JOB, 0, 0, "n"), envelope, cfg.events_log)
-    inbox = ScriptedInbox(script)
-    loop = Loop(cfg, distributed.init(0, 1, 0, "cpu"), emitter, inbox)
-    inbox.step_of = lambda: loop.step
-    code = loop.run()
-    emitter.close()
-    return code, tmp / "events.jsonl", inbox, loop
+JOB = ranks.JOB
 
 
 def cmd(cls: type[Event], **kw: object) -> Event:
@@ -59,7 +24,7 @@ def cmd(cls: type[Event], **kw: object) -> Event:
 
 def test_rollback_restores_the_checkpoint_and_skips_the_window(tmp_path: Path) -> None:
     rollback = cmd(RollbackRequested, checkpoint_id="step-10", to_step=10, skip_from=10, skip_to=15, reason="spike")
-    code, log, _, loop = run_loop(tmp_path, {(20, 1): [rollback]})
+    code, log, _, loop = ranks.run_loop(tmp_path, {(20, 1): [rollback]})
     assert code == 0
     steps = [s for s, _ in ranks.losses(log, 0)]
     assert steps == list(range(20)) + list(range(10, 30))
@@ -75,7 +40,8 @@ def test_rollback_restores_the_checkpoint_and_skips_the_window(tmp_path: Path) -
 
 
 def test_pause_holds_the_step_until_resume(tmp_path: Path) -> None:
-    code, log, inbox, _ = run_loop(tmp_path, {(5, 1): [cmd(PauseRequested)], (5, 4): [cmd(ResumeRequested)]}, steps=8)
+    script = {(5, 1): [cmd(PauseRequested)], (5, 4): [cmd(ResumeRequested)]}
+    code, log, inbox, _ = ranks.run_loop(tmp_path, script, steps=8)
     assert code == 0
     assert inbox.polls_at[5] == 4  # paused: the loop kept polling at step 5 and ran no step
     done = ranks.events(log, "StepCompleted")
@@ -85,7 +51,7 @@ def test_pause_holds_the_step_until_resume(tmp_path: Path) -> None:
 
 def test_stop_with_checkpoint_saves_then_exits_zero(tmp_path: Path) -> None:
     script = {(3, 1): [cmd(CheckpointRequested)], (7, 1): [cmd(StopRequested, checkpoint=True)]}
-    code, log, _, _ = run_loop(tmp_path, script)
+    code, log, _, _ = ranks.run_loop(tmp_path, script)
     assert code == 0
     assert [s for s, _ in ranks.losses(log, 0)] == list(range(7))
     assert [e["step"] for e in ranks.events(log, "CheckpointStaged")] == [3, 7]
@@ -99,8 +65,7 @@ def test_commands_arrive_through_the_broker(nats_server: broker_mod.Broker, tmp_
         nc = await nats.connect(ranks_url)
         js = nc.jetstream()
         if stage == "streams":
-            for name, pattern in subjects.STREAM_SUBJECTS.items():
-                await js.add_stream(name=name, subjects=[pattern])
+            await ensure_streams(js)
         else:
             for c in (cmd(CheckpointRequested, reason="test"), cmd(StopRequested, checkpoint=False)):
                 await js.publish(subjects.job(JOB, type(c).__name__), codec.encode(c))
