@@ -45,7 +45,8 @@ class ConcurrencyConflict(Exception):
 
 
 class StoreUnavailable(Exception):
-    """The broker could not be reached or did not answer in time."""
+    """The broker could not be reached or did not answer in time. An append that raised this may still
+    land (the client flushes what it buffered once reconnected): retry it with the same msg id."""
 
 
 class EventStore(Protocol):
@@ -119,12 +120,17 @@ class MemoryStore:
         expected_last_seq: int | None = None,
         fence: str = "",
     ) -> AppendResult:
+        return await self.append_bytes(subject, codec.encode(event), msg_id=msg_id or event.event_id,
+                                       expected_last_seq=expected_last_seq, fence=fence)
+
+    async def append_bytes(
+        self, subject: str, data: bytes, *, msg_id: str = "", expected_last_seq: int | None = None, fence: str = ""
+    ) -> AppendResult:
+        """`append` for bytes already encoded (or, in tests, deliberately not an event)."""
         stream = stream_of(subject)
-        msg_id = msg_id or event.event_id
         now = self._clock()
-        seen = self._seen[stream]
-        if msg_id and msg_id in seen and now - seen[msg_id][0] < DEDUP_WINDOW_S:
-            return AppendResult(stream, seen[msg_id][1], True)
+        # Like JetStream: the fence is checked before the msg id, so a fenced retry whose first try
+        # landed and was then followed by another append is a conflict, not a duplicate.
         if expected_last_seq is not None:
             last = await self.last(stream, fence or subject)
             actual = last.seq if last else 0
@@ -132,9 +138,12 @@ class MemoryStore:
                 if last is not None and msg_id and last.msg_id == msg_id:
                     return AppendResult(stream, last.seq, True)  # an earlier try of this append landed
                 raise ConcurrencyConflict(fence or subject, expected_last_seq, actual)
+        seen = self._seen[stream]
+        if msg_id and msg_id in seen and now - seen[msg_id][0] < DEDUP_WINDOW_S:
+            return AppendResult(stream, seen[msg_id][1], True)
         messages = self._streams[stream]
         seq = len(messages) + 1
-        messages.append(decoded(stream, seq, subject, codec.encode(event), msg_id))
+        messages.append(decoded(stream, seq, subject, data, msg_id))
         if msg_id:
             seen[msg_id] = (now, seq)
         async with self._changed:
@@ -171,7 +180,8 @@ class MemoryStore:
                 if _filtered(stored.subject, subjects):
                     yield stored
             async with self._changed:
-                await self._changed.wait_for(lambda: len(messages) >= nxt)
+                while len(messages) < nxt:
+                    await self._changed.wait()
 
     async def last(self, stream: str, subject: str) -> Stored | None:
         for stored in reversed(self._streams[stream]):

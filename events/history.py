@@ -1,0 +1,93 @@
+"""Job histories: every event on `fd.ctl.job.<job>.*` carries its contiguous position, `job_version`.
+
+Appends are fenced on the whole job (`fd.ctl.job.<job>.>`), so two writers can never give two events
+the same version; a writer that loses the race re-reads and tries again. A replay checks that versions
+run 1, 2, 3, ... : a quietly truncated store file shows up as a gap instead of a shorter history.
+"""
+
+import msgspec
+import structlog
+
+from events import subjects
+from events.base import JobEvent
+from events.codec import type_name
+from events.store import AppendResult, ConcurrencyConflict, EventStore, Stored
+
+log = structlog.get_logger(__name__)
+
+MAX_ATTEMPTS = 1000  # a conflict means another writer made progress, so this bounds a livelock, not slowness
+
+
+class HistoryGap(Exception):
+    """A job history whose versions are not contiguous: messages were lost or the history was forged."""
+
+    def __init__(self, job_id: str, expected: int, found: int, seq: int) -> None:
+        super().__init__(
+            f"job {job_id}: expected job_version {expected} at stream sequence {seq}, found {found}; "
+            "the history is missing events (a lost or truncated store file?) and cannot be replayed as is"
+        )
+        self.job_id, self.expected, self.found, self.seq = job_id, expected, found, seq
+
+
+class _Versioned(msgspec.Struct):
+    """Just the version of a stored job event, readable even when the full event is not (e.g. newer schema)."""
+
+    job_version: int = 0
+
+
+_version_decoder = msgspec.msgpack.Decoder(_Versioned)
+
+
+def version_of(stored: Stored) -> int:
+    """The job_version of a stored job event; 0 when even that cannot be read."""
+    if isinstance(stored.event, JobEvent):
+        return stored.event.job_version
+    try:
+        return _version_decoder.decode(stored.data).job_version
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return 0
+
+
+async def append_to_job(store: EventStore, event: JobEvent, msg_id: str = "") -> AppendResult:
+    """Append `event` as the next version of its job's history; de-duplicated on `msg_id` (default: event id).
+
+    A retry of an append that already landed returns that append with `duplicate=True`: recognised by
+    the msg id of the job's last message, or (when others appended since) by the store's de-duplication.
+    """
+    fence = subjects.job_all(event.job_id)
+    subject = subjects.job(event.job_id, type_name(event))
+    msg_id = msg_id or event.event_id
+    bound = log.bind(job_id=event.job_id, type=type_name(event), msg_id=msg_id)
+    conflict: ConcurrencyConflict | None = None
+    for attempt in range(1, MAX_ATTEMPTS + 1):
+        last = await store.last(subjects.CONTROL, fence)
+        if last is not None and msg_id and last.msg_id == msg_id:
+            return AppendResult(last.stream, last.seq, True)
+        version = version_of(last) + 1 if last is not None else 1
+        if last is not None and version == 1:
+            raise HistoryGap(event.job_id, 1, 0, last.seq)  # the last message is no versioned job event
+        try:
+            return await store.append(subject, msgspec.structs.replace(event, job_version=version), msg_id=msg_id,
+                                      expected_last_seq=last.seq if last is not None else 0, fence=fence)
+        except ConcurrencyConflict as exc:
+            conflict = exc
+            bound.debug("job history moved, retrying", attempt=attempt, expected=exc.expected, actual=exc.actual)
+    assert conflict is not None
+    raise conflict
+
+
+async def read_job(store: EventStore, job_id: str, *, check: bool = True) -> list[Stored]:
+    """The job's control history in order; with `check`, raise HistoryGap unless versions run 1, 2, ..."""
+    history: list[Stored] = []
+    async for batch in store.read(subjects.CONTROL, [subjects.job_all(job_id)]):
+        history.extend(batch)
+    if check:
+        check_contiguous(job_id, history)
+    return history
+
+
+def check_contiguous(job_id: str, history: list[Stored], first: int = 1) -> None:
+    for expected, stored in enumerate(history, start=first):
+        found = version_of(stored)
+        if found != expected:
+            raise HistoryGap(job_id, expected, found, stored.seq)

@@ -1,0 +1,207 @@
+"""Reading a stream fast: an ephemeral push consumer delivered to a raw subscription.
+
+A replay of a long history is CPU-bound in the client. nats-py spends most of each message building a
+`Msg`, parsing its headers and passing it through a queue to a callback task; a replay needs none of
+that. `StoreClient` hands the frames of a "sink" subscription straight to a plain function, and `Replay`
+turns them into `Stored` records a batch at a time. It keeps an ordered consumer's guarantees: a gap
+in consumer sequences, a consumer that vanished, or missed heartbeats recreate the consumer from the
+next stream sequence wanted, so no message is skipped or repeated.
+"""
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Sequence
+
+import nats.errors
+import structlog
+from nats.aio.client import Client
+from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import APIError, ServerError, ServiceUnavailableError
+
+from events.store import Stored, StoreUnavailable, decoded
+
+log = structlog.get_logger(__name__)
+
+Frame = tuple[bytes, bytes, bytes, bytes]  # subject, reply, payload, raw headers (b"" when none)
+
+_ACK = b"$JS.ACK."
+_MSG_ID = b"Nats-Msg-Id:"
+_STATUS = b"NATS/1.0 "
+
+
+class StoreClient(Client):
+    """nats-py's client, plus sink subscriptions whose frames bypass the per-message machinery."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._sinks: dict[int, Callable[[Frame], None]] = {}
+
+    async def _process_msg(self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes) -> None:
+        sink = self._sinks.get(sid)
+        if sink is None:
+            await super()._process_msg(sid, subject, reply, data, headers)
+        else:
+            sink((subject, reply, data, headers or b""))
+
+    async def sink_subscribe(self, subject: str, sink: Callable[[Frame], None]) -> Subscription:
+        """Subscribe with `sink` called, in the read loop, with each raw frame: it must not block."""
+        sub = await self.subscribe(subject)
+        self._sinks[sub._id] = sink  # nats-py keeps a subscription's id across reconnects
+        return sub
+
+    async def sink_unsubscribe(self, sub: Subscription) -> None:
+        self._sinks.pop(sub._id, None)
+        await sub.unsubscribe()
+
+
+def is_unavailable(exc: BaseException) -> bool:
+    """Whether `exc` means the broker could not be reached or did not answer, rather than a refusal."""
+    if isinstance(exc, APIError):  # an answer: only "JetStream not available" and server errors are outages
+        return isinstance(exc, ServiceUnavailableError | ServerError)
+    return isinstance(exc, nats.errors.Error | asyncio.TimeoutError | OSError)
+
+
+def msg_id_of(headers: bytes) -> str:
+    i = headers.find(_MSG_ID)
+    if i < 0:
+        return ""
+    j = headers.find(b"\r\n", i)
+    return headers[i + len(_MSG_ID) : j if j >= 0 else None].strip().decode()
+
+
+def _header(headers: bytes, name: bytes) -> bytes:
+    i = headers.find(name + b":")
+    if i < 0:
+        return b""
+    j = headers.find(b"\r\n", i)
+    return headers[i + len(name) + 1 : j if j >= 0 else None].strip()
+
+
+class _Reset(Exception):
+    """The consumer lost its place (gap, deleted, or silent): start again from `next_seq`."""
+
+
+class Replay:
+    """One ordered read of `stream` from `from_seq`; to `end` (inclusive) or, with end None, forever."""
+
+    def __init__(self, nc: StoreClient, js: JetStreamContext, stream: str, subjects: Sequence[str], from_seq: int,
+                 end: int | None, *, heartbeat_s: float = 2.0, timeout: float = 5.0) -> None:
+        self._nc, self._js, self._stream = nc, js, stream
+        self._subjects = list(subjects)
+        self.next_seq = max(from_seq, 1)
+        self._end = end
+        self._heartbeat_s, self._timeout = heartbeat_s, timeout
+        self._frames: list[Frame] = []
+        self._wake = asyncio.Event()
+        self._sub: Subscription | None = None
+        self._consumer = ""
+        self._dseq = 0  # consumer sequence of the last data message taken
+
+    def _sink(self, frame: Frame) -> None:
+        self._frames.append(frame)
+        self._wake.set()
+
+    async def _start(self) -> int:
+        """A fresh consumer from `next_seq`; returns how many matching messages it has to deliver."""
+        await self._stop()
+        inbox = self._nc.new_inbox()
+        self._frames, self._dseq = [], 0
+        self._sub = await self._nc.sink_subscribe(inbox, self._sink)
+        config = ConsumerConfig(
+            deliver_subject=inbox, deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=self.next_seq,
+            ack_policy=AckPolicy.NONE, max_deliver=1, flow_control=True, idle_heartbeat=self._heartbeat_s,
+            mem_storage=True, num_replicas=1, inactive_threshold=max(30.0, 5 * self._heartbeat_s),
+            filter_subjects=self._subjects or None,
+        )
+        info = await self._js.add_consumer(self._stream, config, timeout=self._timeout)
+        self._consumer = info.name or ""
+        return info.num_pending or 0
+
+    async def _stop(self) -> None:
+        sub, consumer, self._sub, self._consumer = self._sub, self._consumer, None, ""
+        with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError, OSError):
+            if sub is not None:
+                await self._nc.sink_unsubscribe(sub)
+            if consumer and self._nc.is_connected:
+                # an ephemeral consumer would also go by itself after inactive_threshold; this is sooner
+                await self._js.delete_consumer(self._stream, consumer)
+
+    async def _restart(self, *, forever: bool) -> int:
+        """`_start`, retried while the broker is unavailable: for `timeout` seconds, or forever."""
+        delay = 0.1
+        deadline = asyncio.get_running_loop().time() + self._timeout
+        while True:
+            try:
+                return await self._start()
+            except Exception as exc:
+                if not is_unavailable(exc):
+                    raise
+                if not forever and asyncio.get_running_loop().time() > deadline:
+                    raise StoreUnavailable(f"cannot read {self._stream}: {exc!r}") from exc
+                log.warning("replay consumer start failed", stream=self._stream, next_seq=self.next_seq,
+                            error=repr(exc))
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    async def batches(self) -> AsyncIterator[list[Stored]]:
+        """Stored records in stream order, a batch per wake-up."""
+        end = self._end
+        following = end is None
+        if end is not None and self.next_seq > end:
+            return
+        try:
+            pending = await self._restart(forever=following)
+            while end is None or (pending > 0 and self.next_seq <= end):
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout=3 * self._heartbeat_s)
+                except TimeoutError:
+                    log.info("replay consumer silent, recreating", stream=self._stream, next_seq=self.next_seq)
+                    pending = await self._restart(forever=following)
+                    continue
+                self._wake.clear()
+                frames, self._frames = self._frames, []
+                out: list[Stored] = []
+                try:
+                    done = await self._take(frames, out)
+                except _Reset as reset:
+                    log.info("replay consumer reset", stream=self._stream, next_seq=self.next_seq, why=str(reset))
+                    done = False
+                    pending = await self._restart(forever=following)
+                if out:
+                    yield out
+                if done:
+                    return
+        finally:
+            await self._stop()
+
+    async def _take(self, frames: list[Frame], out: list[Stored]) -> bool:
+        """Append the data frames to `out`, answer flow control; True once `end` is reached."""
+        end = self._end
+        for subject, reply, data, headers in frames:
+            if reply.startswith(_ACK):
+                tokens = reply.split(b".")
+                base = 2 if len(tokens) == 9 else 4  # v1 ack subjects have 9 tokens, v2 add domain and account
+                sseq, dseq, pending = int(tokens[base + 3]), int(tokens[base + 4]), int(tokens[base + 6])
+                if dseq != self._dseq + 1:
+                    raise _Reset(f"consumer sequence {dseq} after {self._dseq}")
+                self._dseq = dseq
+                if end is not None and sseq > end:
+                    return True
+                out.append(decoded(self._stream, sseq, subject.decode(), data, msg_id_of(headers)))
+                self.next_seq = sseq + 1
+                if end is not None and (sseq == end or pending == 0):
+                    return True
+            elif headers.startswith(_STATUS + b"100"):
+                if reply:  # flow control request: answered once everything before it is taken
+                    await self._nc.publish(reply.decode())
+                stalled = _header(headers, b"Nats-Consumer-Stalled")
+                if stalled:
+                    await self._nc.publish(stalled.decode())
+                last = _header(headers, b"Nats-Last-Consumer")
+                if last and int(last) > self._dseq:
+                    raise _Reset(f"heartbeat says consumer sequence {int(last)}, taken {self._dseq}")
+            elif headers.startswith(_STATUS):
+                raise _Reset(headers.split(b"\r\n", 1)[0].decode(errors="replace"))
+        return False

