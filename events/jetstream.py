@@ -1,6 +1,7 @@
 """The EventStore on NATS JetStream (nats-py): fenced, de-duplicated appends, fast ordered reads."""
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
@@ -131,15 +132,17 @@ class JetStreamStore:
         end = until_seq or await self.last_seq(stream)
         replay = Replay(self.nc, self.js, stream, subjects, from_seq, end, heartbeat_s=self._heartbeat_s,
                         timeout=self._timeout)
-        async for batch in replay.batches():
-            yield batch
+        async with contextlib.aclosing(replay.batches()) as batches:  # its consumer goes when this read does
+            async for batch in batches:
+                yield batch
 
     async def follow(self, stream: str, subjects: Sequence[str] = (), *, from_seq: int = 1) -> AsyncIterator[Stored]:
         replay = Replay(self.nc, self.js, stream, subjects, from_seq, None, heartbeat_s=self._heartbeat_s,
                         timeout=self._timeout)
-        async for batch in replay.batches():
-            for stored in batch:
-                yield stored
+        async with contextlib.aclosing(replay.batches()) as batches:
+            async for batch in batches:
+                for stored in batch:
+                    yield stored
 
     async def last(self, stream: str, subject: str) -> Stored | None:
         request = json.dumps({"last_by_subj": subject}).encode()

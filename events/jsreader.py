@@ -10,7 +10,7 @@ next stream sequence wanted, so no message is skipped or repeated.
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 
 import nats.errors
 import structlog
@@ -145,7 +145,7 @@ class Replay:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
 
-    async def batches(self) -> AsyncIterator[list[Stored]]:
+    async def batches(self) -> AsyncGenerator[list[Stored], None]:
         """Stored records in stream order, a batch per wake-up."""
         end = self._end
         following = end is None
