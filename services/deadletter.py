@@ -9,7 +9,10 @@ from dataclasses import dataclass
 
 from events import subjects
 from events.clock import DeadLettered
-from events.store import Stored
+from events.store import EventStore, Stored
+
+GIVEN_UP = "max_deliver"  # the server stopped delivering an input the service never folded
+FOLDED_ANYWAY = "max_deliver_folded"  # ... one the service did fold, but whose acks never arrived
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,3 +52,15 @@ def advisory_subject(stream: str, consumer: str) -> str:
 def parse_advisory(data: bytes) -> MaxDeliveries:
     body = json.loads(data)
     return MaxDeliveries(str(body["stream"]), str(body["consumer"]), int(body["stream_seq"]), int(body["deliveries"]))
+
+
+async def given_up(store: EventStore, service: str) -> set[int]:
+    """FD_CONTROL sequences the server gave up delivering to `service` before it folded them. The live
+    service never folded them, so a replay must skip them too."""
+    seqs: set[int] = set()
+    async for batch in store.read(subjects.DEAD, [subjects.dead(service)]):
+        for stored in batch:
+            ev = stored.event
+            if isinstance(ev, DeadLettered) and ev.stream == subjects.CONTROL and ev.event_id.endswith(f":{GIVEN_UP}"):
+                seqs.add(ev.seq)
+    return seqs

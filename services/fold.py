@@ -7,7 +7,7 @@ returns, per input, the stamped outputs its core decided. No I/O here: `replay` 
 
 import traceback
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -19,6 +19,7 @@ from events.clock import ClockTick, DeadLettered
 from events.codec import type_name
 from events.store import EventStore, Stored
 from services.core import Effect, Emit, Service
+from services.deadletter import given_up
 
 S = TypeVar("S")
 
@@ -174,11 +175,14 @@ class _Lookahead:
                 self._done = True
 
 
-async def replay(service: Service[S], store: EventStore, *, until: int = 0,
-                 folder: Folder[S] | None = None) -> AsyncIterator[Step]:
+async def replay(service: Service[S], store: EventStore, *, until: int = 0, folder: Folder[S] | None = None,
+                 skip: Collection[int] | None = None) -> AsyncIterator[Step]:
     """Fold the recorded inputs of `service` up to FD_CONTROL sequence `until` (0: the end now) and yield
-    every step, telemetry folded where the recorded ticks put it. Pass `folder` to keep the state."""
+    every step, telemetry folded where the recorded ticks put it. Pass `folder` to keep the state.
+    `skip`: FD_CONTROL sequences the live service never folded (default: those the server gave up on,
+    as recorded in FD_DEAD)."""
     folder = folder if folder is not None else Folder(service)
+    skipped = skip if skip is not None else await given_up(store, service.name)
     control = [*service.control_subjects, folder.clock_subject]
     telemetry: _Lookahead | None = None
     if service.telemetry_subjects:
@@ -188,6 +192,8 @@ async def replay(service: Service[S], store: EventStore, *, until: int = 0,
         for stored in batch:
             if until and stored.seq > until:
                 return
+            if stored.seq in skipped:
+                continue
             position = folder.tick_position(stored)
             due: list[Stored] = []
             if position is not None and telemetry is not None:

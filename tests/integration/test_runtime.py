@@ -1,0 +1,251 @@
+"""The service shell on a real nats-server: exactly-once outputs under load, across SIGKILL and broker restarts;
+poison quarantined; recorded ticks and telemetry replayed to the same decisions; denied publishes named."""
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import toy_service
+from conftest import restart_broker
+from runtime_helpers import Bus, assert_exactly_once, bus_at, eventually, read_all, spawn_service, submissions
+
+from events import subjects
+from events.clock import ClockTick, DeadLettered
+from events.codec import encode
+from events.commands import CheckpointRequested
+from events.fleet import NodeHeartbeat
+from events.job import CancelRequested, JobQueued
+from events.store import StoreUnavailable
+from events.training import StepCompleted
+from services import broker as broker_mod
+from services.core import Service
+from services.fold import comparable, outputs_of, replay
+from services.runtime import ConsumerPolicy, PublishDenied, consumer_name, run_service
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def answered(bus: Bus, job: str) -> bool:
+    return await bus.store.last(subjects.CONTROL, subjects.job(job, "JobQueued")) is not None
+
+
+def start(factory: Callable[[], Service[Any]], url: str, policy: ConsumerPolicy | None = None,
+          ) -> tuple[asyncio.Task[None], asyncio.Event]:
+    stop = asyncio.Event()
+    return asyncio.create_task(run_service(factory(), url, stop_event=stop, policy=policy)), stop
+
+
+async def stop_service(task: asyncio.Task[None], stop: asyncio.Event) -> None:
+    stop.set()
+    await asyncio.wait_for(task, 15)
+
+
+async def test_under_load_every_input_is_answered_exactly_once(nats_server: broker_mod.Broker) -> None:
+    inputs = submissions(2000)
+    async with bus_at(nats_server.url) as bus:
+        await bus.store.append_batch(inputs)
+        began = time.monotonic()
+        task, stop = start(toy_service.build, nats_server.url)
+        await eventually(lambda: answered(bus, "j1999"), 40, "the last input's answer")
+        elapsed = time.monotonic() - began
+        await stop_service(task, stop)
+        assert_exactly_once(await read_all(bus.store, subjects.CONTROL), inputs)
+    print(f"\n2000 inputs -> 2200 outputs in {elapsed:.2f}s: {2000 / elapsed:.0f} inputs/s (start-up included)")
+
+
+async def test_sigkill_mid_stream_then_restart_answers_every_input_exactly_once(
+        nats_server: broker_mod.Broker, tmp_path: Path) -> None:
+    inputs = submissions(1200)
+    log = tmp_path / "toy.log"
+    async with bus_at(nats_server.url) as bus:
+        proc = spawn_service("toy", nats_server.url, log)
+        try:
+            await bus.store.append_batch(inputs)
+            await eventually(lambda: answered(bus, "j150"), 30, "some answers")
+            os.kill(proc.pid, signal.SIGKILL)
+            assert proc.wait(10) == -signal.SIGKILL
+            assert not await answered(bus, "j1199"), "the kill came too late to test anything"
+            proc = spawn_service("toy", nats_server.url, log)
+            await eventually(lambda: answered(bus, "j1199"), 40, "the last answer after the restart")
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(15) == 0, log.read_text()[-3000:]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert_exactly_once(await read_all(bus.store, subjects.CONTROL), inputs)
+    lines = log.read_text().splitlines()
+    assert sum('"event": "rebuilt"' in line and '"service": "toy"' in line for line in lines) == 2
+    assert any('"event": "stopped"' in line for line in lines)
+
+
+async def test_poison_is_dead_lettered_with_its_reason_and_the_service_goes_on(nats_server: broker_mod.Broker) -> None:
+    future = msgspec.structs.replace(submissions(1, "p3")[0][1], schema_version=99)
+    async with bus_at(nats_server.url) as bus:
+        task, stop = start(toy_service.build, nats_server.url)
+        await bus.js.publish("fd.ctl.job.p1.JobSubmitted", os.urandom(64))
+        unknown = msgspec.msgpack.encode({"type": "NoSuchEvent", "job_id": "p2"})
+        await bus.js.publish("fd.ctl.job.p2.JobSubmitted", unknown)
+        await bus.js.publish("fd.ctl.job.p3.JobSubmitted", encode(future))
+        await bus.js.publish("fd.ctl.job.p5.JobSubmitted", encode(submissions(1, "p4")[0][1]))  # another job's event
+        await bus.store.append(subjects.job("p6", "CancelRequested"), CancelRequested(job_id="p6", reason="boom"))
+        await bus.store.append_batch(submissions(1, "p7"))
+        await eventually(lambda: answered(bus, "p70"), 20, "the valid input after the poison")
+        assert not task.done()
+        dead = [s.event for s in await read_all(bus.store, subjects.DEAD)]
+        assert all(isinstance(d, DeadLettered) and d.service == "toy" for d in dead) and len(dead) == 5
+        reasons = {d.subject: d.reason for d in dead if isinstance(d, DeadLettered)}
+        assert reasons["fd.ctl.job.p1.JobSubmitted"].startswith("undecodable: ")
+        assert "NoSuchEvent" in reasons["fd.ctl.job.p2.JobSubmitted"]
+        assert "schema version 99" in reasons["fd.ctl.job.p3.JobSubmitted"]
+        assert reasons["fd.ctl.job.p5.JobSubmitted"].startswith("invalid: ")
+        assert reasons["fd.ctl.job.p6.CancelRequested"].startswith("core failed: RuntimeError: boom in p6 at ")
+        info = await bus.js.consumer_info(subjects.CONTROL, consumer_name("toy"))
+        assert info.num_pending == 0 and info.num_ack_pending == 0  # poison terminated, not left to redeliver
+        await stop_service(task, stop)
+
+
+async def test_an_input_that_kills_the_process_is_given_up_dead_lettered_and_skipped_by_replay(
+        nats_server: broker_mod.Broker, tmp_path: Path) -> None:
+    log = tmp_path / "toy.log"
+    env = {"TOY_DIE": "1", "FLIGHTDECK_MAX_DELIVER": "2", "FLIGHTDECK_BACKOFF_S": "0.5"}
+    async with bus_at(nats_server.url) as bus:
+        await bus.store.append_batch(submissions(1, "d"))
+        die = await bus.store.append(subjects.job("k", "CancelRequested"), CancelRequested(job_id="k", reason="die"))
+        await bus.store.append_batch(submissions(1, "e"))
+        deaths = 0
+        proc = spawn_service("toy", nats_server.url, log, **env)
+        try:
+            while not await answered(bus, "e0"):
+                if proc.poll() is not None:
+                    assert proc.returncode == 17, log.read_text()[-3000:]
+                    deaths += 1
+                    assert deaths <= 2, "the server kept delivering past max_deliver"
+                    proc = spawn_service("toy", nats_server.url, log, **env)
+                await asyncio.sleep(0.1)
+            assert deaths == 2  # one death per delivery; the third process got the advisory instead
+
+            async def recorded() -> bool:
+                return any(isinstance(d.event, DeadLettered) and d.event.seq == die.seq and "given up" in d.event.reason
+                           for d in await read_all(bus.store, subjects.DEAD))
+            await eventually(recorded, 10, "the dead letter for the input the server gave up on")
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(15) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        control = await read_all(bus.store, subjects.CONTROL)
+        live = [s.event for s in control if isinstance(s.event, JobQueued)]
+        assert [(e.job_id, e.priority) for e in live] == [("d0", 1), ("e0", 2)]
+        steps = [s async for s in replay(toy_service.build(), bus.store)]
+    assert die.seq not in [s.input.seq for s in steps]  # skipped as live, not folded (it would not kill this process)
+    assert [comparable(o.event) for o in outputs_of(steps) if isinstance(o.event, JobQueued)] == \
+        [comparable(e) for e in live]
+
+
+async def test_a_broker_restart_mid_stream_loses_nothing(nats_server: broker_mod.Broker) -> None:
+    inputs = submissions(1000)
+    broker = nats_server
+    async with bus_at(nats_server.url) as bus:
+        task, stop = start(toy_service.build, nats_server.url)
+        try:
+            await bus.store.append_batch(inputs[:600])
+            await eventually(lambda: answered(bus, "j100"), 30, "some answers")
+            assert not await answered(bus, "j599"), "the restart came too late to test anything"
+            broker = await asyncio.to_thread(restart_broker, nats_server)
+            for attempt in range(50):
+                try:
+                    await bus.store.append_batch(inputs[600:])
+                    break
+                except (StoreUnavailable, TimeoutError) as exc:  # our own client is reconnecting too
+                    print(f"append attempt {attempt}: {exc!r}")
+                    await asyncio.sleep(0.2)
+            await eventually(lambda: answered(bus, "j999"), 40, "the last answer after the restart")
+            await stop_service(task, stop)
+            assert_exactly_once(await read_all(bus.store, subjects.CONTROL), inputs)
+        finally:
+            if not task.done():
+                task.cancel()
+            if broker is not nats_server:
+                broker.stop()
+
+
+async def test_ticks_are_recorded_and_replay_reproduces_the_live_outputs(nats_server: broker_mod.Broker) -> None:
+    async with bus_at(nats_server.url) as bus:
+        task, stop = start(toy_service.build, nats_server.url)
+        for burst in range(5):
+            await bus.store.append_batch(submissions(10, f"t{burst}-"))
+            await asyncio.sleep(0.3)
+        await eventually(lambda: answered(bus, "t4-9"), 20, "the last answer")
+        await asyncio.sleep(0.5)
+        await stop_service(task, stop)
+        control = await read_all(bus.store, subjects.CONTROL)
+    ticks = [s.event for s in control if isinstance(s.event, ClockTick)]
+    assert len(ticks) >= 4 and all(t.service == "toy" and subjects.CONTROL in t.positions for t in ticks)
+    assert [t.now for t in ticks] == sorted(t.now for t in ticks)
+    live = [s.event for s in control
+            if s.event is not None and s.event.producer == "toy" and not isinstance(s.event, ClockTick)]
+    assert sum(isinstance(e, NodeHeartbeat) and e.node == "toy-clock" for e in live) == len(ticks)
+    async with bus_at(nats_server.url) as bus:
+        replayed = outputs_of([s async for s in replay(toy_service.build(), bus.store)])
+    assert [comparable(o.event) for o in replayed] == [comparable(e) for e in live]
+
+
+async def test_telemetry_is_folded_in_the_recorded_order_across_a_restart(nats_server: broker_mod.Broker) -> None:
+    def steps(first: int, last: int) -> list[tuple[str, StepCompleted]]:
+        return [(subjects.telemetry("tel", rank, "StepCompleted"),
+                 StepCompleted(job_id="tel", rank=rank, step=n, loss=1.0, grad_norm=1.0, lr=0.1, tokens_per_s=1.0,
+                               step_time_s=0.1, event_id=f"tel-{rank}-{n}", occurred_at=float(n)))
+                for n in range(first, last) for rank in (1, 0)]
+
+    async def outputs(bus: Bus) -> list[CheckpointRequested]:
+        return [s.event for s in await read_all(bus.store, subjects.CONTROL, ("fd.ctl.job.tel.CheckpointRequested",))
+                if isinstance(s.event, CheckpointRequested)]
+
+    def folded(bus: Bus, n: int) -> Callable[[], Awaitable[bool]]:
+        async def check() -> bool:
+            return len(await outputs(bus)) >= n
+        return check
+
+    async with bus_at(nats_server.url) as bus:
+        task, stop = start(toy_service.build_telemetry, nats_server.url)
+        await bus.store.append_batch(steps(0, 40))
+        await eventually(folded(bus, 80), 20, "the first burst folded")
+        await stop_service(task, stop)
+        await bus.store.append_batch(steps(40, 70))  # while the service is down
+        task, stop = start(toy_service.build_telemetry, nats_server.url)
+        await bus.store.append_batch(steps(70, 100))
+        await eventually(folded(bus, 200), 20, "every step folded")
+        await asyncio.sleep(0.3)
+        await stop_service(task, stop)
+        live = await outputs(bus)
+        recorded = [s.event.event_id for s in await read_all(bus.store, subjects.TELEMETRY) if s.event is not None]
+        assert [e.causation_id for e in live] == recorded
+        assert [int(e.reason.split(":")[2]) for e in live] == list(range(200))
+        replayed = outputs_of([s async for s in replay(toy_service.build_telemetry(), bus.store)])
+    assert [comparable(o.event) for o in replayed] == [comparable(e) for e in live]
+
+
+async def test_a_denied_publish_stops_the_service_naming_the_subject(tmp_path: Path) -> None:
+    config = tmp_path / "denied.conf"
+    config.write_text(
+        "jetstream { sync_interval: always }\n"
+        "authorization { users = [ { user: toy, password: pw, permissions: {\n"
+        '  publish: { allow: [">"], deny: ["fd.ctl.node.toy-node.>"] }, subscribe: { allow: [">"] } } } ] }\n'
+    )
+    broker = broker_mod.start(tmp_path / "nats", config=config)
+    url = f"nats://toy:pw@127.0.0.1:{broker.port}"
+    try:
+        async with bus_at(url) as bus:
+            await bus.store.append_batch(submissions(10))  # the tenth answer goes to the denied node subject
+            with pytest.raises(PublishDenied) as denied:
+                await asyncio.wait_for(run_service(toy_service.build(), url), 30)
+        assert denied.value.subject == "fd.ctl.node.toy-node.NodeHeartbeat"
+        assert "fd.ctl.node.toy-node.NodeHeartbeat" in str(denied.value)
+    finally:
+        broker.stop()

@@ -1,0 +1,75 @@
+"""Toy deciders the runtime tests run through the real shell (also as `python -m services toy`, registered
+with FLIGHTDECK_EXTRA_SERVICES="toy=toy_service:build" and this folder on PYTHONPATH).
+
+`toy` answers every JobSubmitted with a JobQueued (numbered by how many it has seen: outputs depend on
+state) and, for every tenth job, a NodeHeartbeat; a CancelRequested with reason "boom" makes the core
+raise, and with TOY_DIE=1 one with reason "die" kills the process (what a segfaulting core looks like);
+every tick it emits a NodeHeartbeat on its clock node. `toytel` answers every StepCompleted it
+folds with a CheckpointRequested naming the rank, the step and how many steps it had folded before.
+"""
+
+import os
+from dataclasses import dataclass, replace
+
+from events import subjects
+from events.base import Event
+from events.clock import ClockTick
+from events.commands import CheckpointRequested
+from events.fleet import NodeHeartbeat
+from events.job import CancelRequested, JobQueued, JobSubmitted
+from events.training import StepCompleted
+from services.core import Emit, Service
+
+TICK_S = float(os.environ.get("TOY_TICK_S", "0.2"))
+DIE = os.environ.get("TOY_DIE") == "1"
+
+
+@dataclass(frozen=True)
+class Tally:
+    jobs: int = 0
+    steps: int = 0
+    ticks: int = 0
+
+
+def evolve(state: Tally, ev: Event) -> Tally:
+    match ev:
+        case JobSubmitted():
+            return replace(state, jobs=state.jobs + 1)
+        case StepCompleted():
+            return replace(state, steps=state.steps + 1)
+        case ClockTick():
+            return replace(state, ticks=state.ticks + 1)
+        case CancelRequested(reason="boom"):
+            raise RuntimeError(f"boom in {ev.job_id}")
+        case CancelRequested(reason="die") if DIE:
+            os._exit(17)
+    return state
+
+
+def decide(state: Tally, ev: Event) -> list[Emit]:
+    match ev:
+        case JobSubmitted():
+            out = [Emit(subjects.job(ev.job_id, "JobQueued"), JobQueued(job_id=ev.job_id, priority=state.jobs))]
+            if state.jobs % 10 == 0:
+                out.append(Emit(subjects.node("toy-node", "NodeHeartbeat"),
+                                NodeHeartbeat(node="toy-node", free_slots=state.jobs)))
+            return out
+        case StepCompleted():
+            reason = f"{ev.rank}:{ev.step}:{state.steps - 1}"
+            return [Emit(subjects.job(ev.job_id, "CheckpointRequested"),
+                         CheckpointRequested(job_id=ev.job_id, reason=reason))]
+        case ClockTick() if ev.service == "toy":
+            return [Emit(subjects.node("toy-clock", "NodeHeartbeat"),
+                         NodeHeartbeat(node="toy-clock", free_slots=state.jobs * 1000 + state.ticks))]
+    return []
+
+
+def build() -> Service[Tally]:
+    return Service(name="toy", initial=Tally(), evolve=evolve, decide=decide,
+                   control_subjects=("fd.ctl.job.*.JobSubmitted", "fd.ctl.job.*.CancelRequested"),
+                   tick_s=TICK_S, wants_tick=lambda state, now: state.jobs > 0)
+
+
+def build_telemetry() -> Service[Tally]:
+    return Service(name="toytel", initial=Tally(), evolve=evolve, decide=decide, control_subjects=(),
+                   telemetry_subjects=("fd.tel.*.*.StepCompleted",), tick_s=0.1)
