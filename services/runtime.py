@@ -186,10 +186,18 @@ class Shell:
         sub = await self.retrying("binding the consumer",
                                   lambda: self.js.pull_subscribe_bind(self.consumer, subjects.CONTROL))
         ticker = asyncio.create_task(self._ticker())
+        consumer = asyncio.create_task(self._consume(sub))
         try:
-            await self._consume(sub)
+            await asyncio.wait({ticker, consumer}, return_when=asyncio.FIRST_COMPLETED)
+            failed = ticker.exception() if ticker.done() else None
+            if failed is not None:
+                self.stop.set()  # e.g. ticks denied: finish the input in hand, then fail with the ticker's error
+            await consumer
+            if failed is not None:
+                raise failed
         finally:
             ticker.cancel()
+            consumer.cancel()
             await self.tap.stop()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await ticker
@@ -240,12 +248,11 @@ class Shell:
             seq=seq, subject=msg.subject, event_id=stored.event.event_id if stored.event else "",
             job=subjects.job_of(msg.subject) or "",
         ):
-            for step in self.folder.apply(stored, telemetry):
+            steps = self.folder.apply(stored, telemetry)
+            for step in steps:
                 await self._store(step, msg)
-            if stored.event is None:
-                await self.retrying("terminating", msg.term)
-            else:
-                await self.retrying("acking", msg.ack)
+            # A refused input is terminated, not acked: the server then knows it was never used.
+            await self.retrying("finishing", msg.term if steps[-1].error else msg.ack)
         self.handled.append(seq)
         if self.tick_in_flight and seq >= self.tick_in_flight:
             self.tick_in_flight = 0

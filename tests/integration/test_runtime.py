@@ -4,6 +4,8 @@ poison quarantined; recorded ticks and telemetry replayed to the same decisions;
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -249,3 +251,52 @@ async def test_a_denied_publish_stops_the_service_naming_the_subject(tmp_path: P
         assert "fd.ctl.node.toy-node.NodeHeartbeat" in str(denied.value)
     finally:
         broker.stop()
+
+
+async def test_effects_run_live_their_outcomes_recorded_and_replay_does_not_run_them(
+        nats_server: broker_mod.Broker) -> None:
+    inputs = [*submissions(1, "fx"), *submissions(1, "fxbad")]
+    inputs[1] = (subjects.job("fxbad", "JobSubmitted"), msgspec.structs.replace(inputs[1][1], job_id="fxbad"))
+    async with bus_at(nats_server.url) as bus:
+        task, stop = start(toy_service.build_effects, nats_server.url)
+        await bus.store.append_batch(inputs)
+
+        async def finished() -> bool:
+            return bool(await read_all(bus.store, subjects.DEAD))
+        await eventually(finished, 20, "the failed effect's dead letter")
+        await stop_service(task, stop)
+        [submitted, queued, stamped] = [s for s in await read_all(bus.store, subjects.CONTROL, ("fd.ctl.job.fx0.>",))]
+        [dead] = [s.event for s in await read_all(bus.store, subjects.DEAD)]
+        steps = [s async for s in replay(toy_service.build_effects(), bus.store)]
+        live_queued = [s.event for s in await read_all(bus.store, subjects.CONTROL, ("fd.ctl.job.*.JobQueued",))]
+    assert queued.msg_id == f"toyfx:FD_CONTROL:{submitted.seq}:0"
+    assert stamped.msg_id == f"toyfx:FD_CONTROL:{submitted.seq}:1"  # effect outcomes continue the input's indexes
+    assert isinstance(stamped.event, CheckpointRequested) and stamped.event.job_version == 3
+    assert stamped.event.causation_id == "cli-fx0" and stamped.event.occurred_at > 1_000_000  # when it happened
+    assert isinstance(dead, DeadLettered) and dead.subject == "fd.ctl.job.fxbad.JobSubmitted"
+    assert dead.reason.startswith("effect stamp failed: RuntimeError: cannot stamp fxbad")
+    assert [len(s.effects) for s in steps] == [1, 1]
+    assert [comparable(o.event) for o in outputs_of(steps)] == [comparable(e) for e in live_queued if e is not None]
+
+
+async def test_a_service_started_before_its_broker_waits_for_it(tmp_path: Path) -> None:
+    port = broker_mod.free_port()
+    url = f"nats://127.0.0.1:{port}"
+    task, stop = start(toy_service.build, url)
+    await asyncio.sleep(1.0)
+    assert not task.done()
+    broker = await asyncio.to_thread(broker_mod.start, tmp_path / "nats", port)
+    try:
+        async with bus_at(url) as bus:
+            await bus.store.append_batch(submissions(1, "late"))
+            await eventually(lambda: answered(bus, "late0"), 20, "the answer")
+        await stop_service(task, stop)
+    finally:
+        broker.stop()
+
+
+def test_an_unknown_service_name_is_refused_with_the_choices(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "services", "nosuch", "--nats", "nats://127.0.0.1:1"],
+                          capture_output=True, text=True, timeout=30, cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 2
+    assert "no service called 'nosuch'" in proc.stderr and "scheduler" in proc.stderr

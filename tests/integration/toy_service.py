@@ -6,8 +6,10 @@ state) and, for every tenth job, a NodeHeartbeat; a CancelRequested with reason 
 raise, and with TOY_DIE=1 one with reason "die" kills the process (what a segfaulting core looks like);
 every tick it emits a NodeHeartbeat on its clock node. `toytel` answers every StepCompleted it
 folds with a CheckpointRequested naming the rank, the step and how many steps it had folded before.
+`toyfx` also asks for an effect per job, recorded as a CheckpointRequested (jobs ending in "bad" fail it).
 """
 
+import asyncio
 import os
 from dataclasses import dataclass, replace
 
@@ -18,7 +20,7 @@ from events.commands import CheckpointRequested
 from events.fleet import NodeHeartbeat
 from events.job import CancelRequested, JobQueued, JobSubmitted
 from events.training import StepCompleted
-from services.core import Emit, Service
+from services.core import Effect, Emit, Service
 
 TICK_S = float(os.environ.get("TOY_TICK_S", "0.2"))
 DIE = os.environ.get("TOY_DIE") == "1"
@@ -73,3 +75,23 @@ def build() -> Service[Tally]:
 def build_telemetry() -> Service[Tally]:
     return Service(name="toytel", initial=Tally(), evolve=evolve, decide=decide, control_subjects=(),
                    telemetry_subjects=("fd.tel.*.*.StepCompleted",), tick_s=0.1)
+
+
+async def _stamp(job_id: str) -> list[Emit]:
+    """An effect: I/O the shell runs live (never in a replay) and whose outcome it records."""
+    await asyncio.sleep(0.05)
+    if job_id.endswith("bad"):
+        raise RuntimeError(f"cannot stamp {job_id}")
+    return [Emit(subjects.job(job_id, "CheckpointRequested"), CheckpointRequested(job_id=job_id, reason="stamped"))]
+
+
+def _decide_effects(state: Tally, ev: Event) -> list[Emit | Effect]:
+    if isinstance(ev, JobSubmitted):
+        return [*decide(state, ev), Effect("stamp", ev.job_id)]
+    return []
+
+
+def build_effects() -> Service[Tally]:
+    return Service(name="toyfx", initial=Tally(), evolve=evolve, decide=_decide_effects,
+                   control_subjects=("fd.ctl.job.*.JobSubmitted",), wants_tick=lambda state, now: False,
+                   effects={"stamp": _stamp})

@@ -18,6 +18,7 @@ from events.store import MemoryStore, Stored, decoded
 from events.training import StepCompleted
 from services.core import Effect, Emit, Service
 from services.fold import Folder, Step, comparable, outputs_of, rebuild, replay
+from services.tap import TelemetryTap
 
 
 @dataclass(frozen=True)
@@ -215,3 +216,22 @@ async def test_rebuild_stops_at_the_given_sequence_and_replay_resumes_from_a_fol
     rest = [s async for s in replay(TOY, store, folder=folder)]
     assert [s.input.seq for s in rest] == seqs[3:]
     assert [o.event.priority for o in outputs_of(rest) if isinstance(o.event, JobQueued)] == [4, 5]
+
+
+async def test_the_tap_buffers_within_its_bound_and_reads_what_it_dropped_from_the_store() -> None:
+    store = MemoryStore()
+    tel = [await put(store, subjects.telemetry("j1", 0, "StepCompleted"), step("j1", 0, n)) for n in range(10)]
+    tap = TelemetryTap(store, TOY.telemetry_subjects, limit=3)
+    tap.start(0)
+    for _ in range(50):
+        if tap.seen == tel[-1].seq:
+            break
+        await asyncio.sleep(0.01)
+    await tap.stop()
+    assert tap.seen == tel[-1].seq and len(tap.items) == 3 and tap.complete == tel[2].seq
+    tap.offer(tel[4])  # a repeat of something already seen changes nothing
+    assert len(tap.items) == 3
+    first = await tap.take(0, tel[6].seq)
+    assert [t.seq for t in first] == [t.seq for t in tel[:7]]
+    rest = await tap.take(tel[6].seq, tel[9].seq)
+    assert [t.seq for t in rest] == [t.seq for t in tel[7:]] and not tap.items
