@@ -19,9 +19,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
 
-import nats
 import nats.errors
-import nats.js.errors
 import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -32,22 +30,15 @@ from events.base import JobEvent
 from events.clock import ClockTick
 from events.history import append_to_job
 from events.jetstream import JetStreamStore
-from events.store import EventStore, Stored, StoreUnavailable, decoded
+from events.store import EventStore, Stored, decoded
 from services import deadletter
+from services.connection import TRANSIENT, Connection, PublishDenied, sleep_or_stop
 from services.core import Effect, Emit, Service
 from services.fold import Folder, Output, Step, failure, mismatch, rebuild, stamp
 from services.tap import TelemetryTap
 
 log = structlog.get_logger("flightdeck.shell")
 T = TypeVar("T")
-
-# What a broker going away looks like from nats-py: retried with backoff, never fatal.
-TRANSIENT: tuple[type[BaseException], ...] = (
-    StoreUnavailable, nats.errors.TimeoutError, nats.errors.ConnectionClosedError, nats.errors.NoRespondersError,
-    nats.errors.StaleConnectionError, nats.errors.OutboundBufferLimitError, nats.errors.FlushTimeoutError,
-    nats.js.errors.ServiceUnavailableError, asyncio.TimeoutError, ConnectionError, OSError,
-)
-
 
 @dataclass(frozen=True)
 class ConsumerPolicy:
@@ -68,13 +59,6 @@ class ConsumerPolicy:
                    backoff=tuple(float(b) for b in backoff.split(",")) if backoff else default.backoff)
 
 
-class PublishDenied(RuntimeError):
-    def __init__(self, subject: str) -> None:
-        super().__init__(f"the broker denied this service permission to publish to {subject!r}: "
-                         "grant it in the service's NATS user (infra/nats), then restart the service")
-        self.subject = subject
-
-
 def consumer_name(service: str) -> str:
     return f"service-{subjects.token(service)}"
 
@@ -83,51 +67,6 @@ def filters(patterns: Sequence[str]) -> list[str]:
     """The patterns without duplicates or ones another pattern covers (the server refuses overlapping filters)."""
     unique = list(dict.fromkeys(patterns))
     return [p for p in unique if not any(q != p and subjects.matches(q, p) for q in unique)]
-
-
-class Connection:
-    """A NATS connection that reconnects forever and remembers which subjects the broker refused."""
-
-    def __init__(self, service: str) -> None:
-        self.service = service
-        self.denied: set[str] = set()  # lower-cased: nats-py lower-cases the server's -ERR text
-
-    async def _error(self, exc: Exception) -> None:
-        text = str(exc)
-        if "permissions violation" in text.lower():
-            self.denied.add(text.rsplit(" to ", 1)[-1].strip().strip('"').lower())
-            log.error("broker denied permission", error=text)
-        else:
-            log.warning("nats error", error=text)
-
-    async def _disconnected(self) -> None:
-        log.warning("disconnected from broker; reconnecting")
-
-    async def _reconnected(self) -> None:
-        log.info("reconnected to broker")
-
-    async def open(self, url: str, stop: asyncio.Event) -> JetStreamStore | None:
-        """Connect and provision the streams, retrying until the broker answers (None: stopped first)."""
-        delay = 0.2
-        while not stop.is_set():
-            try:
-                return await JetStreamStore.connect(
-                    url, name=f"flightdeck-{self.service}", error_cb=self._error,
-                    disconnected_cb=self._disconnected, reconnected_cb=self._reconnected,
-                )
-            except TRANSIENT as exc:
-                log.warning("broker unreachable; retrying", url=url, error=repr(exc), retry_in_s=delay)
-                await _sleep_or_stop(stop, delay)
-                delay = min(delay * 2, 5.0)
-        return None
-
-    def is_denied(self, subject: str) -> bool:
-        return subject.lower() in self.denied
-
-
-async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
-    with contextlib.suppress(asyncio.TimeoutError):
-        await asyncio.wait_for(stop.wait(), seconds)
 
 
 async def run_service(service: Service[Any], url: str, *, stop_event: asyncio.Event | None = None,
@@ -227,7 +166,7 @@ class Shell:
                 continue
             except TRANSIENT as exc:
                 log.warning("fetch failed; retrying", error=repr(exc), retry_in_s=delay)
-                await _sleep_or_stop(self.stop, delay)
+                await sleep_or_stop(self.stop, delay)
                 delay = min(delay * 2, 5.0)
                 continue
             for msg in msgs:

@@ -47,19 +47,22 @@ class TelemetryTap:
         self.seen = stored.seq
 
     async def take(self, after: int, upto: int) -> list[Stored]:
-        """The matching messages with `after < seq <= upto`, in order; the buffer forgets them."""
+        """The matching messages with `after < seq <= upto`, in order; the buffer forgets them. If reading
+        the store fails, nothing is forgotten, so the call can simply be retried."""
+        start = max(self.complete, after) + 1  # below this the buffer has everything; from it, the store
+        fetched: list[Stored] = []
+        if start <= upto:
+            async for batch in self.store.read(TELEMETRY, self.patterns, from_seq=start, until_seq=upto):
+                fetched.extend(s for s in batch if s.seq <= upto)
         taken: list[Stored] = []
         while self.items and self.items[0].seq <= upto:
             item = self.items.popleft()
-            if item.seq > after:
+            if after < item.seq < start:  # later ones arrived while reading and are in `fetched`
                 taken.append(item)
-        start = max(self.complete, after) + 1
         if start <= upto:
-            async for batch in self.store.read(TELEMETRY, self.patterns, from_seq=start, until_seq=upto):
-                taken.extend(s for s in batch if s.seq <= upto)
-            self.complete = upto
+            self.complete = max(self.complete, upto)
             self.seen = max(self.seen, upto)
-        return taken
+        return taken + fetched
 
     async def _follow(self) -> None:
         delay = 0.1
