@@ -51,7 +51,7 @@ class Node(msgspec.Struct, frozen=True, kw_only=True):
 class State(msgspec.Struct, frozen=True, kw_only=True):
     nodes: dict[str, Node] = {}
     ledger: Ledger = Ledger()
-    outbox: tuple[Emit, ...] = ()  # outputs of the transition that produced this state
+    outbox: tuple[Emit, ...] = ()  # outputs of the transition that produced this state; not for snapshots
 
 
 class Ports(msgspec.Struct, frozen=True, kw_only=True):

@@ -13,7 +13,17 @@ import msgspec
 
 from events import subjects
 from events.base import Event, JobEvent, NodeEvent
-from events.job import AllocationGranted, WorkersExited, WorkersStarted
+from events.clock import ClockTick
+from events.commands import StopRequested
+from events.fleet import NodeRegistered
+from events.job import (
+    AllocationGranted,
+    AllocationReleased,
+    JobCancelled,
+    JobSubmitted,
+    WorkersExited,
+    WorkersStarted,
+)
 from events.spec import JobSpec, PolicySpec, TrainSpec
 from services.core import Emit, Service
 
@@ -22,6 +32,8 @@ S = TypeVar("S")
 
 def subject_of(event: Event) -> str:
     name = type(event).__name__
+    if isinstance(event, ClockTick):
+        return subjects.clock(event.service)
     if isinstance(event, JobEvent):
         return subjects.job(event.job_id, name)
     assert isinstance(event, NodeEvent), f"no subject rule for {name} in these tests"
@@ -64,6 +76,16 @@ def spec(name: str = "job", *, slots: int = 1, priority: int = 50, max_restarts:
                    policy=PolicySpec(max_restarts=max_restarts))
 
 
+def submit(job_id: str, *, slots: int = 1, priority: int = 50, max_restarts: int = 3, steps: int = 100,
+           event_id: str = "") -> JobSubmitted:
+    return JobSubmitted(job_id=job_id, spec=spec(job_id.split("-")[0], slots=slots, priority=priority,
+                                                 max_restarts=max_restarts, steps=steps), event_id=event_id)
+
+
+def register(node: str, slots: int, *, spare: bool = False) -> NodeRegistered:
+    return NodeRegistered(node=node, kind="gpu", slots=slots, spare=spare, address=f"{node}.example")
+
+
 @dataclass
 class Bus:
     services: Sequence[Service[Any]]
@@ -71,6 +93,7 @@ class Bus:
     states: list[Any] = field(default_factory=list)
     read: list[int] = field(default_factory=list)  # how far each service has read the log
     clock: float = 1000.0
+    limit: int = 20_000  # more messages than any test here needs: a loop between services fails, not hangs
 
     def __post_init__(self) -> None:
         self.states = [s.initial for s in self.services]
@@ -94,11 +117,12 @@ class Bus:
                     seq = self.read[i] + 1
                     ev = self.log[seq - 1]
                     self.read[i] = seq
-                    filters = service.control_subjects
+                    filters = (*service.control_subjects, subjects.clock(service.name))
                     if not any(subjects.matches(f, subject_of(ev)) for f in filters):
                         continue
                     busy = True
                     self.states[i], outs = step(service, self.states[i], ev)
+                    assert len(self.log) + len(outs) <= self.limit, f"runaway: {len(self.log)} messages"
                     for n, out in enumerate(outs):
                         self.log.append(msgspec.structs.replace(
                             out.event, event_id=f"{service.name}:{seq}:{n}", occurred_at=ev.occurred_at,
@@ -130,3 +154,32 @@ class Bus:
         grants = self.of(AllocationGranted, job_id)
         assert grants, f"{job_id} was never granted"
         return grants[-1]
+
+
+class Agents:
+    """Node agents and obedient ranks over a Bus: start the workers of every grant, and on a StopRequested
+    have the job's running ranks exit 0. `running` holds the grants whose workers run, by job."""
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+        self.seen = 0
+        self.running: dict[str, AllocationGranted] = {}
+
+    def __call__(self) -> None:
+        while self.seen < len(self.bus.log):
+            ev = self.bus.log[self.seen]
+            self.seen += 1
+            if isinstance(ev, AllocationGranted):
+                self.running[ev.job_id] = ev
+                self.bus.start_workers(ev)
+            elif isinstance(ev, StopRequested) and ev.job_id in self.running:
+                self.finish(ev.job_id)
+            elif isinstance(ev, AllocationReleased) and ev.job_id in self.running:
+                if self.running[ev.job_id].attempt == ev.attempt:
+                    del self.running[ev.job_id]  # the agent kills what is left; nothing more is reported
+            elif isinstance(ev, JobCancelled):
+                self.running.pop(ev.job_id, None)
+
+    def finish(self, job_id: str, code: int = 0) -> None:
+        """The job's running ranks exit with `code`."""
+        self.bus.exit_workers(self.running.pop(job_id), code)

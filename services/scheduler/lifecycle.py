@@ -1,0 +1,208 @@
+"""How one job moves through its phases, input by input (docs/internals.md, "Job lifecycle choreography").
+
+    queued -> placing -> running -> completed | failed | cancelled
+    running -> stopping -> preempted -> placing ...     (preemption: stop with a checkpoint, re-queue)
+    placing/running -> recovering -> running ...        (a fault within the restart budget)
+
+Events about an attempt other than the job's current one are stale and change nothing: every
+re-placement moves the job to a new attempt at once, so a fault is counted once however many ranks
+report it.
+"""
+
+from collections.abc import Iterable
+
+from events.checkpoint import CheckpointCommitted, CheckpointDeleted
+from events.commands import StopRequested
+from events.findings import RankHung, RankLost
+from events.job import (
+    AllocationDenied,
+    AllocationGranted,
+    AllocationReleased,
+    CancelRequested,
+    JobCancelled,
+    JobCompleted,
+    JobFailed,
+    JobQueued,
+    JobResumed,
+    JobSubmitted,
+    WorkersExited,
+    WorkersStarted,
+)
+from services.scheduler.policy import Fail, Restart, after_fault, fault_reason
+from services.scheduler.state import Checkpoint, Job
+from services.scheduler.tx import Tx
+
+
+def submitted(tx: Tx, ev: JobSubmitted) -> None:
+    if ev.job_id in tx.jobs or ev.job_id in tx.ended:  # the same submission seen again
+        return
+    job = tx.put(Job(job_id=ev.job_id, spec=ev.spec, order=tx.next_order))
+    tx.next_order += 1
+    tx.enqueue(job)
+    tx.emit(JobQueued(job_id=job.job_id, priority=job.spec.priority, reason="submitted"))
+
+
+def _current(tx: Tx, job_id: str, attempt: int) -> Job | None:
+    job = tx.jobs.get(job_id)
+    return job if job is not None and job.attempt == attempt else None
+
+
+def granted(tx: Tx, ev: AllocationGranted) -> None:
+    job = _current(tx, ev.job_id, ev.attempt)
+    if job is None:
+        # Slots granted to an attempt nobody waits for would stay booked: give them back.
+        tx.emit(AllocationReleased(job_id=ev.job_id, attempt=ev.attempt, reason="stale grant"))
+        return
+    if not job.requested:
+        return  # the same grant read again
+    refs = tuple(sorted(ev.assignments, key=lambda r: r.rank))
+    job = tx.update(job, requested=False, assignments=refs, restore=job.newest, use_spares=False)
+    if job.stop == "cancel":
+        cancel_now(tx, job)
+
+
+def denied(tx: Tx, ev: AllocationDenied) -> None:
+    job = _current(tx, ev.job_id, ev.attempt)
+    if job is None or not job.requested:
+        return
+    job = tx.update(job, requested=False, denied_epoch=job.asked_epoch,
+                    phase="queued" if job.phase == "placing" else job.phase)
+    if job.stop == "cancel":
+        cancel_now(tx, job)
+        return
+    tx.enqueue(job)
+    tx.emit(JobQueued(job_id=job.job_id, priority=job.spec.priority, reason=f"allocation denied: {ev.reason}"))
+
+
+def started(tx: Tx, ev: WorkersStarted) -> None:
+    job = _current(tx, ev.job_id, ev.attempt)
+    if job is None or not job.assignments:
+        return
+    job = tx.update(job, started=job.started | (frozenset(ev.ranks) & job.ranks))
+    if job.stop or job.phase not in ("placing", "recovering") or not job.ranks <= job.started:
+        return
+    job = tx.update(job, phase="running", running_since=tx.at)
+    if job.attempt > 0 or job.restore is not None:
+        tx.emit(JobResumed(job_id=job.job_id, attempt=job.attempt, world_size=len(job.assignments),
+                           from_step=job.restore.step if job.restore else 0,
+                           checkpoint_id=job.restore.checkpoint_id if job.restore else ""))
+
+
+def exited(tx: Tx, ev: WorkersExited) -> None:
+    job = _current(tx, ev.job_id, ev.attempt)
+    if job is None or ev.rank not in job.ranks or ev.rank in job.exited:
+        return
+    if job.stop:
+        ranks_gone(tx, job, {ev.rank})
+    elif ev.exit_code != 0:
+        fault(tx, job, ev.event_id, fault_reason(ev), {ev.rank})
+    else:
+        job = tx.update(job, exited=job.exited | {ev.rank})
+        if job.ranks <= job.exited:  # every rank finished with 0, and nobody asked it to stop
+            tx.emit(JobCompleted(job_id=job.job_id, steps=job.spec.train.steps))
+            tx.release(job, "completed")
+            tx.end(job, "completed")
+
+
+def finding(tx: Tx, ev: RankLost | RankHung) -> None:
+    job = _current(tx, ev.job_id, ev.attempt)
+    if job is None or ev.rank not in job.ranks or ev.rank in job.exited:
+        return
+    if job.stop:  # a rank that cannot finish its stop counts as gone; releasing the slots kills it
+        ranks_gone(tx, job, {ev.rank})
+    else:
+        fault(tx, job, ev.event_id, fault_reason(ev), {ev.rank})
+
+
+def node_lost(tx: Tx, node: str, reason: str, cause_id: str) -> None:
+    tx.set_node(node, lost=True, cordoned=True)
+    for job in tx.live():
+        gone = {r.rank for r in job.assignments if r.node == node} - job.exited
+        if not gone:
+            continue
+        if job.stop:
+            ranks_gone(tx, job, gone)
+        else:
+            fault(tx, job, cause_id, f"node {node} lost: {reason}", gone)
+
+
+def fault(tx: Tx, job: Job, cause_id: str, reason: str, gone: Iterable[int]) -> None:
+    """Restart the job on fresh slots, or fail it once the restart budget is spent. Surviving ranks are
+    told to stop first (no checkpoint: the newest committed one is the restore point); releasing the
+    allocation makes the node agents kill whatever does not stop."""
+    job = tx.update(job, exited=job.exited | frozenset(gone), faults=(*job.faults, cause_id))
+    recovery = after_fault(job, reason)
+    if job.started - job.exited:
+        tx.emit(StopRequested(job_id=job.job_id, checkpoint=False, reason=recovery.reason))
+    match recovery:
+        case Restart(reason=why):
+            job = tx.release(job, why)
+            job = tx.update(job, phase="recovering", attempt=job.attempt + 1, restarts=job.restarts + 1,
+                            use_spares=True, restore=None, running_since=0.0)
+            tx.enqueue(job)
+        case Fail(reason=why):
+            tx.emit(JobFailed(job_id=job.job_id, reason=why, causes=list(job.faults)))
+            tx.release(job, "failed")
+            tx.end(job, "failed")
+
+
+def cancel(tx: Tx, ev: CancelRequested) -> None:
+    job = tx.jobs.get(ev.job_id)
+    if job is None or job.stop == "cancel":
+        return
+    reason = ev.reason or "cancel requested"
+    if job.requested:  # the allocation's answer is on its way: cancel once it arrives
+        tx.update(job, stop="cancel", stop_reason=reason, stop_since=tx.at)
+    elif job.phase == "running" or job.stop:  # a stop already in flight (a preemption's) will do
+        if not job.stop:
+            tx.emit(StopRequested(job_id=job.job_id, checkpoint=False, reason=f"cancelled: {reason}"))
+        tx.update(job, phase="stopping", stop="cancel", stop_reason=reason,
+                  stop_since=job.stop_since if job.stop else tx.at)
+    else:  # waiting in the queue (holds nothing), or ranks still starting (releasing kills them)
+        cancel_now(tx, tx.update(job, stop="cancel", stop_reason=reason))
+
+
+def cancel_now(tx: Tx, job: Job) -> None:
+    tx.emit(JobCancelled(job_id=job.job_id, reason=job.stop_reason))
+    if job.assignments or job.requested:
+        tx.release(job, "cancelled")
+    tx.end(job, "cancelled")
+
+
+def ranks_gone(tx: Tx, job: Job, ranks: Iterable[int]) -> None:
+    """Ranks of a stopping job are gone; once all are, the stop is done."""
+    job = tx.update(job, exited=job.exited | frozenset(ranks))
+    if job.ranks <= job.exited:
+        finish_stop(tx, job, "")
+
+
+def finish_stop(tx: Tx, job: Job, note: str) -> None:
+    if job.stop == "cancel":
+        cancel_now(tx, job)
+        return
+    job = tx.release(job, job.stop_reason + note)
+    job = tx.update(job, phase="preempted", attempt=job.attempt + 1, stop="", stop_reason="", restore=None,
+                    running_since=0.0)
+    tx.enqueue(job)
+    tx.emit(JobQueued(job_id=job.job_id, priority=job.spec.priority, reason="preempted"))
+
+
+def stop_deadlines(tx: Tx, timeout_s: float) -> None:
+    """Stops that outlast `timeout_s` end anyway: releasing the slots makes the agents kill the ranks."""
+    for job in list(tx.jobs.values()):
+        if job.stop and job.assignments and tx.at - job.stop_since >= timeout_s:
+            finish_stop(tx, job, f"; stop timed out after {timeout_s:g}s")
+
+
+def checkpoint_committed(tx: Tx, ev: CheckpointCommitted) -> None:
+    job = tx.jobs.get(ev.job_id)
+    if job is None or any(c.checkpoint_id == ev.checkpoint_id for c in job.checkpoints):
+        return
+    entry = Checkpoint(checkpoint_id=ev.checkpoint_id, step=ev.step, at=ev.occurred_at or tx.at)
+    tx.update(job, checkpoints=(*job.checkpoints, entry))
+
+
+def checkpoint_deleted(tx: Tx, ev: CheckpointDeleted) -> None:
+    job = tx.jobs.get(ev.job_id)
+    if job is not None:
+        tx.update(job, checkpoints=tuple(c for c in job.checkpoints if c.checkpoint_id != ev.checkpoint_id))

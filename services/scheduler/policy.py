@@ -1,0 +1,98 @@
+"""Recovery recipes and the preemption rule, as pure functions of what the scheduler knows.
+
+A recipe maps a fault to a `Recovery`; lifecycle.py carries it out. Faults handled now: a rank that
+exits non-zero, a rank the health monitor finds lost or hung, a node lost under a job. Findings with
+no recipe here (StragglerDetected, NonFiniteLoss, LossSpikeDetected) change nothing in the scheduler.
+
+Preemption rule (`choose_victims`): only running jobs of strictly lower priority than the waiting job
+are candidates. Take them cheapest first, where cost orders by
+  1. priority, lowest first;
+  2. work lost: seconds run since its newest committed checkpoint (or since it started), least first;
+  3. slots, fewest first;
+  4. submission order, newest first (the job that has waited least for its turn),
+until the freed slots cover the need; then give back every taken victim that is not needed, most
+costly first. So the set is minimal, and its highest priority is the lowest level that can cover it.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from events.findings import RankHung, RankLost
+from events.job import WorkersExited
+from services.scheduler.state import Job
+
+
+@dataclass(frozen=True, slots=True)
+class Restart:
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Fail:
+    reason: str
+
+
+Recovery = Restart | Fail
+
+
+def fault_reason(event: WorkersExited | RankLost | RankHung) -> str:
+    """Why an input counts as a fault, in words for the record ("" if it is not one)."""
+    match event:
+        case WorkersExited(rank=rank, exit_code=code) if code != 0:
+            how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+            return f"rank {rank} {how}"
+        case RankLost(rank=rank, reason=why):
+            return f"rank {rank} lost: {why}"
+        case RankHung(rank=rank, step=step, stalled_s=stalled, deadline_s=deadline):
+            return f"rank {rank} hung at step {step}: no progress for {stalled:.0f}s (deadline {deadline:.0f}s)"
+    return ""
+
+
+def after_fault(job: Job, reason: str) -> Recovery:
+    """Restart while the budget lasts (policy.max_restarts restarts), then fail."""
+    budget = job.spec.policy.max_restarts
+    if job.restarts < budget:
+        return Restart(f"{reason}; restart {job.restarts + 1} of {budget}")
+    return Fail(f"{reason}; restart budget of {budget} spent")
+
+
+@dataclass(frozen=True, slots=True)
+class Victim:
+    """A running job that could be preempted, with what stopping it would free and cost."""
+
+    job_id: str
+    priority: int
+    work_lost_s: float
+    slots: int  # slots it holds that the waiting job could use
+    order: int
+
+
+def cost(v: Victim) -> tuple[int, float, int, int]:
+    return (v.priority, v.work_lost_s, v.slots, -v.order)
+
+
+def choose_victims(candidates: Sequence[Victim], need: int, priority: int) -> tuple[str, ...]:
+    """The job ids to preempt so that `need` more slots free up for a job of `priority`; () if no set of
+    lower-priority jobs can free that many."""
+    eligible = sorted((v for v in candidates if v.priority < priority and v.slots > 0), key=cost)
+    chosen: list[Victim] = []
+    freed = 0
+    for v in eligible:
+        if freed >= need:
+            break
+        chosen.append(v)
+        freed += v.slots
+    if freed < need:
+        return ()
+    for v in reversed(list(chosen)):
+        if freed - v.slots >= need:
+            chosen.remove(v)
+            freed -= v.slots
+    return tuple(v.job_id for v in chosen)
+
+
+def work_lost_s(job: Job, now: float) -> float:
+    """Seconds of progress a stop would lose if no new checkpoint were taken."""
+    newest = job.newest
+    since = max(job.running_since, newest.at) if newest is not None else job.running_since
+    return max(0.0, now - since)

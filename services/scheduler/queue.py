@@ -1,0 +1,82 @@
+"""Admission: who gets slots next, and whom to preempt for them.
+
+Strict priority, FIFO within a priority (submission order), gang admission: a job is asked for only
+when all of its slots are free; nobody starts with part of them. No backfill: a job that waits blocks
+every job behind it, except a job that cannot fit even the whole usable fleet, which is skipped until
+the fleet grows (it could never start, so waiting for it would delay everyone for nothing). A job
+whose allocation was denied at the current capacity blocks without asking again until capacity
+changes (a node joins or is uncordoned, or slots are released).
+
+Counting is by slots on usable nodes: not cordoned, not lost, and not spares unless the job's pending
+placement replaces failed slots. Where the ranks land is the resource manager's call (placement.py).
+"""
+
+from events.commands import StopRequested
+from events.job import AllocationRequested, JobPreempted
+from services.scheduler.policy import Victim, choose_victims, work_lost_s
+from services.scheduler.state import Job
+from services.scheduler.tx import Tx
+
+
+def capacity(tx: Tx, spares: bool) -> int:
+    return sum(v.slots for v in tx.nodes.values() if v.usable(spares))
+
+
+def held(tx: Tx, job: Job, spares: bool) -> int:
+    """Slots `job` holds on nodes usable for a job that may (or may not) use spares."""
+    nodes = tx.nodes
+    return sum(1 for r in job.assignments if r.node in nodes and nodes[r.node].usable(spares)
+               and r.slot < nodes[r.node].slots)
+
+
+def free(tx: Tx, spares: bool) -> int:
+    """Usable slots nobody holds or has asked for."""
+    live = tx.live()
+    used = sum(held(tx, j, spares) for j in live)
+    asked = sum(j.spec.slots for j in live if j.requested and not j.assignments)
+    return capacity(tx, spares) - used - asked
+
+
+def admit(tx: Tx) -> None:
+    """Ask for slots for every job at the head of the queue that fits; preempt for the first that does not."""
+    for job_id in list(tx.queue):
+        job = tx.jobs[job_id]
+        need = job.spec.slots
+        if need > capacity(tx, job.use_spares):
+            continue
+        if job.denied_epoch == tx.epoch:
+            break
+        short = need - free(tx, job.use_spares)
+        if short <= 0:
+            request(tx, job)
+            continue
+        preempt_for(tx, job, short)
+        break
+
+
+def request(tx: Tx, job: Job) -> None:
+    tx.dequeue(job.job_id)
+    tx.update(job, phase="recovering" if job.phase == "recovering" else "placing", requested=True,
+              asked_epoch=tx.epoch)
+    tx.emit(AllocationRequested(job_id=job.job_id, slots=job.spec.slots, attempt=job.attempt,
+                                use_spares=job.use_spares))
+
+
+def preempt_for(tx: Tx, head: Job, short: int) -> None:
+    """Stop lower-priority running jobs so that `short` more slots free up for `head`, unless stops
+    already in flight will free enough."""
+    live = tx.live()
+    incoming = sum(held(tx, j, head.use_spares) for j in live if j.stop)
+    if incoming >= short:
+        return
+    candidates = [Victim(job_id=j.job_id, priority=j.spec.priority, work_lost_s=work_lost_s(j, tx.at),
+                         slots=held(tx, j, head.use_spares), order=j.order)
+                  for j in live if j.phase == "running" and not j.stop]
+    for victim_id in choose_victims(candidates, short - incoming, head.spec.priority):
+        victim = tx.jobs[victim_id]
+        reason = f"preempted by {head.job_id}"
+        tx.emit(StopRequested(job_id=victim_id, checkpoint=True, reason=reason))
+        tx.emit(JobPreempted(job_id=victim_id, by_job_id=head.job_id,
+                             reason=f"{head.job_id} (priority {head.spec.priority}) needs {head.spec.slots} slots"))
+        tx.update(victim, phase="stopping", stop="preempt", stop_reason=reason, stop_since=tx.at,
+                  preempted_by=head.job_id)

@@ -1,0 +1,73 @@
+"""What the scheduler knows: jobs in flight, the queue, and its view of the fleet. Frozen values only."""
+
+from typing import Literal
+
+import msgspec
+
+from events.job import SlotRef
+from events.spec import JobSpec
+from services.core import Emit
+
+Phase = Literal["queued", "placing", "running", "stopping", "preempted", "recovering",
+                "completed", "failed", "cancelled"]
+StopKind = Literal["", "preempt", "cancel"]
+WAITING: frozenset[str] = frozenset({"queued", "preempted", "recovering"})  # phases a queued job can be in
+
+
+class Checkpoint(msgspec.Struct, frozen=True, kw_only=True):
+    checkpoint_id: str
+    step: int
+    at: float  # when it was committed (its event's occurred_at)
+
+
+class Job(msgspec.Struct, frozen=True, kw_only=True):
+    job_id: str
+    spec: JobSpec
+    order: int  # submission order: FIFO within a priority, kept when the job comes back to the queue
+    phase: Phase = "queued"
+    attempt: int = 0  # the attempt the next (or current) allocation is for; stale events carry older ones
+    restarts: int = 0  # restarts after faults; preemptions do not count
+    requested: bool = False  # AllocationRequested for `attempt` awaits its answer
+    asked_epoch: int = 0  # capacity epoch when the pending allocation was asked for
+    denied_epoch: int = -1  # capacity epoch a denial answered: retry only once capacity has changed since
+    use_spares: bool = False  # the pending placement replaces failed slots, so spares may be used
+    assignments: tuple[SlotRef, ...] = ()  # granted slots of `attempt`
+    started: frozenset[int] = frozenset()  # ranks of `attempt` whose workers started
+    exited: frozenset[int] = frozenset()  # ranks of `attempt` that are gone (exited, lost, on a lost node)
+    stop: StopKind = ""  # a stop in flight, and why
+    stop_reason: str = ""
+    stop_since: float = 0.0
+    preempted_by: str = ""
+    running_since: float = 0.0
+    checkpoints: tuple[Checkpoint, ...] = ()  # committed, oldest first
+    restore: Checkpoint | None = None  # what `attempt` restores from, fixed when it is granted
+    faults: tuple[str, ...] = ()  # event ids of every fault, first to last: JobFailed's causes
+
+    @property
+    def ranks(self) -> frozenset[int]:
+        return frozenset(ref.rank for ref in self.assignments)
+
+    @property
+    def newest(self) -> Checkpoint | None:
+        return max(self.checkpoints, key=lambda c: (c.step, c.at)) if self.checkpoints else None
+
+
+class NodeView(msgspec.Struct, frozen=True, kw_only=True):
+    slots: int = 0
+    spare: bool = False
+    cordoned: bool = False
+    lost: bool = False
+
+    def usable(self, spares: bool) -> bool:
+        return not self.cordoned and not self.lost and (spares or not self.spare)
+
+
+class State(msgspec.Struct, frozen=True, kw_only=True):
+    jobs: dict[str, Job] = {}  # jobs that have not ended
+    ended: dict[str, Phase] = {}  # job id -> how it ended; later events about it change nothing
+    queue: tuple[str, ...] = ()  # waiting jobs, best first: priority descending, then submission order
+    nodes: dict[str, NodeView] = {}
+    next_order: int = 0
+    epoch: int = 0  # grows whenever capacity may have grown (a node joins or returns, slots are released)
+    now: float = 0.0  # the latest time seen in an input
+    outbox: tuple[Emit, ...] = ()  # outputs of the transition that produced this state; not for snapshots

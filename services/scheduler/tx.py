@@ -1,0 +1,75 @@
+"""One transition of the scheduler's state: a scratch copy that one input edits, then freezes.
+
+A `Tx` is created for one input and never escapes `transition`, so the core stays a pure function
+of (state, event) even though the handlers write to it step by step.
+"""
+
+import bisect
+
+import msgspec
+
+from events import subjects
+from events.base import JobEvent
+from events.job import AllocationReleased
+from services.core import Emit
+from services.scheduler.state import Job, NodeView, Phase, State
+
+
+def queue_key(job: Job) -> tuple[int, int]:
+    return (-job.spec.priority, job.order)
+
+
+class Tx:
+    def __init__(self, state: State, at: float) -> None:
+        self.jobs = dict(state.jobs)
+        self.ended = state.ended  # copied on write: jobs end rarely, and this map only grows
+        self.queue = list(state.queue)
+        self.nodes = state.nodes  # copied on write
+        self.next_order = state.next_order
+        self.epoch = state.epoch
+        self.at = max(state.now, at)
+        self.out: list[Emit] = []
+
+    def emit(self, event: JobEvent) -> None:
+        self.out.append(Emit(subjects.job(event.job_id, type(event).__name__), event))
+
+    def put(self, job: Job) -> Job:
+        self.jobs[job.job_id] = job
+        return job
+
+    def update(self, job: Job, **changes: object) -> Job:
+        return self.put(msgspec.structs.replace(job, **changes))
+
+    def enqueue(self, job: Job) -> None:
+        assert job.job_id not in self.queue, f"{job.job_id} is queued twice"
+        keys = [queue_key(self.jobs[j]) for j in self.queue]
+        self.queue.insert(bisect.bisect(keys, queue_key(job)), job.job_id)
+
+    def dequeue(self, job_id: str) -> None:
+        if job_id in self.queue:
+            self.queue.remove(job_id)
+
+    def end(self, job: Job, phase: Phase) -> None:
+        self.dequeue(job.job_id)
+        del self.jobs[job.job_id]
+        self.ended = {**self.ended, job.job_id: phase}
+
+    def set_node(self, name: str, **changes: object) -> NodeView:
+        view = msgspec.structs.replace(self.nodes.get(name, NodeView()), **changes)
+        self.nodes = {**self.nodes, name: view}
+        return view
+
+    def release(self, job: Job, reason: str) -> Job:
+        """Give back the slots `job` holds or asked for; resources frees them on this event."""
+        self.emit(AllocationReleased(job_id=job.job_id, attempt=job.attempt, reason=reason))
+        self.epoch += 1
+        return self.update(job, assignments=(), started=frozenset(), exited=frozenset(), requested=False)
+
+    def live(self) -> list[Job]:
+        """Jobs holding or asking for slots: neither waiting in the queue nor ended."""
+        waiting = set(self.queue)
+        return [j for j in self.jobs.values() if j.job_id not in waiting]
+
+    def freeze(self) -> State:
+        return State(jobs=self.jobs, ended=self.ended, queue=tuple(self.queue), nodes=self.nodes,
+                     next_order=self.next_order, epoch=self.epoch, now=self.at, outbox=tuple(self.out))

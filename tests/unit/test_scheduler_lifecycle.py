@@ -1,0 +1,155 @@
+"""A job's life through the scheduler core alone, with hand-built inputs: queue, place, run, end, cancel."""
+
+from events.base import Event
+from events.checkpoint import CheckpointCommitted, CheckpointDeleted, DataPosition
+from events.clock import ClockTick
+from events.commands import StopRequested
+from events.job import (
+    AllocationDenied,
+    AllocationGranted,
+    AllocationReleased,
+    AllocationRequested,
+    CancelRequested,
+    JobCancelled,
+    JobCompleted,
+    JobQueued,
+    JobResumed,
+    SlotRef,
+    WorkersExited,
+    WorkersStarted,
+)
+from services.core import Emit
+from services.scheduler.core import core_service
+from services.scheduler.state import State
+from tests.unit.helpers import events_of, fold, register, submit
+
+SVC = core_service(stop_timeout_s=30.0)
+
+
+def grant(job: str, node: str, slots: int, attempt: int = 0) -> AllocationGranted:
+    return AllocationGranted(job_id=job, attempt=attempt, master_port=29501,
+                             assignments=[SlotRef(node=node, slot=s, rank=s) for s in range(slots)])
+
+
+def started(job: str, node: str, ranks: list[int], attempt: int = 0) -> WorkersStarted:
+    return WorkersStarted(job_id=job, node=node, attempt=attempt, ranks=ranks, pids=ranks)
+
+
+def exited(job: str, rank: int, code: int = 0, attempt: int = 0, node: str = "a") -> WorkersExited:
+    return WorkersExited(job_id=job, node=node, attempt=attempt, rank=rank, exit_code=code)
+
+
+def types(outs: list[Emit]) -> list[str]:
+    return [type(o.event).__name__ for o in outs]
+
+
+def run(events: list[Event], state: State | None = None) -> tuple[State, list[Emit]]:
+    return fold(SVC, events, state)
+
+
+def running(job: str = "j-1", slots: int = 2) -> State:
+    state, _ = run([register("a", 4), submit(job, slots=slots), grant(job, "a", slots),
+                    started(job, "a", list(range(slots)))])
+    assert state.jobs[job].phase == "running"
+    return state
+
+
+def test_a_submitted_job_is_queued_and_asked_for_once_it_fits() -> None:
+    state, outs = run([submit("j-1", slots=2)])
+    assert events_of(outs) == [JobQueued(job_id="j-1", priority=50, reason="submitted")]
+    assert state.jobs["j-1"].phase == "queued" and state.queue == ("j-1",)
+    state, outs = run([register("a", 1)], state)
+    assert outs == []  # one slot is not two: nobody starts with part of its gang
+    state, outs = run([register("b", 1)], state)
+    assert events_of(outs) == [AllocationRequested(job_id="j-1", slots=2, attempt=0)]
+    assert state.jobs["j-1"].phase == "placing" and state.queue == ()
+
+
+def test_the_happy_path_ends_in_completed_and_released() -> None:
+    state, outs = run([register("a", 4), submit("j-1", slots=2, steps=40), grant("j-1", "a", 2),
+                       started("j-1", "a", [0]), started("j-1", "a", [1])])
+    assert types(outs) == ["JobQueued", "AllocationRequested"]  # a first attempt resumes nothing
+    assert state.jobs["j-1"].phase == "running"
+    state, outs = run([exited("j-1", 0)], state)
+    assert outs == []
+    state, outs = run([exited("j-1", 1)], state)
+    assert events_of(outs) == [JobCompleted(job_id="j-1", steps=40),
+                               AllocationReleased(job_id="j-1", attempt=0, reason="completed")]
+    assert state.ended == {"j-1": "completed"} and state.jobs == {}
+    again, outs = run([exited("j-1", 1), CancelRequested(job_id="j-1"), submit("j-1")], state)
+    assert outs == [] and again.jobs == {}  # an ended job stays ended, and a repeated submission is the same one
+
+
+def test_reading_its_own_outputs_back_changes_nothing() -> None:
+    state, outs = run([register("a", 4), submit("j-1", slots=2)])
+    again, more = run([o.event for o in outs], state)
+    assert more == [] and again.jobs == state.jobs and again.queue == state.queue
+
+
+def test_a_denial_requeues_and_retries_only_after_capacity_changes() -> None:
+    state, _ = run([register("a", 4), submit("j-1", slots=2), submit("k-1", slots=1)])
+    assert state.jobs["k-1"].phase == "placing"
+    state, outs = run([AllocationDenied(job_id="j-1", attempt=0, reason="tp groups")], state)
+    assert events_of(outs) == [JobQueued(job_id="j-1", priority=50, reason="allocation denied: tp groups")]
+    state, outs = run([grant("k-1", "a", 1), submit("m-1", slots=1)], state)
+    assert types(outs) == ["JobQueued"]  # j waits at the head for a change, and nobody passes it
+    state, outs = run([register("b", 2)], state)
+    assert events_of(outs) == [AllocationRequested(job_id="j-1", slots=2, attempt=0),
+                               AllocationRequested(job_id="m-1", slots=1, attempt=0)]
+
+
+def test_cancel_while_queued_ends_at_once_and_releases_nothing() -> None:
+    state, outs = run([submit("j-1"), CancelRequested(job_id="j-1", reason="typo")])
+    assert events_of(outs)[-1] == JobCancelled(job_id="j-1", reason="typo")
+    assert types(outs) == ["JobQueued", "JobCancelled"] and state.ended == {"j-1": "cancelled"}
+
+
+def test_cancel_while_running_stops_the_ranks_first() -> None:
+    state, outs = run([CancelRequested(job_id="j-1", reason="done with it")], running())
+    assert events_of(outs) == [StopRequested(job_id="j-1", checkpoint=False, reason="cancelled: done with it")]
+    assert state.jobs["j-1"].phase == "stopping"
+    state, outs = run([CancelRequested(job_id="j-1"), exited("j-1", 0)], state)
+    assert outs == []
+    state, outs = run([exited("j-1", 1, code=-15)], state)
+    assert events_of(outs) == [JobCancelled(job_id="j-1", reason="done with it"),
+                               AllocationReleased(job_id="j-1", attempt=0, reason="cancelled")]
+
+
+def test_cancel_while_the_allocation_is_asked_for_waits_for_the_answer() -> None:
+    state, _ = run([register("a", 4), submit("j-1", slots=2), submit("k-1", slots=2),
+                    CancelRequested(job_id="j-1"), CancelRequested(job_id="k-1")])
+    state, outs = run([grant("j-1", "a", 2)], state)
+    assert types(outs) == ["JobCancelled", "AllocationReleased"]
+    state, outs = run([AllocationDenied(job_id="k-1", attempt=0, reason="gone")], state)
+    assert types(outs) == ["JobCancelled"]
+    assert state.ended == {"j-1": "cancelled", "k-1": "cancelled"}
+
+
+def test_a_restart_resumes_from_the_newest_committed_checkpoint() -> None:
+    data = DataPosition(next_batch=0)
+    ckpts = [CheckpointCommitted(job_id="j-1", checkpoint_id=f"c{s}", step=s, world_size=2, uri="u", bytes=1,
+                                 data=data, occurred_at=float(s)) for s in (10, 30, 20)]
+    state, _ = run([*ckpts, CheckpointDeleted(job_id="j-1", checkpoint_id="c20")], running())
+    state, outs = run([exited("j-1", 1, code=1)], state)
+    assert types(outs) == ["StopRequested", "AllocationReleased", "AllocationRequested"]
+    state, outs = run([grant("j-1", "a", 2, attempt=1), started("j-1", "a", [0, 1], attempt=1)], state)
+    assert events_of(outs) == [JobResumed(job_id="j-1", attempt=1, from_step=30, checkpoint_id="c30", world_size=2)]
+
+
+def test_events_of_an_older_attempt_change_nothing() -> None:
+    state, _ = run([exited("j-1", 0, code=1)], running())
+    assert state.jobs["j-1"].attempt == 1
+    later, outs = run([exited("j-1", 1, code=1), started("j-1", "a", [0]), grant("j-1", "a", 2)], state)
+    assert events_of(outs) == [AllocationReleased(job_id="j-1", attempt=0, reason="stale grant")]
+    assert later.jobs["j-1"].restarts == 1
+
+
+def test_a_stop_that_outlasts_its_deadline_ends_anyway() -> None:
+    state = running()
+    assert not SVC.wants_tick(state, 0.0)
+    state, _ = run([CancelRequested(job_id="j-1", occurred_at=100.0)], state)
+    assert SVC.wants_tick(state, 100.0)
+    state, outs = run([ClockTick(service="scheduler", now=129.0, positions={})], state)
+    assert outs == []
+    state, outs = run([ClockTick(service="scheduler", now=130.0, positions={})], state)
+    assert types(outs) == ["JobCancelled", "AllocationReleased"] and not SVC.wants_tick(state, 130.0)
