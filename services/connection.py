@@ -35,6 +35,7 @@ class Connection:
     def __init__(self, service: str) -> None:
         self.service = service
         self.denied: set[str] = set()  # lower-cased: nats-py lower-cases the server's -ERR text
+        self.closing = False  # set before a deliberate close, which nats-py also reports as a disconnect
 
     async def _error(self, exc: Exception) -> None:
         text = str(exc)
@@ -45,7 +46,8 @@ class Connection:
             log.warning("nats error", error=text)
 
     async def _disconnected(self) -> None:
-        log.warning("disconnected from broker; reconnecting")
+        if not self.closing:
+            log.warning("disconnected from broker; reconnecting")
 
     async def _reconnected(self) -> None:
         log.info("reconnected to broker")

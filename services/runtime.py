@@ -85,6 +85,7 @@ async def run_service(service: Service[Any], url: str, *, stop_event: asyncio.Ev
         # timed-out fetches queued, and drain() would wait for them until its 30 s timeout.
         with contextlib.suppress(Exception):
             await store.nc.flush(timeout=5)
+        conn.closing = True
         with contextlib.suppress(Exception):
             await store.nc.close()
 
