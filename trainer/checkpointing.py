@@ -99,6 +99,9 @@ class Checkpointer:
         """Allocate the host buffers once; pinned on CUDA so device-to-host copies run at full speed."""
         pin = self.dist.device.type == "cuda"
         self.buffers = {k: torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin) for k, t in live.items()}
+        if not pin:
+            for buf in self.buffers.values():
+                buf.zero_()  # fault the pages in now, not during the first save's stall
 
     def snapshot(self, live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if not self.buffers:
@@ -133,11 +136,9 @@ class Checkpointer:
         try:
             path.mkdir(parents=True, exist_ok=True)
             group = self.dist.ckpt_group
-            metadata = dcp.save(state, storage_writer=dcp.FileSystemWriter(path), process_group=group,
-                                no_dist=group is None)
-            prefix = f"__{self.dist.rank}_"
-            names = sorted({info.relative_path for info in metadata.storage_data.values()
-                            if info.relative_path.startswith(prefix)})
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(path), process_group=group, no_dist=group is None)
+            # What this rank wrote (DCP names a rank's files __<rank>_<n>.distcp), and the metadata on rank 0.
+            names = sorted(f.name for f in path.glob(f"__{self.dist.rank}_*.distcp"))
             if self.dist.rank == 0:
                 names.append(".metadata")
             shards = [ShardInfo(path=n, size=(path / n).stat().st_size, sha256=sha256_file(path / n)) for n in names]

@@ -115,6 +115,7 @@ class Loop:
                 if self.dist.world_size == 1 or self.paused or self.step % self.cfg.sync_every == 0:
                     self.boundary()
                 if self.paused:
+                    self.emitter.flush()
                     time.sleep(PAUSE_POLL_S)
                     continue
                 if self.step > 0 and self.step % self.cfg.spec.train.checkpoint_every == 0:
@@ -169,6 +170,7 @@ class Loop:
             self.emitter.crash(faults.CRASH_EXIT_CODE)
         if kind == "hang":
             self.reporter.flush()
+            self.emitter.flush()
             faults.hang(lambda: self.sigterm)
             raise Stop(faults.HANG_EXIT_CODE)
         return kind == "nonfinite"

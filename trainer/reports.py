@@ -32,10 +32,17 @@ class Publisher(Protocol):
 
 
 class Emitter:
-    def __init__(self, publisher: Publisher, envelope: dict[str, Any], events_log: Path | None = None) -> None:
+    """Stamps and forwards a rank's events. StepCompleted is handed to the publisher in batches at most
+    every `batch_s`: each hand-over may wake the publisher thread, whose turn on the GIL the step pays for."""
+
+    def __init__(self, publisher: Publisher, envelope: dict[str, Any], events_log: Path | None = None, *,
+                 batch_s: float = 0.25) -> None:
         self.publisher = publisher
         self.envelope = envelope  # job_id, rank, attempt, node: every event this rank emits carries them
+        self.batch_s = batch_s
         self._lock = threading.Lock()
+        self._held: list[RankEvent] = []
+        self._last_flush = time.monotonic()
         self._log: IO[bytes] | None = None
         if events_log is not None:
             events_log.parent.mkdir(parents=True, exist_ok=True)
@@ -45,16 +52,32 @@ class Emitter:
         """Stamp here, so the published event and the logged one carry the same id and time."""
         event = msgspec.structs.replace(event, event_id=event.event_id or uuid4_hex(),
                                         occurred_at=event.occurred_at or time.time(), producer="trainer")
-        self.publisher.emit(event)
         if self._log is not None:
             line = codec.to_json(codec.to_builtins(event)) + b"\n"
             with self._lock:
                 self._log.write(line)
+        with self._lock:
+            self._held.append(event)
+            if isinstance(event, StepCompleted) and time.monotonic() - self._last_flush < self.batch_s:
+                return
+            self._forward()
+
+    def flush(self) -> None:
+        """Hand over held steps now: the loop calls this before it blocks (pause, hang, exit)."""
+        with self._lock:
+            self._forward()
+
+    def _forward(self) -> None:
+        for event in self._held:
+            self.publisher.emit(event)
+        self._held.clear()
+        self._last_flush = time.monotonic()
 
     def set_step(self, step: int) -> None:
         self.publisher.set_step(step)
 
     def close(self, timeout: float = 5.0) -> None:
+        self.flush()
         self.publisher.close(timeout)
         if self._log is not None:
             self._log.close()

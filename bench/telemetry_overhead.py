@@ -1,0 +1,130 @@
+"""Median step time of the real training loop with telemetry on (publisher + heartbeat + command inbox,
+against a local nats-server) versus off, alternating runs so drift hits both sides alike.
+
+    python bench/telemetry_overhead.py                                  # CPU, a small GPT on the corpus
+    python bench/telemetry_overhead.py --device cuda --params 350e6     # ~350M-param GPT, bf16 autocast
+
+Goals: on/off <= 1.02 on CPU; <= 1.01 on CUDA with the ~350M model.
+"""
+
+import argparse
+import asyncio
+import gc
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import nats
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from events.spec import JobSpec, ModelSpec, TrainSpec
+from events.streams import ensure_streams
+from services import broker
+from trainer import distributed
+from trainer.commands import CommandInbox
+from trainer.config import RunConfig
+from trainer.loop import Loop
+from trainer.model import num_params
+from trainer.reports import Emitter
+from trainer.telemetry import Telemetry
+
+WARMUP_STEPS = 10
+
+
+def one_run(spec: JobSpec, url: str | None, job_id: str, device: str, staging: Path,
+            batch_s: float) -> tuple[list[float], int]:
+    cfg = RunConfig(job_id=job_id, spec=spec, attempt=0, node="bench", nats_url=url, staging=staging, restore=None,
+                    manifest=None, rank=0, world_size=1, local_rank=0, device=device, sync_every=10, events_log=None)
+    telemetry = Telemetry(url, job_id, 0, 0, "bench", heartbeat_s=spec.policy.heartbeat_interval_s)
+    inbox = CommandInbox(url, job_id, 0, 0)
+    emitter = Emitter(telemetry, {"job_id": job_id, "rank": 0, "attempt": 0, "node": "bench"}, batch_s=batch_s)
+    telemetry.start()
+    inbox.start()
+    loop = Loop(cfg, distributed.init(0, 1, 0, device), emitter, inbox)
+    assert loop.run() == 0
+    inbox.close()
+    emitter.close()
+    published = telemetry.num_published
+    times = loop.reporter.step_times[WARMUP_STEPS:]
+    del loop
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return times, published
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--params", type=float, default=None, help="pick n_layer for about this many parameters")
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=None)
+    p.add_argument("--n-head", type=int, default=None)
+    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--emit-batch-s", type=float, default=0.25, help="Emitter batch_s (0: hand over every step)")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    cuda = args.device == "cuda"
+    d_model = args.d_model or (1024 if cuda else 128)
+    n_layer = max(1, round(args.params / (12 * d_model**2))) if args.params else args.n_layer
+    model = ModelSpec(n_layer=n_layer, d_model=d_model, n_head=args.n_head or d_model // 64,
+                      seq_len=args.seq_len or (1024 if cuda else 128), vocab_size=256)
+    spec = JobSpec(name="bench", model=model, train=TrainSpec(steps=args.steps, batch_size=args.batch_size,
+                                                               checkpoint_every=10**9, lr=3e-4))
+    tmp = Path(tempfile.mkdtemp(prefix="tel-bench-"))
+    b = broker.start(tmp / "nats")
+    try:
+        async def streams() -> None:
+            nc = await nats.connect(b.url)
+            await ensure_streams(nc.jetstream())
+            await nc.close()
+
+        asyncio.run(streams())
+        off: list[float] = []
+        on: list[float] = []
+        paired: list[float] = []
+        published = 0
+        for r in range(args.rounds):
+            # Alternate which side goes first, so a slow drift (thermal, a neighbour's load) is shared.
+            first_on = r % 2 == 1
+            runs = {}
+            for side in (("on", "off") if first_on else ("off", "on")):
+                runs[side] = one_run(spec, b.url if side == "on" else None, f"{side}-{r}", args.device,
+                                     tmp / "staging", args.emit_batch_s)
+            off += runs["off"][0]
+            on += runs["on"][0]
+            published += runs["on"][1]
+            paired.append(statistics.median(runs["on"][0]) / statistics.median(runs["off"][0]))
+    finally:
+        b.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    from trainer.model import GPT
+
+    with torch.device("meta"):
+        n_params = num_params(GPT(model))
+    result = {
+        "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+        "model": {"n_layer": model.n_layer, "d_model": model.d_model, "n_head": model.n_head,
+                  "seq_len": model.seq_len, "params": n_params}, "batch_size": args.batch_size,
+        "steps_per_run": args.steps, "emit_batch_s": args.emit_batch_s, "rounds": args.rounds,
+        "events_published_on": published,
+        "median_step_s": {"off": statistics.median(off), "on": statistics.median(on)},
+        "ratio_on_vs_off": statistics.median(on) / statistics.median(off),
+        "paired_ratios": paired, "paired_ratio_median": statistics.median(paired),
+        "goal": 1.01 if cuda else 1.02,
+    }
+    print(json.dumps(result, indent=2))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
