@@ -39,6 +39,7 @@ def free(tx: Tx, spares: bool) -> int:
 
 def admit(tx: Tx) -> None:
     """Ask for slots for every job at the head of the queue that fits; preempt for the first that does not."""
+    room: dict[bool, int] = {}  # free slots without / with spares, counted once per pass
     for job_id in list(tx.queue):
         job = tx.jobs[job_id]
         need = job.spec.slots
@@ -46,9 +47,12 @@ def admit(tx: Tx) -> None:
             continue
         if job.denied_epoch == tx.epoch:
             break
-        short = need - free(tx, job.use_spares)
+        if job.use_spares not in room:
+            room[job.use_spares] = free(tx, job.use_spares)
+        short = need - room[job.use_spares]
         if short <= 0:
             request(tx, job)
+            room = {spares: left - need for spares, left in room.items()}
             continue
         preempt_for(tx, job, short)
         break
@@ -66,12 +70,14 @@ def preempt_for(tx: Tx, head: Job, short: int) -> None:
     """Stop lower-priority running jobs so that `short` more slots free up for `head`, unless stops
     already in flight will free enough."""
     live = tx.live()
+    running = [j for j in live if j.phase == "running" and not j.stop and j.spec.priority < head.spec.priority]
+    if not running:
+        return
     incoming = sum(held(tx, j, head.use_spares) for j in live if j.stop)
     if incoming >= short:
         return
     candidates = [Victim(job_id=j.job_id, priority=j.spec.priority, work_lost_s=work_lost_s(j, tx.at),
-                         slots=held(tx, j, head.use_spares), order=j.order)
-                  for j in live if j.phase == "running" and not j.stop]
+                         slots=held(tx, j, head.use_spares), order=j.order) for j in running]
     for victim_id in choose_victims(candidates, short - incoming, head.spec.priority):
         victim = tx.jobs[victim_id]
         reason = f"preempted by {head.job_id}"

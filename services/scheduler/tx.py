@@ -66,9 +66,8 @@ class Tx:
         return self.update(job, assignments=(), started=frozenset(), exited=frozenset(), requested=False)
 
     def live(self) -> list[Job]:
-        """Jobs holding or asking for slots: neither waiting in the queue nor ended."""
-        waiting = set(self.queue)
-        return [j for j in self.jobs.values() if j.job_id not in waiting]
+        """Jobs holding or asking for slots: the jobs not waiting in the queue."""
+        return [j for j in self.jobs.values() if j.requested or j.assignments]
 
     def freeze(self) -> State:
         return State(jobs=self.jobs, ended=self.ended, queue=tuple(self.queue), nodes=self.nodes,
