@@ -118,7 +118,7 @@ def retention(job: JobState) -> tuple[JobState, tuple[str, ...]]:
     return replace(job, doomed=job.doomed | set(doomed)), doomed
 
 
-def _stage(job: JobState, ev: CheckpointStaged, occurred_at: float) -> tuple[JobState, CommitArgs | None]:
+def _stage(job: JobState, ev: CheckpointStaged) -> tuple[JobState, CommitArgs | None]:
     at = (ev.attempt, ev.step)
     if job.ended or ev.attempt < job.attempt or at in job.handed:
         return job, None
@@ -137,7 +137,7 @@ def _stage(job: JobState, ev: CheckpointStaged, occurred_at: float) -> tuple[Job
     ranks = [current.ranks[r] for r in sorted(current.ranks)]
     args = CommitArgs(
         job_id=ev.job_id, checkpoint_id=checkpoint_id(ev.attempt, ev.step), attempt=ev.attempt, step=ev.step,
-        world_size=ev.world_size, created_at=occurred_at, data=ranks[0].data,
+        world_size=ev.world_size, created_at=ev.occurred_at, data=ranks[0].data,
         ranks=[StagedRank(rank=s.rank, node=s.node, staging_dir=s.staging_dir, shards=s.shards) for s in ranks],
     )
     return replace(job, staging=staging, handed=job.handed | {at}), args
@@ -169,7 +169,7 @@ def _world_size_of(job: JobState, cid: str) -> int:
 def _evolve_job(job: JobState, ev: Event) -> tuple[JobState, Due]:
     match ev:
         case CheckpointStaged():
-            job, args = _stage(job, ev, ev.occurred_at)
+            job, args = _stage(job, ev)
             return job, Due(commit=args)
         case CheckpointCommitted():
             if any(c.checkpoint_id == ev.checkpoint_id for c in job.committed) or ev.checkpoint_id in job.doomed:

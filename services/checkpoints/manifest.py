@@ -146,25 +146,32 @@ async def download(store: ObjectStore, job_id: str, checkpoint_id: str, dest: Pa
     manifest, raw = await read_manifest(store, job_id, checkpoint_id, expected_sha256=expected_sha256)
     tmp = await asyncio.to_thread(_partial_dir, dest)
     slots = asyncio.Semaphore(DOWNLOAD_CONCURRENCY)
+    errors: list[Exception] = []
 
     async def fetch(shard: ShardInfo) -> None:
         async with slots:
+            if errors:  # the checkpoint is already refused: start no more downloads
+                return
             try:
                 size, digest = await store.get_file(shard_key(job_id, checkpoint_id, shard.path),
                                                     local_path(tmp, shard.path))
             except ObjectNotFound:
-                raise CorruptCheckpoint(f"shard {shard.path!r} of {job_id}/{checkpoint_id} is missing") from None
+                errors.append(CorruptCheckpoint(f"shard {shard.path!r} of {job_id}/{checkpoint_id} is missing"))
+                return
+            except Exception as exc:
+                errors.append(exc)
+                return
         if (size, digest) != (shard.size, shard.sha256):
-            raise CorruptCheckpoint(f"shard {shard.path!r} of {job_id}/{checkpoint_id}: got {size} bytes with "
-                                    f"sha256 {digest}, the manifest says {shard.size} bytes with {shard.sha256}")
+            errors.append(CorruptCheckpoint(
+                f"shard {shard.path!r} of {job_id}/{checkpoint_id}: got {size} bytes with sha256 {digest}, "
+                f"the manifest says {shard.size} bytes with {shard.sha256}"))
 
     try:
-        try:
-            async with asyncio.TaskGroup() as tg:
-                for shard in manifest.shards:
-                    tg.create_task(fetch(shard))
-        except BaseExceptionGroup as group:
-            raise group.exceptions[0] from None
+        # running downloads finish rather than being cancelled: a local store's copy runs in a thread
+        # that a cancel would not stop, and it must not write into the folder after it is removed
+        await asyncio.gather(*(fetch(shard) for shard in manifest.shards))
+        if errors:
+            raise next((e for e in errors if isinstance(e, CorruptCheckpoint)), errors[0])
         await asyncio.to_thread(_finish, tmp, dest, raw)
     except BaseException:
         await asyncio.to_thread(shutil.rmtree, tmp, True)

@@ -79,6 +79,7 @@ class S3Store:
         self.max_concurrency = max_concurrency
         self.retry = retry or RetryPolicy()
         self._slots = asyncio.Semaphore(max_concurrency)
+        self.in_flight: set[str] = set()  # multipart upload ids this store is running (the sweeper skips them)
 
     @classmethod
     @asynccontextmanager
@@ -120,6 +121,7 @@ class S3Store:
     async def _multipart(self, k: str, path: Path, size: int) -> tuple[int, str]:
         part_size = self._part_size_for(size)
         upload_id = (await self._call("create_multipart_upload", Key=k))["UploadId"]
+        self.in_flight.add(upload_id)
         blog = log.bind(key=k, bytes=size, parts=-(-size // part_size), upload_id=upload_id)
         digest = hashlib.sha256()
         etags: dict[int, str] = {}
@@ -158,6 +160,7 @@ class S3Store:
             raise
         finally:
             os.close(fd)
+            self.in_flight.discard(upload_id)
         seconds = time.monotonic() - started
         blog.info("uploaded", seconds=round(seconds, 3), mb_s=round(size / MiB / max(seconds, 1e-9), 1))
         return size, digest.hexdigest()

@@ -39,7 +39,7 @@ async def sweep_s3(store: S3Store, *, older_than_s: float = DEFAULT_OLDER_THAN_S
     swept = []
     for upload in await store.multipart_uploads():
         age = now - _timestamp(upload["Initiated"])
-        if age < older_than_s:
+        if age < older_than_s or upload["UploadId"] in store.in_flight:
             continue  # may still be in progress in a live process
         await store.abort_upload(upload["Key"], upload["UploadId"])
         swept.append(Swept(key=upload["Key"], upload_id=upload["UploadId"], age_s=age))

@@ -61,19 +61,22 @@ async def _upload_shard(store: ObjectStore, args: CommitArgs, rank: StagedRank, 
 
 async def _upload_all(store: ObjectStore, args: CommitArgs, file_concurrency: int, readback: bool) -> None:
     slots = asyncio.Semaphore(file_concurrency)
+    errors: list[Exception] = []
 
     async def one(rank: StagedRank, shard: ShardInfo) -> None:
         async with slots:
-            await _upload_shard(store, args, rank, shard, readback)
+            if errors:  # one bad shard dooms the checkpoint: start no more uploads
+                return
+            try:
+                await _upload_shard(store, args, rank, shard, readback)
+            except Exception as exc:
+                errors.append(exc)
 
-    try:
-        async with asyncio.TaskGroup() as tg:  # the first rejection cancels the other uploads
-            for rank in args.ranks:
-                for shard in rank.shards:
-                    tg.create_task(one(rank, shard))
-    except BaseExceptionGroup as group:
-        rejected: list[BaseException] = [e for e in group.exceptions if isinstance(e, Rejected)]
-        raise (rejected or list(group.exceptions))[0] from None
+    # uploads already running are let finish rather than cancelled: a local store's write runs in a
+    # thread that a cancel would not stop, and it must not land after the failed checkpoint is cleaned up
+    await asyncio.gather(*(one(rank, shard) for rank in args.ranks for shard in rank.shards))
+    if errors:
+        raise next((e for e in errors if isinstance(e, Rejected)), errors[0])
 
 
 async def _existing_manifest(store: ObjectStore, key: str) -> bytes | None:

@@ -1,17 +1,24 @@
 """A real S3 endpoint for tests: moto's server over HTTP on a free port, with a fresh bucket.
 
 moto's in-process mocks do not reach aioboto3, so tests talk HTTP to `ThreadedMotoServer`.
-Import the fixture into a test module: `from tests.integration.s3_fixture import moto_s3`.
+Import the fixtures into a test module: `from tests.integration.s3_fixture import moto_s3, store`
+(`store` runs a test once per object store: local folder, then S3).
 Credentials go through the environment, the same standard chain production uses.
 """
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import boto3
 import pytest
 from moto.server import ThreadedMotoServer
+
+from services.checkpoints.localstore import LocalStore
+from services.checkpoints.objectstore import ObjectStore
+from services.checkpoints.retry import RetryPolicy
+from services.checkpoints.s3store import MIN_PART_SIZE, S3Store
 
 
 @dataclass(frozen=True)
@@ -40,3 +47,15 @@ def moto_s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[MotoS3]:
         yield MotoS3(endpoint=endpoint, bucket=bucket)
     finally:
         server.stop()
+
+
+@pytest.fixture(params=["local", "s3"])
+async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[ObjectStore]:
+    """Each object store in turn: the local folder, then S3 (moto over HTTP) with small parts."""
+    if request.param == "local":
+        yield LocalStore(tmp_path / "objects")
+        return
+    s3: MotoS3 = request.getfixturevalue("moto_s3")
+    async with S3Store.open(s3.bucket, endpoint_url=s3.endpoint, part_size=MIN_PART_SIZE, max_concurrency=4,
+                            retry=RetryPolicy(base_s=0.01)) as st:
+        yield st

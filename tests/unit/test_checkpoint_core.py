@@ -183,6 +183,13 @@ def test_job_end_releases_holds() -> None:
     assert deleted(outs[-1:]) == [target]
 
 
+def test_state_survives_a_msgpack_snapshot() -> None:
+    state, _ = run([submitted(keep=2), staged(0, 5, 2), committed(1), committed(2), committed(3),
+                    RollbackRequested(job_id=JOB, checkpoint_id=checkpoint_id(0, 2), to_step=2, skip_from=0, skip_to=1,
+                                      reason="x")])
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(state), type=State) == state
+
+
 def test_service_wiring() -> None:
     async def nothing(args: object) -> list[Emit]:
         return []
