@@ -4,6 +4,7 @@ proxy, and the sweeper for uploads a killed process left behind."""
 import asyncio
 import hashlib
 import os
+import random
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -16,8 +17,9 @@ from aiohttp import web
 
 from services.checkpoints import sweeper
 from services.checkpoints.localstore import LocalStore
-from services.checkpoints.retry import RetryPolicy
+from services.checkpoints.retry import RetryPolicy, is_retryable
 from services.checkpoints.s3store import MIN_PART_SIZE, S3Store
+from services.checkpoints.stores import open_store
 from tests.integration.s3_fixture import MotoS3, moto_s3
 
 __all__ = ["moto_s3"]
@@ -187,3 +189,55 @@ async def test_sweeper_removes_stale_local_temp_files(tmp_path: Path) -> None:
     assert await sweeper.sweep(st, older_than_s=3600) == []
     swept = await sweeper.sweep(st, older_than_s=3600, now=time.time() + 7200)
     assert [s.key for s in swept] == ["left-by-a-crash"] and list(st.tmp_dir.iterdir()) == []
+
+
+def client_error(code: str, status: int) -> botocore.exceptions.ClientError:
+    return botocore.exceptions.ClientError({"Error": {"Code": code, "Message": "m"},
+                                            "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
+
+
+def test_which_errors_are_retried() -> None:
+    for code, status in [("SlowDown", 503), ("TooManyRequests", 429), ("InternalError", 500), ("", 502),
+                         ("RequestTimeout", 400), ("ConditionalRequestConflict", 409)]:
+        assert is_retryable(client_error(code, status)), code
+    for code, status in [("PreconditionFailed", 412), ("NoSuchKey", 404), ("AccessDenied", 403),
+                         ("InvalidPart", 400)]:
+        assert not is_retryable(client_error(code, status)), code
+    assert is_retryable(botocore.exceptions.EndpointConnectionError(endpoint_url="http://x"))
+    assert is_retryable(ConnectionResetError()) and not is_retryable(ValueError())
+
+
+async def test_backoff_is_exponential_with_full_jitter_and_capped() -> None:
+    slept: list[float] = []
+
+    async def sleep(s: float) -> None:
+        slept.append(s)
+
+    policy = RetryPolicy(attempts=6, base_s=0.1, cap_s=0.5, rng=random.Random(7), sleep=sleep)
+    calls = 0
+
+    async def flaky() -> str:
+        nonlocal calls
+        calls += 1
+        if calls < 6:
+            raise client_error("SlowDown", 503)
+        return "ok"
+
+    assert await policy.call("put_object", flaky) == "ok"
+    assert calls == 6 and len(slept) == 5
+    assert all(0 <= s <= min(0.5, 0.1 * 2**i) for i, s in enumerate(slept))
+    assert len(set(slept)) == 5  # jittered, not a fixed schedule
+
+
+async def test_open_store_by_url(moto_s3: MotoS3, tmp_path: Path) -> None:
+    async with open_store(f"s3://{moto_s3.bucket}/team/a", endpoint_url=moto_s3.endpoint) as st:
+        assert isinstance(st, S3Store) and st.uri("k") == f"s3://{moto_s3.bucket}/team/a/k"
+        await st.put_bytes("k", b"v")
+        assert await st.get_bytes("k") == b"v"
+    async with open_store((tmp_path / "objs").as_uri()) as local:
+        assert isinstance(local, LocalStore) and local.root == (tmp_path / "objs").resolve()
+    async with open_store(str(tmp_path / "plain")) as local:
+        assert isinstance(local, LocalStore)
+    with pytest.raises(ValueError, match="unsupported"):
+        async with open_store("ftp://x"):
+            pass
