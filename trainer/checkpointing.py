@@ -94,6 +94,8 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.last_step: int | None = None
+        self._copy_stream: torch.cuda.Stream | None = None
+        self._copied: torch.cuda.Event | None = None  # the last snapshot's copies, until before_update
 
     def prepare(self, live: dict[str, torch.Tensor]) -> None:
         """Allocate the host buffers once; pinned on CUDA so device-to-host copies run at full speed."""
@@ -104,14 +106,35 @@ class Checkpointer:
                 buf.zero_()  # fault the pages in now, not during the first save's stall
 
     def snapshot(self, live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Copy the live tensors into the host buffers. On CUDA the copies are only queued, on a side stream
+        after the step's work: the host goes on at once, the copy overlaps the next forward/backward, and
+        `before_update` keeps the next optimizer step (the first write to this state) behind it."""
         if not self.buffers:
             self.prepare(live)
-        cuda = self.dist.device.type == "cuda"
-        for key, t in live.items():
-            self.buffers[key].copy_(t.detach(), non_blocking=cuda)
-        if cuda:
-            torch.cuda.current_stream(self.dist.device).synchronize()
+        if self.dist.device.type != "cuda":
+            for key, t in live.items():
+                self.buffers[key].copy_(t.detach())
+            return self.buffers
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.dist.device)
+        self._copy_stream.wait_stream(torch.cuda.current_stream(self.dist.device))
+        with torch.cuda.stream(self._copy_stream):
+            for key, t in live.items():
+                self.buffers[key].copy_(t.detach(), non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record(self._copy_stream)
         return self.buffers
+
+    def before_update(self) -> None:
+        """Call before changing the live state in place: a GPU-side wait for the snapshot copy, no host sync."""
+        if self._copied is not None:
+            torch.cuda.current_stream(self.dist.device).wait_event(self._copied)
+            self._copied = None
+
+    def snapshot_done(self) -> None:
+        """Block until the last snapshot is in host memory (the writer does this before writing)."""
+        if self._copied is not None:
+            self._copied.synchronize()
 
     def save(self, step: int, live: dict[str, torch.Tensor], stream: TokenStream) -> float:
         """Snapshot now and write in the background; returns the stall (seconds the caller was blocked)."""
@@ -125,15 +148,19 @@ class Checkpointer:
             state[f"rng.{kind}.{self.dist.rank}"] = t
         stall = time.perf_counter() - started
         path = self.root / f"step-{step}"
-        self._thread = threading.Thread(target=self._write, args=(step, path, state, position, stall),
+        copied = self._copied
+        self._thread = threading.Thread(target=self._write, args=(step, path, state, position, stall, copied),
                                         name=f"ckpt-{step}", daemon=True)
         self._thread.start()
         self.last_step = step
         return stall
 
-    def _write(self, step: int, path: Path, state: dict[str, object], position: DataPosition, stall: float) -> None:
+    def _write(self, step: int, path: Path, state: dict[str, object], position: DataPosition, stall: float,
+               copied: torch.cuda.Event | None) -> None:
         started = time.perf_counter()
         try:
+            if copied is not None:
+                copied.synchronize()
             path.mkdir(parents=True, exist_ok=True)
             group = self.dist.ckpt_group
             dcp.save(state, storage_writer=dcp.FileSystemWriter(path), process_group=group, no_dist=group is None)

@@ -157,6 +157,7 @@ class Loop:
         (loss_sum * (self.dist.world_size / self.global_tokens)).backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP)
         self.opt.found_inf = (~torch.isfinite(grad_norm)).float()  # type: ignore[attr-defined]
+        self.ckpt.before_update()
         self.opt.step()
         self.reporter.record(step, loss_sum.detach() / y.numel(), grad_norm.detach(), lr, started)
         self.step += 1
