@@ -148,7 +148,9 @@ class Supervisor:
                 start_new_session=True, preexec_fn=_die_with_parent,
             )
         child.started_at = self._clock()
-        log.info("process started", name=child.spec.name, pid=child.proc.pid, restarts=child.restarts)
+        # The first start is in `up`'s own banner; restarts are news.
+        (log.info if child.restarts else log.debug)("process started", name=child.spec.name, pid=child.proc.pid,
+                                                     restarts=child.restarts)
 
     def _exited(self, child: Child, code: int, now: float) -> None:
         if now - child.started_at >= self.backoff.reset_after_s:

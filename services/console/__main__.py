@@ -1,0 +1,65 @@
+"""The `flightdeck` entry point. A verb is one module exposing `COMMAND`, plus one line in COMMANDS."""
+
+import argparse
+import logging
+import os
+import sys
+
+import structlog
+
+from events.store import StoreUnavailable
+from services.broker import BrokerError
+from services.console import down, events_cmd, up
+from services.console.cli import EXIT_ERROR, Command, UserError
+
+COMMANDS: tuple[Command, ...] = (
+    up.COMMAND,
+    down.COMMAND,
+    events_cmd.COMMAND,
+)
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="flightdeck", description="Flightdeck: an event-sourced control plane "
+                                  "for distributed PyTorch training on NATS JetStream")
+    verbs = top.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for command in COMMANDS:
+        sub = verbs.add_parser(command.name, help=command.help, description=command.help)
+        command.add_arguments(sub)
+        sub.set_defaults(run=command.run)
+    return top
+
+
+def configure_logging() -> None:
+    """Our own logs go to stderr, so stdout carries only what a command prints (pipes, --json)."""
+    structlog.configure(
+        processors=[structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="%H:%M:%S"),
+                    structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    configure_logging()
+    try:
+        code: int = args.run(args)
+    except UserError as exc:
+        print(f"flightdeck {args.command}: {exc}", file=sys.stderr)
+        return exc.code
+    except (StoreUnavailable, BrokerError) as exc:
+        print(f"flightdeck {args.command}: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        # The reader went away (`flightdeck events ... | head`): not an error; keep Python from
+        # complaining again when it flushes stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

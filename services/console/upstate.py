@@ -1,0 +1,125 @@
+"""What `flightdeck up` leaves in its data dir for `down` and for a second `up`: a lock held while
+it runs (`up.lock`) and a state file with its pids and broker URL (`up.json`)."""
+
+import fcntl
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+STATE_FILE = "up.json"
+LOCK_FILE = "up.lock"
+_PROC = Path("/proc/self/stat").exists()
+
+
+class UpState(msgspec.Struct, kw_only=True):
+    pid: int  # the supervisor
+    url: str
+    data_dir: str
+    port: int | None  # None when up uses a broker it did not start
+    broker_pid: int | None
+    processes: dict[str, int | None]
+    status: Literal["starting", "ready", "stopping"]
+    started_at: float
+
+
+def write_state(data_dir: Path, state: UpState) -> None:
+    tmp = data_dir / f".{STATE_FILE}.tmp"
+    tmp.write_bytes(msgspec.json.encode(state))
+    os.replace(tmp, data_dir / STATE_FILE)  # readers never see half a file
+
+
+def read_state(data_dir: Path) -> UpState | None:
+    try:
+        return msgspec.json.decode((data_dir / STATE_FILE).read_bytes(), type=UpState)
+    except (FileNotFoundError, msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def remove_state(data_dir: Path) -> None:
+    (data_dir / STATE_FILE).unlink(missing_ok=True)
+
+
+def take_lock(data_dir: Path) -> int | None:
+    """The lock's file descriptor, held until the process exits (or closes it); None if another holds it.
+    A lock, unlike a pid in a file, cannot go stale: the kernel drops it when its holder dies."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(data_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def lock_held(data_dir: Path) -> bool:
+    if not (data_dir / LOCK_FILE).exists():
+        return False
+    fd = take_lock(data_dir)
+    if fd is None:
+        return True
+    os.close(fd)
+    return False
+
+
+def alive(pid: int) -> bool:
+    """Running: a zombie is not (in a container, pid 1 may never reap what `up --detach` orphans)."""
+    if not _PROC:
+        return _exists(pid)
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _ours(pid: int) -> bool:
+    """Whether `pid` still runs one of our programs: a pid in an old state file may have been reused."""
+    if not _PROC:
+        return True  # nothing to check against: trust the pid
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+    except OSError:
+        return False
+    return any(word in cmdline for word in (b"nats-server", b"services", b"flightdeck"))
+
+
+def leftovers(state: UpState) -> list[int]:
+    """Pids from `state` that still run one of our programs, services before the broker."""
+    pids = [p for p in state.processes.values() if p is not None]
+    if state.broker_pid is not None:
+        pids.append(state.broker_pid)
+    return [p for p in pids if alive(p) and _ours(p)]
+
+
+def terminate(pids: list[int], grace_s: float = 10.0) -> None:
+    """SIGTERM each pid, wait up to `grace_s` for all, then SIGKILL whatever is left."""
+    for pid in pids:
+        _signal(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid in pids:
+        if alive(pid):
+            _signal(pid, signal.SIGKILL)
+
+
+def _signal(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,230 @@
+"""`flightdeck up --detach`, `events` and `down` as a user runs them: real processes, a real broker.
+
+One `up` serves the whole module (starting five services is the slow part); the tests run in file
+order and the last one takes it down.
+"""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from events import subjects
+from events.history import append_to_job
+from events.jetstream import JetStreamStore
+from events.job import JobCompleted, JobQueued, JobSubmitted
+from events.spec import JobSpec
+from events.training import StepCompleted
+from services import broker, registry
+from services.console import upstate
+
+pytestmark = pytest.mark.timeout(60)
+CLI = (sys.executable, "-m", "services.console")
+
+
+@dataclass
+class Up:
+    data_dir: Path
+    port: int
+    url: str
+    stdout: str
+
+
+def flightdeck(*args: str, timeout: float = 45.0,
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def wait_for(predicate, timeout: float = 15.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+    data_dir = tmp_path_factory.mktemp("fd") / "data"
+    port = broker.free_port()
+    done = flightdeck("up", "--detach", "--data-dir", str(data_dir), "--port", str(port), timeout=60)
+    assert done.returncode == 0, done.stderr + done.stdout
+    yield Up(data_dir, port, f"nats://127.0.0.1:{port}", done.stdout)
+    flightdeck("down", "--data-dir", str(data_dir))  # a no-op when the last test already did it
+
+
+def state(up: Up) -> upstate.UpState:
+    found = upstate.read_state(up.data_dir)
+    assert found is not None
+    return found
+
+
+async def seed_job(url: str, job_id: str) -> None:
+    store = await JetStreamStore.connect(url)
+    t0 = 1_700_000_000.0
+    try:
+        await append_to_job(store, JobSubmitted(event_id=uuid.uuid4().hex, job_id=job_id, occurred_at=t0,
+                                                producer="cli", spec=JobSpec(name="demo")))
+        await append_to_job(store, JobQueued(event_id=uuid.uuid4().hex, job_id=job_id, occurred_at=t0 + 0.5,
+                                             priority=50, reason="submitted"))
+        await store.append(subjects.telemetry(job_id, 0, "StepCompleted"), StepCompleted(
+            event_id=uuid.uuid4().hex, job_id=job_id, rank=0, occurred_at=t0 + 1.0, step=1, loss=float("nan"),
+            grad_norm=1.0, lr=0.003, tokens_per_s=1000.0, step_time_s=0.1))
+    finally:
+        await store.close()
+
+
+def test_up_detach_starts_the_broker_and_every_service(up: Up) -> None:
+    s = state(up)
+    assert s.status == "ready" and s.url == up.url and s.port == up.port
+    assert sorted(s.processes) == sorted(registry.names())
+    assert all(pid is not None and upstate.alive(pid) for pid in s.processes.values())
+    assert s.broker_pid is not None and upstate.alive(s.broker_pid) and upstate.alive(s.pid)
+    assert f"flightdeck is up: broker {up.url}" in up.stdout
+    for name in s.processes:
+        assert (up.data_dir / "logs" / f"{name}.log").exists()
+
+
+def test_a_second_up_refuses_the_same_data_dir_or_a_taken_port(up: Up, tmp_path: Path) -> None:
+    again = flightdeck("up", "--data-dir", str(up.data_dir), "--port", str(broker.free_port()))
+    assert again.returncode == 1
+    assert "already running" in again.stderr and len(again.stderr.strip().splitlines()) == 1
+    taken = flightdeck("up", "--detach", "--data-dir", str(tmp_path / "other"), "--port", str(up.port))
+    assert taken.returncode == 1
+    assert f"port {up.port} is taken" in taken.stderr and "Traceback" not in taken.stderr
+
+
+def test_events_prints_a_job_history_in_order(up: Up) -> None:
+    asyncio.run(seed_job(up.url, "demo-aaa111"))
+    human = flightdeck("events", "demo-aaa111", "--nats", up.url)
+    assert human.returncode == 0, human.stderr
+    lines = human.stdout.splitlines()
+    assert [line.split()[2] for line in lines] == ["JobSubmitted", "JobQueued"]
+    assert lines[1].split()[1] == "+0.500s" and "priority=50 reason=submitted" in lines[1]
+
+    as_json = flightdeck("events", "demo-aaa111", "--json", "--telemetry", env={"FLIGHTDECK_NATS_URL": up.url})
+    assert as_json.returncode == 0, as_json.stderr
+    rows = [json.loads(line) for line in as_json.stdout.splitlines()]
+    assert [r["type"] for r in rows] == ["JobSubmitted", "JobQueued", "StepCompleted"]
+    assert [r["job_version"] for r in rows] == [1, 2, 0]
+    assert all({"seq", "type", "occurred_at", "job_id"} <= r.keys() for r in rows)
+    assert rows[2]["loss"] == "nan" and rows[2]["stream"] == "FD_TELEMETRY"
+
+    every = flightdeck("events", "--all", "--nats", up.url)
+    assert "job_id=demo-aaa111" in every.stdout
+
+
+def test_unknown_job_and_unreachable_broker_are_one_line_errors(up: Up) -> None:
+    unknown = flightdeck("events", "no-such-job", "--nats", up.url)
+    assert unknown.returncode == 2
+    assert unknown.stderr.strip().splitlines() == [
+        f"flightdeck events: no job 'no-such-job' on {up.url}: check the id (`flightdeck events --all` lists "
+        "every job's events)"]
+    nowhere = flightdeck("events", "x", "--nats", f"nats://127.0.0.1:{broker.free_port()}")
+    assert nowhere.returncode == 1
+    assert len(nowhere.stderr.strip().splitlines()) == 1 and "cannot reach the broker" in nowhere.stderr
+
+
+async def append_completed(url: str, job_id: str) -> None:
+    store = await JetStreamStore.connect(url)
+    try:
+        await append_to_job(store, JobCompleted(event_id=uuid.uuid4().hex, job_id=job_id,
+                                                occurred_at=1_700_000_003.0, steps=1))
+    finally:
+        await store.close()
+
+
+def test_events_follow_prints_new_events_until_interrupted(up: Up) -> None:
+    asyncio.run(seed_job(up.url, "demo-bbb222"))
+    proc = subprocess.Popen([*CLI, "events", "demo-bbb222", "--follow", "--nats", up.url],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        assert "JobSubmitted" in proc.stdout.readline()
+        assert "JobQueued" in proc.stdout.readline()
+        asyncio.run(append_completed(up.url, "demo-bbb222"))
+        line = proc.stdout.readline()  # the module's timeout guards a follow that never prints
+        assert "JobCompleted" in line and "+3.000s" in line and "steps=1" in line
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(10) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_killed_service_is_restarted(up: Up) -> None:
+    before = state(up).processes["scheduler"]
+    assert before is not None
+    os.kill(before, signal.SIGKILL)
+    wait_for(lambda: state(up).processes["scheduler"] not in (None, before))
+    after = state(up).processes["scheduler"]
+    assert after is not None and upstate.alive(after) and not upstate.alive(before)
+    log = (up.data_dir / "logs" / "scheduler.log").read_text()
+    assert "scheduler exited with code -9; restarting in 0.5s" in log
+
+
+def test_down_stops_every_process(up: Up) -> None:
+    s = state(up)
+    pids = [s.pid, s.broker_pid, *s.processes.values()]
+    done = flightdeck("down", "--data-dir", str(up.data_dir))
+    assert done.returncode == 0, done.stderr
+    assert f"flightdeck stopped: supervisor pid {s.pid}" in done.stdout
+    assert [p for p in pids if p is not None and upstate.alive(p)] == []
+    assert upstate.read_state(up.data_dir) is None
+    again = flightdeck("down", "--data-dir", str(up.data_dir))
+    assert again.returncode == 0 and "nothing to stop" in again.stdout
+
+
+def start_foreground(data_dir: Path, port: int) -> subprocess.Popen[str]:
+    proc = subprocess.Popen([*CLI, "up", "--data-dir", str(data_dir), "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_for(lambda: proc.poll() is not None or getattr(upstate.read_state(data_dir), "status", "") == "ready",
+             timeout=40)
+    assert proc.poll() is None, proc.communicate()[0]
+    return proc
+
+
+def our_pids(s: upstate.UpState) -> list[int]:
+    return [p for p in (s.pid, s.broker_pid, *s.processes.values()) if p is not None]
+
+
+def test_foreground_up_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
+    proc = start_foreground(tmp_path / "fg", broker.free_port())
+    try:
+        pids = our_pids(upstate.read_state(tmp_path / "fg"))  # type: ignore[arg-type]
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 0, out
+        assert "flightdeck: ready" in out and out.rstrip().endswith("flightdeck: stopped")
+        assert [p for p in pids if upstate.alive(p)] == []
+        assert upstate.read_state(tmp_path / "fg") is None
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_up_and_down_clean_up_after_a_killed_supervisor(tmp_path: Path) -> None:
+    data_dir, port = tmp_path / "k", broker.free_port()
+    proc = start_foreground(data_dir, port)
+    first = state(Up(data_dir, port, "", ""))
+    proc.kill()  # SIGKILL: no chance to stop anything; its services go with it (PR_SET_PDEATHSIG)
+    proc.wait()
+    assert first.broker_pid is not None and upstate.alive(first.broker_pid)
+    again = flightdeck("up", "--detach", "--data-dir", str(data_dir), "--port", str(port), timeout=60)
+    assert again.returncode == 0, again.stderr + again.stdout
+    assert [p for p in our_pids(first) if upstate.alive(p)] == []
+    second = state(Up(data_dir, port, "", ""))
+    os.kill(second.pid, signal.SIGKILL)
+    wait_for(lambda: not upstate.alive(second.pid))
+    down = flightdeck("down", "--data-dir", str(data_dir))
+    assert down.returncode == 0, down.stderr
+    assert [p for p in our_pids(second) if upstate.alive(p)] == []
