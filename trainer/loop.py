@@ -30,6 +30,7 @@ from events.commands import (
     RollbackRequested,
     StopRequested,
 )
+from events.spec import FaultKind
 from events.training import FaultInjected, RankStarted, RolledBack
 from trainer import checkpointing, faults, model
 from trainer.config import RunConfig
@@ -162,9 +163,9 @@ class Loop:
         self.reporter.record(step, loss_sum.detach() / y.numel(), grad_norm.detach(), lr, started)
         self.step += 1
 
-    def inject(self, kind: str, step: int) -> bool:
+    def inject(self, kind: FaultKind, step: int) -> bool:
         """Announce a drill fault, then act on it; True when this step's loss must be NaN."""
-        self.emitter.emit(FaultInjected(kind=kind, step=step, **self.emitter.envelope))  # type: ignore[arg-type]
+        self.emitter.emit(FaultInjected(kind=kind, step=step, **self.emitter.envelope))
         log.warning("injecting drill fault", kind=kind, step=step)
         if kind == "crash":
             self.reporter.flush()
