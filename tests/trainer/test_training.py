@@ -1,10 +1,14 @@
 """Real ranks on CPU: two ranks learn; a restore continues bitwise; a reshard continues the same stream."""
 
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from services.broker import free_port
 from tests.trainer import ranks
 
 STEPS = 30
@@ -71,3 +75,16 @@ def test_reshard_two_ranks_to_one_continues_the_same_stream(baseline: Path, tmp_
     worst = max(abs(got[s] - expected[s]) / expected[s] for s in expected)
     assert worst < RESHARD_RTOL, worst
     assert all(math.isfinite(v) for v in got.values())
+
+
+def test_plain_torchrun_starts_two_ranks(tmp_path: Path) -> None:
+    spec = ranks.write_spec(tmp_path / "job.toml", slots=2, train={"steps": 6})
+    torchrun = Path(sys.executable).parent / "torchrun"
+    cmd = [str(torchrun), "--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "trainer",
+           "--job-id", "tr-1", "--spec", str(spec), "--device", "cpu", "--staging", str(tmp_path / "staging"),
+           "--events-log", str(tmp_path / "events.jsonl")]
+    proc = subprocess.run(cmd, cwd=ranks.REPO, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for rank in (0, 1):
+        assert [s for s, _ in ranks.losses(tmp_path / "events.jsonl", rank)] == list(range(6))

@@ -1,0 +1,63 @@
+"""The Emitter: steps handed to the publisher in batches, everything else at once and in order."""
+
+import time
+from pathlib import Path
+
+from events.base import RankEvent
+from events.training import RankFault, StepCompleted
+from tests.trainer import ranks
+from trainer.reports import Emitter
+
+ENV = {"job_id": "j", "rank": 1, "attempt": 0, "node": "n"}
+
+
+class ListPublisher:
+    """Hand-written fake of the telemetry publisher: remembers what it was given."""
+
+    def __init__(self) -> None:
+        self.events: list[RankEvent] = []
+        self.step = -99
+        self.closed = False
+
+    def emit(self, event: RankEvent) -> None:
+        self.events.append(event)
+
+    def set_step(self, step: int) -> None:
+        self.step = step
+
+    def close(self, timeout: float = 5.0) -> None:
+        self.closed = True
+
+
+def step(i: int) -> StepCompleted:
+    return StepCompleted(step=i, loss=1.0, grad_norm=1.0, lr=1e-3, tokens_per_s=1.0, step_time_s=0.1, **ENV)
+
+
+def test_steps_wait_for_the_batch_and_other_events_flush_them_in_order(tmp_path: Path) -> None:
+    pub = ListPublisher()
+    em = Emitter(pub, ENV, tmp_path / "events.jsonl", batch_s=60.0)
+    em.emit(step(0))
+    em.emit(step(1))
+    assert pub.events == []  # held: a step alone does not wake the publisher
+    em.emit(RankFault(kind="exception", error_type="E", message="m", step=1, **ENV))
+    assert [type(e).__name__ for e in pub.events] == ["StepCompleted", "StepCompleted", "RankFault"]
+    assert all(e.event_id and e.occurred_at and e.producer == "trainer" for e in pub.events)
+    em.emit(step(2))
+    em.close()
+    assert [getattr(e, "step", None) for e in pub.events][-1] == 2 and pub.closed
+    logged = ranks.events(tmp_path / "events.jsonl")
+    assert [e["event_id"] for e in logged] == [e.event_id for e in pub.events]  # the log saw every event at once
+
+
+def test_a_step_after_the_batch_interval_goes_out_with_those_held() -> None:
+    pub = ListPublisher()
+    em = Emitter(pub, ENV, batch_s=0.05)
+    em.emit(step(0))
+    time.sleep(0.06)
+    em.emit(step(1))
+    assert [e.step for e in pub.events if isinstance(e, StepCompleted)] == [0, 1]
+    em.emit(step(2))
+    em.set_step(2)
+    assert len(pub.events) == 2 and pub.step == 2  # the heartbeat's step is never held back
+    em.flush()
+    assert len(pub.events) == 3
