@@ -28,9 +28,9 @@ class UserError(Exception):
         self.code = code
 
 
-def add_nats_argument(parser: argparse.ArgumentParser) -> None:
+def add_nats_argument(parser: argparse.ArgumentParser, help: str = "") -> None:
     parser.add_argument("--nats", metavar="URL", default=None,
-                        help=f"broker URL (default: $FLIGHTDECK_NATS_URL, else {broker.DEFAULT_URL})")
+                        help=help or f"broker URL (default: $FLIGHTDECK_NATS_URL, else {broker.DEFAULT_URL})")
 
 
 def unreachable(url: str, reason: object = "") -> UserError:

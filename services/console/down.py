@@ -49,7 +49,8 @@ def _state_of_running(data_dir: Path) -> upstate.UpState | None:
 def _stop_supervisor(data_dir: Path, pid: int) -> None:
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + STOP_TIMEOUT_S
-    while upstate.lock_held(data_dir):
+    # It lets go of the lock once it has stopped everything, a moment before it exits.
+    while upstate.lock_held(data_dir) or upstate.alive(pid):
         if time.monotonic() > deadline:
             # Its children die with it (PR_SET_PDEATHSIG); the broker is stopped from the state file.
             os.kill(pid, signal.SIGKILL)

@@ -4,6 +4,7 @@
 import argparse
 import asyncio
 import contextlib
+import heapq
 import signal
 import sys
 from collections.abc import Callable, Coroutine, Sequence
@@ -66,16 +67,16 @@ async def _events(args: argparse.Namespace, url: str) -> None:
 
 
 async def read_all(store: EventStore, chosen: Sequence[tuple[str, list[str]]]) -> list[Stored]:
-    """Everything stored so far; streams merged by the time their events happened (control first on ties),
-    since sequences of different streams do not compare."""
-    merged: list[Stored] = []
+    """Everything stored so far. Each stream stays in its own order (a job's history is its sequence, and
+    a decision may carry an earlier time than events stored before it); the streams are interleaved by
+    time, control first on ties."""
+    per_stream: list[list[Stored]] = []
     for stream, filters in chosen:
+        messages: list[Stored] = []
         async for batch in store.read(stream, filters):
-            merged.extend(batch)
-    if len(chosen) > 1:
-        order = {stream: i for i, (stream, _) in enumerate(chosen)}
-        merged.sort(key=lambda s: (s.event.occurred_at if s.event else 0.0, order[s.stream]))
-    return merged
+            messages.extend(batch)
+        per_stream.append(messages)
+    return list(heapq.merge(*per_stream, key=lambda s: s.event.occurred_at if s.event else 0.0))
 
 
 async def follow_all(

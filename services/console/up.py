@@ -38,7 +38,7 @@ DEFAULT_DATA_DIR = ".flightdeck"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_nats_argument(parser)
+    add_nats_argument(parser, "use this running broker instead of starting the embedded one")
     parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR,
                         help="where the broker's store, logs and state live (default: ./.flightdeck)")
     parser.add_argument("--port", type=int, default=4222, help="port for the embedded broker (default: 4222)")
@@ -116,6 +116,7 @@ class _Up:
         self._broker_backoff = Backoff()
         self._broker_failures = 0
         self._broker_started = time.monotonic()
+        self._broker_due: float | None = None
         self._reading: set[str] = set()
         self._checked_at = 0.0
 
@@ -160,16 +161,29 @@ class _Up:
         return not (set(registry.names()) - self._reading)
 
     def _watch_broker(self) -> None:
-        """The broker is restarted like any process, on the same port and store."""
+        """The broker is restarted like any process (same port, same store), without blocking the loop."""
         if self.broker is None or self.broker.proc.poll() is None:
             return
-        if time.monotonic() - self._broker_started >= self._broker_backoff.reset_after_s:
-            self._broker_failures = 0
-        self._broker_failures += 1
-        delay = self._broker_backoff.delay(self._broker_failures)
-        log.warning("broker exited, restarting", exit_code=self.broker.proc.returncode, restart_in_s=delay)
-        time.sleep(delay)
-        self.broker = _start_broker(self.data_dir, self.broker.port)
+        now = time.monotonic()
+        if self._broker_due is None:
+            if now - self._broker_started >= self._broker_backoff.reset_after_s:
+                self._broker_failures = 0
+            self._broker_failures += 1
+            delay = self._broker_backoff.delay(self._broker_failures)
+            self._broker_due = now + delay
+            log.warning("broker exited", exit_code=self.broker.proc.returncode, restart_in_s=delay)
+            return
+        if now < self._broker_due:
+            return
+        try:
+            self.broker = broker_mod.start(self.broker.store_dir, self.broker.port, log_path=self.broker.log_path)
+        except broker_mod.BrokerError as exc:
+            log.error("broker did not restart", error=str(exc))
+            self._broker_due = None  # counts as another failure: the next try waits longer
+            self._broker_started = time.monotonic()
+            return
+        log.info("broker restarted", pid=self.broker.proc.pid)
+        self._broker_due = None
         self._broker_started = time.monotonic()
         self.save()
 
