@@ -32,7 +32,7 @@ log = structlog.get_logger("flightdeck.up")
 # Processes `up` runs beside the services (every name in services.registry): (name, arguments after
 # the python executable); `--nats URL` is appended to each. One line here adds one (the node agent).
 OTHER_PROCESSES: tuple[tuple[str, tuple[str, ...]], ...] = ()
-READY_AFTER_S = 1.0  # a process that survives this long got past its imports and its connect
+READY_AFTER_S = 1.0  # every process alive this long, and every service reading (readiness.py): ready
 DETACH_TIMEOUT_S = 60.0
 DEFAULT_DATA_DIR = ".flightdeck"
 
@@ -59,6 +59,10 @@ def run(args: argparse.Namespace) -> int:
     _clean_leftovers(data_dir)
     if args.nats is None:
         check_port(args.port)
+    try:
+        registry.names()
+    except registry.UnknownService as exc:
+        raise UserError(str(exc)) from None
     stopping = _StopFlag()
     stopping.install()
     (data_dir / "logs").mkdir(parents=True, exist_ok=True)
