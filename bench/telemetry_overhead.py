@@ -15,6 +15,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import nats
@@ -37,7 +38,7 @@ WARMUP_STEPS = 10
 
 
 def one_run(spec: JobSpec, url: str | None, job_id: str, device: str, staging: Path,
-            batch_s: float) -> tuple[list[float], int]:
+            batch_s: float) -> tuple[list[float], int, float]:
     cfg = RunConfig(job_id=job_id, spec=spec, attempt=0, node="bench", nats_url=url, staging=staging, restore=None,
                     manifest=None, rank=0, world_size=1, local_rank=0, device=device, sync_every=10, events_log=None)
     telemetry = Telemetry(url, job_id, 0, 0, "bench", heartbeat_s=spec.policy.heartbeat_interval_s)
@@ -46,16 +47,21 @@ def one_run(spec: JobSpec, url: str | None, job_id: str, device: str, staging: P
     telemetry.start()
     inbox.start()
     loop = Loop(cfg, distributed.init(0, 1, 0, device), emitter, inbox)
+    cpu, main_cpu = time.process_time(), time.thread_time()
     assert loop.run() == 0
+    # CPU the process spent outside the training thread (publisher, heartbeat, inbox): a noise-free upper
+    # bound on what telemetry can take from the step, where the wall clock on a shared box cannot resolve 2%.
+    background_cpu = (time.process_time() - cpu) - (time.thread_time() - main_cpu)
     inbox.close()
     emitter.close()
     published = telemetry.num_published
     times = loop.reporter.step_times[WARMUP_STEPS:]
+    background_per_step = background_cpu / len(loop.reporter.step_times)
     del loop
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
-    return times, published
+    return times, published, background_per_step
 
 
 def main() -> None:
@@ -91,6 +97,7 @@ def main() -> None:
         off: list[float] = []
         on: list[float] = []
         paired: list[float] = []
+        background: dict[str, list[float]] = {"on": [], "off": []}
         published = 0
         for r in range(args.rounds):
             # Alternate which side goes first, so a slow drift (thermal, a neighbour's load) is shared.
@@ -103,6 +110,8 @@ def main() -> None:
             on += runs["on"][0]
             published += runs["on"][1]
             paired.append(statistics.median(runs["on"][0]) / statistics.median(runs["off"][0]))
+            for side in ("on", "off"):
+                background[side].append(runs[side][2])
     finally:
         b.stop()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -119,6 +128,9 @@ def main() -> None:
         "median_step_s": {"off": statistics.median(off), "on": statistics.median(on)},
         "ratio_on_vs_off": statistics.median(on) / statistics.median(off),
         "paired_ratios": paired, "paired_ratio_median": statistics.median(paired),
+        "background_cpu_s_per_step": {k: statistics.median(v) for k, v in background.items()},
+        "background_cpu_vs_step": (statistics.median(background["on"]) - statistics.median(background["off"]))
+        / statistics.median(off),
         "goal": 1.01 if cuda else 1.02,
     }
     print(json.dumps(result, indent=2))
