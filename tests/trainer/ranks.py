@@ -1,12 +1,13 @@
 """Helpers for trainer tests: write a tiny job spec, start real `python -m trainer` ranks as processes
 (torchrun's variables, a free MASTER_PORT), and read the JSON-lines events they log."""
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,19 @@ def start(tmp: Path, spec: Path, *, world: int, job_id: str = "job-1", args: tup
         out = (tmp / f"rank-{rank}.log").open("ab")
         procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT))
     return procs
+
+
+@contextlib.contextmanager
+def started(tmp: Path, spec: Path, *, world: int, **kw: Any) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """`start`, and kill whatever is still running when the block ends (a failed assert included)."""
+    procs = start(tmp, spec, world=world, **kw)
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
 
 
 def wait(procs: list[subprocess.Popen[bytes]], timeout: float) -> list[int]:

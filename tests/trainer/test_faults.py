@@ -72,15 +72,15 @@ def test_hang_freezes_the_step_while_heartbeats_go_on(nats_server: broker_mod.Br
     _streams(nats_server.url)
     spec = ranks.write_spec(tmp_path / "job.toml", policy={"heartbeat_interval_s": 0.2},
                             faults=[{"kind": "hang", "step": 5}])
-    (proc,) = ranks.start(tmp_path, spec, world=1, args=("--nats", nats_server.url))
-    log = tmp_path / "events.jsonl"
-    ranks.wait_for(lambda: injected(log) == [("hang", 5, 0)], 40, "the hang to start")
-    time.sleep(1.5)
-    assert proc.poll() is None
-    beats = _telemetry(nats_server.url, subjects.telemetry("job-1", 0, "Heartbeat"))
-    assert [b.step for b in beats[-5:]] == [4] * 5  # alive and stuck after step 4
-    proc.send_signal(signal.SIGTERM)
-    assert ranks.wait([proc], 20) == [HANG_EXIT_CODE]
+    with ranks.started(tmp_path, spec, world=1, args=("--nats", nats_server.url)) as (proc,):
+        log = tmp_path / "events.jsonl"
+        ranks.wait_for(lambda: injected(log) == [("hang", 5, 0)], 40, "the hang to start")
+        time.sleep(1.5)
+        assert proc.poll() is None
+        beats = _telemetry(nats_server.url, subjects.telemetry("job-1", 0, "Heartbeat"))
+        assert [b.step for b in beats[-5:]] == [4] * 5  # alive and stuck after step 4
+        proc.send_signal(signal.SIGTERM)
+        assert ranks.wait([proc], 20) == [HANG_EXIT_CODE]
     assert [s for s, _ in ranks.losses(log, 0)] == list(range(5))
     assert ranks.events(log, "CheckpointStaged") == []  # a hung rank cannot take part in a save
 
