@@ -1,0 +1,174 @@
+"""The node agent's core, input by input: what it starts, stops, restores, prefetches and forgets."""
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import pytest
+
+from events import subjects
+from events.base import Event
+from events.checkpoint import CheckpointCommitted, CheckpointDeleted, DataPosition
+from events.job import (
+    AllocationGranted,
+    AllocationReleased,
+    JobCancelled,
+    JobCompleted,
+    JobSubmitted,
+    SlotRef,
+    WorkersExited,
+    WorkersStarted,
+)
+from events.spec import JobSpec, TrainSpec
+from events.store import MemoryStore, Stored
+from services.checkpoints.localstore import LocalStore
+from services.core import Effect
+from services.fold import Folder
+from services.resources import agentcore
+from services.resources.agentcore import (
+    EVICT,
+    PREFETCH,
+    SPAWN,
+    STOP,
+    EvictArgs,
+    PrefetchArgs,
+    Restore,
+    SpawnArgs,
+    State,
+    StopArgs,
+)
+from services.resources.spawner import Launch, Paths, Spawner
+
+SPEC = JobSpec(name="j", slots=3, train=TrainSpec(steps=20, data="synthetic"))
+
+
+def run(events: Iterable[Event], state: State | None = None) -> tuple[State, list[Effect]]:
+    current = state or State(node="a")
+    effects: list[Effect] = []
+    for ev in events:
+        current = agentcore.transition(current, ev)
+        outs = agentcore.decide(current, ev)
+        assert all(isinstance(o, Effect) for o in outs), outs  # the agent decides nothing but I/O
+        effects.extend(o for o in outs if isinstance(o, Effect))
+    return current, effects
+
+
+def submitted(job: str = "j") -> JobSubmitted:
+    return JobSubmitted(job_id=job, spec=SPEC, event_id=f"cli-{job}")
+
+
+def grant(attempt: int = 0, job: str = "j", *, nodes: tuple[str, ...] = ("a", "b", "a")) -> AllocationGranted:
+    refs = [SlotRef(node=n, slot=sum(1 for m in nodes[:i] if m == n), rank=i) for i, n in enumerate(nodes)]
+    return AllocationGranted(job_id=job, attempt=attempt, assignments=refs, master_addr="10.0.0.1",
+                             master_port=29000 + attempt, event_id=f"grant-{job}-{attempt}")
+
+
+def committed(cid: str, step: int, job: str = "j") -> CheckpointCommitted:
+    return CheckpointCommitted(job_id=job, checkpoint_id=cid, step=step, world_size=3, uri=f"file:///{cid}",
+                               bytes=1, data=DataPosition(next_batch=step), manifest_sha256=f"sha-{cid}")
+
+
+def kinds(effects: list[Effect]) -> list[str]:
+    return [e.kind for e in effects]
+
+
+def test_a_grant_starts_only_this_node_s_ranks_with_the_whole_world_s_rendezvous() -> None:
+    _, effects = run([submitted(), grant()])
+    (spawn,) = effects
+    assert spawn.kind == SPAWN
+    args = spawn.args
+    assert isinstance(args, SpawnArgs)
+    assert [(r.rank, r.slot) for r in args.ranks] == [(0, 0), (2, 1)]
+    assert (args.world_size, args.master_addr, args.master_port) == (3, "10.0.0.1", 29000)
+    assert (args.spec, args.restore, args.grant_id, args.node) == (SPEC, None, "grant-j-0", "a")
+
+
+def test_a_grant_with_nothing_on_this_node_starts_nothing() -> None:
+    state, effects = run([submitted(), grant(nodes=("b", "c"))])
+    assert effects == [] and state.jobs["j"].held is None
+
+
+def test_the_restore_point_is_the_newest_checkpoint_folded_before_the_grant() -> None:
+    state, effects = run([
+        submitted(), submitted("other"), committed("step000000010-a0", 10), committed("step000000030-a0", 30),
+        committed("step000000040-a0", 40, job="other"), committed("step000000020-a0", 20),
+        committed("step000000030-a1", 30),  # the same step again, committed later: the later one wins
+        committed("step000000050-a0", 50), CheckpointDeleted(job_id="j", checkpoint_id="step000000050-a0"),
+        grant(), committed("step000000060-a0", 60),
+    ])
+    assert kinds(effects) == [EVICT, SPAWN, PREFETCH]
+    assert effects[0].args == EvictArgs(job_id="j", checkpoint_ids=["step000000050-a0"])
+    assert effects[1].args.restore == Restore(checkpoint_id="step000000030-a1", step=30,
+                                              manifest_sha256="sha-step000000030-a1")
+    assert effects[2].args == PrefetchArgs(job_id="j", checkpoint=Restore(
+        checkpoint_id="step000000060-a0", step=60, manifest_sha256="sha-step000000060-a0"))
+    _, again = run([committed("step000000060-a0", 60)], state)
+    assert again == []  # the same commit read twice is fetched once
+
+
+def test_checkpoints_of_a_job_not_running_here_are_not_prefetched() -> None:
+    _, effects = run([submitted(), committed("c1", 10), grant(nodes=("b",)), committed("c2", 20)])
+    assert effects == []
+
+
+def test_a_release_stops_the_attempt_held_here_and_a_late_grant_for_it_starts_nothing() -> None:
+    state, effects = run([submitted(), grant(0), AllocationReleased(job_id="j", attempt=1, reason="stale")])
+    assert kinds(effects) == [SPAWN]  # another attempt's release leaves these ranks alone
+    state, effects = run([AllocationReleased(job_id="j", attempt=0, reason="failed: rank 1 exited")], state)
+    assert [e.args for e in effects] == [StopArgs(job_id="j", attempt=0, reason="released: failed: rank 1 exited")]
+    _, effects = run([grant(0)], state)
+    assert effects == []
+
+
+def test_a_new_attempt_kills_the_old_one_before_starting() -> None:
+    _, effects = run([submitted(), grant(0), grant(1, nodes=("a",))])
+    assert kinds(effects) == [SPAWN, STOP, SPAWN]
+    assert effects[1].args == StopArgs(job_id="j", attempt=0, reason="attempt 1 replaces it", immediate=True)
+    assert effects[2].args.attempt == 1 and effects[2].args.world_size == 1
+
+
+def test_a_new_attempt_placed_elsewhere_still_stops_the_old_one_here() -> None:
+    state, effects = run([submitted(), grant(0), grant(1, nodes=("b",))])
+    assert kinds(effects) == [SPAWN, STOP] and state.jobs["j"].held is None
+
+
+def test_a_grant_read_twice_starts_the_ranks_once() -> None:
+    _, effects = run([submitted(), grant(0), grant(0)])
+    assert kinds(effects) == [SPAWN]
+
+
+@pytest.mark.parametrize("end", [JobCancelled(job_id="j", reason="operator"), JobCompleted(job_id="j", steps=20)])
+def test_a_job_that_ends_is_stopped_evicted_and_forgotten(end: Event) -> None:
+    state, effects = run([submitted(), committed("c1", 10), grant(0), end])
+    assert kinds(effects) == [SPAWN, STOP, EVICT]
+    assert effects[2].args == EvictArgs(job_id="j", checkpoint_ids=[])
+    assert "j" not in state.jobs and "j" in state.ended
+    _, later = run([submitted(), grant(1)], state)
+    assert later == []
+
+
+def test_live_ranks_follow_this_node_s_starts_and_exits() -> None:
+    state, _ = run([
+        WorkersStarted(job_id="j", node="a", attempt=0, ranks=[0, 2], pids=[100, 102]),
+        WorkersStarted(job_id="j", node="b", attempt=0, ranks=[1], pids=[200]),
+        WorkersExited(job_id="j", node="a", attempt=0, rank=0, exit_code=0),
+        WorkersExited(job_id="j", node="b", attempt=0, rank=1, exit_code=0),
+    ])
+    assert list(state.live) == ["j/0/2"] and state.live["j/0/2"].pid == 102
+
+
+def test_the_service_reads_its_inputs_and_asks_only_for_effects_it_can_run(tmp_path: Path) -> None:
+    spawner = Spawner(node="a", producer="agent-a", store=MemoryStore(), objects=LocalStore(tmp_path / "objects"),
+                      paths=Paths(tmp_path), launch=Launch(nats_url="nats://127.0.0.1:1", device="cpu", grace_s=1.0,
+                                                           checkpoints_flag=False))
+    service = agentcore.core_service("a", spawner.handlers())
+    assert service.name == "agent-a" and not service.wants_tick(service.initial, 0.0)
+    assert "fd.ctl.job.*.AllocationGranted" in service.control_subjects
+    folder = Folder(service)
+    steps = []
+    for seq, ev in enumerate([submitted(), grant()], start=1):
+        subject = subjects.job(ev.job_id, type(ev).__name__)
+        steps.extend(folder.apply(Stored(subjects.CONTROL, seq, subject, b"", "", ev)))
+    assert [s.error for s in steps] == ["", ""]
+    assert [e.kind for e in steps[-1].effects] == [SPAWN]
+    with pytest.raises(ValueError, match="stop"):
+        agentcore.core_service("a", {k: v for k, v in spawner.handlers().items() if k != STOP})
