@@ -44,6 +44,13 @@ class Manifest(msgspec.Struct, kw_only=True):
     shards: list[ShardInfo]
 
 
+MANIFEST_NAMES = ("MANIFEST.json", "manifest.json")  # the checkpoint service writes the first
+
+
+def manifest_in(path: Path) -> Path | None:
+    return next((path / n for n in MANIFEST_NAMES if (path / n).exists()), None)
+
+
 def read_manifest(path: Path) -> list[ShardInfo]:
     try:
         return msgspec.json.decode(path.read_bytes(), type=Manifest).shards

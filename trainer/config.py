@@ -25,6 +25,7 @@ class RunConfig:
     device: str  # "cpu" or "cuda"
     sync_every: int  # steps between the collectives that agree on commands and SIGTERM
     events_log: Path | None  # every emitted event also appended here as a JSON line
+    checkpoints: Path | None = None  # the node's cache of committed checkpoints: <dir>/<job>/<checkpoint_id>/
 
 
 def parser() -> argparse.ArgumentParser:
@@ -38,7 +39,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--restore", type=Path, default=None, help="checkpoint directory to load first")
     p.add_argument("--manifest", type=Path, default=None,
                    help="JSON {'shards': [{path, size, sha256}]} to verify --restore against "
-                        "(default: <restore>/manifest.json when it exists)")
+                        "(default: <restore>/MANIFEST.json when it exists)")
+    p.add_argument("--checkpoints", type=Path, default=None,
+                   help="the node's cache of committed checkpoints (<dir>/<job>/<checkpoint_id>/), for rollbacks")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--sync-every", type=int, default=10)
     p.add_argument("--events-log", type=Path, default=None)
@@ -57,11 +60,12 @@ def from_args(argv: list[str] | None = None, env: dict[str, str] | None = None) 
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     manifest = args.manifest
-    if manifest is None and args.restore is not None and (args.restore / "manifest.json").exists():
-        manifest = args.restore / "manifest.json"
+    if manifest is None and args.restore is not None:
+        manifest = next((args.restore / n for n in ("MANIFEST.json", "manifest.json")
+                         if (args.restore / n).exists()), None)
     return RunConfig(
         job_id=args.job_id, spec=spec, attempt=args.attempt, node=args.node, nats_url=args.nats,
-        staging=args.staging, restore=args.restore, manifest=manifest,
+        staging=args.staging, restore=args.restore, manifest=manifest, checkpoints=args.checkpoints,
         rank=int(env.get("RANK", "0")), world_size=int(env.get("WORLD_SIZE", "1")),
         local_rank=int(env.get("LOCAL_RANK", "0")), device=device, sync_every=args.sync_every,
         events_log=args.events_log,

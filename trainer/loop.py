@@ -12,6 +12,7 @@ and loads are collective.
 import math
 import signal
 import time
+from pathlib import Path
 from types import FrameType
 from typing import Protocol
 
@@ -40,6 +41,7 @@ from trainer.reports import Emitter, StepReporter
 
 log = structlog.get_logger(__name__)
 PAUSE_POLL_S = 0.2
+ROLLBACK_WAIT_S = 30.0  # for the node agent's prefetch of a committed checkpoint to land
 GRAD_CLIP = 1.0
 
 
@@ -222,12 +224,9 @@ class Loop:
     def rollback(self, cmd: RollbackRequested) -> None:
         self.reporter.flush()
         self.ckpt.wait()
-        root = self.cfg.staging / self.cfg.job_id
-        path = root / cmd.checkpoint_id
-        if not (path / ".metadata").exists():
-            path = root / f"step-{cmd.to_step}"
-        manifest = path / "manifest.json"
-        shards: list[ShardInfo] | None = checkpointing.read_manifest(manifest) if manifest.exists() else None
+        path = self.find_checkpoint(cmd.checkpoint_id, cmd.to_step)
+        manifest = checkpointing.manifest_in(path)
+        shards: list[ShardInfo] | None = checkpointing.read_manifest(manifest) if manifest else None
         self.step = checkpointing.load(path, self.live, self.stream, self.dist, shards)
         self.stream.skip(cmd.skip_from, cmd.skip_to)
         self.saved_at = self.step
@@ -236,4 +235,21 @@ class Loop:
                                      skip_to=cmd.skip_to, **self.emitter.envelope))
         log.warning("rolled back", checkpoint=str(path), to_step=self.step, skip=(cmd.skip_from, cmd.skip_to))
 
-
+    def find_checkpoint(self, checkpoint_id: str, step: int) -> Path:
+        """Where a rollback's checkpoint is: the node's cache of committed checkpoints (--checkpoints), which a
+        prefetch may still be filling, else what this node staged (same id, or step-<N> from this run)."""
+        cached = self.cfg.checkpoints / self.cfg.job_id / checkpoint_id if self.cfg.checkpoints else None
+        staged = [self.cfg.staging / self.cfg.job_id / name for name in (checkpoint_id, f"step-{step}")]
+        deadline = time.monotonic() + (ROLLBACK_WAIT_S if cached else 0.0)
+        while True:
+            if cached is not None and (cached / ".metadata").exists():
+                return cached
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.2)
+        for path in staged:
+            if (path / ".metadata").exists():
+                log.warning("rolling back from local staging, not a committed checkpoint", path=str(path))
+                return path
+        raise checkpointing.CorruptCheckpoint(
+            f"checkpoint {checkpoint_id} (step {step}) is in none of {[str(p) for p in [cached, *staged] if p]}")

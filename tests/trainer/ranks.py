@@ -138,12 +138,14 @@ class ScriptedInbox:
 
 
 def run_loop(tmp: Path, script: dict[tuple[int, int], list[Event]], steps: int = 30, every: int = 10,
-             faults: list[dict[str, Any]] | None = None) -> tuple[int, Path, ScriptedInbox, Loop]:
+             faults: list[dict[str, Any]] | None = None,
+             checkpoints: Path | None = None) -> tuple[int, Path, ScriptedInbox, Loop]:
     """One rank in this process (telemetry off), commands from `script`; returns its exit code and log."""
+    tmp.mkdir(parents=True, exist_ok=True)
     spec_path = write_spec(tmp / "job.toml", train={"steps": steps, "checkpoint_every": every}, faults=faults)
     cfg = RunConfig(job_id=JOB, spec=parse_spec(spec_path.read_bytes()), attempt=0, node="n", nats_url=None,
                     staging=tmp / "staging", restore=None, manifest=None, rank=0, world_size=1, local_rank=0,
-                    device="cpu", sync_every=1, events_log=tmp / "events.jsonl")
+                    device="cpu", sync_every=1, events_log=tmp / "events.jsonl", checkpoints=checkpoints)
     envelope = {"job_id": JOB, "rank": 0, "attempt": 0, "node": "n"}
     emitter = Emitter(Telemetry(None, JOB, 0, 0, "n"), envelope, cfg.events_log)
     inbox = ScriptedInbox(script)

@@ -2,6 +2,8 @@
 events read back from the JSON-lines log; then once through a real broker and `python -m trainer`."""
 
 import asyncio
+import json
+import shutil
 from pathlib import Path
 
 import nats
@@ -13,6 +15,7 @@ from events.commands import CheckpointRequested, PauseRequested, ResumeRequested
 from events.streams import ensure_streams
 from services import broker as broker_mod
 from tests.trainer import ranks
+from trainer.checkpointing import CorruptCheckpoint
 from trainer.loop import PAUSE_POLL_S
 
 JOB = ranks.JOB
@@ -88,3 +91,24 @@ def test_commands_arrive_through_the_broker(nats_server: broker_mod.Broker, tmp_
 
 
 pytestmark = pytest.mark.timeout(60)
+
+
+def test_rollback_takes_the_committed_checkpoint_from_the_node_cache_and_verifies_it(tmp_path: Path) -> None:
+    code, log, _, _ = ranks.run_loop(tmp_path / "first", {}, steps=10, every=10)
+    (staged,) = ranks.events(log, "CheckpointStaged")
+    cid = "step000000010-a0"  # the checkpoint service's id: nothing in this run's staging has that name
+    cache = tmp_path / "cache"
+    shutil.copytree(staged["staging_dir"], cache / JOB / cid)
+    (cache / JOB / cid / "MANIFEST.json").write_text(json.dumps({"checkpoint_id": cid, "shards": staged["shards"]}))
+    rollback = cmd(RollbackRequested, checkpoint_id=cid, to_step=10, skip_from=10, skip_to=12, reason="test")
+    code, log, _, loop = ranks.run_loop(tmp_path / "second", {(3, 1): [rollback]}, steps=12, every=100,
+                                        checkpoints=cache)
+    assert code == 0 and loop.stream.next_batch == 14
+    assert [s for s, _ in ranks.losses(log, 0)] == [0, 1, 2, 10, 11]
+
+    shard = cache / JOB / cid / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpoint, match="sha256"):
+        ranks.run_loop(tmp_path / "third", {(3, 1): [rollback]}, steps=12, every=100, checkpoints=cache)
