@@ -1,0 +1,53 @@
+"""The checkpoint service as a running service: the pure core (core.py) bound to an object store.
+
+    FLIGHTDECK_OBJECTS     where committed checkpoints live: a folder, file:///path or s3://bucket[/root]
+                           (default: <FLIGHTDECK_DATA_DIR>/objects, the embedded local store)
+    FLIGHTDECK_DATA_DIR    the data dir `flightdeck up` uses (default .flightdeck)
+
+The store is opened on the first effect and kept for the life of the process: an S3 client is an
+async resource, and `build()` is synchronous.
+"""
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Any
+
+from services.checkpoints import uploader
+from services.checkpoints.core import COMMIT, DELETE, State, core_service
+from services.checkpoints.objectstore import ObjectStore
+from services.checkpoints.stores import open_store
+from services.core import EffectHandler, Emit, Service
+
+OBJECTS_ENV = "FLIGHTDECK_OBJECTS"
+DATA_DIR_ENV = "FLIGHTDECK_DATA_DIR"
+
+
+def objects_url() -> str:
+    return os.environ.get(OBJECTS_ENV) or str(Path(os.environ.get(DATA_DIR_ENV) or ".flightdeck") / "objects")
+
+
+class _OpenOnFirstUse:
+    """Effect handlers that open the object store the first time one of them runs."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._stack = contextlib.AsyncExitStack()
+        self._handlers: dict[str, EffectHandler] | None = None
+
+    async def _get(self) -> dict[str, EffectHandler]:
+        if self._handlers is None:
+            store: ObjectStore = await self._stack.enter_async_context(open_store(self.url))
+            self._handlers = uploader.handlers(store)
+        return self._handlers
+
+    def handler(self, kind: str) -> EffectHandler:
+        async def run(args: Any) -> list[Emit]:
+            return list(await (await self._get())[kind](args))
+
+        return run
+
+
+def build() -> Service[State]:
+    lazy = _OpenOnFirstUse(objects_url())
+    return core_service({COMMIT: lazy.handler(COMMIT), DELETE: lazy.handler(DELETE)})
