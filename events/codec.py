@@ -7,7 +7,7 @@ import msgspec
 from events.base import Event
 from events.catalog import ALL_TYPES
 
-AnyEvent = Union[ALL_TYPES]  # type: ignore[valid-type]
+AnyEvent = Union[ALL_TYPES]  # type: ignore[valid-type]  # noqa: UP007 (a tuple unpacks only into Union)
 
 
 class UndecodableEvent(ValueError):

@@ -1,9 +1,9 @@
 """Job lifecycle: submission, queueing, placement, workers, and how a job ends."""
 
+import msgspec
+
 from events.base import JobEvent
 from events.spec import JobSpec
-
-import msgspec
 
 
 class SlotRef(msgspec.Struct, frozen=True, kw_only=True):

@@ -26,26 +26,26 @@ class TrainSpec(Spec, frozen=True, kw_only=True):
     steps: Annotated[int, Meta(ge=1, le=100_000_000)] = 100
     batch_size: Annotated[int, Meta(ge=1, le=1_000_000)] = 8  # global batch, in sequences
     lr: Annotated[float, Meta(gt=0.0, le=10.0)] = 3e-3
-    checkpoint_every: Annotated[int, Meta(ge=1)] = 25
-    seed: NonNegInt = 0
+    checkpoint_every: Annotated[int, Meta(ge=1, le=100_000_000)] = 25
+    seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] = 0
     data: Literal["corpus", "synthetic"] = "corpus"
 
 
 class PolicySpec(Spec, frozen=True, kw_only=True):
     max_restarts: Annotated[int, Meta(ge=0, le=1000)] = 3
-    min_slots: Annotated[int, Meta(ge=0)] = 0  # smallest world size to shrink to; 0 means the job's slots
+    min_slots: Annotated[int, Meta(ge=0, le=65536)] = 0  # smallest world size to shrink to; 0 means the job's slots
     heartbeat_interval_s: Annotated[float, Meta(gt=0.0, le=3600.0)] = 1.0
     heartbeat_misses: Annotated[int, Meta(ge=1, le=1000)] = 5
     hang_factor: Annotated[float, Meta(gt=1.0, le=1000.0)] = 10.0  # hang deadline = factor x recent step time
-    hang_min_s: Annotated[float, Meta(gt=0.0)] = 30.0
+    hang_min_s: Annotated[float, Meta(gt=0.0, le=86_400.0)] = 30.0
     spike_z: Annotated[float, Meta(gt=0.0, le=1000.0)] = 6.0
     spike_window: Annotated[int, Meta(ge=4, le=100_000)] = 50
-    spike_warmup: Annotated[int, Meta(ge=0)] = 20
+    spike_warmup: Annotated[int, Meta(ge=0, le=100_000_000)] = 20
     straggler_factor: Annotated[float, Meta(gt=1.0, le=100.0)] = 2.0
     straggler_window: Annotated[int, Meta(ge=1, le=100_000)] = 20
     replace_stragglers: bool = False
-    rollback_steps_back: NonNegInt = 100
-    rollback_skip_batches: NonNegInt = 200
+    rollback_steps_back: Annotated[int, Meta(ge=0, le=100_000_000)] = 100
+    rollback_skip_batches: Annotated[int, Meta(ge=0, le=100_000_000)] = 200
     keep_checkpoints: Annotated[int, Meta(ge=1, le=100_000)] = 3  # committed checkpoints kept (plus rollback targets)
 
 
@@ -78,11 +78,15 @@ class InvalidSpec(ValueError):
 
 def _check(spec: JobSpec) -> JobSpec:
     if spec.model.d_model % spec.model.n_head:
-        raise InvalidSpec(f"model.d_model ({spec.model.d_model}) must be a multiple of model.n_head ({spec.model.n_head})")
+        raise InvalidSpec(
+            f"model.d_model ({spec.model.d_model}) must be a multiple of model.n_head ({spec.model.n_head})"
+        )
     if spec.policy.min_slots > spec.slots:
         raise InvalidSpec(f"policy.min_slots ({spec.policy.min_slots}) must not exceed slots ({spec.slots})")
     if spec.train.batch_size < spec.slots:
-        raise InvalidSpec(f"train.batch_size ({spec.train.batch_size}) must be at least slots ({spec.slots}): one sequence per rank")
+        raise InvalidSpec(
+            f"train.batch_size ({spec.train.batch_size}) must be at least slots ({spec.slots}): one sequence per rank"
+        )
     for i, fault in enumerate(spec.faults):
         if fault.rank >= spec.slots:
             raise InvalidSpec(f"faults[{i}].rank ({fault.rank}) must be below slots ({spec.slots})")

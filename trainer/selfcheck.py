@@ -57,7 +57,9 @@ def run(slots: int, use_cuda: bool) -> dict[str, object]:
     if slots == 1:
         matmul_check(torch.device("cuda", 0) if use_cuda else torch.device("cpu"))
     else:
-        mp.start_processes(_rank, args=(slots, _free_port(), use_cuda), nprocs=slots, start_method="fork" if not use_cuda else "spawn")
+        # CUDA cannot be initialised in a forked child; CPU ranks fork to start fast.
+        method = "spawn" if use_cuda else "fork"
+        mp.start_processes(_rank, args=(slots, _free_port(), use_cuda), nprocs=slots, start_method=method)
     return {"ok": True, "seconds": round(time.perf_counter() - started, 3), "devices": devices}
 
 

@@ -8,7 +8,8 @@ import pytest
 
 
 def _run(*args: str) -> tuple[int, dict[str, object]]:
-    proc = subprocess.run([sys.executable, "-m", "trainer.selfcheck", *args], capture_output=True, text=True, timeout=120)
+    cmd = [sys.executable, "-m", "trainer.selfcheck", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     return proc.returncode, json.loads(proc.stdout.strip().splitlines()[-1])
 
 
