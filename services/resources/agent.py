@@ -3,7 +3,7 @@ runs its core (agentcore.py) in the service shell, starting and stopping trainer
 
     python -m services.resources.agent [--nats URL] [--node NAME] [--slots N] [--device auto|cpu|cuda]
                                        [--data-dir .flightdeck] [--objects URL] [--address 127.0.0.1]
-                                       [--grace-s 30]
+                                       [--grace-s 30] [--selfcheck-timeout-s 300]
 
 Slots: GPUs listed by nvidia-smi (the agent never imports torch), else `--slots` CPU slots (default 2).
 SIGTERM/SIGINT: the ranks are stopped (they checkpoint on SIGTERM), their exits recorded, then the agent
@@ -268,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--objects", help="object store holding committed checkpoints (default: <data-dir>/objects)")
     p.add_argument("--address", default="127.0.0.1", help="where other nodes reach this one's rank 0")
     p.add_argument("--grace-s", type=float, default=30.0, help="SIGTERM to SIGKILL when ranks are stopped")
+    p.add_argument("--selfcheck-timeout-s", type=float, default=300.0, help="a self-check still running then fails")
     args = p.parse_args(argv)
     if args.slots is not None and args.slots < 1:
         p.error("--slots must be at least 1")
@@ -280,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
             loop.add_signal_handler(sig, stop.set)
         return await run_agent(nats=args.nats, node=args.node, slots=args.slots, device=args.device,
                                data_dir=args.data_dir, objects=args.objects, address=args.address,
-                               grace_s=args.grace_s, stop_event=stop)
+                               grace_s=args.grace_s, selfcheck_timeout_s=args.selfcheck_timeout_s, stop_event=stop)
 
     try:
         return asyncio.run(go())

@@ -92,7 +92,7 @@ class JobView(msgspec.Struct, frozen=True, kw_only=True):
     spec: JobSpec
     checkpoints: tuple[Restore, ...] = ()  # committed and not deleted, in commit order
     held: Held | None = None  # the attempt whose ranks this node runs
-    released: int = -1  # newest attempt released here; a grant for it or older comes too late
+    latest: int = -1  # newest attempt granted or released: a grant for it or an older one is stale or repeated
 
 
 class LiveRank(msgspec.Struct, frozen=True, kw_only=True):
@@ -134,8 +134,9 @@ def _granted(state: State, ev: AllocationGranted) -> State:
         return msgspec.structs.replace(state, outbox=())
     mine = tuple(sorted((r for r in ev.assignments if r.node == state.node), key=lambda r: r.rank))
     held = view.held
-    if ev.attempt <= view.released or (held is not None and held.attempt >= ev.attempt):
+    if ev.attempt <= view.latest:
         return msgspec.structs.replace(state, outbox=())  # a stale or repeated grant
+    view = msgspec.structs.replace(view, latest=ev.attempt)
     outs: list[Output] = []
     if held is not None:
         outs.append(Effect(STOP, StopArgs(job_id=ev.job_id, attempt=held.attempt, immediate=True,
@@ -153,7 +154,7 @@ def _released(state: State, ev: AllocationReleased) -> State:
     view = state.jobs.get(ev.job_id)
     if view is None:
         return msgspec.structs.replace(state, outbox=())
-    after = msgspec.structs.replace(view, released=max(view.released, ev.attempt))
+    after = msgspec.structs.replace(view, latest=max(view.latest, ev.attempt))
     if view.held is None or view.held.attempt != ev.attempt:
         return _put(state, ev.job_id, after)
     stop = Effect(STOP, StopArgs(job_id=ev.job_id, attempt=ev.attempt, reason=f"released: {ev.reason}"))

@@ -172,3 +172,12 @@ def test_the_service_reads_its_inputs_and_asks_only_for_effects_it_can_run(tmp_p
     assert [e.kind for e in steps[-1].effects] == [SPAWN]
     with pytest.raises(ValueError, match="stop"):
         agentcore.core_service("a", {k: v for k, v in spawner.handlers().items() if k != STOP})
+
+
+def test_a_grant_older_than_one_already_seen_starts_nothing() -> None:
+    """Found by the property test: attempt 1 went elsewhere, then attempt 0's grant was read again."""
+    _, effects = run([submitted(), grant(0), grant(1, nodes=("b",)), grant(0)])
+    assert kinds(effects) == [SPAWN, STOP]
+    # A release that overtakes its own grant (the scheduler moved on while asking) makes that grant stale too.
+    _, effects = run([submitted(), AllocationReleased(job_id="j", attempt=0, reason="restart"), grant(0)])
+    assert effects == []

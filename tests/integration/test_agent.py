@@ -1,0 +1,97 @@
+"""The node agent as a process: its ranks die with it, a SIGTERM drains them, a restarted agent records
+what its predecessor lost, and a node whose self-check fails is cordoned and gets no work."""
+
+import asyncio
+import shutil
+import signal
+import time
+
+import pytest
+
+from events import subjects
+from events.fleet import NodeCordoned, NodeRegistered, SelfCheckFailed
+from events.job import AllocationGranted, AllocationRequested, JobQueued, WorkersExited, WorkersStarted
+from events.training import StepCompleted
+from tests.integration.test_lifecycle_services import ENDLESS, TINY, Cluster, cluster, exits, gone
+
+__all__ = ["cluster"]  # the fixture, shared with the lifecycle tests
+
+
+async def running(c: Cluster, job_id: str, attempt: int = 0) -> list[int]:
+    """Wait until the job's ranks of `attempt` have trained a few steps; their pids."""
+    await c.until(lambda: len([e for e in c.seen(StepCompleted, job_id, stream=subjects.TELEMETRY)
+                               if e.attempt == attempt]) >= 4, 60, f"attempt {attempt} to train", job_id)
+    (started,) = [e for e in c.seen(WorkersStarted, job_id) if e.attempt == attempt]
+    return list(started.pids)
+
+
+@pytest.mark.timeout(150)
+async def test_ranks_die_with_a_killed_agent_and_its_successor_records_them(cluster: Cluster) -> None:
+    c = cluster
+    agent = c.agent()
+    await c.ready()
+    await c.submit(ENDLESS, "endless-000002")
+    pids = await running(c, "endless-000002")
+    killed = time.monotonic()
+    agent.send_signal(signal.SIGKILL)
+    await c.until(lambda: all(gone(pid) for pid in pids), 5, "the ranks to die with their agent")
+    died_s = time.monotonic() - killed
+    assert exits(c, "endless-000002", 0) == {}  # nobody was left to see them go
+    c.agent()  # the same node comes back
+    await c.until(lambda: len(exits(c, "endless-000002", 0)) == 2, 60, "the lost ranks to be recorded",
+                  "endless-000002")
+    assert exits(c, "endless-000002", 0) == {0: -signal.SIGKILL, 1: -signal.SIGKILL}
+    pids_1 = await running(c, "endless-000002", attempt=1)  # the scheduler restarted it on the returned node
+    assert not set(pids_1) & set(pids)
+    registrations = [e for e in c.seen(NodeRegistered) if e.node == "n1"]
+    assert len(registrations) == 2
+    print(f"\nranks gone {died_s:.2f}s after the agent's SIGKILL")
+    await c.cancel("endless-000002")
+
+
+@pytest.mark.timeout(120)
+async def test_a_terminated_agent_stops_its_ranks_and_records_their_exits_first(cluster: Cluster) -> None:
+    c = cluster
+    agent = c.agent()
+    await c.ready()
+    await c.submit(ENDLESS, "endless-000003")
+    pids = await running(c, "endless-000003")
+    agent.send_signal(signal.SIGTERM)
+    await c.until(lambda: agent.poll() is not None, 30, "the agent to stop")
+    assert agent.returncode == 0
+    await c.until(lambda: len(exits(c, "endless-000003", 0)) == 2, 5, "the recorder to read the exits")
+    # Recorded as killed by SIGTERM (they checkpoint and exit 0 on it): not as having finished the job.
+    assert exits(c, "endless-000003", 0) == {0: -signal.SIGTERM, 1: -signal.SIGTERM}
+    assert all(gone(pid) for pid in pids)
+    assert list((c.data / "staging" / "endless-000003").glob("step-*")), "the ranks checkpointed on SIGTERM"
+
+
+@pytest.mark.timeout(90)
+async def test_a_node_whose_self_check_fails_is_cordoned_and_gets_no_work(cluster: Cluster) -> None:
+    c = cluster
+    c.agent("n2", "--selfcheck-timeout-s", "0.01")
+    await c.until(lambda: any(e.node == "n2" for e in c.seen(NodeCordoned)), 60, "the node to be cordoned")
+    (failed,) = [e for e in c.seen(SelfCheckFailed) if e.node == "n2"]
+    assert "did not finish" in failed.reason
+    kinds = [type(s.event).__name__ for s in c.control if s.stored.subject.startswith("fd.ctl.node.n2.")]
+    assert kinds == ["NodeRegistered", "SelfCheckFailed", "NodeCordoned"]
+    await c.submit(TINY, "tiny-000002")
+    await c.until(lambda: bool(c.seen(JobQueued, "tiny-000002")), 10, "the job to queue")
+    await asyncio.sleep(1.0)  # give the scheduler time to (wrongly) ask for slots
+    assert c.seen(AllocationRequested, "tiny-000002") == [] and c.seen(AllocationGranted, "tiny-000002") == []
+    assert c.seen(WorkersExited, "tiny-000002") == []
+    assert c.procs["agent-n2"].poll() is None, "a cordoned node's agent keeps running (an operator may uncordon it)"
+
+
+@pytest.mark.timeout(90)
+async def test_an_agent_set_up_wrong_says_what_to_change(cluster: Cluster) -> None:
+    if shutil.which("nvidia-smi"):
+        pytest.skip("this machine may have a GPU")
+    proc = cluster.agent("n3", "--device", "cuda")
+    proc.wait(60)
+    assert proc.returncode == 2
+    assert "nvidia-smi lists no GPU" in (cluster.root / "agent-n3.log").read_text()
+    proc = cluster.agent("bad.name")
+    proc.wait(60)
+    assert proc.returncode == 2
+    assert "'bad.name' cannot be a subject token" in (cluster.root / "agent-bad.name.log").read_text()
