@@ -9,13 +9,14 @@ import structlog
 
 from events.store import StoreUnavailable
 from services.broker import BrokerError
-from services.console import down, events_cmd, up
+from services.console import agent_cmd, cancel, checkpoints_cmd, down, events_cmd, status, submit, up
 from services.console.cli import EXIT_ERROR, Command, UserError
 
 COMMANDS: tuple[Command, ...] = (
     up.COMMAND,
     down.COMMAND,
     events_cmd.COMMAND,
+    submit.COMMAND, status.COMMAND, cancel.COMMAND, checkpoints_cmd.COMMAND, agent_cmd.COMMAND,
 )
 
 

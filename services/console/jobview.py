@@ -1,0 +1,189 @@
+"""A job as a person asks about it: its control history folded into one frozen `JobView`.
+
+Pure: no I/O and no clock. The phases are the scheduler's (services/scheduler/state.py), read back from
+the events it emitted rather than from its memory, plus `submitted` for a job the scheduler has not
+answered yet. The rules follow services/scheduler/lifecycle.py:
+
+    JobQueued -> queued (reason "preempted": preempted; a recovering job stays recovering)
+    AllocationRequested -> placing (recovering stays recovering)
+    WorkersStarted for every granted rank -> running
+    JobPreempted, or CancelRequested while running -> stopping
+    AllocationReleased of the current attempt outside a stop -> recovering (a restart after a fault)
+    JobCompleted / JobFailed / JobCancelled -> completed / failed / cancelled (nothing changes after)
+"""
+
+from collections.abc import Iterable
+from typing import Literal
+
+import msgspec
+
+from events.base import Event
+from events.checkpoint import CheckpointCommitted, CheckpointDeleted, CheckpointFailed
+from events.commands import RollbackRequested
+from events.job import (
+    AllocationDenied,
+    AllocationGranted,
+    AllocationReleased,
+    AllocationRequested,
+    CancelRequested,
+    JobCancelled,
+    JobCompleted,
+    JobFailed,
+    JobPreempted,
+    JobQueued,
+    JobResumed,
+    JobSubmitted,
+    WorkersStarted,
+)
+from events.training import StepCompleted
+from services.scheduler.state import Phase
+
+ViewPhase = Phase | Literal["submitted"]
+ENDED: frozenset[str] = frozenset({"completed", "failed", "cancelled"})
+STALE_GRANT = "stale grant"  # the scheduler's reason for giving back slots nobody waits for
+
+
+class CheckpointEntry(msgspec.Struct, frozen=True, kw_only=True):
+    checkpoint_id: str
+    step: int
+    world_size: int
+    bytes: int
+    uri: str
+    committed_at: float
+    deleted: bool = False
+    deleted_reason: str = ""
+
+
+class JobView(msgspec.Struct, frozen=True, kw_only=True):
+    job_id: str
+    name: str = ""
+    phase: ViewPhase = "submitted"
+    priority: int = 0
+    slots: int = 0  # what the spec asks for
+    world_size: int = 0  # ranks granted to the current attempt (0 while none are)
+    steps: int = 0  # the spec's total
+    step: int | None = None  # the newest step a rank reported, from telemetry
+    loss: float | None = None
+    attempt: int = 0
+    restarts: int = 0  # restarts after faults, as the scheduler counts them (preemptions are not)
+    max_restarts: int = 0
+    rollbacks: int = 0
+    checkpoint_failures: int = 0
+    reason: str = ""  # why the job is in its phase (waiting, recovering, stopping or ended); "" while it runs
+    last_fault: str = ""  # the scheduler's words for the newest restart after a fault
+    preempted_by: str = ""
+    cancel_requested: bool = False
+    resumed_from_step: int | None = None
+    submitted_at: float = 0.0
+    running_since: float = 0.0
+    updated_at: float = 0.0  # the newest control event's time
+    ended_at: float = 0.0
+    version: int = 0  # the newest job_version folded
+    granted: frozenset[int] = frozenset()  # ranks of the current attempt
+    started: frozenset[int] = frozenset()  # ranks of the current attempt whose workers started
+    checkpoints: tuple[CheckpointEntry, ...] = ()  # committed, in commit order
+
+    @property
+    def ended(self) -> bool:
+        return self.phase in ENDED
+
+    @property
+    def last_checkpoint(self) -> CheckpointEntry | None:
+        """The newest committed checkpoint that still exists."""
+        kept = [c for c in self.checkpoints if not c.deleted]
+        return max(kept, key=lambda c: (c.step, c.committed_at)) if kept else None
+
+
+def _replace(view: JobView, **changes: object) -> JobView:
+    return msgspec.structs.replace(view, **changes)
+
+
+def evolve(view: JobView, event: Event) -> JobView:
+    """`view` after one event of its job's control history."""
+    at = event.occurred_at
+    view = _replace(view, updated_at=max(view.updated_at, at), version=getattr(event, "job_version", view.version))
+    if view.ended:
+        return view  # the scheduler changes nothing once a job has ended; neither do we
+    match event:
+        case JobSubmitted(spec=spec):
+            return _replace(view, name=spec.name, priority=spec.priority, slots=spec.slots, steps=spec.train.steps,
+                            max_restarts=spec.policy.max_restarts, submitted_at=at)
+        case JobQueued(reason=reason):
+            phase: ViewPhase = "preempted" if reason == "preempted" else (
+                "recovering" if view.phase == "recovering" else "queued")
+            return _replace(view, phase=phase, priority=event.priority, reason="" if reason == "submitted" else reason)
+        case AllocationRequested(attempt=attempt):
+            recovering = view.phase == "recovering"
+            return _replace(view, phase="recovering" if recovering else "placing", attempt=attempt,
+                            reason=view.reason if recovering else "", granted=frozenset(), started=frozenset(),
+                            world_size=0)
+        case AllocationGranted(attempt=attempt) if attempt == view.attempt:
+            ranks = frozenset(ref.rank for ref in event.assignments)
+            return _replace(view, granted=ranks, world_size=len(ranks))
+        case AllocationDenied(attempt=attempt, reason=reason) if attempt == view.attempt:
+            return _replace(view, reason=f"allocation denied: {reason}")
+        case WorkersStarted(attempt=attempt) if attempt == view.attempt and view.granted:
+            view = _replace(view, started=view.started | (frozenset(event.ranks) & view.granted))
+            if view.phase in ("placing", "recovering") and view.granted <= view.started:
+                return _replace(view, phase="running", running_since=at, reason="")
+            return view
+        case JobPreempted(by_job_id=by, reason=reason):
+            return _replace(view, phase="stopping", preempted_by=by, reason=f"preempted by {by}: {reason}")
+        case CancelRequested(reason=reason):
+            phase = "stopping" if view.phase in ("running", "stopping") else view.phase
+            return _replace(view, phase=phase, cancel_requested=True, reason=reason or "cancel requested")
+        case AllocationReleased(attempt=attempt, reason=reason) if attempt == view.attempt and reason != STALE_GRANT:
+            return _released(view, reason)
+        case JobResumed(from_step=from_step):
+            return _replace(view, resumed_from_step=from_step)
+        case RollbackRequested():
+            return _replace(view, rollbacks=view.rollbacks + 1)
+        case CheckpointCommitted():
+            entry = CheckpointEntry(checkpoint_id=event.checkpoint_id, step=event.step, world_size=event.world_size,
+                                    bytes=event.bytes, uri=event.uri, committed_at=at)
+            if any(c.checkpoint_id == entry.checkpoint_id for c in view.checkpoints):
+                return view
+            return _replace(view, checkpoints=(*view.checkpoints, entry))
+        case CheckpointDeleted(checkpoint_id=cid, reason=reason):
+            return _replace(view, checkpoints=tuple(
+                msgspec.structs.replace(c, deleted=True, deleted_reason=reason) if c.checkpoint_id == cid else c
+                for c in view.checkpoints))
+        case CheckpointFailed():
+            return _replace(view, checkpoint_failures=view.checkpoint_failures + 1)
+        case JobCompleted():
+            return _end(view, "completed", "", at)
+        case JobFailed(reason=reason):
+            return _end(view, "failed", reason, at)
+        case JobCancelled(reason=reason):
+            return _end(view, "cancelled", reason, at)
+    return view
+
+
+def _released(view: JobView, reason: str) -> JobView:
+    cleared = _replace(view, granted=frozenset(), started=frozenset(), world_size=0, running_since=0.0,
+                       attempt=view.attempt + 1)
+    if view.phase == "stopping":
+        return cleared  # a preemption's stop is done; its JobQueued("preempted") follows
+    # Outside a stop the scheduler gives slots back mid-job only to restart it after a fault.
+    return _replace(cleared, phase="recovering", restarts=view.restarts + 1, reason=reason, last_fault=reason)
+
+
+def _end(view: JobView, phase: ViewPhase, reason: str, at: float) -> JobView:
+    why = "" if phase == "completed" else reason or view.reason
+    # world_size stays: how many ranks the job last ran with is worth showing after it ended
+    return _replace(view, phase=phase, reason=why, ended_at=at, granted=frozenset(), started=frozenset())
+
+
+def with_step(view: JobView, step: StepCompleted | None) -> JobView:
+    """`view` with the newest step a rank reported (telemetry is not in the control history)."""
+    if step is None:
+        return view
+    return _replace(view, step=step.step, loss=step.loss)
+
+
+def fold(job_id: str, events: Iterable[Event], step: StepCompleted | None = None) -> JobView:
+    """The view of `job_id` after its control history `events` (in order) and its newest reported step."""
+    view = JobView(job_id=job_id)
+    for event in events:
+        view = evolve(view, event)
+    return with_step(view, step)

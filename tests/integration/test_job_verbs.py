@@ -1,0 +1,214 @@
+"""`flightdeck submit / status / cancel / checkpoints` as a user runs them (`python -m services.console`),
+against a real nats-server holding histories written with append_to_job. No services run: what a verb
+shows comes only from the events these tests wrote."""
+
+import asyncio
+import json
+import re
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from events import subjects
+from events.base import Event, JobEvent, RankEvent
+from events.checkpoint import CheckpointCommitted, CheckpointDeleted, DataPosition
+from events.history import append_to_job, read_job
+from events.jetstream import JetStreamStore
+from events.job import (
+    AllocationGranted,
+    AllocationRequested,
+    CancelRequested,
+    JobCompleted,
+    JobQueued,
+    JobSubmitted,
+    SlotRef,
+    WorkersStarted,
+)
+from events.spec import parse_spec
+from events.training import StepCompleted
+from services import broker
+
+pytestmark = pytest.mark.timeout(60)
+ROOT = Path(__file__).resolve().parents[2]
+CLI = (sys.executable, "-m", "services.console")
+
+
+def flightdeck(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+async def write(url: str, events: Sequence[Event]) -> None:
+    store = await JetStreamStore.connect(url)
+    try:
+        for ev in events:
+            if isinstance(ev, RankEvent):  # what a rank publishes goes to telemetry
+                await store.append(subjects.telemetry(ev.job_id, ev.rank, type(ev).__name__), ev)
+            else:
+                assert isinstance(ev, JobEvent)
+                await append_to_job(store, ev)
+    finally:
+        await store.close()
+
+
+async def history(url: str, job_id: str) -> list[Event]:
+    store = await JetStreamStore.connect(url)
+    try:
+        return [s.event for s in await read_job(store, job_id) if s.event is not None]
+    finally:
+        await store.close()
+
+
+async def control_count(url: str) -> int:
+    store = await JetStreamStore.connect(url)
+    try:
+        return await store.last_seq(subjects.CONTROL)
+    finally:
+        await store.close()
+
+
+def ids() -> str:
+    return uuid.uuid4().hex
+
+
+def running_job(job_id: str) -> list[Event]:
+    """A 2-rank job submitted 125 s ago, placed, started, checkpointed twice (one deleted), at step 57."""
+    t0 = time.time() - 125.0
+    spec = parse_spec((ROOT / "examples" / "tiny-drill.toml").read_bytes())
+    ckpt = {"job_id": job_id, "world_size": 2, "data": DataPosition(next_batch=1)}
+    return [
+        JobSubmitted(event_id=ids(), job_id=job_id, occurred_at=t0, producer="cli", spec=spec),
+        JobQueued(event_id=ids(), job_id=job_id, occurred_at=t0 + 1, priority=50, reason="submitted"),
+        AllocationRequested(event_id=ids(), job_id=job_id, occurred_at=t0 + 1, slots=2, attempt=0),
+        AllocationGranted(event_id=ids(), job_id=job_id, occurred_at=t0 + 2, attempt=0,
+                          assignments=[SlotRef(node="n0", slot=0, rank=0), SlotRef(node="n0", slot=1, rank=1)]),
+        WorkersStarted(event_id=ids(), job_id=job_id, occurred_at=t0 + 3, node="n0", attempt=0, ranks=[0, 1],
+                       pids=[11, 12]),
+        CheckpointCommitted(event_id=ids(), occurred_at=t0 + 10, checkpoint_id="step000000020-a0", step=20,
+                            uri=f"file:///o/checkpoints/{job_id}/step000000020-a0/MANIFEST.json", bytes=2048, **ckpt),
+        CheckpointCommitted(event_id=ids(), occurred_at=t0 + 20, checkpoint_id="step000000040-a0", step=40,
+                            uri=f"file:///o/checkpoints/{job_id}/step000000040-a0/MANIFEST.json",
+                            bytes=3 * 1024 * 1024, **ckpt),
+        CheckpointDeleted(event_id=ids(), job_id=job_id, occurred_at=t0 + 21, checkpoint_id="step000000020-a0"),
+        StepCompleted(event_id=ids(), job_id=job_id, rank=0, occurred_at=t0 + 25, step=57, loss=2.5, grad_norm=1.0,
+                      lr=0.003, tokens_per_s=1e4, step_time_s=0.05),
+    ]
+
+
+def test_submit_prints_the_job_id_and_stores_the_spec(nats_server: broker.Broker) -> None:
+    spec_file = ROOT / "examples" / "drill.toml"
+    done = flightdeck("submit", str(spec_file), "--nats", nats_server.url)
+    assert done.returncode == 0, done.stderr
+    job_id = done.stdout.strip()
+    assert re.fullmatch(r"tiny-drill-[0-9a-f]{6}", job_id) and done.stdout == job_id + "\n"
+    (submitted,) = asyncio.run(history(nats_server.url, job_id))
+    assert isinstance(submitted, JobSubmitted)
+    assert submitted.spec == parse_spec(spec_file.read_bytes())
+    assert (submitted.job_version, submitted.producer) == (1, "cli") and submitted.occurred_at > time.time() - 30
+    again = flightdeck("submit", str(spec_file), "--nats", nats_server.url)
+    assert again.returncode == 0 and again.stdout.strip() != job_id
+
+
+@pytest.mark.parametrize(("toml", "named"), [
+    ('name = "x"\n[train]\nsteps = 0\n', "$.train.steps"),
+    ('name = "x"\nslots = 2\n[[faults]]\nkind = "crash"\nrank = 2\nstep = 1\n', "faults[0].rank"),
+    ('name = "x"\n[model]\nn_layers = 2\n', "n_layers"),
+    ('name = "Not A Name"\n', "$.name"),
+])
+def test_an_invalid_spec_is_refused_naming_the_field_and_nothing_is_appended(
+        nats_server: broker.Broker, tmp_path: Path, toml: str, named: str) -> None:
+    spec_file = tmp_path / "bad.toml"
+    spec_file.write_text(toml)
+    done = flightdeck("submit", str(spec_file), "--nats", nats_server.url)
+    assert done.returncode == 2 and done.stdout == ""
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith(f"flightdeck submit: {spec_file}: ") and named in line
+    assert asyncio.run(control_count(nats_server.url)) == 0
+
+
+def test_a_missing_spec_file_and_an_unreachable_broker_are_one_line_errors(tmp_path: Path) -> None:
+    missing = flightdeck("submit", str(tmp_path / "nope.toml"), "--nats", "nats://127.0.0.1:1")
+    assert missing.returncode == 2 and "cannot read" in missing.stderr
+    nowhere = flightdeck("submit", str(ROOT / "examples" / "drill.toml"), "--nats",
+                         f"nats://127.0.0.1:{broker.free_port()}")
+    assert nowhere.returncode == 1
+    (line,) = nowhere.stderr.strip().splitlines()
+    assert "cannot reach the broker" in line
+
+
+def test_status_shows_every_job_as_a_table_and_one_in_detail(nats_server: broker.Broker) -> None:
+    asyncio.run(write(nats_server.url, [*running_job("tiny-drill-aaaaaa"), JobSubmitted(
+        event_id=ids(), job_id="other-bbbbbb", occurred_at=time.time() - 60, producer="cli",
+        spec=parse_spec('name = "other"\npriority = 7\n'))]))
+    table = flightdeck("status", "--nats", nats_server.url)
+    assert table.returncode == 0, table.stderr
+    head, first, second = table.stdout.splitlines()
+    assert head.split() == ["JOB", "PHASE", "PRIO", "SLOTS", "STEP", "CHECKPOINT", "RESTARTS", "AGE"]
+    assert first.split()[:8] == ["tiny-drill-aaaaaa", "running", "50", "2/2", "57/120", "step", "40", "0"]
+    assert re.fullmatch(r"2m0[5-9]s", first.split()[8])
+    assert second.split()[:6] == ["other-bbbbbb", "submitted", "7", "-/1", "-/100", "-"]
+
+    one = flightdeck("status", "tiny-drill-aaaaaa", "--nats", nats_server.url)
+    assert one.returncode == 0, one.stderr
+    assert "phase:       running\n" in one.stdout
+    assert "step000000040-a0 at step 40" in one.stdout and "57/120 (loss 2.5)" in one.stdout
+
+    as_json = json.loads(flightdeck("status", "tiny-drill-aaaaaa", "--json", "--nats", nats_server.url).stdout)
+    assert {k: as_json[k] for k in ("job_id", "phase", "step", "world_size", "slots", "restarts", "version")} == {
+        "job_id": "tiny-drill-aaaaaa", "phase": "running", "step": 57, "world_size": 2, "slots": 2, "restarts": 0,
+        "version": 8}
+    assert as_json["last_checkpoint"]["checkpoint_id"] == "step000000040-a0" and 120 < as_json["age_s"] < 200
+    every = json.loads(flightdeck("status", "--json", "--nats", nats_server.url).stdout)
+    assert [v["job_id"] for v in every] == ["tiny-drill-aaaaaa", "other-bbbbbb"]
+
+
+def test_status_of_an_unknown_job_and_of_an_empty_store(nats_server: broker.Broker) -> None:
+    empty = flightdeck("status", "--nats", nats_server.url)
+    assert empty.returncode == 0 and empty.stdout.startswith("no jobs on ")
+    unknown = flightdeck("status", "nope-123456", "--nats", nats_server.url)
+    assert unknown.returncode == 2
+    assert unknown.stderr.strip() == (f"flightdeck status: no job 'nope-123456' on {nats_server.url}: "
+                                      "`flightdeck status` lists every job")
+
+
+def test_cancel_appends_cancel_requested_once_and_leaves_ended_jobs_alone(nats_server: broker.Broker) -> None:
+    asyncio.run(write(nats_server.url, running_job("tiny-drill-cccccc")))
+    done = flightdeck("cancel", "tiny-drill-cccccc", "--reason", "wrong data", "--nats", nats_server.url)
+    assert done.returncode == 0, done.stderr
+    assert "cancel requested (phase running)" in done.stdout
+    last = asyncio.run(history(nats_server.url, "tiny-drill-cccccc"))[-1]
+    assert isinstance(last, CancelRequested) and (last.reason, last.job_version, last.producer) == (
+        "wrong data", 9, "cli")
+    twice = flightdeck("cancel", "tiny-drill-cccccc", "--nats", nats_server.url)
+    assert twice.returncode == 0 and "already requested" in twice.stdout
+    assert flightdeck("status", "tiny-drill-cccccc", "--nats", nats_server.url).stdout.count("stopping") == 1
+
+    asyncio.run(write(nats_server.url, [JobCompleted(event_id=ids(), job_id="tiny-drill-cccccc", steps=120)]))
+    before = asyncio.run(control_count(nats_server.url))
+    ended = flightdeck("cancel", "tiny-drill-cccccc", "--nats", nats_server.url)
+    assert ended.returncode == 0 and "has already ended (completed)" in ended.stdout
+    assert asyncio.run(control_count(nats_server.url)) == before
+
+    unknown = flightdeck("cancel", "ghost-000000", "--nats", nats_server.url)
+    assert unknown.returncode == 2 and "no job 'ghost-000000'" in unknown.stderr
+
+
+def test_checkpoints_lists_commits_with_the_deleted_marked(nats_server: broker.Broker) -> None:
+    asyncio.run(write(nats_server.url, running_job("tiny-drill-dddddd")))
+    done = flightdeck("checkpoints", "tiny-drill-dddddd", "--nats", nats_server.url)
+    assert done.returncode == 0, done.stderr
+    head, first, second = done.stdout.splitlines()
+    assert head.split() == ["CHECKPOINT", "STEP", "WORLD", "SIZE", "STATE", "URI"]
+    assert first.split() == ["step000000020-a0", "20", "2", "2.0", "KiB", "deleted", "(retention)",
+                             "file:///o/checkpoints/tiny-drill-dddddd/step000000020-a0/MANIFEST.json"]
+    assert second.split()[:6] == ["step000000040-a0", "40", "2", "3.0", "MiB", "kept"]
+    rows = json.loads(flightdeck("checkpoints", "tiny-drill-dddddd", "--json", "--nats", nats_server.url).stdout)
+    assert [(r["step"], r["bytes"], r["deleted"]) for r in rows] == [(20, 2048, True), (40, 3 * 1024 * 1024, False)]
+    asyncio.run(write(nats_server.url, running_job("tiny-drill-eeeeee")[:2]))
+    none = flightdeck("checkpoints", "tiny-drill-eeeeee", "--nats", nats_server.url)
+    assert none.returncode == 0 and "no committed checkpoint yet" in none.stdout
+    assert flightdeck("checkpoints", "ghost-000000", "--nats", nats_server.url).returncode == 2

@@ -1,0 +1,156 @@
+"""JobView: a job's control history folded into what `flightdeck status` shows, with the histories made by
+the real scheduler and resource cores (tests/unit/helpers.Bus) rather than written by hand."""
+
+from events.base import Event
+from events.checkpoint import CheckpointCommitted, CheckpointDeleted, DataPosition
+from events.commands import RollbackRequested
+from events.job import AllocationReleased, CancelRequested, JobQueued, WorkersExited
+from events.training import StepCompleted
+from services.console import jobview
+from services.console.jobview import JobView
+from services.resources.core import core_service as resources
+from services.scheduler.core import core_service as scheduler
+from tests.unit.helpers import Agents, Bus, register, submit
+
+
+def cluster(nodes: int = 2, slots: int = 2) -> tuple[Bus, Agents]:
+    b = Bus([scheduler(), resources()])
+    b.publish(*(register(f"n{i}", slots) for i in range(nodes)))
+    return b, Agents(b)
+
+
+def view(b: Bus, job_id: str) -> JobView:
+    return jobview.fold(job_id, [e for e in b.log if getattr(e, "job_id", None) == job_id])
+
+
+def committed(job_id: str, step: int, attempt: int = 0) -> CheckpointCommitted:
+    return CheckpointCommitted(job_id=job_id, checkpoint_id=f"step{step:09d}-a{attempt}", step=step, world_size=2,
+                               uri=f"file:///objects/checkpoints/{job_id}/step{step:09d}-a{attempt}/MANIFEST.json",
+                               bytes=1000 * step, data=DataPosition(next_batch=step))
+
+
+def scheduler_phase(b: Bus, job_id: str) -> str:
+    state = b.state("scheduler")
+    return state.jobs[job_id].phase if job_id in state.jobs else state.ended[job_id]
+
+
+def test_a_submitted_job_the_scheduler_has_not_answered_is_submitted() -> None:
+    v = jobview.fold("j-1", [submit("j-1", slots=2, steps=120, max_restarts=2)])
+    assert (v.phase, v.name, v.slots, v.steps, v.max_restarts, v.world_size, v.step) == ("submitted", "j", 2, 120, 2,
+                                                                                         0, None)
+    assert v.last_checkpoint is None and not v.ended
+
+
+def test_the_drill_queued_placing_running_recovering_running_completed() -> None:
+    b, agents = cluster(nodes=0)
+    b.publish(submit("drill-1", slots=2, steps=120))
+    assert view(b, "drill-1").phase == "queued"  # no node yet: it waits
+    b.publish(register("n0", 2))
+    assert view(b, "drill-1").phase == "placing"  # asked for and granted; no worker started yet
+    agents()
+    v = view(b, "drill-1")
+    assert (v.phase, v.world_size, v.attempt, v.restarts) == ("running", 2, 0, 0)
+    b.publish(committed("drill-1", 20), committed("drill-1", 40))
+    grant = b.last_grant("drill-1")
+    b.publish(WorkersExited(job_id="drill-1", node="n0", attempt=0, rank=1, exit_code=1))
+    v = view(b, "drill-1")
+    assert v.restarts == 1 and v.reason == v.last_fault == "rank 1 exited with code 1; restart 1 of 3"
+    assert v.phase == "recovering" == scheduler_phase(b, "drill-1")
+    agents.running.pop("drill-1", None)
+    agents()
+    v = view(b, "drill-1")
+    assert (v.phase, v.attempt, v.restarts, v.resumed_from_step, v.world_size) == ("running", 1, 1, 40, 2)
+    assert v.reason == "" and v.last_fault.startswith("rank 1 exited")
+    assert b.last_grant("drill-1") != grant
+    b.exit_workers(b.last_grant("drill-1"))
+    v = view(b, "drill-1")
+    assert (v.phase, v.reason, v.world_size) == ("completed", "", 2)
+    assert v.ended and v.ended_at > v.submitted_at
+    assert v.last_checkpoint is not None and v.last_checkpoint.step == 40
+
+
+def test_the_newest_step_comes_from_telemetry_and_a_view_changes_nothing_after_the_end() -> None:
+    b, agents = cluster()
+    b.publish(submit("j-1", slots=2))
+    agents()
+    b.exit_workers(b.last_grant("j-1"))
+    history = [e for e in b.log if getattr(e, "job_id", None) == "j-1"]
+    late: list[Event] = [CancelRequested(job_id="j-1"), JobQueued(job_id="j-1", priority=9, reason="late")]
+    step = StepCompleted(job_id="j-1", rank=0, step=99, loss=1.5, grad_norm=1.0, lr=0.003, tokens_per_s=1.0,
+                         step_time_s=0.1)
+    v = jobview.fold("j-1", [*history, *late], step)
+    assert (v.phase, v.priority, v.cancel_requested, v.step, v.loss) == ("completed", 50, False, 99, 1.5)
+
+
+def test_checkpoints_deleted_by_retention_are_kept_in_the_list_and_marked() -> None:
+    events: list[Event] = [submit("j-1"), committed("j-1", 20), committed("j-1", 40), committed("j-1", 60),
+                           committed("j-1", 40),  # the same commit read twice
+                           CheckpointDeleted(job_id="j-1", checkpoint_id="step000000020-a0"),
+                           CheckpointDeleted(job_id="j-1", checkpoint_id="step000000060-a0", reason="corrupt")]
+    v = jobview.fold("j-1", events)
+    assert [(c.step, c.deleted, c.deleted_reason) for c in v.checkpoints] == [
+        (20, True, "retention"), (40, False, ""), (60, True, "corrupt")]
+    assert v.last_checkpoint is not None and v.last_checkpoint.checkpoint_id == "step000000040-a0"
+    assert v.last_checkpoint.bytes == 40_000 and v.last_checkpoint.uri.endswith("step000000040-a0/MANIFEST.json")
+
+
+def test_a_preempted_job_is_stopping_then_preempted_then_runs_again_without_counting_a_restart() -> None:
+    b, agents = cluster(nodes=1)
+    b.publish(submit("low-1", slots=2, priority=10))
+    agents()
+    b.publish(submit("high-1", slots=2, priority=90))
+    v = view(b, "low-1")
+    assert (v.phase, v.preempted_by) == ("stopping", "high-1") == (scheduler_phase(b, "low-1"), "high-1")
+    agents()  # the low job's ranks obey the stop; the high job gets its slots
+    assert view(b, "low-1").phase == "preempted" == scheduler_phase(b, "low-1")
+    assert view(b, "high-1").phase == "running"
+    b.exit_workers(b.last_grant("high-1"))
+    agents()
+    v = view(b, "low-1")
+    assert (v.phase, v.restarts, v.attempt) == ("running", 0, 1)
+
+
+def test_cancel_while_running_is_stopping_until_the_ranks_are_gone() -> None:
+    b, agents = cluster()
+    b.publish(submit("j-1", slots=2))
+    agents()
+    b.publish(CancelRequested(job_id="j-1", reason="wrong data"))
+    v = view(b, "j-1")
+    assert (v.phase, v.cancel_requested) == ("stopping", True)
+    agents()
+    v = view(b, "j-1")
+    assert (v.phase, v.reason) == ("cancelled", "wrong data")
+
+
+def test_cancel_while_queued_ends_it_at_once() -> None:
+    b, _ = cluster(nodes=0)
+    b.publish(submit("j-1", slots=2), CancelRequested(job_id="j-1"))
+    assert view(b, "j-1").phase == "cancelled"
+
+
+def test_a_spent_restart_budget_fails_the_job_with_the_scheduler_reason() -> None:
+    b, agents = cluster()
+    b.publish(submit("j-1", slots=2, max_restarts=0))
+    agents()
+    b.publish(WorkersExited(job_id="j-1", node="n0", attempt=0, rank=0, exit_code=-9))
+    v = view(b, "j-1")
+    assert v.phase == "failed" and v.restarts == 0
+    assert v.reason == "rank 0 was killed by signal 9; restart budget of 0 spent"
+
+
+def test_rollbacks_are_counted_and_a_stale_release_is_no_restart() -> None:
+    events: list[Event] = [submit("j-1", slots=1)]
+    v = jobview.fold("j-1", [*events, RollbackRequested(job_id="j-1", checkpoint_id="c", to_step=1, skip_from=2,
+                                                        skip_to=3, reason="spike")])
+    assert v.rollbacks == 1
+    b, agents = cluster()
+    b.publish(submit("j-1", slots=2))
+    agents()
+    stale = AllocationReleased(job_id="j-1", attempt=0, reason=jobview.STALE_GRANT)
+    v = jobview.fold("j-1", [*(e for e in b.log if getattr(e, "job_id", None) == "j-1"), stale])
+    assert (v.phase, v.restarts) == ("running", 0)
+
+
+def test_a_history_without_its_submission_still_folds() -> None:
+    v = jobview.fold("x-1", [JobQueued(job_id="x-1", priority=5, reason="seeded")])
+    assert (v.phase, v.priority, v.name, v.reason) == ("queued", 5, "", "seeded")
