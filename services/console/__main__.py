@@ -9,7 +9,7 @@ import structlog
 
 from events.store import StoreUnavailable
 from services.broker import BrokerError
-from services.console import agent_cmd, cancel, checkpoints_cmd, down, events_cmd, status, submit, up
+from services.console import agent_cmd, cancel, checkpoints_cmd, down, events_cmd, plan_cmd, status, submit, up
 from services.console.cli import EXIT_ERROR, Command, UserError
 
 COMMANDS: tuple[Command, ...] = (
@@ -17,6 +17,7 @@ COMMANDS: tuple[Command, ...] = (
     down.COMMAND,
     events_cmd.COMMAND,
     submit.COMMAND, status.COMMAND, cancel.COMMAND, checkpoints_cmd.COMMAND, agent_cmd.COMMAND,
+    plan_cmd.COMMAND,
 )
 
 

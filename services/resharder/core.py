@@ -1,0 +1,133 @@
+"""The resharder's pure core: a job's parallel plan for the slots it was granted, re-planned when they change.
+
+It folds JobSubmitted (model shape and global batch from the spec), NodeRegistered (what a slot is: a GPU
+type from gpus.py, or a CPU slot with its share of host memory) and AllocationGranted (the slots per node).
+On a grant it plans for the granted world and emits ReshardPlanned(old, new, reason) on the job's subject
+when the plan differs from the job's previous one: the first grant, a shrink after a node was lost, a grow
+back. An identical re-grant emits nothing. The trainer applies the data-parallel part (world size, micro-
+batch size, grad accumulation); the CPU jobs' tiny models always come out as pure DP.
+
+A grant no layout fits (e.g. a world size that does not divide the global batch) emits nothing and keeps
+the planner's reason in `JobPlan.refused`; the job's previous plan stays its reference for the next grant.
+"""
+
+import math
+from collections import Counter
+
+import msgspec
+
+from events import subjects
+from events.base import Event
+from events.fleet import NodeRegistered
+from events.job import AllocationGranted, JobCancelled, JobCompleted, JobFailed, JobSubmitted
+from events.plan import ParallelPlan, ReshardPlanned
+from services.core import Emit, Output, Service
+from services.resharder import gpus
+from services.resharder.gpus import GpuType
+from services.resharder.planner import PlanError, Slots, plan
+from services.resharder.shapes import ModelShape, from_spec
+
+NAME = "resharder"
+CONTROL_TYPES = ("JobSubmitted", "AllocationGranted", "JobCompleted", "JobFailed", "JobCancelled")
+FLEET_TYPES = ("NodeRegistered",)
+UNKNOWN_SLOT_GB = 4.0  # a slot whose memory no registration told us (unregistered node, unread meminfo)
+
+
+class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
+    device: GpuType
+
+
+class JobPlan(msgspec.Struct, frozen=True, kw_only=True):
+    model: ModelShape
+    global_batch: int
+    plan: ParallelPlan | None = None
+    refused: str = ""  # why the latest grant got no plan, "" when it got one
+
+
+class State(msgspec.Struct, frozen=True, kw_only=True):
+    jobs: dict[str, JobPlan] = {}
+    nodes: dict[str, NodeInfo] = {}
+    outbox: tuple[Emit, ...] = ()  # what the latest input decided; `decide` returns it
+
+
+def device_of(registered: NodeRegistered) -> GpuType:
+    """A GPU node registers each device's memory; a CPU node its host memory, which its slots share."""
+    if registered.kind == "gpu" and registered.devices:
+        known = gpus.match_device(registered.devices[0])
+        return known or gpus.slot(registered.devices[0], registered.memory_gb or UNKNOWN_SLOT_GB)
+    share = registered.memory_gb / max(1, registered.slots)
+    return gpus.slot(registered.kind, share or UNKNOWN_SLOT_GB)
+
+
+def slots_of(state: State, grant: AllocationGranted) -> Slots:
+    """The granted world; TP groups must fit every node's share, and the smallest device bounds memory."""
+    per_node = Counter(ref.node for ref in grant.assignments)
+    devices = [state.nodes[n].device if n in state.nodes else gpus.slot("unregistered", UNKNOWN_SLOT_GB)
+               for n in sorted(per_node)]
+    return Slots(world=len(grant.assignments), gpus_per_node=math.gcd(*per_node.values()),
+                 gpu=min(devices, key=lambda d: d.memory_gb))
+
+
+def reason(old: ParallelPlan | None, new: ParallelPlan, grant: AllocationGranted, slots: Slots) -> str:
+    nodes = len({ref.node for ref in grant.assignments})
+    where = f"{new.world_size} {slots.gpu.name} slots on {nodes} node{'s' if nodes != 1 else ''}"
+    if old is None:
+        return f"first grant: {where} (attempt {grant.attempt})"
+    if new.world_size == old.world_size:
+        return f"same world size, new layout: {where} (attempt {grant.attempt})"
+    change = "shrink" if new.world_size < old.world_size else "grow"
+    return f"{change}: world {old.world_size} -> {new.world_size}, {where} (attempt {grant.attempt})"
+
+
+def granted(state: State, grant: AllocationGranted) -> State:
+    job = state.jobs.get(grant.job_id)
+    if job is None or not grant.assignments:
+        return msgspec.structs.replace(state, outbox=())
+    slots = slots_of(state, grant)
+    try:
+        new = plan(job.model, slots, job.global_batch).plan
+    except PlanError as exc:
+        return _with_job(state, grant.job_id, msgspec.structs.replace(job, refused=str(exc)))
+    if new == job.plan:
+        return _with_job(state, grant.job_id, msgspec.structs.replace(job, refused=""))
+    event = ReshardPlanned(job_id=grant.job_id, old=job.plan, new=new, reason=reason(job.plan, new, grant, slots))
+    return _with_job(state, grant.job_id, msgspec.structs.replace(job, plan=new, refused=""),
+                     Emit(subjects.job(grant.job_id, "ReshardPlanned"), event))
+
+
+def _with_job(state: State, job_id: str, job: JobPlan | None, *outbox: Emit) -> State:
+    jobs = {k: v for k, v in state.jobs.items() if k != job_id}
+    if job is not None:
+        jobs[job_id] = job
+    return msgspec.structs.replace(state, jobs=jobs, outbox=outbox)
+
+
+def evolve(state: State, event: Event) -> State:
+    match event:
+        case JobSubmitted(job_id=job_id, spec=spec):
+            return _with_job(state, job_id, JobPlan(model=from_spec(spec.model), global_batch=spec.train.batch_size))
+        case AllocationGranted():
+            return granted(state, event)
+        case NodeRegistered(node=name):
+            nodes = {**state.nodes, name: NodeInfo(device=device_of(event))}
+            return msgspec.structs.replace(state, nodes=nodes, outbox=())
+        case JobCompleted(job_id=job_id) | JobFailed(job_id=job_id) | JobCancelled(job_id=job_id):
+            return _with_job(state, job_id, None)
+    return msgspec.structs.replace(state, outbox=()) if state.outbox else state
+
+
+def decide(state: State, event: Event) -> list[Output]:
+    return list(state.outbox)
+
+
+def core_service() -> Service[State]:
+    """The resharder core wired as a Service; it never needs a clock tick."""
+    return Service(
+        name=NAME,
+        initial=State(),
+        evolve=evolve,
+        decide=decide,
+        control_subjects=(*(f"fd.ctl.job.*.{t}" for t in CONTROL_TYPES),
+                          *(f"fd.ctl.node.*.{t}" for t in FLEET_TYPES)),
+        wants_tick=lambda state, now: False,
+    )

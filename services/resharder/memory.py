@@ -1,0 +1,67 @@
+"""Memory per GPU for one layout: parameters, gradients, optimizer states and activations.
+
+Model state (mixed-precision Adam, ZeRO paper, Rajbhandari et al. 2020): bf16 weights 2 bytes/param,
+bf16 gradients 2, fp32 master weights + Adam m + v 12: 16 bytes/param before activations. TP and PP split
+the parameters evenly over tp·pp GPUs (embeddings, which sit on the first and last stage, are counted as
+if spread too); ZeRO-1 shards the optimizer states over the DP replicas, ZeRO-2 the gradients as well,
+ZeRO-3 the weights as well, at the price of gathering a layer's weights before using it (two layers held:
+the one computing and the one prefetched).
+
+Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models")
+assume full activation checkpointing at layer boundaries, sequence parallelism inside TP and a fused
+(flash) attention that keeps no seq² scores: each layer stores its bf16 input (2·s·b·h bytes / tp) for
+every micro-batch in flight, the layer being recomputed holds its full activations (34·s·b·h / tp), and
+the last stage holds fp32 logits for the loss (4·s·b·vocab / tp). The 1F1B pipeline schedule keeps up to
+pp micro-batches in flight on the first stage, which holds layers/pp layers.
+"""
+
+from dataclasses import dataclass
+
+from services.resharder.gpus import GpuType
+from services.resharder.shapes import ModelShape
+
+GB = 1e9
+WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2, 2, 12
+ACTIVATION_BYTES_PER_LAYER = 34  # per s·b·h, one transformer layer without recomputation (fused attention)
+CHECKPOINT_BYTES = 2  # per s·b·h, the bf16 layer input kept for recomputation
+LOGIT_BYTES = 4
+ZERO3_LAYERS_GATHERED = 2
+# CUDA context, NCCL buffers and allocator fragmentation take several GB that no formula here sees.
+HEADROOM = 0.85
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryEstimate:
+    params_gb: float
+    grads_gb: float
+    optimizer_gb: float
+    activations_gb: float
+
+    @property
+    def total_gb(self) -> float:
+        return self.params_gb + self.grads_gb + self.optimizer_gb + self.activations_gb
+
+    def as_dict(self) -> dict[str, float]:
+        return {"params_gb": self.params_gb, "grads_gb": self.grads_gb, "optimizer_gb": self.optimizer_gb,
+                "activations_gb": self.activations_gb, "total_gb": self.total_gb}
+
+
+def usable_gb(gpu: GpuType) -> float:
+    return gpu.memory_gb * HEADROOM
+
+
+def estimate(model: ModelShape, *, tp: int, pp: int, dp: int, zero_stage: int, micro_batch_size: int,
+             micro_batches: int) -> MemoryEstimate:
+    assert model.layers % pp == 0 and model.heads % tp == 0 and 0 <= zero_stage <= 3, (model, tp, pp, zero_stage)
+    local = model.params / (tp * pp)  # parameters this GPU owns before ZeRO
+    weights = WEIGHT_BYTES * local / (dp if zero_stage >= 3 else 1)
+    if zero_stage >= 3 and dp > 1:
+        weights += ZERO3_LAYERS_GATHERED * WEIGHT_BYTES * model.params / (model.layers * tp)
+    grads = GRAD_BYTES * local / (dp if zero_stage >= 2 else 1)
+    optimizer = OPTIMIZER_BYTES * local / (dp if zero_stage >= 1 else 1)
+    sbh = model.seq_len * micro_batch_size * model.hidden / tp
+    in_flight = min(pp, micro_batches)
+    stored = CHECKPOINT_BYTES * sbh * (model.layers // pp) * in_flight
+    working = ACTIVATION_BYTES_PER_LAYER * sbh
+    logits = LOGIT_BYTES * model.seq_len * micro_batch_size * model.vocab / tp
+    return MemoryEstimate(weights / GB, grads / GB, optimizer / GB, (stored + working + logits) / GB)

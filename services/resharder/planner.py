@@ -1,0 +1,151 @@
+"""The 3D-parallel planner: DP x TP x PP, ZeRO stage, micro-batches and gradient accumulation for a model
+on a set of slots, and the training-days estimate. Pure functions; memory.py holds the memory model.
+
+Rules a layout obeys:
+- TP stays inside a node and divides the attention heads: TP divides gcd(heads, node size), where the
+  node size is gcd(GPUs per node, world) (ranks fill nodes in order, so a partly used last node counts
+  with what it holds). With 8-GPU nodes every TP is a power of two.
+- PP divides the layers; DP = world / (TP · PP).
+- The global batch (sequences per optimizer step) stays what the job asked for at every world size:
+  global = DP · micro_batch_size · micro_batches · grad_accum, so DP must divide it.
+- With PP > 1 one step pushes `micro_batches` micro-batches through the pipeline in one flush
+  (grad_accum = 1) and micro_batches ≥ 4 · PP keeps the bubble (PP - 1) / micro_batches under 25%.
+  With PP = 1 there is no bubble: micro_batches = 1 and the replica accumulates `grad_accum` passes.
+
+Search order, cheapest communication first: layouts by TP · PP ascending (model parallelism moves
+activations every layer, while ZeRO's traffic overlaps with compute), fewer pipeline stages first on a
+tie; within a layout ZeRO 0, 1, 2, 3 (each stage adds traffic); within a stage the largest micro-batch
+that fits (better GPU efficiency). The first combination whose memory estimate fits the GPU memory with
+headroom (memory.HEADROOM) is the plan.
+"""
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from events.plan import ParallelPlan
+from services.resharder import memory
+from services.resharder.gpus import GpuType
+from services.resharder.memory import MemoryEstimate
+from services.resharder.shapes import ModelShape
+
+MIN_MICRO_BATCHES_PER_STAGE = 4
+ZERO_STAGES = (0, 1, 2, 3)
+SECONDS_PER_DAY = 86_400
+
+
+class PlanError(ValueError):
+    """No layout of these slots can train this model; the message says why and what to change."""
+
+
+@dataclass(frozen=True, slots=True)
+class Slots:
+    world: int
+    gpus_per_node: int
+    gpu: GpuType
+
+    def __post_init__(self) -> None:
+        if self.world < 1 or self.gpus_per_node < 1:
+            raise PlanError(f"need at least one GPU and one GPU per node, got {self.world} and {self.gpus_per_node}")
+
+    @property
+    def node_size(self) -> int:
+        return math.gcd(self.gpus_per_node, self.world)
+
+
+@dataclass(frozen=True, slots=True)
+class Planned:
+    plan: ParallelPlan
+    memory: MemoryEstimate
+
+    @property
+    def bubble(self) -> float:
+        return (self.plan.pp - 1) / self.plan.micro_batches
+
+
+def divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
+
+
+def layouts(model: ModelShape, slots: Slots, global_batch: int) -> list[tuple[int, int, int]]:
+    """Every (tp, pp, dp) the rules allow, in search order."""
+    found = []
+    for tp in divisors(math.gcd(model.heads, slots.node_size)):
+        for pp in divisors(model.layers):
+            if slots.world % (tp * pp):
+                continue
+            dp = slots.world // (tp * pp)
+            if global_batch % dp or (pp > 1 and global_batch // dp < MIN_MICRO_BATCHES_PER_STAGE * pp):
+                continue
+            found.append((tp, pp, dp))
+    return sorted(found, key=lambda layout: (layout[0] * layout[1], layout[1]))
+
+
+def batch_splits(per_replica: int, pp: int) -> Iterator[tuple[int, int, int]]:
+    """(micro_batch_size, micro_batches, grad_accum) for one replica's share, largest micro-batch first."""
+    for size in reversed(divisors(per_replica)):
+        count = per_replica // size
+        if pp == 1:
+            yield size, 1, count
+        elif count >= MIN_MICRO_BATCHES_PER_STAGE * pp:
+            yield size, count, 1
+
+
+def plan(model: ModelShape, slots: Slots, global_batch: int) -> Planned:
+    """The first layout in search order that fits; PlanError if none does."""
+    if global_batch < 1:
+        raise PlanError(f"the global batch must be at least one sequence, got {global_batch}")
+    found = layouts(model, slots, global_batch)
+    if not found:
+        raise PlanError(_no_layout(model, slots, global_batch))
+    usable = memory.usable_gb(slots.gpu)
+    for tp, pp, dp in found:
+        for zero in ZERO_STAGES if dp > 1 else (0,):  # ZeRO shards over DP: nothing to gain at DP = 1
+            for size, micro, accum in batch_splits(global_batch // dp, pp):
+                need = memory.estimate(model, tp=tp, pp=pp, dp=dp, zero_stage=zero, micro_batch_size=size,
+                                       micro_batches=micro)
+                if need.total_gb <= usable:
+                    return Planned(ParallelPlan(world_size=slots.world, dp=dp, tp=tp, pp=pp, zero_stage=zero,
+                                                micro_batches=micro, grad_accum=accum, micro_batch_size=size,
+                                                memory_per_gpu_gb=round(need.total_gb, 3)), need)
+    raise PlanError(_too_big(model, slots, global_batch, found))
+
+
+def training_days(params: float, tokens: float, gpus: int, gpu: GpuType, mfu: float) -> float:
+    """6 · params · tokens FLOPs (forward + backward) at `mfu` of the GPUs' dense bf16 peak, in days."""
+    assert gpu.peak_flops > 0 and 0 < mfu <= 1, (gpu, mfu)
+    return 6 * params * tokens / (gpus * gpu.peak_flops * mfu) / SECONDS_PER_DAY
+
+
+def count(n: float) -> str:
+    """175e9 -> "175B": a parameter or token count as people write it."""
+    for suffix, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.4g}{suffix}"
+    return f"{n:.4g}"
+
+
+def _no_layout(model: ModelShape, slots: Slots, global_batch: int) -> str:
+    tps = divisors(math.gcd(model.heads, slots.node_size))
+    return (f"no DP x TP x PP layout of {slots.world} GPUs splits a global batch of {global_batch} sequences: "
+            f"DP = {slots.world} / (TP · PP) must divide the batch, TP from {tps} (within a node of "
+            f"{slots.node_size}, dividing {model.heads} heads), PP dividing {model.layers} layers, and PP > 1 "
+            f"needs at least {MIN_MICRO_BATCHES_PER_STAGE} · PP sequences per replica; use a global batch that "
+            f"is a multiple of {slots.world}, or another number of GPUs")
+
+
+def _too_big(model: ModelShape, slots: Slots, global_batch: int, found: list[tuple[int, int, int]]) -> str:
+    def leanest(tp: int, pp: int, dp: int) -> MemoryEstimate:
+        size, micro, _ = min(batch_splits(global_batch // dp, pp))
+        return memory.estimate(model, tp=tp, pp=pp, dp=dp, zero_stage=3 if dp > 1 else 0, micro_batch_size=size,
+                               micro_batches=micro)
+
+    need, (tp, pp, dp) = min(((leanest(*layout), layout) for layout in found), key=lambda pair: pair[0].total_gb)
+    parts = ", ".join(f"{name} {value:.1f}" for name, value in (
+        ("params", need.params_gb), ("grads", need.grads_gb), ("optimizer", need.optimizer_gb),
+        ("activations", need.activations_gb)))
+    return (f"a {count(model.params)}-param model needs {need.total_gb:.1f} GB per GPU ({parts}) even with "
+            f"TP={tp}, PP={pp}, DP={dp}, ZeRO-{3 if dp > 1 else 0}, micro-batch 1, on {slots.world} "
+            f"{slots.gpu.name} GPUs with {slots.gpu.memory_gb:g} GB ({memory.usable_gb(slots.gpu):.0f} GB usable "
+            f"after headroom): use more GPUs or GPUs with more memory")
