@@ -184,12 +184,12 @@ class Spawner:
                 restore = await self.fetch(args.job_id, args.restore)
             except Exception as exc:  # a checkpoint we cannot verify is never loaded, nor silently skipped
                 return await self._not_started(args, f"restore {args.restore.checkpoint_id} failed: {exc!r}")
-        spec_file = await asyncio.to_thread(self._write_spec, args)
         started: list[RankProc] = []
         try:
+            spec_file = await asyncio.to_thread(self._write_spec, args)
             for ref in args.ranks:
                 started.append(await self._start_rank(args, ref, spec_file, restore))
-        except OSError as exc:
+        except Exception as exc:  # recorded as exits, so the scheduler sees a fault instead of waiting forever
             for p in started:
                 signal_rank(p, signal.SIGKILL)
                 await p.proc.wait()

@@ -9,9 +9,13 @@ import time
 import pytest
 
 from events import subjects
+from events.checkpoint import CheckpointCommitted, DataPosition
 from events.fleet import NodeCordoned, NodeRegistered, SelfCheckFailed
-from events.job import AllocationGranted, AllocationRequested, JobQueued, WorkersExited, WorkersStarted
+from events.history import append_to_job
+from events.job import AllocationGranted, AllocationRequested, JobFailed, JobQueued, WorkersExited, WorkersStarted
+from events.spec import JobSpec, PolicySpec
 from events.training import StepCompleted
+from services.resources.spawner import START_FAILED_EXIT
 from tests.integration.test_lifecycle_services import ENDLESS, TINY, Cluster, cluster, exits, gone
 
 __all__ = ["cluster"]  # the fixture, shared with the lifecycle tests
@@ -95,3 +99,22 @@ async def test_an_agent_set_up_wrong_says_what_to_change(cluster: Cluster) -> No
     proc.wait(60)
     assert proc.returncode == 2
     assert "'bad.name' cannot be a subject token" in (cluster.root / "agent-bad.name.log").read_text()
+
+
+@pytest.mark.timeout(90)
+async def test_a_checkpoint_that_cannot_be_verified_is_never_loaded(cluster: Cluster) -> None:
+    """Committed (as far as the log says) but absent from the object store: the agent starts no rank and
+    records them as not started, so the scheduler restarts and then fails the job instead of waiting."""
+    c = cluster
+    spec = JobSpec(name="lost", slots=2, model=TINY.model, train=TINY.train, policy=PolicySpec(max_restarts=1))
+    await c.submit(spec, "lost-000001")
+    await c.until(lambda: bool(c.seen(JobQueued, "lost-000001")), 10, "the job to queue")
+    await append_to_job(c.store, CheckpointCommitted(
+        job_id="lost-000001", checkpoint_id="step000000010-a0", step=10, world_size=2, uri="file:///nowhere", bytes=1,
+        data=DataPosition(next_batch=10), event_id="test-commit", producer="test"))
+    c.agent()
+    await c.until(lambda: bool(c.seen(JobFailed, "lost-000001")), 60, "the job to fail", "lost-000001")
+    assert exits(c, "lost-000001", 0) == exits(c, "lost-000001", 1) == {0: START_FAILED_EXIT, 1: START_FAILED_EXIT}
+    assert c.seen(WorkersStarted, "lost-000001") == []
+    assert "never committed" in (c.root / "agent-n1.log").read_text()
+    assert not (c.data / "cache" / "lost-000001" / "step000000010-a0").exists()
