@@ -62,7 +62,7 @@ class JobView(msgspec.Struct, frozen=True, kw_only=True):
     slots: int = 0  # what the spec asks for
     world_size: int = 0  # ranks granted to the current attempt (0 while none are)
     steps: int = 0  # the spec's total
-    step: int | None = None  # the newest step a rank reported, from telemetry
+    step: int | None = None  # the newest step a rank reported (from telemetry), numbered from 0
     loss: float | None = None
     attempt: int = 0
     restarts: int = 0  # restarts after faults, as the scheduler counts them (preemptions are not)
@@ -86,6 +86,11 @@ class JobView(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def ended(self) -> bool:
         return self.phase in ENDED
+
+    @property
+    def steps_done(self) -> int | None:
+        """Steps done as of the newest report: steps are numbered from 0, so step i done means i + 1."""
+        return None if self.step is None else self.step + 1
 
     @property
     def last_checkpoint(self) -> CheckpointEntry | None:

@@ -94,8 +94,8 @@ def _slots(v: JobView) -> str:
     return f"{v.world_size or '-'}/{v.slots}"
 
 
-def _step(v: JobView) -> str:
-    return f"{'-' if v.step is None else v.step}/{v.steps}"
+def _steps(v: JobView) -> str:
+    return f"{'-' if v.steps_done is None else v.steps_done}/{v.steps}"
 
 
 def _checkpoint(v: JobView) -> str:
@@ -103,11 +103,11 @@ def _checkpoint(v: JobView) -> str:
     return f"step {last.step}" if last else "-"
 
 
-COLUMNS = ("JOB", "PHASE", "PRIO", "SLOTS", "STEP", "CHECKPOINT", "RESTARTS", "AGE")
+COLUMNS = ("JOB", "PHASE", "PRIO", "SLOTS", "STEPS", "CHECKPOINT", "RESTARTS", "AGE")
 
 
 def table(views: list[JobView], now: float) -> str:
-    rows = [COLUMNS] + [(v.job_id, v.phase, str(v.priority), _slots(v), _step(v), _checkpoint(v), str(v.restarts),
+    rows = [COLUMNS] + [(v.job_id, v.phase, str(v.priority), _slots(v), _steps(v), _checkpoint(v), str(v.restarts),
                          duration(now - v.submitted_at)) for v in views]
     widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
     right = {2, 6}  # numbers line up on the right
@@ -123,7 +123,7 @@ def details(v: JobView, now: float) -> str:
         ("phase", v.phase + (f" ({v.reason})" if v.reason else "")),
         ("priority", str(v.priority)),
         ("slots", f"{v.slots} asked, {v.world_size} granted (attempt {v.attempt})"),
-        ("step", f"{_step(v)}" + ("" if v.loss is None else f" (loss {v.loss:.4g})")),
+        ("steps", f"{_steps(v)} done" + ("" if v.loss is None else f" (loss {v.loss:.4g})")),
         ("checkpoint", f"{last.checkpoint_id} at step {last.step}" if last else "none committed"),
         ("committed", f"{len(v.checkpoints)} ({deleted} deleted)"
          + (f", {v.checkpoint_failures} failed" if v.checkpoint_failures else "")),
@@ -148,6 +148,7 @@ def as_json(v: JobView, now: float) -> dict[str, Any]:
     for internal in ("granted", "started"):
         out.pop(internal)
     last = v.last_checkpoint
+    out["steps_done"] = v.steps_done
     out["last_checkpoint"] = msgspec.to_builtins(last) if last else None
     out["age_s"] = round(now - v.submitted_at, 3)
     return out

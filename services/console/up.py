@@ -31,7 +31,7 @@ log = structlog.get_logger("flightdeck.up")
 
 # Processes `up` runs beside the services (every name in services.registry): (name, arguments after
 # the python executable); `--nats URL` is appended to each. One line here adds one (the node agent).
-OTHER_PROCESSES: tuple[tuple[str, tuple[str, ...]], ...] = ()
+OTHER_PROCESSES: tuple[tuple[str, tuple[str, ...]], ...] = (("agent", ("-m", "services.console", "agent")),)
 READY_AFTER_S = 1.0  # every process alive this long, and every service reading (readiness.py): ready
 DETACH_TIMEOUT_S = 60.0
 DEFAULT_DATA_DIR = ".flightdeck"

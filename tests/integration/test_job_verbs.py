@@ -147,21 +147,22 @@ def test_status_shows_every_job_as_a_table_and_one_in_detail(nats_server: broker
     table = flightdeck("status", "--nats", nats_server.url)
     assert table.returncode == 0, table.stderr
     head, first, second = table.stdout.splitlines()
-    assert head.split() == ["JOB", "PHASE", "PRIO", "SLOTS", "STEP", "CHECKPOINT", "RESTARTS", "AGE"]
-    assert first.split()[:8] == ["tiny-drill-aaaaaa", "running", "50", "2/2", "57/120", "step", "40", "0"]
+    assert head.split() == ["JOB", "PHASE", "PRIO", "SLOTS", "STEPS", "CHECKPOINT", "RESTARTS", "AGE"]
+    assert first.split()[:8] == ["tiny-drill-aaaaaa", "running", "50", "2/2", "58/120", "step", "40", "0"]
     assert re.fullmatch(r"2m0[5-9]s", first.split()[8])
     assert second.split()[:6] == ["other-bbbbbb", "submitted", "7", "-/1", "-/100", "-"]
 
     one = flightdeck("status", "tiny-drill-aaaaaa", "--nats", nats_server.url)
     assert one.returncode == 0, one.stderr
     assert "phase:       running\n" in one.stdout
-    assert "step000000040-a0 at step 40" in one.stdout and "57/120 (loss 2.5)" in one.stdout
+    assert "step000000040-a0 at step 40" in one.stdout and "58/120 done (loss 2.5)" in one.stdout
 
     as_json = json.loads(flightdeck("status", "tiny-drill-aaaaaa", "--json", "--nats", nats_server.url).stdout)
     assert {k: as_json[k] for k in ("job_id", "phase", "step", "world_size", "slots", "restarts", "version")} == {
         "job_id": "tiny-drill-aaaaaa", "phase": "running", "step": 57, "world_size": 2, "slots": 2, "restarts": 0,
         "version": 8}
     assert as_json["last_checkpoint"]["checkpoint_id"] == "step000000040-a0" and 120 < as_json["age_s"] < 200
+    assert as_json["steps_done"] == 58
     every = json.loads(flightdeck("status", "--json", "--nats", nats_server.url).stdout)
     assert [v["job_id"] for v in every] == ["tiny-drill-aaaaaa", "other-bbbbbb"]
 

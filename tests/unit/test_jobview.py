@@ -79,7 +79,8 @@ def test_the_newest_step_comes_from_telemetry_and_a_view_changes_nothing_after_t
     step = StepCompleted(job_id="j-1", rank=0, step=99, loss=1.5, grad_norm=1.0, lr=0.003, tokens_per_s=1.0,
                          step_time_s=0.1)
     v = jobview.fold("j-1", [*history, *late], step)
-    assert (v.phase, v.priority, v.cancel_requested, v.step, v.loss) == ("completed", 50, False, 99, 1.5)
+    assert (v.phase, v.priority, v.cancel_requested, v.step, v.steps_done, v.loss) == (
+        "completed", 50, False, 99, 100, 1.5)
 
 
 def test_checkpoints_deleted_by_retention_are_kept_in_the_list_and_marked() -> None:

@@ -1,0 +1,194 @@
+"""`make demo`: a fault drill on this machine, start to finish, with the commands a person would type.
+
+`flightdeck up --detach` on a fresh data dir (under .flightdeck-demo/) and a free port, `flightdeck submit
+examples/tiny-drill.toml` (2 CPU ranks; rank 1 crashes at step 50), a live timeline of the job's events
+(phases, faults, exits, checkpoints, restarts), then `flightdeck status` and `flightdeck checkpoints`, and
+always `flightdeck down`. Exit code 0 only if the job completed.
+
+    python -m services.console.demo [--spec FILE] [--data-dir DIR] [--timeout-s 300]
+"""
+
+import argparse
+import asyncio
+import contextlib
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from events import subjects
+from events.base import Event
+from events.checkpoint import CheckpointCommitted, CheckpointDeleted
+from events.commands import RollbackRequested, StopRequested
+from events.findings import Finding
+from events.job import JobCompleted, JobResumed, JobSubmitted, WorkersExited, WorkersStarted
+from events.spec import parse_spec
+from events.store import Stored
+from events.training import FaultInjected, RankFault, RolledBack, StepCompleted
+from services import broker
+from services.console import jobview
+from services.console.checkpoints_cmd import size
+from services.console.connect import open_store
+from services.console.events_cmd import follow_all
+from services.console.jobview import JobView
+from services.console.status import duration
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO_ROOT = REPO / ".flightdeck-demo"
+CLI = (sys.executable, "-m", "services.console")
+LABEL = 11
+SOURCE_PREFIX = re.compile(r"^\[[^]]*\]\s*")  # gloo's "[/path/pair.cc:553] ": no help in a timeline
+
+
+def flightdeck(*args: str, timeout_s: float = 120.0, show: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run one `flightdeck` command as a user would, echoing it and what it printed."""
+    if show:
+        print(f"$ flightdeck {' '.join(args)}", flush=True)
+    done = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
+    if show:
+        for text in (done.stdout, done.stderr):
+            if text.strip():
+                print("  " + text.rstrip().replace("\n", "\n  "), flush=True)
+    return done
+
+
+class Timeline:
+    """Prints one compact line per event worth seeing, folding the control history into a JobView as it goes."""
+
+    def __init__(self, job_id: str, every: int) -> None:
+        self.view = JobView(job_id=job_id)
+        self.every = every  # print a progress line every this many steps
+        self.base = 0.0
+
+    def show(self, stored: Stored) -> None:
+        ev = stored.event
+        if ev is None:
+            return
+        if isinstance(ev, JobSubmitted):
+            self.base = ev.occurred_at
+        line = self._control(ev) if stored.stream == subjects.CONTROL else self._telemetry(ev)
+        if line:
+            label, text = line
+            print(f"  {ev.occurred_at - self.base:>6.1f}s  {label:<{LABEL}} {text}".rstrip(), flush=True)
+
+    def _control(self, ev: Event) -> tuple[str, str] | None:
+        before, self.view = self.view, jobview.evolve(self.view, ev)
+        v = self.view
+        match ev:
+            case JobSubmitted(spec=spec):
+                return "submitted", f"{spec.slots} slots, {spec.train.steps} steps, {len(spec.faults)} fault(s) planned"
+            case WorkersStarted(node=node, ranks=ranks, attempt=attempt) if v.phase == "running" != before.phase:
+                return "running", f"attempt {attempt}: ranks {', '.join(map(str, ranks))} on {node}"
+            case WorkersExited(rank=rank, exit_code=code) if code != 0:
+                return "exited", f"rank {rank} exited with code {code}"
+            case JobResumed(from_step=step, checkpoint_id=cid, world_size=world):
+                return "resumed", f"from {cid or 'scratch'} at step {step}, world size {world}"
+            case CheckpointCommitted(step=step, bytes=n):
+                return "checkpoint", f"step {step} committed ({size(n)})"
+            case CheckpointDeleted(checkpoint_id=cid, reason=reason):
+                return "deleted", f"{cid} ({reason})"
+            case StopRequested(checkpoint=checkpoint):
+                return "stop", f"ranks told to stop ({'after a' if checkpoint else 'no'} checkpoint)"
+            case JobCompleted(steps=steps):
+                return "completed", f"{steps} steps, {v.restarts} restart(s)"
+            case RollbackRequested(to_step=step, reason=reason):
+                return "rollback", f"to step {step}: {reason}"
+            case Finding(rank=rank):
+                return "finding", f"{type(ev).__name__} on rank {rank}"
+        if v.phase != before.phase and v.phase != "running":
+            return v.phase, v.reason or (f"attempt {v.attempt}" if v.phase == "placing" else "")
+        return None
+
+    def _telemetry(self, ev: Event) -> tuple[str, str] | None:
+        match ev:
+            case FaultInjected(kind=kind, rank=rank, step=step):
+                return "fault", f"{kind} injected on rank {rank} at step {step} (drill)"
+            case RankFault(rank=rank, error_type=error, message=message):
+                return "rank fault", f"rank {rank}: {error}: {SOURCE_PREFIX.sub('', message)}"[:100]
+            case RolledBack(rank=0, to_step=step):
+                return "rolled back", f"to step {step}"
+            case StepCompleted(rank=0, step=step, loss=loss) if step % self.every == 0:
+                return "step", f"{step}/{self.view.steps} loss {loss:.3f}"
+        return None
+
+
+async def follow(url: str, job_id: str, timeline: Timeline, timeout_s: float) -> JobView:
+    """Show the job's events as they happen until it ends; TimeoutError after `timeout_s`."""
+    ended = asyncio.Event()
+
+    def show(stored: Stored) -> None:
+        timeline.show(stored)
+        if timeline.view.ended:
+            ended.set()
+
+    chosen = [(subjects.CONTROL, [subjects.job_all(job_id)]), (subjects.TELEMETRY, [subjects.telemetry_job(job_id)])]
+    async with open_store(url) as store:
+        task = asyncio.create_task(follow_all(store, chosen, {subjects.CONTROL: 0, subjects.TELEMETRY: 0}, show))
+        try:
+            waiter = asyncio.create_task(ended.wait())
+            await asyncio.wait({task, waiter}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            if task.done():
+                task.result()  # following failed: say why
+            if not ended.is_set():
+                raise TimeoutError
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    return timeline.view
+
+
+def drill(spec: Path, data_dir: Path, timeout_s: float) -> JobView | None:
+    """Everything between `up` and `down`; None when the job could not even be submitted."""
+    port = broker.free_port()
+    url = f"nats://127.0.0.1:{port}"
+    if flightdeck("up", "--detach", "--data-dir", str(data_dir), "--port", str(port)).returncode != 0:
+        return None
+    submitted = flightdeck("submit", str(spec), "--nats", url)
+    if submitted.returncode != 0:
+        return None
+    job_id = submitted.stdout.strip()
+    every = parse_spec(spec.read_bytes()).train.checkpoint_every  # submit accepted it: it parses
+    print(f"\njob {job_id}, live (times from submission):", flush=True)
+    timeline = Timeline(job_id, every)
+    try:
+        view = asyncio.run(follow(url, job_id, timeline, timeout_s))
+    except TimeoutError:
+        view = timeline.view
+        print(f"  the job did not end within {timeout_s:.0f}s (phase {view.phase}); logs: {data_dir / 'logs'}")
+    print()
+    flightdeck("status", job_id, "--nats", url)
+    flightdeck("checkpoints", job_id, "--nats", url)
+    return view
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m services.console.demo", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--spec", type=Path, default=REPO / "examples" / "tiny-drill.toml")
+    p.add_argument("--data-dir", type=Path, default=None, help="default: a fresh folder under .flightdeck-demo/")
+    p.add_argument("--timeout-s", type=float, default=300.0, help="give up on the job after this long")
+    args = p.parse_args(argv)
+    data_dir = (args.data_dir or DEMO_ROOT / time.strftime("%Y%m%d-%H%M%S")).resolve()
+    started = time.monotonic()
+    print(f"Flightdeck demo: a fault drill from {args.spec.name}, data in {data_dir}\n", flush=True)
+    view = None
+    try:
+        view = drill(args.spec.resolve(), data_dir, args.timeout_s)
+    finally:
+        print()
+        flightdeck("down", "--data-dir", str(data_dir), timeout_s=60.0)
+    took = duration(time.monotonic() - started)
+    if view is None or view.phase != "completed":
+        print(f"\ndemo FAILED after {took}: the job {'was not submitted' if view is None else f'ended {view.phase}'}"
+              f"; logs in {data_dir / 'logs'}")
+        return 1
+    print(f"\ndemo done in {took}: {view.job_id} completed {view.steps} steps after {view.restarts} restart(s), "
+          f"{len(view.checkpoints)} checkpoints committed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
