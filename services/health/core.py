@@ -1,0 +1,304 @@
+"""The health monitor's core: job events and rank telemetry in, findings out (detectors.py holds the rules).
+
+Whose ranks. A job's current attempt is set by AllocationGranted (its ranks) and WorkersStarted (those
+started); telemetry and exits of any other attempt are stale and ignored, as is anything about a job
+that ended. While ranks are stopped on purpose (StopRequested, JobPreempted, CancelRequested, or the
+attempt's AllocationReleased) no rank is reported lost or hung; PauseRequested suspends hang detection
+until ResumeRequested, and a RollbackRequested restarts every rank's hang clock.
+
+What is judged where. Exits, non-finite losses, spikes and stragglers as their input is folded; silence
+and hangs at the service's own ClockTicks (time only from `ClockTick.now` and `occurred_at`).
+Loss spikes follow rank 0's StepCompleted: every rank of a data-parallel job sees the same data
+window spike, rank 0's report needs no waiting for the others, and its baseline is its own.
+
+Each finding fires once per (attempt, rank, kind, episode), recorded in `JobWatch.reported`; a rebuild
+replays to the same memory, so a restarted service repeats nothing. Every finding's `evidence` holds
+the ids of the input events it rests on.
+
+State is mutable, for O(1) work per heartbeat at thousands of ranks: `evolve` updates the state it is
+given and returns it, so a fold owns its state. `INITIAL` is sealed: a fold starting from it works on
+its own copy, so one Service can run any number of folds; `snapshot` gives a sealed copy to keep.
+"""
+
+import copy
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from events import subjects
+from events.base import Event
+from events.clock import ClockTick
+from events.commands import PauseRequested, ResumeRequested, RollbackRequested, StopRequested
+from events.findings import Finding, LossSpikeDetected, NonFiniteLoss, RankHung, RankLost, StragglerDetected
+from events.job import (
+    AllocationGranted,
+    AllocationReleased,
+    CancelRequested,
+    JobCancelled,
+    JobCompleted,
+    JobFailed,
+    JobPreempted,
+    JobSubmitted,
+    WorkersExited,
+    WorkersStarted,
+)
+from events.spec import PolicySpec
+from events.training import Heartbeat, RankFault, RankStarted, StepCompleted
+from services.core import Emit, Output, Service
+from services.health.detectors import Hung, Lost, NonFiniteWatch, RankWatch, SpikeWatch, StragglerWatch
+
+NAME = "health"
+CONTROL_TYPES = (
+    "JobSubmitted", "AllocationGranted", "WorkersStarted", "WorkersExited", "AllocationReleased",
+    "StopRequested", "JobPreempted", "CancelRequested", "PauseRequested", "ResumeRequested", "RollbackRequested",
+    "JobCompleted", "JobFailed", "JobCancelled",
+)
+TELEMETRY_TYPES = ("Heartbeat", "StepCompleted", "RankFault", "RankStarted")
+
+
+@dataclass(slots=True)
+class JobWatch:
+    job_id: str
+    policy: PolicySpec
+    spikes: SpikeWatch
+    attempt: int = -1
+    ranks: dict[int, RankWatch] = field(default_factory=dict)
+    stopping: bool = False  # the attempt's ranks are being stopped on purpose
+    cancelling: bool = False  # a cancel is under way: stays through any later attempt
+    paused: bool = False
+    nonfinite: NonFiniteWatch = field(default_factory=NonFiniteWatch)
+    stragglers: StragglerWatch = field(default_factory=StragglerWatch)
+    reported: set[tuple[int, int, str, int]] = field(default_factory=set)
+
+    @property
+    def quiet(self) -> bool:
+        return self.stopping or self.cancelling
+
+    def gone(self, r: RankWatch) -> None:
+        if not r.gone:
+            r.gone = True
+            self.stragglers.forget(r.rank)
+
+    def first(self, rank: int, kind: str, episode: int = 0) -> bool:
+        """Whether (attempt, rank, kind, episode) is new; remembers it."""
+        key = (self.attempt, rank, kind, episode)
+        if key in self.reported:
+            return False
+        self.reported.add(key)
+        return True
+
+
+@dataclass(slots=True)
+class State:
+    jobs: dict[str, JobWatch] = field(default_factory=dict)
+    ended: set[str] = field(default_factory=set)
+    now: float = 0.0  # the newest ClockTick's time
+    outbox: tuple[Emit, ...] = ()  # findings of the latest input, returned by decide
+    sealed: bool = False
+
+
+INITIAL = State(sealed=True)
+
+
+def snapshot(state: State) -> State:
+    """A sealed copy of `state`: later folds of the original do not change it."""
+    copied = copy.deepcopy(state)
+    copied.sealed = True
+    return copied
+
+
+def _emit(state: State, finding: Finding) -> None:
+    state.outbox = (*state.outbox, Emit(subjects.job(finding.job_id, type(finding).__name__), finding))
+
+
+def _job(state: State, job_id: str, policy: PolicySpec | None = None) -> JobWatch | None:
+    if job_id in state.ended:
+        return None
+    job = state.jobs.get(job_id)
+    if job is None:
+        policy = policy or PolicySpec()
+        job = state.jobs[job_id] = JobWatch(job_id=job_id, policy=policy, spikes=SpikeWatch(policy.spike_window))
+    return job
+
+
+def _new_attempt(job: JobWatch, attempt: int, ranks: Sequence[int]) -> None:
+    job.attempt = attempt
+    job.ranks = {r: RankWatch(r) for r in ranks}
+    job.stopping = job.paused = False
+    job.nonfinite.reset()
+    job.stragglers = StragglerWatch()
+    job.spikes.spiking = False  # the loss curve goes on from the restore point; its baseline stays
+
+
+def _restart_clocks(job: JobWatch, ev: Event, now: float) -> None:
+    for r in job.ranks.values():
+        r.restart_clock(ev.occurred_at, now, ev.event_id)
+
+
+def _control(state: State, ev: Event) -> None:
+    match ev:
+        case JobSubmitted():
+            if ev.job_id not in state.jobs:
+                _job(state, ev.job_id, ev.spec.policy)
+        case AllocationGranted():
+            job = _job(state, ev.job_id)
+            if job is not None and ev.attempt > job.attempt:
+                _new_attempt(job, ev.attempt, sorted({ref.rank for ref in ev.assignments}))
+        case WorkersStarted():
+            job = _job(state, ev.job_id)
+            if job is None or ev.attempt < job.attempt:
+                return
+            if ev.attempt > job.attempt:
+                _new_attempt(job, ev.attempt, ())
+            for rank in ev.ranks:
+                watch = job.ranks.get(rank)
+                if watch is None:
+                    watch = job.ranks[rank] = RankWatch(rank)
+                watch.started(ev.occurred_at, state.now, ev.event_id)
+        case WorkersExited():
+            _exited(state, ev)
+        case StopRequested() | JobPreempted() | CancelRequested():
+            job = state.jobs.get(ev.job_id)
+            if job is not None:
+                job.stopping = True
+                job.cancelling = job.cancelling or isinstance(ev, CancelRequested)
+        case AllocationReleased():
+            job = state.jobs.get(ev.job_id)
+            if job is not None and ev.attempt == job.attempt:
+                job.stopping = True  # the agents kill what is left: silence and exits are expected now
+                for r in job.ranks.values():
+                    job.gone(r)
+        case PauseRequested():
+            if (job := state.jobs.get(ev.job_id)) is not None:
+                job.paused = True
+        case ResumeRequested():
+            if (job := state.jobs.get(ev.job_id)) is not None and job.paused:
+                job.paused = False
+                _restart_clocks(job, ev, state.now)
+        case RollbackRequested():
+            if (job := state.jobs.get(ev.job_id)) is not None:
+                _restart_clocks(job, ev, state.now)
+                job.nonfinite.reset()  # a slow rank stays slow across a rollback: straggler runs go on
+        case JobCompleted() | JobFailed() | JobCancelled():
+            state.jobs.pop(ev.job_id, None)
+            state.ended.add(ev.job_id)
+
+
+def _exited(state: State, ev: WorkersExited) -> None:
+    job = state.jobs.get(ev.job_id)
+    if job is None or ev.attempt != job.attempt:
+        return
+    r = job.ranks.get(ev.rank)
+    if r is None or r.gone:
+        return
+    job.gone(r)
+    if ev.exit_code == 0 or job.quiet or not job.first(r.rank, "RankLost"):
+        return
+    evidence = list(dict.fromkeys(i for i in (ev.event_id, r.fault_id, r.seen_id) if i))
+    _emit(state, RankLost(job_id=job.job_id, rank=r.rank, attempt=job.attempt, evidence=evidence,
+                          reason=f"exited with code {ev.exit_code}", last_seen=r.seen_at or r.started_at))
+
+
+def _step(state: State, job: JobWatch, r: RankWatch, ev: StepCompleted) -> None:
+    r.step_completed(ev.step, ev.step_time_s, ev.occurred_at, state.now, ev.event_id)
+    finite = math.isfinite(ev.loss) and math.isfinite(ev.grad_norm)
+    if job.nonfinite.observe(ev.step, finite) and job.first(r.rank, "NonFiniteLoss", job.nonfinite.episodes):
+        _emit(state, NonFiniteLoss(job_id=job.job_id, rank=r.rank, attempt=job.attempt, evidence=[ev.event_id],
+                                   step=ev.step, loss=ev.loss, grad_norm=ev.grad_norm))
+    policy = job.policy
+    if r.rank == 0:
+        spike = job.spikes.observe(ev.step, ev.loss, policy)
+        if spike is not None and job.first(0, "LossSpikeDetected", spike.episode):
+            _emit(state, LossSpikeDetected(
+                job_id=job.job_id, rank=0, attempt=job.attempt, evidence=[ev.event_id], step=spike.step,
+                loss=spike.loss, baseline=spike.baseline, mad=spike.mad, z=spike.z, threshold=spike.threshold))
+    slow = job.stragglers.observe(r.rank, ev.step, ev.step_time_s, ev.event_id, policy)
+    if slow is not None and job.first(slow.rank, "StragglerDetected", slow.episode):
+        _emit(state, StragglerDetected(
+            job_id=job.job_id, rank=slow.rank, attempt=job.attempt, evidence=list(slow.evidence),
+            step_time_s=slow.step_time_s, peer_median_s=slow.peer_median_s, factor=slow.factor))
+
+
+def _telemetry(state: State, ev: Heartbeat | StepCompleted | RankFault | RankStarted) -> None:
+    job = state.jobs.get(ev.job_id)
+    if job is None or ev.attempt != job.attempt:
+        return
+    r = job.ranks.get(ev.rank)
+    if r is None:
+        return
+    if type(ev) is Heartbeat:
+        r.heartbeat(ev.step, ev.occurred_at, state.now, ev.event_id)
+    elif isinstance(ev, StepCompleted):
+        _step(state, job, r, ev)
+    elif isinstance(ev, RankStarted):
+        r.seen(ev.occurred_at, state.now, ev.event_id)
+        r.progressed(ev.from_step - 1, ev.occurred_at, state.now, ev.event_id)
+    elif isinstance(ev, RankFault):
+        r.seen(ev.occurred_at, state.now, ev.event_id)
+        r.fault_id = ev.event_id
+        if ev.kind == "nonfinite" and job.nonfinite.observe(ev.step, False) and job.first(
+                r.rank, "NonFiniteLoss", job.nonfinite.episodes):
+            _emit(state, NonFiniteLoss(job_id=job.job_id, rank=r.rank, attempt=job.attempt, evidence=[ev.event_id],
+                                       step=ev.step, loss=math.nan, grad_norm=math.nan))
+
+
+def _tick(state: State, tick: ClockTick) -> None:
+    state.now = now = max(state.now, tick.now)
+    for job in state.jobs.values():
+        if job.quiet:
+            continue
+        for r in job.ranks.values():
+            verdict = r.judge(job.policy, now, job.paused)
+            if verdict is None:
+                continue
+            evidence = list(verdict.evidence)
+            if isinstance(verdict, Lost):
+                job.gone(r)
+                if job.first(r.rank, "RankLost"):
+                    _emit(state, RankLost(job_id=job.job_id, rank=r.rank, attempt=job.attempt, evidence=evidence,
+                                          reason=verdict.reason, last_seen=verdict.last_seen))
+            elif isinstance(verdict, Hung):
+                r.hung = True
+                if job.first(r.rank, "RankHung"):
+                    _emit(state, RankHung(job_id=job.job_id, rank=r.rank, attempt=job.attempt, evidence=evidence,
+                                          step=verdict.step, stalled_s=verdict.stalled_s,
+                                          deadline_s=verdict.deadline_s))
+
+
+TELEMETRY = (Heartbeat, StepCompleted, RankFault, RankStarted)
+
+
+def evolve(state: State, ev: Event) -> State:
+    if state.sealed:
+        state = copy.deepcopy(state)
+        state.sealed = False
+    state.outbox = ()
+    if isinstance(ev, TELEMETRY):
+        _telemetry(state, ev)
+    elif isinstance(ev, ClockTick):  # the fold hands a service only its own ticks
+        _tick(state, ev)
+    else:
+        _control(state, ev)
+    return state
+
+
+def decide(state: State, ev: Event) -> Sequence[Output]:
+    return state.outbox
+
+
+def wants_tick(state: State, now: float) -> bool:
+    """Telemetry is folded only at ticks, so tick while some job has ranks to watch."""
+    return any(not job.quiet and any(r.live for r in job.ranks.values()) for job in state.jobs.values())
+
+
+def core_service(*, tick_s: float = 1.0) -> Service[State]:
+    return Service(
+        name=NAME,
+        initial=INITIAL,
+        evolve=evolve,
+        decide=decide,
+        control_subjects=tuple(f"fd.ctl.job.*.{t}" for t in CONTROL_TYPES),
+        telemetry_subjects=tuple(f"fd.tel.*.*.{t}" for t in TELEMETRY_TYPES),
+        tick_s=tick_s,
+        wants_tick=wants_tick,
+    )

@@ -1,0 +1,289 @@
+"""The health detectors: small state machines over one job's telemetry, judged with recorded time.
+
+Time. `now` is a ClockTick's time. Every moment a detector keeps is a pair: the event's `occurred_at`
+(the rank's clock) and `folded`, the service's time when the event was folded (the newest tick's `now`
+by then; telemetry is folded just before the tick that carries it). An age is the smaller of the two
+readings: `folded` alone would make everything folded after the service was down look old, and
+`occurred_at` alone would trust a rank's clock skew. So a rank counts as silent or stalled only when
+both clocks agree it is.
+
+Liveness. Any telemetry from a rank (Heartbeat, StepCompleted, RankStarted, RankFault) is a sign of
+life: heartbeats are droppable under backpressure, and a step reported proves the rank was there.
+  dead  no sign of life for heartbeat_misses x heartbeat_interval_s (a started rank never heard from
+        gets hang_min_s more, for imports and rendezvous)
+  hung  still heard from after its step (StepCompleted, or the step a heartbeat carries) has not
+        moved for max(hang_min_s, hang_factor x median of the rank's last HANG_WINDOW step times),
+        counted from RankStarted or the first step (before that a rank may be restoring or
+        rendezvousing). The stall is measured up to the newest sign of life, not up to `now`, so a
+        rank that died after its last step is never called hung, whatever the two deadlines are
+  slow  the step moves, however slowly: neither of the above
+"""
+
+import bisect
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+from events.spec import PolicySpec
+from services.health.window import RobustWindow, median_without
+
+HANG_WINDOW = 16  # recent step times per rank behind its hang deadline
+MAD_SCALE = 1.4826  # MAD x this estimates the standard deviation of normal noise
+REL_EPS = 1e-3  # scale floor, relative to the baseline: a rise below spike_z x 0.1% is never a spike
+ABS_EPS = 1e-12
+MIN_BASELINE = 8  # losses the spike baseline needs before it judges (besides spike_warmup)
+EVIDENCE_MAX = 32  # a straggler finding names at most this many of its slow steps (the newest)
+
+
+@dataclass(frozen=True, slots=True)
+class Lost:
+    rank: int
+    reason: str
+    last_seen: float
+    evidence: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Hung:
+    rank: int
+    step: int
+    stalled_s: float
+    deadline_s: float
+    evidence: tuple[str, ...]
+
+
+def age(now: float, at: float, folded: float) -> float:
+    return min(now - at, now - folded)
+
+
+def lost_deadline(policy: PolicySpec) -> float:
+    return policy.heartbeat_misses * policy.heartbeat_interval_s
+
+
+def hang_deadline(policy: PolicySpec, step_times: deque[float]) -> float:
+    if not step_times:
+        return policy.hang_min_s
+    return max(policy.hang_min_s, policy.hang_factor * statistics.median(step_times))
+
+
+@dataclass(slots=True)
+class RankWatch:
+    """What liveness and hang detection know of one rank of the current attempt."""
+
+    rank: int
+    started_at: float = 0.0
+    started_folded: float = 0.0
+    started_id: str = ""  # WorkersStarted; "" while only granted
+    seen_at: float = 0.0
+    seen_folded: float = 0.0
+    seen_id: str = ""  # the newest sign of life; "" before the first
+    armed: bool = False  # the hang clock runs (RankStarted or a step seen)
+    progress_at: float = 0.0
+    progress_folded: float = 0.0
+    progress_id: str = ""
+    progress_step: int = -1
+    step_times: deque[float] = field(default_factory=lambda: deque(maxlen=HANG_WINDOW))
+    fault_id: str = ""  # the rank's last RankFault: evidence for the exit that usually follows
+    gone: bool = False  # exited, found lost, or released: judged no more
+    hung: bool = False  # RankHung reported
+
+    @property
+    def live(self) -> bool:
+        return not self.gone and bool(self.started_id or self.seen_id)
+
+    def started(self, at: float, folded: float, event_id: str) -> None:
+        self.started_at, self.started_folded, self.started_id = at, folded, event_id
+
+    def seen(self, at: float, folded: float, event_id: str) -> None:
+        if at >= self.seen_at or not self.seen_id:
+            self.seen_at, self.seen_id = at, event_id
+        self.seen_folded = folded
+
+    def progressed(self, step: int, at: float, folded: float, event_id: str) -> None:
+        self.armed = True
+        self.progress_step, self.progress_at, self.progress_folded, self.progress_id = step, at, folded, event_id
+
+    def restart_clock(self, at: float, folded: float, event_id: str) -> None:
+        """A pause ended or a rollback began: time before it is no stall."""
+        if self.armed:
+            self.progress_at, self.progress_folded, self.progress_id = at, folded, event_id
+
+    def heartbeat(self, step: int, at: float, folded: float, event_id: str) -> None:
+        self.seen(at, folded, event_id)
+        if self.armed and step != self.progress_step:  # moved, even backwards after a rollback
+            self.progressed(step, at, folded, event_id)
+
+    def step_completed(self, step: int, step_time_s: float, at: float, folded: float, event_id: str) -> None:
+        self.seen(at, folded, event_id)
+        self.progressed(step, at, folded, event_id)
+        if math.isfinite(step_time_s) and step_time_s > 0:
+            self.step_times.append(step_time_s)
+
+    def judge(self, policy: PolicySpec, now: float, paused: bool) -> Lost | Hung | None:
+        """Dead first: a rank with no sign of life is lost, whatever its step did."""
+        if self.gone:
+            return None
+        dead_after = lost_deadline(policy)
+        if self.seen_id:
+            silent = age(now, self.seen_at, self.seen_folded)
+            if silent > dead_after:
+                return Lost(self.rank, "heartbeats stopped", self.seen_at, (self.seen_id,))
+        elif self.started_id:
+            waited = age(now, self.started_at, self.started_folded)
+            if waited > policy.hang_min_s + dead_after:
+                return Lost(self.rank, f"no heartbeat within {waited:.0f}s of start", self.started_at,
+                            (self.started_id,))
+            return None
+        else:
+            return None
+        if paused or self.hung or not self.armed:
+            return None
+        # Stalled as far as the rank's own signs of life show: only a rank heard from after its deadline
+        # has passed is hung. One silent since its last step is dead (judged above) or not yet judged.
+        stalled = min(self.seen_at - self.progress_at, self.seen_folded - self.progress_folded)
+        deadline = hang_deadline(policy, self.step_times)
+        if stalled <= deadline:
+            return None
+        evidence = (self.progress_id,) if self.progress_id == self.seen_id else (self.progress_id, self.seen_id)
+        return Hung(self.rank, self.progress_step, stalled, deadline, evidence)
+
+
+@dataclass(frozen=True, slots=True)
+class Spike:
+    step: int
+    loss: float
+    baseline: float
+    mad: float
+    z: float
+    threshold: float
+    episode: int
+
+
+def robust_z(x: float, median: float, mad: float) -> float:
+    return (x - median) / (MAD_SCALE * mad + REL_EPS * abs(median) + ABS_EPS)
+
+
+class SpikeWatch:
+    """Loss spikes against the median and MAD of the last `spike_window` accepted losses.
+
+    A loss judged a spike never enters the baseline; one finding per episode, which ends at the first
+    loss that is no spike (that one enters the baseline). Non-finite losses are NonFiniteLoss's and are
+    skipped. No judgment before step `spike_warmup` or with fewer than MIN_BASELINE losses behind it.
+    """
+
+    __slots__ = ("episodes", "spiking", "window")
+
+    def __init__(self, size: int) -> None:
+        self.window = RobustWindow(size)
+        self.spiking = False
+        self.episodes = 0  # spikes reported so far: a spike that comes back after a rollback is a new one
+
+    def observe(self, step: int, loss: float, policy: PolicySpec) -> Spike | None:
+        if not math.isfinite(loss):
+            return None
+        window = self.window
+        if step >= policy.spike_warmup and len(window) >= min(window.size, MIN_BASELINE):
+            median, mad = window.median(), window.mad()
+            z = robust_z(loss, median, mad)
+            if z > policy.spike_z:
+                if self.spiking:
+                    return None
+                self.spiking, self.episodes = True, self.episodes + 1
+                return Spike(step, loss, median, mad, z, policy.spike_z, self.episodes)
+        self.spiking = False
+        window.add(loss)
+        return None
+
+
+class NonFiniteWatch:
+    """Non-finite episodes of one job. With DDP a NaN on one rank reaches every rank's grad norm, so an
+    episode is job-wide: it opens at the first non-finite step reported and takes in every non-finite
+    report up to a finite step beyond it; a report for a step already covered is never new."""
+
+    __slots__ = ("episodes", "last", "open")
+
+    def __init__(self) -> None:
+        self.last = -1  # the highest non-finite step seen
+        self.open = False
+        self.episodes = 0  # opened so far
+
+    def reset(self) -> None:
+        """Steps are about to be redone (a rollback): a NaN at a step seen before is news again."""
+        self.last, self.open = -1, False
+
+    def observe(self, step: int, finite: bool) -> bool:
+        """True when this report opens a new episode (report it)."""
+        if finite:
+            if step > self.last:
+                self.open = False
+            return False
+        if step <= self.last:
+            return False
+        new, self.open, self.last = not self.open, True, step
+        self.episodes += new
+        return new
+
+
+@dataclass(frozen=True, slots=True)
+class Straggle:
+    rank: int
+    step: int
+    step_time_s: float
+    peer_median_s: float
+    factor: float
+    episode: int
+    evidence: tuple[str, ...]
+
+
+@dataclass(slots=True)
+class _Run:
+    count: int = 0  # consecutive slow steps
+    ids: deque[str] = field(default_factory=lambda: deque(maxlen=EVIDENCE_MAX))
+    reported: bool = False
+    episode: int = 0
+
+
+class StragglerWatch:
+    """Ranks whose step time stays above straggler_factor x the median of their peers' newest step times,
+    straggler_window reports in a row (a step a rank did not report, e.g. dropped telemetry, neither
+    extends nor ends its run). Peers' newest times rather than the same step's: that needs no waiting
+    for the last rank of a step, and a straggler that falls steps behind its peers is still compared.
+    Each rank's newest time sits in one sorted list, so a report costs O(log n) plus a memmove."""
+
+    __slots__ = ("latest", "runs", "times")
+
+    def __init__(self) -> None:
+        self.latest: dict[int, float] = {}  # rank -> its newest step time
+        self.times: list[float] = []  # the values of `latest`, sorted
+        self.runs: dict[int, _Run] = {}
+
+    def forget(self, rank: int) -> None:
+        """A rank gone is no one's peer any more."""
+        old = self.latest.pop(rank, None)
+        if old is not None:
+            del self.times[bisect.bisect_left(self.times, old)]
+
+    def observe(self, rank: int, step: int, step_time_s: float, event_id: str, policy: PolicySpec) -> Straggle | None:
+        if not (math.isfinite(step_time_s) and step_time_s >= 0):
+            return None
+        self.forget(rank)
+        self.latest[rank] = step_time_s
+        bisect.insort(self.times, step_time_s)
+        if len(self.times) < 2:
+            return None
+        peers = median_without(self.times, bisect.bisect_left(self.times, step_time_s))
+        run = self.runs.get(rank)
+        if peers > 0 and step_time_s > policy.straggler_factor * peers:
+            if run is None:
+                run = self.runs[rank] = _Run()
+            run.count += 1
+            run.ids.append(event_id)
+            if run.count >= policy.straggler_window and not run.reported:
+                run.reported = True
+                return Straggle(rank, step, step_time_s, peers, step_time_s / peers, run.episode, tuple(run.ids))
+        elif run is not None and run.count:
+            run.episode += run.reported
+            run.count, run.reported = 0, False
+            run.ids.clear()
+        return None
