@@ -7,7 +7,8 @@ attempt's AllocationReleased) no rank is reported lost or hung; PauseRequested s
 until ResumeRequested, and a RollbackRequested restarts every rank's hang clock.
 
 What is judged where. Exits, non-finite losses, spikes and stragglers as their input is folded; silence
-and hangs at the service's own ClockTicks (time only from `ClockTick.now` and `occurred_at`).
+and hangs at the service's own ClockTicks (time only from `ClockTick.now` and `occurred_at`), at most
+MAX_FINDINGS_PER_TICK per job and tick, the worst first (a hung collective stalls all ranks at once).
 Loss spikes follow rank 0's StepCompleted: every rank of a data-parallel job sees the same data
 window spike, rank 0's report needs no waiting for the others, and its baseline is its own.
 
@@ -54,6 +55,7 @@ CONTROL_TYPES = (
     "JobCompleted", "JobFailed", "JobCancelled",
 )
 TELEMETRY_TYPES = ("Heartbeat", "StepCompleted", "RankFault", "RankStarted")
+MAX_FINDINGS_PER_TICK = 8  # lost/hung findings per job per tick
 
 
 @dataclass(slots=True)
@@ -242,22 +244,31 @@ def _telemetry(state: State, ev: Heartbeat | StepCompleted | RankFault | RankSta
                                        step=ev.step, loss=math.nan, grad_norm=math.nan))
 
 
+def _worst_first(verdict: Lost | Hung) -> tuple[int, float, int]:
+    if isinstance(verdict, Lost):
+        return (0, verdict.last_seen, verdict.rank)
+    return (1, -verdict.stalled_s, verdict.rank)
+
+
 def _tick(state: State, tick: ClockTick) -> None:
     state.now = now = max(state.now, tick.now)
     for job in state.jobs.values():
         if job.quiet:
             continue
-        for r in job.ranks.values():
-            verdict = r.judge(job.policy, now, job.paused)
-            if verdict is None:
-                continue
+        verdicts = [v for r in job.ranks.values() if (v := r.judge(job.policy, now, job.paused)) is not None]
+        if len(verdicts) > MAX_FINDINGS_PER_TICK:
+            # A hung collective stalls every rank at once: report the worst few now. The first finding
+            # usually stops the attempt; if not, the rest follow at the next ticks.
+            verdicts = sorted(verdicts, key=_worst_first)[:MAX_FINDINGS_PER_TICK]
+        for verdict in verdicts:
+            r = job.ranks[verdict.rank]
             evidence = list(verdict.evidence)
             if isinstance(verdict, Lost):
                 job.gone(r)
                 if job.first(r.rank, "RankLost"):
                     _emit(state, RankLost(job_id=job.job_id, rank=r.rank, attempt=job.attempt, evidence=evidence,
                                           reason=verdict.reason, last_seen=verdict.last_seen))
-            elif isinstance(verdict, Hung):
+            else:
                 r.hung = True
                 if job.first(r.rank, "RankHung"):
                     _emit(state, RankHung(job_id=job.job_id, rank=r.rank, attempt=job.attempt, evidence=evidence,

@@ -9,8 +9,9 @@ both clocks agree it is.
 
 Liveness. Any telemetry from a rank (Heartbeat, StepCompleted, RankStarted, RankFault) is a sign of
 life: heartbeats are droppable under backpressure, and a step reported proves the rank was there.
-  dead  no sign of life for heartbeat_misses x heartbeat_interval_s (a started rank never heard from
-        gets hang_min_s more, for imports and rendezvous)
+  dead  no sign of life for heartbeat_misses x heartbeat_interval_s; a started rank never heard from
+        gets max(STARTUP_GRACE_S, hang_min_s + that) for imports on a busy host (one that dies
+        first is reported by its WorkersExited anyway)
   hung  still heard from after its step (StepCompleted, or the step a heartbeat carries) has not
         moved for max(hang_min_s, hang_factor x median of the rank's last HANG_WINDOW step times),
         counted from RankStarted or the first step (before that a rank may be restoring or
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from events.spec import PolicySpec
 from services.health.window import RobustWindow, median_without
 
+STARTUP_GRACE_S = 120.0  # least time a started rank may take to send its first sign of life
 HANG_WINDOW = 16  # recent step times per rank behind its hang deadline
 MAD_SCALE = 1.4826  # MAD x this estimates the standard deviation of normal noise
 REL_EPS = 1e-3  # scale floor, relative to the baseline: a rise below spike_z x 0.1% is never a spike
@@ -131,7 +133,7 @@ class RankWatch:
                 return Lost(self.rank, "heartbeats stopped", self.seen_at, (self.seen_id,))
         elif self.started_id:
             waited = age(now, self.started_at, self.started_folded)
-            if waited > policy.hang_min_s + dead_after:
+            if waited > max(STARTUP_GRACE_S, policy.hang_min_s + dead_after):
                 return Lost(self.rank, f"no heartbeat within {waited:.0f}s of start", self.started_at,
                             (self.started_id,))
             return None

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from events.clock import ClockTick
 from events.findings import RankHung, RankLost
 from events.spec import PolicySpec
-from services.health.detectors import Hung, Lost, RankWatch, hang_deadline, lost_deadline
+from services.health.detectors import STARTUP_GRACE_S, Hung, Lost, RankWatch, hang_deadline, lost_deadline
 from tests.unit.health_synth import Cluster, RankPlan, evidence_exists, fold, fold_pairs, of
 
 POLICY = PolicySpec(heartbeat_interval_s=1.0, heartbeat_misses=5, hang_min_s=5.0, hang_factor=10.0)
@@ -116,7 +116,8 @@ def test_heartbeats_folded_after_a_service_outage_are_not_old() -> None:
 def test_a_started_rank_never_heard_from_is_lost_after_a_startup_grace() -> None:
     w = RankWatch(0)
     w.started(100.0, 100.0, "ws")
-    grace = POLICY.hang_min_s + lost_deadline(POLICY)
+    grace = STARTUP_GRACE_S
+    assert POLICY.hang_min_s + lost_deadline(POLICY) < grace
     assert w.judge(POLICY, 100.0 + grace, paused=False) is None
     lost = w.judge(POLICY, 100.5 + grace, paused=False)
     assert isinstance(lost, Lost) and lost.evidence == ("ws",) and "of start" in lost.reason
