@@ -144,6 +144,8 @@ class RankWatch:
         # Stalled as far as the rank's own signs of life show: only a rank heard from after its deadline
         # has passed is hung. One silent since its last step is dead (judged above) or not yet judged.
         stalled = min(self.seen_at - self.progress_at, self.seen_folded - self.progress_folded)
+        if stalled <= policy.hang_min_s:  # the least deadline: no median needed (the common case)
+            return None
         deadline = hang_deadline(policy, self.step_times)
         if stalled <= deadline:
             return None

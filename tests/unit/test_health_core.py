@@ -253,8 +253,9 @@ def test_a_hung_collective_is_reported_a_few_ranks_per_tick_worst_first() -> Non
     for ev, f in pairs:
         assert isinstance(f, RankHung)
         per_tick.setdefault(ev.event_id, []).append(f.rank)
-    assert list(per_tick.values())[0] == [13]  # its deadline passed first
-    assert [len(v) for v in per_tick.values()][1:] == [MAX_FINDINGS_PER_TICK, MAX_FINDINGS_PER_TICK, 3]
+    first, *rest = per_tick.values()
+    assert first == [13]  # its deadline passed first
+    assert [len(v) for v in rest] == [MAX_FINDINGS_PER_TICK, MAX_FINDINGS_PER_TICK, 3]
     assert sorted(r for v in per_tick.values() for r in v) == list(range(20))
     stopped = c.events[: c.events.index(pairs[1][0]) + 1]
     stopped.append(StopRequested(job_id=c.job_id, checkpoint=False, event_id="stop"))
