@@ -28,7 +28,8 @@ from services.runtime import run_service
 
 pytestmark = pytest.mark.timeout(60)
 
-POLICY = PolicySpec(heartbeat_interval_s=0.1, heartbeat_misses=5, hang_min_s=1.5, hang_factor=5.0)
+# Deadlines well above a scheduling hiccup of this shared box (the publisher shares the service's loop).
+POLICY = PolicySpec(heartbeat_interval_s=0.1, heartbeat_misses=15, hang_min_s=2.5, hang_factor=5.0)
 BEAT_S = 0.1
 
 
@@ -118,7 +119,7 @@ async def test_heartbeats_stopping_is_rank_lost_and_frozen_steps_are_rank_hung(n
         print(f"\nRankLost {detect_s:.2f}s after the rank's last heartbeat (deadline "
               f"{POLICY.heartbeat_misses * POLICY.heartbeat_interval_s:.1f}s, tick 0.2s); "
               f"RankHung after {hung.stalled_s:.2f}s stalled (deadline {hung.deadline_s:.1f}s)")
-        assert POLICY.heartbeat_misses * POLICY.heartbeat_interval_s < detect_s < 3.0
+        assert POLICY.heartbeat_misses * POLICY.heartbeat_interval_s < detect_s < 4.0
         telemetry_ids = {s.event.event_id for s in await read_all(bus.store, subjects.TELEMETRY) if s.event}
         assert set(lost.evidence) | set(hung.evidence) <= telemetry_ids
 
