@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from events.clock import ClockTick
 from events.commands import PauseRequested, ResumeRequested, RollbackRequested, StopRequested
 from events.findings import Finding, NonFiniteLoss, RankHung, RankLost
-from events.job import AllocationGranted, AllocationReleased, JobCompleted, SlotRef, WorkersStarted
+from events.job import AllocationGranted, AllocationReleased, JobCompleted, JobPreempted, SlotRef, WorkersStarted
 from events.spec import PolicySpec
 from events.training import Heartbeat, RankFault, StepCompleted
 from services import registry
@@ -53,7 +53,6 @@ def test_exits_that_are_no_fault(before: str) -> None:
     if before == "stop":
         c.events.append(StopRequested(job_id=c.job_id, checkpoint=True, event_id="stop"))
     elif before == "preempt":
-        from events.job import JobPreempted
         c.events.append(JobPreempted(job_id=c.job_id, by_job_id="other", event_id="pre"))
     elif before == "release":
         c.events.append(AllocationReleased(job_id=c.job_id, attempt=0, event_id="rel"))
