@@ -63,6 +63,7 @@ class JobWatch:
     job_id: str
     policy: PolicySpec
     spikes: SpikeWatch
+    last_step: int = -1  # the job's final step (train.steps - 1): a rank that reported it is exiting
     attempt: int = -1
     ranks: dict[int, RankWatch] = field(default_factory=dict)
     stopping: bool = False  # the attempt's ranks are being stopped on purpose
@@ -140,8 +141,8 @@ def _restart_clocks(job: JobWatch, ev: Event, now: float) -> None:
 def _control(state: State, ev: Event) -> None:
     match ev:
         case JobSubmitted():
-            if ev.job_id not in state.jobs:
-                _job(state, ev.job_id, ev.spec.policy)
+            if ev.job_id not in state.jobs and (job := _job(state, ev.job_id, ev.spec.policy)) is not None:
+                job.last_step = ev.spec.train.steps - 1
         case AllocationGranted():
             job = _job(state, ev.job_id)
             if job is not None and ev.attempt > job.attempt:
@@ -255,7 +256,8 @@ def _tick(state: State, tick: ClockTick) -> None:
     for job in state.jobs.values():
         if job.quiet:
             continue
-        verdicts = [v for r in job.ranks.values() if (v := r.judge(job.policy, now, job.paused)) is not None]
+        verdicts = [v for r in job.ranks.values()
+                    if (v := r.judge(job.policy, now, job.paused, job.last_step)) is not None]
         if len(verdicts) > MAX_FINDINGS_PER_TICK:
             # A hung collective stalls every rank at once: report the worst few now. The first finding
             # usually stops the attempt; if not, the rest follow at the next ticks.

@@ -18,6 +18,10 @@ life: heartbeats are droppable under backpressure, and a step reported proves th
         rendezvousing). The stall is measured up to the newest sign of life, not up to `now`, so a
         rank that died after its last step is never called hung, whatever the two deadlines are
   slow  the step moves, however slowly: neither of the above
+  done  reported the job's last step: it is saving, closing and exiting, and its exit is recorded as
+        WorkersExited. Neither hung nor lost by heartbeats (a torch process takes seconds to tear down
+        on a busy host, longer than a drill's heartbeat deadline); lost only when silent for
+        max(STARTUP_GRACE_S, the heartbeat deadline), for a process stuck on its way out
 """
 
 import bisect
@@ -122,13 +126,20 @@ class RankWatch:
         if math.isfinite(step_time_s) and step_time_s > 0:
             self.step_times.append(step_time_s)
 
-    def judge(self, policy: PolicySpec, now: float, paused: bool) -> Lost | Hung | None:
-        """Dead first: a rank with no sign of life is lost, whatever its step did."""
+    def judge(self, policy: PolicySpec, now: float, paused: bool, last_step: int = -1) -> Lost | Hung | None:
+        """Dead first: a rank with no sign of life is lost, whatever its step did. `last_step` is the job's
+        final step (-1: not known); a rank that reported it is done."""
         if self.gone:
             return None
         dead_after = lost_deadline(policy)
+        done = last_step >= 0 and self.progress_step == last_step
         if self.seen_id:
             silent = age(now, self.seen_at, self.seen_folded)
+            if done:
+                if silent > max(STARTUP_GRACE_S, dead_after):
+                    return Lost(self.rank, f"no exit within {silent:.0f}s of its last step", self.seen_at,
+                                (self.seen_id,))
+                return None
             if silent > dead_after:
                 return Lost(self.rank, "heartbeats stopped", self.seen_at, (self.seen_id,))
         elif self.started_id:
