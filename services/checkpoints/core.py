@@ -7,9 +7,12 @@
   a pending rollback or restart still needs; the rest get CheckpointDeleted and a "delete" effect.
 
 Stagings are ignored when they come from an attempt older than one whose ranks have started (or
-staged, or that a JobResumed names), for a set already handed to the uploader, for an ended job, or
-when they contradict the set's world size. An allocation alone does not make an attempt stale: a
-preempted job's final checkpoint may be folded after its next allocation was requested.
+staged, or that a JobResumed names), for a set already handed to the uploader, for a job that failed
+or was cancelled, or when they contradict the set's world size. An allocation alone does not make an
+attempt stale: a preempted job's final checkpoint may be folded after its next allocation was
+requested. Likewise a completed job's last attempt still finishes its sets: its ranks staged them
+before exiting 0, but telemetry is folded only at ticks, so they may be read after JobCompleted; the
+service keeps ticking (up to LINGER_S) until the final step's set is read.
 `evolve` records in `State.last` what the latest input made due, so `decide` acts exactly once, on
 the input that caused it, and never again on a later one.
 """
@@ -31,6 +34,7 @@ SERVICE = "checkpoints"
 COMMIT = "commit"
 DELETE = "delete"
 DEFAULT_KEEP = 3
+LINGER_S = 30.0  # after a completion, the longest the service keeps ticking for the final step's set
 
 
 def checkpoint_id(attempt: int, step: int) -> str:
@@ -91,6 +95,10 @@ class JobState(msgspec.Struct, frozen=True, kw_only=True):
     doomed: frozenset[str] = frozenset()  # deletion decided
     holds: dict[str, Hold] = {}
     ended: bool = False
+    completed: bool = False  # ended by JobCompleted: sets of its last attempt may still arrive
+    every: int = 0  # the spec's checkpoint_every (0: not known)
+    final: int = -1  # a completed job's last step while the set staged there is due, else -1
+    ended_at: float = 0.0
 
 
 class Due(msgspec.Struct, frozen=True, kw_only=True):
@@ -120,7 +128,8 @@ def retention(job: JobState) -> tuple[JobState, tuple[str, ...]]:
 
 def _stage(job: JobState, ev: CheckpointStaged) -> tuple[JobState, CommitArgs | None]:
     at = (ev.attempt, ev.step)
-    if job.ended or ev.attempt < job.attempt or at in job.handed:
+    if (job.ended and not (job.completed and ev.attempt == job.attempt)) or ev.attempt < job.attempt \
+            or at in job.handed:
         return job, None
     if ev.world_size < 1 or not 0 <= ev.rank < ev.world_size or ev.step < 0:
         return job, None
@@ -140,7 +149,8 @@ def _stage(job: JobState, ev: CheckpointStaged) -> tuple[JobState, CommitArgs | 
         world_size=ev.world_size, created_at=ev.occurred_at, data=ranks[0].data,
         ranks=[StagedRank(rank=s.rank, node=s.node, staging_dir=s.staging_dir, shards=s.shards) for s in ranks],
     )
-    return replace(job, staging=staging, handed=job.handed | {at}), args
+    final = -1 if ev.step == job.final else job.final
+    return replace(job, staging=staging, handed=job.handed | {at}, final=final), args
 
 
 def _new_attempt(job: JobState, attempt: int) -> JobState:
@@ -180,7 +190,7 @@ def _evolve_job(job: JobState, ev: Event) -> tuple[JobState, Due]:
             return replace(job, committed=tuple(c for c in job.committed if c.checkpoint_id != ev.checkpoint_id),
                            doomed=job.doomed - {ev.checkpoint_id}), NOTHING_DUE
         case JobSubmitted():
-            return replace(job, keep=ev.spec.policy.keep_checkpoints), NOTHING_DUE
+            return replace(job, keep=ev.spec.policy.keep_checkpoints, every=ev.spec.train.checkpoint_every), NOTHING_DUE
         case RollbackRequested():
             hold = Hold(world_size=_world_size_of(job, ev.checkpoint_id))
             return replace(job, holds={**job.holds, ev.checkpoint_id: hold}), NOTHING_DUE
@@ -191,7 +201,11 @@ def _evolve_job(job: JobState, ev: Event) -> tuple[JobState, Due]:
             job = _release(_new_attempt(job, ev.attempt), ev)
         case RolledBack():
             job = _release(job, ev)
-        case JobCompleted() | JobFailed() | JobCancelled():
+        case JobCompleted():
+            due = job.every > 0 and ev.steps % job.every == 0 and (job.attempt, ev.steps) not in job.handed
+            job = replace(job, ended=True, completed=True, final=ev.steps if due else -1, ended_at=ev.occurred_at,
+                          staging={k: v for k, v in job.staging.items() if k[0] == job.attempt}, holds={})
+        case JobFailed() | JobCancelled():
             job = replace(job, ended=True, staging={}, holds={})
         case _:
             return job, NOTHING_DUE
@@ -221,8 +235,9 @@ def decide(state: State, ev: Event) -> Sequence[Output]:
 
 
 def wants_tick(state: State, now: float) -> bool:
-    """Telemetry (stagings) is folded only at ticks, so tick while any job may still stage."""
-    return any(not job.ended for job in state.jobs.values())
+    """Telemetry (stagings) is folded only at ticks, so tick while any job may still stage, or a completed
+    job's final set has not been read yet (ticks are recorded inputs, so reading the clock here is safe)."""
+    return any(not job.ended or (job.final >= 0 and now - job.ended_at < LINGER_S) for job in state.jobs.values())
 
 
 CONTROL_TYPES = (

@@ -11,8 +11,8 @@ from events.checkpoint import CheckpointCommitted, CheckpointDeleted, Checkpoint
 from events.clock import ClockTick
 from events.codec import encode
 from events.commands import RollbackRequested
-from events.job import JobCompleted, JobResumed, JobSubmitted
-from events.spec import JobSpec, PolicySpec
+from events.job import JobCancelled, JobCompleted, JobFailed, JobResumed, JobSubmitted
+from events.spec import JobSpec, PolicySpec, TrainSpec
 from events.store import Stored
 from events.training import RankStarted, RolledBack
 from services.checkpoints import core
@@ -121,9 +121,36 @@ def test_inconsistent_stagings_are_ignored(bad: CheckpointStaged) -> None:
     assert commits(outs) == [] and set(state.jobs[JOB].staging[(0, 50)].ranks) == {0}
 
 
-def test_an_ended_job_commits_nothing() -> None:
-    _, outs = run([staged(0, 50, 2), JobCompleted(job_id=JOB, steps=60), staged(1, 50, 2)])
+@pytest.mark.parametrize("end", [JobCancelled(job_id=JOB), JobFailed(job_id=JOB, reason="x")])
+def test_a_failed_or_cancelled_job_commits_nothing(end: Event) -> None:
+    _, outs = run([staged(0, 50, 2), end, staged(1, 50, 2)])
     assert commits(outs) == []
+
+
+def test_a_completed_job_still_commits_what_its_ranks_staged_before_exiting() -> None:
+    """The service folds telemetry only at its ticks, so the last stagings (written before the ranks
+    exited 0) can be read after JobCompleted: they are the job's final state and are committed."""
+    spec = JobSpec(name="llm", train=TrainSpec(steps=60, checkpoint_every=10))
+    svc = core.core_service({"commit": _nothing, "delete": _nothing})
+    state, outs = run([JobSubmitted(job_id=JOB, spec=spec), staged(0, 50, 2), staged(0, 60, 2),
+                       JobCompleted(job_id=JOB, steps=60, occurred_at=100.0)])
+    assert commits(outs) == []
+    assert svc.wants_tick(state, 101.0), "the final step's set is due: keep folding telemetry"
+    assert not svc.wants_tick(state, 100.0 + core.LINGER_S), "but not forever"
+    state, outs = run([staged(1, 50, 2), staged(1, 60, 2), staged(0, 70, 2, attempt=1)], state)
+    assert [(a.step, a.attempt) for a in commits(outs)] == [(50, 0), (60, 0)]  # nothing from another attempt
+    assert not svc.wants_tick(state, 101.0)
+
+
+def test_a_completed_job_whose_last_step_is_no_checkpoint_stops_ticking() -> None:
+    spec = JobSpec(name="llm", train=TrainSpec(steps=65, checkpoint_every=10))
+    svc = core.core_service({"commit": _nothing, "delete": _nothing})
+    state, _ = run([JobSubmitted(job_id=JOB, spec=spec), JobCompleted(job_id=JOB, steps=65, occurred_at=100.0)])
+    assert not svc.wants_tick(state, 101.0)
+
+
+async def _nothing(args: object) -> list[Emit]:
+    return []
 
 
 def test_retention_keeps_the_newest_k_and_deletes_each_once() -> None:
