@@ -28,6 +28,7 @@ class AllocationRequested(JobEvent, frozen=True, kw_only=True):
     attempt: int
     use_spares: bool = False  # a replacement after a fault may take slots held back as spares
     tp: int = 1  # tensor-parallel group size: each group of tp consecutive ranks stays on one node
+    reason: str = ""  # why this size, when it is not the spec's slots (a shrink) or why asked again (grow back)
 
 
 class AllocationGranted(JobEvent, frozen=True, kw_only=True):

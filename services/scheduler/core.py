@@ -6,7 +6,9 @@ for twice). The outputs of the latest transition ride in `State.outbox`, which `
 scheduler reads only the types it needs (see `CONTROL_TYPES`); its own outputs, if a shell feeds them
 back anyway, change nothing. After every input the queue is given a chance to admit (queue.py).
 Time is the input's `occurred_at`, or `now` for a ClockTick; ticks only matter while a stop is in
-flight (a stop that outlasts `stop_timeout_s` ends anyway).
+flight (a stop that outlasts `stop_timeout_s` ends anyway) or a rollback is (the one telemetry type read,
+RolledBack, is folded at the scheduler's own ticks and ends it; a rank's clock never moves the scheduler's).
+The recovery recipes are in recipes.py (decisions) and recovery.py (carrying them out).
 """
 
 import msgspec
@@ -14,7 +16,7 @@ import msgspec
 from events.base import Event
 from events.checkpoint import CheckpointCommitted, CheckpointDeleted
 from events.clock import ClockTick
-from events.findings import RankHung, RankLost
+from events.findings import LossSpikeDetected, NonFiniteLoss, RankHung, RankLost, StragglerDetected
 from events.fleet import NodeCordoned, NodeLost, NodeRegistered, NodeUncordoned, SelfCheckFailed
 from events.job import (
     AllocationDenied,
@@ -24,20 +26,30 @@ from events.job import (
     WorkersExited,
     WorkersStarted,
 )
+from events.training import RolledBack
 from services.core import Output, Service
-from services.scheduler import lifecycle, queue
+from services.scheduler import lifecycle, queue, recovery
 from services.scheduler.state import State
 from services.scheduler.tx import Tx
 
 NAME = "scheduler"
 
 CONTROL_TYPES = ("JobSubmitted", "CancelRequested", "AllocationGranted", "AllocationDenied", "WorkersStarted",
-                 "WorkersExited", "CheckpointCommitted", "CheckpointDeleted", "RankLost", "RankHung")
+                 "WorkersExited", "CheckpointCommitted", "CheckpointDeleted", "RankLost", "RankHung",
+                 "StragglerDetected", "NonFiniteLoss", "LossSpikeDetected")
+TELEMETRY_TYPES = ("RolledBack",)
 FLEET_TYPES = ("NodeRegistered", "NodeCordoned", "NodeUncordoned", "SelfCheckFailed", "NodeLost")
 
 
-def transition(state: State, event: Event, *, stop_timeout_s: float) -> State:
-    tx = Tx(state, event.now if isinstance(event, ClockTick) else event.occurred_at)
+def transition(state: State, event: Event, *, stop_timeout_s: float, landing_timeout_s: float) -> State:
+    match event:
+        case ClockTick(now=at):
+            pass
+        case RolledBack():
+            at = state.now
+        case _:
+            at = event.occurred_at
+    tx = Tx(state, at)
     match event:
         case JobSubmitted():
             lifecycle.submitted(tx, event)
@@ -51,10 +63,14 @@ def transition(state: State, event: Event, *, stop_timeout_s: float) -> State:
             lifecycle.started(tx, event)
         case WorkersExited():
             lifecycle.exited(tx, event)
-        case RankLost() | RankHung():
+        case RankLost() | RankHung() | StragglerDetected():
             lifecycle.finding(tx, event)
+        case LossSpikeDetected() | NonFiniteLoss():
+            recovery.loss_finding(tx, event, landing_timeout_s)
+        case RolledBack():
+            recovery.rolled_back(tx, event)
         case CheckpointCommitted():
-            lifecycle.checkpoint_committed(tx, event)
+            recovery.checkpoint_committed(tx, event, landing_timeout_s)
         case CheckpointDeleted():
             lifecycle.checkpoint_deleted(tx, event)
         case NodeRegistered(node=name):
@@ -79,18 +95,21 @@ def decide(state: State, event: Event) -> list[Output]:
     return list(state.outbox)
 
 
-def wants_tick(state: State, now: float) -> bool:
-    return any(job.stop for job in state.jobs.values())
+def wants_tick(state: State, now: float, landing_timeout_s: float) -> bool:
+    return any(job.stop or recovery.in_flight(job, now, landing_timeout_s) for job in state.jobs.values())
 
 
-def core_service(*, stop_timeout_s: float = 120.0) -> Service[State]:
-    """The scheduler core wired as a Service; the shell adds consumers, effects and logging."""
+def core_service(*, stop_timeout_s: float = 120.0, landing_timeout_s: float = 120.0) -> Service[State]:
+    """The scheduler core wired as a Service; the shell adds consumers, effects and logging.
+    `landing_timeout_s`: how long a rollback counts as in flight when no rank reports RolledBack."""
     return Service(
         name=NAME,
         initial=State(),
-        evolve=lambda state, event: transition(state, event, stop_timeout_s=stop_timeout_s),
+        evolve=lambda state, event: transition(state, event, stop_timeout_s=stop_timeout_s,
+                                               landing_timeout_s=landing_timeout_s),
         decide=decide,
         control_subjects=(*(f"fd.ctl.job.*.{t}" for t in CONTROL_TYPES),
                           *(f"fd.ctl.node.*.{t}" for t in FLEET_TYPES)),
-        wants_tick=wants_tick,
+        telemetry_subjects=tuple(f"fd.tel.*.*.{t}" for t in TELEMETRY_TYPES),
+        wants_tick=lambda state, now: wants_tick(state, now, landing_timeout_s),
     )

@@ -3,6 +3,7 @@
     queued -> placing -> running -> completed | failed | cancelled
     running -> stopping -> preempted -> placing ...     (preemption: stop with a checkpoint, re-queue)
     placing/running -> recovering -> running ...        (a fault within the restart budget)
+    running -> stopping -> recovering -> running ...    (grow back to the spec's slots: recipes.py)
 
 Events about an attempt other than the job's current one are stale and change nothing: every
 re-placement moves the job to a new attempt at once, so a fault is counted once however many ranks
@@ -11,9 +12,9 @@ report it.
 
 from collections.abc import Iterable
 
-from events.checkpoint import CheckpointCommitted, CheckpointDeleted
+from events.checkpoint import CheckpointDeleted
 from events.commands import StopRequested
-from events.findings import RankHung, RankLost
+from events.findings import RankHung, RankLost, StragglerDetected
 from events.job import (
     AllocationDenied,
     AllocationGranted,
@@ -29,7 +30,7 @@ from events.job import (
     WorkersStarted,
 )
 from services.scheduler.policy import Fail, Restart, after_fault, fault_reason
-from services.scheduler.state import Checkpoint, Job
+from services.scheduler.state import Job
 from services.scheduler.tx import Tx
 
 
@@ -56,7 +57,8 @@ def granted(tx: Tx, ev: AllocationGranted) -> None:
     if not job.requested:
         return  # the same grant read again
     refs = tuple(sorted(ev.assignments, key=lambda r: r.rank))
-    job = tx.update(job, requested=False, assignments=refs, restore=job.newest, use_spares=False)
+    job = tx.update(job, requested=False, assignments=refs, restore=job.newest, use_spares=False,
+                    world=0 if len(refs) == job.spec.slots else len(refs))
     if job.stop == "cancel":
         cancel_now(tx, job)
 
@@ -65,7 +67,7 @@ def denied(tx: Tx, ev: AllocationDenied) -> None:
     job = _current(tx, ev.job_id, ev.attempt)
     if job is None or not job.requested:
         return
-    job = tx.update(job, requested=False, denied_epoch=job.asked_epoch,
+    job = tx.update(job, requested=False, denied_epoch=job.asked_epoch, denied_world=job.size,
                     phase="queued" if job.phase == "placing" else job.phase)
     if job.stop == "cancel":
         cancel_now(tx, job)
@@ -104,9 +106,13 @@ def exited(tx: Tx, ev: WorkersExited) -> None:
             tx.end(job, "completed")
 
 
-def finding(tx: Tx, ev: RankLost | RankHung) -> None:
+def finding(tx: Tx, ev: RankLost | RankHung | StragglerDetected) -> None:
     job = _current(tx, ev.job_id, ev.attempt)
     if job is None or ev.rank not in job.ranks or ev.rank in job.exited:
+        return
+    if isinstance(ev, StragglerDetected):  # slow, not gone: replaced only if the policy says so
+        if job.spec.policy.replace_stragglers and not job.stop:
+            fault(tx, job, ev.event_id, fault_reason(ev), {ev.rank})
         return
     if job.stop:  # a rank that cannot finish its stop counts as gone; releasing the slots kills it
         ranks_gone(tx, job, {ev.rank})
@@ -138,12 +144,23 @@ def fault(tx: Tx, job: Job, cause_id: str, reason: str, gone: Iterable[int]) -> 
         case Restart(reason=why):
             job = tx.release(job, why)
             job = tx.update(job, phase="recovering", attempt=job.attempt + 1, restarts=job.restarts + 1,
-                            use_spares=True, restore=None, running_since=0.0)
+                            use_spares=True, restore=None, running_since=0.0, **NEW_ATTEMPT)
             tx.enqueue(job)
         case Fail(reason=why):
-            tx.emit(JobFailed(job_id=job.job_id, reason=why, causes=list(job.faults)))
-            tx.release(job, "failed")
-            tx.end(job, "failed")
+            fail(tx, job, why, job.faults, stopped=True)
+
+
+# What a new attempt starts without: the full gang is asked for first, and no rollback of its own yet.
+NEW_ATTEMPT: dict[str, object] = {"world": 0, "rollback": None, "skips": ()}
+
+
+def fail(tx: Tx, job: Job, reason: str, causes: Iterable[str], *, stopped: bool = False) -> None:
+    """End the job as failed; ranks still running are told to stop first (unless `stopped` says they were)."""
+    if not stopped and job.started - job.exited:
+        tx.emit(StopRequested(job_id=job.job_id, checkpoint=False, reason=reason))
+    tx.emit(JobFailed(job_id=job.job_id, reason=reason, causes=list(causes)))
+    tx.release(job, "failed")
+    tx.end(job, "failed")
 
 
 def cancel(tx: Tx, ev: CancelRequested) -> None:
@@ -180,11 +197,13 @@ def finish_stop(tx: Tx, job: Job, note: str) -> None:
     if job.stop == "cancel":
         cancel_now(tx, job)
         return
+    grow = job.stop == "grow"
     job = tx.release(job, job.stop_reason + note)
-    job = tx.update(job, phase="preempted", attempt=job.attempt + 1, stop="", stop_reason="", restore=None,
-                    running_since=0.0)
+    job = tx.update(job, phase="recovering" if grow else "preempted", attempt=job.attempt + 1, stop="",
+                    stop_reason="", restore=None, running_since=0.0, ask_reason="grow back" if grow else "",
+                    **NEW_ATTEMPT)
     tx.enqueue(job)
-    tx.emit(JobQueued(job_id=job.job_id, priority=job.spec.priority, reason="preempted"))
+    tx.emit(JobQueued(job_id=job.job_id, priority=job.spec.priority, reason="grow back" if grow else "preempted"))
 
 
 def stop_deadlines(tx: Tx, timeout_s: float) -> None:
@@ -194,15 +213,8 @@ def stop_deadlines(tx: Tx, timeout_s: float) -> None:
             finish_stop(tx, job, f"; stop timed out after {timeout_s:g}s")
 
 
-def checkpoint_committed(tx: Tx, ev: CheckpointCommitted) -> None:
-    job = tx.jobs.get(ev.job_id)
-    if job is None or any(c.checkpoint_id == ev.checkpoint_id for c in job.checkpoints):
-        return
-    entry = Checkpoint(checkpoint_id=ev.checkpoint_id, step=ev.step, at=ev.occurred_at or tx.at)
-    tx.update(job, checkpoints=(*job.checkpoints, entry))
-
-
 def checkpoint_deleted(tx: Tx, ev: CheckpointDeleted) -> None:
     job = tx.jobs.get(ev.job_id)
     if job is not None:
-        tx.update(job, checkpoints=tuple(c for c in job.checkpoints if c.checkpoint_id != ev.checkpoint_id))
+        tx.update(job, checkpoints=tuple(c for c in job.checkpoints if c.checkpoint_id != ev.checkpoint_id),
+                  abandoned=job.abandoned - {ev.checkpoint_id})

@@ -1,8 +1,10 @@
 """Recovery recipes and the preemption rule, as pure functions of what the scheduler knows.
 
-A recipe maps a fault to a `Recovery`; lifecycle.py carries it out. Faults handled now: a rank that
-exits non-zero, a rank the health monitor finds lost or hung, a node lost under a job. Findings with
-no recipe here (StragglerDetected, NonFiniteLoss, LossSpikeDetected) change nothing in the scheduler.
+A recipe maps a fault to a `Recovery`; lifecycle.py carries it out. Faults that restart the job: a rank
+that exits non-zero, a rank the health monitor finds lost or hung, a node lost under a job, and a straggler
+when policy.replace_stragglers is set (otherwise a StragglerDetected finding is only recorded: it is in the
+job's history already, and the scheduler does nothing about it). Loss spikes, non-finite losses, shrinking
+and growing back are in recipes.py; rollbacks never spend the restart budget.
 
 Preemption rule (`choose_victims`): only running jobs of strictly lower priority than the waiting job
 are candidates. Take them cheapest first, where cost orders by
@@ -17,7 +19,7 @@ costly first. So the set is minimal, and its highest priority is the lowest leve
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from events.findings import RankHung, RankLost
+from events.findings import RankHung, RankLost, StragglerDetected
 from events.job import WorkersExited
 from services.scheduler.state import Job
 
@@ -30,12 +32,13 @@ class Restart:
 @dataclass(frozen=True, slots=True)
 class Fail:
     reason: str
+    causes: tuple[str, ...] = ()  # the findings that made the job fail, when they are not its restart faults
 
 
 Recovery = Restart | Fail
 
 
-def fault_reason(event: WorkersExited | RankLost | RankHung) -> str:
+def fault_reason(event: WorkersExited | RankLost | RankHung | StragglerDetected) -> str:
     """Why an input counts as a fault, in words for the record ("" if it is not one)."""
     match event:
         case WorkersExited(rank=rank, exit_code=code) if code != 0:
@@ -45,6 +48,9 @@ def fault_reason(event: WorkersExited | RankLost | RankHung) -> str:
             return f"rank {rank} lost: {why}"
         case RankHung(rank=rank, step=step, stalled_s=stalled, deadline_s=deadline):
             return f"rank {rank} hung at step {step}: no progress for {stalled:.0f}s (deadline {deadline:.0f}s)"
+        case StragglerDetected(rank=rank, step_time_s=took, peer_median_s=median, factor=factor):
+            return (f"rank {rank} straggler replaced: steps take {took:.3g}s against a peer median of {median:.3g}s "
+                    f"({factor:.1f}x)")
     return ""
 
 

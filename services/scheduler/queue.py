@@ -9,10 +9,14 @@ changes (a node joins or is uncordoned, or slots are released).
 
 Counting is by slots on usable nodes: not cordoned, not lost, and not spares unless the job's pending
 placement replaces failed slots. Where the ranks land is the resource manager's call (placement.py).
+
+A job that may shrink (recipes.py) is skipped only when even policy.min_slots exceed the usable fleet, and
+asks for fewer slots when the fleet, or a denial at the current capacity, rules out its whole gang.
 """
 
 from events.commands import StopRequested
 from events.job import AllocationRequested, JobPreempted
+from services.scheduler import recipes
 from services.scheduler.policy import Victim, choose_victims, work_lost_s
 from services.scheduler.state import Job
 from services.scheduler.tx import Tx
@@ -33,7 +37,7 @@ def free(tx: Tx, spares: bool) -> int:
     """Usable slots nobody holds or has asked for."""
     live = tx.live()
     used = sum(held(tx, j, spares) for j in live)
-    asked = sum(j.spec.slots for j in live if j.requested and not j.assignments)
+    asked = sum(j.size for j in live if j.requested and not j.assignments)
     return capacity(tx, spares) - used - asked
 
 
@@ -42,28 +46,43 @@ def admit(tx: Tx) -> None:
     room: dict[bool, int] = {}  # free slots without / with spares, counted once per pass
     for job_id in list(tx.queue):
         job = tx.jobs[job_id]
-        need = job.spec.slots
-        if need > capacity(tx, job.use_spares):
+        full, lo, fleet = job.spec.slots, recipes.smallest(job), capacity(tx, job.use_spares)
+        if lo > fleet:
             continue
-        if job.denied_epoch == tx.epoch:
+        top = min(full, fleet) if job.denied_epoch != tx.epoch else min(full, fleet, job.denied_world - 1)
+        if top < lo:
             break
         if job.use_spares not in room:
             room[job.use_spares] = free(tx, job.use_spares)
-        short = need - room[job.use_spares]
-        if short <= 0:
-            request(tx, job)
-            room = {spares: left - need for spares, left in room.items()}
-            continue
-        preempt_for(tx, job, short)
-        break
+        have = room[job.use_spares]
+        if top == full and have < full:
+            preempt_for(tx, job, full - have)
+            break
+        if top < full and have < lo:
+            preempt_for(tx, job, lo - have)
+            break
+        world = full if top == full else recipes.pick_world(lo, min(top, have), job.spec.train.batch_size)
+        request(tx, job, world, "" if world == full else recipes.shrink_reason(job, world, fleet))
+        room = {spares: left - world for spares, left in room.items()}
 
 
-def request(tx: Tx, job: Job) -> None:
+def request(tx: Tx, job: Job, world: int, reason: str) -> None:
     tx.dequeue(job.job_id)
+    why = reason or job.ask_reason
     tx.update(job, phase="recovering" if job.phase == "recovering" else "placing", requested=True,
-              asked_epoch=tx.epoch)
-    tx.emit(AllocationRequested(job_id=job.job_id, slots=job.spec.slots, attempt=job.attempt,
-                                use_spares=job.use_spares))
+              asked_epoch=tx.epoch, world=0 if world == job.spec.slots else world, ask_reason="")
+    tx.emit(AllocationRequested(job_id=job.job_id, slots=world, attempt=job.attempt, use_spares=job.use_spares,
+                                reason=why))
+
+
+def can_grow(tx: Tx, job: Job) -> bool:
+    """Whether the free usable slots (spares aside) and the job's own would hold its whole gang, with no job
+    waiting that could use them and ranks as high as it or higher."""
+    if free(tx, False) + held(tx, job, False) < job.spec.slots:
+        return False
+    fleet = capacity(tx, False)
+    return not any(tx.jobs[j].spec.priority >= job.spec.priority and recipes.smallest(tx.jobs[j]) <= fleet
+                   for j in tx.queue)
 
 
 def preempt_for(tx: Tx, head: Job, short: int) -> None:

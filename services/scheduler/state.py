@@ -4,13 +4,14 @@ from typing import Literal
 
 import msgspec
 
+from events.checkpoint import DataPosition
 from events.job import SlotRef
 from events.spec import JobSpec
 from services.core import Emit
 
 Phase = Literal["queued", "placing", "running", "stopping", "preempted", "recovering",
                 "completed", "failed", "cancelled"]
-StopKind = Literal["", "preempt", "cancel"]
+StopKind = Literal["", "preempt", "cancel", "grow"]
 WAITING: frozenset[str] = frozenset({"queued", "preempted", "recovering"})  # phases a queued job can be in
 
 
@@ -18,6 +19,32 @@ class Checkpoint(msgspec.Struct, frozen=True, kw_only=True):
     checkpoint_id: str
     step: int
     at: float  # when it was committed (its event's occurred_at)
+    data: DataPosition | None = None  # where its token stream stood (None: not known, read as step, no skips)
+
+
+class Rollback(msgspec.Struct, frozen=True, kw_only=True):
+    """A RollbackRequested decided for the job's current attempt; in flight until a rank reports RolledBack."""
+
+    attempt: int
+    checkpoint_id: str
+    to_step: int
+    skip_from: int
+    skip_to: int
+    at: float  # when it was decided
+    landed: bool = False  # a rank of the attempt reported RolledBack for it
+
+
+class Incident(msgspec.Struct, frozen=True, kw_only=True):
+    """Loss spikes (or non-finite losses) around one spot of the run and the rollbacks they caused.
+
+    `first..last` is the span of steps a later spike must fall in to count as the same incident."""
+
+    first: int  # the first rollback's checkpoint step
+    last: int  # the newest spike's step plus a margin
+    skip_from: int  # the batch window the newest rollback skips
+    skip_to: int
+    steps: tuple[int, ...]  # the spikes' steps, oldest first
+    triggers: tuple[str, ...]  # the findings' event ids, oldest first
 
 
 class Job(msgspec.Struct, frozen=True, kw_only=True):
@@ -42,10 +69,22 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     checkpoints: tuple[Checkpoint, ...] = ()  # committed, oldest first
     restore: Checkpoint | None = None  # what `attempt` restores from, fixed when it is granted
     faults: tuple[str, ...] = ()  # event ids of every fault, first to last: JobFailed's causes
+    world: int = 0  # slots asked for (or held by) `attempt`: fewer than spec.slots when shrunk; 0 means spec.slots
+    denied_world: int = 0  # the world size the denial at `denied_epoch` answered
+    ask_reason: str = ""  # why the next AllocationRequested is made, when that is not plain admission
+    rollback: Rollback | None = None  # the newest rollback of `attempt`
+    skips: tuple[tuple[int, int], ...] = ()  # batch windows rollbacks of `attempt` added to its token stream
+    incident: Incident | None = None  # the latest loss incident; outlives restarts (it is about the data)
+    abandoned: frozenset[str] = frozenset()  # checkpoints of steps a rollback threw away: never a rollback target
 
     @property
     def ranks(self) -> frozenset[int]:
         return frozenset(ref.rank for ref in self.assignments)
+
+    @property
+    def size(self) -> int:
+        """The world size of `attempt`: the ranks it asks for or holds."""
+        return self.world or self.spec.slots
 
     @property
     def newest(self) -> Checkpoint | None:

@@ -1,0 +1,158 @@
+"""Recovery recipes beyond a plain restart, as pure functions of a job; recovery.py and queue.py carry them out.
+
+Shrink. A job coming back to the queue (after a fault or a preemption) whose policy.min_slots is above 0 and
+below its slots may run on fewer slots when the whole gang cannot be placed: the usable fleet holds fewer
+slots than it needs, or resources denied that many at the current capacity. It then asks for the largest
+world size from min_slots up that the free slots hold, preferring one that divides train.batch_size (every
+rank then takes the same share of the global batch). A shrink never preempts to get more than min_slots.
+
+Grow back. A job running on fewer slots than its spec's grows at the first CheckpointCommitted of its steps
+at which the free usable slots (spares aside) plus its own would hold the whole gang and no waiting job of
+its priority or above could use them: it is stopped without a new checkpoint (the one just committed is the
+restore point), released, and asked for all its slots again.
+
+Loss spike / non-finite loss. Roll back to the newest committed checkpoint at least
+policy.rollback_steps_back steps before the spike (none that old: the oldest at or before it; none at all:
+the job fails, since a run restarted from scratch would read the same batches and spike again) and skip
+policy.rollback_skip_batches batches from the one the spiking step read (PaLM: restart ~100 steps before,
+skip 200-500 batches). A spike inside the same incident (from the first rollback's checkpoint to a margin
+after the newest spike, the margin being max(rollback_steps_back, checkpoint_every) steps) doubles the
+window from its old start, extended to cover the new spike's batch; a third fails the job with the three
+findings as causes. Checkpoints of the steps a rollback throws away are never rollback targets.
+Rollbacks do not count against policy.max_restarts: they are bounded by the three-spike rule instead.
+
+Steps and batches. Step i reads global batch i until windows are skipped; from then on a step reads the
+next index outside every skipped window (trainer/data.py), so the batch a step read is found by walking
+from a checkpoint's recorded DataPosition over the windows in force.
+"""
+
+from dataclasses import dataclass
+
+from events.checkpoint import DataPosition
+from events.findings import LossSpikeDetected, NonFiniteLoss
+from services.scheduler.policy import Fail
+from services.scheduler.state import Checkpoint, Incident, Job
+
+LossFinding = LossSpikeDetected | NonFiniteLoss
+SPIKES_TO_FAIL = 3  # spikes in one incident: the third fails the job
+
+
+@dataclass(frozen=True, slots=True)
+class RollTo:
+    checkpoint: Checkpoint
+    skip_from: int
+    skip_to: int
+    reason: str
+    incident: Incident
+
+
+# -- shrink ------------------------------------------------------------------------------------------------
+
+def shrinkable(job: Job) -> bool:
+    floor = job.spec.policy.min_slots
+    return job.phase in ("recovering", "preempted") and 0 < floor < job.spec.slots
+
+
+def smallest(job: Job) -> int:
+    """The fewest slots the job may be started with now."""
+    return job.spec.policy.min_slots if shrinkable(job) else job.spec.slots
+
+
+def pick_world(lo: int, hi: int, batch_size: int) -> int:
+    """The largest world size in [lo, hi] that divides the global batch, else `hi`."""
+    assert 1 <= lo <= hi, (lo, hi)
+    return next((w for w in range(hi, lo - 1, -1) if batch_size % w == 0), hi)
+
+
+def shrink_reason(job: Job, world: int, capacity: int) -> str:
+    full = job.spec.slots
+    why = (f"the usable nodes hold {capacity} slots" if capacity < full
+           else f"an allocation of {job.denied_world} slots was denied at this capacity")
+    after = f" (after fault {job.faults[-1]})" if job.faults else ""
+    return f"shrink to {world} of {full} slots: {why}; policy.min_slots is {job.spec.policy.min_slots}{after}"
+
+
+# -- rollbacks ---------------------------------------------------------------------------------------------
+
+def merged(windows: tuple[tuple[int, int], ...]) -> list[tuple[int, int]]:
+    """Skip windows as sorted, disjoint, non-adjacent spans (the trainer jumps across touching ones at once)."""
+    spans: list[tuple[int, int]] = []
+    for a, b in sorted((int(a), int(b)) for a, b in windows if b > a):
+        if spans and a <= spans[-1][1]:
+            spans[-1] = (spans[-1][0], max(spans[-1][1], b))
+        else:
+            spans.append((a, b))
+    return spans
+
+
+def batch_after(position: DataPosition, later: tuple[tuple[int, int], ...], n: int) -> int:
+    """The batch index the n-th step (from 0) after a checkpoint at `position` reads, skipping the windows it
+    recorded and the `later` ones rollbacks added since."""
+    index, left = position.next_batch, n
+    for a, b in merged((*position.skipped, *later)):
+        if b <= index:
+            continue
+        if a > index:
+            if left < a - index:
+                return index + left
+            left -= a - index
+        index = b
+    return index + left
+
+
+def rollback_target(job: Job, step: int) -> tuple[Checkpoint | None, bool]:
+    """The checkpoint to roll back to for a spike at `step`, and whether it is as old as the policy asks."""
+    usable = [c for c in job.checkpoints if c.checkpoint_id not in job.abandoned and c.step <= step]
+    old = [c for c in usable if c.step <= step - job.spec.policy.rollback_steps_back]
+    if old:
+        return max(old, key=lambda c: (c.step, c.at)), True
+    return (min(usable, key=lambda c: (c.step, c.at)) if usable else None), False
+
+
+def symptom(ev: LossFinding) -> str:
+    match ev:
+        case LossSpikeDetected():
+            return (f"loss spike at step {ev.step}: {ev.loss:.4g} against a median of {ev.baseline:.4g} "
+                    f"(robust z {ev.z:.1f} > {ev.threshold:g})")
+        case NonFiniteLoss():
+            return f"non-finite loss at step {ev.step} on rank {ev.rank} (loss {ev.loss}, grad norm {ev.grad_norm})"
+
+
+def after_loss(job: Job, ev: LossFinding) -> RollTo | Fail:
+    """The rollback a loss finding calls for, or why the job must fail instead."""
+    policy, step, what = job.spec.policy, ev.step, symptom(ev)
+    incident = job.incident
+    same = incident is not None and incident.first <= step <= incident.last
+    if incident is not None and same and len(incident.triggers) + 1 >= SPIKES_TO_FAIL:
+        steps = ", ".join(str(s) for s in (*incident.steps, step))
+        return Fail(f"loss spiked {len(incident.triggers) + 1} times around step {incident.steps[0]} despite "
+                    f"rollbacks (steps {steps}; last: {what}): a data or learning-rate problem; check the data "
+                    f"from batch {incident.skip_from} on, or lower train.lr", causes=(*incident.triggers, ev.event_id))
+    target, old_enough = rollback_target(job, step)
+    if target is None:
+        return Fail(f"{what} before any checkpoint at or before it was committed: nothing to roll back to; "
+                    f"checkpoint more often (train.checkpoint_every is {job.spec.train.checkpoint_every}) or start "
+                    f"spike detection later (policy.spike_warmup is {policy.spike_warmup})", causes=(ev.event_id,))
+    position = target.data or DataPosition(next_batch=target.step)
+    spike_batch = batch_after(position, job.skips, step - target.step)
+    margin = max(policy.rollback_steps_back, job.spec.train.checkpoint_every)
+    if incident is not None and same:
+        length = incident.skip_to - incident.skip_from
+        skip_from, skip_to = incident.skip_from, incident.skip_from + 2 * length
+        if length:  # and at least as far past the new spike's batch as the first window ran past the first's
+            skip_to = max(skip_to, spike_batch + length)
+        incident = Incident(first=min(incident.first, target.step), last=max(incident.last, step + margin),
+                            skip_from=skip_from, skip_to=skip_to, steps=(*incident.steps, step),
+                            triggers=(*incident.triggers, ev.event_id))
+        how = f"; spike {len(incident.triggers)} around step {incident.steps[0]}, so the skip is widened"
+    else:
+        skip_from, skip_to = spike_batch, spike_batch + policy.rollback_skip_batches
+        incident = Incident(first=target.step, last=step + margin, skip_from=skip_from, skip_to=skip_to,
+                            steps=(step,), triggers=(ev.event_id,))
+        how = ""
+    if not old_enough:
+        how += (f"; no checkpoint is {policy.rollback_steps_back} steps older than the spike "
+                f"(policy.rollback_steps_back), so the oldest one before it")
+    reason = (f"{what}: roll back to {target.checkpoint_id} (step {target.step}) and skip batches "
+              f"[{skip_from}, {skip_to}){how} (finding {ev.event_id})")
+    return RollTo(checkpoint=target, skip_from=skip_from, skip_to=skip_to, reason=reason, incident=incident)

@@ -1,0 +1,98 @@
+"""Carrying out the recipes of recipes.py on one transition: rollbacks, their landing, and growing back.
+
+A rollback is in flight from its decision until a rank of the attempt reports RolledBack for it (the one
+telemetry type the scheduler reads, folded at its own ticks), or for `landing_timeout_s` should that report
+never come. Loss findings meanwhile are about steps the ranks are throwing away and are ignored, as are
+findings of any attempt but the current one. Findings carry no mark of the timeline they come from, so
+two races remain, each about one tick wide (the scheduler ticks while a rollback is in flight): a finding
+from the redone steps that arrives before the tick folding RolledBack is ignored, and one from the thrown-
+away steps that the health monitor appends after that tick is judged (at worst a widened skip).
+
+Which commits a rollback throws away: every checkpoint known then above the rollback's step, and any commit
+above it that arrives later without the rollback's skip window in its data position (the ranks record the
+windows they skip); with an empty window, any such commit before the rollback landed.
+"""
+
+import msgspec
+
+from events.checkpoint import CheckpointCommitted
+from events.commands import RollbackRequested, StopRequested
+from events.training import RolledBack
+from services.scheduler import queue, recipes
+from services.scheduler.lifecycle import fail
+from services.scheduler.policy import Fail
+from services.scheduler.state import Checkpoint, Job, Rollback
+from services.scheduler.tx import Tx
+
+
+def in_flight(job: Job, now: float, landing_timeout_s: float) -> bool:
+    rb = job.rollback
+    return rb is not None and rb.attempt == job.attempt and not rb.landed and now - rb.at < landing_timeout_s
+
+
+def loss_finding(tx: Tx, ev: recipes.LossFinding, landing_timeout_s: float) -> None:
+    job = tx.jobs.get(ev.job_id)
+    if job is None or ev.attempt != job.attempt or job.phase != "running" or job.stop:
+        return
+    if in_flight(job, tx.at, landing_timeout_s):
+        return
+    if job.incident is not None and ev.event_id in job.incident.triggers:
+        return  # the same finding read again
+    match recipes.after_loss(job, ev):
+        case recipes.RollTo() as plan:
+            target = plan.checkpoint
+            tx.emit(RollbackRequested(job_id=job.job_id, checkpoint_id=target.checkpoint_id, to_step=target.step,
+                                      skip_from=plan.skip_from, skip_to=plan.skip_to, reason=plan.reason,
+                                      trigger_id=ev.event_id))
+            thrown = {c.checkpoint_id for c in job.checkpoints if c.step > target.step}
+            tx.update(job, incident=plan.incident, abandoned=job.abandoned | thrown,
+                      skips=(*job.skips, (plan.skip_from, plan.skip_to)),
+                      rollback=Rollback(attempt=job.attempt, checkpoint_id=target.checkpoint_id, to_step=target.step,
+                                        skip_from=plan.skip_from, skip_to=plan.skip_to, at=tx.at))
+        case Fail(reason=why, causes=causes):
+            fail(tx, job, why, causes)
+
+
+def rolled_back(tx: Tx, ev: RolledBack) -> None:
+    job = tx.jobs.get(ev.job_id)
+    rb = job.rollback if job is not None else None
+    if job is None or rb is None or rb.landed or ev.attempt != rb.attempt or ev.checkpoint_id != rb.checkpoint_id:
+        return
+    if (ev.skip_from, ev.skip_to) == (rb.skip_from, rb.skip_to):
+        tx.update(job, rollback=msgspec.structs.replace(rb, landed=True))
+
+
+def checkpoint_committed(tx: Tx, ev: CheckpointCommitted, landing_timeout_s: float) -> None:
+    job = tx.jobs.get(ev.job_id)
+    if job is None or any(c.checkpoint_id == ev.checkpoint_id for c in job.checkpoints):
+        return
+    entry = Checkpoint(checkpoint_id=ev.checkpoint_id, step=ev.step, at=ev.occurred_at or tx.at, data=ev.data)
+    job = tx.update(job, checkpoints=(*job.checkpoints, entry),
+                    abandoned=job.abandoned | {ev.checkpoint_id} if thrown_away(job, ev) else job.abandoned)
+    grow_at_commit(tx, job, ev, landing_timeout_s)
+
+
+def thrown_away(job: Job, ev: CheckpointCommitted) -> bool:
+    """Whether a commit arriving now holds steps a rollback of the current attempt threw away."""
+    rb = job.rollback
+    if rb is None or rb.attempt != job.attempt or ev.step <= rb.to_step:
+        return False
+    if rb.skip_to > rb.skip_from:
+        return all(tuple(w) != (rb.skip_from, rb.skip_to) for w in ev.data.skipped)
+    return not rb.landed
+
+
+def grow_at_commit(tx: Tx, job: Job, ev: CheckpointCommitted, landing_timeout_s: float) -> None:
+    """A shrunk running job grows back once the whole gang would fit again (recipes.py, "Grow back")."""
+    full = job.spec.slots
+    if job.size >= full or job.phase != "running" or job.stop or not job.ranks <= job.started:
+        return
+    newest = job.newest
+    if newest is None or newest.checkpoint_id != ev.checkpoint_id or ev.checkpoint_id in job.abandoned:
+        return  # the restart restores the newest commit (the node agent's rule): it must be this one
+    if in_flight(job, tx.at, landing_timeout_s) or not queue.can_grow(tx, job):
+        return
+    reason = (f"grow back to {full} slots from {job.size}: the slots are free again; "
+              f"restore {ev.checkpoint_id} (step {ev.step})")
+    tx.emit(StopRequested(job_id=job.job_id, checkpoint=False, reason=reason))
+    tx.update(job, phase="stopping", stop="grow", stop_reason=reason, stop_since=tx.at)
