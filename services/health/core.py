@@ -46,6 +46,7 @@ from events.job import (
 from events.spec import PolicySpec
 from events.training import Heartbeat, RankFault, RankStarted, StepCompleted
 from services.core import Emit, Output, Service
+from services.health import agents
 from services.health.detectors import Hung, Lost, NonFiniteWatch, RankWatch, SpikeWatch, StragglerWatch
 
 NAME = "health"
@@ -72,6 +73,7 @@ class JobWatch:
     nonfinite: NonFiniteWatch = field(default_factory=NonFiniteWatch)
     stragglers: StragglerWatch = field(default_factory=StragglerWatch)
     reported: set[tuple[int, int, str, int]] = field(default_factory=set)
+    unrecorded: dict[tuple[int, int], agents.Unrecorded] = field(default_factory=dict)  # (attempt, rank)
 
     @property
     def quiet(self) -> bool:
@@ -146,6 +148,8 @@ def _control(state: State, ev: Event) -> None:
         case AllocationGranted():
             job = _job(state, ev.job_id)
             if job is not None and ev.attempt > job.attempt:
+                job.unrecorded |= agents.left_behind(job.job_id, job.attempt, list(job.ranks.values()),
+                                                     ev.occurred_at, state.now, ev.event_id)
                 _new_attempt(job, ev.attempt, sorted({ref.rank for ref in ev.assignments}))
         case WorkersStarted():
             job = _job(state, ev.job_id)
@@ -158,6 +162,7 @@ def _control(state: State, ev: Event) -> None:
                 if watch is None:
                     watch = job.ranks[rank] = RankWatch(rank)
                 watch.started(ev.occurred_at, state.now, ev.event_id)
+                watch.node = ev.node
         case WorkersExited():
             _exited(state, ev)
         case StopRequested() | JobPreempted() | CancelRequested():
@@ -189,10 +194,14 @@ def _control(state: State, ev: Event) -> None:
 
 def _exited(state: State, ev: WorkersExited) -> None:
     job = state.jobs.get(ev.job_id)
-    if job is None or ev.attempt != job.attempt:
+    if job is None:
         return
-    r = job.ranks.get(ev.rank)
-    if r is None or r.gone:
+    job.unrecorded.pop((ev.attempt, ev.rank), None)
+    r = job.ranks.get(ev.rank) if ev.attempt == job.attempt else None
+    if r is None:
+        return
+    r.exited = True
+    if r.gone:
         return
     job.gone(r)
     if ev.exit_code == 0 or job.quiet or not job.first(r.rank, "RankLost"):
@@ -224,6 +233,8 @@ def _step(state: State, job: JobWatch, r: RankWatch, ev: StepCompleted) -> None:
 
 def _telemetry(state: State, ev: Heartbeat | StepCompleted | RankFault | RankStarted) -> None:
     job = state.jobs.get(ev.job_id)
+    if job is not None and ev.attempt < job.attempt and job.unrecorded:
+        agents.heard(job.unrecorded, ev.attempt, ev.rank, ev.occurred_at, state.now, ev.event_id)
     if job is None or ev.attempt != job.attempt:
         return
     r = job.ranks.get(ev.rank)
@@ -254,6 +265,9 @@ def _worst_first(verdict: Lost | Hung) -> tuple[int, float, int]:
 def _tick(state: State, tick: ClockTick) -> None:
     state.now = now = max(state.now, tick.now)
     for job in state.jobs.values():
+        if job.unrecorded:
+            alive = {r.node for r in job.ranks.values() if r.started_id}
+            state.outbox = (*state.outbox, *agents.overdue(job.unrecorded, job.policy, now, alive))
         if job.quiet:
             continue
         verdicts = [v for r in job.ranks.values()
@@ -301,7 +315,8 @@ def decide(state: State, ev: Event) -> Sequence[Output]:
 
 def wants_tick(state: State, now: float) -> bool:
     """Telemetry is folded only at ticks, so tick while some job has ranks to watch."""
-    return any(not job.quiet and any(r.live for r in job.ranks.values()) for job in state.jobs.values())
+    return any((not job.quiet and any(r.live for r in job.ranks.values())) or bool(job.unrecorded)
+               for job in state.jobs.values())
 
 
 def core_service(*, tick_s: float = 1.0) -> Service[State]:

@@ -78,6 +78,7 @@ class RankWatch:
     """What liveness and hang detection know of one rank of the current attempt."""
 
     rank: int
+    node: str = ""  # where its agent started it
     started_at: float = 0.0
     started_folded: float = 0.0
     started_id: str = ""  # WorkersStarted; "" while only granted
@@ -92,6 +93,7 @@ class RankWatch:
     step_times: deque[float] = field(default_factory=lambda: deque(maxlen=HANG_WINDOW))
     fault_id: str = ""  # the rank's last RankFault: evidence for the exit that usually follows
     gone: bool = False  # exited, found lost, or released: judged no more
+    exited: bool = False  # its agent recorded its exit
     hung: bool = False  # RankHung reported
 
     @property

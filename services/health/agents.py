@@ -1,0 +1,91 @@
+"""Lost node agents, told by the exits they fail to record.
+
+An agent records the exit of every rank it started (it watches the processes), and when a newer attempt of
+the job is granted it kills the older attempt's ranks at once (agentcore: `stop` with `immediate`) and records
+those exits too. So a rank of a replaced attempt whose exit no agent has recorded `exit_deadline` after the
+new grant, and which has been silent that long as well, had an agent that is gone: killed, crashed, or cut
+off with its node (its ranks die with it, PR_SET_PDEATHSIG). That is reported as NodeLost, which cordons the
+node for the resource manager and the scheduler, so the restart is not placed there again. A node whose agent
+started ranks of the job's current attempt is alive whatever else it left unrecorded, and a rank of a replaced
+attempt still heard from keeps its node alive too.
+
+Found by the lost-agent drill (tests/e2e/test_drills_elastic.py): the agent's surviving peer rank fails
+within a second (its collective loses the peer), the scheduler restarts the job on both nodes before any
+heartbeat deadline passes, and the restarted rank on the dead node is never started.
+"""
+
+from dataclasses import dataclass, replace
+
+from events import subjects
+from events.fleet import NodeLost
+from events.spec import PolicySpec
+from services.core import Emit
+from services.health.detectors import RankWatch, age, lost_deadline
+
+EXIT_RECORD_S = 10.0  # least time an agent is given to record the exits of ranks it was told to kill
+
+
+@dataclass(frozen=True, slots=True)
+class Unrecorded:
+    """A started rank of a replaced attempt with no recorded exit yet."""
+
+    job_id: str
+    attempt: int
+    rank: int
+    node: str
+    since_at: float  # the grant of the attempt that replaced it (its occurred_at, and when it was folded)
+    since_folded: float
+    seen_at: float  # the rank's last sign of life, or its start
+    seen_folded: float
+    started_id: str  # WorkersStarted
+    seen_id: str  # its last sign of life ("" if none)
+    grant_id: str  # the grant that replaced its attempt
+
+    @property
+    def evidence(self) -> tuple[str, ...]:
+        return tuple(i for i in (self.started_id, self.seen_id, self.grant_id) if i)
+
+
+def exit_deadline(policy: PolicySpec) -> float:
+    return max(EXIT_RECORD_S, lost_deadline(policy))
+
+
+def left_behind(job_id: str, attempt: int, ranks: list[RankWatch], grant_at: float, now: float,
+                grant_id: str) -> dict[tuple[int, int], Unrecorded]:
+    """The started ranks of `attempt`, replaced by a grant, that no agent recorded as exited."""
+    out = {}
+    for r in ranks:
+        if r.started_id and not r.exited and r.node:
+            seen_at, seen_folded = (r.seen_at, r.seen_folded) if r.seen_id else (r.started_at, r.started_folded)
+            out[(attempt, r.rank)] = Unrecorded(
+                job_id=job_id, attempt=attempt, rank=r.rank, node=r.node, since_at=grant_at, since_folded=now,
+                seen_at=seen_at, seen_folded=seen_folded, started_id=r.started_id, seen_id=r.seen_id,
+                grant_id=grant_id)
+    return out
+
+
+def heard(pending: dict[tuple[int, int], Unrecorded], attempt: int, rank: int, at: float, now: float,
+          event_id: str) -> None:
+    """A replaced attempt's rank is still talking: its node is not lost (yet)."""
+    u = pending.get((attempt, rank))
+    if u is not None and at >= u.seen_at:
+        pending[(attempt, rank)] = replace(u, seen_at=at, seen_folded=now, seen_id=event_id)
+
+
+def overdue(pending: dict[tuple[int, int], Unrecorded], policy: PolicySpec, now: float,
+            alive: set[str]) -> list[Emit]:
+    """NodeLost for each node with an overdue rank, once: the node's entries are dropped from `pending`.
+    `alive`: nodes whose agent started ranks of the current attempt."""
+    deadline = exit_deadline(policy)
+    late = [u for u in pending.values() if u.node not in alive
+            and age(now, u.since_at, u.since_folded) > deadline and age(now, u.seen_at, u.seen_folded) > deadline]
+    out: list[Emit] = []
+    for node in sorted({u.node for u in late}):
+        u = min((u for u in late if u.node == node), key=lambda u: (u.attempt, u.rank))
+        reason = (f"its agent recorded no exit of rank {u.rank} of {u.job_id} (attempt {u.attempt}) within "
+                  f"{deadline:.0f}s of the grant that replaced it, and the rank has been silent as long "
+                  f"(evidence: {', '.join(u.evidence)})")
+        out.append(Emit(subjects.node(node, "NodeLost"), NodeLost(node=node, reason=reason)))
+        for key in [k for k, v in pending.items() if v.node == node]:
+            del pending[key]
+    return out
