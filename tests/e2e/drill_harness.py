@@ -1,0 +1,148 @@
+"""Self-healing drills on a real broker: every service and the node agents as subprocesses (engineer J's
+`Platform`, tests/integration/lifecycle_harness.py), a tiny job with a drill fault, and what the drills
+assert and keep: the final lineage of steps, and the job's whole history as an export file.
+
+    async def test_x(drill: Platform) -> None:
+        drill.agent("n1")                       # agents are the test's to start (one, two, 1 slot each ...)
+        await drill.ready("n1")
+        await drill.submit(drill_spec("crash", faults=[...]), "crash-000001")
+
+Policies are tuned short (heartbeats every 0.5 s, lost after 4 misses, hung after 3 s, a checkpoint every
+5 steps) so a drill takes well under two minutes on a loaded 2-core box. The health monitor ticks every
+0.5 s (FLIGHTDECK_HEALTH_TICK_S) in drills.
+"""
+
+import asyncio
+import base64
+import json
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from events import codec, subjects
+from events.jetstream import JetStreamStore
+from events.job import JobResumed
+from events.spec import FaultSpec, JobSpec, ModelSpec, PolicySpec, TrainSpec
+from events.store import Stored
+from events.training import StepCompleted
+from services import broker as broker_mod
+from tests.integration.lifecycle_harness import SERVICES, Objects, Platform, open_platform
+
+HEALTH_TICK_S = "0.5"
+DRILL_POLICY = PolicySpec(heartbeat_interval_s=0.5, heartbeat_misses=4, hang_min_s=3.0, max_restarts=3,
+                          spike_warmup=10, spike_window=20, rollback_steps_back=5, rollback_skip_batches=5)
+
+
+def drill_spec(name: str, *, slots: int = 2, steps: int = 40, checkpoint_every: int = 5,
+               faults: Sequence[FaultSpec] = (), **policy: Any) -> JobSpec:
+    """A tiny job (d_model 32, synthetic tokens) with the drill policy, changed by `policy`."""
+    return JobSpec(name=name, slots=slots, model=ModelSpec(d_model=32),
+                   train=TrainSpec(steps=steps, checkpoint_every=checkpoint_every, data="synthetic", seed=1),
+                   policy=msgspec.structs.replace(DRILL_POLICY, **policy), faults=list(faults))
+
+
+@dataclass(frozen=True)
+class DrillObjects(Objects):
+    """A local object store, and the drill's environment for every process the platform starts."""
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {**super().env, "FLIGHTDECK_HEALTH_TICK_S": HEALTH_TICK_S}
+
+
+async def start_drill(url: str, root: Path, services: tuple[str, ...] = SERVICES) -> Platform:
+    """Every service on the broker at `url`, objects in a local folder under `root`; no agent yet."""
+    p = await open_platform(url, root, DrillObjects(str(root / "objects")))
+    for name in services:
+        p.service(name)
+    return p
+
+
+@pytest.fixture
+async def drill(nats_server: broker_mod.Broker, tmp_path: Path) -> AsyncIterator[Platform]:
+    """Every service, no agent; all stopped at the end, after each job's history is kept in the test's tmp dir
+    (`<job>.history.jsonl`), whether the drill passed or not."""
+    p = await start_drill(nats_server.url, tmp_path)
+    try:
+        yield p
+    finally:
+        try:
+            for job_id in sorted({j for s in p.control if (j := subjects.job_of(s.stored.subject))}):
+                await export(p, job_id, tmp_path / f"{job_id}.history.jsonl")
+        finally:
+            await p.close()
+
+
+# -- what a drill asserts ------------------------------------------------------------------------------------
+
+def steps_of(p: Platform, job_id: str) -> dict[int, set[int]]:
+    """The steps each attempt reported (StepCompleted from any rank)."""
+    out: dict[int, set[int]] = {}
+    for e in p.seen(StepCompleted, job_id, stream=subjects.TELEMETRY):
+        out.setdefault(e.attempt, set()).add(e.step)
+    return out
+
+
+def lineage_gaps(p: Platform, job_id: str, steps: int) -> list[int]:
+    """Steps of the final lineage with no StepCompleted: attempt a owns [its from_step, the next resumed
+    attempt's from_step), the last one up to `steps`. Empty when the lineage is whole."""
+    starts = {0: 0} | {e.attempt: e.from_step for e in p.seen(JobResumed, job_id)}
+    done = steps_of(p, job_id)
+    order = sorted(starts)
+    missing: list[int] = []
+    for i, attempt in enumerate(order):
+        end = starts[order[i + 1]] if i + 1 < len(order) else steps
+        missing += [s for s in range(starts[attempt], end) if s not in done.get(attempt, set())]
+    return missing
+
+
+# -- what a drill keeps -------------------------------------------------------------------------------------
+
+async def history(store: JetStreamStore, job_id: str) -> list[Stored]:
+    """The job's control history and its telemetry, each stream in order (control first)."""
+    out: list[Stored] = []
+    for stream, subject in ((subjects.CONTROL, subjects.job_all(job_id)),
+                            (subjects.TELEMETRY, subjects.telemetry_job(job_id))):
+        async for batch in store.read(stream, [subject]):
+            out += batch
+    return out
+
+
+async def fleet(store: JetStreamStore) -> list[Stored]:
+    """Fleet events (nodes registering, cordoned, lost): part of what a lost-node drill's decisions rest on."""
+    out: list[Stored] = []
+    async for batch in store.read(subjects.CONTROL, ["fd.ctl.node.>"]):
+        out += batch
+    return out
+
+
+async def export(p: Platform, job_id: str, path: Path) -> Path:
+    """The job's history (and the fleet's) as JSON lines for people: stream, seq, subject, event."""
+    rows = [*await fleet(p.store), *await history(p.store, job_id)]
+    with path.open("wb") as out:
+        for s in rows:
+            event = codec.to_builtins(s.event) if s.event is not None else {"error": s.error}
+            out.write(codec.to_json({"stream": s.stream, "seq": s.seq, "subject": s.subject, "event": event}) + b"\n")
+    return path
+
+
+def record_lines(rows: Sequence[Stored]) -> list[bytes]:
+    """Recorded messages as JSON lines that keep the wire bytes: stream, seq, subject, data (base64 msgpack)."""
+    return [json.dumps({"stream": s.stream, "seq": s.seq, "subject": s.subject, "msg_id": s.msg_id,
+                        "data": base64.b64encode(s.data).decode()}).encode() for s in rows]
+
+
+async def wait_lineage(p: Platform, job_id: str, steps: int, within: float = 15.0) -> list[int]:
+    """Telemetry trails the control history a little: wait until every step of the final lineage is in;
+    the steps still missing then (empty: the lineage is whole)."""
+    deadline = time.monotonic() + within
+    gaps = lineage_gaps(p, job_id, steps)
+    while gaps and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+        gaps = lineage_gaps(p, job_id, steps)
+    return gaps
