@@ -10,12 +10,14 @@ always `flightdeck down`. Exit code 0 only if the job completed.
 
 import argparse
 import asyncio
-import contextlib
 import re
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 from events import subjects
 from events.base import Event
@@ -24,13 +26,12 @@ from events.commands import RollbackRequested, StopRequested
 from events.findings import Finding
 from events.job import JobCompleted, JobResumed, JobSubmitted, WorkersExited, WorkersStarted
 from events.spec import parse_spec
-from events.store import Stored
+from events.store import EventStore, Stored
 from events.training import FaultInjected, RankFault, RolledBack, StepCompleted
 from services import broker
 from services.console import jobview
 from services.console.checkpoints_cmd import size
 from services.console.connect import open_store
-from services.console.events_cmd import follow_all
 from services.console.jobview import JobView
 from services.console.status import duration
 
@@ -38,6 +39,8 @@ REPO = Path(__file__).resolve().parents[2]
 DEMO_ROOT = REPO / ".flightdeck-demo"
 CLI = (sys.executable, "-m", "services.console")
 LABEL = 11
+SLACK_S = 180
+CANCEL_TRIES = 20
 SOURCE_PREFIX = re.compile(r"^\[[^]]*\]\s*")  # gloo's "[/path/pair.cc:553] ": no help in a timeline
 
 
@@ -122,22 +125,38 @@ async def follow(url: str, job_id: str, timeline: Timeline, timeout_s: float) ->
         if timeline.view.ended:
             ended.set()
 
-    chosen = [(subjects.CONTROL, [subjects.job_all(job_id)]), (subjects.TELEMETRY, [subjects.telemetry_job(job_id)])]
+    async def pump(store: EventStore, stream: str, filters: list[str]) -> None:
+        async for stored in store.follow(stream, filters):
+            show(stored)
+
     async with open_store(url) as store:
-        task = asyncio.create_task(follow_all(store, chosen, {subjects.CONTROL: 0, subjects.TELEMETRY: 0}, show))
+        readers = [asyncio.create_task(pump(store, subjects.CONTROL, [subjects.job_all(job_id)])),
+                   asyncio.create_task(pump(store, subjects.TELEMETRY, [subjects.telemetry_job(job_id)]))]
+        waiter = asyncio.create_task(ended.wait())
         try:
-            waiter = asyncio.create_task(ended.wait())
-            await asyncio.wait({task, waiter}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-            waiter.cancel()
-            if task.done():
-                task.result()  # following failed: say why
+            await asyncio.wait({*readers, waiter}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            for reader in readers:
+                if reader.done():
+                    reader.result()  # a reader failed: say why
             if not ended.is_set():
                 raise TimeoutError
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await stop([*readers, waiter])
     return timeline.view
+
+
+async def stop(tasks: list[asyncio.Task[Any]]) -> None:
+    """Cancel `tasks` until every one has stopped. Once is not always enough on Python 3.11: its
+    asyncio.wait_for, which the store's readers wait in, drops a cancel that lands just as the wait it
+    guards completes (gh-86296), and a reader of a busy stream then reads on forever."""
+    pending = {t for t in tasks if not t.done()}
+    for _ in range(CANCEL_TRIES):
+        if not pending:
+            return
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=0.5)
+    raise RuntimeError(f"{len(pending)} event readers ignored {CANCEL_TRIES} cancels")
 
 
 def drill(spec: Path, data_dir: Path, timeout_s: float) -> JobView | None:
@@ -164,6 +183,18 @@ def drill(spec: Path, data_dir: Path, timeout_s: float) -> JobView | None:
     return view
 
 
+class PastDeadline(Exception):
+    """The demo as a whole ran far past --timeout-s: something is stuck; stop what it started anyway."""
+
+
+def _interrupted(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def _past_deadline(signum: int, frame: FrameType | None) -> None:
+    raise PastDeadline
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m services.console.demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -171,16 +202,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-dir", type=Path, default=None, help="default: a fresh folder under .flightdeck-demo/")
     p.add_argument("--timeout-s", type=float, default=300.0, help="give up on the job after this long")
     args = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupted)  # a terminated demo still runs its `finally`: down
+    signal.signal(signal.SIGALRM, _past_deadline)
+    signal.alarm(int(args.timeout_s + SLACK_S))  # the job's own timeout plus startup, status and checkpoints
     data_dir = (args.data_dir or DEMO_ROOT / time.strftime("%Y%m%d-%H%M%S")).resolve()
     started = time.monotonic()
     print(f"Flightdeck demo: a fault drill from {args.spec.name}, data in {data_dir}\n", flush=True)
-    view = None
+    view, interrupted = None, False
     try:
         view = drill(args.spec.resolve(), data_dir, args.timeout_s)
+    except KeyboardInterrupt:
+        interrupted = True
+        print("\ninterrupted: stopping what the demo started", flush=True)
+    except PastDeadline:
+        print(f"\nthe demo is still running {args.timeout_s + SLACK_S:.0f}s after it started, so something is "
+              "stuck: stopping what it started", flush=True)
     finally:
+        signal.alarm(0)
         print()
         flightdeck("down", "--data-dir", str(data_dir), timeout_s=60.0)
     took = duration(time.monotonic() - started)
+    if interrupted:
+        return 130
     if view is None or view.phase != "completed":
         print(f"\ndemo FAILED after {took}: the job {'was not submitted' if view is None else f'ended {view.phase}'}"
               f"; logs in {data_dir / 'logs'}")

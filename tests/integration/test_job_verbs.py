@@ -148,14 +148,14 @@ def test_status_shows_every_job_as_a_table_and_one_in_detail(nats_server: broker
     assert table.returncode == 0, table.stderr
     head, first, second = table.stdout.splitlines()
     assert head.split() == ["JOB", "PHASE", "PRIO", "SLOTS", "STEPS", "CHECKPOINT", "RESTARTS", "AGE"]
-    assert first.split()[:8] == ["tiny-drill-aaaaaa", "running", "50", "2/2", "58/120", "step", "40", "0"]
+    assert first.split()[:8] == ["tiny-drill-aaaaaa", "running", "50", "2/2", "58/160", "step", "40", "0"]
     assert re.fullmatch(r"2m0[5-9]s", first.split()[8])
     assert second.split()[:6] == ["other-bbbbbb", "submitted", "7", "-/1", "-/100", "-"]
 
     one = flightdeck("status", "tiny-drill-aaaaaa", "--nats", nats_server.url)
     assert one.returncode == 0, one.stderr
     assert "phase:       running\n" in one.stdout
-    assert "step000000040-a0 at step 40" in one.stdout and "58/120 done (loss 2.5)" in one.stdout
+    assert "step000000040-a0 at step 40" in one.stdout and "58/160 done (loss 2.5)" in one.stdout
 
     as_json = json.loads(flightdeck("status", "tiny-drill-aaaaaa", "--json", "--nats", nats_server.url).stdout)
     assert {k: as_json[k] for k in ("job_id", "phase", "step", "world_size", "slots", "restarts", "version")} == {
@@ -188,7 +188,7 @@ def test_cancel_appends_cancel_requested_once_and_leaves_ended_jobs_alone(nats_s
     assert twice.returncode == 0 and "already requested" in twice.stdout
     assert flightdeck("status", "tiny-drill-cccccc", "--nats", nats_server.url).stdout.count("stopping") == 1
 
-    asyncio.run(write(nats_server.url, [JobCompleted(event_id=ids(), job_id="tiny-drill-cccccc", steps=120)]))
+    asyncio.run(write(nats_server.url, [JobCompleted(event_id=ids(), job_id="tiny-drill-cccccc", steps=160)]))
     before = asyncio.run(control_count(nats_server.url))
     ended = flightdeck("cancel", "tiny-drill-cccccc", "--nats", nats_server.url)
     assert ended.returncode == 0 and "has already ended (completed)" in ended.stdout
