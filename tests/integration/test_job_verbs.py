@@ -4,7 +4,9 @@ shows comes only from the events these tests wrote."""
 
 import asyncio
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -17,6 +19,7 @@ import pytest
 from events import subjects
 from events.base import Event, JobEvent, RankEvent
 from events.checkpoint import CheckpointCommitted, CheckpointDeleted, DataPosition
+from events.fleet import NodeRegistered
 from events.history import append_to_job, read_job
 from events.jetstream import JetStreamStore
 from events.job import (
@@ -213,3 +216,39 @@ def test_checkpoints_lists_commits_with_the_deleted_marked(nats_server: broker.B
     none = flightdeck("checkpoints", "tiny-drill-eeeeee", "--nats", nats_server.url)
     assert none.returncode == 0 and "no committed checkpoint yet" in none.stdout
     assert flightdeck("checkpoints", "ghost-000000", "--nats", nats_server.url).returncode == 2
+
+
+async def node_events(url: str, node: str) -> list[Event]:
+    store = await JetStreamStore.connect(url)
+    try:
+        found: list[Event] = []
+        async for batch in store.read(subjects.CONTROL, [f"fd.ctl.node.{node}.>"]):
+            found.extend(s.event for s in batch if s.event is not None)
+        return found
+    finally:
+        await store.close()
+
+
+@pytest.mark.timeout(120)
+def test_agent_joins_the_fleet_from_the_environment_up_gives_it_and_stops_on_sigterm(
+        nats_server: broker.Broker, tmp_path: Path) -> None:
+    env = {**os.environ, "FLIGHTDECK_DATA_DIR": str(tmp_path / "data"), "FLIGHTDECK_NATS_URL": nats_server.url}
+    proc = subprocess.Popen([*CLI, "agent", "--node", "extra-1", "--slots", "1", "--device", "cpu"], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not (found := asyncio.run(node_events(nats_server.url, "extra-1"))) and proc.poll() is None:
+            assert time.monotonic() < deadline, "the agent never registered"
+            time.sleep(0.5)
+        registered = found[0]
+        assert isinstance(registered, NodeRegistered) and (registered.kind, registered.slots) == ("cpu", 1)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, out
+        assert (tmp_path / "data").is_dir()  # its data dir came from $FLIGHTDECK_DATA_DIR, as under `up`
+        assert '"event": "agent stopped"' in out  # not a terminal: JSON lines, like every service's log
+    finally:
+        proc.kill()
+        proc.wait()
+    bad = flightdeck("agent", "--slots", "0", "--nats", nats_server.url)
+    assert bad.returncode == 2 and bad.stderr.strip() == "flightdeck agent: --slots must be at least 1"
