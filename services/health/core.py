@@ -132,7 +132,7 @@ def _new_attempt(job: JobWatch, attempt: int, ranks: Sequence[int]) -> None:
     job.stopping = job.paused = False
     job.nonfinite.reset()
     job.stragglers = StragglerWatch()
-    job.spikes.spiking = False  # the loss curve goes on from the restore point; its baseline stays
+    job.spikes.spiking = False  # the loss curve goes on from the restore point: SpikeWatch rewinds to it
 
 
 def _restart_clocks(job: JobWatch, ev: Event, now: float) -> None:

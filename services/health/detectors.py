@@ -187,12 +187,17 @@ class SpikeWatch:
     A loss judged a spike never enters the baseline; one finding per episode, which ends at the first
     loss that is no spike (that one enters the baseline). Non-finite losses are NonFiniteLoss's and are
     skipped. No judgment before step `spike_warmup` or with fewer than MIN_BASELINE losses behind it.
+    A step at or below one in the baseline means the run went back (a rollback, or a restart from a
+    checkpoint): the losses of the steps from there on belong to a timeline that was thrown away, and
+    leave the baseline; otherwise the redone steps, earlier in training, would look like a spike against
+    the lower losses that came after them.
     """
 
-    __slots__ = ("episodes", "spiking", "window")
+    __slots__ = ("episodes", "spiking", "steps", "window")
 
     def __init__(self, size: int) -> None:
         self.window = RobustWindow(size)
+        self.steps: deque[int] = deque()  # the step of each loss in the window, oldest first
         self.spiking = False
         self.episodes = 0  # spikes reported so far: a spike that comes back after a rollback is a new one
 
@@ -200,6 +205,9 @@ class SpikeWatch:
         if not math.isfinite(loss):
             return None
         window = self.window
+        while self.steps and self.steps[-1] >= step:
+            self.steps.pop()
+            window.pop()
         if step >= policy.spike_warmup and len(window) >= min(window.size, MIN_BASELINE):
             median, mad = window.median(), window.mad()
             z = robust_z(loss, median, mad)
@@ -209,6 +217,9 @@ class SpikeWatch:
                 self.spiking, self.episodes = True, self.episodes + 1
                 return Spike(step, loss, median, mad, z, policy.spike_z, self.episodes)
         self.spiking = False
+        if len(window) == window.size:
+            self.steps.popleft()
+        self.steps.append(step)
         window.add(loss)
         return None
 

@@ -32,6 +32,12 @@ class RobustWindow:
         self._order.append(x)
         bisect.insort(self._sorted, x)
 
+    def pop(self) -> float:
+        """Take back the newest value."""
+        x = self._order.pop()
+        del self._sorted[bisect.bisect_left(self._sorted, x)]
+        return x
+
     def median(self) -> float:
         return median_of_sorted(self._sorted)
 
