@@ -1,0 +1,57 @@
+"""The loss-spike drill, end to end on CPU: a `loss_spike` fault makes global batches [S, S+3) noise for every
+rank; the health monitor finds the spike against its robust baseline, the scheduler rolls the job back to a
+committed checkpoint at least policy.rollback_steps_back steps before it and skips a window of batches covering
+the noise, the ranks restore in place (no restart) and the job completes with the loss back below the spike."""
+
+import pytest
+
+from events import subjects
+from events.checkpoint import CheckpointCommitted
+from events.commands import RollbackRequested
+from events.findings import LossSpikeDetected
+from events.job import AllocationGranted, JobCompleted, JobFailed
+from events.spec import FaultSpec
+from events.training import FaultInjected, RolledBack, StepCompleted
+from tests.e2e.drill_harness import drill_spec, wait_lineage
+from tests.integration.lifecycle_harness import Platform
+from tests.integration.test_lifecycle_services import kinds
+
+pytestmark = [pytest.mark.slow]
+STEPS = 60
+SPIKE_AT = 30
+NOISY = 3  # trainer.faults.SPIKE_BATCHES
+
+
+@pytest.mark.timeout(180)
+async def test_a_loss_spike_rolls_back_before_it_and_skips_the_bad_batches(drill: Platform) -> None:
+    p, job = drill, "spike-000001"
+    p.agent("n1", "--grace-s", "2")
+    await p.ready("n1")
+    # A short baseline: on a loss still falling fast, 20 steps back spread the MAD enough to hide a 0.7 jump.
+    spec = drill_spec("spike", steps=STEPS, faults=[FaultSpec(kind="loss_spike", step=SPIKE_AT, rank=0)],
+                      spike_window=10)
+    await p.submit(spec, job)
+    await p.until(lambda: bool(p.seen(JobCompleted, job)) or bool(p.seen(JobFailed, job)), 150,
+                  "the job to end", job)
+    assert p.seen(JobCompleted, job), kinds(p.job(job))
+    assert [e.attempt for e in p.seen(AllocationGranted, job)] == [0]  # rolled back in place, never restarted
+    (spike,) = p.seen(LossSpikeDetected, job)
+    assert SPIKE_AT <= spike.step < SPIKE_AT + NOISY and spike.z > spike.threshold
+    (rollback,) = p.seen(RollbackRequested, job)
+    assert rollback.trigger_id == spike.event_id
+    commits = {e.checkpoint_id: e for e in p.seen(CheckpointCommitted, job)}
+    assert rollback.checkpoint_id in commits and rollback.to_step == commits[rollback.checkpoint_id].step
+    assert rollback.to_step <= spike.step - spec.policy.rollback_steps_back
+    # The noisy batches are global batches [SPIKE_AT, SPIKE_AT + 3): step i reads batch i before any skip.
+    assert rollback.skip_from <= spike.step and rollback.skip_to >= SPIKE_AT + NOISY, rollback
+    assert rollback.skip_to - rollback.skip_from == spec.policy.rollback_skip_batches
+    rolled = p.seen(RolledBack, job, stream=subjects.TELEMETRY)
+    assert rolled and {(e.checkpoint_id, e.to_step, e.skip_from, e.skip_to) for e in rolled} == {
+        (rollback.checkpoint_id, rollback.to_step, rollback.skip_from, rollback.skip_to)}
+    landed = min(e.occurred_at for e in rolled)
+    after = [e for e in p.seen(StepCompleted, job, stream=subjects.TELEMETRY) if e.rank == 0 and e.occurred_at > landed]
+    assert {e.step for e in after} >= set(range(rollback.to_step, STEPS))  # redone from the checkpoint to the end
+    assert max(e.loss for e in after) < spike.loss, (spike.loss, max(e.loss for e in after))
+    (fault,) = p.seen(FaultInjected, job, stream=subjects.TELEMETRY)
+    assert (fault.kind, fault.step) == ("loss_spike", SPIKE_AT)
+    assert await wait_lineage(p, job, STEPS) == []
