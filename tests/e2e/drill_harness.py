@@ -46,6 +46,23 @@ def drill_spec(name: str, *, slots: int = 2, steps: int = 40, checkpoint_every: 
                    policy=msgspec.structs.replace(DRILL_POLICY, **policy), faults=list(faults))
 
 
+CRASH_AT = 22  # rank 1 crashes here in the crash drill
+SPIKE_AT = 30  # global batches [30, 33) are noise in the spike drill
+
+
+def crash_spec() -> JobSpec:
+    return drill_spec("crash", steps=40, faults=[FaultSpec(kind="crash", step=CRASH_AT, rank=1)])
+
+
+def spike_spec() -> JobSpec:
+    # A short baseline: on a loss still falling fast, 20 steps back spread the MAD enough to hide a 0.7 jump.
+    return drill_spec("spike", steps=60, faults=[FaultSpec(kind="loss_spike", step=SPIKE_AT, rank=0)],
+                      spike_window=10)
+
+
+DRILL_SPECS = {"crash": crash_spec, "spike": spike_spec}  # single-node drills by name (tests/fixtures/record_drill.py)
+
+
 @dataclass(frozen=True)
 class DrillObjects(Objects):
     """A local object store, and the drill's environment for every process the platform starts."""
@@ -109,6 +126,16 @@ async def history(store: JetStreamStore, job_id: str) -> list[Stored]:
     for stream, subject in ((subjects.CONTROL, subjects.job_all(job_id)),
                             (subjects.TELEMETRY, subjects.telemetry_job(job_id))):
         async for batch in store.read(stream, [subject]):
+            out += batch
+    return out
+
+
+async def everything(store: JetStreamStore) -> list[Stored]:
+    """Every message of every stream, each stream in order: what a replay of all services needs (clock ticks,
+    fleet events and telemetry included)."""
+    out: list[Stored] = []
+    for stream in (subjects.CONTROL, subjects.TELEMETRY, subjects.DEAD):
+        async for batch in store.read(stream):
             out += batch
     return out
 

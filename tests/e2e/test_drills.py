@@ -10,7 +10,7 @@ from events.findings import RankHung, RankLost
 from events.job import AllocationGranted, JobCompleted, JobFailed, JobResumed, WorkersExited
 from events.spec import FaultSpec
 from events.training import FaultInjected, Heartbeat, RankStarted
-from tests.e2e.drill_harness import drill_spec, lineage_gaps, wait_lineage
+from tests.e2e.drill_harness import CRASH_AT, crash_spec, drill_spec, lineage_gaps, wait_lineage
 from tests.integration.lifecycle_harness import Platform
 from tests.integration.test_lifecycle_services import kinds
 
@@ -36,7 +36,7 @@ async def test_a_crashed_rank_is_restarted_from_the_newest_checkpoint(drill: Pla
     p, job = drill, "crash-000001"
     p.agent("n1", "--grace-s", "2")
     await p.ready("n1")
-    await p.submit(drill_spec("crash", steps=40, faults=[FaultSpec(kind="crash", step=22, rank=1)]), job)
+    await p.submit(crash_spec(), job)
     await run_to_end(p, job)
     assert p.seen(JobCompleted, job), kinds(p.job(job))
     exits = {(e.attempt, e.rank): e.exit_code for e in p.seen(WorkersExited, job)}
@@ -44,7 +44,7 @@ async def test_a_crashed_rank_is_restarted_from_the_newest_checkpoint(drill: Pla
     (resumed,) = p.seen(JobResumed, job)
     restored = restore_point(p, job, 1)
     assert (resumed.attempt, resumed.from_step, resumed.checkpoint_id) == (1, restored.step, restored.checkpoint_id)
-    assert 0 < resumed.from_step <= 22
+    assert 0 < resumed.from_step <= CRASH_AT
     started = p.seen(RankStarted, job, stream=subjects.TELEMETRY)
     assert {e.from_step for e in started if e.attempt == 1} == {resumed.from_step}
     assert await wait_lineage(p, job, 40) == []

@@ -10,15 +10,13 @@ from events.checkpoint import CheckpointCommitted
 from events.commands import RollbackRequested
 from events.findings import LossSpikeDetected
 from events.job import AllocationGranted, JobCompleted, JobFailed
-from events.spec import FaultSpec
 from events.training import FaultInjected, RolledBack, StepCompleted
-from tests.e2e.drill_harness import drill_spec, wait_lineage
+from tests.e2e.drill_harness import SPIKE_AT, spike_spec, wait_lineage
 from tests.integration.lifecycle_harness import Platform
 from tests.integration.test_lifecycle_services import kinds
 
 pytestmark = [pytest.mark.slow]
 STEPS = 60
-SPIKE_AT = 30
 NOISY = 3  # trainer.faults.SPIKE_BATCHES
 
 
@@ -27,9 +25,8 @@ async def test_a_loss_spike_rolls_back_before_it_and_skips_the_bad_batches(drill
     p, job = drill, "spike-000001"
     p.agent("n1", "--grace-s", "2")
     await p.ready("n1")
-    # A short baseline: on a loss still falling fast, 20 steps back spread the MAD enough to hide a 0.7 jump.
-    spec = drill_spec("spike", steps=STEPS, faults=[FaultSpec(kind="loss_spike", step=SPIKE_AT, rank=0)],
-                      spike_window=10)
+    spec = spike_spec()
+    assert (spec.train.steps, spec.faults[0].step) == (STEPS, SPIKE_AT)
     await p.submit(spec, job)
     await p.until(lambda: bool(p.seen(JobCompleted, job)) or bool(p.seen(JobFailed, job)), 150,
                   "the job to end", job)
