@@ -32,7 +32,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m trainer", description="Run one training rank.")
     p.add_argument("--job-id", required=True)
     p.add_argument("--spec", required=True, type=Path, help="TOML job spec")
-    p.add_argument("--attempt", type=int, default=0)
+    p.add_argument("--attempt", type=int, default=None,
+                   help="the job's attempt (default: torchrun's TORCHELASTIC_RESTART_COUNT, else 0)")
     p.add_argument("--node", default=socket.gethostname())
     p.add_argument("--nats", default=None, help="broker URL; absent: telemetry off")
     p.add_argument("--staging", type=Path, default=Path(".flightdeck/staging"))
@@ -63,8 +64,10 @@ def from_args(argv: list[str] | None = None, env: dict[str, str] | None = None) 
     if manifest is None and args.restore is not None:
         manifest = next((args.restore / n for n in ("MANIFEST.json", "manifest.json")
                          if (args.restore / n).exists()), None)
+    # Under plain torchrun a restart re-runs the same command line: its restart count is the attempt.
+    attempt = args.attempt if args.attempt is not None else int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
     return RunConfig(
-        job_id=args.job_id, spec=spec, attempt=args.attempt, node=args.node, nats_url=args.nats,
+        job_id=args.job_id, spec=spec, attempt=attempt, node=args.node, nats_url=args.nats,
         staging=args.staging, restore=args.restore, manifest=manifest, checkpoints=args.checkpoints,
         rank=int(env.get("RANK", "0")), world_size=int(env.get("WORLD_SIZE", "1")),
         local_rank=int(env.get("LOCAL_RANK", "0")), device=device, sync_every=args.sync_every,
