@@ -29,7 +29,7 @@ from events.spec import parse_spec
 from events.store import EventStore, Stored
 from events.training import FaultInjected, RankFault, RolledBack, StepCompleted
 from services import broker
-from services.console import jobview
+from services.console import jobview, upstate
 from services.console.checkpoints_cmd import size
 from services.console.connect import open_store
 from services.console.jobview import JobView
@@ -222,6 +222,11 @@ def main(argv: list[str] | None = None) -> int:
         print()
         flightdeck("down", "--data-dir", str(data_dir), timeout_s=60.0)
     took = duration(time.monotonic() - started)
+    if upstate.lock_held(data_dir):
+        state = upstate.read_state(data_dir)
+        print(f"\ndemo FAILED: `flightdeck down` left flightdeck up running (supervisor pid "
+              f"{state.pid if state else '?'}); stop it with `flightdeck down --data-dir {data_dir}`")
+        return 1
     if interrupted:
         return 130
     if view is None or view.phase != "completed":
