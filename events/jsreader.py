@@ -155,7 +155,10 @@ class Replay:
             pending = await self._restart(forever=following)
             while end is None or (pending > 0 and self.next_seq <= end):
                 try:
-                    await asyncio.wait_for(self._wake.wait(), timeout=3 * self._heartbeat_s)
+                    # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancel that lands as
+                    # the inner wait completes (gh-86296), so a cancelled follower could run on.
+                    async with asyncio.timeout(3 * self._heartbeat_s):
+                        await self._wake.wait()
                 except TimeoutError:
                     log.info("replay consumer silent, recreating", stream=self._stream, next_seq=self.next_seq)
                     pending = await self._restart(forever=following)

@@ -72,5 +72,6 @@ class Connection:
 
 
 async def sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
-    with contextlib.suppress(asyncio.TimeoutError):
-        await asyncio.wait_for(stop.wait(), seconds)
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(seconds):  # not wait_for: it can swallow a cancel on 3.11 (gh-86296)
+            await stop.wait()

@@ -25,6 +25,7 @@ from events.job import JobCompleted, JobQueued, JobSubmitted
 from events.spec import JobSpec
 from events.training import StepCompleted
 from services import broker, registry
+from services.console import up as up_mod
 from services.console import upstate
 
 pytestmark = pytest.mark.timeout(60)
@@ -86,7 +87,7 @@ async def seed_job(url: str, job_id: str) -> None:
 def test_up_detach_starts_the_broker_and_every_service(up: Up) -> None:
     s = state(up)
     assert s.status == "ready" and s.url == up.url and s.port == up.port
-    assert sorted(s.processes) == sorted(registry.names())
+    assert sorted(s.processes) == sorted([*registry.names(), *(name for name, _ in up_mod.OTHER_PROCESSES)])
     assert all(pid is not None and upstate.alive(pid) for pid in s.processes.values())
     assert s.broker_pid is not None and upstate.alive(s.broker_pid) and upstate.alive(s.pid)
     assert f"flightdeck is up: broker {up.url}" in up.stdout
