@@ -4,7 +4,7 @@ import asyncio
 
 import msgspec
 import pytest
-from store_fixtures import AnyStore, queued, store
+from tests.contract.store_fixtures import AnyStore, queued, store
 
 from events import subjects
 from events.history import HistoryGap, append_to_job, read_job, version_of

@@ -4,7 +4,7 @@ import asyncio
 import contextlib
 
 import pytest
-from store_fixtures import AnyStore, collect, queued, read_all, step, store, tick, within
+from tests.contract.store_fixtures import AnyStore, collect, queued, read_all, step, store, tick, within
 
 from events import subjects
 from events.store import ConcurrencyConflict

@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-from runtime_helpers import bus_at, eventually, read_all, spawn_service
 
 from events import subjects
 from events.base import JobEvent
@@ -25,6 +24,7 @@ from services import broker as broker_mod
 from services.fold import comparable, outputs_of, replay
 from services.health.core import core_service
 from services.runtime import run_service
+from tests.integration.runtime_helpers import bus_at, eventually, read_all, spawn_service
 
 pytestmark = pytest.mark.timeout(60)
 

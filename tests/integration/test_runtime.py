@@ -13,9 +13,6 @@ from typing import Any
 
 import msgspec
 import pytest
-import toy_service
-from conftest import restart_broker
-from runtime_helpers import Bus, assert_exactly_once, bus_at, eventually, read_all, spawn_service, submissions
 
 from events import subjects
 from events.clock import ClockTick, DeadLettered
@@ -29,6 +26,17 @@ from services import broker as broker_mod
 from services.core import Service
 from services.fold import comparable, outputs_of, replay
 from services.runtime import ConsumerPolicy, PublishDenied, consumer_name, run_service
+from tests.conftest import restart_broker
+from tests.integration import toy_service
+from tests.integration.runtime_helpers import (
+    Bus,
+    assert_exactly_once,
+    bus_at,
+    eventually,
+    read_all,
+    spawn_service,
+    submissions,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
