@@ -4,11 +4,11 @@ import asyncio
 
 import msgspec
 import pytest
-from tests.contract.store_fixtures import AnyStore, queued, store
 
 from events import subjects
 from events.history import HistoryGap, append_to_job, read_job, version_of
 from events.job import JobCompleted, JobQueued
+from tests.contract.store_fixtures import AnyStore, queued, store
 
 __all__ = ["store"]
 

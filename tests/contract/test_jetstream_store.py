@@ -8,7 +8,6 @@ from typing import TypeVar
 import pytest
 from nats.aio.client import ServerVersion
 from nats.js.api import DiscardPolicy, StorageType
-from tests.contract.store_fixtures import collect, queued, read_all, within
 
 from events import subjects
 from events.jetstream import JetStreamStore
@@ -17,6 +16,7 @@ from events.streams import ServerTooOld, check_server_version, ensure_streams
 from events.subjects import CONTROL, DEAD, TELEMETRY
 from services.broker import Broker, free_port
 from tests.conftest import restart_broker
+from tests.contract.store_fixtures import collect, queued, read_all, within
 
 pytestmark = pytest.mark.timeout(60)
 T = TypeVar("T")
