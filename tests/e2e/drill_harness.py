@@ -15,6 +15,7 @@ Policies are tuned short (heartbeats every 0.5 s, lost after 4 misses, hung afte
 import asyncio
 import base64
 import json
+import signal
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -48,16 +49,29 @@ def drill_spec(name: str, *, slots: int = 2, steps: int = 40, checkpoint_every: 
 
 CRASH_AT = 22  # rank 1 crashes here in the crash drill
 SPIKE_AT = 30  # global batches [30, 33) are noise in the spike drill
+KILL_AFTER_STEP = 12  # the lost-node drill kills agent n2 once this step is done
+
+
+def paced(seconds: float = 0.1) -> FaultSpec:
+    """Attempt 0 at about 1/seconds steps a second (a `slow` fault on rank 0; the other rank waits for it in
+    every all-reduce), so checkpoints are committed before a later fault: a commit lands a second or so after
+    its step, and the tiny model runs 20-100 steps a second."""
+    return FaultSpec(kind="slow", step=0, rank=0, seconds=seconds)
 
 
 def crash_spec() -> JobSpec:
-    return drill_spec("crash", steps=40, faults=[FaultSpec(kind="crash", step=CRASH_AT, rank=1)])
+    return drill_spec("crash", steps=40, faults=[paced(), FaultSpec(kind="crash", step=CRASH_AT, rank=1)])
 
 
 def spike_spec() -> JobSpec:
     # A short baseline: on a loss still falling fast, 20 steps back spread the MAD enough to hide a 0.7 jump.
-    return drill_spec("spike", steps=60, faults=[FaultSpec(kind="loss_spike", step=SPIKE_AT, rank=0)],
+    return drill_spec("spike", steps=60, faults=[paced(), FaultSpec(kind="loss_spike", step=SPIKE_AT, rank=0)],
                       spike_window=10)
+
+
+def lost_node_spec() -> JobSpec:
+    """Two ranks that may shrink to one (policy.min_slots = 1), for two single-slot nodes."""
+    return drill_spec("lostnode", slots=2, steps=40, faults=[paced()], min_slots=1)
 
 
 DRILL_SPECS = {"crash": crash_spec, "spike": spike_spec}  # single-node drills by name (tests/fixtures/record_drill.py)
@@ -93,6 +107,26 @@ async def drill(nats_server: broker_mod.Broker, tmp_path: Path) -> AsyncIterator
                 await export(p, job_id, tmp_path / f"{job_id}.history.jsonl")
         finally:
             await p.close()
+
+
+async def start_two_nodes(p: Platform) -> None:
+    """Agents n1 and n2, one CPU slot each, each with its own data dir as on two hosts."""
+    p.agent("n1", "--slots", "1", "--grace-s", "2")
+    p.agent("n2", "--slots", "1", "--grace-s", "2", "--data-dir", str(p.root / "data-n2"))
+    await p.ready("n1")
+    await p.ready("n2")
+
+
+async def kill_agent_mid_run(p: Platform, job_id: str, node: str = "n2", after_step: int = KILL_AFTER_STEP) -> float:
+    """SIGKILL the node's agent (its ranks die with it) once attempt 0 has done `after_step` steps; when, by
+    time.monotonic()."""
+    await p.until(lambda: any(e.attempt == 0 and e.step >= after_step
+                              for e in p.seen(StepCompleted, job_id, stream=subjects.TELEMETRY)),
+                  90, f"step {after_step}", job_id)
+    killed = time.monotonic()
+    p.procs[f"agent-{node}"].send_signal(signal.SIGKILL)
+    p.procs[f"agent-{node}"].wait(10)
+    return killed
 
 
 # -- what a drill asserts ------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ keeps each job's whole history as `<tmp>/<job>.history.jsonl` (tests/e2e/drill_h
 import pytest
 
 from events import subjects
-from events.checkpoint import CheckpointCommitted
+from events.checkpoint import CheckpointCommitted, CheckpointDeleted
 from events.findings import RankHung, RankLost
 from events.job import AllocationGranted, JobCompleted, JobFailed, JobResumed, WorkersExited
 from events.spec import FaultSpec
@@ -17,13 +17,15 @@ from tests.integration.test_lifecycle_services import kinds
 pytestmark = [pytest.mark.slow]
 
 
-def restore_point(p: Platform, job_id: str, attempt: int) -> CheckpointCommitted:
-    """The newest checkpoint committed before `attempt` was granted: what it must resume from."""
+def restore_point(p: Platform, job_id: str, attempt: int) -> tuple[int, str]:
+    """The step and id of the newest checkpoint committed before `attempt` was granted (0 and "" if none): what
+    the attempt must resume from."""
     history = p.job(job_id)
     grant = next(i for i, e in enumerate(history) if isinstance(e, AllocationGranted) and e.attempt == attempt)
-    deleted = {e.checkpoint_id for e in history[:grant] if type(e).__name__ == "CheckpointDeleted"}
+    deleted = {e.checkpoint_id for e in history[:grant] if isinstance(e, CheckpointDeleted)}
     commits = [e for e in history[:grant] if isinstance(e, CheckpointCommitted) and e.checkpoint_id not in deleted]
-    return max(commits, key=lambda c: c.step)
+    newest = max(commits, key=lambda c: c.step, default=None)
+    return (newest.step, newest.checkpoint_id) if newest else (0, "")
 
 
 async def run_to_end(p: Platform, job_id: str, within: float = 150.0) -> None:
@@ -42,9 +44,8 @@ async def test_a_crashed_rank_is_restarted_from_the_newest_checkpoint(drill: Pla
     exits = {(e.attempt, e.rank): e.exit_code for e in p.seen(WorkersExited, job)}
     assert exits[(0, 1)] == 3 and exits[(1, 0)] == exits[(1, 1)] == 0
     (resumed,) = p.seen(JobResumed, job)
-    restored = restore_point(p, job, 1)
-    assert (resumed.attempt, resumed.from_step, resumed.checkpoint_id) == (1, restored.step, restored.checkpoint_id)
-    assert 0 < resumed.from_step <= CRASH_AT
+    assert (resumed.attempt, (resumed.from_step, resumed.checkpoint_id)) == (1, restore_point(p, job, 1))
+    assert 0 < resumed.from_step <= CRASH_AT  # paced: commits landed before the crash
     started = p.seen(RankStarted, job, stream=subjects.TELEMETRY)
     assert {e.from_step for e in started if e.attempt == 1} == {resumed.from_step}
     assert await wait_lineage(p, job, 40) == []
@@ -70,7 +71,7 @@ async def test_a_hung_rank_is_found_by_its_frozen_step_and_the_job_restarts(dril
     assert all(e.step == 17 and e.stalled_s > e.deadline_s >= 3.0 for e in hung), hung
     assert {e.rank for e in p.seen(WorkersExited, job) if e.attempt == 0} == {0, 1}
     (resumed,) = p.seen(JobResumed, job)
-    assert resumed.attempt == 1 and resumed.from_step == restore_point(p, job, 1).step
+    assert resumed.attempt == 1 and (resumed.from_step, resumed.checkpoint_id) == restore_point(p, job, 1)
     assert await wait_lineage(p, job, 40) == []
 
 

@@ -3,7 +3,6 @@ as on two hosts), a 2-rank job that may shrink to one (policy.min_slots = 1), an
 mid-run (its rank dies with it, PR_SET_PDEATHSIG). With no spare the job must shrink to the node left: n2 is
 found lost, the job is resharded 2 -> 1, resumes from a committed checkpoint on one rank and completes."""
 
-import signal
 import time
 
 import pytest
@@ -13,37 +12,13 @@ from events.checkpoint import CheckpointCommitted
 from events.fleet import NodeLost
 from events.job import AllocationRequested, JobCompleted, JobFailed, JobResumed
 from events.plan import ReshardPlanned
-from events.spec import JobSpec
-from events.training import RankStarted, StepCompleted
-from tests.e2e.drill_harness import drill_spec, wait_lineage
+from events.training import RankStarted
+from tests.e2e.drill_harness import kill_agent_mid_run, lost_node_spec, start_two_nodes, wait_lineage
 from tests.integration.lifecycle_harness import Platform
 from tests.integration.test_lifecycle_services import kinds
 
 pytestmark = [pytest.mark.slow]
 STEPS = 40
-KILL_AFTER_STEP = 12
-
-
-def lost_node_spec() -> JobSpec:
-    return drill_spec("lostnode", slots=2, steps=STEPS, min_slots=1)
-
-
-async def start_two_nodes(p: Platform) -> None:
-    p.agent("n1", "--slots", "1", "--grace-s", "2")
-    p.agent("n2", "--slots", "1", "--grace-s", "2", "--data-dir", str(p.root / "data-n2"))
-    await p.ready("n1")
-    await p.ready("n2")
-
-
-async def kill_agent_mid_run(p: Platform, job_id: str, node: str = "n2") -> float:
-    """SIGKILL the node's agent once attempt 0 has done KILL_AFTER_STEP steps; when (time.time())."""
-    await p.until(lambda: any(e.attempt == 0 and e.step >= KILL_AFTER_STEP
-                              for e in p.seen(StepCompleted, job_id, stream=subjects.TELEMETRY)),
-                  90, f"step {KILL_AFTER_STEP}", job_id)
-    killed = time.time()
-    p.procs[f"agent-{node}"].send_signal(signal.SIGKILL)
-    p.procs[f"agent-{node}"].wait(10)
-    return killed
 
 
 @pytest.mark.timeout(200)
@@ -51,7 +26,8 @@ async def test_a_lost_node_shrinks_the_job_to_the_node_left_and_it_completes(dri
     p, job = drill, "lostnode-000001"
     await start_two_nodes(p)
     await p.submit(lost_node_spec(), job)
-    killed = await kill_agent_mid_run(p, job)
+    assert lost_node_spec().train.steps == STEPS
+    killed = await kill_agent_mid_run(p, job) + time.time() - time.monotonic()  # as a wall-clock time
     await p.until(lambda: bool(p.seen(JobCompleted, job)) or bool(p.seen(JobFailed, job)), 150,
                   "the job to end", job)
     assert p.seen(JobCompleted, job), kinds(p.job(job))

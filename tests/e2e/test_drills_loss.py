@@ -26,7 +26,7 @@ async def test_a_loss_spike_rolls_back_before_it_and_skips_the_bad_batches(drill
     p.agent("n1", "--grace-s", "2")
     await p.ready("n1")
     spec = spike_spec()
-    assert (spec.train.steps, spec.faults[0].step) == (STEPS, SPIKE_AT)
+    assert spec.train.steps == STEPS
     await p.submit(spec, job)
     await p.until(lambda: bool(p.seen(JobCompleted, job)) or bool(p.seen(JobFailed, job)), 150,
                   "the job to end", job)
@@ -49,6 +49,6 @@ async def test_a_loss_spike_rolls_back_before_it_and_skips_the_bad_batches(drill
     after = [e for e in p.seen(StepCompleted, job, stream=subjects.TELEMETRY) if e.rank == 0 and e.occurred_at > landed]
     assert {e.step for e in after} >= set(range(rollback.to_step, STEPS))  # redone from the checkpoint to the end
     assert max(e.loss for e in after) < spike.loss, (spike.loss, max(e.loss for e in after))
-    (fault,) = p.seen(FaultInjected, job, stream=subjects.TELEMETRY)
-    assert (fault.kind, fault.step) == ("loss_spike", SPIKE_AT)
+    (fault,) = [e for e in p.seen(FaultInjected, job, stream=subjects.TELEMETRY) if e.kind == "loss_spike"]
+    assert fault.step == SPIKE_AT
     assert await wait_lineage(p, job, STEPS) == []

@@ -1,0 +1,210 @@
+"""Recovery times on CPU: how long the platform takes to notice a fault and to have the job training again, for
+a crashed rank, a hung rank and a lost node, split into the parts the event log can tell apart. Each run starts
+a fresh nats-server, every service (`python -m services NAME`) and the drill's node agents, runs a 2-rank tiny
+job (tests/e2e/drill_harness.py: the drill policy, heartbeats every 0.5 s, lost after 4 misses, hung after 3 s,
+a checkpoint every 5 steps) with the fault, and reads the job's history.
+
+    .venv/bin/python bench/recovery_times.py                      # crash, hang, lost_node; 2 runs each
+    .venv/bin/python bench/recovery_times.py --faults crash --runs 3 --out bench/results/cpu-recovery.json
+
+Marks (one timeline: control events when the bench's recorder received them, rank events by their own clock,
+which is this machine's):
+    fault       crash/hang: the rank's FaultInjected; lost_node: the bench SIGKILLs agent n2 (its rank dies with it)
+    detected    the first WorkersExited (non-zero), RankLost, RankHung or NodeLost of the faulted attempt
+    granted     AllocationGranted of the attempt that recovers (lost_node: the shrunk one, after NodeLost)
+    spawned     its WorkersStarted (the last node's): the agent killed what was left and started the ranks
+    ready       the last of its RankStarted: interpreter, imports (torch), rendezvous, model, restore
+    first step  its first StepCompleted
+Parts: detect = detected - fault, decide = granted - detected (the scheduler's restart decision and the grant;
+for lost_node also the wasted restart on both nodes and the wait for NodeLost), spawn, startup (ready - spawned)
+and first_step; recover = first step - fault. For reference, `import_s` is `python -c "import trainer.loop"`
+alone and `restore_s` one in-process load of the checkpoint the job resumed from (after imports): the parts of
+`startup` that are importing and restoring.
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from events import subjects  # noqa: E402
+from events.fleet import NodeLost  # noqa: E402
+from events.job import AllocationGranted, JobCompleted, JobFailed, JobResumed, WorkersExited, WorkersStarted  # noqa: E402
+from events.spec import FaultSpec, JobSpec  # noqa: E402
+from events.training import FaultInjected, RankStarted, StepCompleted  # noqa: E402
+from services import broker  # noqa: E402
+from tests.e2e.drill_harness import drill_spec, kill_agent_mid_run, lost_node_spec, start_drill, start_two_nodes  # noqa: E402
+from tests.integration.lifecycle_harness import Platform  # noqa: E402
+
+FAULTS = ("crash", "hang", "lost_node")
+PARTS = ("detect", "decide", "spawn", "startup", "first_step")
+DETECTIONS = ("WorkersExited", "RankLost", "RankHung", "NodeLost")
+FAULT_AT = 40
+PACE_S = 0.05
+
+
+def spec_for(fault: str) -> JobSpec:
+    if fault == "lost_node":
+        return lost_node_spec()
+    # Paced at ~20 steps/s in attempt 0 (a `slow` fault), so checkpoints are committed before the fault.
+    pace = FaultSpec(kind="slow", step=0, rank=0, seconds=PACE_S)
+    rank = 1 if fault == "crash" else 0
+    return drill_spec(f"b{fault}", steps=80, faults=[pace, FaultSpec(kind=fault, step=FAULT_AT, rank=rank)])  # type: ignore[arg-type]
+
+
+def import_seconds() -> float:
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import trainer.loop"], cwd=ROOT, check=True)
+    return time.perf_counter() - started
+
+
+def restore_seconds(spec_file: Path, checkpoint: Path) -> float:
+    """One in-process load of `checkpoint` into the job's model on one rank (torch already imported)."""
+    code = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "import torch\n"
+        "from events.spec import parse_spec\n"
+        "from trainer import checkpointing, model\n"
+        "from trainer.data import TokenStream, load_tokens\n"
+        "from trainer.distributed import Dist\n"
+        "spec = parse_spec(Path(sys.argv[1]).read_bytes())\n"
+        "m = model.build(spec.model, spec.train.seed, torch.device('cpu'))\n"
+        "opt = torch.optim.AdamW(m.parameters(), lr=spec.train.lr, fused=True)\n"
+        "live = checkpointing.train_state(m, opt)\n"
+        "stream = TokenStream(load_tokens(spec.train.data, spec.model.vocab_size), seq_len=spec.model.seq_len,"
+        " batch_size=spec.train.batch_size, seed=spec.train.seed, rank=0, world_size=1,"
+        " vocab_size=spec.model.vocab_size)\n"
+        "t = time.perf_counter()\n"
+        "checkpointing.load(Path(sys.argv[2]), live, stream, Dist(0, 1, torch.device('cpu'), None, None))\n"
+        "print(time.perf_counter() - t)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(spec_file), str(checkpoint)], cwd=ROOT, check=True,
+                         capture_output=True, text=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+async def keep_restore_points(p: Platform, job_id: str, into: Path) -> None:
+    """Copy each checkpoint a JobResumed names out of agent n1's cache as soon as it is there: the agent evicts
+    its copies when the job ends, and retention deletes them from the store."""
+    kept: set[str] = set()
+    while True:
+        for ev in p.seen(JobResumed, job_id):
+            src = p.data / "cache" / job_id / ev.checkpoint_id
+            if ev.checkpoint_id and ev.checkpoint_id not in kept and (src / ".metadata").exists():
+                await asyncio.to_thread(shutil.copytree, src, into / ev.checkpoint_id)
+                await asyncio.to_thread(shutil.copy, p.data / "jobs" / job_id / "spec.toml", into / "spec.toml")
+                kept.add(ev.checkpoint_id)
+        await asyncio.sleep(0.05)
+
+
+def arrival(p: Platform, kind: type, job_id: str, pick: Any = lambda e: True) -> float:
+    return next(s.at for s in p.control if isinstance(s.stored.event, kind)
+                and subjects.job_of(s.stored.subject) == job_id and pick(s.stored.event))
+
+
+async def one_run(fault: str, n: int) -> dict[str, float]:
+    spec = spec_for(fault)
+    job = f"{spec.name}-{n:06x}"
+    offset = time.time() - time.monotonic()  # rank clocks (wall) onto the bench's monotonic timeline
+    with tempfile.TemporaryDirectory(prefix="fd-recovery-") as tmp:
+        root = Path(tmp)
+        b = broker.start(root / "nats")
+        p = await start_drill(b.url, root)
+        try:
+            if fault == "lost_node":
+                await start_two_nodes(p)
+            else:
+                p.agent("n1", "--grace-s", "2")
+                await p.ready("n1", within=120)
+            await p.submit(spec, job)
+            keeper = asyncio.create_task(keep_restore_points(p, job, root / "kept"))
+            killed = await kill_agent_mid_run(p, job) if fault == "lost_node" else 0.0
+            await p.until(lambda: bool(p.seen(JobCompleted, job) or p.seen(JobFailed, job)), 240, "the job to end", job)
+            keeper.cancel()
+            assert p.seen(JobCompleted, job), f"{fault}: the job did not complete"
+            final = p.seen(JobResumed, job)[-1]
+            a = final.attempt
+            if fault == "lost_node":
+                t_fault = killed
+            else:
+                (inj,) = [e for e in p.seen(FaultInjected, job, stream=subjects.TELEMETRY) if e.kind == fault]
+                t_fault = inj.occurred_at - offset
+            t_detect = min(s.at for s in p.control if subjects.job_of(s.stored.subject) in (job, None)
+                           and type(s.stored.event).__name__ in DETECTIONS and s.at >= t_fault
+                           and (not isinstance(s.stored.event, WorkersExited) or s.stored.event.exit_code != 0))
+            t_granted = arrival(p, AllocationGranted, job, lambda e: e.attempt == a)
+            t_spawned = max(s.at for s in p.control if isinstance(s.stored.event, WorkersStarted)
+                            and s.stored.event.job_id == job and s.stored.event.attempt == a)
+            tel = [e for e in p.seen(RankStarted, job, stream=subjects.TELEMETRY) if e.attempt == a]
+            t_ready = max(e.occurred_at for e in tel) - offset
+            t_first = min(e.occurred_at for e in p.seen(StepCompleted, job, stream=subjects.TELEMETRY)
+                          if e.attempt == a) - offset
+            marks = [t_fault, t_detect, t_granted, t_spawned, t_ready, t_first]
+            out = {part: marks[i + 1] - marks[i] for i, part in enumerate(PARTS)}
+            out["recover"] = t_first - t_fault
+            if fault == "lost_node":
+                out["node_lost"] = next(s.at for s in p.control if isinstance(s.stored.event, NodeLost)) - t_fault
+            out["resumed_from_step"] = float(final.from_step)
+            kept = root / "kept" / final.checkpoint_id
+            out["restore_s"] = restore_seconds(root / "kept" / "spec.toml", kept) if final.checkpoint_id else 0.0
+        finally:
+            await p.close()
+            b.stop()
+    out["import_s"] = import_seconds()
+    return out
+
+
+async def bench(faults: list[str], runs: int) -> dict[str, list[dict[str, float]]]:
+    results: dict[str, list[dict[str, float]]] = {f: [] for f in faults}
+    for n in range(1, runs + 1):  # interleaved, so a busy spell of the box does not land on one fault only
+        for fault in faults:
+            results[fault].append(await one_run(fault, n))
+            print(f"{fault} run {n}: " + json.dumps({k: round(v, 3) for k, v in results[fault][-1].items()}),
+                  flush=True)
+    return results
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated, of {', '.join(FAULTS)}")
+    ap.add_argument("--out", type=Path, default=None, help="write the runs and medians here as JSON")
+    args = ap.parse_args()
+    faults = [f for f in args.faults.split(",") if f]
+    if args.runs < 1 or not faults or set(faults) - set(FAULTS):
+        ap.error(f"--runs must be at least 1 and --faults a list of {', '.join(FAULTS)}")
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
+    results = asyncio.run(bench(faults, args.runs))
+    median = {f: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for f, rs in results.items()}
+    report = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                          "platform": platform.platform()},
+              "policy": {"heartbeat_interval_s": 0.5, "heartbeat_misses": 4, "hang_min_s": 3.0,
+                         "checkpoint_every": 5, "health_tick_s": 0.5, "agent_grace_s": 2.0},
+              "runs": results, "median": median}
+    keys = [*PARTS, "recover"]
+    print("median seconds " + " ".join(f"{k:>10}" for k in keys))
+    for f, m in median.items():
+        print(f"{f:<14} " + " ".join(f"{m[k]:10.3f}" for k in keys))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
