@@ -1,10 +1,13 @@
 """Shared fixtures: a real nats-server with JetStream on a free port and a temp store."""
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
+import nats
 import pytest
 
+from events.streams import ensure_streams
 from services import broker as broker_mod
 
 
@@ -20,3 +23,16 @@ def restart_broker(b: broker_mod.Broker) -> broker_mod.Broker:
     """Stop and start the same server (same port, same store): what a broker restart looks like."""
     b.stop()
     return broker_mod.start(b.store_dir, b.port)
+
+
+def ensure_streams_at(url: str) -> None:
+    """Provision the three streams on the server at `url`, as every service does at start."""
+
+    async def go() -> None:
+        nc = await nats.connect(url)
+        try:
+            await ensure_streams(nc.jetstream())
+        finally:
+            await nc.close()
+
+    asyncio.run(go())

@@ -12,28 +12,11 @@ from events.base import Event, JobEvent
 from events.commands import CheckpointRequested, PauseRequested, ResumeRequested, StopRequested
 from events.job import JobQueued
 from services import broker as broker_mod
-from tests.conftest import restart_broker
+from tests.conftest import ensure_streams_at, restart_broker
 from trainer.commands import CommandInbox
 
 JOB = "job-c"
 
-
-def _ensure_streams(url: str) -> None:
-    async def go() -> None:
-        nc = await nats.connect(url)
-        try:
-            try:
-                from events.streams import ensure_streams  # provisioning by the services, when it exists
-            except ImportError:
-                js = nc.jetstream()
-                for name, pattern in subjects.STREAM_SUBJECTS.items():
-                    await js.add_stream(name=name, subjects=[pattern])
-            else:
-                await ensure_streams(nc.jetstream())
-        finally:
-            await nc.close()
-
-    asyncio.run(go())
 
 
 def _append(url: str, *events: JobEvent) -> None:
@@ -65,7 +48,7 @@ def _reasons(events: list[Event]) -> list[tuple[str, str]]:
 
 @pytest.mark.timeout(30)
 def test_commands_arrive_in_order_and_earlier_ones_are_ignored(nats_server: broker_mod.Broker) -> None:
-    _ensure_streams(nats_server.url)
+    ensure_streams_at(nats_server.url)
     _append(nats_server.url, StopRequested(job_id=JOB, reason="a previous attempt's"))
     inbox = CommandInbox(nats_server.url, JOB, 0, 1)
     inbox.start()
@@ -89,7 +72,7 @@ def test_commands_arrive_in_order_and_earlier_ones_are_ignored(nats_server: brok
 
 @pytest.mark.timeout(60)
 def test_inbox_keeps_working_across_broker_restarts(nats_server: broker_mod.Broker) -> None:
-    _ensure_streams(nats_server.url)
+    ensure_streams_at(nats_server.url)
     _append(nats_server.url, StopRequested(job_id=JOB, reason="old"))
     inbox = CommandInbox(nats_server.url, JOB, 0, 0)
     inbox.start()
@@ -114,7 +97,7 @@ def test_inbox_keeps_working_across_broker_restarts(nats_server: broker_mod.Brok
 
 @pytest.mark.timeout(30)
 def test_inbox_started_while_the_broker_is_down_gets_what_came_after_start(nats_server: broker_mod.Broker) -> None:
-    _ensure_streams(nats_server.url)
+    ensure_streams_at(nats_server.url)
     _append(nats_server.url, StopRequested(job_id=JOB, reason="old"))
     nats_server.stop()
     inbox = CommandInbox(nats_server.url, JOB, 0, 0)

@@ -17,28 +17,11 @@ from events.base import Event, RankEvent
 from events.checkpoint import CheckpointStaged, DataPosition
 from events.training import FaultInjected, Heartbeat, RankFault, RankStarted, StepCompleted
 from services import broker as broker_mod
-from tests.conftest import restart_broker
+from tests.conftest import ensure_streams_at, restart_broker
 from trainer.telemetry import Backlog, Telemetry
 
 JOB = "job-t"
 
-
-def _ensure_streams(url: str) -> None:
-    async def go() -> None:
-        nc = await nats.connect(url)
-        try:
-            try:
-                from events.streams import ensure_streams  # provisioning by the services, when it exists
-            except ImportError:
-                js = nc.jetstream()
-                for name, pattern in subjects.STREAM_SUBJECTS.items():
-                    await js.add_stream(name=name, subjects=[pattern])
-            else:
-                await ensure_streams(nc.jetstream())
-        finally:
-            await nc.close()
-
-    asyncio.run(go())
 
 
 def _read(url: str, pattern: str) -> list[tuple[str, Event]]:
@@ -92,7 +75,7 @@ def test_backlog_drops_oldest_droppable_and_keeps_kept_events_in_order() -> None
 
 @pytest.mark.timeout(30)
 def test_events_arrive_in_order_on_their_subjects(nats_server: broker_mod.Broker) -> None:
-    _ensure_streams(nats_server.url)
+    ensure_streams_at(nats_server.url)
     tel = Telemetry(nats_server.url, JOB, 0, 2, "node-a", heartbeat_s=60)
     tel.start()
     sent: list[RankEvent] = [RankStarted(job_id=JOB, rank=0, attempt=2, world_size=1, from_step=0, device="cpu")]
@@ -114,7 +97,7 @@ def test_events_arrive_in_order_on_their_subjects(nats_server: broker_mod.Broker
 
 @pytest.mark.timeout(60)
 def test_broker_restart_loses_no_fault(nats_server: broker_mod.Broker) -> None:
-    _ensure_streams(nats_server.url)
+    ensure_streams_at(nats_server.url)
     tel = Telemetry(nats_server.url, JOB, 0, 0, "node-a", heartbeat_s=0.2)
     tel.start()
     sent: list[RankEvent] = []
@@ -152,7 +135,7 @@ def test_broker_restart_loses_no_fault(nats_server: broker_mod.Broker) -> None:
 
 @pytest.mark.timeout(40)
 def test_full_backlog_drops_heartbeats_and_steps_but_not_faults(nats_server: broker_mod.Broker) -> None:
-    _ensure_streams(nats_server.url)
+    ensure_streams_at(nats_server.url)
     nats_server.stop()  # the rank starts with its broker away
     tel = Telemetry(nats_server.url, JOB, 0, 0, "node-a", heartbeat_s=60, capacity=100)
     tel.start()
@@ -179,7 +162,7 @@ def test_full_backlog_drops_heartbeats_and_steps_but_not_faults(nats_server: bro
 
 @pytest.mark.timeout(30)
 def test_heartbeats_continue_while_the_step_is_stuck_and_stop_on_close(nats_server: broker_mod.Broker) -> None:
-    _ensure_streams(nats_server.url)
+    ensure_streams_at(nats_server.url)
     tel = Telemetry(nats_server.url, JOB, 0, 0, "node-a", heartbeat_s=0.1)
     tel.start()
     tel.set_step(41)
@@ -208,7 +191,7 @@ os.kill(os.getpid(), signal.SIGKILL)
 
 @pytest.mark.timeout(30)
 def test_a_dead_process_stops_heartbeating(nats_server: broker_mod.Broker) -> None:
-    _ensure_streams(nats_server.url)
+    ensure_streams_at(nats_server.url)
     proc = subprocess.run([sys.executable, "-c", DYING_RANK, nats_server.url], timeout=20,
                           cwd=Path(__file__).resolve().parents[2])
     assert proc.returncode == -9
@@ -240,7 +223,7 @@ def test_emit_never_blocks_when_the_broker_is_down() -> None:
 
 @pytest.mark.timeout(60)
 def test_emit_costs_microseconds(nats_server: broker_mod.Broker) -> None:
-    _ensure_streams(nats_server.url)
+    ensure_streams_at(nats_server.url)
     tel = Telemetry(nats_server.url, JOB, 0, 0, "node-a")
     tel.start()
     e = _step(1)
@@ -268,7 +251,7 @@ def test_no_url_makes_telemetry_a_no_op() -> None:
 
 @pytest.mark.timeout(40)
 def test_close_with_a_long_backlog_lands_the_fault_first(nats_server: broker_mod.Broker) -> None:
-    _ensure_streams(nats_server.url)
+    ensure_streams_at(nats_server.url)
     tel = Telemetry(nats_server.url, JOB, 0, 0, "node-a", heartbeat_s=60, capacity=30_000)
     tel.start()
     for i in range(20_000):  # ~10 s of publishing at the ~2k msg/s an fsync-always broker stores here
