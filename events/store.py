@@ -62,32 +62,26 @@ class EventStore(Protocol):
         """Store `event` under `subject`. `msg_id` de-duplicates (default: the event id). With
         `expected_last_seq`, append only if the last message on `fence` (default `subject`, may be a
         wildcard) has that sequence (0: none); else raise ConcurrencyConflict."""
-        ...
 
     async def append_batch(self, items: Sequence[tuple[str, Event]]) -> list[AppendResult]:
         """Store many unfenced events, pipelined; results in the same order."""
-        ...
 
     def read(
         self, stream: str, subjects: Sequence[str] = (), *, from_seq: int = 1, until_seq: int = 0
     ) -> AsyncIterator[list[Stored]]:
         """The stored messages from `from_seq` up to `until_seq` (0: the end at the time of the
         call), filtered by `subjects` (empty: all), in order, in batches."""
-        ...
 
     def follow(
         self, stream: str, subjects: Sequence[str] = (), *, from_seq: int = 1
     ) -> AsyncIterator[Stored]:
         """Like read, then every new message as it arrives; never ends by itself."""
-        ...
 
     async def last(self, stream: str, subject: str) -> Stored | None:
         """The newest message on `subject` (may be a wildcard), or None."""
-        ...
 
     async def last_seq(self, stream: str) -> int:
         """The stream's last sequence (0 when empty)."""
-        ...
 
 
 def decoded(stream: str, seq: int, subject: str, data: bytes, msg_id: str) -> Stored:

@@ -5,29 +5,17 @@ the environment.
     FLIGHTDECK_MASTER_PORT_SPAN   how many ports from there (default 1000)
 """
 
-import os
-
 from services.core import Service
+from services.envconfig import int_env
 from services.resources.core import Ports, State, core_service
 
 PORT_BASE_ENV = "FLIGHTDECK_MASTER_PORT_BASE"
 PORT_SPAN_ENV = "FLIGHTDECK_MASTER_PORT_SPAN"
 
 
-def _int_env(name: str, default: int, low: int, high: int) -> int:
-    raw = os.environ.get(name, "")
-    try:
-        value = int(raw) if raw else default
-    except ValueError:
-        raise ValueError(f"${name} must be an integer, got {raw!r}") from None
-    if not low <= value <= high:
-        raise ValueError(f"${name} must be between {low} and {high}, got {value}")
-    return value
-
-
 def ports_from_env() -> Ports:
-    base = _int_env(PORT_BASE_ENV, Ports().base, 1024, 65535)
-    span = _int_env(PORT_SPAN_ENV, Ports().span, 1, 65536 - base)
+    base = int_env(PORT_BASE_ENV, Ports().base, 1024, 65535)
+    span = int_env(PORT_SPAN_ENV, Ports().span, 1, 65536 - base)
     return Ports(base=base, span=span)
 
 

@@ -4,9 +4,8 @@
                                 released anyway, which makes the node agents kill what is left (default 120)
 """
 
-import os
-
 from services.core import Service
+from services.envconfig import float_env
 from services.scheduler.core import core_service
 from services.scheduler.state import State
 
@@ -15,11 +14,4 @@ DEFAULT_STOP_TIMEOUT_S = 120.0
 
 
 def build() -> Service[State]:
-    raw = os.environ.get(STOP_TIMEOUT_ENV, "")
-    try:
-        timeout = float(raw) if raw else DEFAULT_STOP_TIMEOUT_S
-    except ValueError:
-        raise ValueError(f"${STOP_TIMEOUT_ENV} must be a number of seconds, got {raw!r}") from None
-    if timeout <= 0:
-        raise ValueError(f"${STOP_TIMEOUT_ENV} must be positive, got {raw!r}")
-    return core_service(stop_timeout_s=timeout)
+    return core_service(stop_timeout_s=float_env(STOP_TIMEOUT_ENV, DEFAULT_STOP_TIMEOUT_S, above=0.0, at_most=86_400.0))
