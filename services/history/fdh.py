@@ -144,10 +144,10 @@ def write(path: Path, lines: Iterable[bytes]) -> None:
 def _probe(line: bytes, where: str) -> _Probe:
     try:
         return _probe_decoder.decode(line)
+    except msgspec.ValidationError as exc:  # a subclass of DecodeError: caught first
+        raise BadHistoryFile(f"{where}: not a history row or header ({exc})") from None
     except msgspec.DecodeError as exc:
         raise BadHistoryFile(f"{where}: not JSON ({exc}); is this a Flightdeck history (.fdh) file?") from None
-    except msgspec.ValidationError as exc:
-        raise BadHistoryFile(f"{where}: not a history row or header ({exc})") from None
 
 
 def _header(line: bytes, where: str) -> Header:
@@ -168,10 +168,10 @@ def _header(line: bytes, where: str) -> Header:
 def _row(line: bytes, where: str) -> Row:
     try:
         row = _row_decoder.decode(line)
-    except msgspec.DecodeError as exc:
-        raise BadHistoryFile(f"{where}: not JSON ({exc})") from None
     except msgspec.ValidationError as exc:
         raise BadHistoryFile(f"{where}: bad history row ({exc})") from None
+    except msgspec.DecodeError as exc:
+        raise BadHistoryFile(f"{where}: not JSON ({exc})") from None
     if row.stream not in subjects.STREAM_SUBJECTS:
         raise BadHistoryFile(f"{where}: unknown stream {row.stream!r} (expected one of "
                              f"{', '.join(subjects.STREAM_SUBJECTS)})")
