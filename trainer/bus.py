@@ -11,6 +11,8 @@ import nats
 import structlog
 from nats.aio.client import Client as NATS
 
+from events.streams import server_list
+
 RECONNECT_WAIT_S = 0.5
 CONNECT_TIMEOUT_S = 2
 ERROR_LOG_EVERY_S = 5.0  # a broker that stays down would otherwise log an error every reconnect attempt
@@ -109,7 +111,7 @@ async def connect(url: str, name: str, log: Any,
         await changed(True)
 
     nc = await nats.connect(
-        url,
+        server_list(url),  # one URL or several, comma-separated (a cluster)
         name=name,
         allow_reconnect=True,
         max_reconnect_attempts=-1,
