@@ -11,6 +11,9 @@ from events.store import StoreUnavailable
 from services.broker import BrokerError
 from services.console import agent_cmd, cancel, checkpoints_cmd, down, events_cmd, plan_cmd, status, submit, up
 from services.console.cli import EXIT_ERROR, Command, UserError
+from services.console.export_cmd import COMMAND as EXPORT
+from services.console.import_cmd import COMMAND as IMPORT
+from services.console.replay_cmd import COMMAND as REPLAY
 
 COMMANDS: tuple[Command, ...] = (
     up.COMMAND,
@@ -18,6 +21,7 @@ COMMANDS: tuple[Command, ...] = (
     events_cmd.COMMAND,
     submit.COMMAND, status.COMMAND, cancel.COMMAND, checkpoints_cmd.COMMAND, agent_cmd.COMMAND,
     plan_cmd.COMMAND,
+    REPLAY, EXPORT, IMPORT,
 )
 
 
