@@ -150,7 +150,8 @@ def test_until_a_time_after_submission_cuts_both_streams_by_time(history: Histor
         rows = history.stream(name)
         kept = [s for s in rows if s.seq <= upto]
         assert kept and len(kept) < len(rows)
-        assert rows[len(kept)].event is not None and rows[len(kept)].event.occurred_at > cut.at  # type: ignore[union-attr]
+        first_after = rows[len(kept)].event
+        assert first_after is not None and cut.at is not None and first_after.occurred_at > cut.at
     state = job_view_at(history, cut)
     assert state.phase == "running" and state.rollbacks == 0 and state.step is not None
     iso = msgspec.json.decode(msgspec.json.encode(replayed(history, "12s")))["at"]
