@@ -11,6 +11,7 @@ import structlog
 
 from events.jetstream import JetStreamStore
 from events.store import StoreUnavailable
+from services.security.credentials import check_url, client_options
 
 log = structlog.get_logger("flightdeck.shell")
 
@@ -53,15 +54,19 @@ class Connection:
         log.info("reconnected to broker")
 
     async def open(self, url: str, stop: asyncio.Event) -> JetStreamStore | None:
-        """Connect and provision the streams, retrying until the broker answers (None: stopped first)."""
+        """Connect and provision the streams, retrying until the broker answers (None: stopped first).
+        Credentials and TLS come from files named in the environment (services/security/credentials.py)."""
+        check_url(url)
         delay = 0.2
         while not stop.is_set():
             try:
                 return await JetStreamStore.connect(
                     url, name=f"flightdeck-{self.service}", error_cb=self._error,
-                    disconnected_cb=self._disconnected, reconnected_cb=self._reconnected,
+                    disconnected_cb=self._disconnected, reconnected_cb=self._reconnected, **client_options(),
                 )
             except TRANSIENT as exc:
+                if self.denied:  # e.g. streams missing and this user may not create them: waiting will not help
+                    raise PublishDenied(sorted(self.denied)[0]) from exc
                 log.warning("broker unreachable; retrying", url=url, error=repr(exc), retry_in_s=delay)
                 await sleep_or_stop(stop, delay)
                 delay = min(delay * 2, 5.0)

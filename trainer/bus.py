@@ -2,9 +2,11 @@
 that keeps retrying, so the training thread never waits on the broker."""
 
 import asyncio
+import os
+import ssl
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import Any
 
 import nats
@@ -120,6 +122,7 @@ async def connect(url: str, name: str, log: Any,
         error_cb=error_cb,
         disconnected_cb=disconnected_cb,
         reconnected_cb=reconnected_cb,
+        **credentials(),
     )
     conn.append(nc)
     log.info("bus.connected", url=url)
@@ -135,6 +138,43 @@ async def close_quietly(nc: NATS | None, wait_s: float) -> None:
         await asyncio.wait_for(nc.close(), max(wait_s, 0.01))
     except (TimeoutError, nats.errors.Error, OSError):
         pass
+
+
+def _secret_file(env: Mapping[str, str], name: str) -> str:
+    path = env.get(name, "")
+    if path and not os.path.isfile(path):
+        raise ValueError(f"${name} names {path!r}, which is not a readable file")
+    return path
+
+
+def credentials(env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """nats-py options from the variables services/security/credentials.py documents (the node agent sets
+    them for its ranks): the job's user and a file with its password, TLS CA and client certificate. The
+    password is read here and kept in the connection only: never logged, never on a command line."""
+    env = os.environ if env is None else env
+    opts: dict[str, Any] = {}
+    user, password_file = env.get("FLIGHTDECK_NATS_USER", ""), _secret_file(env, "FLIGHTDECK_NATS_PASSWORD_FILE")
+    creds = _secret_file(env, "FLIGHTDECK_NATS_CREDS")
+    if bool(user) != bool(password_file) and not creds:
+        raise ValueError("set both $FLIGHTDECK_NATS_USER and $FLIGHTDECK_NATS_PASSWORD_FILE, or neither")
+    if user and password_file:
+        with open(password_file) as f:
+            opts.update(user=user, password=f.read().strip())
+    if creds:
+        opts["user_credentials"] = creds
+    if prefix := env.get("FLIGHTDECK_NATS_INBOX_PREFIX", "") or (f"_INBOX.{user}" if user else ""):
+        opts["inbox_prefix"] = prefix  # the only reply subjects the user's permissions let it read
+    ca, cert, key = (_secret_file(env, f"FLIGHTDECK_NATS_TLS_{n}") for n in ("CA", "CERT", "KEY"))
+    if bool(cert) != bool(key):
+        raise ValueError("set both $FLIGHTDECK_NATS_TLS_CERT and $FLIGHTDECK_NATS_TLS_KEY, or neither")
+    if ca or cert:
+        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca or None)
+        if cert:
+            ctx.load_cert_chain(cert, key)
+        opts["tls"] = ctx
+        if env.get("FLIGHTDECK_NATS_TLS_HOSTNAME"):
+            opts["tls_hostname"] = env["FLIGHTDECK_NATS_TLS_HOSTNAME"]
+    return opts
 
 
 def logger(component: str, job_id: str, rank: int, attempt: int) -> Any:

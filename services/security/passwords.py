@@ -1,0 +1,85 @@
+"""The secrets behind the NATS users, kept in one directory readable only by its owner:
+
+    <dir>/<user>.password   a random password for each service, agent, console and admin user
+    <dir>/job.key           the key every job's password is derived from
+
+A job's password is HMAC-SHA256(job.key, job id): the node agents hold job.key and hand a job's ranks
+their password in a file, so no per-job secret has to travel in an event. The broker's config holds
+only bcrypt hashes.
+"""
+
+import base64
+import hashlib
+import hmac
+import os
+import secrets
+import warnings
+from pathlib import Path
+
+from events import subjects
+
+JOB_KEY = "job.key"
+DEFAULT_COST = 11  # bcrypt work factor: the server checks it on every connect
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write `text` to `path` with mode 0600 (created so from the start, never world-readable)."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def read_secret(path: Path) -> str:
+    text = path.read_text().strip()
+    if not text:
+        raise ValueError(f"{path} is empty: it should hold a secret")
+    return text
+
+
+class SecretsDir:
+    """The directory of secrets; each one is created on first use and kept after."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def _get(self, name: str) -> str:
+        path = self.root / name
+        if not path.exists():
+            write_private(path, secrets.token_urlsafe(32) + "\n")
+        return read_secret(path)
+
+    def password_file(self, user: str) -> Path:
+        return self.root / f"{subjects.token(user)}.password"
+
+    def password(self, user: str) -> str:
+        return self._get(self.password_file(user).name)
+
+    @property
+    def job_key_file(self) -> Path:
+        return self.root / JOB_KEY
+
+    def job_key(self) -> str:
+        return self._get(JOB_KEY)
+
+
+def job_password(key: str, job_id: str) -> str:
+    digest = hmac.new(key.encode(), f"flightdeck-job:{subjects.token(job_id)}".encode(), hashlib.sha256).digest()
+    return base64.urlsafe_b64encode(digest).decode().rstrip("=")
+
+
+def bcrypt(password: str, cost: int = DEFAULT_COST) -> str:
+    """A bcrypt hash nats-server accepts. Python 3.11's `crypt` (glibc/libxcrypt) computes it; the module is
+    deprecated, hence the warning filter, and gone in 3.13 (there the `bcrypt` package would take its place)."""
+    if not 4 <= cost <= 31:
+        raise ValueError(f"bcrypt cost must be between 4 and 31, got {cost}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import crypt
+    hashed = crypt.crypt(password, crypt.mksalt(crypt.METHOD_BLOWFISH, rounds=1 << cost))
+    if not hashed or not hashed.startswith("$2"):
+        raise RuntimeError("this system's crypt(3) cannot make bcrypt hashes ($2b$): run the renderer on a "
+                           "glibc/libxcrypt system, or hash the passwords with `nats server passwd`")
+    return hashed
