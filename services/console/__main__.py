@@ -14,6 +14,7 @@ from services.console.cli import EXIT_ERROR, Command, UserError
 from services.console.export_cmd import COMMAND as EXPORT
 from services.console.import_cmd import COMMAND as IMPORT
 from services.console.replay_cmd import COMMAND as REPLAY
+from services.console.verify_cmd import COMMAND as VERIFY
 
 COMMANDS: tuple[Command, ...] = (
     up.COMMAND,
@@ -22,6 +23,7 @@ COMMANDS: tuple[Command, ...] = (
     submit.COMMAND, status.COMMAND, cancel.COMMAND, checkpoints_cmd.COMMAND, agent_cmd.COMMAND,
     plan_cmd.COMMAND,
     REPLAY, EXPORT, IMPORT,
+    VERIFY,
 )
 
 

@@ -1,0 +1,60 @@
+"""Which cores an audit re-runs, and which recorded messages are decisions about one job.
+
+The cores are built exactly as `python -m services NAME` builds them (services.registry), so service
+settings read from the environment (FLIGHTDECK_STOP_TIMEOUT_S, the MASTER_PORT range) must match the ones
+the live services ran with. Their effects are never run: replays read the recorded outcomes.
+"""
+
+from collections.abc import Sequence
+from typing import Any
+
+from events import subjects
+from events.base import Event
+from events.clock import ClockTick
+from events.store import Stored
+from services import registry
+from services.core import Service
+
+AUDITED = ("scheduler", "health", "resources", "resharder", "checkpoints")
+# Events the checkpoint service's "commit" effect records: the outcome of I/O (upload, verify), not a decision
+# a core can re-derive, so replays take them as recorded inputs.
+EFFECT_OUTCOMES = frozenset({"CheckpointCommitted", "CheckpointFailed"})
+
+
+def cores() -> list[Service[Any]]:
+    return [registry.build(name) for name in AUDITED]
+
+
+def index_of(msg_id: str, service: str) -> tuple[str, int, int] | None:
+    """(input stream, input seq, output index) of a shell-stamped msg id `service:stream:seq:index`, else None."""
+    parts = msg_id.split(":")
+    if len(parts) != 4 or parts[0] != service or not parts[2].isdigit() or not parts[3].isdigit():
+        return None
+    return parts[1], int(parts[2]), int(parts[3])
+
+
+def job_ids(rows: Sequence[Stored]) -> set[str]:
+    return {j for s in rows if s.stream == subjects.CONTROL and (j := subjects.job_of(s.subject))}
+
+
+class Scope:
+    """Which decisions are about `job_id`: those on its history, and fleet decisions (node subjects) when the
+    history holds no other job. With other jobs present their telemetry is missing (a job's history keeps
+    only its own), so fleet decisions that may rest on it cannot be re-derived here."""
+
+    def __init__(self, job_id: str, rows: Sequence[Stored]) -> None:
+        self.job_id = job_id
+        self.fleet = job_ids(rows) <= {job_id}
+
+    def covers(self, subject: str) -> bool:
+        if subject.startswith("fd.ctl.node."):
+            return self.fleet
+        return subjects.job_of(subject) == self.job_id
+
+
+def is_decision(stored: Stored, service: str) -> bool:
+    """A message recorded as `service`'s output (its clock ticks are inputs it records). Whatever its msg id:
+    one that is not the shell's `service:stream:seq:index` can never be reproduced, which is the point."""
+    ev: Event | None = stored.event
+    return (ev is not None and ev.producer == service and stored.stream == subjects.CONTROL
+            and not isinstance(ev, ClockTick))
