@@ -1,0 +1,104 @@
+"""One line about an event, for causal chains and the timeline of a postmortem."""
+
+from events.base import Event
+from events.checkpoint import CheckpointCommitted, CheckpointDeleted, CheckpointFailed, CheckpointStaged
+from events.commands import CheckpointRequested, PauseRequested, ResumeRequested, RollbackRequested, StopRequested
+from events.findings import LossSpikeDetected, NonFiniteLoss, RankHung, RankLost, StragglerDetected
+from events.fleet import NodeCordoned, NodeLost, NodeUncordoned, SelfCheckFailed
+from events.job import (
+    AllocationDenied,
+    AllocationGranted,
+    AllocationReleased,
+    AllocationRequested,
+    CancelRequested,
+    JobCancelled,
+    JobCompleted,
+    JobFailed,
+    JobPreempted,
+    JobQueued,
+    JobResumed,
+    JobSubmitted,
+    WorkersExited,
+    WorkersStarted,
+)
+from events.plan import ReshardPlanned
+from events.training import FaultInjected, Heartbeat, RankFault, RankStarted, RolledBack, StepCompleted
+
+
+def describe(ev: Event) -> str:
+    match ev:
+        case FaultInjected():
+            return f"drill fault '{ev.kind}' injected at step {ev.step} on rank {ev.rank}"
+        case RankFault():
+            return f"rank {ev.rank} {ev.kind} fault at step {ev.step}: {ev.error_type}: {ev.message[:100]}"
+        case StepCompleted():
+            return f"rank {ev.rank} step {ev.step}, loss {ev.loss:.4g}, {ev.step_time_s:.3g} s"
+        case Heartbeat():
+            return f"rank {ev.rank} alive at step {ev.step}"
+        case RankStarted():
+            return f"rank {ev.rank} of attempt {ev.attempt} up from step {ev.from_step} ({ev.world_size} ranks)"
+        case RolledBack():
+            return f"rank {ev.rank} restored {ev.checkpoint_id}, at step {ev.to_step}, skipping batches " \
+                   f"[{ev.skip_from}, {ev.skip_to})"
+        case CheckpointStaged():
+            return f"rank {ev.rank} staged step {ev.step} (stall {ev.stall_s * 1e3:.1f} ms)"
+        case WorkersExited():
+            return f"rank {ev.rank} (attempt {ev.attempt}) on {ev.node} exited with code {ev.exit_code}"
+        case WorkersStarted():
+            return f"attempt {ev.attempt}: ranks {', '.join(map(str, ev.ranks))} started on {ev.node}"
+        case RankLost():
+            return f"rank {ev.rank} lost: {ev.reason}"
+        case RankHung():
+            return f"rank {ev.rank} hung at step {ev.step}: no progress for {ev.stalled_s:.1f} s " \
+                   f"(deadline {ev.deadline_s:.1f} s)"
+        case LossSpikeDetected():
+            return f"loss spike at step {ev.step}: {ev.loss:.4g} against a median of {ev.baseline:.4g} " \
+                   f"(z {ev.z:.1f} > {ev.threshold:g})"
+        case NonFiniteLoss():
+            return f"non-finite loss at step {ev.step} on rank {ev.rank} (loss {ev.loss}, grad norm {ev.grad_norm})"
+        case StragglerDetected():
+            return f"rank {ev.rank} straggling: {ev.step_time_s:.3g} s a step, {ev.factor:.1f}x its peers' " \
+                   f"{ev.peer_median_s:.3g} s"
+        case RollbackRequested():
+            return f"roll back to {ev.checkpoint_id} (step {ev.to_step}), skip batches [{ev.skip_from}, {ev.skip_to})"
+        case StopRequested() | PauseRequested() | ResumeRequested() | CheckpointRequested() | CancelRequested():
+            return ev.reason
+        case JobSubmitted():
+            train = ev.spec.train
+            return f"{ev.spec.slots} slots, {train.steps} steps, checkpoint every {train.checkpoint_every}"
+        case JobQueued():
+            return f"priority {ev.priority}: {ev.reason}"
+        case AllocationRequested():
+            return f"{ev.slots} slots for attempt {ev.attempt}" + (f": {ev.reason}" if ev.reason else "")
+        case AllocationGranted():
+            nodes = sorted({a.node for a in ev.assignments})
+            return f"attempt {ev.attempt}: {len(ev.assignments)} slots on {', '.join(nodes)}"
+        case AllocationDenied():
+            return f"attempt {ev.attempt}: {ev.reason}"
+        case AllocationReleased():
+            return f"attempt {ev.attempt}: {ev.reason}"
+        case ReshardPlanned():
+            old = f"{ev.old.world_size} ranks" if ev.old else "none"
+            return f"{old} -> {ev.new.world_size} ranks (dp {ev.new.dp}, tp {ev.new.tp}, pp {ev.new.pp}): {ev.reason}"
+        case JobResumed():
+            return f"attempt {ev.attempt} on {ev.world_size} ranks from step {ev.from_step}" + (
+                f" ({ev.checkpoint_id})" if ev.checkpoint_id else "")
+        case JobPreempted():
+            return f"by {ev.by_job_id}" + (f": {ev.reason}" if ev.reason else "")
+        case JobCompleted():
+            return f"{ev.steps} steps"
+        case JobFailed():
+            return ev.reason
+        case JobCancelled():
+            return ev.reason
+        case CheckpointCommitted():
+            return f"{ev.checkpoint_id} (step {ev.step}, {ev.bytes / 1e6:.1f} MB)"
+        case CheckpointFailed():
+            return f"step {ev.step}: {ev.reason}"
+        case CheckpointDeleted():
+            return f"{ev.checkpoint_id} ({ev.reason})"
+        case NodeLost() | NodeCordoned() | SelfCheckFailed():
+            return f"{ev.node}: {ev.reason}"
+        case NodeUncordoned():
+            return f"{ev.node}" + (f": {ev.reason}" if ev.reason else "")
+    return ""

@@ -1,0 +1,382 @@
+"""Incidents: each fault walked to its detection, the decision taken on it, and how it resolved.
+
+An incident starts at a trigger the scheduler acted on (a health finding, a rank's non-zero exit, a lost
+node): the control events whose causation id is the trigger's are the decision. A trigger nobody acted on
+joins the newest incident of the same attempt (a stale RankLost after the restart its exit already caused),
+or is an incident of its own with decision "none" (a straggler reported, a finding ignored). The fault is
+the first drill fault (FaultInjected, "slow" pacing aside) or RankFault of that attempt (the trigger's rank
+first) between the previous incident's detection and this one; without one, the time the finding itself
+points to (a hang's last progress, a lost rank's last sign of life, the spiking step).
+
+Times are seconds from the job's start; control events are dated as scan.py says.
+"""
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from events.base import Event, JobEvent
+from events.checkpoint import CheckpointCommitted
+from events.commands import RollbackRequested, StopRequested
+from events.findings import Finding, LossSpikeDetected, NonFiniteLoss, RankHung, RankLost, StragglerDetected
+from events.fleet import NodeLost
+from events.job import (
+    AllocationGranted,
+    AllocationReleased,
+    AllocationRequested,
+    CancelRequested,
+    JobCancelled,
+    JobCompleted,
+    JobFailed,
+    JobPreempted,
+    JobResumed,
+    WorkersExited,
+    WorkersStarted,
+)
+from events.plan import ReshardPlanned
+from events.training import FaultInjected, RankFault
+from services.postmortem.describe import describe
+from services.postmortem.scan import Control, Scan, find
+
+SKEW_S = 1.0  # a rank's clock may run this far ahead of the services' and still have caused what they saw
+ENDED = (JobCompleted, JobFailed, JobCancelled)
+STOPPING = (StopRequested, JobPreempted, CancelRequested)
+FOLLOW_UPS = (AllocationRequested, AllocationGranted, ReshardPlanned, WorkersStarted, JobResumed)
+
+
+@dataclass(frozen=True, slots=True)
+class Mark:
+    """One event of a causal chain or of the timeline."""
+
+    at: float  # seconds from the job's start
+    type: str
+    event_id: str
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class Incident:
+    number: int
+    kind: str  # crash, hang, loss_spike, nonfinite, lost, exit, node_lost, straggler
+    trigger: str  # what happened, in words
+    attempt: int
+    fault_at: float
+    detected_at: float
+    decision: str  # restart, restart + reshard, rollback, fail, none
+    decision_detail: str
+    resolution: str
+    restart_end: float  # detected_at .. restart_end: deciding, stopping, re-placing, spawning (a rollback: until
+    restore_end: float  # the ranks obey); restart_end .. restore_end: rank start-up and checkpoint restore
+    recovered_at: float | None  # the end of the first step after resuming
+    fault_step: int | None
+    rollback_to: int | None
+    skip: tuple[int, int] | None
+    steps_lost: int  # steps completed after the restore point, thrown away
+    steps_redone: int  # how many of those were computed again
+    chain: tuple[Mark, ...]
+    related: tuple[Mark, ...] = ()  # other reports of the same fault
+
+    @property
+    def time_to_detect(self) -> float:
+        return self.detected_at - self.fault_at
+
+    @property
+    def time_to_recover(self) -> float | None:
+        return None if self.recovered_at is None else self.recovered_at - self.fault_at
+
+
+@dataclass
+class _Draft:
+    trigger: Control
+    attempt: int
+    decisions: list[Control]
+    related: list[Control] = field(default_factory=list)
+
+
+def _is_trigger(ev: Event) -> bool:
+    return isinstance(ev, Finding | NodeLost) or (isinstance(ev, WorkersExited) and ev.exit_code != 0)
+
+
+def _drafts(sc: Scan, caused: dict[str, list[Control]]) -> list[_Draft]:
+    drafts: list[_Draft] = []
+    attempt, stopping, ended = 0, set[int](), False
+    for c in sc.control:
+        ev = c.event
+        if isinstance(ev, AllocationGranted):
+            attempt = ev.attempt
+        elif isinstance(ev, STOPPING):  # exits after a stop are the stop's doing, not faults
+            stopping.add(attempt)
+        elif isinstance(ev, ENDED):
+            ended = True
+        if not _is_trigger(ev):
+            continue
+        at = getattr(ev, "attempt", attempt)
+        decisions = [d for d in caused.get(ev.event_id, []) if isinstance(d.event, JobEvent)
+                     and d.event.producer == "scheduler"]
+        if decisions:
+            drafts.append(_Draft(c, at, decisions))
+            continue
+        host = next((d for d in reversed(drafts) if d.attempt == at), None)
+        if host is not None:
+            host.related.append(c)
+        elif not ended and at not in stopping and not isinstance(ev, NodeLost):
+            drafts.append(_Draft(c, at, []))
+    return drafts
+
+
+def incidents(sc: Scan) -> list[Incident]:
+    caused: dict[str, list[Control]] = defaultdict(list)
+    for c in sc.control:
+        caused[c.event.causation_id].append(c)
+    drafts = _drafts(sc, caused)
+    wanted = [i for d in drafts for i in getattr(d.trigger.event, "evidence", [])]
+    failed = next((c for c in sc.control if isinstance(c.event, JobFailed)), None)
+    if failed is not None:
+        wanted += failed.event.causes  # type: ignore[attr-defined]
+    found = find(sc, wanted)
+    used: set[str] = set()
+    out: list[Incident] = []
+    for number, draft in enumerate(drafts, start=1):
+        previous = max((i.detected_at for i in out if i.attempt == draft.attempt), default=float("-inf"))
+        out.append(_incident(sc, number, draft, caused, found, used, previous))
+    return out
+
+
+def _fault(sc: Scan, draft: _Draft, used: set[str], after: float) -> FaultInjected | RankFault | None:
+    t0, ev = sc.t0, draft.trigger.event
+    upper = draft.trigger.known + SKEW_S
+    candidates = [f for f in sc.faults if f.attempt == draft.attempt and f.event_id not in used
+                  and after < f.occurred_at - t0 and f.occurred_at <= upper]
+    rank = getattr(ev, "rank", None)
+    mine = [f for f in candidates if f.rank == rank]
+    chosen = (mine or candidates)[0] if candidates else None
+    for f in candidates:  # every report of this fault is spent on this incident
+        if f.occurred_at <= draft.trigger.known + SKEW_S:
+            used.add(f.event_id)
+    return chosen
+
+
+def _inferred_fault_at(ev: Event, known: float) -> float:
+    match ev:
+        case RankHung():
+            return known - ev.stalled_s
+        case RankLost() if ev.last_seen > 0 and ev.reason.startswith("heartbeats"):
+            return ev.last_seen
+        case LossSpikeDetected() | NonFiniteLoss() | StragglerDetected() | WorkersExited() | NodeLost():
+            return ev.occurred_at
+    return known
+
+
+def _kind(ev: Event, fault: FaultInjected | RankFault | None) -> str:
+    if isinstance(fault, FaultInjected):
+        return fault.kind
+    match ev:
+        case LossSpikeDetected():
+            return "loss_spike"
+        case NonFiniteLoss():
+            return "nonfinite"
+        case RankHung():
+            return "hang"
+        case RankLost():
+            return "lost"
+        case StragglerDetected():
+            return "straggler"
+        case NodeLost():
+            return "node_lost"
+    return "crash" if isinstance(fault, RankFault) else "exit"
+
+
+def _incident(sc: Scan, number: int, draft: _Draft, caused: dict[str, list[Control]], found: dict[str, Event],
+              used: set[str], previous: float) -> Incident:
+    t0, trig = sc.t0, draft.trigger.event
+    detected = draft.trigger.known - t0
+    fault = _fault(sc, draft, used, previous)
+    fault_at = min(detected, (fault.occurred_at if fault else _inferred_fault_at(trig, draft.trigger.known)) - t0)
+    what = describe(trig)
+    trigger = f"{describe(fault)} -> {what}" if fault is not None else what
+    chain: list[tuple[float, Mark]] = []
+    if fault is not None:
+        chain.append((0, _mark(fault, fault.occurred_at - t0)))
+    for eid in getattr(trig, "evidence", []):
+        if eid in found and eid != (fault.event_id if fault else ""):
+            chain.append((1, _mark(found[eid], found[eid].occurred_at - t0)))
+    chain.append((2, _mark(trig, detected)))
+    outcome = _resolve(sc, draft, fault_at, detected)
+    limit = outcome.limit + t0
+    seen = {trig.event_id}
+    frontier = [d for d in draft.decisions]
+    while frontier:  # what the decision caused, up to the incident's resolution
+        c = frontier.pop(0)
+        if c.event.event_id in seen or c.known > limit or not isinstance(c.event, JobEvent):
+            continue
+        seen.add(c.event.event_id)
+        chain.append((3, _mark(c.event, c.known - t0)))
+        frontier += caused.get(c.event.event_id, [])
+    for c in outcome.controls:
+        if c.event.event_id not in seen:
+            seen.add(c.event.event_id)
+            chain.append((3, _mark(c.event, c.known - t0)))
+    chain += [(4, m) for m in outcome.marks]
+    chain.sort(key=lambda pair: (pair[1].at, pair[0]))
+    return Incident(number=number, kind=_kind(trig, fault), trigger=trigger, attempt=draft.attempt,
+                    fault_at=fault_at, detected_at=detected, decision=outcome.decision,
+                    decision_detail=outcome.detail, resolution=outcome.resolution,
+                    restart_end=outcome.restart_end, restore_end=outcome.restore_end,
+                    recovered_at=outcome.recovered_at, fault_step=_fault_step(trig, fault),
+                    rollback_to=outcome.rollback_to, skip=outcome.skip, steps_lost=outcome.lost,
+                    steps_redone=outcome.redone, chain=tuple(m for _, m in chain),
+                    related=tuple(_mark(c.event, c.known - t0) for c in draft.related))
+
+
+def _mark(ev: Event, at: float) -> Mark:
+    return Mark(at=at, type=type(ev).__name__, event_id=ev.event_id, detail=describe(ev))
+
+
+def _fault_step(ev: Event, fault: FaultInjected | RankFault | None) -> int | None:
+    if fault is not None:
+        return fault.step
+    step = getattr(ev, "step", None)
+    return step if isinstance(step, int) else None
+
+
+@dataclass
+class _Outcome:
+    decision: str
+    detail: str
+    resolution: str
+    restart_end: float
+    restore_end: float
+    recovered_at: float | None
+    limit: float  # the chain follows causation up to here
+    controls: list[Control] = field(default_factory=list)
+    marks: list[Mark] = field(default_factory=list)
+    rollback_to: int | None = None
+    skip: tuple[int, int] | None = None
+    lost: int = 0
+    redone: int = 0
+
+
+def _resolve(sc: Scan, draft: _Draft, fault_at: float, detected: float) -> _Outcome:
+    events = [d.event for d in draft.decisions]
+    failed = next((d for d in draft.decisions if isinstance(d.event, JobFailed)), None)
+    rollback = next((e for e in events if isinstance(e, RollbackRequested)), None)
+    if failed is not None:
+        return _failed(sc, draft, failed, detected)
+    if rollback is not None:
+        return _rolled_back(sc, draft, rollback, fault_at, detected)
+    if any(isinstance(e, AllocationReleased | AllocationRequested | StopRequested) for e in events):
+        return _restarted(sc, draft, detected)
+    what = "reported; the policy takes no action on it" if events == [] else \
+        ", ".join(type(e).__name__ for e in events)
+    return _Outcome("none", what, "no action", detected, detected, None, detected)
+
+
+def _distinct(steps: np.ndarray, lo: int, hi: int) -> int:
+    return int(np.unique(steps[(steps >= lo) & (steps <= hi)]).size)
+
+
+def _failed(sc: Scan, draft: _Draft, failed: Control, detected: float) -> _Outcome:
+    t0, lead = sc.t0, sc.lead
+    ev = failed.event
+    assert isinstance(ev, JobFailed)
+    at = failed.known - t0
+    mine = lead.step[(lead.attempt == draft.attempt) & (lead.end <= failed.known + SKEW_S)]
+    commits = [c.event.step for c in sc.control if isinstance(c.event, CheckpointCommitted)
+               and c.known <= failed.known]
+    lost = int(mine.max()) + 1 - max((s for s in commits if s <= mine.max() + 1), default=0) if mine.size else 0
+    return _Outcome("fail", ev.reason, "the job failed", at, at, None, at, lost=max(lost, 0))
+
+
+def _rolled_back(sc: Scan, draft: _Draft, rb: RollbackRequested, fault_at: float, detected: float) -> _Outcome:
+    t0, lead = sc.t0, sc.lead
+    detail = describe(rb)
+    landed = [r for r in sc.rolled_back if r.attempt == draft.attempt and r.checkpoint_id == rb.checkpoint_id
+              and (r.skip_from, r.skip_to) == (rb.skip_from, rb.skip_to) and r.occurred_at - t0 >= fault_at]
+    common = {"rollback_to": rb.to_step, "skip": (rb.skip_from, rb.skip_to)}
+    if not landed:
+        return _Outcome("rollback", detail, "the ranks never reported the rollback", detected, detected, None,
+                        detected, **common)  # type: ignore[arg-type]
+    first = min(landed, key=lambda r: r.occurred_at)
+    same = lead.attempt == draft.attempt
+    before = same & (lead.end <= first.occurred_at)
+    after = np.flatnonzero(same & (lead.end > first.occurred_at))
+    thrown = int(lead.step[before].max()) if before.any() else rb.to_step - 1
+    restart_end = max(detected, float(lead.end[before].max()) - t0 if before.any() else detected)
+    marks = [Mark(at=r.occurred_at - t0, type="RolledBack", event_id=r.event_id, detail=describe(r))
+             for r in sorted(landed, key=lambda r: r.occurred_at)[:1]]
+    if after.size:
+        i = after[0]
+        recovered, restore_end = float(lead.end[i]) - t0, float(lead.end[i] - lead.took[i]) - t0
+        marks.append(_step_mark(sc, i, "first step after the rollback"))
+        resolution = f"back at step {rb.to_step} after {first.occurred_at - t0 - detected:.2f} s"
+    else:
+        recovered, restore_end, resolution = None, first.occurred_at - t0, "no step after the rollback"
+    lost = max(thrown - rb.to_step + 1, 0)
+    redone = _distinct(lead.step[after], rb.to_step, thrown) if after.size else 0
+    return _Outcome("rollback", detail, resolution, restart_end, max(restore_end, restart_end), recovered,
+                    recovered if recovered is not None else restore_end, marks=marks, lost=lost, redone=redone,
+                    **common)  # type: ignore[arg-type]
+
+
+def _restarted(sc: Scan, draft: _Draft, detected: float) -> _Outcome:
+    t0, lead, new = sc.t0, sc.lead, draft.attempt + 1
+    ctl = [c for c in sc.control if isinstance(c.event, FOLLOW_UPS) and getattr(c.event, "attempt", -1) == new]
+    old_world = _world(sc.control, draft.attempt)
+    resumed = next((c for c in ctl if isinstance(c.event, JobResumed)), None)
+    started = [c.known - t0 for c in ctl if isinstance(c.event, WorkersStarted)]
+    firsts = np.flatnonzero(lead.attempt == new)
+    old = lead.step[lead.attempt == draft.attempt]
+    decision, detail = "restart", f"restart as attempt {new}"
+    if resumed is not None:
+        ev = resumed.event
+        assert isinstance(ev, JobResumed)
+        if old_world and ev.world_size != old_world:
+            decision, detail = "restart + reshard", f"{detail} on {ev.world_size} ranks (was {old_world})"
+        detail += f" from step {ev.from_step}" + (f" ({ev.checkpoint_id})" if ev.checkpoint_id else "")
+        from_step = ev.from_step
+    else:
+        from_step = int(old.max()) + 1 if old.size else 0
+    restart_end = max([detected, *started[-1:]])
+    marks = [Mark(at=r.occurred_at - t0, type="RankStarted", event_id=r.event_id, detail=describe(r))
+             for r in sc.rank_started if r.attempt == new and r.rank == 0][:1]
+    if firsts.size:
+        i = firsts[0]
+        recovered, restore_end = float(lead.end[i]) - t0, float(lead.end[i] - lead.took[i]) - t0
+        marks.append(_step_mark(sc, i, "first step after the restart"))
+        resolution = f"resumed at step {int(lead.step[i])}"
+    else:
+        recovered, restore_end = None, restart_end
+        resolution = "never resumed" + ("" if resumed is None else " (ranks started, no step)")
+    thrown = int(old.max()) if old.size else from_step - 1
+    lost = max(thrown - from_step + 1, 0)
+    later = lead.step[lead.attempt > draft.attempt]
+    return _Outcome(decision, detail, resolution, restart_end, max(restore_end, restart_end), recovered,
+                    recovered if recovered is not None else restart_end, controls=ctl, marks=marks, lost=lost,
+                    redone=_distinct(later, from_step, thrown))
+
+
+def _world(control: Sequence[Control], attempt: int) -> int:
+    return next((len(c.event.assignments) for c in control if isinstance(c.event, AllocationGranted)
+                 and c.event.attempt == attempt), 0)
+
+
+def _step_mark(sc: Scan, i: int, what: str) -> Mark:
+    lead = sc.lead
+    return Mark(at=float(lead.end[i]) - sc.t0, type="StepCompleted", event_id="",
+                detail=f"rank 0 step {int(lead.step[i])}, loss {float(lead.loss[i]):.4g}: {what}")
+
+
+def cause_chain(sc: Scan, failed: JobFailed) -> list[Mark]:
+    """The events a JobFailed names as its causes, in its order (first fault to last straw)."""
+    found = find(sc, failed.causes)
+    known = {c.event.event_id: c.known for c in sc.control}
+    out = []
+    for eid in failed.causes:
+        ev = found.get(eid)
+        if ev is None:
+            out.append(Mark(at=float("nan"), type="?", event_id=eid, detail="not in this history"))
+        else:
+            out.append(_mark(ev, known.get(eid, ev.occurred_at) - sc.t0))
+    return out
