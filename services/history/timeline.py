@@ -4,6 +4,7 @@ of what mattered (phase changes, faults, findings, decisions, checkpoints, resha
 Pure: rows in, values out. Times are relative to the job's submission.
 """
 
+import bisect
 from typing import Any
 
 import msgspec
@@ -47,6 +48,7 @@ _KINDS: dict[type[Event], str] = {
     RankFault: "fault", FaultInjected: "fault", WorkersExited: "fault",
     NodeLost: "finding", NodeCordoned: "node", NodeUncordoned: "node", SelfCheckFailed: "node",
 }
+_TELEMETRY_KINDS = frozenset({RolledBack, RankFault, FaultInjected})
 # Fields too big or too internal for one line; --json has the whole event
 _HIDDEN = frozenset({"type", "event_id", "occurred_at", "causation_id", "producer", "schema_version", "job_id",
                      "job_version", "spec", "data", "shards", "evidence", "assignments", "pids", "uri",
@@ -79,13 +81,14 @@ def job_view_at(history: History, cut: Cut) -> JobView:
 
 
 def newest_step(history: History, telemetry_seq: int) -> StepCompleted | None:
-    newest: StepCompleted | None = None
-    for s in history.stream(subjects.TELEMETRY):
-        if s.seq > telemetry_seq:
-            break
-        if isinstance(s.event, StepCompleted) and subjects.job_of(s.subject) == history.job_id:
-            newest = s.event
-    return newest
+    """The job's newest StepCompleted at or before `telemetry_seq` (searched from the cut backwards)."""
+    rows = history.stream(subjects.TELEMETRY)
+    prefix = f"fd.tel.{history.job_id}."
+    for i in range(bisect.bisect_right(rows, telemetry_seq, key=lambda s: s.seq) - 1, -1, -1):
+        s = rows[i]
+        if isinstance(s.event, StepCompleted) and s.subject.startswith(prefix):
+            return s.event
+    return None
 
 
 def timeline(history: History, cut: Cut) -> list[Entry]:
@@ -135,12 +138,15 @@ def _control_entries(history: History, cut: Cut, base: float) -> list[Entry]:
 def _telemetry_entries(history: History, cut: Cut, base: float) -> list[Entry]:
     out: list[Entry] = []
     seen: set[tuple[Any, ...]] = set()
+    prefix = f"fd.tel.{history.job_id}."
     for s in history.stream(subjects.TELEMETRY):
         if s.seq > cut.telemetry_seq:
             break
         event = s.event
-        if event is None or not _kind(event) or subjects.job_of(s.subject) != history.job_id:
+        # steps and heartbeats are most of telemetry and never on the timeline: one set lookup rules them out
+        if type(event) not in _TELEMETRY_KINDS or not s.subject.startswith(prefix):
             continue
+        assert event is not None
         if isinstance(event, RolledBack):  # every rank reports the same rollback: one line says it
             key: tuple[Any, ...] = ("rolledback", event.attempt, event.checkpoint_id, event.skip_from)
             if key in seen:
