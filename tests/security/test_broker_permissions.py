@@ -1,0 +1,171 @@
+"""The generated users on a real nats-server: what a job's credential and a service's credential can and
+cannot do. A denied publish surfaces in nats-py as a timeout plus a "permissions violation" error."""
+
+import asyncio
+import json
+import time
+
+import nats
+import nats.errors
+import pytest
+
+from events import codec, subjects
+from events.commands import StopRequested
+from events.history import append_to_job
+from events.job import JobQueued
+from events.training import Heartbeat
+from services.security import permissions
+from tests.security.secure_broker import SecureBroker, secure_broker  # noqa: F401 (the fixture)
+
+JOB, OTHER = "alpha-000001", "beta-000002"
+pytestmark = pytest.mark.timeout(60)
+
+
+def heartbeat(job_id: str, rank: int = 0) -> Heartbeat:
+    return Heartbeat(job_id=job_id, rank=rank, step=1, interval_s=1.0, event_id=f"hb-{job_id}-{time.time_ns()}",
+                     occurred_at=time.time(), producer="trainer")
+
+
+def stop(job_id: str) -> StopRequested:
+    return StopRequested(job_id=job_id, reason="forged", event_id=f"stop-{time.time_ns()}", occurred_at=time.time(),
+                         producer="scheduler")
+
+
+async def denied(nc: nats.NATS, errors: list[str], subject: str, data: bytes = b"x") -> bool:
+    """Publish and report whether the broker refused it with a permissions error (it answers a refused
+    publish with -ERR before the PONG of the flush that follows)."""
+    await nc.publish(subject, data)
+    await nc.flush(timeout=2)
+    for _ in range(50):
+        if any("permissions violation" in e.lower() and subject.lower() in e.lower() for e in errors):
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+async def accepted(nc: nats.NATS, subject: str, data: bytes = b"x") -> bool:
+    """Publish through JetStream: the stream's ack says it was stored."""
+    ack = await nc.jetstream(timeout=2.0).publish(subject, data)
+    return ack.seq > 0
+
+
+@pytest.fixture
+def broker(secure_broker: SecureBroker) -> SecureBroker:  # noqa: F811
+    secure_broker.add_jobs(JOB, OTHER)
+    return secure_broker
+
+
+async def test_a_job_publishes_its_own_telemetry_and_nothing_else(broker: SecureBroker) -> None:
+    await broker.wait_user(permissions.job_user(JOB))
+    errors: list[str] = []
+    nc = await broker.raw(permissions.job_user(JOB), errors)
+    try:
+        ack = await nc.jetstream(timeout=2.0).publish(subjects.telemetry(JOB, 0, "Heartbeat"),
+                                                       codec.encode(heartbeat(JOB)))
+        assert ack.stream == subjects.TELEMETRY
+        # another job's telemetry
+        assert await denied(nc, errors, subjects.telemetry(OTHER, 0, "Heartbeat"), codec.encode(heartbeat(OTHER)))
+        # a scheduler decision in its own job's history, or any control subject at all
+        assert await denied(nc, errors, subjects.job(JOB, "StopRequested"), codec.encode(stop(JOB)))
+        for subject in (subjects.job(JOB, "JobCompleted"), subjects.job(JOB, "WorkersExited"),
+                        subjects.node("n1", "NodeCordoned"), subjects.clock("scheduler"), subjects.dead("scheduler")):
+            assert await denied(nc, errors, subject), subject
+        # nor administer the streams
+        assert await denied(nc, errors, f"$JS.API.STREAM.PURGE.{subjects.TELEMETRY}")
+    finally:
+        await nc.close()
+
+
+async def test_a_job_cannot_read_another_jobs_commands(broker: SecureBroker) -> None:
+    admin = await broker.store(permissions.ADMIN)
+    await append_to_job(admin, stop(OTHER), msg_id="stop-other")
+    await broker.wait_user(permissions.job_user(JOB))
+    errors: list[str] = []
+    nc = await broker.raw(permissions.job_user(JOB), errors)
+    inbox = f"{permissions.inbox(permissions.job_user(JOB))}.steal"
+    try:
+        def request(filter_subject: str) -> bytes:
+            return json.dumps({"stream_name": subjects.CONTROL, "config": {
+                "name": "steal", "filter_subject": filter_subject, "deliver_subject": inbox,
+                "deliver_policy": "all", "ack_policy": "none"}}).encode()
+
+        api = f"$JS.API.CONSUMER.CREATE.{subjects.CONTROL}"
+        # the other job's filter in the API subject: refused by the permissions
+        for subject in (f"{api}.steal.{subjects.job_all(OTHER)}", f"{api}.steal", api, f"{api}.steal.fd.ctl.>",
+                        f"{api}.steal.fd.ctl.job.*.>"):
+            assert await denied(nc, errors, subject, request(subjects.job_all(OTHER))), subject
+        # its own filter in the subject but the other job's in the body: the server refuses the mismatch
+        reply = await nc.request(f"{api}.steal.{subjects.job_all(JOB)}", request(subjects.job_all(OTHER)), timeout=2.0)
+        assert "error" in json.loads(reply.data), reply.data
+        # nor by listening on the subjects or on everyone's inboxes
+        for pattern in (subjects.job_all(OTHER), "fd.ctl.>", "_INBOX.>", f"{permissions.inbox('scheduler')}.>"):
+            await nc.subscribe(pattern)
+        await nc.flush()
+        await asyncio.sleep(0.2)
+        refused = [e for e in errors if "permissions violation for subscription" in e.lower()]
+        assert len(refused) == 4, errors
+        # its own commands it can read, through the consumer shape the trainer uses
+        mine = {"name": "mine", "filter_subject": subjects.job_all(JOB), "deliver_subject": f"{inbox}2",
+                "ack_policy": "none"}
+        own = await nc.request(f"{api}.mine.{subjects.job_all(JOB)}",
+                               json.dumps({"stream_name": subjects.CONTROL, "config": mine}).encode(), timeout=2.0)
+        assert "error" not in json.loads(own.data), own.data
+    finally:
+        await nc.close()
+        await admin.close()
+
+
+async def test_only_the_scheduler_publishes_scheduling_decisions(broker: SecureBroker) -> None:
+    scheduler = await broker.store("scheduler")
+    try:
+        queued = JobQueued(job_id=JOB, priority=50, event_id="q1", occurred_at=time.time(), producer="scheduler")
+        result = await append_to_job(scheduler, queued, msg_id="q1")
+        assert result.seq > 0
+    finally:
+        await scheduler.close()
+    for user in ("health", "resources", "checkpoints", "resharder", permissions.agent_user("n1"), permissions.AGENT,
+                 permissions.CONSOLE):
+        errors: list[str] = []
+        nc = await broker.raw(user, errors)
+        try:
+            for decision in ("StopRequested", "JobCompleted", "AllocationRequested", "RollbackRequested"):
+                assert await denied(nc, errors, subjects.job(JOB, decision)), (user, decision)
+            assert await denied(nc, errors, subjects.clock("scheduler")), user
+        finally:
+            await nc.close()
+
+
+async def test_a_service_cannot_touch_another_services_decisions_or_consumer(broker: SecureBroker) -> None:
+    errors: list[str] = []
+    nc = await broker.raw("health", errors)
+    try:
+        assert await denied(nc, errors, subjects.job(JOB, "AllocationGranted"))  # the resource manager's
+        assert await denied(nc, errors, subjects.job(JOB, "CheckpointCommitted"))  # the checkpoint service's
+        assert await denied(nc, errors, subjects.node("n1", "NodeRegistered"))  # the agent's
+        assert await denied(nc, errors, subjects.dead("scheduler"))
+        assert await denied(nc, errors, f"$JS.API.CONSUMER.DELETE.{subjects.CONTROL}.service-scheduler")
+        assert await accepted(nc, subjects.job(JOB, "RankLost"), b"not an event, but allowed")
+    finally:
+        await nc.close()
+
+
+async def test_an_agent_acts_only_for_its_node_and_a_wrong_password_is_refused(broker: SecureBroker) -> None:
+    errors: list[str] = []
+    nc = await broker.raw(permissions.agent_user("n1"), errors)
+    try:
+        assert await accepted(nc, subjects.node("n1", "NodeHeartbeat"))
+        assert await denied(nc, errors, subjects.node("n2", "NodeRegistered"))
+        assert await denied(nc, errors, subjects.clock("agent-n2"))
+    finally:
+        await nc.close()
+    with pytest.raises(Exception, match=r"(?i)authorization"):
+        await nats.connect(broker.url, user="scheduler", password="guess", allow_reconnect=False,
+                           max_reconnect_attempts=0, connect_timeout=2)
+
+
+async def test_a_job_without_a_user_yet_connects_after_the_reload(secure_broker: SecureBroker) -> None:  # noqa: F811
+    user = permissions.job_user("late-000003")
+    with pytest.raises(Exception, match=r"(?i)authorization"):
+        await secure_broker.raw(user)
+    secure_broker.add_jobs("late-000003")
+    await secure_broker.wait_user(user)
