@@ -1,6 +1,6 @@
 """The commands a rank obeys at step boundaries, read from its job's history on FD_CONTROL.
 
-A background thread keeps an ephemeral push consumer on `fd.ctl.job.<job>.<Command>` that delivers
+A background thread keeps an ephemeral push consumer on `fd.ctl.job.<job>.>` (commands picked out) that delivers
 only what was appended after the inbox started. It is ordered by hand rather than with nats-py's
 ordered consumer: that one restarts from stream sequence 1 when it resets before its first message,
 which would replay a previous attempt's StopRequested into this one."""
@@ -8,6 +8,7 @@ which would replay a previous attempt's StopRequested into this one."""
 import asyncio
 import threading
 import time
+import uuid
 from datetime import UTC, datetime
 
 import nats
@@ -120,7 +121,11 @@ class CommandInbox:
         self._next_dseq = 1
         generation = self._generation
         config = ConsumerConfig(
-            filter_subjects=[subjects.job(self._job_id, t.__name__) for t in COMMAND_TYPES],
+            # Named, with the job's history as its one filter: nats-py then puts the filter in the API
+            # subject ($JS.API.CONSUMER.CREATE.<stream>.<name>.<filter>), which is how the broker's
+            # permissions confine a job's ranks to their own job (services/security/permissions.py).
+            # Commands are picked out of the job's events in _take.
+            name=f"inbox-{uuid.uuid4().hex}",
             ack_policy=AckPolicy.NONE,
             inactive_threshold=INACTIVE_S,
             mem_storage=True,
