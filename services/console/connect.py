@@ -7,6 +7,7 @@ from events.jetstream import JetStreamStore
 from events.store import StoreUnavailable
 from events.streams import ServerTooOld
 from services.console.cli import UserError, unreachable
+from services.security.credentials import CredentialsError, client_options
 
 CONNECT_TIMEOUT_S = 3.0
 
@@ -15,10 +16,10 @@ async def connect(url: str) -> JetStreamStore:
     """Connect and make sure the streams exist (JetStreamStore provisions them idempotently)."""
     try:
         return await JetStreamStore.connect(url, name="flightdeck-cli", request_timeout_s=CONNECT_TIMEOUT_S,
-                                            disconnected_cb=_quiet, error_cb=_ignore)
+                                            disconnected_cb=_quiet, error_cb=_ignore, **client_options())
     except StoreUnavailable:
         raise unreachable(url) from None
-    except ServerTooOld as exc:
+    except (ServerTooOld, CredentialsError) as exc:
         raise UserError(str(exc)) from None
 
 
