@@ -1,0 +1,148 @@
+"""The permission tables against the catalog, a recorded drill history and the shipped config (no broker
+needed, except `nats-server -t` to parse the shipped file)."""
+
+import base64
+import json
+import os
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from events import codec, subjects
+from events.catalog import ALL_TYPES
+from events.clock import ClockTick, DeadLettered
+from services import broker as broker_mod
+from services.registry import BUILTIN
+from services.security import permissions, render
+from services.security.__main__ import SHIPPED, shipped
+from services.security.credentials import (
+    JOB_KEY_FILE,
+    PASSWORD_FILE,
+    USER,
+    CredentialsError,
+    check_url,
+    client_options,
+    rank_env,
+)
+from services.security.passwords import SecretsDir, job_password
+from trainer import bus
+
+ROOT = Path(__file__).resolve().parents[2]
+HISTORY = ROOT / "tests" / "fixtures" / "histories" / "spike.fdh.jsonl"
+TELEMETRY_TYPES = {"StepCompleted", "Heartbeat", "RankFault", "FaultInjected", "RolledBack", "RankStarted",
+                   "CheckpointStaged"}
+
+
+def producer_perms(producer: str) -> permissions.Permissions:
+    """The user a recorded producer runs as: a service, `agent-<node>`, or the CLI's `console`."""
+    if producer == "cli":
+        return permissions.console()
+    if producer.startswith("agent-"):
+        return permissions.agent(producer.removeprefix("agent-"))
+    return permissions.service(producer)
+
+
+def test_every_control_type_has_an_author_and_scheduling_decisions_have_one() -> None:
+    authored = {t for types in (*permissions.JOB_TYPES.values(), *permissions.NODE_TYPES.values()) for t in types}
+    control = {t.__name__ for t in ALL_TYPES} - TELEMETRY_TYPES - {ClockTick.__name__, DeadLettered.__name__}
+    assert control == authored
+    for role, types in permissions.JOB_TYPES.items():
+        if role != "scheduler":
+            assert not set(types) & set(permissions.SCHEDULER_DECISIONS), role
+    users = permissions.fleet(("n1",), ("j-000001",))
+    for decision in permissions.SCHEDULER_DECISIONS:
+        may = [u.user for u in users if u.may_publish(subjects.job("j-000001", decision))]
+        assert may == ["admin", "scheduler"], decision
+
+
+def test_a_recorded_drill_history_passes_its_producers_permissions_and_no_one_elses() -> None:
+    checked = 0
+    for line in HISTORY.read_text().splitlines():
+        record = json.loads(line)
+        event = codec.decode(base64.b64decode(record["data"]))
+        subject = record["subject"]
+        if record["stream"] == subjects.TELEMETRY:
+            job_id = subjects.job_of(subject) or ""
+            assert permissions.job(job_id).may_publish(subject)
+            assert not permissions.job("other-000000").may_publish(subject)
+            assert not permissions.agent("n1").may_publish(subject)
+        elif record["stream"] == subjects.CONTROL:
+            assert producer_perms(event.producer).may_publish(subject), (event.producer, subject)
+            if subject.startswith("fd.ctl.job."):
+                assert not permissions.job(subjects.job_of(subject) or "").may_publish(subject)
+            others = [s for s in BUILTIN if s != event.producer]
+            assert not any(permissions.service(s).may_publish(subject) for s in others
+                           if type(event).__name__ != "NodeCordoned"), subject
+        checked += 1
+    assert checked > 300
+
+
+def test_a_job_may_read_only_its_own_history_and_reply_subjects() -> None:
+    job = permissions.job("a-000001")
+    create = f"$JS.API.CONSUMER.CREATE.{subjects.CONTROL}.inbox-1."
+    assert job.may_publish(create + subjects.job_all("a-000001"))
+    assert not job.may_publish(create + subjects.job_all("b-000002"))
+    assert not job.may_publish(f"$JS.API.CONSUMER.CREATE.{subjects.CONTROL}")
+    assert not job.may_publish(f"$JS.API.CONSUMER.CREATE.{subjects.TELEMETRY}")
+    assert not job.may_publish("$JS.API.DIRECT.GET.FD_CONTROL")
+    assert job.may_subscribe("_INBOX.job-a-000001.abc")
+    assert not job.may_subscribe("_INBOX.scheduler.abc")
+    assert not job.may_subscribe("fd.ctl.job.a-000001.StopRequested")  # only through its consumer
+
+
+def test_the_shipped_config_is_the_rendered_one_and_the_server_accepts_it(tmp_path: Path) -> None:
+    assert SHIPPED.read_text() == shipped(), "run `python -m services.security shipped` after changing permissions"
+    conf = tmp_path / "server.conf"
+    conf.write_text(broker_mod.CONFIG.read_text() + f'\ninclude "{SHIPPED.name}"\n')
+    (tmp_path / SHIPPED.name).write_text(SHIPPED.read_text())
+    env = {**os.environ, **{render.env_var(u.user): "a-password" for u in permissions.fleet()}}
+    out = subprocess.run([broker_mod.binary(), "-t", "-c", str(conf)], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr + out.stdout
+
+
+def test_rendered_users_are_unique_and_job_passwords_are_derived_per_job(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="twice"):
+        render.render([permissions.job("a-000001"), permissions.job("a-000001")], render.from_environment)
+    secrets = SecretsDir(tmp_path / "s")
+    key = secrets.job_key()
+    assert secrets.job_key() == key  # kept, not regenerated
+    assert stat.S_IMODE(secrets.job_key_file.stat().st_mode) == 0o600
+    assert job_password(key, "a-000001") != job_password(key, "b-000002")
+    assert job_password(key, "a-000001") != job_password(key + "x", "a-000001")
+
+
+def test_credentials_come_from_files_and_never_from_urls(tmp_path: Path) -> None:
+    pw = tmp_path / "pw"
+    pw.write_text("s3cret-value\n")
+    env = {USER: "health", PASSWORD_FILE: str(pw)}
+    opts = client_options(env)
+    assert opts == {"user": "health", "password": "s3cret-value", "inbox_prefix": "_INBOX.health"}
+    assert bus.credentials(env) == opts  # the trainer reads the same variables the same way
+    assert client_options({}) == {} == bus.credentials({})
+    with pytest.raises(CredentialsError, match=PASSWORD_FILE):
+        client_options({USER: "health"})
+    with pytest.raises(CredentialsError, match="not a readable file"):
+        client_options({USER: "health", PASSWORD_FILE: str(tmp_path / "missing")})
+    with pytest.raises(CredentialsError) as refused:
+        check_url("nats://health:s3cret-value@10.0.0.1:4222")
+    assert "s3cret-value" not in str(refused.value)
+    check_url("nats://a:4222,nats://b:4222")
+
+
+def test_ranks_get_the_jobs_credential_in_a_file_and_never_the_agents(tmp_path: Path) -> None:
+    secrets = SecretsDir(tmp_path / "s")
+    agent_pw = secrets.password("agent-n1")
+    secrets.job_key()
+    env = {"PATH": "/bin", USER: "agent-n1", PASSWORD_FILE: str(secrets.password_file("agent-n1")),
+           JOB_KEY_FILE: str(secrets.job_key_file), "FLIGHTDECK_NATS_TLS_CA": "/etc/ca.pem"}
+    out = rank_env(dict(env), "a-000001", tmp_path / "data")
+    assert out[USER] == "job-a-000001" and out["FLIGHTDECK_NATS_TLS_CA"] == "/etc/ca.pem"
+    assert JOB_KEY_FILE not in out
+    path = Path(out[PASSWORD_FILE])
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert path.read_text().strip() == job_password(secrets.job_key(), "a-000001")
+    assert not any(agent_pw in v or path.read_text().strip() in v for v in out.values())
+    bare = rank_env({"PATH": "/bin", USER: "agent-n1", PASSWORD_FILE: "/x"}, "a-000001", tmp_path / "data")
+    assert bare == {"PATH": "/bin"}  # no job key: no credential at all, and not the agent's
