@@ -1,0 +1,111 @@
+"""Postmortems of synthetic histories (services/postmortem/synthetic.py): goodput accounting as a property over
+random runs, a run without incidents, and a failed job's cause chain."""
+
+import math
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from events.job import JobFailed, WorkersExited
+from services.postmortem import analyse, write_report
+from services.postmortem.goodput import BADPUT, PARTS
+from services.postmortem.synthetic import Scenario, synthesise
+
+EVERY = 10
+
+
+def faults(kinds: list[str], max_step: int) -> st.SearchStrategy[tuple[tuple[str, int], ...]]:
+    pairs = st.tuples(st.sampled_from(kinds), st.integers(min_value=1, max_value=max_step))
+    return st.lists(pairs, max_size=4, unique_by=lambda f: f[1]).map(tuple)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ranks=st.integers(1, 3), steps=st.integers(20, 90), budget=st.integers(0, 3),
+       chosen=faults(["crash", "hang", "spike"], 120), queued=st.floats(0.0, 5.0), seed=st.integers(0, 9))
+def test_the_parts_always_add_up_to_the_wall_time(ranks: int, steps: int, budget: int,
+                                                  chosen: tuple[tuple[str, int], ...], queued: float,
+                                                  seed: int) -> None:
+    sc = Scenario(ranks=ranks, steps=steps, checkpoint_every=EVERY, max_restarts=budget, faults=chosen,
+                  queued_s=queued, seed=seed)
+    pm = analyse(synthesise(sc), sc.job_id)
+    g = pm.goodput
+    assert set(g.parts) == set(PARTS)
+    assert math.fsum(g.parts.values()) == pytest.approx(g.wall_s, rel=1e-12, abs=1e-9)
+    assert all(v >= 0 for v in g.parts.values())
+    assert 0.0 <= g.goodput <= 1.0
+    assert g.parts["useful"] + math.fsum(g.parts[p] for p in BADPUT) == pytest.approx(g.wall_s)
+    lead = pm.scan.lead
+    # rank 0's step time, less what fault windows took; times near 1.8e9 s round to ~2e-7 s when shifted to 0
+    assert g.parts["useful"] + g.parts["redone"] <= float(lead.took.sum()) + 1e-6 * len(lead)
+    assert g.parts["queued"] == pytest.approx(queued, abs=1e-6)
+    assert len(pm.incidents) <= len(chosen)
+    assert pm.summary.outcome in ("completed", "failed")
+    if pm.summary.outcome == "completed":
+        assert pm.summary.steps_final == steps
+    for inc in pm.incidents:
+        assert 0.0 <= inc.time_to_detect
+        assert inc.time_to_recover is None or inc.time_to_recover >= inc.time_to_detect
+
+
+@settings(max_examples=12, deadline=None)
+@given(steps=st.lists(st.integers(1, 150), min_size=1, max_size=3, unique=True),
+       kinds=st.lists(st.sampled_from(["crash", "hang"]), min_size=3, max_size=3))
+def test_each_restart_is_an_incident_with_the_steps_since_the_last_checkpoint_lost_and_redone(
+        steps: list[int], kinds: list[str]) -> None:
+    chosen = tuple(zip(kinds, sorted(steps), strict=False))
+    sc = Scenario(steps=160, checkpoint_every=EVERY, max_restarts=len(chosen), faults=chosen)
+    pm = analyse(synthesise(sc), sc.job_id)
+    assert pm.summary.outcome == "completed"
+    assert [(i.kind, i.fault_step, i.decision) for i in pm.incidents] == [(k, s, "restart") for k, s in chosen]
+    for n, (inc, (kind, step)) in enumerate(zip(pm.incidents, chosen, strict=True)):
+        assert inc.attempt == n
+        assert inc.steps_lost == inc.steps_redone == step - step // EVERY * EVERY
+        assert inc.time_to_detect == pytest.approx(sc.hang_s if kind == "hang" else 0.05, abs=1e-6)
+        assert inc.time_to_recover is not None and inc.time_to_recover > sc.startup_s
+        assert [m.type for m in inc.chain][-2:] == ["RankStarted", "StepCompleted"]
+    assert pm.goodput.parts["detection"] == pytest.approx(sum(i.time_to_detect for i in pm.incidents))
+
+
+def test_a_spike_rolls_back_and_the_thrown_away_steps_are_redone() -> None:
+    sc = Scenario(steps=100, checkpoint_every=EVERY, faults=(("spike", 44),), obey_steps=4, skip=7)
+    pm = analyse(synthesise(sc), sc.job_id)
+    (inc,) = pm.incidents
+    assert (inc.kind, inc.decision, inc.fault_step, inc.rollback_to, inc.skip) == ("loss_spike", "rollback", 44, 40,
+                                                                                  (44, 51))
+    assert inc.steps_lost == inc.steps_redone == 44 + 4 - 40
+    assert pm.summary.steps_computed - pm.summary.steps_final == 8
+    assert pm.goodput.parts["redone"] > 0
+
+
+def test_a_history_without_incidents(tmp_path: Path) -> None:
+    sc = Scenario(steps=50, checkpoint_every=EVERY)
+    pm = analyse(synthesise(sc), sc.job_id)
+    assert pm.incidents == [] and pm.causes == []
+    g = pm.goodput
+    for part in ("detection", "restart", "restore", "redone"):
+        assert g.parts[part] == 0.0
+    assert g.parts["useful"] == pytest.approx(float(pm.scan.lead.took.sum()), abs=1e-6 * len(pm.scan.lead))
+    assert g.parts["startup"] == pytest.approx(sc.startup_s)
+    assert pm.summary.steps_final == pm.summary.steps_computed == 50
+    md = write_report(pm, tmp_path)["report.md"].read_text()
+    assert "None: no fault was injected or reported" in md
+
+
+def test_a_failed_job_shows_its_cause_chain(tmp_path: Path) -> None:
+    sc = Scenario(steps=100, checkpoint_every=EVERY, max_restarts=1, faults=(("crash", 23), ("crash", 47)))
+    rows = synthesise(sc)
+    pm = analyse(rows, sc.job_id)
+    (failed,) = [s.event for s in rows if isinstance(s.event, JobFailed)]
+    exits = [s.event.event_id for s in rows if isinstance(s.event, WorkersExited) and s.event.exit_code == 17]
+    assert pm.summary.outcome == "failed" and "restart budget of 1 spent" in pm.summary.reason
+    assert [m.event_id for m in pm.causes] == failed.causes == exits
+    assert [m.type for m in pm.causes] == ["WorkersExited", "WorkersExited"]
+    assert [i.decision for i in pm.incidents] == ["restart", "fail"]
+    last = pm.incidents[-1]
+    assert last.recovered_at is None and last.steps_lost == 47 - 40 and last.steps_redone == 0
+    assert pm.goodput.wall_s == pytest.approx(last.detected_at)
+    md = write_report(pm, tmp_path)["report.md"].read_text()
+    assert "## Why it failed" in md
+    assert all(eid in md for eid in failed.causes)
