@@ -13,8 +13,10 @@ from services.console import agent_cmd, cancel, checkpoints_cmd, down, events_cm
 from services.console.cli import EXIT_ERROR, Command, UserError
 from services.console.export_cmd import COMMAND as EXPORT
 from services.console.import_cmd import COMMAND as IMPORT
+from services.console.postmortem_cmd import COMMAND as POSTMORTEM
 from services.console.replay_cmd import COMMAND as REPLAY
 from services.console.verify_cmd import COMMAND as VERIFY
+from services.console.whatif_cmd import COMMAND as WHATIF
 
 COMMANDS: tuple[Command, ...] = (
     up.COMMAND,
@@ -24,6 +26,8 @@ COMMANDS: tuple[Command, ...] = (
     plan_cmd.COMMAND,
     REPLAY, EXPORT, IMPORT,
     VERIFY,
+    WHATIF,
+    POSTMORTEM,
 )
 
 

@@ -16,6 +16,7 @@ from events.job import JobFailed
 from events.store import Stored
 from events.training import StepCompleted
 from services.audit.verify import Verdict, verify
+from services.console.__main__ import main
 from services.history import fdh
 from services.history.library import History
 
@@ -128,3 +129,20 @@ async def test_any_field_of_a_decision_counts(tamper: Callable[[RollbackRequeste
     at = recorded.index(only(recorded, RollbackRequested))
     recorded[at] = rewrite(recorded[at], tamper(recorded[at].event))  # type: ignore[arg-type]
     assert not (await verified(recorded)).ok
+
+
+def test_the_cli_exits_0_on_the_fixture_and_1_on_a_tampered_copy(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["verify", "--from", str(FIXTURE)]) == 0
+    assert "OK: every recorded decision reproduced" in capsys.readouterr().out
+    recorded = rows()
+    at = recorded.index(only(recorded, RollbackRequested))
+    original = recorded[at].event
+    assert isinstance(original, RollbackRequested)
+    recorded[at] = rewrite(recorded[at], msgspec.structs.replace(original, skip_to=original.skip_to + 1))
+    tampered = tmp_path / "tampered.fdh"
+    fdh.write(tampered, fdh.dump(recorded, job_id=JOB))
+    assert main(["verify", "--from", str(tampered)]) == 1
+    out = capsys.readouterr().out
+    assert "first divergence (scheduler, differs)" in out
+    assert f"field skip_to: recorded {original.skip_to + 1}, replayed {original.skip_to}" in out

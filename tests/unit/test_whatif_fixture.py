@@ -1,0 +1,90 @@
+"""`whatif` over the recorded drills: the recorded settings change nothing; a higher spike threshold removes the
+spike drill's rollback; no restart budget fails the crash drill at its crash; bad --set keys and values are
+refused with a message naming them."""
+
+from pathlib import Path
+
+import pytest
+
+from events.commands import RollbackRequested
+from events.findings import LossSpikeDetected
+from events.job import AllocationRequested, JobCompleted, JobFailed
+from events.training import RolledBack
+from services.audit import settings
+from services.audit.whatif import whatif
+from services.console.__main__ import main
+from services.history import fdh
+
+HISTORIES = Path(__file__).resolve().parents[1] / "fixtures" / "histories"
+SPIKE, CRASH = HISTORIES / "spike.fdh.jsonl", HISTORIES / "crash.fdh.jsonl"
+
+
+@pytest.mark.parametrize(("path", "job"), [(SPIKE, "spike-000001"), (CRASH, "crash-000001")], ids=["spike", "crash"])
+def test_the_recorded_settings_change_nothing(path: Path, job: str) -> None:
+    w = whatif(fdh.load(path), job, {})
+    assert w.changes == [] and w.outcome.dropped == [] and w.settings == {}
+    assert w.outcome.kept >= 10  # every decision about the job, made again where it was recorded
+    assert w.wall_s == w.measured.wall_s and w.goodput == w.measured.goodput() > 0 and w.ends == "completed"
+
+
+def test_a_higher_spike_threshold_removes_the_rollback_and_saves_its_measured_cost() -> None:
+    w = whatif(fdh.load(SPIKE), "spike-000001", {"policy.spike_z": 8})
+    assert w.settings == {"policy.spike_z": (6.0, 8.0)}
+    assert [(c.kind, type(c.event)) for c in w.changes] == [("vanishes", LossSpikeDetected),
+                                                           ("vanishes", RollbackRequested)]
+    assert w.changes[0].trigger is not None and w.changes[0].trigger.seq == 103  # the spiking step's telemetry
+    assert {type(s.event) for s in w.outcome.dropped} == {RolledBack}  # the ranks' rollback did not happen
+    (saved,) = w.estimates
+    (rollback,) = w.measured.incidents
+    assert saved.seconds == -rollback.lost_s < 0 and "unknown" in saved.note  # the spike left in: cost unknown
+    assert w.wall_s < w.measured.wall_s and w.goodput > w.measured.goodput()
+
+
+def test_a_lower_threshold_keeps_the_rollback_and_says_how_the_finding_differs() -> None:
+    w = whatif(fdh.load(SPIKE), "spike-000001", {"policy.spike_z": 3})
+    assert [(c.kind, type(c.event).__name__) for c in w.changes][:2] == [("differs", "LossSpikeDetected"),
+                                                                         ("differs", "RollbackRequested")]
+    assert ("threshold", 6.0, 3.0) in w.changes[0].fields()
+
+
+def test_no_restart_budget_fails_the_crash_drill_at_its_crash() -> None:
+    w = whatif(fdh.load(CRASH), "crash-000001", {"policy.max_restarts": 0})
+    appeared = [type(c.event) for c in w.changes if c.kind == "appears"]
+    vanished = [type(c.event) for c in w.changes if c.kind == "vanishes"]
+    assert JobFailed in appeared and JobCompleted in vanished and AllocationRequested in vanished
+    first = w.changes[0]
+    assert first.trigger is not None and first.trigger.event is not None
+    assert type(first.trigger.event).__name__ == "WorkersExited"  # the crash itself
+    assert w.ends.startswith("failed") and w.wall_s < w.measured.wall_s and w.useful_s < w.measured.useful_s
+    assert any(type(s.event).__name__ == "WorkersStarted" for s in w.outcome.dropped)  # attempt 1 never starts
+
+
+def test_a_longer_checkpoint_interval_is_estimated_from_the_recorded_incidents() -> None:
+    w = whatif(fdh.load(SPIKE), "spike-000001", {"train.checkpoint_every": 10})
+    assert w.changes == []  # no core decides when ranks checkpoint
+    assert any("restores step 20 instead of 25" in e.what and e.seconds > 0 for e in w.estimates)
+    assert any("checkpoint_every is the trainer's" in c for c in w.caveats)
+
+
+@pytest.mark.parametrize(("item", "says"), [
+    ("policy.spike_zz=3", "unknown setting 'policy.spike_zz' (did you mean policy.spike_z"),
+    ("spike_z=3", "did you mean policy.spike_z"),
+    ("model.n_layer=4", "not a setting a what-if can replay"),
+    ("policy.spike_z=abc", "Expected `float`, got `str`"),
+    ("policy.spike_z=-1", "Expected `float` > 0.0"),
+    ("policy.min_slots=9", "must not exceed slots"),
+    ("policy.spike_z", "write KEY=VALUE"),
+])
+def test_bad_settings_are_refused_naming_them(item: str, says: str) -> None:
+    spec = fdh.load(SPIKE)[2].event.spec  # type: ignore[union-attr]
+    with pytest.raises(settings.BadSetting, match=None) as err:
+        settings.apply(spec, settings.parse([item]))
+    assert says in str(err.value)
+
+
+def test_the_cli_refuses_an_unknown_key_and_reports_a_what_if(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["whatif", "--from", str(SPIKE), "--set", "policy.nope=1"]) == 2
+    assert "unknown setting 'policy.nope'" in capsys.readouterr().err
+    assert main(["whatif", "--from", str(SPIKE), "--set", "policy.spike_z=8"]) == 0
+    out = capsys.readouterr().out
+    assert "VANISHES scheduler   RollbackRequested" in out and "what a what-if can and cannot know" in out
