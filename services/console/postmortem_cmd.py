@@ -4,12 +4,13 @@ plots, and a self-contained report.html), from an imported history, the live bro
 import argparse
 import asyncio
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from services.console.cli import EXIT_NOT_FOUND, Command, UserError
 from services.history import add_history_arguments, history_from_args
-from services.postmortem import Postmortem, analyse, write_report
-from services.postmortem.goodput import BADPUT
-from services.postmortem.report import seconds
+
+if TYPE_CHECKING:
+    from services.postmortem import Postmortem
 
 INCIDENT_LINES = 3  # the summary names this many incidents; the report has them all
 
@@ -23,6 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.out.exists() and not args.out.is_dir():
         raise UserError(f"--out {args.out} is a file; name a folder for the report")
+    # numpy and matplotlib load here, not when the CLI starts: every other verb would pay for them
+    from services.postmortem import analyse, write_report
+
     history = asyncio.run(history_from_args(args))
     try:
         pm = analyse(history.rows, history.job_id)
@@ -39,8 +43,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def summary(pm: Postmortem) -> list[str]:
+def summary(pm: "Postmortem") -> list[str]:
     """Five to ten lines: outcome, time, steps, goodput, the biggest badput parts, the first incidents."""
+    from services.postmortem.goodput import BADPUT
+    from services.postmortem.report import seconds
+
     s, g = pm.summary, pm.goodput
     lines = [f"outcome: {s.outcome}" + (f" ({s.reason})" if s.reason else ""),
              f"wall time {seconds(s.wall_s)}; {s.steps_final} of {s.steps_planned} steps stand, "
