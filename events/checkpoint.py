@@ -26,6 +26,8 @@ class CheckpointStaged(RankEvent, frozen=True, kw_only=True):
     data: DataPosition
     stall_s: float  # time the step loop was blocked for the host snapshot
     write_s: float
+    # Rollbacks the rank's attempt had applied: a step redone after a rollback is a different checkpoint.
+    timeline: int = 0
 
 
 class CheckpointCommitted(JobEvent, frozen=True, kw_only=True):
@@ -36,6 +38,8 @@ class CheckpointCommitted(JobEvent, frozen=True, kw_only=True):
     bytes: int
     data: DataPosition
     manifest_sha256: str = ""  # sha256 of MANIFEST.json as written; a restore refuses any other manifest
+    attempt: int = 0  # the attempt whose ranks staged it
+    timeline: int = 0  # rollbacks that attempt had applied when it staged (services/checkpoints/lineage.py)
 
 
 class CheckpointFailed(JobEvent, frozen=True, kw_only=True):

@@ -14,6 +14,7 @@ class RollbackRequested(JobEvent, frozen=True, kw_only=True):
     skip_to: int
     reason: str
     trigger_id: str = ""
+    attempt: int = 0  # the attempt whose ranks are to roll back
 
 
 class StopRequested(JobEvent, frozen=True, kw_only=True):

@@ -38,6 +38,7 @@ class RolledBack(RankEvent, frozen=True, kw_only=True):
     to_step: int
     skip_from: int
     skip_to: int
+    timeline: int = 0  # rollbacks this rank's attempt has applied, this one included
 
 
 class RankStarted(RankEvent, frozen=True, kw_only=True):

@@ -1,7 +1,8 @@
 """Two-phase checkpoints: a host snapshot at a step boundary (the only stall), then a background thread
-that writes DCP shards (one file per rank) into <staging>/<job>/step-<N>/, hashes what this rank wrote
-and announces CheckpointStaged. Restore loads such a directory at any world size, verifying sha256s first
-when a manifest is given."""
+that writes DCP shards (one file per rank) into <staging>/<job>/step-<N>/ (step-<N>-t<k> once k rollbacks
+were applied: a redone step must not overwrite the set it replaces while that may still be uploading),
+hashes what this rank wrote and announces CheckpointStaged. Restore loads such a directory at any world
+size, verifying sha256s first when a manifest is given."""
 
 import hashlib
 import json
@@ -101,6 +102,7 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.last_step: int | None = None
+        self.timeline = 0  # rollbacks applied: what CheckpointStaged tells the checkpoint service
         self._copy_stream: torch.cuda.Stream | None = None
         self._copied: torch.cuda.Event | None = None  # the last snapshot's copies, until before_update
 
@@ -154,16 +156,17 @@ class Checkpointer:
         for kind, t in _rng_state(self.dist.device).items():
             state[f"rng.{kind}.{self.dist.rank}"] = t
         stall = time.perf_counter() - started
-        path = self.root / f"step-{step}"
+        path = self.staged_dir(step, self.timeline)
         copied = self._copied
-        self._thread = threading.Thread(target=self._write, args=(step, path, state, position, stall, copied),
+        self._thread = threading.Thread(target=self._write,
+                                        args=(step, self.timeline, path, state, position, stall, copied),
                                         name=f"ckpt-{step}", daemon=True)
         self._thread.start()
         self.last_step = step
         return stall
 
-    def _write(self, step: int, path: Path, state: dict[str, object], position: DataPosition, stall: float,
-               copied: torch.cuda.Event | None) -> None:
+    def _write(self, step: int, timeline: int, path: Path, state: dict[str, object], position: DataPosition,
+               stall: float, copied: torch.cuda.Event | None) -> None:
         started = time.perf_counter()
         try:
             if copied is not None:
@@ -182,8 +185,21 @@ class Checkpointer:
         write_s = time.perf_counter() - started
         self.emit(CheckpointStaged(step=step, world_size=self.dist.world_size, staging_dir=str(path.resolve()),
                                    shards=shards, data=position, stall_s=stall, write_s=write_s,
-                                   **self.envelope))
+                                   timeline=timeline, **self.envelope))
         log.info("checkpoint staged", step=step, path=str(path), stall_s=round(stall, 4), write_s=round(write_s, 3))
+
+    def staged_dir(self, step: int, timeline: int) -> Path:
+        return self.root / (f"step-{step}-t{timeline}" if timeline else f"step-{step}")
+
+    def staged_dirs(self, step: int) -> list[Path]:
+        """Where this node may have staged `step`, the current timeline's set first: of the sets of one step,
+        that is the one on the current lineage."""
+        return [self.staged_dir(step, t) for t in range(self.timeline, -1, -1)]
+
+    def rolled_back(self) -> int:
+        """Count a rollback just applied (call after `wait`): later sets belong to a new timeline. Returns it."""
+        self.timeline += 1
+        return self.timeline
 
     def wait(self) -> None:
         """Block until the background write is done; raise if it failed."""

@@ -230,16 +230,17 @@ class Loop:
         self.step = checkpointing.load(path, self.live, self.stream, self.dist, shards)
         self.stream.skip(cmd.skip_from, cmd.skip_to)
         self.saved_at = self.step
+        timeline = self.ckpt.rolled_back()
         self.emitter.set_step(self.step - 1)
         self.emitter.emit(RolledBack(checkpoint_id=cmd.checkpoint_id, to_step=self.step, skip_from=cmd.skip_from,
-                                     skip_to=cmd.skip_to, **self.emitter.envelope))
+                                     skip_to=cmd.skip_to, timeline=timeline, **self.emitter.envelope))
         log.warning("rolled back", checkpoint=str(path), to_step=self.step, skip=(cmd.skip_from, cmd.skip_to))
 
     def find_checkpoint(self, checkpoint_id: str, step: int) -> Path:
         """Where a rollback's checkpoint is: the node's cache of committed checkpoints (--checkpoints), which a
         prefetch may still be filling, else what this node staged (same id, or step-<N> from this run)."""
         cached = self.cfg.checkpoints / self.cfg.job_id / checkpoint_id if self.cfg.checkpoints else None
-        staged = [self.cfg.staging / self.cfg.job_id / name for name in (checkpoint_id, f"step-{step}")]
+        staged = [self.cfg.staging / self.cfg.job_id / checkpoint_id, *self.ckpt.staged_dirs(step)]
         deadline = time.monotonic() + (ROLLBACK_WAIT_S if cached else 0.0)
         while True:
             if cached is not None and (cached / ".metadata").exists():

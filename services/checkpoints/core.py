@@ -1,18 +1,20 @@
 """The checkpoint service's pure core: which checkpoints to commit and which to delete.
 
-- Commit: when every rank of (job, attempt, step) has announced CheckpointStaged, ask for the
+- Commit: when every rank of (job, attempt, timeline, step) has announced CheckpointStaged, ask for the
   "commit" effect (upload, verify, manifest last; see uploader.py), whose outcome event —
-  CheckpointCommitted or CheckpointFailed — comes back as an input.
-- Retention: keep the newest `policy.keep_checkpoints` committed checkpoints (commit order) plus any
-  a pending rollback or restart still needs; the rest get CheckpointDeleted and a "delete" effect.
+  CheckpointCommitted or CheckpointFailed — comes back as an input. The timeline counts the rollbacks the
+  attempt had applied, so a step redone after an in-place rollback is a checkpoint of its own.
+- Retention: keep the newest `policy.keep_checkpoints` committed checkpoints (commit order) that no rollback
+  threw away (lineage.py) plus any a pending rollback or restart still needs; the rest get
+  CheckpointDeleted and a "delete" effect.
 
 Stagings are ignored when they come from an attempt older than one whose ranks have started (or
-staged, or that a JobResumed names), for a set already handed to the uploader, for a job that failed
-or was cancelled, or when they contradict the set's world size. An allocation alone does not make an
-attempt stale: a preempted job's final checkpoint may be folded after its next allocation was
-requested. Likewise a completed job's last attempt still finishes its sets: its ranks staged them
-before exiting 0, but telemetry is folded only at ticks, so they may be read after JobCompleted; the
-service keeps ticking (up to LINGER_S) until the final step's set is read.
+staged, or that a JobResumed names), for a set already handed to the uploader or one a rollback threw
+away, for a job that failed or was cancelled, or when they contradict the set's world size. An
+allocation alone does not make an attempt stale: a preempted job's final checkpoint may be folded after
+its next allocation was requested. Likewise a completed job's last attempt still finishes its sets:
+its ranks staged them before exiting 0, but telemetry is folded only at ticks, so they may be read after
+JobCompleted; the service keeps ticking (up to LINGER_S) until the final step's set is read.
 `evolve` records in `State.last` what the latest input made due, so `decide` acts exactly once, on
 the input that caused it, and never again on a later one.
 """
@@ -28,18 +30,21 @@ from events.checkpoint import CheckpointCommitted, CheckpointDeleted, Checkpoint
 from events.commands import RollbackRequested
 from events.job import JobCancelled, JobCompleted, JobFailed, JobResumed, JobSubmitted
 from events.training import RankStarted, RolledBack
+from services.checkpoints.lineage import Fork, forked, thrown_away
 from services.core import Effect, EffectHandler, Emit, Output, Service
 
 SERVICE = "checkpoints"
 COMMIT = "commit"
 DELETE = "delete"
 DEFAULT_KEEP = 3
+THROWN_AWAY = "thrown away by a rollback"  # CheckpointDeleted.reason, beside the default "retention"
 LINGER_S = 30.0  # after a completion, the longest the service keeps ticking for the final step's set
 
 
-def checkpoint_id(attempt: int, step: int) -> str:
-    """Unique per job (the same step may be checkpointed again by a later attempt) and sorts by step."""
-    return f"step{step:09d}-a{attempt}"
+def checkpoint_id(attempt: int, step: int, timeline: int = 0) -> str:
+    """Unique per job (the same step may be checkpointed again by a later attempt, or by the same one after a
+    rollback) and sorts by step."""
+    return f"step{step:09d}-a{attempt}" + (f"-t{timeline}" if timeline else "")
 
 
 class StagedRank(msgspec.Struct, frozen=True, kw_only=True):
@@ -57,6 +62,7 @@ class CommitArgs(msgspec.Struct, frozen=True, kw_only=True):
     attempt: int
     step: int
     world_size: int
+    timeline: int = 0
     created_at: float  # the completing staging's recorded time, so a re-run writes the same manifest
     data: DataPosition
     ranks: list[StagedRank]
@@ -76,6 +82,8 @@ class Committed(msgspec.Struct, frozen=True, kw_only=True):
     checkpoint_id: str
     step: int
     world_size: int
+    attempt: int = 0
+    timeline: int = 0
 
 
 class Hold(msgspec.Struct, frozen=True, kw_only=True):
@@ -89,8 +97,8 @@ class Hold(msgspec.Struct, frozen=True, kw_only=True):
 class JobState(msgspec.Struct, frozen=True, kw_only=True):
     keep: int = DEFAULT_KEEP
     attempt: int = 0  # newest attempt whose ranks run; stagings from older ones are stale
-    staging: dict[tuple[int, int], Staging] = {}  # (attempt, step) -> ranks staged so far
-    handed: frozenset[tuple[int, int]] = frozenset()  # (attempt, step) given to the uploader
+    staging: dict[tuple[int, int, int], Staging] = {}  # (attempt, timeline, step) -> ranks staged so far
+    handed: frozenset[tuple[int, int, int]] = frozenset()  # (attempt, timeline, step) given to the uploader
     committed: tuple[Committed, ...] = ()  # commit order; deleted ones leave when CheckpointDeleted returns
     doomed: frozenset[str] = frozenset()  # deletion decided
     holds: dict[str, Hold] = {}
@@ -99,6 +107,7 @@ class JobState(msgspec.Struct, frozen=True, kw_only=True):
     every: int = 0  # the spec's checkpoint_every (0: not known)
     final: int = -1  # a completed job's last step while the set staged there is due, else -1
     ended_at: float = 0.0
+    forks: tuple[Fork, ...] = ()  # the timelines rollbacks started
 
 
 class Due(msgspec.Struct, frozen=True, kw_only=True):
@@ -117,9 +126,10 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def retention(job: JobState) -> tuple[JobState, tuple[str, ...]]:
-    """Doom every live checkpoint that is neither among the newest `keep` nor held."""
+    """Doom every live checkpoint that is neither among the newest `keep` a rollback left standing nor held."""
     live = [c for c in job.committed if c.checkpoint_id not in job.doomed]
-    keep = {c.checkpoint_id for c in live[-job.keep:]} | set(job.holds)
+    standing = [c for c in live if not thrown_away(job.forks, c.attempt, c.timeline, c.step)]
+    keep = {c.checkpoint_id for c in standing[-job.keep:]} | set(job.holds)
     doomed = tuple(c.checkpoint_id for c in live if c.checkpoint_id not in keep)
     if not doomed:
         return job, ()
@@ -127,9 +137,9 @@ def retention(job: JobState) -> tuple[JobState, tuple[str, ...]]:
 
 
 def _stage(job: JobState, ev: CheckpointStaged) -> tuple[JobState, CommitArgs | None]:
-    at = (ev.attempt, ev.step)
+    at = (ev.attempt, ev.timeline, ev.step)
     if (job.ended and not (job.completed and ev.attempt == job.attempt)) or ev.attempt < job.attempt \
-            or at in job.handed:
+            or at in job.handed or thrown_away(job.forks, *at):
         return job, None
     if ev.world_size < 1 or not 0 <= ev.rank < ev.world_size or ev.step < 0:
         return job, None
@@ -145,8 +155,8 @@ def _stage(job: JobState, ev: CheckpointStaged) -> tuple[JobState, CommitArgs | 
     staging.pop(at, None)
     ranks = [current.ranks[r] for r in sorted(current.ranks)]
     args = CommitArgs(
-        job_id=ev.job_id, checkpoint_id=checkpoint_id(ev.attempt, ev.step), attempt=ev.attempt, step=ev.step,
-        world_size=ev.world_size, created_at=ev.occurred_at, data=ranks[0].data,
+        job_id=ev.job_id, checkpoint_id=checkpoint_id(ev.attempt, ev.step, ev.timeline), attempt=ev.attempt,
+        step=ev.step, world_size=ev.world_size, timeline=ev.timeline, created_at=ev.occurred_at, data=ranks[0].data,
         ranks=[StagedRank(rank=s.rank, node=s.node, staging_dir=s.staging_dir, shards=s.shards) for s in ranks],
     )
     final = -1 if ev.step == job.final else job.final
@@ -184,7 +194,8 @@ def _evolve_job(job: JobState, ev: Event) -> tuple[JobState, Due]:
         case CheckpointCommitted():
             if any(c.checkpoint_id == ev.checkpoint_id for c in job.committed) or ev.checkpoint_id in job.doomed:
                 return job, NOTHING_DUE
-            c = Committed(checkpoint_id=ev.checkpoint_id, step=ev.step, world_size=ev.world_size)
+            c = Committed(checkpoint_id=ev.checkpoint_id, step=ev.step, world_size=ev.world_size, attempt=ev.attempt,
+                          timeline=ev.timeline)
             job = replace(job, committed=(*job.committed, c))
         case CheckpointDeleted():
             return replace(job, committed=tuple(c for c in job.committed if c.checkpoint_id != ev.checkpoint_id),
@@ -192,8 +203,11 @@ def _evolve_job(job: JobState, ev: Event) -> tuple[JobState, Due]:
         case JobSubmitted():
             return replace(job, keep=ev.spec.policy.keep_checkpoints, every=ev.spec.train.checkpoint_every), NOTHING_DUE
         case RollbackRequested():
+            # what it throws away is deleted now (retention below), and a staging of it is never committed
             hold = Hold(world_size=_world_size_of(job, ev.checkpoint_id))
-            return replace(job, holds={**job.holds, ev.checkpoint_id: hold}), NOTHING_DUE
+            forks = forked(job.forks, ev)
+            staging = {k: v for k, v in job.staging.items() if not thrown_away(forks, *k)}
+            job = replace(job, holds={**job.holds, ev.checkpoint_id: hold}, forks=forks, staging=staging)
         case JobResumed() if ev.checkpoint_id:
             hold = Hold(world_size=ev.world_size, attempt=ev.attempt)
             return replace(_new_attempt(job, ev.attempt), holds={**job.holds, ev.checkpoint_id: hold}), NOTHING_DUE
@@ -202,7 +216,8 @@ def _evolve_job(job: JobState, ev: Event) -> tuple[JobState, Due]:
         case RolledBack():
             job = _release(job, ev)
         case JobCompleted():
-            due = job.every > 0 and ev.steps % job.every == 0 and (job.attempt, ev.steps) not in job.handed
+            handed = any(a == job.attempt and step == ev.steps for a, _, step in job.handed)
+            due = job.every > 0 and ev.steps % job.every == 0 and not handed
             job = replace(job, ended=True, completed=True, final=ev.steps if due else -1, ended_at=ev.occurred_at,
                           staging={k: v for k, v in job.staging.items() if k[0] == job.attempt}, holds={})
         case JobFailed() | JobCancelled():
@@ -229,7 +244,11 @@ def decide(state: State, ev: Event) -> Sequence[Output]:
     if due.doomed:
         job_id = getattr(ev, "job_id", "")
         subject = subjects.job(job_id, "CheckpointDeleted")
-        out.extend(Emit(subject, CheckpointDeleted(job_id=job_id, checkpoint_id=cid)) for cid in due.doomed)
+        job = state.jobs[job_id]
+        thrown = {c.checkpoint_id for c in job.committed if thrown_away(job.forks, c.attempt, c.timeline, c.step)}
+        out.extend(Emit(subject, CheckpointDeleted(job_id=job_id, checkpoint_id=cid, reason=THROWN_AWAY)
+                        if cid in thrown else CheckpointDeleted(job_id=job_id, checkpoint_id=cid))
+                   for cid in due.doomed)
         out.append(Effect(DELETE, DeleteArgs(job_id=job_id, checkpoint_ids=list(due.doomed))))
     return out
 

@@ -40,6 +40,7 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
     step: int
     world_size: int
     attempt: int
+    timeline: int = 0  # rollbacks the attempt had applied (lineage.py)
     created_at: float  # unix seconds, from the recorded event that completed the staging
     shards: list[ShardInfo]
     data: DataPosition

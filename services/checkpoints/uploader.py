@@ -32,7 +32,7 @@ class Rejected(Exception):
 def build_manifest(args: CommitArgs) -> mf.Manifest:
     return mf.Manifest(
         job_id=args.job_id, checkpoint_id=args.checkpoint_id, step=args.step, world_size=args.world_size,
-        attempt=args.attempt, created_at=args.created_at, data=args.data,
+        attempt=args.attempt, timeline=args.timeline, created_at=args.created_at, data=args.data,
         shards=[s for r in args.ranks for s in r.shards],
     )
 
@@ -122,6 +122,7 @@ async def commit(store: ObjectStore, args: CommitArgs, *, file_concurrency: int 
     event = CheckpointCommitted(
         job_id=args.job_id, checkpoint_id=args.checkpoint_id, step=args.step, world_size=args.world_size,
         uri=store.uri(mkey), bytes=manifest.bytes, data=args.data, manifest_sha256=mf.sha256(body),
+        attempt=args.attempt, timeline=args.timeline,
     )
     return [Emit(subjects.job(args.job_id, "CheckpointCommitted"), event)]
 

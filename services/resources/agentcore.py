@@ -4,7 +4,8 @@ The agent of node N is the service `agent-N`. It folds every job's spec, checkpo
 asks its shell for effects (spawner.py runs them):
 
 - `spawn`    an AllocationGranted with slots on N: start its ranks there, restoring the newest checkpoint
-             the job had committed when the grant was folded (None: from scratch). If N still holds an
+             the job had committed when the grant was folded, passing over those a rollback threw away
+             (services/checkpoints/lineage.py; the scheduler's rule too), None: from scratch. If N still holds an
              older attempt of the job, a `stop` with `immediate=True` comes first: old ranks are killed
              before new ones start on the same slots.
 - `stop`     AllocationReleased of the attempt N holds, or the job cancelled or ended: SIGTERM, a grace
@@ -23,6 +24,7 @@ import msgspec
 from events import subjects
 from events.base import Event
 from events.checkpoint import CheckpointCommitted, CheckpointDeleted
+from events.commands import RollbackRequested
 from events.job import (
     AllocationGranted,
     AllocationReleased,
@@ -35,6 +37,7 @@ from events.job import (
     WorkersStarted,
 )
 from events.spec import JobSpec
+from services.checkpoints import lineage
 from services.core import Effect, EffectHandler, Output, Service
 
 SPAWN, STOP, PREFETCH, EVICT = "spawn", "stop", "prefetch", "evict"
@@ -51,6 +54,8 @@ class Restore(msgspec.Struct, frozen=True, kw_only=True):
     checkpoint_id: str
     step: int
     manifest_sha256: str = ""
+    attempt: int = 0  # the attempt that staged it
+    timeline: int = 0  # rollbacks that attempt had applied then
 
 
 class SpawnArgs(msgspec.Struct, frozen=True, kw_only=True):
@@ -93,6 +98,7 @@ class JobView(msgspec.Struct, frozen=True, kw_only=True):
     checkpoints: tuple[Restore, ...] = ()  # committed and not deleted, in commit order
     held: Held | None = None  # the attempt whose ranks this node runs
     latest: int = -1  # newest attempt granted or released: a grant for it or an older one is stale or repeated
+    forks: tuple[lineage.Fork, ...] = ()  # timelines the job's rollbacks started
 
 
 class LiveRank(msgspec.Struct, frozen=True, kw_only=True):
@@ -114,10 +120,13 @@ def live_key(job_id: str, attempt: int, rank: int) -> str:
     return f"{job_id}/{attempt}/{rank}"
 
 
-def newest(checkpoints: tuple[Restore, ...]) -> Restore | None:
-    """The highest step; among equal steps the one committed last (the scheduler's choice too)."""
+def newest(checkpoints: tuple[Restore, ...], forks: tuple[lineage.Fork, ...] = ()) -> Restore | None:
+    """The highest step a rollback did not throw away; among equal steps the one committed last (the scheduler's
+    choice too)."""
     best: Restore | None = None
     for c in checkpoints:
+        if lineage.thrown_away(forks, c.attempt, c.timeline, c.step):
+            continue
         if best is None or c.step >= best.step:
             best = c
     return best
@@ -145,8 +154,8 @@ def _granted(state: State, ev: AllocationGranted) -> State:
         return _put(state, ev.job_id, msgspec.structs.replace(view, held=None), *outs)
     outs.append(Effect(SPAWN, SpawnArgs(
         job_id=ev.job_id, attempt=ev.attempt, node=state.node, ranks=list(mine), world_size=len(ev.assignments),
-        master_addr=ev.master_addr, master_port=ev.master_port, spec=view.spec, restore=newest(view.checkpoints),
-        grant_id=ev.event_id)))
+        master_addr=ev.master_addr, master_port=ev.master_port, spec=view.spec,
+        restore=newest(view.checkpoints, view.forks), grant_id=ev.event_id)))
     return _put(state, ev.job_id, msgspec.structs.replace(view, held=Held(attempt=ev.attempt, ranks=mine)), *outs)
 
 
@@ -178,7 +187,8 @@ def _committed(state: State, ev: CheckpointCommitted) -> State:
     view = state.jobs.get(ev.job_id)
     if view is None or any(c.checkpoint_id == ev.checkpoint_id for c in view.checkpoints):
         return msgspec.structs.replace(state, outbox=())
-    entry = Restore(checkpoint_id=ev.checkpoint_id, step=ev.step, manifest_sha256=ev.manifest_sha256)
+    entry = Restore(checkpoint_id=ev.checkpoint_id, step=ev.step, manifest_sha256=ev.manifest_sha256,
+                    attempt=ev.attempt, timeline=ev.timeline)
     after = msgspec.structs.replace(view, checkpoints=(*view.checkpoints, entry))
     if view.held is None:
         return _put(state, ev.job_id, after)
@@ -228,6 +238,9 @@ def transition(state: State, event: Event) -> State:
             return _committed(state, event)
         case CheckpointDeleted():
             return _deleted(state, event)
+        case RollbackRequested(job_id=job_id) if job_id in state.jobs:
+            view = state.jobs[job_id]
+            return _put(state, job_id, msgspec.structs.replace(view, forks=lineage.forked(view.forks, event)))
         case WorkersStarted() | WorkersExited():
             return _workers(state, event)
         case _:
@@ -239,7 +252,8 @@ def decide(state: State, event: Event) -> list[Output]:
 
 
 CONTROL_TYPES = ("JobSubmitted", "AllocationGranted", "AllocationReleased", "JobCancelled", "JobCompleted",
-                 "JobFailed", "CheckpointCommitted", "CheckpointDeleted", "WorkersStarted", "WorkersExited")
+                 "JobFailed", "CheckpointCommitted", "CheckpointDeleted", "WorkersStarted", "WorkersExited",
+                 "RollbackRequested")
 
 
 def core_service(node: str, effects: dict[str, EffectHandler]) -> Service[State]:

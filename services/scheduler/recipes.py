@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from events.checkpoint import DataPosition
 from events.findings import LossSpikeDetected, NonFiniteLoss
+from services.checkpoints import lineage
 from services.scheduler.policy import Fail
 from services.scheduler.state import Checkpoint, Incident, Job
 
@@ -102,7 +103,8 @@ def batch_after(position: DataPosition, later: tuple[tuple[int, int], ...], n: i
 
 def rollback_target(job: Job, step: int) -> tuple[Checkpoint | None, bool]:
     """The checkpoint to roll back to for a spike at `step`, and whether it is as old as the policy asks."""
-    usable = [c for c in job.checkpoints if c.checkpoint_id not in job.abandoned and c.step <= step]
+    usable = [c for c in job.checkpoints if c.checkpoint_id not in job.abandoned and c.step <= step
+              and not lineage.thrown_away(job.forks, c.attempt, c.timeline, c.step)]
     old = [c for c in usable if c.step <= step - job.spec.policy.rollback_steps_back]
     if old:
         return max(old, key=lambda c: (c.step, c.at)), True

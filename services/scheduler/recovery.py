@@ -18,6 +18,7 @@ import msgspec
 from events.checkpoint import CheckpointCommitted
 from events.commands import RollbackRequested, StopRequested
 from events.training import RolledBack
+from services.checkpoints import lineage
 from services.scheduler import queue, recipes
 from services.scheduler.lifecycle import fail
 from services.scheduler.policy import Fail
@@ -41,11 +42,13 @@ def loss_finding(tx: Tx, ev: recipes.LossFinding, landing_timeout_s: float) -> N
     match recipes.after_loss(job, ev):
         case recipes.RollTo() as plan:
             target = plan.checkpoint
-            tx.emit(RollbackRequested(job_id=job.job_id, checkpoint_id=target.checkpoint_id, to_step=target.step,
-                                      skip_from=plan.skip_from, skip_to=plan.skip_to, reason=plan.reason,
-                                      trigger_id=ev.event_id))
+            command = RollbackRequested(job_id=job.job_id, checkpoint_id=target.checkpoint_id, to_step=target.step,
+                                        skip_from=plan.skip_from, skip_to=plan.skip_to, reason=plan.reason,
+                                        trigger_id=ev.event_id, attempt=job.attempt)
+            tx.emit(command)
             thrown = {c.checkpoint_id for c in job.checkpoints if c.step > target.step}
             tx.update(job, incident=plan.incident, abandoned=job.abandoned | thrown,
+                      forks=lineage.forked(job.forks, command),
                       skips=(*job.skips, (plan.skip_from, plan.skip_to)),
                       rollback=Rollback(attempt=job.attempt, checkpoint_id=target.checkpoint_id, to_step=target.step,
                                         skip_from=plan.skip_from, skip_to=plan.skip_to, at=tx.at))
@@ -66,7 +69,8 @@ def checkpoint_committed(tx: Tx, ev: CheckpointCommitted, landing_timeout_s: flo
     job = tx.jobs.get(ev.job_id)
     if job is None or any(c.checkpoint_id == ev.checkpoint_id for c in job.checkpoints):
         return
-    entry = Checkpoint(checkpoint_id=ev.checkpoint_id, step=ev.step, at=ev.occurred_at or tx.at, data=ev.data)
+    entry = Checkpoint(checkpoint_id=ev.checkpoint_id, step=ev.step, at=ev.occurred_at or tx.at, data=ev.data,
+                       attempt=ev.attempt, timeline=ev.timeline)
     job = tx.update(job, checkpoints=(*job.checkpoints, entry),
                     abandoned=job.abandoned | {ev.checkpoint_id} if thrown_away(job, ev) else job.abandoned)
     grow_at_commit(tx, job, ev, landing_timeout_s)

@@ -7,6 +7,7 @@ import msgspec
 from events.checkpoint import DataPosition
 from events.job import SlotRef
 from events.spec import JobSpec
+from services.checkpoints import lineage
 from services.core import Emit
 
 Phase = Literal["queued", "placing", "running", "stopping", "preempted", "recovering",
@@ -20,6 +21,8 @@ class Checkpoint(msgspec.Struct, frozen=True, kw_only=True):
     step: int
     at: float  # when it was committed (its event's occurred_at)
     data: DataPosition | None = None  # where its token stream stood (None: not known, read as step, no skips)
+    attempt: int = 0  # the attempt that staged it
+    timeline: int = 0  # rollbacks that attempt had applied then (services/checkpoints/lineage.py)
 
 
 class Rollback(msgspec.Struct, frozen=True, kw_only=True):
@@ -76,6 +79,7 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     skips: tuple[tuple[int, int], ...] = ()  # batch windows rollbacks of `attempt` added to its token stream
     incident: Incident | None = None  # the latest loss incident; outlives restarts (it is about the data)
     abandoned: frozenset[str] = frozenset()  # checkpoints of steps a rollback threw away: never a rollback target
+    forks: tuple[lineage.Fork, ...] = ()  # timelines rollbacks started, every attempt's: never restored across
 
     @property
     def ranks(self) -> frozenset[int]:
@@ -88,7 +92,9 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def newest(self) -> Checkpoint | None:
-        return max(self.checkpoints, key=lambda c: (c.step, c.at)) if self.checkpoints else None
+        """What a restart restores (the node agents' rule too): the newest checkpoint no rollback threw away."""
+        standing = [c for c in self.checkpoints if not lineage.thrown_away(self.forks, c.attempt, c.timeline, c.step)]
+        return max(standing, key=lambda c: (c.step, c.at)) if standing else None
 
 
 class NodeView(msgspec.Struct, frozen=True, kw_only=True):

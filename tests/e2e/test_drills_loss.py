@@ -57,10 +57,6 @@ async def test_a_loss_spike_rolls_back_before_it_and_skips_the_bad_batches(drill
     assert await wait_lineage(p, job, STEPS) == []
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known bug: checkpoint ids are (attempt, step), so the redone steps' stagings after an in-place rollback are "
-    "dropped as sets already handed over (services/checkpoints/core.py), and a restart restores the newest commit "
-    "(node agent and scheduler), which is one the rollback threw away (pre-spike timeline, no skip window)"))
 @pytest.mark.timeout(180)
 async def test_a_crash_after_a_rollback_resumes_on_the_rolled_back_timeline(drill: Platform) -> None:
     """The checkpoints a rollback throws away (the steps after its target, trained on the noisy batches) must not

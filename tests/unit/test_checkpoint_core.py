@@ -23,18 +23,20 @@ from services.fold import Folder
 JOB = "llm-abc123"
 
 
-def staged(rank: int, step: int, world: int, *, attempt: int = 0, at: float = 0.0, job: str = JOB) -> CheckpointStaged:
+def staged(rank: int, step: int, world: int, *, attempt: int = 0, at: float = 0.0, job: str = JOB,
+           timeline: int = 0) -> CheckpointStaged:
     return CheckpointStaged(
         job_id=job, rank=rank, attempt=attempt, node=f"n{rank}", step=step, world_size=world,
         staging_dir=f"/stage/{job}/step-{step}", data=DataPosition(next_batch=step * 10),
         shards=[ShardInfo(path=f"__{rank}_0.distcp", size=10 + rank, sha256=f"{rank:x}" * 64)],
-        stall_s=0.01, write_s=0.1, occurred_at=at,
+        stall_s=0.01, write_s=0.1, occurred_at=at, timeline=timeline,
     )
 
 
-def committed(step: int, *, attempt: int = 0, world: int = 2, job: str = JOB) -> CheckpointCommitted:
-    return CheckpointCommitted(job_id=job, checkpoint_id=checkpoint_id(attempt, step), step=step, world_size=world,
-                               uri="file:///x", bytes=1, data=DataPosition(next_batch=0))
+def committed(step: int, *, attempt: int = 0, world: int = 2, job: str = JOB, timeline: int = 0) -> CheckpointCommitted:
+    return CheckpointCommitted(job_id=job, checkpoint_id=checkpoint_id(attempt, step, timeline), step=step,
+                               world_size=world, uri="file:///x", bytes=1, data=DataPosition(next_batch=0),
+                               attempt=attempt, timeline=timeline)
 
 
 def submitted(keep: int, job: str = JOB) -> JobSubmitted:
@@ -103,7 +105,7 @@ def test_stagings_of_an_older_attempt_are_ignored_once_a_newer_one_runs() -> Non
 def test_a_newer_attempt_staging_drops_the_older_partial_set() -> None:
     state, outs = run([staged(0, 50, 2, attempt=0), staged(0, 60, 2, attempt=1), staged(1, 50, 2, attempt=0)])
     assert commits(outs) == []
-    assert list(state.jobs[JOB].staging) == [(1, 60)]
+    assert list(state.jobs[JOB].staging) == [(1, 0, 60)]  # (attempt, timeline, step)
 
 
 def test_final_checkpoint_of_a_preempted_attempt_still_commits() -> None:
@@ -118,7 +120,7 @@ def test_final_checkpoint_of_a_preempted_attempt_still_commits() -> None:
 ])
 def test_inconsistent_stagings_are_ignored(bad: CheckpointStaged) -> None:
     state, outs = run([staged(0, 50, 2), bad])
-    assert commits(outs) == [] and set(state.jobs[JOB].staging[(0, 50)].ranks) == {0}
+    assert commits(outs) == [] and set(state.jobs[JOB].staging[(0, 0, 50)].ranks) == {0}
 
 
 @pytest.mark.parametrize("end", [JobCancelled(job_id=JOB), JobFailed(job_id=JOB, reason="x")])
@@ -177,13 +179,33 @@ def test_rollback_target_is_kept_until_every_rank_rolled_back() -> None:
     state, outs = run([
         submitted(keep=1), committed(10, world=2),
         RollbackRequested(job_id=JOB, checkpoint_id=target, to_step=10, skip_from=100, skip_to=120, reason="spike"),
-        committed(20), committed(30),
+        committed(20, timeline=1), committed(30, timeline=1),
     ])
-    assert deleted(outs) == [checkpoint_id(0, 20)]  # 10 is held, 30 is the newest
+    assert deleted(outs) == [checkpoint_id(0, 20, 1)]  # 10 is held, 30 is the newest
     roll = [RolledBack(job_id=JOB, rank=r, checkpoint_id=target, to_step=10, skip_from=100, skip_to=120)
             for r in (0, 0, 1)]
     _, outs = run(roll, state)
     assert [deleted([o]) for o in outs] == [[], [], [target]]
+
+
+def test_a_rollback_throws_away_the_older_timeline_above_its_step_and_commits_the_redone_steps() -> None:
+    """Checkpoints of the steps a rollback throws away are deleted (even one committed after it), never committed
+    from a staging read after it, and the same steps redone on the new timeline are checkpoints of their own."""
+    rollback = RollbackRequested(job_id=JOB, checkpoint_id=checkpoint_id(0, 10), to_step=10, skip_from=30,
+                                 skip_to=35, reason="spike", attempt=0)
+    state, outs = run([submitted(keep=5), committed(10), committed(20), committed(30), staged(0, 40, 2), rollback])
+    assert deleted(outs) == [checkpoint_id(0, 20), checkpoint_id(0, 30)]
+    assert {o.event.reason for step in outs for o in step if isinstance(o, Emit)} == {core.THROWN_AWAY}
+    assert state.jobs[JOB].staging == {}  # the half-staged step 40 of the old timeline is dropped
+    state, outs = run([staged(1, 40, 2), committed(40), staged(0, 20, 2, timeline=1), staged(1, 20, 2, timeline=1)],
+                      state)
+    assert deleted(outs) == [checkpoint_id(0, 40)]  # committed late, thrown away at once
+    assert [(a.checkpoint_id, a.step, a.timeline) for a in commits(outs)] == [(checkpoint_id(0, 20, 1), 20, 1)]
+    _, outs = run([committed(20, timeline=1), RollbackRequested(job_id=JOB, checkpoint_id=checkpoint_id(0, 20, 1),
+                                                                to_step=20, skip_from=30, skip_to=40, reason="again")],
+                  state)
+    assert deleted(outs) == []  # timeline 2 starts at 20: nothing above it yet
+    assert checkpoint_id(0, 20, 1) == "step000000020-a0-t1" and checkpoint_id(1, 20) == "step000000020-a1"
 
 
 def test_restart_target_is_kept_until_its_attempt_started() -> None:
@@ -204,7 +226,7 @@ def test_job_end_releases_holds() -> None:
     _, outs = run([
         submitted(keep=1), committed(10),
         RollbackRequested(job_id=JOB, checkpoint_id=target, to_step=10, skip_from=0, skip_to=1, reason="x"),
-        committed(20), JobCompleted(job_id=JOB, steps=30),
+        committed(20, timeline=1), JobCompleted(job_id=JOB, steps=30),
     ])
     assert deleted(outs) == [target]
     assert deleted(outs[-1:]) == [target]

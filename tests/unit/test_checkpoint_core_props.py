@@ -45,35 +45,44 @@ ops = st.lists(st.one_of(commit_op, commit_op, rollback_op, rolled_op, echo_op),
 @settings(max_examples=300, deadline=None)
 @given(keep=st.integers(1, 4), history=ops)
 def test_retention_keeps_newest_k_and_every_held_checkpoint(keep: int, history: list[tuple]) -> None:
+    """Retention keeps the newest K checkpoints no rollback threw away, and every held one: a rollback throws away
+    the checkpoints above its step that ranks staged before they applied it (an older timeline)."""
     state = core.State()
-    commits: list[str] = []
+    commits: list[tuple[str, int, int]] = []  # (id, step, timeline) in commit order
     deleted: list[str] = []
     echo_pending: list[str] = []
     holds: dict[str, set[int]] = {}  # the model: rollback target -> ranks that rolled back
+    forks: list[tuple[int, int]] = []  # the model: (timeline started, at step) per rollback
+
+    def standing() -> list[str]:
+        """Checkpoints not deleted yet that no rollback threw away, oldest first."""
+        return [cid for cid, step, tl in commits
+                if cid not in deleted and not any(tl < t and step > s for t, s in forks)]
 
     def feed(ev: Event) -> None:
         nonlocal state
         state = core.evolve(state, ev)
-        for out in core.decide(state, ev):
-            if isinstance(out, Emit):
-                assert isinstance(out.event, CheckpointDeleted)
-                deleted.append(out.event.checkpoint_id)
-                echo_pending.append(out.event.checkpoint_id)
-            else:
-                assert out.kind == core.DELETE
+        now = [out.event.checkpoint_id for out in core.decide(state, ev) if isinstance(out, Emit)
+               and isinstance(out.event, CheckpointDeleted)]
+        assert not set(now) & set(standing()[-keep:]), "one of the newest K a rollback left standing was deleted"
+        deleted.extend(now)
+        echo_pending.extend(now)
 
     feed(submitted(keep))
     for op in history:
         if op[0] == "commit":
-            cid = checkpoint_id(0, len(commits))
-            commits.append(cid)
-            feed(CheckpointCommitted(job_id=JOB, checkpoint_id=cid, step=len(commits), world_size=WORLD, uri="u",
-                                     bytes=1, data=DataPosition(next_batch=0)))
+            step = len(commits) + 1
+            cid = checkpoint_id(0, step, len(forks))
+            commits.append((cid, step, len(forks)))
+            feed(CheckpointCommitted(job_id=JOB, checkpoint_id=cid, step=step, world_size=WORLD, uri="u", bytes=1,
+                                     data=DataPosition(next_batch=0), timeline=len(forks)))
         elif op[0] == "rollback" and commits:
-            cid = commits[op[1] % len(commits)]
+            cid, step, _ = commits[op[1] % len(commits)]
             if cid not in deleted:
                 holds[cid] = set()
-                feed(RollbackRequested(job_id=JOB, checkpoint_id=cid, to_step=0, skip_from=0, skip_to=0, reason="t"))
+                forks.append((len(forks) + 1, step))
+                feed(RollbackRequested(job_id=JOB, checkpoint_id=cid, to_step=step, skip_from=0, skip_to=0,
+                                       reason="t"))
         elif op[0] == "rolled" and holds:
             cid = sorted(holds)[op[1] % len(holds)]
             holds[cid].add(op[2])
@@ -82,8 +91,7 @@ def test_retention_keeps_newest_k_and_every_held_checkpoint(keep: int, history: 
             feed(RolledBack(job_id=JOB, rank=op[2], checkpoint_id=cid, to_step=0, skip_from=0, skip_to=0))
         elif op[0] == "echo" and echo_pending:
             feed(CheckpointDeleted(job_id=JOB, checkpoint_id=echo_pending.pop(0)))
-        live = [c for c in commits if c not in deleted]
+        live = [cid for cid, _, _ in commits if cid not in deleted]
         assert len(deleted) == len(set(deleted)), "a checkpoint was deleted twice"
         assert not set(deleted) & set(holds), "a held rollback target was deleted"
-        assert not set(deleted) & set(commits[-keep:]), "one of the newest K was deleted"
-        assert set(live) <= set(commits[-keep:]) | set(holds), "an unneeded checkpoint was kept"
+        assert set(live) <= set(standing()[-keep:]) | set(holds), "an unneeded checkpoint was kept"

@@ -48,14 +48,16 @@ def running(job_spec: JobSpec | None = None, attempt: int = 0, state: State | No
     return state
 
 
-def cid(step: int) -> str:
-    return f"step{step:09d}-a0"
+def cid(step: int, timeline: int = 0) -> str:
+    return f"step{step:09d}-a0" + (f"-t{timeline}" if timeline else "")
 
 
-def commit(step: int, next_batch: int | None = None, skipped: tuple[tuple[int, int], ...] = ()) -> CheckpointCommitted:
+def commit(step: int, next_batch: int | None = None, skipped: tuple[tuple[int, int], ...] = (),
+           timeline: int = 0) -> CheckpointCommitted:
+    """Attempt 0's checkpoint of `step`, staged after `timeline` rollbacks."""
     data = DataPosition(next_batch=step if next_batch is None else next_batch, skipped=list(skipped))
-    return CheckpointCommitted(job_id=JOB, checkpoint_id=cid(step), step=step, world_size=2, uri="u", bytes=1,
-                               data=data, occurred_at=float(step))
+    return CheckpointCommitted(job_id=JOB, checkpoint_id=cid(step, timeline), step=step, world_size=2, uri="u",
+                               bytes=1, data=data, occurred_at=float(step), timeline=timeline)
 
 
 def spike(step: int, event_id: str, attempt: int = 0, at: float = 1000.0) -> LossSpikeDetected:
@@ -158,10 +160,10 @@ def test_a_second_spike_in_the_window_widens_the_skip_and_a_third_fails_the_job(
 def test_a_spike_past_the_incident_starts_afresh_from_a_checkpoint_that_skipped_the_old_window() -> None:
     state, outs = run([spike(450, "s1")], with_commits(100, 200, 300, 400))
     state, _ = run([landed(only_rollback(outs))], state)
-    after = [commit(s, next_batch=s + 200, skipped=((450, 650),)) for s in (500, 600, 700, 800)]
+    after = [commit(s, next_batch=s + 200, skipped=((450, 650),), timeline=1) for s in (500, 600, 700, 800)]
     state, outs = run([*after, spike(900, "s2")], state)  # past 450 + max(back, every): a new incident
     rb = only_rollback(outs)
-    assert (rb.checkpoint_id, rb.to_step, rb.skip_from, rb.skip_to) == (cid(800), 800, 1100, 1300)
+    assert (rb.checkpoint_id, rb.to_step, rb.skip_from, rb.skip_to) == (cid(800, 1), 800, 1100, 1300)
     incident = state.jobs[JOB].incident
     assert incident is not None and incident.triggers == ("s2",) and incident.steps == (900,)
 

@@ -1,0 +1,80 @@
+"""A restart after an in-place rollback restores a checkpoint of the rolled-back timeline: the scheduler (what
+JobResumed names) and the node agent (what its ranks load) pick the same one, never one the rollback threw away."""
+
+from events.base import Event
+from events.checkpoint import CheckpointCommitted
+from events.commands import RollbackRequested
+from events.findings import RankLost
+from events.job import AllocationGranted, JobSubmitted, SlotRef
+from services.checkpoints.lineage import Fork, forked, thrown_away
+from services.resources import agentcore
+from services.resources.agentcore import SPAWN, SpawnArgs
+from services.scheduler.state import State
+from tests.unit.test_recovery_recipes import JOB, cid, commit, landed, only_rollback, run, running, spec, spike
+
+REFS = [SlotRef(node="a", slot=s, rank=s) for s in range(2)]
+
+
+def rollback(to_step: int, attempt: int = 0) -> RollbackRequested:
+    return RollbackRequested(job_id=JOB, checkpoint_id=cid(to_step), to_step=to_step, skip_from=0, skip_to=1,
+                             reason="r", attempt=attempt)
+
+
+def test_the_kth_rollback_of_an_attempt_starts_its_timeline_k() -> None:
+    forks = forked(forked(forked((), rollback(300)), rollback(250, attempt=1)), rollback(400))
+    assert forks == (Fork(attempt=0, timeline=1, to_step=300), Fork(attempt=1, timeline=1, to_step=250),
+                     Fork(attempt=0, timeline=2, to_step=400))
+    assert thrown_away(forks, 0, 0, 350) and not thrown_away(forks, 0, 1, 350)  # redone on timeline 1
+    assert thrown_away(forks, 0, 1, 450) and not thrown_away(forks, 0, 2, 450)
+    assert not thrown_away(forks, 0, 0, 300) and not thrown_away(forks, 2, 0, 900)  # at the fork; another attempt
+
+
+def restored_by_agent(history: list[Event]) -> str:
+    state = agentcore.State(node="a")
+    spawned: list[SpawnArgs] = []
+    for ev in history:
+        state = agentcore.transition(state, ev)
+        spawned += [o.args for o in agentcore.decide(state, ev) if o.kind == SPAWN]  # type: ignore[union-attr]
+    assert [s.attempt for s in spawned] == [0, 1]
+    assert spawned[1].restore is not None
+    return spawned[1].restore.checkpoint_id
+
+
+def test_a_restart_after_a_rollback_restores_the_rolled_back_timeline_on_scheduler_and_agent() -> None:
+    state = running(spec())
+    control: list[Event] = [JobSubmitted(job_id=JOB, spec=spec()), AllocationGranted(job_id=JOB, attempt=0,
+                                                                                   assignments=REFS)]
+    before = [commit(s) for s in (100, 200, 300, 400)]
+    state, outs = run([*before, spike(450, "s1")], state)
+    rb = only_rollback(outs)
+    assert (rb.checkpoint_id, rb.attempt) == (cid(300), 0)
+    state, _ = run([landed(rb)], state)
+    # the old timeline's step 500 commits late; the redone 400 carries the skip window and timeline 1
+    late, redone = commit(500), commit(400, next_batch=600, skipped=((450, 650),), timeline=1)
+    state, _ = run([late, redone], state)
+    assert state.jobs[JOB].newest is not None and state.jobs[JOB].newest.checkpoint_id == cid(400, 1)
+    lost = RankLost(job_id=JOB, rank=1, attempt=0, reason="exited with code 3", last_seen=1.0, event_id="lost")
+    state, _ = run([lost], state)
+    state = running(attempt=1, state=state)
+    restore = state.jobs[JOB].restore
+    assert restore is not None and restore.checkpoint_id == cid(400, 1)
+    agent_history: list[Event] = [*control, *before, rb, late, redone,
+                                  AllocationGranted(job_id=JOB, attempt=1, assignments=REFS)]
+    assert restored_by_agent(agent_history) == cid(400, 1)
+
+
+def test_before_any_redone_commit_the_restart_restores_the_rollback_target() -> None:
+    state: State = running(spec())
+    state, outs = run([*(commit(s) for s in (100, 200, 300, 400)), spike(450, "s1")], state)
+    rb = only_rollback(outs)
+    state, _ = run([commit(500)], state)  # committed after the rollback, from the old timeline
+    lost = RankLost(job_id=JOB, rank=0, attempt=0, reason="heartbeats stopped", last_seen=1.0, event_id="lost")
+    state, _ = run([lost], state)
+    state = running(attempt=1, state=state)
+    restore = state.jobs[JOB].restore
+    assert restore is not None and restore.checkpoint_id == rb.checkpoint_id == cid(300)
+    commits: list[CheckpointCommitted] = [commit(s) for s in (100, 200, 300, 400)]
+    history: list[Event] = [JobSubmitted(job_id=JOB, spec=spec()), AllocationGranted(job_id=JOB, attempt=0,
+                                                                                    assignments=REFS),
+                            *commits, rb, commit(500), AllocationGranted(job_id=JOB, attempt=1, assignments=REFS)]
+    assert restored_by_agent(history) == cid(300)
