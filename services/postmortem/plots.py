@@ -97,7 +97,7 @@ def step_rate_plot(pm: Postmortem, path: Path) -> Path:
     lead, t0, wall = pm.scan.lead, pm.scan.t0, max(pm.goodput.wall_s, 1e-9)
     fig = Figure(figsize=(10, 3.6))
     ax = fig.subplots()
-    bins = int(min(MAX_POINTS // 4, max(10, len(lead) // 5)))
+    bins = int(min(MAX_POINTS // 4, max(20, len(lead) // 3)))
     width = wall / bins
     counts, edges = np.histogram(lead.end - t0, bins=bins, range=(0.0, wall))
     ax.step(edges[:-1], counts / width, where="post", color=COLORS["useful"], lw=1.2, label="steps/s (rank 0)")
