@@ -49,6 +49,7 @@ from services.resources.agentcore import (
     SpawnArgs,
     StopArgs,
 )
+from services.security.credentials import rank_env
 
 log = structlog.get_logger("flightdeck.agent")
 
@@ -242,6 +243,7 @@ class Spawner:
                "LOCAL_RANK": str(ref.slot), "MASTER_ADDR": args.master_addr, "MASTER_PORT": str(args.master_port),
                "OMP_NUM_THREADS": "1",
                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))}
+        rank_env(env, args.job_id, self.paths.root)  # the job's broker credential, never the agent's own
         log_path = self.paths.log(args.job_id, args.attempt, ref.rank)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         out = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
