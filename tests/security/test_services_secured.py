@@ -1,0 +1,98 @@
+"""Every service, the node agent and a real 2-rank job on a broker with the generated users: each process
+runs as its own user, the ranks as their job's (handed over by the agent in a file), the job completes,
+nothing was denied, and no secret appears in a log line or an event."""
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from events import subjects
+from events.checkpoint import CheckpointCommitted
+from events.history import append_to_job
+from events.job import AllocationGranted, AllocationReleased, JobCompleted, JobSubmitted, WorkersStarted
+from events.plan import ReshardPlanned
+from events.spec import JobSpec, ModelSpec, TrainSpec
+from events.training import StepCompleted
+from services.security import permissions
+from services.security.passwords import job_password
+from tests.integration.lifecycle_harness import Objects, Platform
+from tests.integration.test_lifecycle_services import ROOT, kinds
+from tests.security.secure_broker import SecureBroker, secure_broker  # noqa: F401 (the fixture)
+
+JOB = "secure-000001"
+SPEC = JobSpec(name="secure", slots=2, model=ModelSpec(d_model=32),
+               train=TrainSpec(steps=20, checkpoint_every=10, data="synthetic"))
+
+
+@dataclass
+class SecurePlatform(Platform):
+    """The lifecycle platform with each process started as its own NATS user."""
+
+    broker: SecureBroker | None = None
+    users: dict[str, str] = field(default_factory=dict)  # process name -> user
+
+    def _start(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        assert self.broker is not None
+        creds = self.broker.agent_env(name.removeprefix("agent-")) if name.startswith("agent-") else \
+            self.broker.env(name)
+        self.users[name] = creds["FLIGHTDECK_NATS_USER"]
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "FLIGHTDECK_LOG_LEVEL": "INFO", **self.objects.env, **creds}
+        with open(self.root / f"{name}.log", "ab") as out:
+            proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        self.procs[name] = proc
+        return proc
+
+
+def read_logs(*folders: Path) -> dict[Path, str]:
+    """Every process's log: services, agent and ranks."""
+    return {path: path.read_text(errors="replace") for folder in folders for path in folder.glob("*.log")}
+
+
+def secrets_of(b: SecureBroker, users: list[str]) -> list[str]:
+    return [*(b.secrets.password(u) for u in users), b.secrets.job_key(), job_password(b.secrets.job_key(), JOB)]
+
+
+@pytest.mark.timeout(150)
+async def test_services_agent_and_ranks_run_a_job_as_their_own_users(secure_broker: SecureBroker,  # noqa: F811
+                                                                     tmp_path: Path) -> None:
+    b = secure_broker
+    b.add_jobs(JOB)
+    await b.wait_user(permissions.job_user(JOB))
+    p = SecurePlatform(b.url, tmp_path, await b.store(permissions.ADMIN), objects=Objects(str(tmp_path / "objects")),
+                       broker=b)
+    await p.record()
+    console = await b.store(permissions.CONSOLE)
+    try:
+        p.start_all()
+        await p.ready()
+        await append_to_job(console, JobSubmitted(job_id=JOB, spec=SPEC, event_id=f"cli-{JOB}",
+                                                  occurred_at=time.time(), producer="cli"))
+        await p.until(lambda: bool(p.seen(JobCompleted, JOB)) and bool(p.seen(AllocationReleased, JOB)), 120,
+                      "the job to complete", JOB)
+        await p.until(lambda: {e.step for e in p.seen(StepCompleted, JOB, stream=subjects.TELEMETRY)} >= set(range(20)),
+                      10, "every step's telemetry")
+        assert kinds(p.job(JOB))[-2:] == ["JobCompleted", "AllocationReleased"]
+        # every service did its part under its own permissions
+        for kind in (AllocationGranted, WorkersStarted, CheckpointCommitted, ReshardPlanned):
+            assert p.seen(kind, JOB), kind.__name__
+        assert any(s.stored.subject == subjects.clock("health") for s in p.control)
+        assert set(p.users.values()) == {*(s for s in p.users if not s.startswith("agent-")), "agent-n1"}
+
+        logs = read_logs(tmp_path, p.data / "logs")
+        assert any("-r1.log" in path.name for path in logs)  # the ranks' own logs are checked too
+        for path, text in logs.items():
+            assert "permissions violation" not in text.lower(), f"{path.name}:\n{text[-3000:]}"
+        stored = [msgspec.json.encode(s.stored.event) for s in [*p.control, *p.telemetry] if s.stored.event]
+        for secret in secrets_of(b, list(p.users.values())):
+            assert not any(secret in text for text in logs.values())
+            assert not any(secret.encode() in data for data in stored)
+    finally:
+        await console.close()
+        await p.close()
