@@ -32,6 +32,8 @@ from events.spec import FaultSpec, JobSpec, ModelSpec, PolicySpec, TrainSpec
 from events.store import Stored
 from events.training import StepCompleted
 from services import broker as broker_mod
+from services.audit.settle import verify_live
+from services.console import verify_cmd
 from tests.integration.lifecycle_harness import SERVICES, Objects, Platform, open_platform
 
 HEALTH_TICK_S = "0.5"
@@ -105,8 +107,16 @@ async def drill(nats_server: broker_mod.Broker, tmp_path: Path) -> AsyncIterator
         try:
             for job_id in sorted({j for s in p.control if (j := subjects.job_of(s.stored.subject))}):
                 await export(p, job_id, tmp_path / f"{job_id}.history.jsonl")
+                await assert_verified(p, job_id)  # each drill's history re-derives (flightdeck verify)
         finally:
             await p.close()
+
+
+async def assert_verified(p: Platform, job_id: str) -> None:
+    """`flightdeck verify` of the job on the drill's broker (services/audit), once every service has folded its
+    history: each recorded decision re-derives from the recorded inputs, or the drill fails with the divergence."""
+    verdict = await verify_live(p.store, job_id)
+    assert verdict.ok, "\n".join(verify_cmd.report(verdict, "the drill's broker", every=True))
 
 
 async def start_two_nodes(p: Platform) -> None:

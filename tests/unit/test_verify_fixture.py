@@ -7,6 +7,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+import structlog
 
 from events import codec, subjects
 from events.base import Event
@@ -16,12 +17,19 @@ from events.job import JobFailed
 from events.store import Stored
 from events.training import StepCompleted
 from services.audit.verify import Verdict, verify
-from services.console.__main__ import main
+from services.console.__main__ import main as cli_main
 from services.history import fdh
 from services.history.library import History
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "histories" / "spike.fdh.jsonl"
 JOB = "spike-000001"
+
+
+def flightdeck(argv: list[str]) -> int:
+    try:
+        return cli_main(argv)
+    finally:
+        structlog.reset_defaults()  # main() points logs at this test's captured stderr, which pytest then closes
 
 
 def rows() -> list[Stored]:
@@ -133,7 +141,7 @@ async def test_any_field_of_a_decision_counts(tamper: Callable[[RollbackRequeste
 
 def test_the_cli_exits_0_on_the_fixture_and_1_on_a_tampered_copy(tmp_path: Path,
                                                                   capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["verify", "--from", str(FIXTURE)]) == 0
+    assert flightdeck(["verify", "--from", str(FIXTURE)]) == 0
     assert "OK: every recorded decision reproduced" in capsys.readouterr().out
     recorded = rows()
     at = recorded.index(only(recorded, RollbackRequested))
@@ -142,7 +150,7 @@ def test_the_cli_exits_0_on_the_fixture_and_1_on_a_tampered_copy(tmp_path: Path,
     recorded[at] = rewrite(recorded[at], msgspec.structs.replace(original, skip_to=original.skip_to + 1))
     tampered = tmp_path / "tampered.fdh"
     fdh.write(tampered, fdh.dump(recorded, job_id=JOB))
-    assert main(["verify", "--from", str(tampered)]) == 1
+    assert flightdeck(["verify", "--from", str(tampered)]) == 1
     out = capsys.readouterr().out
     assert "first divergence (scheduler, differs)" in out
     assert f"field skip_to: recorded {original.skip_to + 1}, replayed {original.skip_to}" in out

@@ -5,6 +5,7 @@ refused with a message naming them."""
 from pathlib import Path
 
 import pytest
+import structlog
 
 from events.commands import RollbackRequested
 from events.findings import LossSpikeDetected
@@ -12,11 +13,18 @@ from events.job import AllocationRequested, JobCompleted, JobFailed
 from events.training import RolledBack
 from services.audit import settings
 from services.audit.whatif import whatif
-from services.console.__main__ import main
+from services.console.__main__ import main as cli_main
 from services.history import fdh
 
 HISTORIES = Path(__file__).resolve().parents[1] / "fixtures" / "histories"
 SPIKE, CRASH = HISTORIES / "spike.fdh.jsonl", HISTORIES / "crash.fdh.jsonl"
+
+
+def flightdeck(argv: list[str]) -> int:
+    try:
+        return cli_main(argv)
+    finally:
+        structlog.reset_defaults()  # main() points logs at this test's captured stderr, which pytest then closes
 
 
 @pytest.mark.parametrize(("path", "job"), [(SPIKE, "spike-000001"), (CRASH, "crash-000001")], ids=["spike", "crash"])
@@ -83,8 +91,8 @@ def test_bad_settings_are_refused_naming_them(item: str, says: str) -> None:
 
 
 def test_the_cli_refuses_an_unknown_key_and_reports_a_what_if(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["whatif", "--from", str(SPIKE), "--set", "policy.nope=1"]) == 2
+    assert flightdeck(["whatif", "--from", str(SPIKE), "--set", "policy.nope=1"]) == 2
     assert "unknown setting 'policy.nope'" in capsys.readouterr().err
-    assert main(["whatif", "--from", str(SPIKE), "--set", "policy.spike_z=8"]) == 0
+    assert flightdeck(["whatif", "--from", str(SPIKE), "--set", "policy.spike_z=8"]) == 0
     out = capsys.readouterr().out
     assert "VANISHES scheduler   RollbackRequested" in out and "what a what-if can and cannot know" in out
