@@ -8,6 +8,7 @@ import time
 import nats
 import nats.errors
 import pytest
+import structlog
 
 from events import codec, subjects
 from events.commands import StopRequested
@@ -16,6 +17,7 @@ from events.job import JobQueued
 from events.training import Heartbeat
 from services.security import permissions
 from tests.security.secure_broker import SecureBroker, secure_broker  # noqa: F401 (the fixture)
+from trainer import bus
 
 JOB, OTHER = "alpha-000001", "beta-000002"
 pytestmark = pytest.mark.timeout(60)
@@ -163,9 +165,19 @@ async def test_an_agent_acts_only_for_its_node_and_a_wrong_password_is_refused(b
                            max_reconnect_attempts=0, connect_timeout=2)
 
 
-async def test_a_job_without_a_user_yet_connects_after_the_reload(secure_broker: SecureBroker) -> None:  # noqa: F811
-    user = permissions.job_user("late-000003")
-    with pytest.raises(Exception, match=r"(?i)authorization"):
-        await secure_broker.raw(user)
+async def test_a_rank_started_before_its_jobs_user_exists_connects_after_the_reload(
+        secure_broker: SecureBroker, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    for name, value in secure_broker.env(permissions.job_user("late-000003")).items():
+        monkeypatch.setenv(name, value)  # what the agent gives a rank
+    connecting = asyncio.create_task(bus.connect(secure_broker.url, "late", structlog.get_logger("test")))
+    await asyncio.sleep(2)
+    assert not connecting.done()  # refused, and retrying in the background
     secure_broker.add_jobs("late-000003")
-    await secure_broker.wait_user(user)
+    async with asyncio.timeout(20):
+        nc = await connecting
+    try:
+        ack = await nc.jetstream(timeout=2.0).publish(subjects.telemetry("late-000003", 0, "Heartbeat"),
+                                                       codec.encode(heartbeat("late-000003")))
+        assert ack.stream == subjects.TELEMETRY
+    finally:
+        await nc.close()
