@@ -16,7 +16,7 @@ from events import subjects
 from services import logging as service_logging
 from services.checkpoints.service import DATA_DIR_ENV, OBJECTS_ENV
 from services.console.cli import EXIT_NOT_FOUND, Command, UserError, add_nats_argument
-from services.resources.agent import DEFAULT_CPU_SLOTS, AgentError, run_agent
+from services.resources.agent import DEFAULT_CPU_SLOTS, AgentError, add_standby_argument, run_agent
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,11 +30,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"committed checkpoints' object store (default: ${OBJECTS_ENV}, else <data-dir>/objects)")
     parser.add_argument("--address", default="127.0.0.1", help="where other nodes reach this node's rank 0")
     parser.add_argument("--grace-s", type=float, default=30.0, help="SIGTERM to SIGKILL when ranks are stopped")
+    add_standby_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.slots is not None and args.slots < 1:
         raise UserError("--slots must be at least 1", EXIT_NOT_FOUND)
+    if args.standby is not None and args.standby < 0:
+        raise UserError("--standby must be 0 or more", EXIT_NOT_FOUND)
     if not sys.stderr.isatty():
         service_logging.configure()  # under `up` (or any log file): JSON lines, like every service's log
 
@@ -46,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         return await run_agent(nats=args.nats, node=args.node, slots=args.slots, device=args.device,
                                data_dir=args.data_dir or os.environ.get(DATA_DIR_ENV) or ".flightdeck",
                                objects=args.objects or os.environ.get(OBJECTS_ENV) or None,
-                               address=args.address, grace_s=args.grace_s, stop_event=stop)
+                               address=args.address, grace_s=args.grace_s, standby=args.standby, stop_event=stop)
 
     try:
         return asyncio.run(go())

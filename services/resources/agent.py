@@ -3,9 +3,12 @@ runs its core (agentcore.py) in the service shell, starting and stopping trainer
 
     python -m services.resources.agent [--nats URL] [--node NAME] [--slots N] [--device auto|cpu|cuda]
                                        [--data-dir .flightdeck] [--objects URL] [--address 127.0.0.1]
-                                       [--grace-s 30] [--selfcheck-timeout-s 300]
+                                       [--grace-s 30] [--selfcheck-timeout-s 300] [--standby N]
 
 Slots: GPUs listed by nvidia-smi (the agent never imports torch), else `--slots` CPU slots (default 2).
+Standbys (standbys.py): `--standby N` warm rank processes with torch imported, started once the node is
+registered and refilled after each hand-off; default (and $FLIGHTDECK_STANDBY unset) one per slot, since a
+restart starts all of a job's ranks on the node at once and waits for the slowest; 0 turns them off.
 SIGTERM/SIGINT: the ranks are stopped (they checkpoint on SIGTERM), their exits recorded, then the agent
 exits 0. SIGKILL: the ranks die with it; the next agent on the node records them as exited.
 """
@@ -41,12 +44,14 @@ from services.connection import Connection
 from services.fold import rebuild
 from services.logging import configure
 from services.resources import agentcore
-from services.resources.spawner import REPO, Launch, Paths, Spawner, retrying
+from services.resources.spawner import REPO, Launch, Paths, Spawner, die_with_agent, rank_base_env, retrying
+from services.resources.standbys import StandbyPool
 from services.runtime import ConsumerPolicy, PublishDenied, run_service
 
 log = structlog.get_logger("flightdeck.agent")
 
 DEFAULT_CPU_SLOTS = 2
+STANDBY_ENV = "FLIGHTDECK_STANDBY"  # the default for --standby (unset: one per slot)
 ORPHAN_EXIT = -signal.SIGKILL  # a rank that died with its agent (PR_SET_PDEATHSIG)
 Device = Literal["auto", "cpu", "cuda"]
 
@@ -163,7 +168,10 @@ def _kill_if_rank(pid: int, job_id: str) -> None:
     """Kill `pid` if it is still a rank of `job_id` (it should have died with its agent; the pid may be reused)."""
     with contextlib.suppress(OSError):
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        if b"trainer" in cmdline and job_id.encode() in cmdline:
+        cold = b"trainer" in cmdline and job_id.encode() in cmdline
+        # A rank started by a standby keeps the standby's command line; its stdout is the rank's log.
+        warm = b"trainer.standby" in cmdline and Path(os.readlink(f"/proc/{pid}/fd/1")).name.startswith(f"{job_id}-a")
+        if cold or warm:
             os.kill(pid, signal.SIGKILL)
 
 
@@ -200,8 +208,9 @@ async def register(store: EventStore, node: str, producer: str, inv: Inventory, 
 async def run_agent(*, nats: str | None = None, node: str | None = None, slots: int | None = None,
                     device: Device = "auto", data_dir: Path | str = ".flightdeck", objects: str | None = None,
                     address: str = "127.0.0.1", grace_s: float = 30.0, selfcheck_timeout_s: float = 300.0,
-                    stop_event: asyncio.Event | None = None) -> int:
-    """Run the agent of `node` until `stop_event` is set; returns the process exit code (0: stopped cleanly)."""
+                    standby: int | None = None, stop_event: asyncio.Event | None = None) -> int:
+    """Run the agent of `node` until `stop_event` is set; returns the process exit code (0: stopped cleanly).
+    `standby`: warm standby ranks to keep (None: one per slot)."""
     stop = stop_event or asyncio.Event()
     url, node = nats_url(nats), subjects.token(node or default_node())
     producer = agentcore.service_name(node)
@@ -220,7 +229,11 @@ async def run_agent(*, nats: str | None = None, node: str | None = None, slots: 
         async with open_store(objects or str(root / "objects")) as objs:
             launch = Launch(nats_url=url, device="cuda" if inv.kind == "gpu" else "cpu", grace_s=grace_s,
                             checkpoints_flag=await trainer_accepts(python, "--checkpoints"))
-            spawner = Spawner(node=node, producer=producer, store=store, objects=objs, paths=Paths(root), launch=launch)
+            size = standby if standby is not None else standby_default()
+            pool = StandbyPool(size=inv.slots if size is None else size, python=python, env=rank_base_env(), cwd=REPO,
+                               log_file=Paths(root).standby_log, preexec=die_with_agent(os.getpid()), producer=producer)
+            spawner = Spawner(node=node, producer=producer, store=store, objects=objs, paths=Paths(root), launch=launch,
+                              standbys=pool if pool.size > 0 else None)
             service = agentcore.core_service(node, spawner.handlers())
             lost = await reconcile(service, store, spawner)
             waiter = asyncio.create_task(stop.wait())
@@ -232,7 +245,9 @@ async def run_agent(*, nats: str | None = None, node: str | None = None, slots: 
             await register(store, node, producer, inv, address, verdict)
             log.info("node registered", kind=inv.kind, slots=inv.slots, selfcheck_ok=verdict.ok,
                      selfcheck_s=round(verdict.seconds, 2), detail=verdict.detail, orphans_recorded=lost,
-                     trainer_checkpoints_flag=launch.checkpoints_flag)
+                     trainer_checkpoints_flag=launch.checkpoints_flag, standbys=pool.size)
+            if verdict.ok:  # a cordoned node gets no ranks; after the check, whose torch import would slow theirs
+                pool.start()
             shell_stop = asyncio.Event()
             shell = asyncio.create_task(run_service(service, url, stop_event=shell_stop,
                                                     policy=ConsumerPolicy.from_env()))
@@ -257,6 +272,22 @@ async def run_agent(*, nats: str | None = None, node: str | None = None, slots: 
     return code
 
 
+def standby_default() -> int | None:
+    """$FLIGHTDECK_STANDBY as a count (unset or empty: None, one per slot)."""
+    raw = os.environ.get(STANDBY_ENV, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit():
+        raise AgentError(f"${STANDBY_ENV}={raw!r} is not a count of standby ranks: set it to 0 or more")
+    return int(raw)
+
+
+def add_standby_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--standby", type=int, default=None, metavar="N",
+                   help=f"warm standby ranks (torch imported) for fast restarts; 0: none "
+                        f"(default: ${STANDBY_ENV}, else one per slot)")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m services.resources.agent", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -269,9 +300,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--address", default="127.0.0.1", help="where other nodes reach this one's rank 0")
     p.add_argument("--grace-s", type=float, default=30.0, help="SIGTERM to SIGKILL when ranks are stopped")
     p.add_argument("--selfcheck-timeout-s", type=float, default=300.0, help="a self-check still running then fails")
+    add_standby_argument(p)
     args = p.parse_args(argv)
     if args.slots is not None and args.slots < 1:
         p.error("--slots must be at least 1")
+    if args.standby is not None and args.standby < 0:
+        p.error("--standby must be 0 or more")
     configure()
 
     async def go() -> int:
@@ -281,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
             loop.add_signal_handler(sig, stop.set)
         return await run_agent(nats=args.nats, node=args.node, slots=args.slots, device=args.device,
                                data_dir=args.data_dir, objects=args.objects, address=args.address,
-                               grace_s=args.grace_s, selfcheck_timeout_s=args.selfcheck_timeout_s, stop_event=stop)
+                               grace_s=args.grace_s, selfcheck_timeout_s=args.selfcheck_timeout_s,
+                               standby=args.standby, stop_event=stop)
 
     try:
         return asyncio.run(go())

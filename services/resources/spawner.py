@@ -7,12 +7,17 @@ Layout under the agent's data dir:
     cache/<job>/<checkpoint_id>/          a committed checkpoint, downloaded and verified (restore, rollback)
     staging/                              where ranks stage their checkpoints
     logs/<job>-a<attempt>-r<rank>.log     each rank's stdout and stderr
+    logs/standby.log                      warm standbys' output until each becomes a rank
 
 A rank dies with its agent: it is started with PR_SET_PDEATHSIG = SIGKILL, so a lost agent means lost
 ranks (the health service notices; the next agent on the node records them as exited). WorkersStarted
 and WorkersExited are appended here, not returned to the shell, so that a rank's exit can never be
 recorded before its start. Their msg ids name (node, job, attempt[, rank]): an agent that restarts and
 records the same fact again stores nothing new.
+
+A rank is started cold (`python -m trainer ...`) or handed to a warm standby that has imported torch already
+(standbys.py): the same command line, environment, log file, session and parent-death signal, the standby's
+pid recorded as the rank's, and its exit watched and recorded the same way.
 """
 
 import asyncio
@@ -49,6 +54,7 @@ from services.resources.agentcore import (
     SpawnArgs,
     StopArgs,
 )
+from services.resources.standbys import StandbyPool
 from services.security.credentials import rank_env
 
 log = structlog.get_logger("flightdeck.agent")
@@ -76,6 +82,10 @@ class Paths:
 
     def log(self, job_id: str, attempt: int, rank: int) -> Path:
         return self.root / "logs" / f"{job_id}-a{attempt}-r{rank}.log"
+
+    @property
+    def standby_log(self) -> Path:
+        return self.root / "logs" / "standby.log"  # what standbys print before they become ranks
 
 
 @dataclass(frozen=True)
@@ -108,7 +118,13 @@ def exit_msg_id(producer: str, job_id: str, attempt: int, rank: int) -> str:
     return f"{producer}:exit:{job_id}:{attempt}:{rank}"
 
 
-def _die_with_agent(agent_pid: int) -> Callable[[], None]:
+def rank_base_env() -> dict[str, str]:
+    """What every rank's environment holds besides its rendezvous variables (a standby starts with this)."""
+    return {**os.environ, "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))}
+
+
+def die_with_agent(agent_pid: int) -> Callable[[], None]:
     def preexec() -> None:  # runs in the child between fork and exec
         if _LIBC is not None:
             _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
@@ -143,9 +159,9 @@ async def retrying(what: str, fn: Callable[[], Any]) -> Any:
 
 class Spawner:
     def __init__(self, *, node: str, producer: str, store: EventStore, objects: ObjectStore, paths: Paths,
-                 launch: Launch) -> None:
+                 launch: Launch, standbys: StandbyPool | None = None) -> None:
         self.node, self.producer, self.store, self.objects = node, producer, store, objects
-        self.paths, self.launch = paths, launch
+        self.paths, self.launch, self.standbys = paths, launch, standbys
         self.procs: dict[tuple[str, int, int], RankProc] = {}
         self.fetches: dict[tuple[str, str], asyncio.Task[Path]] = {}
         self.timers: set[asyncio.Task[None]] = set()
@@ -238,23 +254,33 @@ class Spawner:
         return cmd
 
     async def _start_rank(self, args: SpawnArgs, ref: SlotRef, spec_file: Path, restore: Path | None) -> RankProc:
-        env = {**os.environ, "RANK": str(ref.rank), "WORLD_SIZE": str(args.world_size),
+        env = {**rank_base_env(),
+               "RANK": str(ref.rank), "WORLD_SIZE": str(args.world_size),
                # the slot is the device index: two jobs on one node never share a GPU
-               "LOCAL_RANK": str(ref.slot), "MASTER_ADDR": args.master_addr, "MASTER_PORT": str(args.master_port),
-               "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))}
+               "LOCAL_RANK": str(ref.slot), "MASTER_ADDR": args.master_addr, "MASTER_PORT": str(args.master_port)}
         rank_env(env, args.job_id, self.paths.root)  # the job's broker credential, never the agent's own
+        cmd = self._command(args, spec_file, restore)
         log_path = self.paths.log(args.job_id, args.attempt, ref.rank)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         out = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:
-            proc = await asyncio.create_subprocess_exec(
-                *self._command(args, spec_file, restore), cwd=REPO, env=env, stdin=asyncio.subprocess.DEVNULL,
-                stdout=out, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
-                preexec_fn=_die_with_agent(os.getpid()))
+            proc = self._hand_to_standby(cmd, env, out, ref.rank)
+            if proc is None:
+                proc = await asyncio.create_subprocess_exec(
+                    *cmd, cwd=REPO, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=out,
+                    stderr=asyncio.subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_agent(os.getpid()))
         finally:
             os.close(out)
         return RankProc(job_id=args.job_id, attempt=args.attempt, ref=ref, proc=proc, cause=args.grant_id)
+
+    def _hand_to_standby(self, cmd: list[str], env: dict[str, str], log_fd: int,
+                         rank: int) -> asyncio.subprocess.Process | None:
+        """The rank started by a warm standby (standbys.py), or None: start it cold."""
+        while self.standbys is not None and (standby := self.standbys.take()) is not None:
+            if self.standbys.assign(standby, cmd, env, REPO, log_fd):
+                log.info("rank handed to a standby", rank=rank, pid=standby.proc.pid, ready=standby.ready)
+                return standby.proc
+        return None
 
     async def _not_started(self, args: SpawnArgs, reason: str) -> list[Emit]:
         log.error("ranks not started", job_id=args.job_id, attempt=args.attempt, reason=reason)
@@ -309,6 +335,8 @@ class Spawner:
             self.stop(job_id, attempt, "the agent is stopping", shutdown=True)
         for fetch in self.fetches.values():
             fetch.cancel()
+        if self.standbys is not None:
+            await self.standbys.close()
         watchers = [p.watcher for p in self.procs.values() if p.watcher is not None]
         if watchers:
             _, pending = await asyncio.wait(watchers, timeout=wait_s)

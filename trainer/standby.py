@@ -1,0 +1,117 @@
+"""A warm standby rank: a process that has already imported torch and the trainer, waiting for one assignment
+from its node agent; it then becomes that rank exactly as `python -m trainer ...` would have run it.
+
+    python -m trainer.standby --fd N       (started by the node agent: services/resources/standbys.py)
+
+N is the standby's end of a SOCK_SEQPACKET socket pair. One message each way, then the socket is closed:
+    standby -> agent   READY, once the imports are done
+    agent -> standby   an Assignment (msgpack), with the rank's log file attached as a descriptor (SCM_RIGHTS)
+End of file instead of an assignment retires the standby (exit 0). A standby runs at most one rank: it is a
+rank from the moment it reads its assignment.
+
+Variables read while importing (OMP_NUM_THREADS by libgomp as torch loads it, PYTHONPATH, LD_PRELOAD...)
+cannot change afterwards, so the assignment may differ from the standby's own environment only in LATE_ENV,
+which is read once the rank runs (CUDA_VISIBLE_DEVICES: CUDA is never initialised before the assignment).
+Any other difference, another interpreter or working directory, or a command that is not `python -m MODULE`,
+and the standby execs the command cold instead: same pid, log and parent-death signal, just no head start.
+
+This module imports no torch at the top: the node agent imports it for the Assignment type.
+"""
+
+import argparse
+import contextlib
+import importlib
+import os
+import runpy
+import socket
+import sys
+import time
+
+import msgspec
+
+READY = b"R"
+MAX_MESSAGE = 1 << 20  # an assignment is the rank's command line and environment: a few KB
+# What a rank's run reads from the environment only after the assignment (torch.distributed, trainer.config).
+LATE_ENV = frozenset({"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+                      "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "CUDA_VISIBLE_DEVICES"})
+# Everything `python -m trainer` imports (trainer/__main__.py's imports and what they load on first use), but
+# not trainer.__main__ itself: runpy warns when the module it runs as __main__ is already imported.
+WARM_MODULES = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch.nn.parallel", "nats",
+                "trainer.config", "trainer.distributed", "trainer.commands", "trainer.loop", "trainer.reports",
+                "trainer.telemetry", "trainer.checkpointing", "trainer.model", "trainer.data")
+
+
+class Assignment(msgspec.Struct, frozen=True, kw_only=True):
+    """The rank a standby becomes: the command line and environment a cold start would exec, and its cwd."""
+
+    argv: list[str]  # argv[0] is the interpreter, as for execve
+    env: dict[str, str]
+    cwd: str
+
+
+ENCODER = msgspec.msgpack.Encoder()
+DECODER = msgspec.msgpack.Decoder(Assignment)
+
+
+def warm_module(a: Assignment, baseline: dict[str, str]) -> str | None:
+    """The module to run in this warm interpreter, or None when `a` needs a cold start (see the docstring)."""
+    if len(a.argv) < 3 or a.argv[1] != "-m" or os.path.realpath(a.argv[0]) != os.path.realpath(sys.executable):
+        return None
+    if os.path.realpath(a.cwd) != os.path.realpath(os.getcwd()):
+        return None  # sys.path[0] is the directory the standby started in
+    changed = {k for k in a.env.keys() | baseline.keys() if a.env.get(k) != baseline.get(k)}
+    if changed - LATE_ENV:
+        return None
+    if "CUDA_VISIBLE_DEVICES" in changed and "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized():
+        return None
+    return a.argv[2]
+
+
+def become(a: Assignment, log_fd: int, baseline: dict[str, str]) -> int:
+    """Turn this process into the assigned rank; returns its exit code (or never returns: exec, sys.exit)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    os.close(log_fd)
+    module = warm_module(a, baseline)
+    os.chdir(a.cwd)
+    if module is None:
+        os.execve(a.argv[0], a.argv, a.env)
+    os.environ.clear()
+    os.environ.update(a.env)
+    sys.argv = [a.argv[0], *a.argv[3:]]  # runpy puts the module's file in sys.argv[0], as `python -m` does
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    return 0  # a module that returns without sys.exit() ends like `python -m` would: 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m trainer.standby", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--fd", type=int, required=True, help="this end of the agent's SOCK_SEQPACKET socket pair")
+    args = p.parse_args(argv)
+    sock = socket.socket(fileno=args.fd)
+    sock.setblocking(True)
+    baseline = dict(os.environ)
+    started = time.perf_counter()
+    for name in WARM_MODULES:
+        importlib.import_module(name)
+    print(f"standby {os.getpid()} ready: imports took {time.perf_counter() - started:.2f}s", flush=True)
+    with contextlib.suppress(OSError):  # an assignment sent before we were ready closed the agent's end already
+        sock.sendall(READY)
+    try:
+        message, fds, flags, _ = socket.recv_fds(sock, MAX_MESSAGE, 1)
+    except OSError:  # the agent went away (it would have killed us with it): nothing was assigned
+        return 0
+    finally:
+        sock.close()
+    if not message:
+        return 0  # retired
+    if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) or len(fds) != 1:
+        print(f"standby {os.getpid()}: assignment truncated or with {len(fds)} descriptors, not 1", file=sys.stderr)
+        return 2
+    return become(DECODER.decode(message), fds[0], baseline)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
