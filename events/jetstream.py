@@ -22,7 +22,9 @@ from events.subjects import stream_of
 log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
-_WRONG_LAST_SEQUENCE = 10071
+# A fence that did not hold: 10071 carries the subject's last sequence; a replicated stream answers 10164 when the
+# check cannot be made yet (another message on the subject is in flight, e.g. our own timed-out first try).
+_WRONG_LAST_SEQUENCE = (10071, 10164)
 
 
 class JetStreamStore:
@@ -105,7 +107,7 @@ class JetStreamStore:
         try:
             ack = await self._call(lambda: self.js.publish(subject, data, headers=headers or None))
         except BadRequestError as exc:
-            if exc.err_code != _WRONG_LAST_SEQUENCE or expected_last_seq is None:
+            if exc.err_code not in _WRONG_LAST_SEQUENCE or expected_last_seq is None:
                 raise
             # The server checks the fence before the msg id, so a retry whose first try landed lands here.
             last = await self.last(stream, fence or subject)
