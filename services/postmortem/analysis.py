@@ -8,9 +8,9 @@ from events.checkpoint import CheckpointCommitted, CheckpointDeleted
 from events.commands import RollbackRequested
 from events.job import AllocationGranted, JobCancelled, JobCompleted, JobFailed, JobResumed, JobSubmitted
 from events.store import Stored
-from services.postmortem.describe import describe
+from services.postmortem.describe import Mark, describe
 from services.postmortem.goodput import Goodput, final_mask, goodput
-from services.postmortem.incidents import Incident, Mark, cause_chain, incidents
+from services.postmortem.incidents import Incident, cause_chain, incidents
 from services.postmortem.scan import Scan, scan
 
 TIMELINE_MAX = 400  # rows; beyond it checkpoint commits and deletions are left out (and counted)

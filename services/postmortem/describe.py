@@ -1,4 +1,6 @@
-"""One line about an event, for causal chains and the timeline of a postmortem."""
+"""One line about an event, and the marks that causal chains and the timeline of a postmortem are made of."""
+
+from dataclasses import dataclass
 
 from events.base import Event
 from events.checkpoint import CheckpointCommitted, CheckpointDeleted, CheckpointFailed, CheckpointStaged
@@ -102,3 +104,17 @@ def describe(ev: Event) -> str:
         case NodeUncordoned():
             return f"{ev.node}" + (f": {ev.reason}" if ev.reason else "")
     return ""
+
+
+@dataclass(frozen=True, slots=True)
+class Mark:
+    """One event of a causal chain or of the timeline."""
+
+    at: float  # seconds from the job's start
+    type: str
+    event_id: str
+    detail: str
+
+
+def mark(ev: Event, at: float) -> Mark:
+    return Mark(at=at, type=type(ev).__name__, event_id=ev.event_id, detail=describe(ev))

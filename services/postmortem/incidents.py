@@ -12,48 +12,28 @@ Times are seconds from the job's start; control events are dated as scan.py says
 """
 
 from collections import defaultdict
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from events.base import Event, JobEvent
-from events.checkpoint import CheckpointCommitted
-from events.commands import RollbackRequested, StopRequested
+from events.commands import StopRequested
 from events.findings import Finding, LossSpikeDetected, NonFiniteLoss, RankHung, RankLost, StragglerDetected
 from events.fleet import NodeLost
 from events.job import (
     AllocationGranted,
-    AllocationReleased,
-    AllocationRequested,
     CancelRequested,
     JobCancelled,
     JobCompleted,
     JobFailed,
     JobPreempted,
-    JobResumed,
     WorkersExited,
-    WorkersStarted,
 )
-from events.plan import ReshardPlanned
 from events.training import FaultInjected, RankFault
-from services.postmortem.describe import describe
+from services.postmortem.describe import Mark, describe, mark
+from services.postmortem.resolution import SKEW_S, resolve
 from services.postmortem.scan import Control, Scan, find
 
-SKEW_S = 1.0  # a rank's clock may run this far ahead of the services' and still have caused what they saw
 ENDED = (JobCompleted, JobFailed, JobCancelled)
 STOPPING = (StopRequested, JobPreempted, CancelRequested)
-FOLLOW_UPS = (AllocationRequested, AllocationGranted, ReshardPlanned, WorkersStarted, JobResumed)
-
-
-@dataclass(frozen=True, slots=True)
-class Mark:
-    """One event of a causal chain or of the timeline."""
-
-    at: float  # seconds from the job's start
-    type: str
-    event_id: str
-    detail: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,12 +178,12 @@ def _incident(sc: Scan, number: int, draft: _Draft, caused: dict[str, list[Contr
     trigger = f"{describe(fault)} -> {what}" if fault is not None else what
     chain: list[tuple[float, Mark]] = []
     if fault is not None:
-        chain.append((0, _mark(fault, fault.occurred_at - t0)))
+        chain.append((0, mark(fault, fault.occurred_at - t0)))
     for eid in getattr(trig, "evidence", []):
         if eid in found and eid != (fault.event_id if fault else ""):
-            chain.append((1, _mark(found[eid], found[eid].occurred_at - t0)))
-    chain.append((2, _mark(trig, detected)))
-    outcome = _resolve(sc, draft, fault_at, detected)
+            chain.append((1, mark(found[eid], found[eid].occurred_at - t0)))
+    chain.append((2, mark(trig, detected)))
+    outcome = resolve(sc, draft.decisions, draft.attempt, fault_at, detected)
     limit = outcome.limit + t0
     seen = {trig.event_id}
     frontier = [d for d in draft.decisions]
@@ -212,12 +192,12 @@ def _incident(sc: Scan, number: int, draft: _Draft, caused: dict[str, list[Contr
         if c.event.event_id in seen or c.known > limit or not isinstance(c.event, JobEvent):
             continue
         seen.add(c.event.event_id)
-        chain.append((3, _mark(c.event, c.known - t0)))
+        chain.append((3, mark(c.event, c.known - t0)))
         frontier += caused.get(c.event.event_id, [])
     for c in outcome.controls:
         if c.event.event_id not in seen:
             seen.add(c.event.event_id)
-            chain.append((3, _mark(c.event, c.known - t0)))
+            chain.append((3, mark(c.event, c.known - t0)))
     chain += [(4, m) for m in outcome.marks]
     chain.sort(key=lambda pair: (pair[1].at, pair[0]))
     return Incident(number=number, kind=_kind(trig, fault), trigger=trigger, attempt=draft.attempt,
@@ -227,11 +207,7 @@ def _incident(sc: Scan, number: int, draft: _Draft, caused: dict[str, list[Contr
                     recovered_at=outcome.recovered_at, fault_step=_fault_step(trig, fault),
                     rollback_to=outcome.rollback_to, skip=outcome.skip, steps_lost=outcome.lost,
                     steps_redone=outcome.redone, chain=tuple(m for _, m in chain),
-                    related=tuple(_mark(c.event, c.known - t0) for c in draft.related))
-
-
-def _mark(ev: Event, at: float) -> Mark:
-    return Mark(at=at, type=type(ev).__name__, event_id=ev.event_id, detail=describe(ev))
+                    related=tuple(mark(c.event, c.known - t0) for c in draft.related))
 
 
 def _fault_step(ev: Event, fault: FaultInjected | RankFault | None) -> int | None:
@@ -239,133 +215,6 @@ def _fault_step(ev: Event, fault: FaultInjected | RankFault | None) -> int | Non
         return fault.step
     step = getattr(ev, "step", None)
     return step if isinstance(step, int) else None
-
-
-@dataclass
-class _Outcome:
-    decision: str
-    detail: str
-    resolution: str
-    restart_end: float
-    restore_end: float
-    recovered_at: float | None
-    limit: float  # the chain follows causation up to here
-    controls: list[Control] = field(default_factory=list)
-    marks: list[Mark] = field(default_factory=list)
-    rollback_to: int | None = None
-    skip: tuple[int, int] | None = None
-    lost: int = 0
-    redone: int = 0
-
-
-def _resolve(sc: Scan, draft: _Draft, fault_at: float, detected: float) -> _Outcome:
-    events = [d.event for d in draft.decisions]
-    failed = next((d for d in draft.decisions if isinstance(d.event, JobFailed)), None)
-    rollback = next((e for e in events if isinstance(e, RollbackRequested)), None)
-    if failed is not None:
-        return _failed(sc, draft, failed, detected)
-    if rollback is not None:
-        return _rolled_back(sc, draft, rollback, fault_at, detected)
-    if any(isinstance(e, AllocationReleased | AllocationRequested | StopRequested) for e in events):
-        return _restarted(sc, draft, detected)
-    what = "reported; the policy takes no action on it" if events == [] else \
-        ", ".join(type(e).__name__ for e in events)
-    return _Outcome("none", what, "no action", detected, detected, None, detected)
-
-
-def _distinct(steps: np.ndarray, lo: int, hi: int) -> int:
-    return int(np.unique(steps[(steps >= lo) & (steps <= hi)]).size)
-
-
-def _failed(sc: Scan, draft: _Draft, failed: Control, detected: float) -> _Outcome:
-    t0, lead = sc.t0, sc.lead
-    ev = failed.event
-    assert isinstance(ev, JobFailed)
-    at = failed.known - t0
-    mine = lead.step[(lead.attempt == draft.attempt) & (lead.end <= failed.known + SKEW_S)]
-    commits = [c.event.step for c in sc.control if isinstance(c.event, CheckpointCommitted)
-               and c.known <= failed.known]
-    lost = int(mine.max()) + 1 - max((s for s in commits if s <= mine.max() + 1), default=0) if mine.size else 0
-    return _Outcome("fail", ev.reason, "the job failed", at, at, None, at, lost=max(lost, 0))
-
-
-def _rolled_back(sc: Scan, draft: _Draft, rb: RollbackRequested, fault_at: float, detected: float) -> _Outcome:
-    t0, lead = sc.t0, sc.lead
-    detail = describe(rb)
-    landed = [r for r in sc.rolled_back if r.attempt == draft.attempt and r.checkpoint_id == rb.checkpoint_id
-              and (r.skip_from, r.skip_to) == (rb.skip_from, rb.skip_to) and r.occurred_at - t0 >= fault_at]
-    common = {"rollback_to": rb.to_step, "skip": (rb.skip_from, rb.skip_to)}
-    if not landed:
-        return _Outcome("rollback", detail, "the ranks never reported the rollback", detected, detected, None,
-                        detected, **common)  # type: ignore[arg-type]
-    first = min(landed, key=lambda r: r.occurred_at)
-    same = lead.attempt == draft.attempt
-    before = same & (lead.end <= first.occurred_at)
-    after = np.flatnonzero(same & (lead.end > first.occurred_at))
-    thrown = int(lead.step[before].max()) if before.any() else rb.to_step - 1
-    restart_end = max(detected, float(lead.end[before].max()) - t0 if before.any() else detected)
-    marks = [Mark(at=r.occurred_at - t0, type="RolledBack", event_id=r.event_id, detail=describe(r))
-             for r in sorted(landed, key=lambda r: r.occurred_at)[:1]]
-    if after.size:
-        i = after[0]
-        recovered, restore_end = float(lead.end[i]) - t0, float(lead.end[i] - lead.took[i]) - t0
-        marks.append(_step_mark(sc, i, "first step after the rollback"))
-        resolution = f"back at step {rb.to_step} after {first.occurred_at - t0 - detected:.2f} s"
-    else:
-        recovered, restore_end, resolution = None, first.occurred_at - t0, "no step after the rollback"
-    lost = max(thrown - rb.to_step + 1, 0)
-    redone = _distinct(lead.step[after], rb.to_step, thrown) if after.size else 0
-    return _Outcome("rollback", detail, resolution, restart_end, max(restore_end, restart_end), recovered,
-                    recovered if recovered is not None else restore_end, marks=marks, lost=lost, redone=redone,
-                    **common)  # type: ignore[arg-type]
-
-
-def _restarted(sc: Scan, draft: _Draft, detected: float) -> _Outcome:
-    t0, lead, new = sc.t0, sc.lead, draft.attempt + 1
-    ctl = [c for c in sc.control if isinstance(c.event, FOLLOW_UPS) and getattr(c.event, "attempt", -1) == new]
-    old_world = _world(sc.control, draft.attempt)
-    resumed = next((c for c in ctl if isinstance(c.event, JobResumed)), None)
-    started = [c.known - t0 for c in ctl if isinstance(c.event, WorkersStarted)]
-    firsts = np.flatnonzero(lead.attempt == new)
-    old = lead.step[lead.attempt == draft.attempt]
-    decision, detail = "restart", f"restart as attempt {new}"
-    if resumed is not None:
-        ev = resumed.event
-        assert isinstance(ev, JobResumed)
-        if old_world and ev.world_size != old_world:
-            decision, detail = "restart + reshard", f"{detail} on {ev.world_size} ranks (was {old_world})"
-        detail += f" from step {ev.from_step}" + (f" ({ev.checkpoint_id})" if ev.checkpoint_id else "")
-        from_step = ev.from_step
-    else:
-        from_step = int(old.max()) + 1 if old.size else 0
-    restart_end = max([detected, *started[-1:]])
-    marks = [Mark(at=r.occurred_at - t0, type="RankStarted", event_id=r.event_id, detail=describe(r))
-             for r in sc.rank_started if r.attempt == new and r.rank == 0][:1]
-    if firsts.size:
-        i = firsts[0]
-        recovered, restore_end = float(lead.end[i]) - t0, float(lead.end[i] - lead.took[i]) - t0
-        marks.append(_step_mark(sc, i, "first step after the restart"))
-        resolution = f"resumed at step {int(lead.step[i])}"
-    else:
-        recovered, restore_end = None, restart_end
-        resolution = "never resumed" + ("" if resumed is None else " (ranks started, no step)")
-    thrown = int(old.max()) if old.size else from_step - 1
-    lost = max(thrown - from_step + 1, 0)
-    later = lead.step[lead.attempt > draft.attempt]
-    return _Outcome(decision, detail, resolution, restart_end, max(restore_end, restart_end), recovered,
-                    recovered if recovered is not None else restart_end, controls=ctl, marks=marks, lost=lost,
-                    redone=_distinct(later, from_step, thrown))
-
-
-def _world(control: Sequence[Control], attempt: int) -> int:
-    return next((len(c.event.assignments) for c in control if isinstance(c.event, AllocationGranted)
-                 and c.event.attempt == attempt), 0)
-
-
-def _step_mark(sc: Scan, i: int, what: str) -> Mark:
-    lead = sc.lead
-    return Mark(at=float(lead.end[i]) - sc.t0, type="StepCompleted", event_id="",
-                detail=f"rank 0 step {int(lead.step[i])}, loss {float(lead.loss[i]):.4g}: {what}")
 
 
 def cause_chain(sc: Scan, failed: JobFailed) -> list[Mark]:
@@ -378,5 +227,5 @@ def cause_chain(sc: Scan, failed: JobFailed) -> list[Mark]:
         if ev is None:
             out.append(Mark(at=float("nan"), type="?", event_id=eid, detail="not in this history"))
         else:
-            out.append(_mark(ev, known.get(eid, ev.occurred_at) - sc.t0))
+            out.append(mark(ev, known.get(eid, ev.occurred_at) - sc.t0))
     return out

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.postmortem.analysis import Postmortem
+from services.postmortem.describe import Mark
 from services.postmortem.goodput import BADPUT, PARTS
-from services.postmortem.incidents import Mark
 from services.postmortem.plots import draw_all
 
 
