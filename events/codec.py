@@ -1,11 +1,22 @@
-"""Wire codec: msgpack through msgspec with one reused typed decoder; JSON only for people."""
+"""Wire codec: msgpack through msgspec with reused typed decoders; JSON only for people.
 
-from typing import Any, Union
+`decode` reads what the catalog types say. `admit` is what every reader of the store uses: it also holds
+the bytes to the bounds the services rely on (ids that become subject tokens, folder names and object
+keys; counts that size loops and allocations; finite times), checked in C by a second decoder over
+"bounded" shadows of the catalog types. Refusals say which kind they are: `UnknownEventType` and
+`UnknownSchemaVersion` (written by newer code), `InvalidEvent` (well-formed but out of bounds), or plain
+`UndecodableEvent` (not an event at all).
+"""
+
+import types
+import typing
+from typing import Annotated, Any, Union
 
 import msgspec
+from msgspec import Meta
 
 from events.base import Event
-from events.catalog import ALL_TYPES
+from events.catalog import ALL_TYPES, BY_NAME
 
 AnyEvent = Union[ALL_TYPES]  # type: ignore[valid-type]  # noqa: UP007 (a tuple unpacks only into Union)
 
@@ -18,8 +29,92 @@ class UnknownSchemaVersion(UndecodableEvent):
     """An event written by newer code than this; refusing beats silently dropping its new fields."""
 
 
+class UnknownEventType(UndecodableEvent):
+    """A well-formed event whose type this code does not know: most likely written by newer code."""
+
+
+class InvalidEvent(UndecodableEvent):
+    """A well-formed event with a value outside the bounds every reader relies on (see `BOUNDS`)."""
+
+
+MAX_SLOTS = 65_536  # the most slots a job may ask for (events.spec) or a node may offer; ranks are below it
+_TOKEN = r"[A-Za-z0-9_-]"  # the subject-token grammar (events.subjects): no dots, slashes, spaces or NULs
+Token = Annotated[str, Meta(pattern=rf"^{_TOKEN}{{1,128}}\Z")]
+OptionalToken = Annotated[str, Meta(pattern=rf"^{_TOKEN}{{0,128}}\Z")]
+Count = Annotated[int, Meta(ge=0)]
+Rank = Annotated[int, Meta(ge=0, lt=MAX_SLOTS)]
+Slots = Annotated[int, Meta(ge=0, le=MAX_SLOTS)]
+UnixTime = Annotated[float, Meta(ge=0.0, le=1e11)]  # finite: NaN and Inf fail the bounds
+Seconds = Annotated[float, Meta(ge=0.0, le=1e9)]
+Ref = Annotated[str, Meta(max_length=1024)]
+
+# Field name -> the bounded type readers may rely on. Ids land in subjects, cache folders and object keys
+# (a checkpoint id of "../.." would have the node agent evict outside its cache); slot counts size loops
+# (a node announcing 10**9 slots stalled placement for minutes); times feed deadlines.
+BOUNDS: dict[str, Any] = {
+    "job_id": Token, "by_job_id": Token, "service": Token, "checkpoint_id": Token, "node": Token,
+    "event_id": Ref, "causation_id": Ref, "producer": Ref, "trigger_id": Ref,
+    "schema_version": Annotated[int, Meta(ge=1)], "job_version": Count, "attempt": Count, "seq": Count,
+    "rank": Rank, "slot": Rank, "slots": Slots, "world_size": Slots, "free_slots": Slots,
+    "tp": Annotated[int, Meta(ge=1, le=MAX_SLOTS)], "master_port": Annotated[int, Meta(ge=0, le=65_535)],
+    "step": Count, "steps": Count, "from_step": Count, "to_step": Count, "skip_from": Count, "skip_to": Count,
+    "next_batch": Count, "bytes": Count, "size": Count, "priority": Count, "timeline": Count,
+    "ranks": Annotated[list[Rank], Meta(max_length=MAX_SLOTS)],
+    "pids": Annotated[list[Count], Meta(max_length=MAX_SLOTS)],
+    "skipped": list[tuple[Count, Count]], "positions": dict[Token, Count],
+    "occurred_at": UnixTime, "now": UnixTime,
+    "interval_s": Annotated[float, Meta(gt=0.0, le=86_400.0)], "step_time_s": Seconds, "stall_s": Seconds,
+    "write_s": Seconds, "seconds": Seconds, "memory_gb": Seconds,
+    "manifest_sha256": Annotated[str, Meta(pattern=r"^(?:[0-9a-f]{64})?\Z")],
+}
+_OPTIONAL = {Token: OptionalToken}  # a field whose default is "" may stay empty ("no checkpoint", "no node")
+
+
+def _bounded_type(tp: Any, shadows: dict[type, type]) -> Any:
+    if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
+        return _shadow(tp, shadows)
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is list:
+        return list[_bounded_type(args[0], shadows)]  # type: ignore[misc]
+    if origin is Union or origin is types.UnionType:
+        return Union[tuple(_bounded_type(a, shadows) for a in args)]  # noqa: UP007
+    return tp
+
+
+def _shadow(cls: type[msgspec.Struct], shadows: dict[type, type]) -> type:
+    """A struct with `cls`'s fields and tag whose types carry the BOUNDS; decoded only to validate."""
+    if cls in shadows:
+        return shadows[cls]
+    hints = typing.get_type_hints(cls, include_extras=True)
+    fields: list[tuple[str, Any, Any]] = []
+    for f in msgspec.structs.fields(cls):
+        bound = BOUNDS.get(f.name)
+        tp = _bounded_type(hints[f.name], shadows) if bound is None else bound
+        if bound is not None and f.default == "":
+            tp = _OPTIONAL.get(bound, tp)
+        fields.append((f.name, tp, msgspec.field(default=None)))  # presence was checked by the real decoder
+    info = cls.__struct_config__
+    shadow = msgspec.defstruct(f"Bounded{cls.__name__}", fields, kw_only=True, frozen=True,
+                               tag_field=info.tag_field, tag=info.tag)
+    shadows[cls] = shadow
+    return shadow
+
+
+_shadows: dict[type, type] = {}
+_BOUNDED = tuple(_shadow(t, _shadows) for t in ALL_TYPES)
+
+
+class _Peek(msgspec.Struct):
+    """Just enough of any map to tell newer code from garbage."""
+
+    type: str = ""
+    schema_version: int = 1
+
+
 _encoder = msgspec.msgpack.Encoder()
 _decoder: msgspec.msgpack.Decoder[Event] = msgspec.msgpack.Decoder(AnyEvent)
+_bounded: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(Union[_BOUNDED])  # noqa: UP007
+_peek = msgspec.msgpack.Decoder(_Peek)
 _json_encoder = msgspec.json.Encoder()
 
 
@@ -27,17 +122,47 @@ def encode(event: Event) -> bytes:
     return _encoder.encode(event)
 
 
+def _newer(data: bytes) -> UndecodableEvent | None:
+    """Why bytes that failed to decode look written by newer code (an unknown tag, a higher version), or None."""
+    try:
+        peek = _peek.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    cls = BY_NAME.get(peek.type)
+    if cls is None:
+        if peek.type and peek.schema_version >= 1:
+            return UnknownEventType(f"unknown event type {peek.type[:64]!r} (schema version {peek.schema_version}): "
+                                    "written by newer code, or not a Flightdeck event; upgrade this service if newer")
+        return None
+    if peek.schema_version > cls.SCHEMA:
+        return _too_new(cls, peek.schema_version)
+    return None
+
+
+def _too_new(cls: type[Event], version: int) -> UnknownSchemaVersion:
+    return UnknownSchemaVersion(f"{cls.__name__} schema version {version} is newer than {cls.SCHEMA}, "
+                                "the newest this code reads; upgrade this service")
+
+
 def decode(data: bytes) -> Event:
-    """Decode one event, or raise `UndecodableEvent` saying why."""
+    """Decode one event, or raise `UndecodableEvent` (or a subclass) saying why."""
     try:
         event = _decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise UndecodableEvent(str(exc)) from None
+        # a newer version may have changed a field's shape: say so rather than "wrong type"
+        raise _newer(data) or UndecodableEvent(str(exc)) from None
     if event.schema_version > type(event).SCHEMA:
-        raise UnknownSchemaVersion(
-            f"{type(event).__name__} schema version {event.schema_version} is newer than "
-            f"{type(event).SCHEMA}, the newest this code reads; upgrade this service"
-        )
+        raise _too_new(type(event), event.schema_version)
+    return event
+
+
+def admit(data: bytes) -> Event:
+    """Decode an input a service will act on: `decode`, then the BOUNDS (`InvalidEvent` names the field)."""
+    event = decode(data)
+    try:
+        _bounded.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise InvalidEvent(f"{type(event).__name__} out of bounds: {exc}") from None
     return event
 
 

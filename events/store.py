@@ -86,7 +86,7 @@ class EventStore(Protocol):
 
 def decoded(stream: str, seq: int, subject: str, data: bytes, msg_id: str) -> Stored:
     try:
-        return Stored(stream, seq, subject, data, msg_id, codec.decode(data))
+        return Stored(stream, seq, subject, data, msg_id, codec.admit(data))
     except codec.UndecodableEvent as exc:
         return Stored(stream, seq, subject, data, msg_id, None, str(exc))
 
