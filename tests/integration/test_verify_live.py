@@ -19,7 +19,7 @@ from services.console.__main__ import main as cli_main
 from services.history import fdh
 
 pytestmark = pytest.mark.timeout(60)
-FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "histories" / "spike.fdh.jsonl"
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "histories" / "spike-timelines.fdh.jsonl"
 JOB = "spike-000001"
 
 
@@ -58,9 +58,12 @@ def test_a_forged_decision_appended_to_the_live_history_fails_verify(nats_server
                                                                      capsys: pytest.CaptureFixture[str]) -> None:
     rows = fdh.load(FIXTURE)
     asyncio.run(store_back(nats_server.url, rows))
-    (rollback,) = [s.event for s in rows if isinstance(s.event, RollbackRequested)]
-    forged = JobFailed(job_id=JOB, reason="forged after the fact", event_id="scheduler:FD_CONTROL:57:1",
-                       producer="scheduler", occurred_at=rollback.occurred_at, causation_id=rollback.causation_id)
+    (rollback,) = [s for s in rows if isinstance(s.event, RollbackRequested)]
+    spike = rollback.msg_id.split(":")[2]  # the scheduler decided the rollback on the spike finding
+    assert rollback.event is not None
+    forged = JobFailed(job_id=JOB, reason="forged after the fact", event_id=f"scheduler:FD_CONTROL:{spike}:1",
+                       producer="scheduler", occurred_at=rollback.event.occurred_at,
+                       causation_id=rollback.event.causation_id)
 
     async def forge() -> None:
         store = await JetStreamStore.connect(nats_server.url)
@@ -75,5 +78,5 @@ def test_a_forged_decision_appended_to_the_live_history_fails_verify(nats_server
     verdict = msgspec.json.decode(capsys.readouterr().out)
     first = verdict["divergences"][0]
     assert (first["service"], first["kind"], first["msg_id"]) == ("scheduler", "not reproduced", forged.event_id)
-    assert first["input"]["seq"] == 57 and first["input"]["type"] == "LossSpikeDetected"  # the input it claims
+    assert first["input"]["seq"] == int(spike) and first["input"]["type"] == "LossSpikeDetected"  # as it claims
     assert first["recorded"] == codec.to_builtins(forged) | {"job_version": first["recorded"]["job_version"]}

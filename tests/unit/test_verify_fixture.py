@@ -1,4 +1,4 @@
-"""`verify` over the recorded spike drill: every core reproduces every recorded decision; a tampered history
+"""`verify` over a recorded spike drill: every core reproduces every recorded decision; a tampered history
 (a decision's field changed, a decision removed, a forged one injected, two inputs swapped) fails at the right
 first divergence."""
 
@@ -21,7 +21,9 @@ from services.console.__main__ import main as cli_main
 from services.history import fdh
 from services.history.library import History
 
-FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "histories" / "spike.fdh.jsonl"
+# The spike drill as recorded with the checkpoint service's timelines (spike.fdh.jsonl predates them, and the
+# checkpoint core no longer decides what it recorded: `flightdeck verify --from` it shows where).
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "histories" / "spike-timelines.fdh.jsonl"
 JOB = "spike-000001"
 
 

@@ -17,7 +17,7 @@ from services.console.__main__ import main as cli_main
 from services.history import fdh
 
 HISTORIES = Path(__file__).resolve().parents[1] / "fixtures" / "histories"
-SPIKE, CRASH = HISTORIES / "spike.fdh.jsonl", HISTORIES / "crash.fdh.jsonl"
+SPIKE, CRASH = HISTORIES / "spike-timelines.fdh.jsonl", HISTORIES / "crash.fdh.jsonl"
 
 
 def flightdeck(argv: list[str]) -> int:
@@ -36,11 +36,14 @@ def test_the_recorded_settings_change_nothing(path: Path, job: str) -> None:
 
 
 def test_a_higher_spike_threshold_removes_the_rollback_and_saves_its_measured_cost() -> None:
-    w = whatif(fdh.load(SPIKE), "spike-000001", {"policy.spike_z": 8})
+    rows = fdh.load(SPIKE)
+    (spike,) = [s for s in rows if isinstance(s.event, LossSpikeDetected)]
+    w = whatif(rows, "spike-000001", {"policy.spike_z": 8})
     assert w.settings == {"policy.spike_z": (6.0, 8.0)}
     assert [(c.kind, type(c.event)) for c in w.changes] == [("vanishes", LossSpikeDetected),
                                                            ("vanishes", RollbackRequested)]
-    assert w.changes[0].trigger is not None and w.changes[0].trigger.seq == 103  # the spiking step's telemetry
+    trigger = w.changes[0].trigger  # the spiking step's telemetry
+    assert trigger is not None and spike.msg_id == f"health:{trigger.stream}:{trigger.seq}:0"
     assert {type(s.event) for s in w.outcome.dropped} == {RolledBack}  # the ranks' rollback did not happen
     (saved,) = w.estimates
     (rollback,) = w.measured.incidents
