@@ -1,0 +1,176 @@
+"""What every chaos drill checks once its job has ended, read back from the broker rather than from what the
+test saw live: the pure cores decide again exactly what was recorded (verify), every step of the final lineage
+reported exactly once by every rank, and no decision taken twice.
+
+    outcome = await check(store, job_id, steps=..., drill="services", faults=[...])
+    assert outcome.held, outcome
+
+`Outcome` is also what a drill records for the README's reliability table (`record`).
+"""
+
+import json
+import os
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from events import subjects
+from events.base import Event
+from events.checkpoint import CheckpointCommitted, CheckpointDeleted
+from events.clock import ClockTick
+from events.commands import RollbackRequested
+from events.findings import RankHung, RankLost
+from events.job import (
+    AllocationGranted,
+    AllocationReleased,
+    AllocationRequested,
+    JobCancelled,
+    JobCompleted,
+    JobFailed,
+    JobResumed,
+    WorkersExited,
+    WorkersStarted,
+)
+from events.store import EventStore, Stored
+from events.training import StepCompleted
+from services import registry
+from services.fold import comparable, replay
+
+CORES = ("scheduler", "health", "resources", "resharder", "checkpoints")
+RECORD_ENV = "FLIGHTDECK_CHAOS_RECORD"  # a JSON-lines file each drill's outcome is appended to (optional)
+
+
+@dataclass
+class Outcome:
+    """What held after one drill: each list empty and `completed` true when everything did."""
+
+    drill: str
+    faults: list[str]
+    completed: bool = False
+    decisions_verified: dict[str, int] = field(default_factory=dict)  # per core: recorded decisions reproduced
+    divergences: list[str] = field(default_factory=list)  # verify: the first few differences
+    missing_steps: list[int] = field(default_factory=list)  # lineage steps without a StepCompleted from every rank
+    repeated_steps: list[str] = field(default_factory=list)  # (attempt, rank, step) reported more than once
+    repeated_decisions: list[str] = field(default_factory=list)  # one decision identity recorded twice
+    attempts: int = 0
+    findings: list[str] = field(default_factory=list)  # RankLost/RankHung raised (a restart each): for the record
+    seconds: float = 0.0
+
+    @property
+    def held(self) -> bool:
+        return (self.completed and not self.divergences and not self.missing_steps and not self.repeated_steps
+                and not self.repeated_decisions and all(self.decisions_verified.values()))
+
+
+async def read_all(store: EventStore, stream: str, filters: Iterable[str] = ()) -> list[Stored]:
+    out: list[Stored] = []
+    async for batch in store.read(stream, list(filters)):
+        out += batch
+    return out
+
+
+async def verify(store: EventStore, cores: Iterable[str] = CORES) -> tuple[dict[str, int], list[str]]:
+    """Re-run each core over the recorded inputs (its recorded clock ticks included) and compare with the decisions
+    its live service recorded. Effects are not run: their recorded outcomes (numbered after the step's decisions)
+    are inputs. Returns the decisions checked per core and the divergences found (empty: verified)."""
+    control = await read_all(store, subjects.CONTROL)
+    checked: dict[str, int] = {}
+    wrong: list[str] = []
+    for name in cores:
+        service = registry.build(name)
+        recorded = {s.msg_id: s.event for s in control if s.event is not None and s.event.producer == name
+                    and not isinstance(s.event, ClockTick)}
+        replayed: dict[str, Event] = {}
+        outcomes: set[str] = set()  # msg-id prefixes under which a step's effects recorded their outcomes
+        async for step in replay(service, store):
+            replayed.update((out.msg_id, out.event) for out in step.outputs)
+            if step.effects:
+                outcomes.add(f"{name}:{step.input.stream}:{step.input.seq}:")
+        for mid in sorted(replayed.keys() - recorded.keys()):
+            wrong.append(f"{name}: decides {type(replayed[mid]).__name__} {mid}, never recorded")
+        for mid in sorted(recorded.keys() - replayed.keys()):
+            if not any(mid.startswith(prefix) for prefix in outcomes):
+                wrong.append(f"{name}: recorded {type(recorded[mid]).__name__} {mid}, not decided on replay")
+        for mid in sorted(recorded.keys() & replayed.keys()):
+            if comparable(recorded[mid]) != comparable(replayed[mid]):
+                wrong.append(f"{name}: {mid} differs: recorded {comparable(recorded[mid])}, "
+                             f"replayed {comparable(replayed[mid])}")
+        checked[name] = len(recorded.keys() & replayed.keys())
+    return checked, wrong[:10]
+
+
+def identity(event: Event) -> tuple[Any, ...] | None:
+    """What makes a control event one decision: two recorded events with one identity are a decision taken twice
+    (each restart is resumed once, each finding rolled back once, each attempt granted and released once)."""
+    match event:
+        case JobResumed() | AllocationRequested() | AllocationGranted() | AllocationReleased():
+            return type(event).__name__, event.job_id, event.attempt
+        case WorkersStarted():
+            return "WorkersStarted", event.job_id, event.attempt, event.node
+        case WorkersExited():
+            return "WorkersExited", event.job_id, event.attempt, event.node, event.rank
+        case JobCompleted() | JobFailed() | JobCancelled():
+            return "JobEnded", event.job_id
+        case RollbackRequested():
+            return "RollbackRequested", event.job_id, event.trigger_id
+        case CheckpointCommitted() | CheckpointDeleted():
+            return type(event).__name__, event.job_id, event.checkpoint_id
+        case RankLost() | RankHung():
+            return type(event).__name__, event.job_id, event.attempt, event.rank
+    return None
+
+
+def repeated_decisions(control: list[Stored]) -> list[str]:
+    events = [s.event for s in control if s.event is not None]
+    ids = Counter(e.event_id for e in events)
+    found = [f"event id {i} stored {n} times" for i, n in ids.items() if n > 1]
+    keys = Counter(k for e in events if (k := identity(e)) is not None)
+    return found + [f"{k} decided {n} times" for k, n in keys.items() if n > 1]
+
+
+def lineage(control: list[Stored], telemetry: list[Stored], steps: int) -> tuple[list[int], list[str]]:
+    """The steps of the final lineage some rank never reported, and the (attempt, rank, step) reported more than
+    once. Attempt a owns steps [its from_step, the next resumed attempt's from_step); attempt 0 starts at 0."""
+    events = [s.event for s in control if s.event is not None]
+    starts = {0: 0} | {e.attempt: e.from_step for e in events if isinstance(e, JobResumed)}
+    world = {e.attempt: len(e.assignments) for e in events if isinstance(e, AllocationGranted)}
+    seen = Counter((e.attempt, e.rank, e.step) for s in telemetry if isinstance(e := s.event, StepCompleted))
+    order = sorted(starts)
+    missing: list[int] = []
+    for i, attempt in enumerate(order):
+        end = starts[order[i + 1]] if i + 1 < len(order) else steps
+        missing += [s for s in range(starts[attempt], end)
+                    if any(seen[(attempt, rank, s)] == 0 for rank in range(world.get(attempt, 1)))]
+    repeated = [f"attempt {a} rank {r} step {s}: {n} times" for (a, r, s), n in sorted(seen.items()) if n > 1]
+    return missing, repeated
+
+
+async def check(store: EventStore, job_id: str, *, steps: int, drill: str, faults: list[str],
+                seconds: float = 0.0) -> Outcome:
+    """Everything a drill asserts, from the stored streams."""
+    control = await read_all(store, subjects.CONTROL, [subjects.job_all(job_id)])
+    telemetry = await read_all(store, subjects.TELEMETRY, [subjects.telemetry_job(job_id)])
+    events = [s.event for s in control if s.event is not None]
+    verified, divergences = await verify(store)
+    missing, repeated = lineage(control, telemetry, steps)
+    return Outcome(
+        drill=drill, faults=faults, seconds=round(seconds, 1),
+        completed=any(isinstance(e, JobCompleted) for e in events),
+        decisions_verified=verified, divergences=divergences, missing_steps=missing[:20], repeated_steps=repeated[:20],
+        repeated_decisions=repeated_decisions(control),
+        attempts=len({e.attempt for e in events if isinstance(e, AllocationGranted)}),
+        findings=[f"{type(e).__name__} attempt {e.attempt} rank {e.rank}" for e in events
+                  if isinstance(e, RankLost | RankHung)],
+    )
+
+
+def record(outcome: Outcome) -> None:
+    """Print the outcome as one JSON line, and append it to $FLIGHTDECK_CHAOS_RECORD when that is set."""
+    line = json.dumps({**asdict(outcome), "held": outcome.held})
+    print(f"\nchaos outcome: {line}")
+    path = os.environ.get(RECORD_ENV)
+    if path:
+        with Path(path).open("a") as out:
+            out.write(line + "\n")

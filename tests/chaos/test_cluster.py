@@ -1,0 +1,89 @@
+"""A job on a three-server broker cluster (infra/nats/cluster.conf, services.broker.start_cluster): every process is
+given all three URLs, the streams are created with three replicas, and under the running job the server leading
+FD_TELEMETRY is SIGKILLed (and started again), then the one leading FD_CONTROL at that moment. Each kill leaves a
+quorum of two, so the job completes with nothing lost, the cores replay to the recorded decisions, and no decision
+is taken twice."""
+
+import asyncio
+import contextlib
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from events import subjects
+from events.jetstream import JetStreamStore
+from services import broker as broker_mod
+from tests.chaos.checks import check, record
+from tests.chaos.harness import chaos_spec, ended, progress, step_reached
+from tests.e2e.drill_harness import export, start_drill, wait_lineage
+from tests.integration.lifecycle_harness import Platform
+
+pytestmark = [pytest.mark.chaos, pytest.mark.slow]
+STEPS = 130
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[broker_mod.BrokerCluster]:
+    c = broker_mod.start_cluster(tmp_path / "nats")
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+async def leader(store: JetStreamStore, stream: str) -> int:
+    """The index (in the cluster's members) of the server leading `stream` now, once one is elected."""
+    deadline = time.monotonic() + 30
+    while True:
+        with contextlib.suppress(Exception):  # no leader yet, or the server asked is the one just killed
+            info = await store.js.stream_info(stream)
+            if info.cluster and info.cluster.leader:
+                return int(info.cluster.leader.removeprefix("fd-")) - 1
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no leader for {stream} within 30 s")
+        await asyncio.sleep(0.2)
+
+
+async def kill_member(cluster: broker_mod.BrokerCluster, index: int) -> None:
+    member = cluster.members[index]
+    member.proc.send_signal(signal.SIGKILL)
+    await asyncio.to_thread(member.proc.wait, 10)
+
+
+@pytest.mark.timeout(240)
+async def test_a_job_survives_losing_a_server_then_a_stream_leader(cluster: broker_mod.BrokerCluster,
+                                                                   tmp_path: Path) -> None:
+    started, job = time.monotonic(), "chaos-cluster-000001"
+    p: Platform = await start_drill(cluster.url, tmp_path)
+    try:
+        for stream in subjects.STREAM_SUBJECTS:
+            assert (await p.store.js.stream_info(stream)).config.num_replicas == 3, stream
+        p.agent("n1", "--grace-s", "2")
+        await p.ready("n1")
+        await p.submit(chaos_spec("chaos-cluster", STEPS), job)
+
+        await step_reached(p, job, 0, 3)
+        first = await leader(p.store, subjects.TELEMETRY)
+        await kill_member(cluster, first)
+        await progress(p, job, 0, 5)  # two servers carry on: a new leader, telemetry flows
+        await asyncio.to_thread(cluster.restart, first)  # back and current before the next kill keeps a quorum
+        second = await leader(p.store, subjects.CONTROL)
+        await kill_member(cluster, second)
+        faults = [f"SIGKILL fd-{first + 1} (FD_TELEMETRY leader), restart",
+                  f"SIGKILL fd-{second + 1} (FD_CONTROL leader)"]
+
+        await p.until(lambda: ended(p, job), 150, "the job to end", job)
+        outcome = await check(p.store, job, steps=STEPS, drill="cluster", faults=faults,
+                              seconds=time.monotonic() - started)
+        record(outcome)
+        assert await wait_lineage(p, job, STEPS) == []
+        assert outcome.held, outcome
+        assert (await p.store.js.stream_info(subjects.CONTROL)).cluster.leader != f"fd-{second + 1}"
+    finally:
+        try:
+            await export(p, job, tmp_path / f"{job}.history.jsonl")
+        finally:
+            await p.close()
