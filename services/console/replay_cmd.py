@@ -9,6 +9,7 @@ import sys
 import msgspec
 
 from events import codec
+from events.history import HistoryGap, check_contiguous
 from services.console import status
 from services.console.cli import EXIT_ERROR, Command, UserError
 from services.console.jobview import JobView
@@ -64,6 +65,10 @@ def text(r: Replayed) -> str:
 
 def run(args: argparse.Namespace) -> int:
     history = asyncio.run(history_from_args(args))
+    try:
+        check_contiguous(history.job_id, history.job_control())
+    except HistoryGap as exc:  # what is there still replays; the reader must know it is not all
+        print(f"flightdeck replay: warning: {exc}", file=sys.stderr)
     result = replayed(history, args.until)
     if args.json:
         sys.stdout.write(codec.to_json(msgspec.to_builtins(result)).decode() + "\n")  # NaN loss as "nan"
