@@ -1,0 +1,156 @@
+"""Warm standby ranks (services/resources/standbys.py, trainer/standby.py) as real processes: a standby becomes
+the command it is handed, warm when it can and cold in place when its environment cannot be changed after
+import; one that dies idle is replaced; through a node agent, a rank started from a standby trains, crashes,
+restarts and is recorded exactly like the cold rank beside it, and standbys and ranks die with a killed agent."""
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from events import subjects
+from events.job import JobCompleted, WorkersStarted
+from events.spec import FaultSpec, JobSpec
+from events.training import RankStarted, StepCompleted
+from services.resources.spawner import REPO, die_with_agent, rank_base_env
+from services.resources.standbys import Standby, StandbyPool
+from tests.integration.test_lifecycle_services import ENDLESS, TINY, Cluster, cluster, exits, gone
+
+__all__ = ["cluster"]  # the fixture, shared with the lifecycle tests
+CRASH_EXIT_CODE = 3  # trainer/faults.py (the test does not import the trainer: it would import torch)
+
+
+@pytest.fixture
+async def pool(tmp_path: Path) -> AsyncIterator[StandbyPool]:
+    p = StandbyPool(size=1, python=sys.executable, env=rank_base_env(), cwd=REPO, log_file=tmp_path / "standby.log",
+                    preexec=die_with_agent(os.getpid()), producer="test", refill_delay_s=0.0)
+    try:
+        yield p
+    finally:
+        await p.close()
+
+
+async def ready_one(p: StandbyPool, *, besides: tuple[Standby, ...] = (), within: float = 90.0) -> Standby:
+    """The pool's idle standby once it is ready, waiting past those in `besides` (taken, or killed)."""
+    deadline = time.monotonic() + within
+    while not (p.idle and p.idle[0].ready and p.idle[0] not in besides):
+        assert time.monotonic() < deadline, "no standby became ready"
+        await asyncio.sleep(0.1)
+    return p.idle[0]
+
+
+async def run(p: StandbyPool, log: Path, env: dict[str, str], statement: str) -> tuple[Standby, int]:
+    """Hand `python -m timeit -n 1 -r 1 STATEMENT` to the pool's ready standby; it and its exit code."""
+    standby = p.take()
+    assert standby is not None and standby.ready
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        assert p.assign(standby, [sys.executable, "-m", "timeit", "-n", "1", "-r", "1", statement], env, REPO, fd)
+    finally:
+        os.close(fd)
+    async with asyncio.timeout(60):
+        return standby, await standby.proc.wait()
+
+
+@pytest.mark.timeout(240)
+async def test_a_standby_runs_its_assignment_warm_or_cold_in_place_and_a_dead_one_is_replaced(
+        pool: StandbyPool, tmp_path: Path) -> None:
+    pool.start()
+    first = await ready_one(pool)
+    # Warm: torch is already imported, the rank's variables and log file are its own, the cwd is the one asked.
+    log = tmp_path / "warm.log"
+    check = (f"import os, sys; assert 'torch' in sys.modules; assert os.environ['RANK'] == '5'; "
+             f"assert os.getcwd() == {str(REPO)!r}; assert os.getpid() == {first.proc.pid}")
+    standby, code = await run(pool, log, {**pool.env, "RANK": "5"}, check)
+    assert standby is first and code == 0, log.read_text()
+    assert "1 loop" in log.read_text()
+    # Idle and killed: replaced by a new process.
+    second = await ready_one(pool, besides=(first,))
+    os.killpg(second.proc.pid, signal.SIGKILL)
+    third = await ready_one(pool, besides=(first, second))
+    assert third.proc.pid not in (first.proc.pid, second.proc.pid)
+    # A variable read at import (libgomp reads OMP_NUM_THREADS as torch loads) differs: exec'd cold, same pid.
+    log = tmp_path / "cold.log"
+    check = (f"import os, sys; assert 'torch' not in sys.modules; assert os.environ['OMP_NUM_THREADS'] == '2'; "
+             f"assert os.getpid() == {third.proc.pid}")
+    standby, code = await run(pool, log, {**pool.env, "OMP_NUM_THREADS": "2"}, check)
+    assert standby is third and code == 0, log.read_text()
+    fourth = await ready_one(pool, besides=(third,))  # refilled; closing the pool kills it
+    await pool.close()
+    assert gone(fourth.proc.pid)
+
+
+def agent_log(c: Cluster, node: str = "n1") -> list[dict[str, object]]:
+    rows = []
+    for line in (c.root / f"agent-{node}.log").read_text().splitlines():
+        if line.startswith("{"):
+            rows.append(json.loads(line))
+    return rows
+
+
+def handed(c: Cluster) -> dict[int, int]:
+    """pid -> rank for every rank the agent handed to a standby."""
+    return {int(str(r["pid"])): int(str(r["rank"])) for r in agent_log(c) if r["event"] == "rank handed to a standby"}
+
+
+def standbys_started(c: Cluster) -> list[int]:
+    return [int(str(r["pid"])) for r in agent_log(c) if r["event"] == "standby started"]
+
+
+def rank_steps(c: Cluster, job_id: str, attempt: int, rank: int) -> set[int]:
+    return {e.step for e in c.seen(StepCompleted, job_id, stream=subjects.TELEMETRY)
+            if e.attempt == attempt and e.rank == rank}
+
+
+@pytest.mark.timeout(240)
+async def test_a_rank_from_a_standby_is_recorded_like_a_cold_one_and_dies_with_its_agent(cluster: Cluster) -> None:
+    """One standby, two ranks: rank 0 starts warm, rank 1 cold, side by side in each attempt."""
+    c = cluster
+    agent = c.agent("n1", "--standby", "1")
+    await c.ready()
+    await c.until(lambda: any(r["event"] == "standby ready" for r in agent_log(c)), 90, "the standby to be ready")
+    spec = JobSpec(name="warm", slots=2, model=TINY.model, train=TINY.train,
+                   faults=[FaultSpec(kind="crash", step=12, rank=0)])
+    job = "warm-000001"
+    await c.submit(spec, job)
+    await c.until(lambda: bool(c.seen(JobCompleted, job)), 150, "the job to complete", job)
+    started = {e.attempt: e for e in c.seen(WorkersStarted, job)}
+    assert sorted(started) == [0, 1]
+    for attempt, ev in started.items():
+        pids = dict(zip(ev.ranks, ev.pids, strict=True))
+        assert handed(c).get(pids[0]) == 0, f"attempt {attempt}: rank 0 did not come from the standby"
+        assert pids[1] not in handed(c), f"attempt {attempt}: rank 1 should have started cold (one standby)"
+    # Attempt 0: the warm rank trained, then crashed with the drill's code (the cold one was killed with it).
+    assert rank_steps(c, job, 0, 0) == set(range(12)) and rank_steps(c, job, 0, 1) <= set(range(12))
+    assert exits(c, job, 0)[0] == CRASH_EXIT_CODE
+    # Attempt 1: both resumed from the same step, trained the same steps and exited 0.
+    ranks = {e.rank: e for e in c.seen(RankStarted, job, stream=subjects.TELEMETRY) if e.attempt == 1}
+    resumed = ranks[0].from_step
+    assert ranks[1].from_step == resumed and ranks[0].world_size == ranks[1].world_size == 2
+    await c.until(lambda: rank_steps(c, job, 1, 0) == rank_steps(c, job, 1, 1) == set(range(resumed, 20)), 10,
+                  "attempt 1's steps", job)
+    assert exits(c, job, 1) == {0: 0, 1: 0}
+    for rank in (0, 1):
+        text = (c.data / "logs" / f"{job}-a1-r{rank}.log").read_text()
+        assert "training finished" in text and "rank exiting" in text, text
+
+    # SIGKILL the agent while a rank from a standby runs and the pool holds a fresh standby: all of them go.
+    before = len(standbys_started(c))
+    await c.submit(ENDLESS, "endless-000001")
+    await c.until(lambda: len(rank_steps(c, "endless-000001", 0, 0)) >= 4, 90, "the endless job to train")
+    await c.until(lambda: len(standbys_started(c)) > before, 30, "the pool to refill")
+    (ev,) = c.seen(WorkersStarted, "endless-000001")
+    assert handed(c).get(ev.pids[ev.ranks.index(0)]) == 0
+    idle = standbys_started(c)[-1]
+    agent.send_signal(signal.SIGKILL)
+    await c.until(lambda: all(gone(pid) for pid in [*ev.pids, idle]), 5, "ranks and standbys to die with the agent")
+    c.agent("n1", "--standby", "0")  # the same node comes back and records them as lost, cold or warm alike
+    await c.until(lambda: len(exits(c, "endless-000001", 0)) == 2, 60, "the lost ranks to be recorded")
+    assert exits(c, "endless-000001", 0) == {0: -signal.SIGKILL, 1: -signal.SIGKILL}
+    await c.cancel("endless-000001")
