@@ -98,14 +98,13 @@ def parse(data: bytes, name: str = "<bytes>") -> Recorded:
     for number, line in enumerate(data.splitlines(), start=1):
         if not line.strip():
             continue
-        where = f"{name}: line {number}"
-        if number == 1 and _probe(line, where).format:
-            header = _header(line, where)
+        if number == 1 and _probe(line, f"{name}: line 1").format:
+            header = _header(line, f"{name}: line 1")
             continue
-        row = _row(line, where)
+        row = _row(line, name, number)
         if row.seq <= last.get(row.stream, 0):
-            raise BadHistoryFile(f"{where}: {row.stream} sequence {row.seq} after {last[row.stream]}; sequences "
-                                 "within a stream must increase (rows reordered or duplicated?)")
+            raise BadHistoryFile(f"{name}: line {number}: {row.stream} sequence {row.seq} after {last[row.stream]}; "
+                                 "sequences within a stream must increase (rows reordered or duplicated?)")
         last[row.stream] = row.seq
         rows.append(decoded(row.stream, row.seq, row.subject, row.data, row.msg_id))
     if header is not None:
@@ -165,20 +164,25 @@ def _header(line: bytes, where: str) -> Header:
     return header
 
 
-def _row(line: bytes, where: str) -> Row:
+# Each stream's subjects are "<prefix>.>": a prefix test is that match, without splitting every subject
+_PREFIXES = {stream: pattern.removesuffix(">") for stream, pattern in subjects.STREAM_SUBJECTS.items()}
+
+
+def _row(line: bytes, name: str, number: int) -> Row:
     try:
         row = _row_decoder.decode(line)
     except msgspec.ValidationError as exc:
-        raise BadHistoryFile(f"{where}: bad history row ({exc})") from None
+        raise BadHistoryFile(f"{name}: line {number}: bad history row ({exc})") from None
     except msgspec.DecodeError as exc:
-        raise BadHistoryFile(f"{where}: not JSON ({exc})") from None
-    if row.stream not in subjects.STREAM_SUBJECTS:
-        raise BadHistoryFile(f"{where}: unknown stream {row.stream!r} (expected one of "
+        raise BadHistoryFile(f"{name}: line {number}: not JSON ({exc})") from None
+    prefix = _PREFIXES.get(row.stream)
+    if prefix is None:
+        raise BadHistoryFile(f"{name}: line {number}: unknown stream {row.stream!r} (expected one of "
                              f"{', '.join(subjects.STREAM_SUBJECTS)})")
     if row.seq < 1:
-        raise BadHistoryFile(f"{where}: sequence {row.seq} (stream sequences start at 1)")
-    if not subjects.matches(subjects.STREAM_SUBJECTS[row.stream], row.subject):
-        raise BadHistoryFile(f"{where}: subject {row.subject!r} does not belong to stream {row.stream}")
+        raise BadHistoryFile(f"{name}: line {number}: sequence {row.seq} (stream sequences start at 1)")
+    if not row.subject.startswith(prefix) or len(row.subject) == len(prefix):
+        raise BadHistoryFile(f"{name}: line {number}: subject {row.subject!r} does not belong to stream {row.stream}")
     return row
 
 

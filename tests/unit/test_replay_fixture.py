@@ -27,7 +27,7 @@ from services.health.core import core_service as health
 from services.health.core import snapshot as health_snapshot
 from services.history import History, library
 from services.history.timeline import job_view_at
-from services.history.until import Cut, parse_until, resolve, submitted_at, tick_position
+from services.history.until import BadUntil, Cut, parse_until, resolve, submitted_at, tick_position
 from services.resharder.core import core_service as resharder
 from services.resources.core import core_service as resources
 from services.scheduler.core import core_service as scheduler
@@ -170,7 +170,6 @@ def test_until_accepts_sequences_durations_and_timestamps(text_: str, seq: int |
 
 @pytest.mark.parametrize("bad", ["soon", "", "-5", "12x", "2026-13-45"])
 def test_a_bad_until_says_what_it_accepts(bad: str) -> None:
-    from services.history.until import BadUntil
     with pytest.raises(BadUntil, match="stream sequence"):
         parse_until(bad)
 
