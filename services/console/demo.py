@@ -1,9 +1,10 @@
 """`make demo`: a fault drill on this machine, start to finish, with the commands a person would type.
 
 `flightdeck up --detach` on a fresh data dir (under .flightdeck-demo/) and a free port, `flightdeck submit
-examples/tiny-drill.toml` (2 CPU ranks; rank 1 crashes at step 50), a live timeline of the job's events
-(phases, faults, exits, checkpoints, restarts), then `flightdeck status` and `flightdeck checkpoints`, and
-always `flightdeck down`. Exit code 0 only if the job completed.
+examples/demo.toml` (2 CPU ranks; a loss spike, then a crash, then a hang in the next attempt), a live
+timeline of the job's events (phases, faults, findings, exits, checkpoints, rollbacks, restarts), a summary
+of each incident (drill_summary.py), then `flightdeck status` and `flightdeck checkpoints`, and always
+`flightdeck down`. Exit code 0 only if the job completed.
 
     python -m services.console.demo [--spec FILE] [--data-dir DIR] [--timeout-s 300]
 """
@@ -27,9 +28,9 @@ from events.findings import Finding
 from events.job import JobCompleted, JobResumed, JobSubmitted, WorkersExited, WorkersStarted
 from events.spec import parse_spec
 from events.store import EventStore, Stored
-from events.training import FaultInjected, RankFault, RolledBack, StepCompleted
+from events.training import FaultInjected, Heartbeat, RankFault, RolledBack, StepCompleted
 from services import broker
-from services.console import jobview, upstate
+from services.console import drill_summary, jobview, upstate
 from services.console.checkpoints_cmd import size
 from services.console.connect import open_store
 from services.console.jobview import JobView
@@ -41,7 +42,9 @@ CLI = (sys.executable, "-m", "services.console")
 LABEL = 11
 SLACK_S = 180
 CANCEL_TRIES = 20
+RETENTION = CheckpointDeleted(job_id="", checkpoint_id="").reason  # routine deletions: not worth a line
 SOURCE_PREFIX = re.compile(r"^\[[^]]*\]\s*")  # gloo's "[/path/pair.cc:553] ": no help in a timeline
+PROGRESS_LINES = 8  # progress lines a pass over the whole run prints, about
 
 
 def flightdeck(*args: str, timeout_s: float = 120.0, show: bool = True) -> subprocess.CompletedProcess[str]:
@@ -63,6 +66,7 @@ class Timeline:
         self.view = JobView(job_id=job_id)
         self.every = every  # print a progress line every this many steps
         self.base = 0.0
+        self.seen: list[Event] = []  # what the incident summary is made of (heartbeats left out)
 
     def show(self, stored: Stored) -> None:
         ev = stored.event
@@ -70,6 +74,8 @@ class Timeline:
             return
         if isinstance(ev, JobSubmitted):
             self.base = ev.occurred_at
+        if not isinstance(ev, Heartbeat):
+            self.seen.append(ev)
         line = self._control(ev) if stored.stream == subjects.CONTROL else self._telemetry(ev)
         if line:
             label, text = line
@@ -89,7 +95,7 @@ class Timeline:
                 return "resumed", f"from {cid or 'scratch'} at step {step}, world size {world}"
             case CheckpointCommitted(step=step, bytes=n):
                 return "checkpoint", f"step {step} committed ({size(n)})"
-            case CheckpointDeleted(checkpoint_id=cid, reason=reason):
+            case CheckpointDeleted(checkpoint_id=cid, reason=reason) if reason != RETENTION:
                 return "deleted", f"{cid} ({reason})"
             case StopRequested(checkpoint=checkpoint):
                 return "stop", f"ranks told to stop ({'after a' if checkpoint else 'no'} checkpoint)"
@@ -109,10 +115,10 @@ class Timeline:
                 return "fault", f"{kind} injected on rank {rank} at step {step} (drill)"
             case RankFault(rank=rank, error_type=error, message=message):
                 return "rank fault", f"rank {rank}: {error}: {SOURCE_PREFIX.sub('', message)}"[:100]
-            case RolledBack(rank=0, to_step=step):
-                return "rolled back", f"to step {step}"
+            case RolledBack(rank=0, to_step=step, timeline=timeline):
+                return "rolled back", f"to step {step}, in place (timeline {timeline} of attempt {ev.attempt})"
             case StepCompleted(rank=0, step=step, loss=loss) if step % self.every == 0:
-                return "step", f"{step}/{self.view.steps} loss {loss:.3f}"
+                return "step", f"{step}/{self.view.steps} loss {loss:.3f} (attempt {ev.attempt})"
         return None
 
 
@@ -169,7 +175,8 @@ def drill(spec: Path, data_dir: Path, timeout_s: float) -> JobView | None:
     if submitted.returncode != 0:
         return None
     job_id = submitted.stdout.strip()
-    every = parse_spec(spec.read_bytes()).train.checkpoint_every  # submit accepted it: it parses
+    train = parse_spec(spec.read_bytes()).train  # submit accepted it: it parses
+    every = max(1, train.steps // PROGRESS_LINES // train.checkpoint_every) * train.checkpoint_every
     print(f"\njob {job_id}, live (times from submission):", flush=True)
     timeline = Timeline(job_id, every)
     try:
@@ -178,6 +185,7 @@ def drill(spec: Path, data_dir: Path, timeout_s: float) -> JobView | None:
         view = timeline.view
         print(f"  the job did not end within {timeout_s:.0f}s (phase {view.phase}); logs: {data_dir / 'logs'}")
     print()
+    print("\n".join(drill_summary.render(timeline.seen)), end="\n\n", flush=True)
     flightdeck("status", job_id, "--nats", url)
     flightdeck("checkpoints", job_id, "--nats", url)
     return view
@@ -198,7 +206,7 @@ def _past_deadline(signum: int, frame: FrameType | None) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m services.console.demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--spec", type=Path, default=REPO / "examples" / "tiny-drill.toml")
+    p.add_argument("--spec", type=Path, default=REPO / "examples" / "demo.toml")
     p.add_argument("--data-dir", type=Path, default=None, help="default: a fresh folder under .flightdeck-demo/")
     p.add_argument("--timeout-s", type=float, default=300.0, help="give up on the job after this long")
     args = p.parse_args(argv)
