@@ -15,6 +15,7 @@ import pytest
 
 from events import subjects
 from events.jetstream import JetStreamStore
+from events.streams import REPLICAS_ENV, ensure_streams, server_list
 from services import broker as broker_mod
 from tests.chaos.checks import check, record
 from tests.chaos.harness import chaos_spec, ended, progress, step_reached
@@ -51,6 +52,33 @@ async def kill_member(cluster: broker_mod.BrokerCluster, index: int) -> None:
     member = cluster.members[index]
     member.proc.send_signal(signal.SIGKILL)
     await asyncio.to_thread(member.proc.wait, 10)
+
+
+@pytest.mark.timeout(60)
+async def test_streams_take_three_replicas_on_a_cluster_and_an_automatic_choice_never_lowers_them(
+        cluster: broker_mod.BrokerCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def provision(url: str) -> tuple[dict[str, str], dict[str, int]]:
+        store = await JetStreamStore.connect(url, provision=False)
+        try:
+            done = await ensure_streams(store.js)
+            return done, {s: (await store.js.stream_info(s)).config.num_replicas or 1 for s in subjects.STREAM_SUBJECTS}
+        finally:
+            await store.close()
+
+    monkeypatch.delenv(REPLICAS_ENV, raising=False)
+    everything = dict.fromkeys(subjects.STREAM_SUBJECTS, 3)
+    assert await provision(cluster.members[0].url) == (dict.fromkeys(subjects.STREAM_SUBJECTS, "created"), everything)
+    await kill_member(cluster, 2)  # what a process starting now sees: a cluster of two
+    await asyncio.to_thread(broker_mod.wait_healthy, cluster.monitor_ports[:2], 30.0)  # leaders elected again
+    assert await provision(cluster.members[1].url) == (dict.fromkeys(subjects.STREAM_SUBJECTS, "unchanged"), everything)
+    monkeypatch.setenv(REPLICAS_ENV, "1")  # an explicit setting is obeyed, down as well as up
+    assert (await provision(cluster.members[1].url))[1] == dict.fromkeys(subjects.STREAM_SUBJECTS, 1)
+
+
+def test_a_broker_url_may_name_several_servers() -> None:
+    assert server_list("nats://a:4222, nats://b:4222,") == ["nats://a:4222", "nats://b:4222"]
+    with pytest.raises(ValueError, match="no NATS server"):
+        server_list(" , ")
 
 
 @pytest.mark.timeout(240)
