@@ -124,18 +124,20 @@ def incidents(sc: Scan) -> list[Incident]:
     return out
 
 
-def _fault(sc: Scan, draft: _Draft, used: set[str], after: float) -> FaultInjected | RankFault | None:
+def _fault(sc: Scan, draft: _Draft, used: set[str], after: float) -> list[FaultInjected | RankFault]:
+    """The incident's fault first, then the other rank faults of its window (a peer's collective failing after
+    the crash): every one of them is spent on this incident."""
     t0, ev = sc.t0, draft.trigger.event
     upper = draft.trigger.known + SKEW_S
     candidates = [f for f in sc.faults if f.attempt == draft.attempt and f.event_id not in used
                   and after < f.occurred_at - t0 and f.occurred_at <= upper]
     rank = getattr(ev, "rank", None)
     mine = [f for f in candidates if f.rank == rank]
-    chosen = (mine or candidates)[0] if candidates else None
-    for f in candidates:  # every report of this fault is spent on this incident
-        if f.occurred_at <= draft.trigger.known + SKEW_S:
-            used.add(f.event_id)
-    return chosen
+    if not candidates:
+        return []
+    chosen = (mine or candidates)[0]
+    used.update(f.event_id for f in candidates)
+    return [chosen, *(f for f in candidates if f is not chosen)]
 
 
 def _inferred_fault_at(ev: Event, known: float) -> float:
@@ -172,7 +174,8 @@ def _incident(sc: Scan, number: int, draft: _Draft, caused: dict[str, list[Contr
               used: set[str], previous: float) -> Incident:
     t0, trig = sc.t0, draft.trigger.event
     detected = draft.trigger.known - t0
-    fault = _fault(sc, draft, used, previous)
+    spent = _fault(sc, draft, used, previous)
+    fault, others = (spent[0], spent[1:]) if spent else (None, [])
     fault_at = min(detected, (fault.occurred_at if fault else _inferred_fault_at(trig, draft.trigger.known)) - t0)
     what = describe(trig)
     trigger = f"{describe(fault)} -> {what}" if fault is not None else what
@@ -207,7 +210,9 @@ def _incident(sc: Scan, number: int, draft: _Draft, caused: dict[str, list[Contr
                     recovered_at=outcome.recovered_at, fault_step=_fault_step(trig, fault),
                     rollback_to=outcome.rollback_to, skip=outcome.skip, steps_lost=outcome.lost,
                     steps_redone=outcome.redone, chain=tuple(m for _, m in chain),
-                    related=tuple(mark(c.event, c.known - t0) for c in draft.related))
+                    related=tuple(sorted([*(mark(c.event, c.known - t0) for c in draft.related),
+                                          *(mark(f, f.occurred_at - t0) for f in others)],
+                                         key=lambda m: m.at)))
 
 
 def _fault_step(ev: Event, fault: FaultInjected | RankFault | None) -> int | None:
