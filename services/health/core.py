@@ -12,6 +12,9 @@ MAX_FINDINGS_PER_TICK per job and tick, the worst first (a hung collective stall
 Loss spikes follow rank 0's StepCompleted: every rank of a data-parallel job sees the same data
 window spike, rank 0's report needs no waiting for the others, and its baseline is its own.
 
+A node agent's RankHeartbeats batch folds entry by entry as its ranks' own heartbeats; an entry with a
+new step and its step time counts as that step reported (hang clock, straggler watch).
+
 Each finding fires once per (attempt, rank, kind, episode), recorded in `JobWatch.reported`; a rebuild
 replays to the same memory, so a restarted service repeats nothing. Every finding's `evidence` holds
 the ids of the input events it rests on.
@@ -31,6 +34,7 @@ from events.base import Event
 from events.clock import ClockTick
 from events.commands import PauseRequested, ResumeRequested, RollbackRequested, StopRequested
 from events.findings import Finding, LossSpikeDetected, NonFiniteLoss, RankHung, RankLost, StragglerDetected
+from events.heartbeats import RankHeartbeats
 from events.job import (
     AllocationGranted,
     AllocationReleased,
@@ -55,7 +59,7 @@ CONTROL_TYPES = (
     "StopRequested", "JobPreempted", "CancelRequested", "PauseRequested", "ResumeRequested", "RollbackRequested",
     "JobCompleted", "JobFailed", "JobCancelled",
 )
-TELEMETRY_TYPES = ("Heartbeat", "StepCompleted", "RankFault", "RankStarted")
+TELEMETRY_TYPES = ("Heartbeat", "StepCompleted", "RankFault", "RankStarted", "RankHeartbeats")
 MAX_FINDINGS_PER_TICK = 8  # lost/hung findings per job per tick
 
 
@@ -224,11 +228,38 @@ def _step(state: State, job: JobWatch, r: RankWatch, ev: StepCompleted) -> None:
             _emit(state, LossSpikeDetected(
                 job_id=job.job_id, rank=0, attempt=job.attempt, evidence=[ev.event_id], step=spike.step,
                 loss=spike.loss, baseline=spike.baseline, mad=spike.mad, z=spike.z, threshold=spike.threshold))
-    slow = job.stragglers.observe(r.rank, ev.step, ev.step_time_s, ev.event_id, policy)
+    _straggler(state, job, r.rank, ev.step, ev.step_time_s, ev.event_id)
+
+
+def _straggler(state: State, job: JobWatch, rank: int, step: int, step_time_s: float, event_id: str) -> None:
+    slow = job.stragglers.observe(rank, step, step_time_s, event_id, job.policy)
     if slow is not None and job.first(slow.rank, "StragglerDetected", slow.episode):
         _emit(state, StragglerDetected(
             job_id=job.job_id, rank=slow.rank, attempt=job.attempt, evidence=list(slow.evidence),
             step_time_s=slow.step_time_s, peer_median_s=slow.peer_median_s, factor=slow.factor))
+
+
+def _beats(state: State, ev: RankHeartbeats) -> None:
+    """A node agent's batch: each entry is the rank's own heartbeat, and a step time is that step reported.
+    Ranks that publish only through their agent have no StepCompleted but rank 0's, so a new step in a beat
+    arms the hang clock and feeds the straggler watch as a StepCompleted would."""
+    job = state.jobs.get(ev.job_id)
+    if job is None:
+        return
+    if ev.attempt != job.attempt:
+        if ev.attempt < job.attempt and job.unrecorded:
+            for b in ev.beats:
+                agents.heard(job.unrecorded, ev.attempt, b.rank, b.occurred_at, state.now, ev.event_id)
+        return
+    for b in ev.beats:
+        r = job.ranks.get(b.rank)
+        if r is None:
+            continue
+        if b.step_time_s > 0 and b.step > r.progress_step:
+            r.step_completed(b.step, b.step_time_s, b.occurred_at, state.now, ev.event_id)
+            _straggler(state, job, r.rank, b.step, b.step_time_s, ev.event_id)
+        else:
+            r.heartbeat(b.step, b.occurred_at, state.now, ev.event_id)
 
 
 def _telemetry(state: State, ev: Heartbeat | StepCompleted | RankFault | RankStarted) -> None:
@@ -302,6 +333,8 @@ def evolve(state: State, ev: Event) -> State:
     state.outbox = ()
     if isinstance(ev, TELEMETRY):
         _telemetry(state, ev)
+    elif isinstance(ev, RankHeartbeats):
+        _beats(state, ev)
     elif isinstance(ev, ClockTick):  # the fold hands a service only its own ticks
         _tick(state, ev)
     else:
