@@ -36,8 +36,9 @@ LATE_ENV = frozenset({"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "G
                       "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "CUDA_VISIBLE_DEVICES"})
 # Everything `python -m trainer` imports (trainer/__main__.py's imports and what they load on first use), but
 # not trainer.__main__ itself: runpy warns when the module it runs as __main__ is already imported.
-WARM_MODULES = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch.nn.parallel", "nats",
-                "trainer.config", "trainer.distributed", "trainer.commands", "trainer.loop", "trainer.reports",
+# torch._dynamo: torch.optim's Optimizer.__init__ imports it on first use (as much time again as `import torch`).
+WARM_MODULES = ("torch", "torch._dynamo", "torch.distributed", "torch.distributed.checkpoint", "torch.nn.parallel",
+                "nats", "trainer.config", "trainer.distributed", "trainer.commands", "trainer.loop", "trainer.reports",
                 "trainer.telemetry", "trainer.checkpointing", "trainer.model", "trainer.data")
 
 
