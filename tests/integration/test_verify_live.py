@@ -19,7 +19,7 @@ from services.console.__main__ import main as cli_main
 from services.history import fdh
 
 pytestmark = pytest.mark.timeout(60)
-FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "histories" / "spike-timelines.fdh.jsonl"
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "histories" / "spike.fdh.jsonl"
 JOB = "spike-000001"
 
 

@@ -9,6 +9,7 @@ reproduces the live state at every sequence:
 
 import copy
 import dataclasses
+import math
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ import pytest
 
 from events import subjects
 from events.clock import ClockTick
+from events.training import FaultInjected, StepCompleted
 from services.console import jobview
 from services.console.jobview import JobView
 from services.console.replay_cmd import replayed, text
@@ -144,8 +146,14 @@ def test_the_whole_replay_tells_the_spike_story_in_order(history: History) -> No
 
 def test_until_a_time_after_submission_cuts_both_streams_by_time(history: History) -> None:
     base = submitted_at(history)
-    cut = resolve(history, parse_until("12s"))
-    assert cut.at == pytest.approx(base + 12.0)
+    # a whole second after submission between rank 0's first step and the drill's spike, read off the recording
+    telemetry = [s.event for s in history.stream(subjects.TELEMETRY)]
+    first_step = min(e.occurred_at for e in telemetry if isinstance(e, StepCompleted) and e.rank == 0)
+    (spike,) = [e.occurred_at for e in telemetry if isinstance(e, FaultInjected) and e.kind == "loss_spike"]
+    after_s = math.ceil(first_step - base)
+    assert base + after_s < spike, "the recording leaves no whole second between its first step and its spike"
+    cut = resolve(history, parse_until(f"{after_s}s"))
+    assert cut.at == pytest.approx(base + after_s)
     for name, upto in ((subjects.CONTROL, cut.control_seq), (subjects.TELEMETRY, cut.telemetry_seq)):
         rows = history.stream(name)
         kept = [s for s in rows if s.seq <= upto]
@@ -154,7 +162,7 @@ def test_until_a_time_after_submission_cuts_both_streams_by_time(history: Histor
         assert first_after is not None and cut.at is not None and first_after.occurred_at > cut.at
     state = job_view_at(history, cut)
     assert state.phase == "running" and state.rollbacks == 0 and state.step is not None
-    iso = msgspec.json.decode(msgspec.json.encode(replayed(history, "12s")))["at"]
+    iso = msgspec.json.decode(msgspec.json.encode(replayed(history, f"{after_s}s")))["at"]
     assert iso == pytest.approx(cut.at)
 
 

@@ -21,9 +21,9 @@ from services.console.__main__ import main as cli_main
 from services.history import fdh
 from services.history.library import History
 
-# The spike drill as recorded with the checkpoint service's timelines (spike.fdh.jsonl predates them, and the
-# checkpoint core no longer decides what it recorded: `flightdeck verify --from` it shows where).
-FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "histories" / "spike-timelines.fdh.jsonl"
+# The spike drill as recorded by tests/fixtures/record_drill.py spike (tests/unit/test_fixtures_verify.py keeps it
+# verifying with the current cores).
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "histories" / "spike.fdh.jsonl"
 JOB = "spike-000001"
 
 
@@ -99,8 +99,9 @@ async def test_a_removed_decision_is_missing_where_it_was_decided() -> None:
 async def test_an_injected_forged_decision_is_not_reproduced() -> None:
     recorded = rows()
     last = max(s.seq for s in recorded if s.stream == subjects.CONTROL)
-    forged = JobFailed(job_id=JOB, reason="forged", event_id="scheduler:FD_CONTROL:98:2", producer="scheduler",
-                       occurred_at=1.0, causation_id="x")
+    spike = only(recorded, LossSpikeDetected)  # the input the forged decision claims to answer
+    forged = JobFailed(job_id=JOB, reason="forged", event_id=f"scheduler:FD_CONTROL:{spike.seq}:2",
+                       producer="scheduler", occurred_at=1.0, causation_id="x")
     row = Stored(subjects.CONTROL, last + 1, subjects.job(JOB, "JobFailed"), codec.encode(forged), forged.event_id,
                  forged)
     at = max(i for i, s in enumerate(recorded) if s.stream == subjects.CONTROL) + 1
@@ -109,7 +110,7 @@ async def test_an_injected_forged_decision_is_not_reproduced() -> None:
     assert verdict.horizon == last + 1
     first = verdict.divergences[0]
     assert (first.service, first.kind, first.msg_id) == ("scheduler", "not reproduced", forged.event_id)
-    assert first.recorded == forged and first.input is not None and first.input.seq == 98  # the input it claims
+    assert first.recorded == forged and first.input is not None and first.input.seq == spike.seq == 98
 
 
 async def test_two_swapped_inputs_diverge_at_the_first_one_folded() -> None:

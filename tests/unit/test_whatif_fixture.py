@@ -17,7 +17,7 @@ from services.console.__main__ import main as cli_main
 from services.history import fdh
 
 HISTORIES = Path(__file__).resolve().parents[1] / "fixtures" / "histories"
-SPIKE, CRASH = HISTORIES / "spike-timelines.fdh.jsonl", HISTORIES / "crash.fdh.jsonl"
+SPIKE, CRASH = HISTORIES / "spike.fdh.jsonl", HISTORIES / "crash.fdh.jsonl"
 
 
 def flightdeck(argv: list[str]) -> int:

@@ -1,0 +1,44 @@
+"""Every history shipped under tests/fixtures/histories/ verifies with the code as it is now.
+
+The recorded drills are the fixtures of the replay, postmortem, verify and what-if tests. A core change that alters
+what a service decides makes `flightdeck verify` fail on a history recorded before it (correctly: the code changed),
+and then the tests built on that history no longer describe what the code does. This test makes such a change
+visible at once: when it fails, re-record the drill it names with the current code,
+
+    .venv/bin/python tests/fixtures/record_drill.py <drill>     # -> tests/fixtures/histories/<drill>.fdh.jsonl
+
+and update the numbers the fixture tests pin (tests/unit/test_postmortem_fixture.py checks them against the raw
+events of the file; tests/integration/test_postmortem_cli.py prints them).
+"""
+
+from pathlib import Path
+
+import pytest
+
+from services.audit.verify import verify
+from services.console.verify_cmd import report
+from services.history import library
+
+HISTORIES = Path(__file__).resolve().parents[1] / "fixtures" / "histories"
+SHIPPED = sorted(HISTORIES.glob("*.fdh.jsonl"))
+
+
+def test_the_drills_the_fixture_tests_use_are_shipped_once_each() -> None:
+    assert [p.name for p in SHIPPED] == ["crash.fdh.jsonl", "spike.fdh.jsonl"]
+    assert not [p.name for p in HISTORIES.iterdir() if p.is_file() and p not in SHIPPED and p.name != ".gitkeep"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name.removesuffix(".fdh.jsonl"))
+async def test_every_shipped_history_verifies_with_the_current_cores(path: Path) -> None:
+    drill = path.name.removesuffix(".fdh.jsonl")
+    history = library.file_history(path)
+    assert history.job_id == f"{drill}-000001", "record_drill.py names the drill's only job <drill>-000001"
+    verdict = await verify(history.store, history.job_id)
+    assert verdict.ok, (
+        f"{path.name} no longer verifies: a core decides differently from what was recorded. Re-record it with "
+        f"`.venv/bin/python tests/fixtures/record_drill.py {drill}` and update the numbers the fixture tests pin.\n"
+        + "\n".join(report(verdict, history.source)))
+    decided = {c.service: c.decisions for c in verdict.checks}
+    assert set(decided) == {"scheduler", "health", "resources", "resharder", "checkpoints"}
+    assert all(decided.values()), decided  # every core had something of the job's to reproduce
