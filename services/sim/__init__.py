@@ -1,0 +1,1 @@
+"""Simulated ranks and node agents (no torch) for measuring the control plane at thousands of ranks."""

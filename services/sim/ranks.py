@@ -1,0 +1,157 @@
+"""A simulated rank and the node agent that runs it: what the trainer and the agent put on the bus, without torch.
+
+A rank heartbeats every `beat_s` with its last completed step and completes a step every ~`step_s`. In
+"rank" mode it publishes as the trainer does today (trainer/telemetry.py, trainer/reports.py): RankStarted
+once, a Heartbeat per beat and a StepCompleted per step, each its own JetStream message on
+`fd.tel.<job>.<rank>.<Type>`. In "node" mode (the design proposed for fleets) the rank hands its beats to
+its node agent, which publishes one RankHeartbeats per node per interval (events/heartbeats.py); only rank
+0 still publishes StepCompleted (the loss curve the spike detector and postmortems read), and RankStarted
+stays per rank. A killed rank simply stops: no more beats, steps or batch entries.
+"""
+
+import asyncio
+import contextlib
+import math
+import random
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+from events import subjects
+from events.heartbeats import RankBeat, RankHeartbeats
+from events.history import append_to_job
+from events.job import WorkersExited, WorkersStarted
+from events.store import EventStore
+from events.training import Heartbeat, RankStarted, StepCompleted
+from services.sim.publisher import Publisher
+
+Mode = Literal["rank", "node"]
+
+
+@dataclass(frozen=True)
+class Timing:
+    beat_s: float = 1.0  # the policy's heartbeat_interval_s
+    step_s: float = 2.0  # mean step time
+
+
+class SimRank:
+    def __init__(self, job_id: str, rank: int, attempt: int, node: str, timing: Timing, mode: Mode,
+                 pub: Publisher, rng: random.Random) -> None:
+        self.job_id, self.rank, self.attempt, self.node = job_id, rank, attempt, node
+        self.timing, self.mode, self.pub, self.rng = timing, mode, pub, rng
+        self.alive = True
+        self.step = 0  # last completed step, as the trainer's heartbeat reports it (0 before the first)
+        self.steps_done = 0
+        self.step_time_s = 0.0
+        self.beat_at = 0.0  # the rank's last heartbeat (its own clock)
+        self._n = 0
+
+    def _env(self) -> dict[str, object]:
+        self._n += 1
+        return {"job_id": self.job_id, "rank": self.rank, "attempt": self.attempt, "node": self.node,
+                "event_id": f"sim:{self.job_id}:{self.attempt}:{self.rank}:{self._n}", "occurred_at": time.time(),
+                "producer": "trainer"}
+
+    def _subject(self, name: str) -> str:
+        return subjects.telemetry(self.job_id, self.rank, name)
+
+    async def run(self, world_size: int) -> None:
+        t, rng = self.timing, self.rng
+        await self.pub.publish(self._subject("RankStarted"), RankStarted(
+            world_size=world_size, from_step=0, device="sim", **self._env()), droppable=False)  # type: ignore[arg-type]
+        now = time.time()
+        next_beat = now + rng.uniform(0.0, t.beat_s)  # ranks beat out of phase, as independent processes do
+        next_step = now + t.step_s * rng.uniform(0.5, 1.5)
+        while self.alive:
+            await asyncio.sleep(max(0.0, min(next_beat, next_step) - time.time()))
+            if not self.alive:  # killed while asleep: not one more beat
+                return
+            now = time.time()
+            if now >= next_step:
+                self.step_time_s = t.step_s * rng.uniform(0.95, 1.05)
+                self.step, self.steps_done = self.steps_done, self.steps_done + 1
+                next_step = now + self.step_time_s
+                if self.mode == "rank" or self.rank == 0:
+                    await self._report_step()
+            if now >= next_beat:
+                self.beat_at = now
+                next_beat += t.beat_s
+                if self.mode == "rank":
+                    await self.pub.publish(self._subject("Heartbeat"), Heartbeat(
+                        step=self.step, interval_s=t.beat_s, **self._env()), entries=1)  # type: ignore[arg-type]
+
+    async def _report_step(self) -> None:
+        loss = 1.0 + 2.0 * math.exp(-self.step / 1000.0)  # falls smoothly: no spike to find
+        await self.pub.publish(self._subject("StepCompleted"), StepCompleted(
+            step=self.step, loss=loss, grad_norm=1.0, lr=1e-3, tokens_per_s=1e5 / self.step_time_s,
+            step_time_s=self.step_time_s, **self._env()))  # type: ignore[arg-type]
+
+
+class SimNode:
+    """One node agent: records WorkersStarted/WorkersExited as the real agent does, runs its ranks, and in
+    "node" mode batches their heartbeats."""
+
+    def __init__(self, name: str, job_id: str, timing: Timing, mode: Mode, pub: Publisher, store: EventStore,
+                 rng: random.Random) -> None:
+        self.name, self.job_id, self.timing, self.mode = name, job_id, timing, mode
+        self.pub, self.store, self.rng = pub, store, rng
+        self.attempt = -1
+        self.ranks: dict[int, SimRank] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self, attempt: int, ranks: list[int], world_size: int) -> None:
+        self.attempt = attempt
+        self.ranks = {r: SimRank(self.job_id, r, attempt, self.name, self.timing, self.mode, self.pub, self.rng)
+                      for r in ranks}
+        producer = f"agent-{self.name}"
+        mid = f"{producer}:start:{self.job_id}:{attempt}"
+        await append_to_job(self.store, WorkersStarted(
+            job_id=self.job_id, node=self.name, attempt=attempt, ranks=sorted(ranks),
+            pids=[100_000 + r for r in sorted(ranks)], event_id=mid, occurred_at=time.time(), producer=producer),
+            msg_id=mid)
+        self._tasks = [asyncio.create_task(r.run(world_size)) for r in self.ranks.values()]
+        if self.mode == "node":
+            self._tasks.append(asyncio.create_task(self._batches()))
+
+    def kill(self, rank: int) -> float:
+        """Stop one rank dead; returns its last heartbeat time."""
+        r = self.ranks[rank]
+        r.alive = False
+        return r.beat_at
+
+    async def stop(self, exit_code: int) -> None:
+        """The attempt's ranks are gone: stop them and record each exit (one WorkersExited per rank)."""
+        for r in self.ranks.values():
+            r.alive = False
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        producer = f"agent-{self.name}"
+        for rank in sorted(self.ranks):
+            mid = f"{producer}:exit:{self.job_id}:{self.attempt}:{rank}"
+            await append_to_job(self.store, WorkersExited(
+                job_id=self.job_id, node=self.name, attempt=self.attempt, rank=rank, exit_code=exit_code,
+                event_id=mid, occurred_at=time.time(), producer=producer), msg_id=mid)
+        self.ranks, self._tasks = {}, []
+
+    async def _batches(self) -> None:
+        """One RankHeartbeats per interval with every rank that beat since the previous one."""
+        t = self.timing
+        subject_rank = min(self.ranks)
+        subject = subjects.telemetry(self.job_id, subject_rank, "RankHeartbeats")
+        sent_upto, n = 0.0, 0
+        await asyncio.sleep(self.rng.uniform(0.0, t.beat_s))
+        while True:
+            fresh = [r for r in self.ranks.values() if r.beat_at > sent_upto]
+            if fresh:
+                sent_upto = max(r.beat_at for r in fresh)
+                n += 1
+                beats = [RankBeat(rank=r.rank, step=r.step, occurred_at=r.beat_at,
+                                  step_time_s=r.step_time_s if r.steps_done else 0.0) for r in fresh]
+                await self.pub.publish(subject, RankHeartbeats(
+                    job_id=self.job_id, rank=subject_rank, attempt=self.attempt, node=self.name, interval_s=t.beat_s,
+                    beats=beats, event_id=f"agent-{self.name}:beats:{self.job_id}:{self.attempt}:{n}",
+                    occurred_at=time.time(), producer=f"agent-{self.name}"), entries=len(beats))
+            await asyncio.sleep(t.beat_s)
