@@ -111,6 +111,8 @@ class _Peek(msgspec.Struct):
     schema_version: int = 1
 
 
+# msgspec raises UnicodeDecodeError, not DecodeError, for a tag that is not UTF-8 (one flipped bit does it)
+_BAD_BYTES = (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError)
 _encoder = msgspec.msgpack.Encoder()
 _decoder: msgspec.msgpack.Decoder[Event] = msgspec.msgpack.Decoder(AnyEvent)
 _bounded: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(Union[_BOUNDED])  # noqa: UP007
@@ -126,7 +128,7 @@ def _newer(data: bytes) -> UndecodableEvent | None:
     """Why bytes that failed to decode look written by newer code (an unknown tag, a higher version), or None."""
     try:
         peek = _peek.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except _BAD_BYTES:
         return None
     cls = BY_NAME.get(peek.type)
     if cls is None:
@@ -148,7 +150,7 @@ def decode(data: bytes) -> Event:
     """Decode one event, or raise `UndecodableEvent` (or a subclass) saying why."""
     try:
         event = _decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except _BAD_BYTES as exc:
         # a newer version may have changed a field's shape: say so rather than "wrong type"
         raise _newer(data) or UndecodableEvent(str(exc)) from None
     if event.schema_version > type(event).SCHEMA:
@@ -161,7 +163,7 @@ def admit(data: bytes) -> Event:
     event = decode(data)
     try:
         _bounded.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except _BAD_BYTES as exc:
         raise InvalidEvent(f"{type(event).__name__} out of bounds: {exc}") from None
     return event
 
