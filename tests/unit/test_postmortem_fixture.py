@@ -5,9 +5,11 @@ import base64
 import math
 import re
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
+from events.base import Event
 from events.checkpoint import CheckpointCommitted
 from events.clock import ClockTick
 from events.commands import RollbackRequested
@@ -18,6 +20,7 @@ from events.training import FaultInjected, RolledBack, StepCompleted
 from services.history import fdh
 from services.postmortem import Postmortem, analyse, write_report
 
+E = TypeVar("E", bound=Event)
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "histories" / "spike.fdh.jsonl"
 JOB = "spike-000001"
 
@@ -37,8 +40,15 @@ def one(rows: list[Stored], cls: type) -> Stored:
     return found
 
 
+def the(rows: list[Stored], cls: type[E]) -> E:
+    """The one recorded event of type `cls`."""
+    event = one(rows, cls).event
+    assert isinstance(event, cls)
+    return event
+
+
 def test_the_spike_is_one_incident_with_the_recorded_numbers(rows: list[Stored], pm: Postmortem) -> None:
-    submitted = one(rows, JobSubmitted).event
+    submitted = the(rows, JobSubmitted)
     spike = one(rows, LossSpikeDetected)
     rollback = one(rows, RollbackRequested).event
     (fault,) = [s.event for s in rows if isinstance(s.event, FaultInjected) and s.event.kind == "loss_spike"]
@@ -73,9 +83,9 @@ def test_the_causal_chain_runs_from_the_fault_to_the_first_redone_step(rows: lis
                      "StepCompleted"]
     # the finding and the decision by their recorded ids (the health monitor's id names the spiking step's telemetry
     # sequence, the scheduler's the finding's control sequence)
-    spike, rollback = one(rows, LossSpikeDetected), one(rows, RollbackRequested)
-    assert inc.chain[2].event_id == spike.event.event_id == "health:FD_TELEMETRY:112:0"
-    assert inc.chain[3].event_id == rollback.event.event_id == f"scheduler:FD_CONTROL:{spike.seq}:0" \
+    spike = one(rows, LossSpikeDetected)
+    assert inc.chain[2].event_id == the(rows, LossSpikeDetected).event_id == "health:FD_TELEMETRY:112:0"
+    assert inc.chain[3].event_id == the(rows, RollbackRequested).event_id == f"scheduler:FD_CONTROL:{spike.seq}:0" \
         == "scheduler:FD_CONTROL:98:0"
     assert [m.at for m in inc.chain] == sorted(m.at for m in inc.chain)
     assert "spike at step 30" in inc.trigger
@@ -83,7 +93,7 @@ def test_the_causal_chain_runs_from_the_fault_to_the_first_redone_step(rows: lis
 
 def test_the_badput_parts_add_up_to_the_wall_time(rows: list[Stored], pm: Postmortem) -> None:
     g = pm.goodput
-    wall = one(rows, JobCompleted).event.occurred_at - one(rows, JobSubmitted).event.occurred_at
+    wall = the(rows, JobCompleted).occurred_at - the(rows, JobSubmitted).occurred_at
     assert g.wall_s == pytest.approx(wall)
     assert math.fsum(g.parts.values()) == pytest.approx(g.wall_s, rel=1e-12)
     assert all(v >= 0 for v in g.parts.values())
@@ -101,7 +111,7 @@ def test_the_badput_parts_add_up_to_the_wall_time(rows: list[Stored], pm: Postmo
     granted = one(rows, AllocationGranted)
     assert not any(isinstance(s.event, ClockTick) and s.seq < granted.seq for s in rows)
     assert g.parts["startup"] == pytest.approx(steps[0].occurred_at - steps[0].step_time_s
-                                               - granted.event.occurred_at, abs=1e-4)
+                                               - the(rows, AllocationGranted).occurred_at, abs=1e-4)
     assert g.goodput == pytest.approx(g.parts["useful"] / wall)
     assert g.goodput == pytest.approx(0.2264, abs=1e-3)  # this recording's number, pinned (its start-up took 22.5 s)
 
