@@ -6,9 +6,9 @@ runs its core (agentcore.py) in the service shell, starting and stopping trainer
                                        [--grace-s 30] [--selfcheck-timeout-s 300] [--standby N]
 
 Slots: GPUs listed by nvidia-smi (the agent never imports torch), else `--slots` CPU slots (default 2).
-Standbys (standbys.py): `--standby N` warm rank processes with torch imported, started once the node is
-registered and refilled after each hand-off; default (and $FLIGHTDECK_STANDBY unset) one per slot, since a
-restart starts all of a job's ranks on the node at once and waits for the slowest; 0 turns them off.
+Standbys (standbys.py): `--standby N` warm rank processes with torch imported, started with the self-check
+(dropped if it fails) and refilled after each hand-off; default ($FLIGHTDECK_STANDBY, else one per slot, since
+a restart starts all of a job's ranks on the node at once and waits for the slowest); 0 turns them off.
 SIGTERM/SIGINT: the ranks are stopped (they checkpoint on SIGTERM), their exits recorded, then the agent
 exits 0. SIGKILL: the ranks die with it; the next agent on the node records them as exited.
 """
@@ -217,6 +217,8 @@ async def run_agent(*, nats: str | None = None, node: str | None = None, slots: 
     structlog.contextvars.bind_contextvars(service=producer)
     root = Path.cwd() / data_dir  # absolute: ranks run with the repository as their working directory
     inv = await asyncio.to_thread(detect, device, slots)
+    wanted = standby if standby is not None else standby_default()
+    standbys = inv.slots if wanted is None else wanted
     python = sys.executable
     verdict_task = asyncio.create_task(selfcheck(python, inv, selfcheck_timeout_s))
     conn = Connection(producer)
@@ -225,15 +227,17 @@ async def run_agent(*, nats: str | None = None, node: str | None = None, slots: 
         verdict_task.cancel()
         return 0
     code = 0
+    pool: StandbyPool | None = None
     try:
         async with open_store(objects or str(root / "objects")) as objs:
             launch = Launch(nats_url=url, device="cuda" if inv.kind == "gpu" else "cpu", grace_s=grace_s,
                             checkpoints_flag=await trainer_accepts(python, "--checkpoints"))
-            size = standby if standby is not None else standby_default()
-            pool = StandbyPool(size=inv.slots if size is None else size, python=python, env=rank_base_env(), cwd=REPO,
+            pool = StandbyPool(size=standbys, python=python, env=rank_base_env(), cwd=REPO,
                                log_file=Paths(root).standby_log, preexec=die_with_agent(os.getpid()), producer=producer)
             spawner = Spawner(node=node, producer=producer, store=store, objects=objs, paths=Paths(root), launch=launch,
                               standbys=pool if pool.size > 0 else None)
+            # Warming while the self-check runs: on a host with cores to spare the first ranks find them ready.
+            pool.start()
             service = agentcore.core_service(node, spawner.handlers())
             lost = await reconcile(service, store, spawner)
             waiter = asyncio.create_task(stop.wait())
@@ -246,8 +250,9 @@ async def run_agent(*, nats: str | None = None, node: str | None = None, slots: 
             log.info("node registered", kind=inv.kind, slots=inv.slots, selfcheck_ok=verdict.ok,
                      selfcheck_s=round(verdict.seconds, 2), detail=verdict.detail, orphans_recorded=lost,
                      trainer_checkpoints_flag=launch.checkpoints_flag, standbys=pool.size)
-            if verdict.ok:  # a cordoned node gets no ranks; after the check, whose torch import would slow theirs
-                pool.start()
+            if not verdict.ok:  # cordoned: it gets no ranks
+                await pool.close()
+                spawner.standbys = None
             shell_stop = asyncio.Event()
             shell = asyncio.create_task(run_service(service, url, stop_event=shell_stop,
                                                     policy=ConsumerPolicy.from_env()))
@@ -265,6 +270,8 @@ async def run_agent(*, nats: str | None = None, node: str | None = None, slots: 
     finally:
         if not verdict_task.done():
             verdict_task.cancel()
+        if pool is not None:
+            await pool.close()
         conn.closing = True
         with contextlib.suppress(Exception):
             await store.nc.close()

@@ -76,6 +76,19 @@ def lost_node_spec() -> JobSpec:
     return drill_spec("lostnode", slots=2, steps=40, faults=[paced()], min_slots=1)
 
 
+GROW_STEPS = 100
+GROW_PACE_S = 0.2
+
+
+def grow_back_spec() -> JobSpec:
+    """The lost-node job that then grows back, paced in every attempt (which attempt ends up shrunk depends on
+    when n2 is found lost). A node started once the job has shrunk joins while the shrunk attempt still runs if
+    its agent starts within GROW_STEPS x GROW_PACE_S (20 s) less the steps done; the drill's length after the
+    shrink stays about that, however fast the node joins: what the shrunk attempt leaves, the grown one runs."""
+    slow = [FaultSpec(kind="slow", step=0, rank=0, seconds=GROW_PACE_S, attempt=a) for a in range(6)]
+    return drill_spec("growback", slots=2, steps=GROW_STEPS, faults=slow, min_slots=1)
+
+
 DRILL_SPECS = {"crash": crash_spec, "spike": spike_spec}  # single-node drills by name (tests/fixtures/record_drill.py)
 
 
@@ -125,6 +138,11 @@ async def start_two_nodes(p: Platform) -> None:
     p.agent("n2", "--slots", "1", "--grace-s", "2", "--data-dir", str(p.root / "data-n2"))
     await p.ready("n1")
     await p.ready("n2")
+
+
+def join_node(p: Platform, node: str) -> None:
+    """Another host's agent (one CPU slot, its own data dir) joins the fleet: a new node, or a lost one back."""
+    p.agent(node, "--slots", "1", "--grace-s", "2", "--data-dir", str(p.root / f"data-{node}"))
 
 
 async def kill_agent_mid_run(p: Platform, job_id: str, node: str = "n2", after_step: int = KILL_AFTER_STEP) -> float:
