@@ -18,14 +18,18 @@ import pytest
 from services.audit.verify import verify
 from services.console.verify_cmd import report
 from services.history import library
+from tests.e2e.drill_harness import DRILL_SPECS
 
 HISTORIES = Path(__file__).resolve().parents[1] / "fixtures" / "histories"
 SHIPPED = sorted(HISTORIES.glob("*.fdh.jsonl"))
 
 
-def test_the_drills_the_fixture_tests_use_are_shipped_once_each() -> None:
-    assert [p.name for p in SHIPPED] == ["crash.fdh.jsonl", "spike.fdh.jsonl"]
-    assert not [p.name for p in HISTORIES.iterdir() if p.is_file() and p not in SHIPPED and p.name != ".gitkeep"]
+def test_each_shipped_history_is_one_drill_that_record_drill_can_record_again() -> None:
+    """One file per drill, named as record_drill.py writes it: no second recording of a drill beside the first."""
+    assert sorted(p.name for p in HISTORIES.iterdir()) == [p.name for p in SHIPPED]
+    drills = [p.name.removesuffix(".fdh.jsonl") for p in SHIPPED]
+    assert set(drills) <= set(DRILL_SPECS), drills
+    assert {"spike", "crash"} <= set(drills)  # the fixtures of the replay, postmortem, verify and what-if tests
 
 
 @pytest.mark.timeout(120)
