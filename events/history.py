@@ -8,7 +8,7 @@ run 1, 2, 3, ... : a quietly truncated store file shows up as a gap instead of a
 import msgspec
 import structlog
 
-from events import subjects
+from events import codec, subjects
 from events.base import JobEvent
 from events.codec import type_name
 from events.store import AppendResult, ConcurrencyConflict, EventStore, Stored
@@ -64,7 +64,9 @@ async def append_to_job(store: EventStore, event: JobEvent, msg_id: str = "") ->
         if last is not None and msg_id and last.msg_id == msg_id:
             return AppendResult(last.stream, last.seq, True)
         version = version_of(last) + 1 if last is not None else 1
-        if last is not None and version == 1:
+        if last is not None and (last.event is None or junk(last)):
+            version = await _newest_version(store, event.job_id) + 1
+        elif last is not None and version == 1:
             raise HistoryGap(event.job_id, 1, 0, last.seq)  # the last message is no versioned job event
         try:
             return await store.append(subject, msgspec.structs.replace(event, job_version=version), msg_id=msg_id,
@@ -74,6 +76,41 @@ async def append_to_job(store: EventStore, event: JobEvent, msg_id: str = "") ->
             bound.debug("job history moved, retrying", attempt=attempt, expected=exc.expected, actual=exc.actual)
     assert conflict is not None
     raise conflict
+
+
+def junk(stored: Stored) -> bool:
+    """Bytes on a job's subjects that no reader folds: no event (and no version a newer writer put there), or
+    an event that does not belong under its subject. Every reader dead-letters them, and they take no place
+    in the history: appends number on past them, and contiguity passes them over."""
+    ev = stored.event
+    if ev is None:
+        return not _from_newer_code(stored.data) or version_of(stored) < 1
+    return not isinstance(ev, JobEvent) or stored.subject != f"fd.ctl.job.{ev.job_id}.{type_name(ev)}"
+
+
+def _from_newer_code(data: bytes) -> bool:
+    try:
+        codec.decode(data)
+    except (codec.UnknownSchemaVersion, codec.UnknownEventType):
+        return True
+    except codec.UndecodableEvent:
+        return False
+    return False  # decodes, yet the store refused it: out of the bounds readers rely on
+
+
+def _counts(stored: Stored, expected: int) -> bool:
+    """Whether `stored` is part of the history, `expected` being the next version. A newer writer's event
+    (undecodable here) always comes in sequence; one off the sequence is forged and passed over too."""
+    return not junk(stored) and (stored.event is not None or version_of(stored) == expected)
+
+
+async def _newest_version(store: EventStore, job_id: str) -> int:
+    newest = 0
+    async for batch in store.read(subjects.CONTROL, [subjects.job_all(job_id)]):
+        for stored in batch:
+            if _counts(stored, newest + 1):
+                newest = version_of(stored)
+    return newest
 
 
 async def read_job(store: EventStore, job_id: str, *, check: bool = True) -> list[Stored]:
@@ -87,7 +124,12 @@ async def read_job(store: EventStore, job_id: str, *, check: bool = True) -> lis
 
 
 def check_contiguous(job_id: str, history: list[Stored], first: int = 1) -> None:
-    for expected, stored in enumerate(history, start=first):
+    """Versions run first, first+1, ... over the history's events; `junk` is passed over."""
+    expected = first
+    for stored in history:
+        if not _counts(stored, expected):
+            continue
         found = version_of(stored)
         if found != expected:
             raise HistoryGap(job_id, expected, found, stored.seq)
+        expected += 1
