@@ -17,6 +17,8 @@ from msgspec import Meta
 
 from events.base import Event
 from events.catalog import ALL_TYPES, BY_NAME
+from events.job import JobSubmitted
+from events.spec import InvalidSpec, check
 
 AnyEvent = Union[ALL_TYPES]  # type: ignore[valid-type]  # noqa: UP007 (a tuple unpacks only into Union)
 
@@ -165,6 +167,11 @@ def admit(data: bytes) -> Event:
         _bounded.decode(data)
     except _BAD_BYTES as exc:
         raise InvalidEvent(f"{type(event).__name__} out of bounds: {exc}") from None
+    if isinstance(event, JobSubmitted):  # a submission that bypassed `flightdeck submit` meets the same rules
+        try:
+            check(event.spec)
+        except InvalidSpec as exc:
+            raise InvalidEvent(f"JobSubmitted carries a spec no rank could run: {exc}") from None
     return event
 
 

@@ -5,7 +5,8 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-Name = Annotated[str, Meta(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")]  # safe in subjects, paths and object keys
+# safe in subjects, paths and object keys; \Z, not $, which would let a trailing newline through
+Name = Annotated[str, Meta(pattern=r"^[a-z0-9][a-z0-9-]{0,62}\Z")]
 PositiveInt = Annotated[int, Meta(ge=1)]
 NonNegInt = Annotated[int, Meta(ge=0)]
 
@@ -49,6 +50,10 @@ class PolicySpec(Spec, frozen=True, kw_only=True):
     keep_checkpoints: Annotated[int, Meta(ge=1, le=100_000)] = 3  # committed checkpoints kept (plus rollback targets)
 
 
+MAX_FAULTS = 256  # drill faults in one spec
+MAX_SPEC_BYTES = 1 << 20  # a spec is a few hundred bytes; a bigger file is a mistake or a bomb
+MAX_RANK_BYTES = 1 << 40  # 1 TiB: no device or host a rank runs on holds more, so a spec needing more is an error
+
 FaultKind = Literal["crash", "hang", "loss_spike", "nonfinite", "slow"]
 
 
@@ -69,14 +74,33 @@ class JobSpec(Spec, frozen=True, kw_only=True):
     model: ModelSpec = ModelSpec()
     train: TrainSpec = TrainSpec()
     policy: PolicySpec = PolicySpec()
-    faults: list[FaultSpec] = []
+    faults: Annotated[list[FaultSpec], Meta(max_length=MAX_FAULTS)] = []
 
 
 class InvalidSpec(ValueError):
     """A job spec a user must fix; the message names the field and what is allowed."""
 
 
-def _check(spec: JobSpec) -> JobSpec:
+def rank_memory_bytes(spec: JobSpec) -> int:
+    """A generous estimate of what one rank allocates (trainer/model.py's GPT, fp32 Adam, attention without
+    a fused kernel, the global batch's token windows drawn on every rank), at the smallest world size the
+    job may shrink to. Only to refuse specs that could never run, before any rank allocates anything."""
+    m, d = spec.model, spec.model.d_model
+    params = m.vocab_size * d + m.seq_len * d + m.n_layer * (12 * d * d + 13 * d) + 2 * d
+    rows = -(-spec.train.batch_size // (spec.policy.min_slots or spec.slots))
+    activations = rows * m.seq_len * (m.n_layer * (34 * d + 5 * m.n_head * m.seq_len) + 2 * m.vocab_size) * 4
+    windows = spec.train.batch_size * (m.seq_len + 1) * 8
+    return 16 * params + activations + windows
+
+
+def check(spec: JobSpec) -> JobSpec:
+    """The rules across fields (and the memory a rank would need); InvalidSpec names what to change."""
+    need = rank_memory_bytes(spec)
+    if need > MAX_RANK_BYTES:
+        raise InvalidSpec(
+            f"model and train need about {need / 2**40:,.1f} TiB per rank (more than {MAX_RANK_BYTES >> 40} TiB): "
+            "lower model.seq_len, model.d_model, model.n_layer, model.vocab_size or train.batch_size, or raise slots"
+        )
     if spec.model.d_model % spec.model.n_head:
         raise InvalidSpec(
             f"model.d_model ({spec.model.d_model}) must be a multiple of model.n_head ({spec.model.n_head})"
@@ -97,10 +121,16 @@ def _check(spec: JobSpec) -> JobSpec:
 
 def parse_spec(text: str | bytes) -> JobSpec:
     """Decode a TOML job spec, refusing unknown keys, wrong types and out-of-range values."""
+    if len(text) > MAX_SPEC_BYTES:
+        raise InvalidSpec(f"job spec is {len(text):,} bytes, more than the {MAX_SPEC_BYTES:,} a spec may have")
     try:
         spec = msgspec.toml.decode(text, type=JobSpec)
     except msgspec.ValidationError as exc:
         raise InvalidSpec(f"invalid job spec: {exc}") from None
     except msgspec.DecodeError as exc:
         raise InvalidSpec(f"job spec is not valid TOML: {exc}") from None
-    return _check(spec)
+    except UnicodeDecodeError as exc:
+        raise InvalidSpec(f"job spec is not UTF-8 text: {exc}") from None
+    except RecursionError:  # TOML parsers recurse per nested array or inline table
+        raise InvalidSpec("job spec nests arrays or tables too deeply to be a job spec") from None
+    return check(spec)

@@ -13,7 +13,7 @@ import structlog
 from events import subjects
 from events.history import append_to_job
 from events.job import JobSubmitted
-from events.spec import InvalidSpec, JobSpec, parse_spec
+from events.spec import MAX_SPEC_BYTES, InvalidSpec, JobSpec, parse_spec
 from events.store import EventStore
 from services.broker import nats_url
 from services.console.cli import EXIT_NOT_FOUND, Command, UserError, add_nats_argument
@@ -32,7 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def read_spec(path: Path) -> JobSpec:
     try:
-        text = path.read_bytes()
+        with open(path, "rb") as f:
+            text = f.read(MAX_SPEC_BYTES + 1)  # never more: `submit /dev/zero` must not fill memory
     except OSError as exc:
         raise UserError(f"cannot read {path}: {exc.strerror or exc}", EXIT_NOT_FOUND) from None
     try:
