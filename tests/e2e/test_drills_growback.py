@@ -74,13 +74,16 @@ async def test_a_shrunk_job_grows_back_when_a_node_joins_and_completes(drill: Pl
     small = next(e for e in resumed if e.world_size == 1)
     final = resumed[-1]
     assert final.world_size == 2 and final.attempt == grow[0][0] and small.attempt == shrink[0][0]
-    # Grown at a checkpoint boundary: stopped without a new checkpoint, restored from the commit that triggered
-    # it, which the one rank saved after n3 had joined.
+    # Grown at a checkpoint boundary: stopped without a new checkpoint at the commit that triggered it, restored
+    # from the newest one the lone rank made (it trains on until it reads the stop, and may commit once more).
     (stop,) = [e for e in p.seen(StopRequested, job) if e.reason.startswith("grow back")]
-    assert not stop.checkpoint and final.checkpoint_id in stop.reason
-    assert any(e.reason == "grow back" for e in p.seen(JobQueued, job))
     commits = {e.checkpoint_id: e for e in p.seen(CheckpointCommitted, job)}
-    assert commits[final.checkpoint_id].world_size == 1 and final.from_step == commits[final.checkpoint_id].step
+    trigger = next(c for c in commits.values() if f"restore {c.checkpoint_id} " in stop.reason)
+    assert not stop.checkpoint and trigger.attempt == small.attempt and trigger.world_size == 1, stop
+    assert any(e.reason == "grow back" for e in p.seen(JobQueued, job))
+    restored = commits[final.checkpoint_id]
+    assert restored.attempt == small.attempt and restored.world_size == 1 and restored.step >= trigger.step
+    assert final.from_step == restored.step
     (granted,) = [e for e in p.seen(AllocationGranted, job) if e.attempt == final.attempt]
     assert sorted(a.node for a in granted.assignments) == ["n1", "n3"]
     assert sorted(e.node for e in p.seen(WorkersStarted, job) if e.attempt == final.attempt) == ["n1", "n3"]
