@@ -9,11 +9,12 @@ import argparse
 import json
 import statistics
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 
-def summarize(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(outcomes: list[dict[str, Any]], suites: Sequence[str] = (), notes: Sequence[str] = ()) -> dict[str, Any]:
     drills: dict[str, Any] = {}
     for drill in sorted({o["drill"] for o in outcomes}):
         runs = [o for o in outcomes if o["drill"] == drill]
@@ -35,7 +36,7 @@ def summarize(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
             "rank_findings": [len(o["findings"]) for o in runs],
             "seconds_median": statistics.median(o["seconds"] for o in runs),
         }
-    return {"runs": len(outcomes), "drills": drills}
+    return {"outcomes": len(outcomes), "suite_runs": list(suites), "drills": drills, "notes": list(notes)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,9 +44,12 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("record", type=Path, help="the JSON-lines file the drills appended to")
     parser.add_argument("--out", type=Path, help="write the summary here (default: print it)")
+    parser.add_argument("--suite", action="append", default=[], help="one whole run of the suite, as text "
+                        "(wall time, load, result); repeat per run")
+    parser.add_argument("--note", action="append", default=[], help="a note to keep with the figures; repeatable")
     args = parser.parse_args(argv)
     outcomes = [json.loads(line) for line in args.record.read_text().splitlines() if line.strip()]
-    text = json.dumps(summarize(outcomes), indent=2) + "\n"
+    text = json.dumps(summarize(outcomes, args.suite, args.note), indent=2) + "\n"
     if args.out:
         args.out.write_text(text)
     sys.stdout.write(text)
