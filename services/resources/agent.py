@@ -164,13 +164,14 @@ async def trainer_accepts(python: str, flag: str) -> bool:
     return proc.returncode == 0 and flag in out.decode().split()
 
 
-def _kill_if_rank(pid: int, job_id: str) -> None:
+def kill_if_rank(pid: int, job_id: str) -> None:
     """Kill `pid` if it is still a rank of `job_id` (it should have died with its agent; the pid may be reused)."""
     with contextlib.suppress(OSError):
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         cold = b"trainer" in cmdline and job_id.encode() in cmdline
         # A rank started by a standby keeps the standby's command line; its stdout is the rank's log.
-        warm = b"trainer.standby" in cmdline and Path(os.readlink(f"/proc/{pid}/fd/1")).name.startswith(f"{job_id}-a")
+        log_name = Path(os.readlink(f"/proc/{pid}/fd/1")).name if b"trainer.standby" in cmdline else ""
+        warm = re.fullmatch(rf"{re.escape(job_id)}-a\d+-r\d+\.log", log_name) is not None
         if cold or warm:
             os.kill(pid, signal.SIGKILL)
 
@@ -180,7 +181,7 @@ async def reconcile(service: Any, store: EventStore, spawner: Spawner) -> int:
     folder = await rebuild(service, store, until=await store.last_seq(subjects.CONTROL))
     state: agentcore.State = folder.state
     for rank in state.live.values():
-        _kill_if_rank(rank.pid, rank.job_id)
+        kill_if_rank(rank.pid, rank.job_id)
         log.warning("rank lost with an earlier agent", job_id=rank.job_id, attempt=rank.attempt, rank=rank.rank,
                     pid=rank.pid)
         await spawner.record_exit(rank.job_id, rank.attempt, rank.rank, ORPHAN_EXIT, "")

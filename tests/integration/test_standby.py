@@ -1,7 +1,8 @@
 """Warm standby ranks (services/resources/standbys.py, trainer/standby.py) as real processes: a standby becomes
 the command it is handed, warm when it can and cold in place when its environment cannot be changed after
-import; one that dies idle is replaced; through a node agent, a rank started from a standby trains, crashes,
-restarts and is recorded exactly like the cold rank beside it, and standbys and ranks die with a killed agent."""
+import; one that dies idle is replaced; the next agent finds one that outlived its agent by its log. Through a
+node agent, a rank started from a standby trains, crashes, restarts and is recorded exactly like the cold rank
+beside it, and standbys and ranks die with a killed agent."""
 
 import asyncio
 import json
@@ -18,6 +19,7 @@ from events import subjects
 from events.job import JobCompleted, WorkersStarted
 from events.spec import FaultSpec, JobSpec
 from events.training import RankStarted, StepCompleted
+from services.resources.agent import kill_if_rank
 from services.resources.spawner import REPO, die_with_agent, rank_base_env
 from services.resources.standbys import Standby, StandbyPool
 from tests.integration.test_lifecycle_services import ENDLESS, TINY, Cluster, cluster, exits, gone
@@ -45,8 +47,8 @@ async def ready_one(p: StandbyPool, *, besides: tuple[Standby, ...] = (), within
     return p.idle[0]
 
 
-async def run(p: StandbyPool, log: Path, env: dict[str, str], statement: str) -> tuple[Standby, int]:
-    """Hand `python -m timeit -n 1 -r 1 STATEMENT` to the pool's ready standby; it and its exit code."""
+def hand(p: StandbyPool, log: Path, env: dict[str, str], statement: str) -> Standby:
+    """Hand `python -m timeit -n 1 -r 1 STATEMENT` to the pool's ready standby, its output to `log`."""
     standby = p.take()
     assert standby is not None and standby.ready
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -54,6 +56,12 @@ async def run(p: StandbyPool, log: Path, env: dict[str, str], statement: str) ->
         assert p.assign(standby, [sys.executable, "-m", "timeit", "-n", "1", "-r", "1", statement], env, REPO, fd)
     finally:
         os.close(fd)
+    return standby
+
+
+async def run(p: StandbyPool, log: Path, env: dict[str, str], statement: str) -> tuple[Standby, int]:
+    """`hand` it and wait for its exit code."""
+    standby = hand(p, log, env, statement)
     async with asyncio.timeout(60):
         return standby, await standby.proc.wait()
 
@@ -81,9 +89,25 @@ async def test_a_standby_runs_its_assignment_warm_or_cold_in_place_and_a_dead_on
              f"assert os.getpid() == {third.proc.pid}")
     standby, code = await run(pool, log, {**pool.env, "OMP_NUM_THREADS": "2"}, check)
     assert standby is third and code == 0, log.read_text()
-    fourth = await ready_one(pool, besides=(third,))  # refilled; closing the pool kills it
+    # A rank from a standby that outlived its agent: the next agent knows it by its log (its command line is the
+    # standby's) and kills it, and only it.
+    fourth = await ready_one(pool, besides=(third,))
+    hand(pool, tmp_path / "orphan-000001-a0-r1.log", pool.env, "import time; time.sleep(60)")
+    await asyncio.sleep(0.5)
+    kill_if_rank(fourth.proc.pid, "other-000001")
+    await asyncio.sleep(0.5)
+    assert fourth.proc.returncode is None
+    kill_if_rank(fourth.proc.pid, "orphan-000001")
+    async with asyncio.timeout(10):
+        assert await fourth.proc.wait() == -signal.SIGKILL
+    # Closing the pool kills the idle standby (here still warming up).
+    deadline = time.monotonic() + 10
+    while not pool.idle:
+        assert time.monotonic() < deadline, "the pool did not refill"
+        await asyncio.sleep(0.05)
+    fifth = pool.idle[0]
     await pool.close()
-    assert gone(fourth.proc.pid)
+    assert gone(fifth.proc.pid)
 
 
 def agent_log(c: Cluster, node: str = "n1") -> list[dict[str, object]]:
