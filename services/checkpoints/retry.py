@@ -4,6 +4,7 @@ and its counts are the real ones."""
 
 import asyncio
 import random
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -43,6 +44,18 @@ def error_code(exc: BaseException) -> tuple[str, int]:
     return "", 0
 
 
+class RetriesExhausted(Exception):
+    """A retryable failure that outlasted the policy's deadline."""
+
+
+def describe(exc: BaseException) -> str:
+    """An error as a person reads it: the S3 code and status, else the exception (timeouts have no text)."""
+    code, status = error_code(exc)
+    if code or status:
+        return f"{code or 'HTTP'} ({status})"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
 def is_retryable(exc: BaseException) -> bool:
     code, status = error_code(exc)
     if code or status:
@@ -52,13 +65,17 @@ def is_retryable(exc: BaseException) -> bool:
 
 @dataclass
 class RetryPolicy:
-    """Up to `attempts` tries; before try n+1 sleep uniform(0, min(cap_s, base_s * 2**n)) ("full jitter")."""
+    """Up to `attempts` tries; before try n+1 sleep uniform(0, min(cap_s, base_s * 2**n)) ("full jitter").
+    No retry starts after `deadline_s` from the first try: a call never holds its caller (the checkpoint
+    service has one input in flight) much past that, however the endpoint fails."""
 
     attempts: int = 8
     base_s: float = 0.1
     cap_s: float = 10.0
+    deadline_s: float = 300.0
     rng: random.Random = field(default_factory=random.Random)
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
+    clock: Callable[[], float] = time.monotonic
 
     def delay(self, retry: int) -> float:
         return self.rng.uniform(0.0, min(self.cap_s, self.base_s * (2**retry)))
@@ -66,6 +83,7 @@ class RetryPolicy:
     async def call(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
         """Run `fn` until it succeeds, fails with a non-retryable error, or runs out of attempts."""
         assert self.attempts >= 1
+        began = self.clock()
         for retry in range(self.attempts):
             try:
                 return await fn()
@@ -73,6 +91,9 @@ class RetryPolicy:
                 if not is_retryable(exc) or retry == self.attempts - 1:
                     raise
                 pause = self.delay(retry)
+                if self.clock() + pause - began > self.deadline_s:
+                    raise RetriesExhausted(f"{what}: gave up after {retry + 1} tries in {self.clock() - began:.1f}s "
+                                           f"(deadline {self.deadline_s:g}s); last error: {describe(exc)}") from exc
                 code, status = error_code(exc)
                 log.warning("object store call failed, retrying", op=what, attempt=retry + 1,
                             error=code or type(exc).__name__, status=status, retry_in_s=round(pause, 3))

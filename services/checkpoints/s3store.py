@@ -37,6 +37,9 @@ DEFAULT_PART_SIZE = 8 * MiB
 MIN_PART_SIZE = 5 * MiB  # S3 refuses smaller parts (except the last)
 MAX_PARTS = 10_000
 PROGRESS_EVERY_S = 2.0
+CONNECT_TIMEOUT_S = 10.0
+READ_TIMEOUT_S = 60.0  # botocore's default
+MIN_THROUGHPUT = 1 * MiB  # bytes/s below which one request's body counts as stalled
 
 log = structlog.get_logger(__name__)
 
@@ -67,7 +70,8 @@ class S3Store:
     readback_after_put = False  # reading back doubles the traffic; sha256 is computed on the bytes sent
 
     def __init__(self, client: Any, bucket: str, *, root: str = "", part_size: int = DEFAULT_PART_SIZE,
-                 max_concurrency: int = 8, retry: RetryPolicy | None = None) -> None:
+                 max_concurrency: int = 8, retry: RetryPolicy | None = None,
+                 try_timeout_s: float | None = None) -> None:
         if part_size < MIN_PART_SIZE:
             raise ValueError(f"part_size {part_size} is below S3's minimum of {MIN_PART_SIZE} bytes (5 MiB)")
         if max_concurrency < 1:
@@ -78,6 +82,8 @@ class S3Store:
         self.part_size = part_size
         self.max_concurrency = max_concurrency
         self.retry = retry or RetryPolicy()
+        # the longest one API call may take, its body included
+        self.try_timeout_s = try_timeout_s or CONNECT_TIMEOUT_S + READ_TIMEOUT_S + part_size / MIN_THROUGHPUT
         self._slots = asyncio.Semaphore(max_concurrency)
         self.in_flight: set[str] = set()  # multipart upload ids this store is running (the sweeper skips them)
 
@@ -85,13 +91,19 @@ class S3Store:
     @asynccontextmanager
     async def open(cls, bucket: str, *, root: str = "", endpoint_url: str | None = None,
                    region_name: str | None = None, part_size: int = DEFAULT_PART_SIZE, max_concurrency: int = 8,
-                   retry: RetryPolicy | None = None) -> AsyncIterator["S3Store"]:
-        """A store with one client for its lifetime (connections are pooled per client)."""
+                   retry: RetryPolicy | None = None, connect_timeout_s: float = CONNECT_TIMEOUT_S,
+                   read_timeout_s: float = READ_TIMEOUT_S, try_timeout_s: float | None = None,
+                   ) -> AsyncIterator["S3Store"]:
+        """A store with one client for its lifetime (connections are pooled per client). An endpoint that
+        stops answering costs at most `try_timeout_s` per call (default: both timeouts plus a part's transfer
+        at MIN_THROUGHPUT); RetryPolicy bounds the tries and their total time."""
         config = AioConfig(max_pool_connections=max(10, 2 * max_concurrency),
+                           connect_timeout=connect_timeout_s, read_timeout=read_timeout_s,
                            retries={"total_max_attempts": 1})  # RetryPolicy is the one retry layer
         session = aioboto3.Session()
         async with session.client("s3", endpoint_url=endpoint_url, region_name=region_name, config=config) as client:
-            yield cls(client, bucket, root=root, part_size=part_size, max_concurrency=max_concurrency, retry=retry)
+            yield cls(client, bucket, root=root, part_size=part_size, max_concurrency=max_concurrency, retry=retry,
+                      try_timeout_s=try_timeout_s or connect_timeout_s + read_timeout_s + part_size / MIN_THROUGHPUT)
 
     def __repr__(self) -> str:
         return f"S3Store({self.uri('')!r})"
@@ -104,7 +116,14 @@ class S3Store:
 
     async def _call(self, op: str, **kwargs: Any) -> Any:
         method = getattr(self.client, op)
-        return await self.retry.call(op, lambda: method(Bucket=self.bucket, **kwargs))
+
+        async def once() -> Any:
+            # The read timeout does not cover a PUT's `Expect: 100-continue`: aiohttp waits for the 100 without
+            # one, so an endpoint that accepts the connection and never answers held a commit forever.
+            async with asyncio.timeout(self.try_timeout_s):
+                return await method(Bucket=self.bucket, **kwargs)
+
+        return await self.retry.call(op, once)
 
     async def put_file(self, key: str, path: Path) -> tuple[int, str]:
         k = self._k(key)

@@ -1,0 +1,158 @@
+"""Checkpoints through an S3 endpoint that fails (500), throttles (503 SlowDown), resets connections and
+stalls: a fault-injecting proxy (faultproxy.py) in front of moto over real TCP. Transient faults are retried
+and the checkpoint commits; persistent ones end in CheckpointFailed with the reason, within a bounded time,
+with no manifest, no leftover objects or multipart uploads, and the previous checkpoint still whole."""
+
+import hashlib
+import os
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from events.checkpoint import CheckpointCommitted, CheckpointFailed, DataPosition, ShardInfo
+from services.checkpoints import manifest as mf
+from services.checkpoints.core import CommitArgs, StagedRank
+from services.checkpoints.retry import RetryPolicy
+from services.checkpoints.s3store import MIN_PART_SIZE, S3Store
+from services.checkpoints.uploader import commit
+from tests.badinput.faultproxy import FaultProxy
+from tests.integration.s3_fixture import MotoS3, moto_s3
+
+__all__ = ["moto_s3"]
+pytestmark = pytest.mark.timeout(60)
+
+JOB = "faulty-1"
+TIMEOUT_S = 1.0  # the client's read timeout: a stalled request costs this much per try
+POLICY = RetryPolicy(attempts=6, base_s=0.02, cap_s=0.2, deadline_s=4.0)
+
+
+def put(method: str, path: str) -> bool:
+    return method == "PUT"
+
+
+def shard_put(method: str, path: str) -> bool:
+    return method == "PUT" and mf.MANIFEST not in path
+
+
+def manifest_put(method: str, path: str) -> bool:
+    return method == "PUT" and mf.MANIFEST in path
+
+
+@pytest.fixture
+async def proxy(moto_s3: MotoS3) -> AsyncIterator[FaultProxy]:
+    host, port = moto_s3.endpoint.removeprefix("http://").split(":")
+    p = FaultProxy(host, int(port))
+    await p.start()
+    yield p
+    await p.stop()
+
+
+@pytest.fixture
+async def s3(moto_s3: MotoS3, proxy: FaultProxy) -> AsyncIterator[S3Store]:
+    async with S3Store.open(moto_s3.bucket, endpoint_url=proxy.endpoint, part_size=MIN_PART_SIZE, max_concurrency=2,
+                            retry=POLICY, connect_timeout_s=TIMEOUT_S, read_timeout_s=TIMEOUT_S,
+                            try_timeout_s=2 * TIMEOUT_S) as store:
+        yield store
+
+
+def staged(tmp: Path, step: int) -> CommitArgs:
+    """Two ranks' shards: a small one each, and one past the part size (a multipart upload)."""
+    ranks = []
+    for rank, sizes in ((0, (1000, MIN_PART_SIZE + 4096)), (1, (2000,))):
+        root = tmp / f"stage-{step}" / f"r{rank}"
+        root.mkdir(parents=True)
+        shards = []
+        for i, size in enumerate(sizes):
+            data = os.urandom(size)
+            (root / f"r{rank}-{i}.distcp").write_bytes(data)
+            shards.append(ShardInfo(path=f"r{rank}-{i}.distcp", size=size, sha256=hashlib.sha256(data).hexdigest()))
+        ranks.append(StagedRank(rank=rank, node="n0", staging_dir=str(root), shards=shards))
+    return CommitArgs(job_id=JOB, checkpoint_id=f"step{step:09d}-a0", attempt=0, step=step, world_size=2,
+                      created_at=1000.0 + step, data=DataPosition(next_batch=step + 1), ranks=ranks)
+
+
+async def committed(store: S3Store, args: CommitArgs) -> tuple[CheckpointCommitted | CheckpointFailed, float]:
+    began = time.monotonic()
+    (out,) = await commit(store, args)
+    assert isinstance(out.event, CheckpointCommitted | CheckpointFailed)
+    return out.event, time.monotonic() - began
+
+
+async def assert_whole(store: S3Store, args: CommitArgs, event: CheckpointCommitted, tmp: Path) -> None:
+    got = await mf.download(store, JOB, args.checkpoint_id, tmp / f"restore-{args.checkpoint_id}",
+                            expected_sha256=event.manifest_sha256)
+    assert got.step == args.step and len(got.shards) == 3
+
+
+async def assert_gone(store: S3Store, args: CommitArgs) -> None:
+    assert await store.list(mf.prefix(JOB, args.checkpoint_id)) == [], "a failed checkpoint left objects"
+    assert await store.multipart_uploads() == [], "a failed checkpoint left a multipart upload open"
+
+
+async def test_transient_faults_are_retried_and_the_checkpoint_commits(s3: S3Store, proxy: FaultProxy,
+                                                                       tmp_path: Path) -> None:
+    for kind in ("500", "503", "reset", "stall", "500"):
+        proxy.fail(kind, match=put)
+    args = staged(tmp_path, 10)
+    event, seconds = await committed(s3, args)
+    assert isinstance(event, CheckpointCommitted), event
+    assert {k: proxy.seen[f"fault:{k}"] for k in ("500", "503", "reset", "stall")} == \
+        {"500": 2, "503": 1, "reset": 1, "stall": 1}
+    proxy.fail("reset", match=lambda m, p: m == "GET")  # and a restore retries a dropped read
+    await assert_whole(s3, args, event, tmp_path)
+    assert seconds < 20, f"{seconds:.1f}s"
+
+
+@pytest.mark.parametrize(("kind", "says"), [("503", "SlowDown"), ("500", "InternalError"), ("reset", "upload failed")])
+async def test_persistent_faults_fail_the_checkpoint_and_keep_the_previous(
+        s3: S3Store, proxy: FaultProxy, tmp_path: Path, kind: str, says: str) -> None:
+    good = staged(tmp_path, 10)
+    first, _ = await committed(s3, good)
+    assert isinstance(first, CheckpointCommitted)
+    proxy.fail(kind, times=None, match=shard_put)
+    bad = staged(tmp_path, 20)
+    event, seconds = await committed(s3, bad)
+    assert isinstance(event, CheckpointFailed), event
+    assert says in event.reason and bad.checkpoint_id in event.reason, event.reason
+    assert seconds < POLICY.deadline_s + 3 * TIMEOUT_S + 5, f"held the service {seconds:.1f}s"
+    proxy.clear()
+    await assert_gone(s3, bad)
+    await assert_whole(s3, good, first, tmp_path)  # the previous checkpoint is still the newest, whole
+
+
+async def test_a_stalled_endpoint_fails_in_bounded_time(s3: S3Store, proxy: FaultProxy, tmp_path: Path) -> None:
+    proxy.fail("stall", times=None, match=shard_put)
+    event, seconds = await committed(s3, staged(tmp_path, 10))
+    assert isinstance(event, CheckpointFailed), event
+    assert "Timeout" in event.reason or "timeout" in event.reason, event.reason
+    assert seconds < POLICY.deadline_s + 3 * TIMEOUT_S + 5, f"held the service {seconds:.1f}s"
+    proxy.clear()
+    assert await s3.list(mf.prefix(JOB, "step000000010-a0")) == [] and await s3.multipart_uploads() == []
+
+
+async def test_a_manifest_that_cannot_be_written_leaves_no_checkpoint(s3: S3Store, proxy: FaultProxy,
+                                                                     tmp_path: Path) -> None:
+    proxy.fail("500", times=None, match=manifest_put)
+    args = staged(tmp_path, 10)
+    event, _ = await committed(s3, args)
+    assert isinstance(event, CheckpointFailed) and "InternalError" in event.reason, event
+    proxy.clear()
+    assert not await s3.exists(mf.manifest_key(JOB, args.checkpoint_id))
+    await assert_gone(s3, args)
+
+
+async def test_a_restore_through_a_failing_endpoint_is_refused_and_leaves_nothing(
+        s3: S3Store, proxy: FaultProxy, tmp_path: Path) -> None:
+    args = staged(tmp_path, 10)
+    event, _ = await committed(s3, args)
+    assert isinstance(event, CheckpointCommitted)
+    proxy.fail("503", times=None, match=lambda m, p: m == "GET" and mf.MANIFEST not in p)
+    dest = tmp_path / "restore"
+    began = time.monotonic()
+    with pytest.raises(Exception, match=r"SlowDown|Slow Down|503"):
+        await mf.download(s3, JOB, args.checkpoint_id, dest, expected_sha256=event.manifest_sha256)
+    assert time.monotonic() - began < POLICY.deadline_s + 5
+    assert not dest.exists() and not [p for p in os.listdir(tmp_path) if p.startswith(".restore")], \
+        "a refused restore left files behind"
