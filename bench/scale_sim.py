@@ -34,7 +34,8 @@ def row(r: dict[str, Any]) -> str:
     return (f"{r['mode']:>4} {r['ranks']:>5} ranks: health folds {s['health_folded_msgs_per_s']:>6} msg/s "
             f"({s['health_rank_heartbeats_per_s']:>5} rank beats/s), health CPU {s['cpu_percent']['health']:5.1f}%, "
             f"broker {s['cpu_percent']['nats-server']:5.1f}%, detect p50 {d['p50_s']:.2f}s p99 {d['p99_s']:.2f}s "
-            f"(n={d['n']}, threshold {r['threshold_s']:g}s), load {s['load_avg_before'][0]:.1f}")
+            f"(n={d['n']}, threshold {r['threshold_s']:g}s), load {s['load_avg_before'][0]:.1f}, "
+            f"dropped {s['dropped']:.0f}, other findings {len(r['other_findings'])} {r['error']}")
 
 
 def main() -> None:
@@ -58,16 +59,16 @@ def main() -> None:
             try:
                 result = asyncio.run(run(config, Path(tmp)))
             except TimeoutError as exc:
-                result = {"ranks": n, "mode": args.mode, "error": str(exc)}
+                result = {"ranks": n, "mode": args.mode, "fatal": str(exc)}
                 print(f"{args.mode} {n} ranks: {exc}", flush=True)
             result["wall_s"] = round(time.monotonic() - began, 1)
         runs.append(result)
-        if "error" not in result:
+        if "fatal" not in result:
             print(row(result), flush=True)
-    base = next((r for r in runs if "error" not in r), None)
+    base = next((r for r in runs if "fatal" not in r), None)
     if base is not None:
         for r in runs:
-            if "error" in r:
+            if "fatal" in r:
                 continue
             scale = r["ranks"] / base["ranks"]
             cpu = r["steady"]["cpu_percent"]["health"] / max(base["steady"]["cpu_percent"]["health"], 0.1)
