@@ -19,7 +19,7 @@ DEAD = "FD_DEAD"
 
 STREAM_SUBJECTS: dict[str, str] = {CONTROL: "fd.ctl.>", TELEMETRY: "fd.tel.>", DEAD: "fd.dead.>"}
 
-_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}\Z")  # \Z: $ would let a trailing newline through
 
 
 class InvalidSubjectToken(ValueError):

@@ -159,7 +159,7 @@ class CommandInbox:
         self._next_dseq += 1
         self._last_seq = meta.sequence.stream
         try:
-            event = codec.decode(msg.data)
+            event = codec.admit(msg.data)  # the bounds too: a checkpoint id becomes a cache path
         except codec.UndecodableEvent as exc:
             self._log.error("inbox.undecodable", seq=meta.sequence.stream, subject=msg.subject, error=str(exc))
             return
