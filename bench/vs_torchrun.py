@@ -1,11 +1,13 @@
-"""The same crash of the same training script under plain torchrun and under Flightdeck: seconds from the crash to
-the first training step after the restart, and their ratio (goal: Flightdeck no slower than torchrun).
+"""The same crash of the same training script under plain torchrun and under Flightdeck, with its ranks started cold
+and from warm standbys: seconds from the crash to the first training step after the restart, and the ratios
+(goal: Flightdeck clearly faster than torchrun).
 
-    .venv/bin/python bench/vs_torchrun.py                         # 2 runs each, interleaved
-    .venv/bin/python bench/vs_torchrun.py --runs 3 --out bench/results/cpu-vs-torchrun.json
+    .venv/bin/python bench/vs_torchrun.py                         # 2 runs of each side, interleaved
+    .venv/bin/python bench/vs_torchrun.py --runs 5 --out bench/results/cpu-vs-torchrun.json
 
 The script is `python -m trainer` (2 CPU ranks, gloo, the tiny model of the drills) with a drill fault: rank 1
-crashes at step 40 of attempt 0 only; attempt 0 is paced at ~20 steps/s so checkpoints exist before the crash.
+crashes at step 160 of attempt 0 only; attempt 0 is paced at ~20 steps/s so checkpoints exist before the crash,
+and (8 s) so the standbys refilled after attempt 0's start are warm when it comes, as on a job that has run a while.
     torchrun    `torchrun --standalone --nproc-per-node 2 --max-restarts 1 -m trainer --spec S ...` (defaults:
                 --monitor-interval 0.1 s), with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, without which the restart
                 fails here. On a worker failure it kills the whole group and starts every rank again; the
@@ -14,7 +16,10 @@ crashes at step 40 of attempt 0 only; attempt 0 is paced at ~20 steps/s so check
                 broker: no telemetry publishing in its ranks.
     flightdeck  every service and one node agent (2 CPU slots) on a fresh nats-server, the drill policy
                 (tests/e2e/drill_harness.py); the agent records the exit, the scheduler restarts the job, the
-                agent starts both ranks again, which restore the newest committed checkpoint.
+                agent starts both ranks again, which restore the newest committed checkpoint. Two sides:
+                `cold` (`--standby 0`: every rank a fresh `python -m trainer`) and `warm` (the default, one
+                standby per slot: the restarted ranks are handed to processes that imported torch already;
+                `standbys_ready` says how many of them had finished importing when handed a rank).
 Both: crash = the crashing rank's FaultInjected, first step = the earliest StepCompleted of attempt 1, each by
 the rank's own clock (one machine). Parts: `to_spawn` from the crash to the restarted ranks' spawn (Flightdeck:
 WorkersStarted; torchrun: its INFO log's second "Starting worker group"), `startup` from there to their last
@@ -49,13 +54,14 @@ from events.training import FaultInjected, RankStarted, StepCompleted  # noqa: E
 from services import broker  # noqa: E402
 from tests.e2e.drill_harness import drill_spec, start_drill  # noqa: E402
 
-CRASH_AT = 40
+CRASH_AT = 160
 PACE_S = 0.05
+SIDES = ("torchrun", "flightdeck-cold", "flightdeck-warm")
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 
 
 def spec() -> JobSpec:
-    return drill_spec("vs", steps=80, faults=[FaultSpec(kind="slow", step=0, rank=0, seconds=PACE_S),
+    return drill_spec("vs", steps=200, faults=[FaultSpec(kind="slow", step=0, rank=0, seconds=PACE_S),
                                              FaultSpec(kind="crash", step=CRASH_AT, rank=1)])
 
 
@@ -100,14 +106,14 @@ def group_starts(log: str) -> list[float]:
     return out
 
 
-async def flightdeck_once(n: int) -> dict[str, float]:
+async def flightdeck_once(n: int, standby: int) -> dict[str, float]:
     job = f"vs-{n:06x}"
     with tempfile.TemporaryDirectory(prefix="fd-vs-") as tmp:
         root = Path(tmp)
         b = broker.start(root / "nats")
         p = await start_drill(b.url, root)
         try:
-            p.agent("n1", "--grace-s", "2")
+            p.agent("n1", "--grace-s", "2", "--standby", str(standby))
             await p.ready("n1", within=120)
             await p.submit(spec(), job)
             await p.until(lambda: bool(p.seen(JobCompleted, job) or p.seen(JobFailed, job)), 240, "the job to end", job)
@@ -118,11 +124,30 @@ async def flightdeck_once(n: int) -> dict[str, float]:
             ready = max(e.occurred_at for e in p.seen(RankStarted, job, stream=tel) if e.attempt == 1)
             steps = [e for e in p.seen(StepCompleted, job, stream=tel) if e.attempt == 1]
             first = min(e.occurred_at for e in steps)
+            (restart,) = [e for e in p.seen(WorkersStarted, job) if e.attempt == 1]
             return {"recover": first - crash, "to_spawn": spawned - crash, "startup": ready - spawned,
-                    "first_step": first - ready, "resumed_from_step": float(min(e.step for e in steps))}
+                    "first_step": first - ready, "resumed_from_step": float(min(e.step for e in steps)),
+                    "standbys_ready": float(ready_handoffs(p.root / "agent-n1.log", restart.pids))}
         finally:
             await p.close()
             b.stop()
+
+
+def ready_handoffs(agent_log: Path, pids: list[int]) -> int:
+    """How many of `pids` the agent handed to a standby that had finished its imports (its JSON log lines)."""
+    count = 0
+    for line in agent_log.read_text().splitlines():
+        if line.startswith("{"):
+            row = json.loads(line)
+            handed = row.get("event") == "rank handed to a standby" and row.get("pid") in pids
+            count += handed and row.get("ready") is True
+    return count
+
+
+def once(side: str, n: int) -> dict[str, float]:
+    if side == "torchrun":
+        return torchrun_once(n)
+    return asyncio.run(flightdeck_once(n, standby=0 if side == "flightdeck-cold" else 2))
 
 
 def main() -> int:
@@ -133,28 +158,40 @@ def main() -> int:
     if args.runs < 1:
         ap.error("--runs must be at least 1")
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
-    runs: dict[str, list[dict[str, float]]] = {"torchrun": [], "flightdeck": []}
+    runs: dict[str, list[dict[str, float]]] = {side: [] for side in SIDES}
     for n in range(1, args.runs + 1):  # interleaved, so a busy spell of the box does not favour one side
-        runs["torchrun"].append(torchrun_once(n))
-        print(f"torchrun run {n}: {json.dumps({k: round(v, 3) for k, v in runs['torchrun'][-1].items()})}", flush=True)
-        runs["flightdeck"].append(asyncio.run(flightdeck_once(n)))
-        print(f"flightdeck run {n}: {json.dumps({k: round(v, 3) for k, v in runs['flightdeck'][-1].items()})}",
-              flush=True)
+        for side in SIDES:
+            runs[side].append(once(side, n))
+            print(f"{side} run {n}: {json.dumps({k: round(v, 3) for k, v in runs[side][-1].items()})}", flush=True)
     median = {side: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for side, rs in runs.items()}
-    ratio = median["flightdeck"]["recover"] / median["torchrun"]["recover"]
-    # Paired by run (each pair ran back to back): less exposed to the box's load drifting between runs.
-    paired = [f["recover"] / t["recover"] for f, t in zip(runs["flightdeck"], runs["torchrun"], strict=True)]
+
+    def ratio(a: str, b: str) -> float:
+        return median[a]["recover"] / median[b]["recover"]
+
+    def paired(a: str, b: str) -> list[float]:  # each round ran back to back: less exposed to the load drifting
+        return [x["recover"] / y["recover"] for x, y in zip(runs[a], runs[b], strict=True)]
+
     report: dict[str, Any] = {
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
-        "what": "seconds from rank 1's crash at step 40 to the first step after the restart (2 CPU ranks, gloo)",
-        "runs": runs, "median": median, "ratio_flightdeck_over_torchrun": ratio,
-        "paired_ratios": paired, "median_paired_ratio": statistics.median(paired),
-        "to_spawn_ratio": median["flightdeck"]["to_spawn"] / median["torchrun"]["to_spawn"],
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
+                    "load_avg_1m_at_end": os.getloadavg()[0]},
+        "what": f"seconds from rank 1's crash at step {CRASH_AT} to the first step after the restart (2 CPU ranks, "
+                "gloo); flightdeck-cold starts ranks as fresh processes, flightdeck-warm hands them to standbys",
+        "command": " ".join(["bench/vs_torchrun.py", *sys.argv[1:]]),
+        "runs": runs, "median": median,
+        "ratio_warm_over_torchrun": ratio("flightdeck-warm", "torchrun"),
+        "ratio_cold_over_torchrun": ratio("flightdeck-cold", "torchrun"),
+        "ratio_warm_over_cold": ratio("flightdeck-warm", "flightdeck-cold"),
+        "paired_warm_over_torchrun": paired("flightdeck-warm", "torchrun"),
+        "paired_cold_over_torchrun": paired("flightdeck-cold", "torchrun"),
+        "median_paired_warm_over_torchrun": statistics.median(paired("flightdeck-warm", "torchrun")),
+        "median_paired_cold_over_torchrun": statistics.median(paired("flightdeck-cold", "torchrun")),
     }
     for side, m in median.items():
-        print(f"{side:<11} recover {m['recover']:.3f} s  (from step {m['resumed_from_step']:.0f})")
-    print(f"ratio flightdeck / torchrun: {ratio:.2f} (below 1: Flightdeck is back sooner); paired by run: "
-          f"{', '.join(f'{r:.2f}' for r in paired)}; crash to respawn: {report['to_spawn_ratio']:.2f}")
+        print(f"{side:<16} recover {m['recover']:.3f} s = to_spawn {m['to_spawn']:.3f} + startup {m['startup']:.3f} "
+              f"+ first_step {m['first_step']:.3f}  (from step {m['resumed_from_step']:.0f})")
+    print(f"ratio over torchrun (below 1: Flightdeck is back sooner): warm {report['ratio_warm_over_torchrun']:.2f}, "
+          f"cold {report['ratio_cold_over_torchrun']:.2f}; paired warm: "
+          f"{', '.join(f'{r:.2f}' for r in report['paired_warm_over_torchrun'])}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")
