@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -19,7 +20,7 @@ from events import subjects
 from events.job import JobCompleted, WorkersStarted
 from events.spec import FaultSpec, JobSpec
 from events.training import RankStarted, StepCompleted
-from services.resources.agent import kill_if_rank
+from services.resources.agent import STANDBY_ENV, kill_if_rank
 from services.resources.spawner import REPO, die_with_agent, rank_base_env
 from services.resources.standbys import Standby, StandbyPool
 from tests.integration.test_lifecycle_services import ENDLESS, TINY, Cluster, cluster, exits, gone
@@ -178,3 +179,13 @@ async def test_a_rank_from_a_standby_is_recorded_like_a_cold_one_and_dies_with_i
     await c.until(lambda: len(exits(c, "endless-000001", 0)) == 2, 60, "the lost ranks to be recorded")
     assert exits(c, "endless-000001", 0) == {0: -signal.SIGKILL, 1: -signal.SIGKILL}
     await c.cancel("endless-000001")
+
+
+@pytest.mark.timeout(60)
+def test_a_bad_standby_count_says_what_to_change() -> None:
+    base = [sys.executable, "-m", "services.resources.agent", "--nats", "nats://127.0.0.1:9", "--device", "cpu"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([*base, "--standby", "-1"], cwd=REPO, env=env, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and "--standby must be 0 or more" in out.stderr
+    out = subprocess.run(base, cwd=REPO, env={**env, STANDBY_ENV: "two"}, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and "$FLIGHTDECK_STANDBY='two' is not a count of standby ranks" in out.stderr
