@@ -49,6 +49,7 @@ Slots = Annotated[int, Meta(ge=0, le=MAX_SLOTS)]
 UnixTime = Annotated[float, Meta(ge=0.0, le=1e11)]  # finite: NaN and Inf fail the bounds
 Seconds = Annotated[float, Meta(ge=0.0, le=1e9)]
 Ref = Annotated[str, Meta(max_length=1024)]
+Step = Annotated[int, Meta(ge=-1)]  # -1: no step completed yet (a rank's heartbeats before its first step)
 
 # Field name -> the bounded type readers may rely on. Ids land in subjects, cache folders and object keys
 # (a checkpoint id of "../.." would have the node agent evict outside its cache); slot counts size loops
@@ -59,7 +60,7 @@ BOUNDS: dict[str, Any] = {
     "schema_version": Annotated[int, Meta(ge=1)], "job_version": Count, "attempt": Count, "seq": Count,
     "rank": Rank, "slot": Rank, "slots": Slots, "world_size": Slots, "free_slots": Slots,
     "tp": Annotated[int, Meta(ge=1, le=MAX_SLOTS)], "master_port": Annotated[int, Meta(ge=0, le=65_535)],
-    "step": Count, "steps": Count, "from_step": Count, "to_step": Count, "skip_from": Count, "skip_to": Count,
+    "step": Step, "steps": Count, "from_step": Count, "to_step": Count, "skip_from": Count, "skip_to": Count,
     "next_batch": Count, "bytes": Count, "size": Count, "priority": Count, "timeline": Count,
     "ranks": Annotated[list[Rank], Meta(max_length=MAX_SLOTS)],
     "pids": Annotated[list[Count], Meta(max_length=MAX_SLOTS)],

@@ -124,6 +124,13 @@ def test_out_of_bounds_values_are_refused_naming_the_field(event: Event, field: 
     codec.decode(codec.encode(event))  # the catalog's own decode still reads it (tools may show it)
 
 
+def test_a_heartbeat_before_the_first_step_is_admitted() -> None:
+    """Ranks beat from start-up, before any step: the trainer sends step -1 then, and health must see it
+    (a dead-lettered start-up beat would make a slow-starting rank look silent)."""
+    beat = Heartbeat(**{**BEAT, "step": -1})  # type: ignore[arg-type]
+    assert codec.admit(codec.encode(beat)) == beat
+
+
 def test_nan_loss_is_data_not_an_error() -> None:
     """A NaN loss is what the health monitor exists to see: the bounds must let it through."""
     event = StepCompleted(job_id="j", rank=0, step=1, loss=math.nan, grad_norm=math.inf, lr=1.0, tokens_per_s=1.0,
