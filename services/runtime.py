@@ -267,7 +267,10 @@ class Shell:
                 continue
             positions = {subjects.CONTROL: self.folder.control_seq}
             if self.service.telemetry_subjects:
-                positions[subjects.TELEMETRY] = self.tap.seen
+                # Read after `now`: every message stored by then is at or below the position, so the tick names
+                # all the telemetry the ranks had stored at its time, however far behind the tap's feed is.
+                positions[subjects.TELEMETRY] = await self.retrying("reading the telemetry position",
+                                                                    self.tap.position)
             mid = f"{self.service.name}:tick:{time.time_ns()}"
             tick = ClockTick(service=self.service.name, now=now, positions=positions, event_id=mid, occurred_at=now,
                              producer=self.service.name)
