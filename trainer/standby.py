@@ -11,9 +11,10 @@ rank from the moment it reads its assignment.
 
 Variables read while importing (OMP_NUM_THREADS by libgomp as torch loads it, PYTHONPATH, LD_PRELOAD...)
 cannot change afterwards, so the assignment may differ from the standby's own environment only in LATE_ENV,
-which is read once the rank runs (CUDA_VISIBLE_DEVICES: CUDA is never initialised before the assignment).
-Any other difference, another interpreter or working directory, or a command that is not `python -m MODULE`,
-and the standby execs the command cold instead: same pid, log and parent-death signal, just no head start.
+which is read once the rank runs. CUDA_VISIBLE_DEVICES is not one of them: an import that asks whether CUDA
+is available initialises the driver, which reads it then. Any other difference, another interpreter or
+working directory, or a command that is not `python -m MODULE`, and the standby execs the command cold
+instead: same pid, log and parent-death signal, just no head start.
 
 This module imports no torch at the top: the node agent imports it for the Assignment type.
 """
@@ -33,7 +34,7 @@ READY = b"R"
 MAX_MESSAGE = 1 << 20  # an assignment is the rank's command line and environment: a few KB
 # What a rank's run reads from the environment only after the assignment (torch.distributed, trainer.config).
 LATE_ENV = frozenset({"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-                      "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "CUDA_VISIBLE_DEVICES"})
+                      "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT"})
 # Everything `python -m trainer` imports (trainer/__main__.py's imports and what they load on first use), but
 # not trainer.__main__ itself: runpy warns when the module it runs as __main__ is already imported.
 # torch._dynamo: torch.optim's Optimizer.__init__ imports it on first use (as much time again as `import torch`).
@@ -61,11 +62,7 @@ def warm_module(a: Assignment, baseline: dict[str, str]) -> str | None:
     if os.path.realpath(a.cwd) != os.path.realpath(os.getcwd()):
         return None  # sys.path[0] is the directory the standby started in
     changed = {k for k in a.env.keys() | baseline.keys() if a.env.get(k) != baseline.get(k)}
-    if changed - LATE_ENV:
-        return None
-    if "CUDA_VISIBLE_DEVICES" in changed and "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized():
-        return None
-    return a.argv[2]
+    return None if changed - LATE_ENV else a.argv[2]
 
 
 def become(a: Assignment, log_fd: int, baseline: dict[str, str]) -> int:
