@@ -69,6 +69,18 @@ def lr_at(step: int, total: int, base: float) -> float:
     return base * (0.1 + 0.45 * (1.0 + math.cos(math.pi * min(1.0, progress))))
 
 
+def admitted(raws: list[bytes]) -> list[Event]:
+    """The agreed commands that pass `codec.admit`; a refused one is logged and not acted on. Every rank
+    decodes the same agreed bytes, so every rank refuses the same commands and the collectives stay in step."""
+    out: list[Event] = []
+    for raw in raws:
+        try:
+            out.append(codec.admit(raw))  # the bounds too: a rollback's checkpoint id becomes a cache path
+        except codec.UndecodableEvent as exc:
+            log.error("refusing a command", error=str(exc))
+    return out
+
+
 class Loop:
     def __init__(self, cfg: RunConfig, dist: Dist, emitter: Emitter, inbox_poll: CommandSource) -> None:
         spec = cfg.spec
@@ -188,7 +200,7 @@ class Loop:
             if polled:
                 payload = msgspec.msgpack.encode([codec.encode(c) for c in polled])
         (sigterm,), payload = self.dist.agree([int(self.sigterm)], payload)
-        commands = [codec.decode(raw) for raw in self.cmd_decoder.decode(payload)] if payload else []
+        commands = admitted(self.cmd_decoder.decode(payload)) if payload else []
         for command in commands:
             self.obey(command)
         if sigterm:
