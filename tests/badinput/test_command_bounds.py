@@ -9,6 +9,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from events import codec
+from events.base import Event
 from events.commands import CheckpointRequested, RollbackRequested
 from tests.trainer import ranks
 from trainer.loop import admitted
@@ -26,7 +27,7 @@ def test_a_rollback_whose_checkpoint_id_leaves_the_cache_is_refused_and_not_acte
     shutil.copytree(staged["staging_dir"], tmp_path / "planted")
     hostile = RollbackRequested(job_id=JOB, checkpoint_id="../../planted", to_step=10, skip_from=10, skip_to=12,
                                 reason="test")
-    script = {(3, 1): [hostile, CheckpointRequested(job_id=JOB, reason="test")]}
+    script: dict[tuple[int, int], list[Event]] = {(3, 1): [hostile, CheckpointRequested(job_id=JOB, reason="test")]}
     with capture_logs() as logs:
         code, log, _, loop = ranks.run_loop(tmp_path / "second", script, steps=6, every=100, checkpoints=cache)
     assert code == 0
