@@ -92,10 +92,6 @@ class TelemetryTap:
     async def take(self, after: int, upto: int) -> list[Stored]:
         """The matching messages with `after < seq <= upto`, in order; the buffer forgets them. If reading
         the store fails, nothing is forgotten, so the call can simply be retried."""
-        if self.owed > self.fed and time.monotonic() - self.owed_since >= self.stall_s:
-            log.info("telemetry feed behind the stream; following again", fed_seq=self.fed, owed_seq=self.owed,
-                     from_seq=self.seen + 1)
-            self._restart()
         start = max(self.complete, after) + 1  # below this the buffer has everything; from it, the store
         fetched: list[Stored] = []
         if start <= upto:
@@ -109,7 +105,11 @@ class TelemetryTap:
         if start <= upto:
             self.complete = max(self.complete, upto)
             self.seen = max(self.seen, upto)
-        if fetched and fetched[-1].seq > self.fed:  # the feed owes these: it should deliver them within stall_s
+        if self.owed > self.fed and time.monotonic() - self.owed_since >= self.stall_s:
+            log.info("telemetry feed behind the stream; following again", fed_seq=self.fed, owed_seq=self.owed,
+                     from_seq=self.seen + 1)
+            self._restart()  # past everything taken now
+        elif fetched and fetched[-1].seq > self.fed:  # the feed owes these: it should deliver them within stall_s
             if self.owed <= self.fed:
                 self.owed_since = time.monotonic()
             self.owed = max(self.owed, fetched[-1].seq)
