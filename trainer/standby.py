@@ -10,8 +10,9 @@ End of file instead of an assignment retires the standby (exit 0). A standby run
 rank from the moment it reads its assignment.
 
 Variables read while importing (OMP_NUM_THREADS by libgomp as torch loads it, PYTHONPATH, LD_PRELOAD...)
-cannot change afterwards, so the assignment may differ from the standby's own environment only in LATE_ENV,
-which is read once the rank runs. CUDA_VISIBLE_DEVICES is not one of them: an import that asks whether CUDA
+cannot change afterwards, so the assignment may differ from the standby's own environment only in LATE_ENV
+and our own FLIGHTDECK_* variables (the job's broker credential...), which are read once the rank runs.
+CUDA_VISIBLE_DEVICES is not one of them: an import that asks whether CUDA
 is available initialises the driver, which reads it then. Any other difference, another interpreter or
 working directory, or a command that is not `python -m MODULE`, and the standby execs the command cold
 instead: same pid, log and parent-death signal, just no head start.
@@ -35,6 +36,7 @@ MAX_MESSAGE = 1 << 20  # an assignment is the rank's command line and environmen
 # What a rank's run reads from the environment only after the assignment (torch.distributed, trainer.config).
 LATE_ENV = frozenset({"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
                       "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT"})
+OWN_ENV_PREFIX = "FLIGHTDECK_"  # read where used (trainer/bus.py, events/streams.py), never at import
 # Everything `python -m trainer` imports (trainer/__main__.py's imports and what they load on first use), but
 # not trainer.__main__ itself: runpy warns when the module it runs as __main__ is already imported.
 # torch._dynamo: torch.optim's Optimizer.__init__ imports it on first use (as much time again as `import torch`).
@@ -62,7 +64,8 @@ def warm_module(a: Assignment, baseline: dict[str, str]) -> str | None:
     if os.path.realpath(a.cwd) != os.path.realpath(os.getcwd()):
         return None  # sys.path[0] is the directory the standby started in
     changed = {k for k in a.env.keys() | baseline.keys() if a.env.get(k) != baseline.get(k)}
-    return None if changed - LATE_ENV else a.argv[2]
+    early = {k for k in changed - LATE_ENV if not k.startswith(OWN_ENV_PREFIX)}
+    return None if early else a.argv[2]
 
 
 def become(a: Assignment, log_fd: int, baseline: dict[str, str]) -> int:

@@ -44,7 +44,7 @@ from services.connection import Connection
 from services.fold import rebuild
 from services.logging import configure
 from services.resources import agentcore
-from services.resources.spawner import REPO, Launch, Paths, Spawner, die_with_agent, rank_base_env, retrying
+from services.resources.spawner import REPO, Launch, Paths, Spawner, die_with_agent, retrying, standby_env
 from services.resources.standbys import StandbyPool
 from services.runtime import ConsumerPolicy, PublishDenied, run_service
 
@@ -233,7 +233,7 @@ async def run_agent(*, nats: str | None = None, node: str | None = None, slots: 
         async with open_store(objects or str(root / "objects")) as objs:
             launch = Launch(nats_url=url, device="cuda" if inv.kind == "gpu" else "cpu", grace_s=grace_s,
                             checkpoints_flag=await trainer_accepts(python, "--checkpoints"))
-            pool = StandbyPool(size=standbys, python=python, env=rank_base_env(), cwd=REPO,
+            pool = StandbyPool(size=standbys, python=python, env=standby_env(), cwd=REPO,
                                log_file=Paths(root).standby_log, preexec=die_with_agent(os.getpid()), producer=producer)
             spawner = Spawner(node=node, producer=producer, store=store, objects=objs, paths=Paths(root), launch=launch,
                               standbys=pool if pool.size > 0 else None)

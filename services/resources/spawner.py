@@ -55,7 +55,7 @@ from services.resources.agentcore import (
     StopArgs,
 )
 from services.resources.standbys import StandbyPool
-from services.security.credentials import rank_env
+from services.security.credentials import AGENT_ONLY, rank_env
 
 log = structlog.get_logger("flightdeck.agent")
 
@@ -122,6 +122,12 @@ def rank_base_env() -> dict[str, str]:
     """What every rank's environment holds besides its rendezvous variables (a standby starts with this)."""
     return {**os.environ, "OMP_NUM_THREADS": "1",
             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))}
+
+
+def standby_env() -> dict[str, str]:
+    """A standby's environment: a rank's base without the agent's own identity (a standby becomes a rank; the
+    job's credential comes with its assignment, security/credentials.rank_env)."""
+    return {k: v for k, v in rank_base_env().items() if k not in AGENT_ONLY}
 
 
 def die_with_agent(agent_pid: int) -> Callable[[], None]:

@@ -21,7 +21,7 @@ from events.job import JobCompleted, WorkersStarted
 from events.spec import FaultSpec, JobSpec
 from events.training import RankStarted, StepCompleted
 from services.resources.agent import STANDBY_ENV, kill_if_rank
-from services.resources.spawner import REPO, die_with_agent, rank_base_env
+from services.resources.spawner import REPO, die_with_agent, standby_env
 from services.resources.standbys import Standby, StandbyPool
 from tests.integration.test_lifecycle_services import ENDLESS, TINY, Cluster, cluster, exits, gone
 
@@ -31,7 +31,7 @@ CRASH_EXIT_CODE = 3  # trainer/faults.py (the test does not import the trainer: 
 
 @pytest.fixture
 async def pool(tmp_path: Path) -> AsyncIterator[StandbyPool]:
-    p = StandbyPool(size=1, python=sys.executable, env=rank_base_env(), cwd=REPO, log_file=tmp_path / "standby.log",
+    p = StandbyPool(size=1, python=sys.executable, env=standby_env(), cwd=REPO, log_file=tmp_path / "standby.log",
                     preexec=die_with_agent(os.getpid()), producer="test", refill_delay_s=0.0)
     try:
         yield p
@@ -72,11 +72,13 @@ async def test_a_standby_runs_its_assignment_warm_or_cold_in_place_and_a_dead_on
         pool: StandbyPool, tmp_path: Path) -> None:
     pool.start()
     first = await ready_one(pool)
-    # Warm: torch is already imported, the rank's variables and log file are its own, the cwd is the one asked.
+    # Warm: torch is already imported, the rank's variables (rendezvous, its job's broker user) and log file are
+    # its own, the cwd is the one asked.
     log = tmp_path / "warm.log"
     check = (f"import os, sys; assert 'torch' in sys.modules; assert os.environ['RANK'] == '5'; "
+             f"assert os.environ['FLIGHTDECK_NATS_USER'] == 'job-x'; "
              f"assert os.getcwd() == {str(REPO)!r}; assert os.getpid() == {first.proc.pid}")
-    standby, code = await run(pool, log, {**pool.env, "RANK": "5"}, check)
+    standby, code = await run(pool, log, {**pool.env, "RANK": "5", "FLIGHTDECK_NATS_USER": "job-x"}, check)
     assert standby is first and code == 0, log.read_text()
     assert "1 loop" in log.read_text()
     # Idle and killed: replaced by a new process.
