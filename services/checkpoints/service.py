@@ -3,6 +3,9 @@
     FLIGHTDECK_OBJECTS     where committed checkpoints live: a folder, file:///path or s3://bucket[/root]
                            (default: <FLIGHTDECK_DATA_DIR>/objects, the embedded local store)
     FLIGHTDECK_DATA_DIR    the data dir `flightdeck up` uses (default .flightdeck)
+    FLIGHTDECK_STAGING_ROOTS  where ranks stage checkpoints, several separated by ':' (default:
+                           <FLIGHTDECK_DATA_DIR>/staging, the agent's under `flightdeck up`); only a set under
+                           <root>/.../<job>/ is uploaded for that job (uploader.confine)
 
 The store is opened on the first effect and kept for the life of the process: an S3 client is an
 async resource, and `build()` is synchronous.
@@ -21,10 +24,16 @@ from services.core import EffectHandler, Emit, Service
 
 OBJECTS_ENV = "FLIGHTDECK_OBJECTS"
 DATA_DIR_ENV = "FLIGHTDECK_DATA_DIR"
+STAGING_ENV = "FLIGHTDECK_STAGING_ROOTS"
 
 
 def objects_url() -> str:
     return os.environ.get(OBJECTS_ENV) or str(Path(os.environ.get(DATA_DIR_ENV) or ".flightdeck") / "objects")
+
+
+def staging_roots() -> list[Path]:
+    roots = [Path(p).absolute() for p in os.environ.get(STAGING_ENV, "").split(os.pathsep) if p]
+    return roots or [(Path(os.environ.get(DATA_DIR_ENV) or ".flightdeck") / "staging").absolute()]
 
 
 class _OpenOnFirstUse:
@@ -38,7 +47,7 @@ class _OpenOnFirstUse:
     async def _get(self) -> dict[str, EffectHandler]:
         if self._handlers is None:
             store: ObjectStore = await self._stack.enter_async_context(open_store(self.url))
-            self._handlers = uploader.handlers(store)
+            self._handlers = uploader.handlers(store, staging_roots=staging_roots())
         return self._handlers
 
     def handler(self, kind: str) -> EffectHandler:

@@ -5,11 +5,17 @@ announced (hashing the bytes actually sent, and on a local store re-reading what
 only then writes MANIFEST.json with a conditional create. Any missing or corrupt shard means
 CheckpointFailed and no manifest: a half-written checkpoint is never committed. Re-running the same
 commit (a redelivered input after a crash) finds its own identical manifest and commits again.
+
+A staging dir is whatever a rank (or anyone who may publish its job's telemetry) announced, so before anything
+is read it must resolve, symlinks followed, to a set of that job's inside a staging root: <root>/.../<job>/<set>.
+Each shard must resolve inside that dir. Otherwise any file the service can read whose size and sha256 the
+announcer knows would be copied into the object store, where the job's restores can fetch it.
 """
 
 import asyncio
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +43,41 @@ def build_manifest(args: CommitArgs) -> mf.Manifest:
     )
 
 
-async def _upload_shard(store: ObjectStore, args: CommitArgs, rank: StagedRank, shard: ShardInfo,
+def _job_set(real: Path, root: Path, job_id: str) -> bool:
+    """`real` is <root>/.../<job_id>/<set>: a set in a folder named after the job, that folder inside `root`."""
+    folder = real.parent
+    return folder.name == job_id and folder != root and folder.is_relative_to(root)
+
+
+def confine(job_id: str, rank: StagedRank, roots: Sequence[Path]) -> Path:
+    """The rank's staging dir with symlinks resolved, if it is a set of `job_id`'s inside one of `roots`."""
+    where = f"rank {rank.rank} (node {rank.node or '?'}) announced the staging dir {rank.staging_dir!r}"
+    announced = Path(rank.staging_dir)
+    if not announced.is_absolute():
+        raise Rejected(f"{where}: not an absolute path; nothing was uploaded")
+    try:
+        real = announced.resolve(strict=True)
+    except (OSError, RuntimeError) as exc:  # missing, unreadable, a symlink loop
+        raise Rejected(f"{where}, which cannot be resolved ({type(exc).__name__}: {exc}); "
+                       "nothing was uploaded") from None
+    if not real.is_dir():
+        raise Rejected(f"{where}, which resolves to {real}, not a folder; nothing was uploaded")
+    real_roots = [r.resolve() for r in roots]
+    inside_roots = [r for r in real_roots if real != r and real.is_relative_to(r)]
+    if not inside_roots:
+        raise Rejected(f"{where}, which resolves to {real}, outside the staging roots "
+                       f"{[str(r) for r in real_roots]}; nothing was uploaded")
+    if not any(_job_set(real, r, job_id) for r in inside_roots):
+        raise Rejected(f"{where}, which resolves to {real}: not a set of job {job_id}'s "
+                       f"(<staging root>/{job_id}/<set>); nothing was uploaded")
+    return real
+
+
+async def _upload_shard(store: ObjectStore, args: CommitArgs, rank: StagedRank, staged: Path, shard: ShardInfo,
                         readback: bool) -> None:
     where = f"shard {shard.path!r} of rank {rank.rank} (node {rank.node or '?'})"
     try:
-        local = local_path(Path(rank.staging_dir), shard.path)
+        local = local_path(staged, shard.path).resolve()  # uploaded by its real path: checked, not re-followed
     except ValueError as exc:
         raise Rejected(f"{where}: {exc}") from None
     key = mf.shard_key(args.job_id, args.checkpoint_id, shard.path)
@@ -59,7 +95,8 @@ async def _upload_shard(store: ObjectStore, args: CommitArgs, rank: StagedRank, 
                            f"not what was written ({size} bytes, {sha})")
 
 
-async def _upload_all(store: ObjectStore, args: CommitArgs, file_concurrency: int, readback: bool) -> None:
+async def _upload_all(store: ObjectStore, args: CommitArgs, staged: dict[int, Path], file_concurrency: int,
+                      readback: bool) -> None:
     slots = asyncio.Semaphore(file_concurrency)
     errors: list[Exception] = []
 
@@ -68,7 +105,7 @@ async def _upload_all(store: ObjectStore, args: CommitArgs, file_concurrency: in
             if errors:  # one bad shard dooms the checkpoint: start no more uploads
                 return
             try:
-                await _upload_shard(store, args, rank, shard, readback)
+                await _upload_shard(store, args, rank, staged[rank.rank], shard, readback)
             except Exception as exc:
                 errors.append(exc)
 
@@ -87,8 +124,11 @@ async def _existing_manifest(store: ObjectStore, key: str) -> bytes | None:
 
 
 async def commit(store: ObjectStore, args: CommitArgs, *, file_concurrency: int = 4,
-                 readback: bool | None = None) -> list[Emit]:
-    """Upload and verify one checkpoint; the Emits record the outcome (committed or failed)."""
+                 readback: bool | None = None, staging_roots: Sequence[Path] | None = None) -> list[Emit]:
+    """Upload and verify one checkpoint; the Emits record the outcome (committed or failed).
+
+    `staging_roots`: where ranks stage (`confine`); None trusts the announced dirs, for callers that staged
+    the files themselves. The service always passes its roots (service.py)."""
     blog = log.bind(job_id=args.job_id, checkpoint_id=args.checkpoint_id, step=args.step)
     manifest = build_manifest(args)
     body = mf.encode(manifest)
@@ -102,8 +142,12 @@ async def commit(store: ObjectStore, args: CommitArgs, *, file_concurrency: int 
             raise Rejected(f"the ranks' shard lists cannot form a checkpoint: {exc}") from None
         existing = await _existing_manifest(store, mkey)
         if existing is None:
+            # only before an upload: a re-run of a commit that landed may find its staging already removed
+            staged = {r.rank: Path(r.staging_dir) if staging_roots is None
+                      else await asyncio.to_thread(confine, args.job_id, r, staging_roots) for r in args.ranks}
             wrote_shards = True
-            await _upload_all(store, args, file_concurrency, store.readback_after_put if readback is None else readback)
+            await _upload_all(store, args, staged, file_concurrency,
+                              store.readback_after_put if readback is None else readback)
             try:
                 await store.put_bytes(mkey, body, if_none_match=True)  # last: this write is the commit
             except ObjectAlreadyExists:
@@ -163,14 +207,16 @@ def remove_staged(args: CommitArgs) -> None:
 
 
 def handlers(store: ObjectStore, *, file_concurrency: int = 4, readback: bool | None = None,
-             remove_staging: bool = False) -> dict[str, EffectHandler]:
+             remove_staging: bool = False, staging_roots: Sequence[Path] | None = None) -> dict[str, EffectHandler]:
     """The effect handlers `core_service` needs, bound to one store.
 
-    `remove_staging`: after a commit, delete the staged files (where the service shares the ranks' disk)."""
+    `remove_staging`: after a commit, delete the staged files (where the service shares the ranks' disk).
+    `staging_roots`: upload only sets of the job's under these (see `commit`)."""
 
     async def on_commit(args: Any) -> list[Emit]:
         assert isinstance(args, CommitArgs), type(args)
-        out = await commit(store, args, file_concurrency=file_concurrency, readback=readback)
+        out = await commit(store, args, file_concurrency=file_concurrency, readback=readback,
+                           staging_roots=staging_roots)
         if remove_staging and isinstance(out[0].event, CheckpointCommitted):
             await asyncio.to_thread(remove_staged, args)
         return out

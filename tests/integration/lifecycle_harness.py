@@ -27,7 +27,7 @@ from events.jetstream import JetStreamStore
 from services import broker as broker_mod
 from services.checkpoints import manifest as mf
 from services.checkpoints.objectstore import ObjectStore
-from services.checkpoints.service import OBJECTS_ENV
+from services.checkpoints.service import OBJECTS_ENV, STAGING_ENV
 from services.checkpoints.stores import open_store
 from tests.integration.s3_fixture import MotoS3
 from tests.integration.test_lifecycle_services import ROOT, Cluster
@@ -73,7 +73,9 @@ class Platform(Cluster):
     objects: Objects = field(default_factory=lambda: Objects(""))
 
     def _start(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "FLIGHTDECK_LOG_LEVEL": "INFO", **self.objects.env}
+        # every agent's data dir is under root (data/, data-n2/ ...): the checkpoint service uploads their stagings
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "FLIGHTDECK_LOG_LEVEL": "INFO", STAGING_ENV: str(self.root),
+               **self.objects.env}
         with open(self.root / f"{name}.log", "ab") as out:
             proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)
