@@ -15,7 +15,8 @@ and our own FLIGHTDECK_* variables (the job's broker credential...), which are r
 CUDA_VISIBLE_DEVICES is not one of them: an import that asks whether CUDA
 is available initialises the driver, which reads it then. Any other difference, another interpreter or
 working directory, or a command that is not `python -m MODULE`, and the standby execs the command cold
-instead: same pid, log and parent-death signal, just no head start.
+instead: same pid, log and parent-death signal, just no head start. So does a standby whose imports failed
+(the traceback is in the standby log; the cold start shows it in the rank's own log if it is real).
 
 This module imports no torch at the top: the node agent imports it for the Assignment type.
 """
@@ -28,6 +29,7 @@ import runpy
 import socket
 import sys
 import time
+import traceback
 
 import msgspec
 
@@ -68,14 +70,14 @@ def warm_module(a: Assignment, baseline: dict[str, str]) -> str | None:
     return None if early else a.argv[2]
 
 
-def become(a: Assignment, log_fd: int, baseline: dict[str, str]) -> int:
+def become(a: Assignment, log_fd: int, baseline: dict[str, str], warm: bool) -> int:
     """Turn this process into the assigned rank; returns its exit code (or never returns: exec, sys.exit)."""
     sys.stdout.flush()
     sys.stderr.flush()
     os.dup2(log_fd, 1)
     os.dup2(log_fd, 2)
     os.close(log_fd)
-    module = warm_module(a, baseline)
+    module = warm_module(a, baseline) if warm else None
     os.chdir(a.cwd)
     if module is None:
         os.execve(a.argv[0], a.argv, a.env)
@@ -95,9 +97,14 @@ def main(argv: list[str] | None = None) -> int:
     sock.setblocking(True)
     baseline = dict(os.environ)
     started = time.perf_counter()
-    for name in WARM_MODULES:
-        importlib.import_module(name)
-    print(f"standby {os.getpid()} ready: imports took {time.perf_counter() - started:.2f}s", flush=True)
+    try:
+        for name in WARM_MODULES:
+            importlib.import_module(name)
+        warm = True
+        print(f"standby {os.getpid()} ready: imports took {time.perf_counter() - started:.2f}s", flush=True)
+    except Exception:  # the rank starts cold instead, and shows the failure in its own log if it is real
+        traceback.print_exc()
+        warm = False
     with contextlib.suppress(OSError):  # an assignment sent before we were ready closed the agent's end already
         sock.sendall(READY)
     try:
@@ -111,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) or len(fds) != 1:
         print(f"standby {os.getpid()}: assignment truncated or with {len(fds)} descriptors, not 1", file=sys.stderr)
         return 2
-    return become(DECODER.decode(message), fds[0], baseline)
+    return become(DECODER.decode(message), fds[0], baseline, warm)
 
 
 if __name__ == "__main__":
