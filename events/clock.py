@@ -10,6 +10,9 @@ class ClockTick(Event, frozen=True, kw_only=True):
     service: str
     now: float
     positions: dict[str, int]
+    # When the broker last answered this service again after an outage it saw (0: none seen): ranks could not
+    # publish meanwhile, so their silence before then is no evidence (the health monitor counts it from here).
+    recovered_at: float = 0.0
 
 
 class DeadLettered(Event, frozen=True, kw_only=True):

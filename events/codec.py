@@ -65,7 +65,7 @@ BOUNDS: dict[str, Any] = {
     "ranks": Annotated[list[Rank], Meta(max_length=MAX_SLOTS)],
     "pids": Annotated[list[Count], Meta(max_length=MAX_SLOTS)],
     "skipped": list[tuple[Count, Count]], "positions": dict[Token, Count],
-    "occurred_at": UnixTime, "now": UnixTime,
+    "occurred_at": UnixTime, "now": UnixTime, "recovered_at": UnixTime,
     "interval_s": Annotated[float, Meta(gt=0.0, le=86_400.0)], "step_time_s": Seconds, "stall_s": Seconds,
     "write_s": Seconds, "seconds": Seconds, "memory_gb": Seconds,
     "manifest_sha256": Annotated[str, Meta(pattern=r"^(?:[0-9a-f]{64})?\Z")],

@@ -102,6 +102,7 @@ class State:
     jobs: dict[str, JobWatch] = field(default_factory=dict)
     ended: set[str] = field(default_factory=set)
     now: float = 0.0  # the newest ClockTick's time
+    recovered_at: float = 0.0  # the newest end of a broker outage a tick reported: silence counts from then on
     outbox: tuple[Emit, ...] = ()  # findings of the latest input, returned by decide
     sealed: bool = False
 
@@ -295,6 +296,7 @@ def _worst_first(verdict: Lost | Hung) -> tuple[int, float, int]:
 
 def _tick(state: State, tick: ClockTick) -> None:
     state.now = now = max(state.now, tick.now)
+    state.recovered_at = max(state.recovered_at, tick.recovered_at)
     for job in state.jobs.values():
         if job.unrecorded:
             alive = {r.node for r in job.ranks.values() if r.started_id}
@@ -302,7 +304,7 @@ def _tick(state: State, tick: ClockTick) -> None:
         if job.quiet:
             continue
         verdicts = [v for r in job.ranks.values()
-                    if (v := r.judge(job.policy, now, job.paused, job.last_step)) is not None]
+                    if (v := r.judge(job.policy, now, job.paused, job.last_step, state.recovered_at)) is not None]
         if len(verdicts) > MAX_FINDINGS_PER_TICK:
             # A hung collective stalls every rank at once: report the worst few now. The first finding
             # usually stops the attempt; if not, the rest follow at the next ticks.

@@ -128,15 +128,18 @@ class RankWatch:
         if math.isfinite(step_time_s) and step_time_s > 0:
             self.step_times.append(step_time_s)
 
-    def judge(self, policy: PolicySpec, now: float, paused: bool, last_step: int = -1) -> Lost | Hung | None:
+    def judge(self, policy: PolicySpec, now: float, paused: bool, last_step: int = -1,
+              recovered_at: float = 0.0) -> Lost | Hung | None:
         """Dead first: a rank with no sign of life is lost, whatever its step did. `last_step` is the job's
-        final step (-1: not known); a rank that reported it is done."""
+        final step (-1: not known); a rank that reported it is done. `recovered_at`: when the broker last came
+        back from an outage the service saw; silence is counted on the service's clock from no earlier (ranks
+        cannot publish while it is away, and resend their backlog only once their pending publishes time out)."""
         if self.gone:
             return None
         dead_after = lost_deadline(policy)
         done = last_step >= 0 and self.progress_step == last_step
         if self.seen_id:
-            silent = age(now, self.seen_at, self.seen_folded)
+            silent = age(now, self.seen_at, max(self.seen_folded, recovered_at))
             if done:
                 if silent > max(STARTUP_GRACE_S, dead_after):
                     return Lost(self.rank, f"no exit within {silent:.0f}s of its last step", self.seen_at,
