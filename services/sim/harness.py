@@ -126,6 +126,18 @@ async def health_ticks(store: JetStreamStore, since: float) -> list[ClockTick]:
     return ticks
 
 
+async def caught_up(store: JetStreamStore, deadline: float) -> float:
+    """Wait until the health monitor has folded everything in FD_CONTROL (a restart appends one WorkersExited
+    per rank, which every service folds one at a time); returns how long that took."""
+    began = time.time()
+    while time.time() < deadline:
+        info = await store.js.consumer_info(subjects.CONTROL, "service-health")
+        if not info.num_pending and not info.num_ack_pending:
+            return time.time() - began
+        await asyncio.sleep(0.5)
+    raise TimeoutError("the health monitor did not catch up with FD_CONTROL")
+
+
 async def run(config: RunConfig, root: Path) -> dict[str, Any]:
     c = config
     nodes = plat.node_names(c.num_ranks)
@@ -221,9 +233,10 @@ async def run(config: RunConfig, root: Path) -> dict[str, Any]:
                 samples.append({"rank": rank, "attempt": attempt, "detect_s": round(seen_at - last_beat, 3),
                                 "detect_from_last_seen_s": round(seen_at - finding.last_seen, 3),
                                 "restart_s": round(time.time() - seen_at, 2), "load_1m": round(os.getloadavg()[0], 2)})
+                samples[-1]["health_caught_up_s"] = round(await caught_up(store, time.time() + 300), 2)
                 await asyncio.sleep(c.settle_s)
         except TimeoutError as exc:
-            error = str(exc)
+            error = f"{exc} (killed: {sorted(hub.killed)[-3:]}, started: {dict(hub.started)})"
         kill_phase_cpu = kill_cpu.percent()
         follower.cancel()
         killed = {(s["rank"], s["attempt"]) for s in samples}
