@@ -101,6 +101,11 @@ class Shell:
         self.folder: Folder[Any] = Folder(service)
         self.tap = TelemetryTap(self.store, service.telemetry_subjects)
         self.tick_in_flight = 0  # FD_CONTROL sequence of the last tick appended and not yet folded
+        # Broker outages this process saw, for its ticks (ClockTick.recovered_at): while the broker is away ranks
+        # cannot publish, so a monitor must not read their silence then as death.
+        self.outage_at = 0.0  # when a call first went unanswered in the outage under way (0: none)
+        self.recovered_at = 0.0  # when the broker last answered again after one
+        self.reconnects = 0  # the client's reconnect count when last looked at
         self.handled: deque[int] = deque(maxlen=10_000)  # recent inputs folded, to answer advisories
 
     async def retrying(self, what: str, fn: Callable[[], Awaitable[T]], subject: str = "") -> T:
@@ -108,13 +113,34 @@ class Shell:
         delay = 0.1
         while True:
             try:
-                return await fn()
+                result = await fn()
             except TRANSIENT as exc:
                 if subject and self.conn.is_denied(subject):
                     raise PublishDenied(subject) from exc
+                self._unanswered()
                 log.warning(f"{what} failed; retrying", error=repr(exc), retry_in_s=delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
+                continue
+            self._answered()
+            return result
+
+    def _unanswered(self) -> None:
+        if not self.outage_at:
+            self.outage_at = time.time()
+
+    def _answered(self) -> None:
+        if self.outage_at:
+            self.outage_at, self.recovered_at = 0.0, time.time()
+            log.info("broker answering again", recovered_at=self.recovered_at)
+
+    def _reconnected(self, now: float) -> None:
+        """A reconnect since the last look is an outage too, even if no call of ours failed in it (an idle fetch
+        times out quietly); `now` is when it was noticed, no earlier than it happened."""
+        reconnects = self.nc.stats["reconnects"]
+        if reconnects != self.reconnects:
+            self.reconnects = reconnects
+            self.recovered_at = max(self.recovered_at, now)
 
     async def run(self) -> None:
         floor = await self.retrying("creating the consumer", self._ensure_consumer)
@@ -163,9 +189,11 @@ class Shell:
             try:
                 msgs = await sub.fetch(1, timeout=self.policy.fetch_s)
                 delay = 0.1
+                self._answered()
             except nats.errors.TimeoutError:
                 continue
             except TRANSIENT as exc:
+                self._unanswered()
                 log.warning("fetch failed; retrying", error=repr(exc), retry_in_s=delay)
                 await sleep_or_stop(self.stop, delay)
                 delay = min(delay * 2, 5.0)
@@ -263,6 +291,7 @@ class Shell:
         while not self.stop.is_set():
             await asyncio.sleep(self.service.tick_s)
             now = time.time()
+            self._reconnected(now)
             if self.tick_in_flight or not self.service.wants_tick(self.folder.state, now):
                 continue
             positions = {subjects.CONTROL: self.folder.control_seq}
@@ -272,8 +301,8 @@ class Shell:
                 positions[subjects.TELEMETRY] = await self.retrying("reading the telemetry position",
                                                                     self.tap.position)
             mid = f"{self.service.name}:tick:{time.time_ns()}"
-            tick = ClockTick(service=self.service.name, now=now, positions=positions, event_id=mid, occurred_at=now,
-                             producer=self.service.name)
+            tick = ClockTick(service=self.service.name, now=now, positions=positions, recovered_at=self.recovered_at,
+                             event_id=mid, occurred_at=now, producer=self.service.name)
             subject = self.folder.clock_subject
             append = partial(self.store.append, subject, tick, msg_id=mid)
             res = await self.retrying("appending a tick", append, subject)

@@ -84,7 +84,8 @@ class Run:
     """What one outage run left: the rank's stored reports, both streams, a replay's outputs, the service's logs."""
 
     rank: Rank
-    back: float  # when the broker was started again
+    down: float  # when the broker was SIGKILLed
+    back: float  # when it was started again
     control: list[Stored]
     telemetry: list[Stored]
     replayed: list[Output]
@@ -102,6 +103,7 @@ async def fold_through_a_restart(nats_server: broker_mod.Broker) -> Run:
                 rank = Rank(bus, "tap")
                 publishing = asyncio.create_task(rank.run(done.is_set))
                 await eventually(folded(bus, 20), 20, "telemetry folded before the outage")
+                down = time.time()
                 broker.proc.send_signal(signal.SIGKILL)
                 await asyncio.to_thread(broker.proc.wait, 10)
                 await asyncio.sleep(0.5)
@@ -114,7 +116,7 @@ async def fold_through_a_restart(nats_server: broker_mod.Broker) -> Run:
                 await asyncio.sleep(0.3)  # a tick more: nothing is folded twice
                 stop.set()
                 await asyncio.wait_for(service, 15)
-                return Run(rank, back, await read_all(bus.store, subjects.CONTROL),
+                return Run(rank, down, back, await read_all(bus.store, subjects.CONTROL),
                            await read_all(bus.store, subjects.TELEMETRY),
                            outputs_of([s async for s in replay(toy_service.build_telemetry(), bus.store)]), logs)
         finally:
@@ -158,6 +160,12 @@ async def test_telemetry_is_folded_exactly_once_and_ticks_stay_fresh_across_a_br
     delays = [next(now for pos, now in tick_times if pos >= seq) - at for at, seq in rank.published if at > run.back]
     assert delays and max(delays) < FRESH_S, f"slowest report after the restart folded {max(delays):.2f} s late"
     print(f"\nafter the restart: {len(delays)} reports, slowest folded {max(delays):.2f} s after it was published")
+
+    # The ticks report the outage the service saw (health counts silence from its end): none before the kill, the
+    # broker answering again after the restart from the first tick taken once it was back.
+    assert all(t.recovered_at == 0.0 for _, t in ticks if t.now < run.down)
+    recovered = {t.recovered_at for _, t in ticks if t.now > run.back + 1.0}
+    assert len(recovered) == 1 and run.back <= recovered.pop() <= run.back + FRESH_S, recovered
 
     # The feed died with the server; it was followed again once it owed the store's messages for a second, not
     # after 3 silent heartbeats (its reader's own check, 6 s).
