@@ -8,8 +8,9 @@ came from one is watched, signalled, killed with the agent and recorded exactly 
 most one rank. One that dies while waiting is replaced (with a growing delay, so a broken install does not
 spin); its warm-up output goes to <logs>/standby.log.
 
-Refills wait `refill_delay_s` after a hand-off: the ranks just handed off are starting up then, and on a small
-host a standby's imports would slow exactly the restart they exist to speed up.
+Refills wait `refill_delay_s` (1 s) after a hand-off: long enough for the ranks just handed off to start
+(~0.5 s warm), whose start a standby's imports would slow on a small host; short enough that a standby is
+ready again for the next restart of a job that fails twice in a row.
 """
 
 import asyncio
@@ -43,7 +44,7 @@ class Standby:
 
 class StandbyPool:
     def __init__(self, *, size: int, python: str, env: dict[str, str], cwd: Path, log_file: Path,
-                 preexec: Callable[[], None], producer: str, refill_delay_s: float = 3.0) -> None:
+                 preexec: Callable[[], None], producer: str, refill_delay_s: float = 1.0) -> None:
         self.size, self.python, self.env, self.cwd, self.log_file = size, python, env, cwd, log_file
         self.producer = producer
         self.preexec, self.refill_delay_s = preexec, refill_delay_s
