@@ -52,9 +52,19 @@ def manifest_in(path: Path) -> Path | None:
     return next((path / n for n in MANIFEST_NAMES if (path / n).exists()), None)
 
 
+# services/checkpoints/manifest.py's cap (a trainer imports no service; a test holds the two equal): the
+# checkpoint service writes no larger manifest, so a larger one is hostile and is not read into memory.
+MAX_MANIFEST_BYTES = 16_843_008
+
+
 def read_manifest(path: Path) -> list[ShardInfo]:
     try:
-        return msgspec.json.decode(path.read_bytes(), type=Manifest).shards
+        with path.open("rb") as f:
+            data = f.read(MAX_MANIFEST_BYTES + 1)
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise CorruptCheckpoint(f"checkpoint manifest {path} is larger than {MAX_MANIFEST_BYTES} bytes, more "
+                                    "than any checkpoint needs; restore another checkpoint")
+        return msgspec.json.decode(data, type=Manifest).shards
     except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise CorruptCheckpoint(f"cannot read checkpoint manifest {path}: {exc}") from None
 

@@ -20,6 +20,7 @@ from services.checkpoints.objectstore import (
     ObjectAlreadyExists,
     ObjectNotFound,
     ObjectStoreError,
+    ObjectTooLarge,
     hash_file,
     inside,
     local_path,
@@ -109,14 +110,23 @@ class LocalStore:
     async def put_bytes(self, key: str, data: bytes, *, if_none_match: bool = False) -> None:
         await asyncio.to_thread(self._place, key, [data], if_none_match)
 
-    def _read(self, key: str) -> bytes:
+    def _read(self, key: str, max_bytes: int | None) -> bytes:
         try:
-            return self._path(key).read_bytes()
+            f = self._path(key).open("rb")
         except (FileNotFoundError, IsADirectoryError):
             raise ObjectNotFound(f"{key!r} is not in {self.root}") from None
+        with f:
+            if max_bytes is None:
+                return f.read()
+            size = os.fstat(f.fileno()).st_size
+            data = f.read(max_bytes + 1) if size <= max_bytes else b""  # +1: a file that grew is caught too
+        if size > max_bytes or len(data) > max_bytes:
+            raise ObjectTooLarge(f"{self.uri(key)} holds {max(size, len(data))} bytes, more than the {max_bytes} "
+                                 "its reader accepts")
+        return data
 
-    async def get_bytes(self, key: str) -> bytes:
-        return await asyncio.to_thread(self._read, key)
+    async def get_bytes(self, key: str, *, max_bytes: int | None = None) -> bytes:
+        return await asyncio.to_thread(self._read, key, max_bytes)
 
     def _download(self, key: str, path: Path) -> tuple[int, str]:
         src = self._path(key)

@@ -4,7 +4,8 @@
     checkpoints/<job>/<checkpoint_id>/MANIFEST.json     written last: a checkpoint without it does not exist
 
 The manifest is JSON (people read it); its sha256 travels in CheckpointCommitted, so a restore can
-tell the manifest it reads is the one that was committed.
+tell the manifest it reads is the one that was committed. It is read whole into memory, so no manifest
+larger than MAX_MANIFEST_BYTES is written or read: a hostile multi-GB one is refused before it is read.
 """
 
 import asyncio
@@ -17,10 +18,12 @@ import msgspec
 import structlog
 
 from events.checkpoint import DataPosition, ShardInfo
+from events.codec import MAX_SLOTS
 from services.checkpoints.objectstore import (
     InvalidKey,
     ObjectNotFound,
     ObjectStore,
+    ObjectTooLarge,
     key,
     local_path,
     split_relative,
@@ -29,6 +32,11 @@ from services.checkpoints.objectstore import (
 MANIFEST = "MANIFEST.json"
 FORMAT = 1
 DOWNLOAD_CONCURRENCY = 4
+# The most shards a checkpoint has: one DCP file per rank (FileSystemWriter's default single thread) and the
+# .metadata. A shard takes ~160 bytes of the indented JSON with DCP's names; 256 leaves room for longer ones,
+# 64 KiB for the rest (data position, skip windows). About 16 MiB: what a 65,536-rank job's manifest needs.
+MAX_SHARDS = MAX_SLOTS + 1
+MAX_MANIFEST_BYTES = MAX_SHARDS * 256 + (64 << 10)
 
 log = structlog.get_logger(__name__)
 
@@ -97,6 +105,9 @@ def sha256(data: bytes) -> str:
 
 def decode(data: bytes, *, job_id: str, checkpoint_id: str, expected_sha256: str = "") -> Manifest:
     """Parse and check a manifest read from `checkpoints/<job_id>/<checkpoint_id>/`."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise CorruptCheckpoint(f"manifest of {job_id}/{checkpoint_id} is {len(data)} bytes, more than the "
+                                f"{MAX_MANIFEST_BYTES} any Flightdeck checkpoint needs")
     if expected_sha256 and sha256(data) != expected_sha256:
         raise CorruptCheckpoint(f"manifest of {job_id}/{checkpoint_id} has sha256 {sha256(data)}, "
                                 f"but {expected_sha256} was committed")
@@ -116,10 +127,13 @@ def decode(data: bytes, *, job_id: str, checkpoint_id: str, expected_sha256: str
 async def read_manifest(store: ObjectStore, job_id: str, checkpoint_id: str, *,
                         expected_sha256: str = "") -> tuple[Manifest, bytes]:
     try:
-        data = await store.get_bytes(manifest_key(job_id, checkpoint_id))
+        data = await store.get_bytes(manifest_key(job_id, checkpoint_id), max_bytes=MAX_MANIFEST_BYTES)
     except ObjectNotFound:
         raise CheckpointMissing(f"checkpoint {job_id}/{checkpoint_id} has no manifest: it was never committed "
                                 "or has been deleted") from None
+    except ObjectTooLarge as exc:
+        raise CorruptCheckpoint(f"manifest of {job_id}/{checkpoint_id} refused unread: {exc}; no Flightdeck "
+                                f"checkpoint needs more than {MAX_MANIFEST_BYTES} bytes") from None
     return decode(data, job_id=job_id, checkpoint_id=checkpoint_id, expected_sha256=expected_sha256), data
 
 

@@ -32,6 +32,10 @@ class ObjectAlreadyExists(ObjectStoreError):
     """A conditional create (`if_none_match`) found the key already written by someone else."""
 
 
+class ObjectTooLarge(ObjectStoreError):
+    """An object larger than its reader accepts (`get_bytes(max_bytes=...)`); no more of it than that was read."""
+
+
 class UnsafeLocalPath(ObjectStoreError, ValueError):
     """A local path that resolves outside the directory it must stay in (e.g. through a symlink)."""
 
@@ -127,8 +131,8 @@ class ObjectStore(Protocol):
     async def put_bytes(self, key: str, data: bytes, *, if_none_match: bool = False) -> None:
         """Write small data; with `if_none_match`, raise ObjectAlreadyExists if the key exists."""
 
-    async def get_bytes(self, key: str) -> bytes:
-        """The whole object, or ObjectNotFound."""
+    async def get_bytes(self, key: str, *, max_bytes: int | None = None) -> bytes:
+        """The whole object, or ObjectNotFound; ObjectTooLarge if it holds more than `max_bytes`."""
 
     async def get_file(self, key: str, path: Path) -> tuple[int, str]:
         """Download to a local file (written atomically); returns (size, sha256) of what arrived."""

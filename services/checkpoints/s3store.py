@@ -27,6 +27,7 @@ from services.checkpoints.objectstore import (
     HASH_CHUNK,
     ObjectAlreadyExists,
     ObjectNotFound,
+    ObjectTooLarge,
     validate_key,
     validate_prefix,
 )
@@ -209,12 +210,25 @@ class S3Store:
                 raise ObjectNotFound(f"{self.uri(key)} does not exist") from None
             raise
 
-    async def get_bytes(self, key: str) -> bytes:
+    async def get_bytes(self, key: str, *, max_bytes: int | None = None) -> bytes:
+        def too_large(size: int) -> ObjectTooLarge:
+            return ObjectTooLarge(f"{self.uri(key)} holds {size} bytes, more than the {max_bytes} its reader accepts")
+
         async def read() -> bytes:
             resp = await self._get(key)
             body = resp["Body"]
             async with body:  # the wrapper's __aenter__ returns the raw response; read through the wrapper
-                return bytes(await body.read())
+                if max_bytes is None:
+                    return bytes(await body.read())
+                if int(resp.get("ContentLength", 0)) > max_bytes:
+                    raise too_large(int(resp["ContentLength"]))  # the body is dropped unread
+                chunks, got = [], 0
+                async for chunk in body.iter_chunks(HASH_CHUNK):  # and a body longer than announced is cut off
+                    got += len(chunk)
+                    if got > max_bytes:
+                        raise too_large(got)
+                    chunks.append(chunk)
+                return b"".join(chunks)
 
         return await self.retry.call("get_bytes", read)
 

@@ -25,7 +25,13 @@ from events import subjects
 from events.checkpoint import CheckpointCommitted, CheckpointFailed, ShardInfo
 from services.checkpoints import manifest as mf
 from services.checkpoints.core import CommitArgs, DeleteArgs, StagedRank
-from services.checkpoints.objectstore import ObjectAlreadyExists, ObjectNotFound, ObjectStore, local_path
+from services.checkpoints.objectstore import (
+    ObjectAlreadyExists,
+    ObjectNotFound,
+    ObjectStore,
+    ObjectTooLarge,
+    local_path,
+)
 from services.core import EffectHandler, Emit
 
 log = structlog.get_logger(__name__)
@@ -118,9 +124,11 @@ async def _upload_all(store: ObjectStore, args: CommitArgs, staged: dict[int, Pa
 
 async def _existing_manifest(store: ObjectStore, key: str) -> bytes | None:
     try:
-        return await store.get_bytes(key)
+        return await store.get_bytes(key, max_bytes=mf.MAX_MANIFEST_BYTES)
     except ObjectNotFound:
         return None
+    except ObjectTooLarge:
+        return b""  # larger than any manifest we write, so not ours: "already holds a different manifest"
 
 
 async def commit(store: ObjectStore, args: CommitArgs, *, file_concurrency: int = 4,
@@ -136,6 +144,9 @@ async def commit(store: ObjectStore, args: CommitArgs, *, file_concurrency: int 
     started = time.monotonic()
     wrote_shards = False
     try:
+        if len(body) > mf.MAX_MANIFEST_BYTES:  # no restore would read it
+            raise Rejected(f"its manifest would be {len(body)} bytes ({len(manifest.shards)} shards), more than "
+                           f"the {mf.MAX_MANIFEST_BYTES} a restore reads")
         try:
             mf.check_shard_paths(manifest.shards)
         except mf.CorruptCheckpoint as exc:
