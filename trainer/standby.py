@@ -12,11 +12,11 @@ rank from the moment it reads its assignment.
 Variables read while importing (OMP_NUM_THREADS by libgomp as torch loads it, PYTHONPATH, LD_PRELOAD...)
 cannot change afterwards, so the assignment may differ from the standby's own environment only in LATE_ENV
 and our own FLIGHTDECK_* variables (the job's broker credential...), which are read once the rank runs.
-CUDA_VISIBLE_DEVICES is not one of them: an import that asks whether CUDA
-is available initialises the driver, which reads it then. Any other difference, another interpreter or
-working directory, or a command that is not `python -m MODULE`, and the standby execs the command cold
-instead: same pid, log and parent-death signal, just no head start. So does a standby whose imports failed
-(the traceback is in the standby log; the cold start shows it in the rank's own log if it is real).
+CUDA_VISIBLE_DEVICES is not one of them: an import that asks whether CUDA is available initialises the
+driver, which reads it then. Any other difference, another interpreter (a venv's python is a symlink: the
+path itself must match) or working directory, or a command that is not `python -m MODULE`, and the standby
+execs the command cold instead: same pid, log and parent-death signal, just no head start. So does a
+standby whose imports failed (the traceback is in the standby log; the rank's own log shows it if it is real).
 
 This module imports no torch at the top: the node agent imports it for the Assignment type.
 """
@@ -61,7 +61,7 @@ DECODER = msgspec.msgpack.Decoder(Assignment)
 
 def warm_module(a: Assignment, baseline: dict[str, str]) -> str | None:
     """The module to run in this warm interpreter, or None when `a` needs a cold start (see the docstring)."""
-    if len(a.argv) < 3 or a.argv[1] != "-m" or os.path.realpath(a.argv[0]) != os.path.realpath(sys.executable):
+    if len(a.argv) < 3 or a.argv[1] != "-m" or a.argv[0] != sys.executable:
         return None
     if os.path.realpath(a.cwd) != os.path.realpath(os.getcwd()):
         return None  # sys.path[0] is the directory the standby started in
