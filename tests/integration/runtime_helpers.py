@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from nats.aio.client import Client
 from nats.js.client import JetStreamContext
@@ -35,8 +36,8 @@ class Bus:
 
 
 @asynccontextmanager
-async def bus_at(url: str) -> AsyncIterator[Bus]:
-    store = await JetStreamStore.connect(url, name="runtime-test")
+async def bus_at(url: str, **options: Any) -> AsyncIterator[Bus]:
+    store = await JetStreamStore.connect(url, name="runtime-test", **options)
     try:
         yield Bus(store.nc, store.js, store)
     finally:

@@ -26,6 +26,7 @@ from services import broker as broker_mod
 from services.core import Service
 from services.fold import comparable, outputs_of, replay
 from services.runtime import ConsumerPolicy, PublishDenied, consumer_name, run_service
+from services.security import credentials
 from tests.conftest import restart_broker
 from tests.integration import toy_service
 from tests.integration.runtime_helpers import (
@@ -241,7 +242,8 @@ async def test_telemetry_is_folded_in_the_recorded_order_across_a_restart(nats_s
     assert [comparable(o.event) for o in replayed] == [comparable(e) for e in live]
 
 
-async def test_a_denied_publish_stops_the_service_naming_the_subject(tmp_path: Path) -> None:
+async def test_a_denied_publish_stops_the_service_naming_the_subject(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     config = tmp_path / "denied.conf"
     config.write_text(
         "jetstream { sync_interval: always }\n"
@@ -249,9 +251,12 @@ async def test_a_denied_publish_stops_the_service_naming_the_subject(tmp_path: P
         '  publish: { allow: [">"], deny: ["fd.ctl.node.toy-node.>"] }, subscribe: { allow: [">"] } } } ] }\n'
     )
     broker = broker_mod.start(tmp_path / "nats", config=config)
-    url = f"nats://toy:pw@127.0.0.1:{broker.port}"
+    url = f"nats://127.0.0.1:{broker.port}"  # credentials come from files named in the environment, never the URL
+    (tmp_path / "toy.password").write_text("pw\n")
+    monkeypatch.setenv(credentials.USER, "toy")
+    monkeypatch.setenv(credentials.PASSWORD_FILE, str(tmp_path / "toy.password"))
     try:
-        async with bus_at(url) as bus:
+        async with bus_at(url, user="toy", password="pw") as bus:
             await bus.store.append_batch(submissions(10))  # the tenth answer goes to the denied node subject
             with pytest.raises(PublishDenied) as denied:
                 await asyncio.wait_for(run_service(toy_service.build(), url), 30)
