@@ -73,12 +73,20 @@ def heard(pending: dict[tuple[int, int], Unrecorded], attempt: int, rank: int, a
 
 
 def overdue(pending: dict[tuple[int, int], Unrecorded], policy: PolicySpec, now: float,
-            alive: set[str]) -> list[Emit]:
+            alive: set[str], recording: dict[str, tuple[float, float]] | None = None) -> list[Emit]:
     """NodeLost for each node with an overdue rank, once: the node's entries are dropped from `pending`.
-    `alive`: nodes whose agent started ranks of the current attempt."""
+    `alive`: nodes whose agent started ranks of the current attempt. `recording`: node -> when its agent last
+    recorded an exit of a replaced attempt; the deadline runs from then, since an agent still recording is
+    alive (one rank's WorkersExited at a time into one job history: 2,048 of them outlast EXIT_RECORD_S)."""
     deadline = exit_deadline(policy)
+    recording = recording or {}
+
+    def since(u: Unrecorded) -> float:
+        at, folded = recording.get(u.node, (u.since_at, u.since_folded))
+        return age(now, max(at, u.since_at), max(folded, u.since_folded))
+
     late = [u for u in pending.values() if u.node not in alive
-            and age(now, u.since_at, u.since_folded) > deadline and age(now, u.seen_at, u.seen_folded) > deadline]
+            and since(u) > deadline and age(now, u.seen_at, u.seen_folded) > deadline]
     out: list[Emit] = []
     for node in sorted({u.node for u in late}):
         u = min((u for u in late if u.node == node), key=lambda u: (u.attempt, u.rank))

@@ -78,6 +78,7 @@ class JobWatch:
     stragglers: StragglerWatch = field(default_factory=StragglerWatch)
     reported: set[tuple[int, int, str, int]] = field(default_factory=set)
     unrecorded: dict[tuple[int, int], agents.Unrecorded] = field(default_factory=dict)  # (attempt, rank)
+    recording: dict[str, tuple[float, float]] = field(default_factory=dict)  # node -> its agent's newest exit record
 
     @property
     def quiet(self) -> bool:
@@ -201,7 +202,8 @@ def _exited(state: State, ev: WorkersExited) -> None:
     job = state.jobs.get(ev.job_id)
     if job is None:
         return
-    job.unrecorded.pop((ev.attempt, ev.rank), None)
+    if job.unrecorded.pop((ev.attempt, ev.rank), None) is not None:
+        job.recording[ev.node] = (ev.occurred_at, state.now)  # its agent is alive, working through the exits
     r = job.ranks.get(ev.rank) if ev.attempt == job.attempt else None
     if r is None:
         return
@@ -300,7 +302,7 @@ def _tick(state: State, tick: ClockTick) -> None:
     for job in state.jobs.values():
         if job.unrecorded:
             alive = {r.node for r in job.ranks.values() if r.started_id}
-            state.outbox = (*state.outbox, *agents.overdue(job.unrecorded, job.policy, now, alive))
+            state.outbox = (*state.outbox, *agents.overdue(job.unrecorded, job.policy, now, alive, job.recording))
         if job.quiet:
             continue
         verdicts = [v for r in job.ranks.values()

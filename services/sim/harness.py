@@ -16,6 +16,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 from events import subjects
 from events.clock import ClockTick
 from events.findings import Finding, RankLost
@@ -25,6 +27,7 @@ from services.sim import platform as plat
 from services.sim import worker
 from services.sim.ranks import Mode, Timing
 
+log = structlog.get_logger("flightdeck.sim")
 SERVICES = ("health", "scheduler", "resources")
 FINDINGS = ("RankLost", "RankHung", "StragglerDetected", "NonFiniteLoss", "LossSpikeDetected")
 
@@ -168,9 +171,18 @@ async def run(config: RunConfig, root: Path) -> dict[str, Any]:
 
         async def follow_findings() -> None:
             # Only what FD_CONTROL stored: a core subscription would also see appends the fence refused.
-            async for stored in store.follow(subjects.CONTROL, [f"fd.ctl.job.{job_id}.{t}" for t in FINDINGS]):
-                if isinstance(stored.event, Finding):
-                    findings.append((time.time(), stored.event))
+            # A follow that fails (a restart floods the stream) starts again after the last finding read.
+            seq = 1
+            while True:
+                try:
+                    async for stored in store.follow(subjects.CONTROL, [f"fd.ctl.job.{job_id}.{t}" for t in FINDINGS],
+                                                     from_seq=seq):
+                        seq = stored.seq + 1
+                        if isinstance(stored.event, Finding):
+                            findings.append((time.time(), stored.event))
+                except Exception as exc:
+                    log.warning("following findings failed; again", error=repr(exc), from_seq=seq)
+                    await asyncio.sleep(0.2)
 
         follower = asyncio.create_task(follow_findings())
         submitted = time.time()
@@ -211,14 +223,19 @@ async def run(config: RunConfig, root: Path) -> dict[str, Any]:
         samples: list[dict[str, float]] = []
         kill_cpu = Cpu(pids)
         error = ""
+        unanswered: list[int] = []
         try:
             for _ in range(c.kills):
                 attempt = max(a for a, n in hub.started.items() if n >= len(nodes))
                 rank = rng.randrange(c.num_ranks)
                 for conn in hub.conns:
                     conn.send(("kill", rank))
-                await hub.until(lambda r=rank, a=attempt: any(k[0] == r and k[1] >= a for k in hub.killed), 20,
-                                f"rank {rank} to be killed")
+                try:
+                    await hub.until(lambda r=rank, a=attempt: any(k[0] == r and k[1] >= a for k in hub.killed), 20,
+                                    f"rank {rank} to be killed")
+                except TimeoutError:
+                    unanswered.append(rank)  # its worker never had it running: try another
+                    continue
                 attempt = max(a for r, a in hub.killed if r == rank)
 
                 def lost(r: int = rank, a: int = attempt) -> tuple[float, RankLost] | None:
@@ -255,6 +272,7 @@ async def run(config: RunConfig, root: Path) -> dict[str, Any]:
                           "samples": samples},
             "kill_phase_cpu_percent": kill_phase_cpu,
             "other_findings": false, "restarts": max(hub.started), "error": error,
+            "kills_unanswered": unanswered,
         }
     finally:
         if hub is not None:

@@ -119,8 +119,8 @@ class SimNode:
         r.alive = False
         return r.beat_at
 
-    async def stop(self, exit_code: int) -> None:
-        """The attempt's ranks are gone: stop them and record each exit (one WorkersExited per rank)."""
+    async def halt(self, exit_code: int) -> list[WorkersExited]:
+        """The attempt's ranks are gone: stop them; returns the exits to record (one WorkersExited per rank)."""
         for r in self.ranks.values():
             r.alive = False
         for task in self._tasks:
@@ -129,12 +129,11 @@ class SimNode:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         producer = f"agent-{self.name}"
-        for rank in sorted(self.ranks):
-            mid = f"{producer}:exit:{self.job_id}:{self.attempt}:{rank}"
-            await append_to_job(self.store, WorkersExited(
-                job_id=self.job_id, node=self.name, attempt=self.attempt, rank=rank, exit_code=exit_code,
-                event_id=mid, occurred_at=time.time(), producer=producer), msg_id=mid)
+        exits = [WorkersExited(job_id=self.job_id, node=self.name, attempt=self.attempt, rank=rank, exit_code=exit_code,
+                               event_id=f"{producer}:exit:{self.job_id}:{self.attempt}:{rank}", occurred_at=time.time(),
+                               producer=producer) for rank in sorted(self.ranks)]
         self.ranks, self._tasks = {}, []
+        return exits
 
     async def _batches(self) -> None:
         """One RankHeartbeats per interval with every rank that beat since the previous one."""

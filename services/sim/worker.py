@@ -8,6 +8,7 @@ last_beat_at, killed_at); ("quit",) ends the process. Every STATS_S it sends ("s
 
 import asyncio
 import contextlib
+import itertools
 import random
 import time
 from collections import defaultdict
@@ -16,6 +17,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from events import subjects
+from events.history import append_to_job
 from events.jetstream import JetStreamStore
 from events.job import AllocationGranted, AllocationReleased
 from services.logging import configure
@@ -50,10 +52,11 @@ class Worker:
         self.quit = asyncio.Event()
         self.nodes: dict[str, SimNode] = {}
         self.where: dict[int, SimNode] = {}  # rank -> its node, for the current attempt
+        self.store: JetStreamStore | None = None
 
     async def run(self) -> None:
         c = self.config
-        store = await JetStreamStore.connect(c.url, name=f"sim-{c.nodes[0]}", provision=False)
+        store = self.store = await JetStreamStore.connect(c.url, name=f"sim-{c.nodes[0]}", provision=False)
         pub = Publisher(store.js)
         rng = random.Random(c.seed)
         self.nodes = {n: SimNode(n, c.job_id, c.timing, c.mode, pub, store, rng) for n in c.nodes}
@@ -80,18 +83,24 @@ class Worker:
             if isinstance(ev, AllocationGranted):
                 await self._granted(ev)
             elif isinstance(ev, AllocationReleased):
-                for node in self.nodes.values():
-                    if node.attempt == ev.attempt and node.ranks:
-                        await node.stop(STOPPED_EXIT)
+                await self._stop([n for n in self.nodes.values() if n.attempt == ev.attempt and n.ranks], STOPPED_EXIT)
+
+    async def _stop(self, nodes: list[SimNode], exit_code: int) -> None:
+        """Stop the nodes' ranks and record their exits, one node's after another's in turn: independent agents
+        record at once, so each node's first exit lands early (one appender here stands for all of them)."""
+        assert self.store is not None
+        exits = [await node.halt(exit_code) for node in nodes]
+        for row in itertools.zip_longest(*exits):
+            for ev in row:
+                if ev is not None:
+                    await append_to_job(self.store, ev, msg_id=ev.event_id)
 
     async def _granted(self, ev: AllocationGranted) -> None:
         mine: dict[str, list[int]] = defaultdict(list)
         for ref in ev.assignments:
             if ref.node in self.nodes:
                 mine[ref.node].append(ref.rank)
-        for node in self.nodes.values():
-            if node.ranks and node.attempt < ev.attempt:
-                await node.stop(KILLED_EXIT)
+        await self._stop([n for n in self.nodes.values() if n.ranks and n.attempt < ev.attempt], KILLED_EXIT)
         started = 0
         for name, ranks in mine.items():
             node = self.nodes[name]
