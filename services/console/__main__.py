@@ -17,6 +17,7 @@ from services.console.postmortem_cmd import COMMAND as POSTMORTEM
 from services.console.replay_cmd import COMMAND as REPLAY
 from services.console.verify_cmd import COMMAND as VERIFY
 from services.console.whatif_cmd import COMMAND as WHATIF
+from services.logging import CurrentStderr
 
 COMMANDS: tuple[Command, ...] = (
     up.COMMAND,
@@ -48,7 +49,7 @@ def configure_logging() -> None:
         processors=[structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="%H:%M:%S"),
                     structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())],
         wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(CurrentStderr()),  # type: ignore[arg-type]
     )
 
 

@@ -19,6 +19,7 @@ from events.job import AllocationGranted, AllocationReleased, JobCompleted, JobS
 from events.plan import ReshardPlanned
 from events.spec import JobSpec, ModelSpec, TrainSpec
 from events.training import StepCompleted
+from services.checkpoints.service import STAGING_ENV
 from services.security import permissions
 from services.security.passwords import job_password
 from tests.integration.lifecycle_harness import Objects, Platform
@@ -42,7 +43,8 @@ class SecurePlatform(Platform):
         creds = self.broker.agent_env(name.removeprefix("agent-")) if name.startswith("agent-") else \
             self.broker.env(name)
         self.users[name] = creds["FLIGHTDECK_NATS_USER"]
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "FLIGHTDECK_LOG_LEVEL": "INFO", **self.objects.env, **creds}
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "FLIGHTDECK_LOG_LEVEL": "INFO", STAGING_ENV: str(self.root),
+               **self.objects.env, **creds}
         with open(self.root / f"{name}.log", "ab") as out:
             proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)
