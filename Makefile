@@ -17,8 +17,11 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m services.console.demo
 
+# Whole files go to one of 3 workers (--dist loadfile): a file's tests may share a module-scoped platform.
+TEST_WORKERS ?= 3
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit tests/contract

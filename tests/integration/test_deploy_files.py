@@ -5,12 +5,10 @@ import configparser
 from pathlib import Path
 from typing import Any
 
-import pytest
+import yaml
 
 from services.registry import BUILTIN
 from services.security import permissions
-
-yaml = pytest.importorskip("yaml")  # PyYAML arrives with the dev tools (moto); without it there is nothing to parse
 
 INFRA = Path(__file__).resolve().parents[2] / "infra"
 PASSWORD_FILE = "FLIGHTDECK_NATS_PASSWORD_FILE"
