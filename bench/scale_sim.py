@@ -31,8 +31,9 @@ RESULTS = Path(__file__).resolve().parent / "results" / "cpu-scale-sim.json"
 
 def row(r: dict[str, Any]) -> str:
     s, d = r["steady"], r["detection"]
-    return (f"{r['mode']:>4} {r['ranks']:>5} ranks: health folds {s['health_folded_msgs_per_s']:>6} msg/s "
-            f"({s['health_rank_heartbeats_per_s']:>5} rank beats/s), health CPU {s['cpu_percent']['health']:5.1f}%, "
+    return (f"{r['mode']:>4} {r['ranks']:>5} ranks: health folds {s['health_folded_msgs_per_s']} msg/s "
+            f"({s['health_rank_heartbeats_per_s']} rank beats/s, tick every {s['health_tick_interval_s']}s), "
+            f"health CPU {s['cpu_percent']['health']:5.1f}%, "
             f"broker {s['cpu_percent']['nats-server']:5.1f}%, detect p50 {d['p50_s']:.2f}s p99 {d['p99_s']:.2f}s "
             f"(n={d['n']}, threshold {r['threshold_s']:g}s), load {s['load_avg_before'][0]:.1f}, "
             f"dropped {s['dropped']:.0f}, other findings {len(r['other_findings'])} {r['error']}")

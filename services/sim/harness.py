@@ -129,6 +129,11 @@ async def health_ticks(store: JetStreamStore, since: float) -> list[ClockTick]:
     return ticks
 
 
+def _round(x: float, digits: int = 0) -> float | None:
+    """None when the health monitor folded under two ticks in the window (it fell behind)."""
+    return round(x, digits) if x == x else None
+
+
 async def caught_up(store: JetStreamStore, deadline: float) -> float:
     """Wait until the health monitor has folded everything in FD_CONTROL (a restart appends one WorkersExited
     per rank, which every service folds one at a time); returns how long that took."""
@@ -203,7 +208,7 @@ async def run(config: RunConfig, root: Path) -> dict[str, Any]:
         published = (hub.total("published") - pub0) / (t1 - t0)
         entries = (hub.total("entries") - ent0) / (t1 - t0)
         ticks = [t for t in await health_ticks(store, t0) if t.now <= t1]
-        ingest = gap = float("nan")
+        ingest = gap = float("nan")  # fewer than two ticks folded in the window: the monitor fell behind
         if len(ticks) >= 2:
             span = ticks[-1].now - ticks[0].now
             ingest = (ticks[-1].positions[subjects.TELEMETRY] - ticks[0].positions[subjects.TELEMETRY]) / span
@@ -211,8 +216,8 @@ async def run(config: RunConfig, root: Path) -> dict[str, Any]:
         steady = {"window_s": round(t1 - t0, 1), "load_avg": [round(x, 2) for x in (load0, os.getloadavg())[1]],
                   "load_avg_before": [round(x, 2) for x in load0], "cpu_percent": steady_cpu,
                   "published_msgs_per_s": round(published), "rank_heartbeats_per_s": round(entries),
-                  "health_folded_msgs_per_s": round(ingest), "health_tick_interval_s": round(gap, 3),
-                  "health_rank_heartbeats_per_s": round(ingest * entries / published) if published else 0,
+                  "health_folded_msgs_per_s": _round(ingest), "health_tick_interval_s": _round(gap, 3),
+                  "health_rank_heartbeats_per_s": _round(ingest * entries / published if published else 0.0),
                   "dropped": hub.total("dropped"), "pending_acks": hub.total("pending"),
                   "ack_s_mean": round(hub.total("ack_s_sum") / max(hub.total("published"), 1), 4),
                   "ack_s_max": round(max((s.get("ack_s_max", 0.0) for s in hub.stats.values()), default=0.0), 3)}
