@@ -26,7 +26,7 @@ from services.health.core import core_service
 from services.runtime import run_service
 from tests.integration.runtime_helpers import bus_at, eventually, read_all, spawn_service
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(180)  # starts real ranks: a minute on a loaded 2-core box
 
 # Deadlines well above a scheduling hiccup of this shared box (the publisher shares the service's loop).
 POLICY = PolicySpec(heartbeat_interval_s=0.1, heartbeat_misses=15, hang_min_s=2.5, hang_factor=5.0)
