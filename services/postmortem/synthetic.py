@@ -281,7 +281,7 @@ class _Run:
     def spike(self, step: int) -> int:
         sc, log = self.sc, self.log
         self.fault("loss_spike", step, 0)
-        for s in range(step, step + sc.obey_steps):
+        for s in range(step, min(step + sc.obey_steps, sc.steps)):  # a run never trains past its last step
             self.one_step(s, factor=1.15 if s < step + 3 else 1.0)
             if s == step:
                 evidence = self.last_steps[0]

@@ -5,7 +5,7 @@ import math
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from events.job import JobFailed, WorkersExited
@@ -24,6 +24,7 @@ def faults(kinds: list[str], max_step: int) -> st.SearchStrategy[tuple[tuple[str
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ranks=st.integers(1, 3), steps=st.integers(20, 90), budget=st.integers(0, 3),
        chosen=faults(["crash", "hang", "spike"], 120), queued=st.floats(0.0, 5.0), seed=st.integers(0, 9))
+@example(ranks=1, steps=20, budget=0, chosen=(("spike", 18),), queued=0.0, seed=0)  # a spike in the last steps
 def test_the_parts_always_add_up_to_the_wall_time(ranks: int, steps: int, budget: int,
                                                   chosen: tuple[tuple[str, int], ...], queued: float,
                                                   seed: int) -> None:
