@@ -72,10 +72,14 @@ class Objects:
 class Platform(Cluster):
     objects: Objects = field(default_factory=lambda: Objects(""))
 
-    def _start(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+    def process_env(self, name: str) -> dict[str, str]:
+        """The environment process `name` runs with (a subclass adds, e.g., its broker credentials)."""
         # every agent's data dir is under root (data/, data-n2/ ...): the checkpoint service uploads their stagings
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "FLIGHTDECK_LOG_LEVEL": "INFO", STAGING_ENV: str(self.root),
-               **self.objects.env}
+        return {**os.environ, "PYTHONPATH": str(ROOT), "FLIGHTDECK_LOG_LEVEL": "INFO", STAGING_ENV: str(self.root),
+                **self.objects.env}
+
+    def _start(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        env = self.process_env(name)
         with open(self.root / f"{name}.log", "ab") as out:
             proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)

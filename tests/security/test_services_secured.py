@@ -2,9 +2,6 @@
 runs as its own user, the ranks as their job's (handed over by the agent in a file), the job completes,
 nothing was denied, and no secret appears in a log line or an event."""
 
-import os
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,11 +16,10 @@ from events.job import AllocationGranted, AllocationReleased, JobCompleted, JobS
 from events.plan import ReshardPlanned
 from events.spec import JobSpec, ModelSpec, TrainSpec
 from events.training import StepCompleted
-from services.checkpoints.service import STAGING_ENV
 from services.security import permissions
 from services.security.passwords import job_password
 from tests.integration.lifecycle_harness import Objects, Platform
-from tests.integration.test_lifecycle_services import ROOT, kinds
+from tests.integration.test_lifecycle_services import kinds
 from tests.security.secure_broker import SecureBroker, secure_broker  # noqa: F401 (the fixture)
 
 JOB = "secure-000001"
@@ -38,18 +34,12 @@ class SecurePlatform(Platform):
     broker: SecureBroker | None = None
     users: dict[str, str] = field(default_factory=dict)  # process name -> user
 
-    def _start(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+    def process_env(self, name: str) -> dict[str, str]:
         assert self.broker is not None
         creds = self.broker.agent_env(name.removeprefix("agent-")) if name.startswith("agent-") else \
             self.broker.env(name)
         self.users[name] = creds["FLIGHTDECK_NATS_USER"]
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "FLIGHTDECK_LOG_LEVEL": "INFO", STAGING_ENV: str(self.root),
-               **self.objects.env, **creds}
-        with open(self.root / f"{name}.log", "ab") as out:
-            proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-        self.procs[name] = proc
-        return proc
+        return {**super().process_env(name), **creds}
 
 
 def read_logs(*folders: Path) -> dict[Path, str]:
