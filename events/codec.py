@@ -70,6 +70,8 @@ BOUNDS: dict[str, Any] = {
     "write_s": Seconds, "seconds": Seconds, "memory_gb": Seconds,
     "manifest_sha256": Annotated[str, Meta(pattern=r"^(?:[0-9a-f]{64})?\Z")],
 }
+# Field name -> the most items a list of nested structs may hold (its items keep their own BOUNDS).
+LENGTHS: dict[str, int] = {"beats": MAX_SLOTS}  # a node agent's batch: at most one entry per rank
 _OPTIONAL = {Token: OptionalToken}  # a field whose default is "" may stay empty ("no checkpoint", "no node")
 
 
@@ -93,6 +95,8 @@ def _shadow(cls: type[msgspec.Struct], shadows: dict[type, type]) -> type:
     for f in msgspec.structs.fields(cls):
         bound = BOUNDS.get(f.name)
         tp = _bounded_type(hints[f.name], shadows) if bound is None else bound
+        if f.name in LENGTHS:
+            tp = Annotated[tp, Meta(max_length=LENGTHS[f.name])]
         if bound is not None and f.default == "":
             tp = _OPTIONAL.get(bound, tp)
         fields.append((f.name, tp, msgspec.field(default=None)))  # presence was checked by the real decoder

@@ -10,9 +10,16 @@ detection need from the ranks that no longer publish a StepCompleted per step.
 Subject: `fd.tel.<job>.<rank>.RankHeartbeats`, where `rank` is the lowest rank the agent runs for the job on
 that node (the node's "subject rank"), so the subject grammar, its checks and a job's publish permission
 (`fd.tel.<job>.>`) stay as they are. A rank missing from a batch has not beaten since the previous one.
+
+`LocalBeat` is what a rank hands its node agent over the node-local datagram socket (trainer/beats.py,
+services/resources/beats.py); it never reaches the broker. Its bounds are checked as it is decoded, since
+any local process can write to the socket.
 """
 
+from typing import Annotated
+
 import msgspec
+from msgspec import Meta
 
 from events.base import RankEvent
 
@@ -32,3 +39,20 @@ class RankHeartbeats(RankEvent, frozen=True, kw_only=True):
 
     interval_s: float
     beats: list[RankBeat]
+
+
+_Token = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,128}\Z")]
+_Count = Annotated[int, Meta(ge=0)]
+_Time = Annotated[float, Meta(ge=0.0, le=1e11)]
+
+
+class LocalBeat(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag="LocalBeat.v1"):
+    """One heartbeat of one rank, rank to its agent (msgpack over the node's socket; version in the tag)."""
+
+    job_id: _Token
+    attempt: _Count
+    rank: Annotated[int, Meta(ge=0, lt=65_536)]
+    step: Annotated[int, Meta(ge=-1)]
+    occurred_at: _Time
+    interval_s: Annotated[float, Meta(gt=0.0, le=86_400.0)]
+    step_time_s: Annotated[float, Meta(ge=0.0, le=1e9)] = 0.0

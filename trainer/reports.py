@@ -24,8 +24,8 @@ class Publisher(Protocol):
     def emit(self, event: RankEvent) -> None:
         """Queue one event without blocking."""
 
-    def set_step(self, step: int) -> None:
-        """The step the heartbeat reports."""
+    def set_step(self, step: int, step_time_s: float = 0.0) -> None:
+        """The step the heartbeat reports, and its duration (0: not known)."""
 
     def close(self, timeout: float = 5.0) -> None:
         """Flush and stop."""
@@ -33,11 +33,14 @@ class Publisher(Protocol):
 
 class Emitter:
     """Stamps and forwards a rank's events. StepCompleted is handed to the publisher in batches at most
-    every `batch_s`: each hand-over may wake the publisher thread, whose turn on the GIL the step pays for."""
+    every `batch_s`: each hand-over may wake the publisher thread, whose turn on the GIL the step pays for.
+    With `steps_to_bus` False (a fleet whose ranks heartbeat through their agents, rank > 0) StepCompleted
+    goes only to the events log: the step and its time reach the health monitor in the agent's batches."""
 
     def __init__(self, publisher: Publisher, envelope: dict[str, Any], events_log: Path | None = None, *,
-                 batch_s: float = 0.25) -> None:
+                 batch_s: float = 0.25, steps_to_bus: bool = True) -> None:
         self.publisher = publisher
+        self.steps_to_bus = steps_to_bus
         self.envelope = envelope  # job_id, rank, attempt, node: every event this rank emits carries them
         self.batch_s = batch_s
         self._lock = threading.Lock()
@@ -56,6 +59,8 @@ class Emitter:
             line = codec.to_json(codec.to_builtins(event)) + b"\n"
             with self._lock:
                 self._log.write(line)
+        if not self.steps_to_bus and isinstance(event, StepCompleted):
+            return
         with self._lock:
             self._held.append(event)
             if isinstance(event, StepCompleted) and time.monotonic() - self._last_flush < self.batch_s:
@@ -73,8 +78,8 @@ class Emitter:
         self._held.clear()
         self._last_flush = time.monotonic()
 
-    def set_step(self, step: int) -> None:
-        self.publisher.set_step(step)
+    def set_step(self, step: int, step_time_s: float = 0.0) -> None:
+        self.publisher.set_step(step, step_time_s)
 
     def close(self, timeout: float = 5.0) -> None:
         self.flush()
@@ -141,4 +146,4 @@ class StepReporter:
             self.emitter.emit(RankFault(kind="nonfinite", error_type="NonFiniteLoss", step=step,
                                         message=f"loss {loss}, grad norm {grad_norm} at step {step}: "
                                                 "the optimizer step was skipped on every rank", **env))
-        self.emitter.set_step(step)
+        self.emitter.set_step(step, step_time)

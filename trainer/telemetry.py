@@ -3,7 +3,10 @@ in microseconds, drained by a JetStream publisher on its own thread, plus a hear
 
 The step never waits on the network. While the broker is away events wait in the backlog; when it is
 full the oldest Heartbeat/StepCompleted go first, and facts a postmortem needs (faults, drills,
-checkpoints staged, rollbacks, starts) are never dropped."""
+checkpoints staged, rollbacks, starts) are never dropped.
+
+With a node agent's heartbeat socket (trainer/beats.py) the heartbeat thread hands each beat to the agent,
+which publishes one batch per node; if the agent stops listening the rank heartbeats through the broker."""
 
 import asyncio
 import os
@@ -19,8 +22,10 @@ from nats.js.api import PubAck
 
 from events import codec, subjects
 from events.base import Event, RankEvent
+from events.heartbeats import LocalBeat
 from events.training import Heartbeat, StepCompleted
 from trainer import bus
+from trainer.beats import BeatChannel
 
 DROPPABLE: tuple[type[Event], ...] = (Heartbeat, StepCompleted)  # superseded by the next one of their kind
 BATCH = 256
@@ -84,7 +89,7 @@ class Telemetry:
     """One rank's telemetry publisher. `emit` from any thread; `close` once at the end."""
 
     def __init__(self, url: str | None, job_id: str, rank: int, attempt: int, node: str, *,
-                 heartbeat_s: float = 1.0, capacity: int = 10_000) -> None:
+                 heartbeat_s: float = 1.0, capacity: int = 10_000, beats: BeatChannel | None = None) -> None:
         self._url = url
         self._job_id, self._rank, self._attempt, self._node = job_id, rank, attempt, node
         self._heartbeat_s = heartbeat_s
@@ -94,6 +99,8 @@ class Telemetry:
         self._beat_stop = threading.Event()
         self._beat_thread: threading.Thread | None = None
         self._step = 0
+        self._step_time_s = 0.0  # the newest step's duration, carried by beats through the agent
+        self._beats = beats
         self._closed = False
         self._subjects: dict[str, str] = {}
         self.num_published = 0
@@ -145,8 +152,8 @@ class Telemetry:
             if wake is not None:
                 self._loop.call_soon(wake.set)
 
-    def set_step(self, step: int) -> None:
-        self._step = step
+    def set_step(self, step: int, step_time_s: float = 0.0) -> None:
+        self._step, self._step_time_s = step, step_time_s
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop heartbeating, publish what is queued within `timeout`, stop the threads.
@@ -170,10 +177,26 @@ class Telemetry:
 
     def _beat(self) -> None:
         while True:
-            self.emit(Heartbeat(job_id=self._job_id, rank=self._rank, attempt=self._attempt, node=self._node,
-                                step=self._step, interval_s=self._heartbeat_s))
+            if not self._beat_to_agent():
+                self.emit(Heartbeat(job_id=self._job_id, rank=self._rank, attempt=self._attempt, node=self._node,
+                                    step=self._step, interval_s=self._heartbeat_s))
             if self._beat_stop.wait(self._heartbeat_s):
                 return
+
+    def _beat_to_agent(self) -> bool:
+        if self._beats is None:
+            return False
+        step, step_time = self._step, self._step_time_s
+        beat = LocalBeat(job_id=self._job_id, attempt=self._attempt, rank=self._rank, step=step,
+                         occurred_at=time.time(), interval_s=self._heartbeat_s,
+                         step_time_s=step_time if step >= 0 and step_time > 0 else 0.0)
+        if self._beats.send(beat):
+            return True
+        self._log.warning("telemetry.agent_gone", address=self._beats.address,
+                          detail="the node agent's heartbeat socket does not answer: heartbeating through the broker")
+        self._beats.close()
+        self._beats = None
+        return False
 
     def _begin_close(self, deadline: float) -> None:
         self._closing = True

@@ -119,7 +119,9 @@ class RankWatch:
 
     def heartbeat(self, step: int, at: float, folded: float, event_id: str) -> None:
         self.seen(at, folded, event_id)
-        if self.armed and step != self.progress_step:  # moved, even backwards after a rollback
+        # Moved, even backwards after a rollback; but a beat older than the newest progress is stale, not a
+        # step back: an agent's batch (events/heartbeats.py) can land after the rank's own newer StepCompleted.
+        if self.armed and step != self.progress_step and at >= self.progress_at:
             self.progressed(step, at, folded, event_id)
 
     def step_completed(self, step: int, step_time_s: float, at: float, folded: float, event_id: str) -> None:

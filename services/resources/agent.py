@@ -4,11 +4,17 @@ runs its core (agentcore.py) in the service shell, starting and stopping trainer
     python -m services.resources.agent [--nats URL] [--node NAME] [--slots N] [--device auto|cpu|cuda]
                                        [--data-dir .flightdeck] [--objects URL] [--address 127.0.0.1]
                                        [--grace-s 30] [--selfcheck-timeout-s 300] [--standby N]
+                                       [--heartbeats node|rank] [--step-reports all|rank0]
 
 Slots: GPUs listed by nvidia-smi (the agent never imports torch), else `--slots` CPU slots (default 2).
 Standbys (standbys.py): `--standby N` warm rank processes with torch imported, started with the self-check
 (dropped if it fails) and refilled after each hand-off; default ($FLIGHTDECK_STANDBY, else one per slot, since
 a restart starts all of a job's ranks on the node at once and waits for the slowest); 0 turns them off.
+Heartbeats (beats.py): by default the ranks hand their heartbeats to the agent over a node-local socket and
+the agent publishes one RankHeartbeats per job per interval; `--heartbeats rank` has each rank publish its
+own. `--step-reports rank0` (for fleets of thousands of ranks) leaves only rank 0 publishing a StepCompleted
+per step; the others' steps and step times ride the agent's batches. Defaults: $FLIGHTDECK_HEARTBEATS,
+$FLIGHTDECK_STEP_REPORTS, else node and all.
 SIGTERM/SIGINT: the ranks are stopped (they checkpoint on SIGTERM), their exits recorded, then the agent
 exits 0. SIGKILL: the ranks die with it; the next agent on the node records them as exited.
 """
@@ -16,6 +22,7 @@ exits 0. SIGKILL: the ranks die with it; the next agent on the node records them
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -36,22 +43,27 @@ import structlog
 from events import subjects
 from events.base import NodeEvent
 from events.fleet import NodeRegistered, SelfCheckFailed, SelfCheckPassed
+from events.heartbeats import RankHeartbeats
 from events.store import EventStore
 from events.streams import ServerTooOld
 from services.broker import nats_url
 from services.checkpoints.stores import open_store
-from services.connection import Connection
+from services.connection import TRANSIENT, Connection
 from services.fold import rebuild
 from services.logging import configure
 from services.resources import agentcore
+from services.resources.beats import BeatRelay, Publish
 from services.resources.spawner import REPO, Launch, Paths, Spawner, die_with_agent, retrying, standby_env
 from services.resources.standbys import StandbyPool
 from services.runtime import ConsumerPolicy, PublishDenied, run_service
+from trainer.beats import STEP_REPORTS, STEP_REPORTS_ENV
 
 log = structlog.get_logger("flightdeck.agent")
 
 DEFAULT_CPU_SLOTS = 2
 STANDBY_ENV = "FLIGHTDECK_STANDBY"  # the default for --standby (unset: one per slot)
+HEARTBEATS_ENV = "FLIGHTDECK_HEARTBEATS"  # the default for --heartbeats
+HEARTBEATS = ("node", "rank")
 ORPHAN_EXIT = -signal.SIGKILL  # a rank that died with its agent (PR_SET_PDEATHSIG)
 Device = Literal["auto", "cpu", "cuda"]
 
@@ -209,9 +221,18 @@ async def register(store: EventStore, node: str, producer: str, inv: Inventory, 
 async def run_agent(*, nats: str | None = None, node: str | None = None, slots: int | None = None,
                     device: Device = "auto", data_dir: Path | str = ".flightdeck", objects: str | None = None,
                     address: str = "127.0.0.1", grace_s: float = 30.0, selfcheck_timeout_s: float = 300.0,
-                    standby: int | None = None, stop_event: asyncio.Event | None = None) -> int:
+                    standby: int | None = None, heartbeats: str = "node", step_reports: str = "all",
+                    stop_event: asyncio.Event | None = None) -> int:
     """Run the agent of `node` until `stop_event` is set; returns the process exit code (0: stopped cleanly).
-    `standby`: warm standby ranks to keep (None: one per slot)."""
+    `standby`: warm standby ranks to keep (None: one per slot). `heartbeats`: "node" relays the ranks' beats
+    in one batch per job per interval, "rank" leaves each rank to publish its own."""
+    if heartbeats not in HEARTBEATS:
+        raise AgentError(f"heartbeats {heartbeats!r}: choose one of {', '.join(HEARTBEATS)}")
+    if step_reports not in STEP_REPORTS:
+        raise AgentError(f"step reports {step_reports!r}: choose one of {', '.join(STEP_REPORTS)}")
+    if step_reports == "rank0" and heartbeats != "node":
+        raise AgentError("--step-reports rank0 needs --heartbeats node: "
+                         "the agent's batches carry the other ranks' steps")
     stop = stop_event or asyncio.Event()
     url, node = nats_url(nats), subjects.token(node or default_node())
     producer = agentcore.service_name(node)
@@ -229,6 +250,7 @@ async def run_agent(*, nats: str | None = None, node: str | None = None, slots: 
         return 0
     code = 0
     pool: StandbyPool | None = None
+    relay: BeatRelay | None = None
     try:
         async with open_store(objects or str(root / "objects")) as objs:
             launch = Launch(nats_url=url, device="cuda" if inv.kind == "gpu" else "cpu", grace_s=grace_s,
@@ -237,6 +259,10 @@ async def run_agent(*, nats: str | None = None, node: str | None = None, slots: 
                                log_file=Paths(root).standby_log, preexec=die_with_agent(os.getpid()), producer=producer)
             spawner = Spawner(node=node, producer=producer, store=store, objects=objs, paths=Paths(root), launch=launch,
                               standbys=pool if pool.size > 0 else None)
+            if heartbeats == "node":
+                relay = BeatRelay(node=node, producer=producer, publish=beat_publisher(store), admit=spawner.speaks_for)
+                relay.start()
+                spawner.launch = dataclasses.replace(launch, beats=relay.address, step_reports=step_reports)
             # Warming while the self-check runs: on a host with cores to spare the first ranks find them ready.
             pool.start()
             service = agentcore.core_service(node, spawner.handlers())
@@ -273,11 +299,32 @@ async def run_agent(*, nats: str | None = None, node: str | None = None, slots: 
             verdict_task.cancel()
         if pool is not None:
             await pool.close()
+        if relay is not None:
+            await relay.close()
         conn.closing = True
         with contextlib.suppress(Exception):
             await store.nc.close()
     log.info("agent stopped", exit_code=code)
     return code
+
+
+def beat_publisher(store: EventStore) -> Publish:
+    """Publish a batch, or drop it when the broker does not take it within its interval (the next is newer)."""
+    dropped = 0
+    logged_at = 0.0
+
+    async def publish(batch: RankHeartbeats) -> None:
+        nonlocal dropped, logged_at
+        subject = subjects.telemetry(batch.job_id, batch.rank, "RankHeartbeats")
+        try:
+            await asyncio.wait_for(store.append(subject, batch, msg_id=batch.event_id), batch.interval_s)
+        except TRANSIENT as exc:
+            dropped += 1
+            if time.monotonic() - logged_at >= 10.0:
+                logged_at = time.monotonic()
+                log.warning("heartbeat batch dropped: the broker did not take it in time", job_id=batch.job_id,
+                            attempt=batch.attempt, beats=len(batch.beats), dropped=dropped, error=repr(exc))
+    return publish
 
 
 def standby_default() -> int | None:
@@ -288,6 +335,13 @@ def standby_default() -> int | None:
     if not raw.isdigit():
         raise AgentError(f"${STANDBY_ENV}={raw!r} is not a count of standby ranks: set it to 0 or more")
     return int(raw)
+
+
+def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    raw = os.environ.get(name, "").strip() or default
+    if raw not in choices:
+        raise AgentError(f"${name}={raw!r}: choose one of {', '.join(choices)}")
+    return raw
 
 
 def add_standby_argument(p: argparse.ArgumentParser) -> None:
@@ -309,12 +363,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grace-s", type=float, default=30.0, help="SIGTERM to SIGKILL when ranks are stopped")
     p.add_argument("--selfcheck-timeout-s", type=float, default=300.0, help="a self-check still running then fails")
     add_standby_argument(p)
+    p.add_argument("--heartbeats", choices=HEARTBEATS, default=None,
+                   help=f"node: relay the ranks' heartbeats in one batch per job per interval; rank: each rank "
+                        f"publishes its own (default: ${HEARTBEATS_ENV}, else node)")
+    p.add_argument("--step-reports", choices=STEP_REPORTS, default=None,
+                   help=f"rank0: only rank 0 publishes a StepCompleted per step, the others' steps ride the "
+                        f"heartbeat batches (fleets of thousands of ranks); default: ${STEP_REPORTS_ENV}, else all")
     args = p.parse_args(argv)
     if args.slots is not None and args.slots < 1:
         p.error("--slots must be at least 1")
     if args.standby is not None and args.standby < 0:
         p.error("--standby must be 0 or more")
     configure()
+    try:
+        heartbeats = args.heartbeats or env_choice(HEARTBEATS_ENV, HEARTBEATS, "node")
+        step_reports = args.step_reports or env_choice(STEP_REPORTS_ENV, STEP_REPORTS, "all")
+    except AgentError as exc:
+        print(f"python -m services.resources.agent: {exc}", file=sys.stderr)
+        return 2
 
     async def go() -> int:
         stop = asyncio.Event()
@@ -324,7 +390,8 @@ def main(argv: list[str] | None = None) -> int:
         return await run_agent(nats=args.nats, node=args.node, slots=args.slots, device=args.device,
                                data_dir=args.data_dir, objects=args.objects, address=args.address,
                                grace_s=args.grace_s, selfcheck_timeout_s=args.selfcheck_timeout_s,
-                               standby=args.standby, stop_event=stop)
+                               standby=args.standby, heartbeats=heartbeats, step_reports=step_reports,
+                               stop_event=stop)
 
     try:
         return asyncio.run(go())

@@ -36,6 +36,7 @@ from typing import Any
 import msgspec
 import structlog
 
+from events.heartbeats import LocalBeat
 from events.history import append_to_job
 from events.job import SlotRef, WorkersExited, WorkersStarted
 from events.store import EventStore
@@ -56,6 +57,7 @@ from services.resources.agentcore import (
 )
 from services.resources.standbys import StandbyPool
 from services.security.credentials import AGENT_ONLY, rank_env
+from trainer.beats import BEATS_ENV, STEP_REPORTS_ENV
 
 log = structlog.get_logger("flightdeck.agent")
 
@@ -97,6 +99,8 @@ class Launch:
     grace_s: float  # SIGTERM, then this long, then SIGKILL
     checkpoints_flag: bool  # the trainer accepts --checkpoints (where rollbacks find committed checkpoints)
     python: str = sys.executable
+    beats: str = ""  # the agent's heartbeat socket (services/resources/beats.py); "": ranks publish their own
+    step_reports: str = "all"  # "rank0": ranks > 0 leave their steps to the agent's batches (trainer/beats.py)
 
 
 @dataclass(eq=False)
@@ -169,6 +173,7 @@ class Spawner:
         self.node, self.producer, self.store, self.objects = node, producer, store, objects
         self.paths, self.launch, self.standbys = paths, launch, standbys
         self.procs: dict[tuple[str, int, int], RankProc] = {}
+        self.pids: dict[int, tuple[str, int, int]] = {}  # a live rank's pid -> (job, attempt, rank), from its start
         self.fetches: dict[tuple[str, str], asyncio.Task[Path]] = {}
         self.timers: set[asyncio.Task[None]] = set()
 
@@ -216,6 +221,7 @@ class Spawner:
             for p in started:
                 signal_rank(p, signal.SIGKILL)
                 await p.proc.wait()
+                self.pids.pop(p.proc.pid, None)
             return await self._not_started(args, f"could not start a rank: {exc!r}")
         event = WorkersStarted(job_id=args.job_id, node=self.node, attempt=args.attempt,
                                ranks=[p.ref.rank for p in started], pids=[p.proc.pid for p in started],
@@ -265,6 +271,8 @@ class Spawner:
                # the slot is the device index: two jobs on one node never share a GPU
                "LOCAL_RANK": str(ref.slot), "MASTER_ADDR": args.master_addr, "MASTER_PORT": str(args.master_port)}
         rank_env(env, args.job_id, self.paths.root)  # the job's broker credential, never the agent's own
+        if self.launch.beats:
+            env[BEATS_ENV], env[STEP_REPORTS_ENV] = self.launch.beats, self.launch.step_reports
         cmd = self._command(args, spec_file, restore)
         log_path = self.paths.log(args.job_id, args.attempt, ref.rank)
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -277,7 +285,12 @@ class Spawner:
                     stderr=asyncio.subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_agent(os.getpid()))
         finally:
             os.close(out)
+        self.pids[proc.pid] = (args.job_id, args.attempt, ref.rank)
         return RankProc(job_id=args.job_id, attempt=args.attempt, ref=ref, proc=proc, cause=args.grant_id)
+
+    def speaks_for(self, beat: LocalBeat, pid: int) -> bool:
+        """Whether process `pid` is the rank `beat` claims to be (a heartbeat relayed for anyone else is refused)."""
+        return self.pids.get(pid) == (beat.job_id, beat.attempt, beat.rank)
 
     def _hand_to_standby(self, cmd: list[str], env: dict[str, str], log_fd: int,
                          rank: int) -> asyncio.subprocess.Process | None:
@@ -299,6 +312,7 @@ class Spawner:
     async def _watch(self, p: RankProc) -> None:
         detached(self.producer, job_id=p.job_id, attempt=p.attempt, rank=p.ref.rank)
         code = await p.proc.wait()
+        self.pids.pop(p.proc.pid, None)
         if p.shutdown and code == 0:
             # A rank checkpoints and exits 0 on SIGTERM; recorded as 0 it would read as "finished training".
             code = -signal.SIGTERM

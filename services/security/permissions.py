@@ -33,6 +33,10 @@ NODE_TYPES: dict[str, tuple[str, ...]] = {
     "agent": ("NodeRegistered", "NodeHeartbeat", "SelfCheckPassed", "SelfCheckFailed"),
     "console": ("NodeCordoned", "NodeUncordoned"),  # an operator cordons by hand too
 }
+# Telemetry a producer other than the job's ranks publishes, for any job: a node agent relays its ranks'
+# heartbeats in one batch per node (events/heartbeats.py). It starts any job's ranks already, so this
+# trusts it with nothing new; it still cannot publish a rank's steps, faults or checkpoints.
+TELEMETRY_TYPES: dict[str, tuple[str, ...]] = {"agent": ("RankHeartbeats",)}
 SCHEDULER_DECISIONS = JOB_TYPES["scheduler"]
 
 ADMIN, CONSOLE, AGENT = "admin", "console", "agent"
@@ -107,6 +111,7 @@ def _producer(user: str, role: str, name: str, node_token: str, nodes: tuple[str
     consumer = durable(name) if not wildcard_name else "*"
     publish = [*(f"fd.ctl.job.*.{t}" for t in JOB_TYPES.get(role, ())),
                *(f"fd.ctl.node.{node_token}.{t}" for t in NODE_TYPES.get(role, ())),
+               *(f"fd.tel.*.*.{t}" for t in TELEMETRY_TYPES.get(role, ())),
                subjects.clock(name) if not wildcard_name else "fd.ctl.clock.*",
                subjects.dead(name) if not wildcard_name else "fd.dead.*",
                *_reader_api(user), *_shell_api(consumer)]
@@ -126,8 +131,8 @@ def service(name: str, nodes: tuple[str, ...] = ()) -> Permissions:
 
 
 def agent(node: str | None, nodes: tuple[str, ...] = ()) -> Permissions:
-    """A node agent: WorkersStarted/WorkersExited for any job (it starts whatever the grants say) and its
-    node's fleet events. Without a node, the fleet-wide `agent` user may act for any node."""
+    """A node agent: WorkersStarted/WorkersExited for any job (it starts whatever the grants say), the
+    RankHeartbeats batches of the ranks it runs, and its node's fleet events. Without a node, the fleet-wide `agent` user may act for any node."""
     if node:
         return _producer(agent_user(node), AGENT, agent_user(node), subjects.token(node), nodes)
     return _producer(AGENT, AGENT, AGENT, "*", nodes, wildcard_name=True)

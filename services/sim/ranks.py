@@ -3,10 +3,12 @@
 A rank heartbeats every `beat_s` with its last completed step and completes a step every ~`step_s`. In
 "rank" mode it publishes as the trainer does today (trainer/telemetry.py, trainer/reports.py): RankStarted
 once, a Heartbeat per beat and a StepCompleted per step, each its own JetStream message on
-`fd.tel.<job>.<rank>.<Type>`. In "node" mode (the design proposed for fleets) the rank hands its beats to
-its node agent, which publishes one RankHeartbeats per node per interval (events/heartbeats.py); only rank
-0 still publishes StepCompleted (the loss curve the spike detector and postmortems read), and RankStarted
-stays per rank. A killed rank simply stops: no more beats, steps or batch entries.
+`fd.tel.<job>.<rank>.<Type>`. In "node" mode (the real agent's default, with `--step-reports rank0`) the
+rank hands each beat to its node agent over the node-local socket, with the code real ranks and agents run
+(trainer/beats.py, services/resources/beats.py), and the agent publishes one RankHeartbeats per node per
+interval (events/heartbeats.py); only rank 0 still publishes StepCompleted (the loss curve the spike
+detector and postmortems read), and RankStarted stays per rank. A killed rank simply stops: no more beats,
+steps or batch entries.
 """
 
 import asyncio
@@ -18,12 +20,14 @@ from dataclasses import dataclass
 from typing import Literal
 
 from events import subjects
-from events.heartbeats import RankBeat, RankHeartbeats
+from events.heartbeats import LocalBeat, RankHeartbeats
 from events.history import append_to_job
 from events.job import WorkersExited, WorkersStarted
 from events.store import EventStore
 from events.training import Heartbeat, RankStarted, StepCompleted
+from services.resources.beats import BeatRelay
 from services.sim.publisher import Publisher
+from trainer.beats import BeatChannel
 
 Mode = Literal["rank", "node"]
 
@@ -36,9 +40,10 @@ class Timing:
 
 class SimRank:
     def __init__(self, job_id: str, rank: int, attempt: int, node: str, timing: Timing, mode: Mode,
-                 pub: Publisher, rng: random.Random) -> None:
+                 pub: Publisher, rng: random.Random, channel: BeatChannel | None = None) -> None:
         self.job_id, self.rank, self.attempt, self.node = job_id, rank, attempt, node
         self.timing, self.mode, self.pub, self.rng = timing, mode, pub, rng
+        self.channel = channel  # node mode: the agent's heartbeat socket
         self.alive = True
         self.step = 0  # last completed step, as the trainer's heartbeat reports it (0 before the first)
         self.steps_done = 0
@@ -76,7 +81,11 @@ class SimRank:
             if now >= next_beat:
                 self.beat_at = now
                 next_beat += t.beat_s
-                if self.mode == "rank":
+                if self.channel is not None:
+                    self.channel.send(LocalBeat(
+                        job_id=self.job_id, attempt=self.attempt, rank=self.rank, step=self.step, occurred_at=now,
+                        interval_s=t.beat_s, step_time_s=self.step_time_s if self.steps_done else 0.0))
+                else:
                     await self.pub.publish(self._subject("Heartbeat"), Heartbeat(
                         step=self.step, interval_s=t.beat_s, **self._env()), entries=1)  # type: ignore[arg-type]
 
@@ -98,11 +107,17 @@ class SimNode:
         self.attempt = -1
         self.ranks: dict[int, SimRank] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self.relay: BeatRelay | None = None
+        self.channel: BeatChannel | None = None
 
     async def start(self, attempt: int, ranks: list[int], world_size: int) -> None:
         self.attempt = attempt
-        self.ranks = {r: SimRank(self.job_id, r, attempt, self.name, self.timing, self.mode, self.pub, self.rng)
-                      for r in ranks}
+        if self.mode == "node":
+            self.relay = BeatRelay(node=self.name, producer=f"agent-{self.name}", publish=self._publish_batch)
+            self.relay.start()
+            self.channel = BeatChannel(self.relay.address)
+        self.ranks = {r: SimRank(self.job_id, r, attempt, self.name, self.timing, self.mode, self.pub, self.rng,
+                                 self.channel) for r in ranks}
         producer = f"agent-{self.name}"
         mid = f"{producer}:start:{self.job_id}:{attempt}"
         await append_to_job(self.store, WorkersStarted(
@@ -110,8 +125,6 @@ class SimNode:
             pids=[100_000 + r for r in sorted(ranks)], event_id=mid, occurred_at=time.time(), producer=producer),
             msg_id=mid)
         self._tasks = [asyncio.create_task(r.run(world_size)) for r in self.ranks.values()]
-        if self.mode == "node":
-            self._tasks.append(asyncio.create_task(self._batches()))
 
     def kill(self, rank: int) -> float:
         """Stop one rank dead; returns its last heartbeat time."""
@@ -128,6 +141,11 @@ class SimNode:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if self.relay is not None:
+            await self.relay.close()
+        if self.channel is not None:
+            self.channel.close()
+        self.relay = self.channel = None
         producer = f"agent-{self.name}"
         exits = [WorkersExited(job_id=self.job_id, node=self.name, attempt=self.attempt, rank=rank, exit_code=exit_code,
                                event_id=f"{producer}:exit:{self.job_id}:{self.attempt}:{rank}", occurred_at=time.time(),
@@ -135,22 +153,6 @@ class SimNode:
         self.ranks, self._tasks = {}, []
         return exits
 
-    async def _batches(self) -> None:
-        """One RankHeartbeats per interval with every rank that beat since the previous one."""
-        t = self.timing
-        subject_rank = min(self.ranks)
-        subject = subjects.telemetry(self.job_id, subject_rank, "RankHeartbeats")
-        sent_upto, n = 0.0, 0
-        await asyncio.sleep(self.rng.uniform(0.0, t.beat_s))
-        while True:
-            fresh = [r for r in self.ranks.values() if r.beat_at > sent_upto]
-            if fresh:
-                sent_upto = max(r.beat_at for r in fresh)
-                n += 1
-                beats = [RankBeat(rank=r.rank, step=r.step, occurred_at=r.beat_at,
-                                  step_time_s=r.step_time_s if r.steps_done else 0.0) for r in fresh]
-                await self.pub.publish(subject, RankHeartbeats(
-                    job_id=self.job_id, rank=subject_rank, attempt=self.attempt, node=self.name, interval_s=t.beat_s,
-                    beats=beats, event_id=f"agent-{self.name}:beats:{self.job_id}:{self.attempt}:{n}",
-                    occurred_at=time.time(), producer=f"agent-{self.name}"), entries=len(beats))
-            await asyncio.sleep(t.beat_s)
+    async def _publish_batch(self, batch: RankHeartbeats) -> None:
+        subject = subjects.telemetry(batch.job_id, batch.rank, "RankHeartbeats")
+        await self.pub.publish(subject, batch, entries=len(batch.beats))

@@ -7,6 +7,7 @@ import pytest
 from events import subjects
 from events.checkpoint import CheckpointCommitted, CheckpointDeleted
 from events.findings import RankHung, RankLost
+from events.heartbeats import RankHeartbeats
 from events.job import AllocationGranted, JobCompleted, JobFailed, JobResumed, WorkersExited
 from events.spec import FaultSpec
 from events.training import FaultInjected, Heartbeat, RankStarted
@@ -65,9 +66,11 @@ async def test_a_hung_rank_is_found_by_its_frozen_step_and_the_job_restarts(dril
     after = [k for k in history[history.index("RankHung"):] if k != "RankHung"]  # a stuck collective stalls both
     assert after[:2] == ["StopRequested", "AllocationReleased"], history
     (fault,) = [e for e in p.seen(FaultInjected, job, stream=subjects.TELEMETRY) if e.kind == "hang"]
-    beats = [e for e in p.seen(Heartbeat, job, stream=subjects.TELEMETRY)
-             if (e.attempt, e.rank) == (0, 0) and e.occurred_at > fault.occurred_at]
-    assert len(beats) >= 3 and {b.step for b in beats} == {17}  # alive, and frozen after its step 17
+    # rank 0's heartbeats, relayed by its agent in per-node batches: alive, and frozen after its step 17
+    beats = [b for e in p.seen(RankHeartbeats, job, stream=subjects.TELEMETRY) if e.attempt == 0
+             for b in e.beats if b.rank == 0 and b.occurred_at > fault.occurred_at]
+    assert len(beats) >= 3 and {b.step for b in beats} == {17}, beats
+    assert not [e for e in p.seen(Heartbeat, job, stream=subjects.TELEMETRY) if e.attempt == 0]  # none of its own
     assert all(e.step == 17 and e.stalled_s > e.deadline_s >= 3.0 for e in hung), hung
     assert {e.rank for e in p.seen(WorkersExited, job) if e.attempt == 0} == {0, 1}
     (resumed,) = p.seen(JobResumed, job)

@@ -11,10 +11,19 @@ import pytest
 from events import subjects
 from events.checkpoint import CheckpointCommitted, DataPosition
 from events.fleet import NodeCordoned, NodeRegistered, SelfCheckFailed
+from events.heartbeats import RankHeartbeats
 from events.history import append_to_job
-from events.job import AllocationGranted, AllocationRequested, JobFailed, JobQueued, WorkersExited, WorkersStarted
+from events.job import (
+    AllocationGranted,
+    AllocationRequested,
+    JobCompleted,
+    JobFailed,
+    JobQueued,
+    WorkersExited,
+    WorkersStarted,
+)
 from events.spec import JobSpec, PolicySpec
-from events.training import StepCompleted
+from events.training import Heartbeat, StepCompleted
 from services.resources.spawner import START_FAILED_EXIT
 from tests.integration.test_lifecycle_services import ENDLESS, TINY, Cluster, cluster, exits, gone
 
@@ -118,3 +127,30 @@ async def test_a_checkpoint_that_cannot_be_verified_is_never_loaded(cluster: Clu
     assert c.seen(WorkersStarted, "lost-000001") == []
     assert "never committed" in (c.root / "agent-n1.log").read_text()
     assert not (c.data / "cache" / "lost-000001" / "step000000010-a0").exists()
+
+
+@pytest.mark.timeout(150)
+async def test_with_rank0_step_reports_only_rank_0_reports_steps_and_the_agent_carries_the_rest(
+        cluster: Cluster) -> None:
+    """The fleet setting (`--step-reports rank0`): one StepCompleted per step from rank 0, the other ranks'
+    steps and step times in the agent's RankHeartbeats batches; the job completes as usual."""
+    c = cluster
+    c.agent("n1", "--step-reports", "rank0")
+    await c.ready()
+    await c.submit(TINY, "tiny-000005")
+    await c.until(lambda: bool(c.seen(JobCompleted, "tiny-000005")), 120, "the job to complete", "tiny-000005")
+    steps = c.seen(StepCompleted, "tiny-000005", stream=subjects.TELEMETRY)
+    assert {e.rank for e in steps} == {0} and sorted(e.step for e in steps) == list(range(TINY.train.steps))
+    batches = c.seen(RankHeartbeats, "tiny-000005", stream=subjects.TELEMETRY)
+    assert batches and all(e.producer == "agent-n1" and e.node == "n1" and e.rank == 0 for e in batches)
+    rank1 = [b for e in batches for b in e.beats if b.rank == 1]
+    assert rank1 and any(b.step > 0 and b.step_time_s > 0 for b in rank1)
+    assert c.seen(Heartbeat, "tiny-000005", stream=subjects.TELEMETRY) == []
+
+
+@pytest.mark.timeout(60)
+async def test_heartbeat_settings_that_cannot_work_are_refused(cluster: Cluster) -> None:
+    proc = cluster.agent("n4", "--heartbeats", "rank", "--step-reports", "rank0")
+    proc.wait(45)
+    assert proc.returncode == 2
+    assert "--step-reports rank0 needs --heartbeats node" in (cluster.root / "agent-n4.log").read_text()

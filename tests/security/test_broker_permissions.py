@@ -139,6 +139,7 @@ async def test_only_the_scheduler_publishes_scheduling_decisions(broker: SecureB
 
 async def test_a_service_cannot_touch_another_services_decisions_or_consumer(broker: SecureBroker) -> None:
     errors: list[str] = []
+    await broker.wait_user("health")  # the fixture's reload (new job users) may still be under way
     nc = await broker.raw("health", errors)
     try:
         assert await denied(nc, errors, subjects.job(JOB, "AllocationGranted"))  # the resource manager's
@@ -153,6 +154,7 @@ async def test_a_service_cannot_touch_another_services_decisions_or_consumer(bro
 
 async def test_an_agent_acts_only_for_its_node_and_a_wrong_password_is_refused(broker: SecureBroker) -> None:
     errors: list[str] = []
+    await broker.wait_user(permissions.agent_user("n1"))
     nc = await broker.raw(permissions.agent_user("n1"), errors)
     try:
         assert await accepted(nc, subjects.node("n1", "NodeHeartbeat"))

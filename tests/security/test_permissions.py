@@ -67,7 +67,9 @@ def test_a_recorded_drill_history_passes_its_producers_permissions_and_no_one_el
             job_id = subjects.job_of(subject) or ""
             assert permissions.job(job_id).may_publish(subject)
             assert not permissions.job("other-000000").may_publish(subject)
-            assert not permissions.agent("n1").may_publish(subject)
+            # an agent relays its ranks' heartbeats (one batch per node) and publishes no other telemetry
+            relayed = subject.endswith(".RankHeartbeats")
+            assert permissions.agent("n1").may_publish(subject) == relayed, subject
         elif record["stream"] == subjects.CONTROL:
             assert producer_perms(event.producer).may_publish(subject), (event.producer, subject)
             if subject.startswith("fd.ctl.job."):
@@ -146,3 +148,11 @@ def test_ranks_get_the_jobs_credential_in_a_file_and_never_the_agents(tmp_path: 
     assert not any(agent_pw in v or path.read_text().strip() in v for v in out.values())
     bare = rank_env({"PATH": "/bin", USER: "agent-n1", PASSWORD_FILE: "/x"}, "a-000001", tmp_path / "data")
     assert bare == {"PATH": "/bin"}  # no job key: no credential at all, and not the agent's
+
+
+def test_an_agent_relays_heartbeat_batches_for_any_job_and_no_other_telemetry() -> None:
+    for agent in (permissions.agent("n1"), permissions.agent(None)):
+        assert agent.may_publish(subjects.telemetry("a-000001", 0, "RankHeartbeats"))
+        assert agent.may_publish(subjects.telemetry("b-000002", 8, "RankHeartbeats"))
+        for forged in ("Heartbeat", "StepCompleted", "RankFault", "CheckpointStaged", "RankStarted"):
+            assert not agent.may_publish(subjects.telemetry("a-000001", 0, forged)), forged

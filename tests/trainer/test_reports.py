@@ -17,13 +17,14 @@ class ListPublisher:
     def __init__(self) -> None:
         self.events: list[RankEvent] = []
         self.step = -99
+        self.step_time_s = -1.0
         self.closed = False
 
     def emit(self, event: RankEvent) -> None:
         self.events.append(event)
 
-    def set_step(self, step: int) -> None:
-        self.step = step
+    def set_step(self, step: int, step_time_s: float = 0.0) -> None:
+        self.step, self.step_time_s = step, step_time_s
 
     def close(self, timeout: float = 5.0) -> None:
         self.closed = True
@@ -61,3 +62,15 @@ def test_a_step_after_the_batch_interval_goes_out_with_those_held() -> None:
     assert len(pub.events) == 2 and pub.step == 2  # the heartbeat's step is never held back
     em.flush()
     assert len(pub.events) == 3
+
+
+def test_without_steps_to_bus_steps_reach_only_the_log_and_their_time_rides_the_heartbeat(tmp_path: Path) -> None:
+    pub = ListPublisher()
+    em = Emitter(pub, ENV, tmp_path / "events.jsonl", batch_s=0.0, steps_to_bus=False)
+    em.emit(step(0))
+    em.set_step(0, 0.1)
+    em.emit(RankFault(kind="exception", error_type="E", message="m", step=0, **ENV))
+    em.close()
+    assert [type(e).__name__ for e in pub.events] == ["RankFault"]  # a fault still goes to the bus
+    assert (pub.step, pub.step_time_s) == (0, 0.1)
+    assert [e["type"] for e in ranks.events(tmp_path / "events.jsonl")] == ["StepCompleted", "RankFault"]

@@ -1,0 +1,95 @@
+"""The node agent's heartbeat relay on real sockets and a real broker: a rank's Telemetry hands its beats to
+the relay, which publishes one RankHeartbeats per interval; a beat from a process that is not the rank it
+names, or bytes that are not a beat, are refused and counted; when the relay goes away the rank heartbeats
+through the broker again."""
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from events import codec, subjects
+from events.heartbeats import LocalBeat, RankHeartbeats
+from events.jetstream import JetStreamStore
+from events.training import Heartbeat
+from services import broker as broker_mod
+from services.resources.beats import BeatRelay
+from tests.conftest import ensure_streams_at
+from trainer.beats import BeatChannel, sockaddr
+from trainer.telemetry import Telemetry
+
+JOB = "beats-000001"
+ROOT = Path(__file__).resolve().parents[2]
+
+FORGER = """
+import sys
+from events.heartbeats import LocalBeat
+from trainer.beats import BeatChannel
+ch = BeatChannel(sys.argv[1])
+ch.send(LocalBeat(job_id="beats-000001", attempt=0, rank=0, step=5, occurred_at=1.0, interval_s=0.2))
+"""
+
+
+async def _telemetry(store: JetStreamStore, type_name: str) -> list[object]:
+    out: list[object] = []
+    async for batch in store.read(subjects.TELEMETRY, [f"fd.tel.{JOB}.*.{type_name}"]):
+        out += [s.event for s in batch]
+    return out
+
+
+@pytest.mark.timeout(60)
+async def test_a_ranks_beats_reach_the_broker_in_batches_and_impostors_do_not(nats_server: broker_mod.Broker) -> None:
+    await asyncio.to_thread(ensure_streams_at, nats_server.url)
+    store = await JetStreamStore.connect(nats_server.url)
+    published: list[RankHeartbeats] = []
+
+    async def publish(batch: RankHeartbeats) -> None:
+        published.append(batch)
+        await store.append(subjects.telemetry(batch.job_id, batch.rank, "RankHeartbeats"), batch)
+
+    me = os.getpid()
+    relay = BeatRelay(node="n1", producer="agent-n1", publish=publish,
+                      admit=lambda b, pid: pid == me and (b.job_id, b.attempt, b.rank) == (JOB, 0, 0))
+    relay.start()
+    tel = Telemetry(nats_server.url, JOB, 0, 0, "n1", heartbeat_s=0.2, beats=BeatChannel(relay.address))
+    try:
+        tel.start()
+        tel.set_step(4, 0.05)
+        # another local process claiming to be rank 0, and bytes that are no beat
+        await asyncio.to_thread(subprocess.run, [sys.executable, "-c", FORGER, relay.address], cwd=ROOT,
+                                check=True, timeout=30)
+        raw = BeatChannel(relay.address)
+        raw._sock.sendto(b"\x93not a beat", sockaddr(relay.address))
+        raw.close()
+        await asyncio.sleep(1.5)
+        assert relay.rejected == 1 and relay.invalid == 1
+        assert 4 <= relay.received <= 10 and 3 <= len(published) <= 10  # ~one batch per 0.2 s interval
+        entries = [b for batch in published for b in batch.beats]
+        assert {b.rank for b in entries} == {0} and all(b.step in (0, 4) for b in entries)  # never the forged 5
+        assert entries[-1].step == 4 and entries[-1].step_time_s == 0.05
+        stored = await _telemetry(store, "RankHeartbeats")
+        assert [e.event_id for e in stored] == [b.event_id for b in published]  # type: ignore[attr-defined]
+        assert await _telemetry(store, "Heartbeat") == []  # no beat of its own while the agent relays them
+
+        await relay.close()  # the agent is gone: the rank heartbeats through the broker again
+        await asyncio.sleep(1.0)
+        own = await _telemetry(store, "Heartbeat")
+        assert len(own) >= 3 and all(isinstance(e, Heartbeat) and e.step == 4 for e in own)
+    finally:
+        await asyncio.to_thread(tel.close)
+        await relay.close()
+        await store.close()
+
+
+def test_a_channel_nobody_listens_on_says_so_and_an_empty_address_is_refused() -> None:
+    ch = BeatChannel(f"@flightdeck-beats-test-{os.getpid()}-{time.monotonic_ns()}")
+    beat = LocalBeat(job_id=JOB, attempt=0, rank=0, step=1, occurred_at=time.time(), interval_s=1.0)
+    assert ch.send(beat) is False
+    ch.close()
+    with pytest.raises(ValueError, match="FLIGHTDECK_BEATS is empty"):
+        BeatChannel("@")
+    assert "LocalBeat" not in {t.__name__ for t in codec.ALL_TYPES}  # never on the broker: no event
