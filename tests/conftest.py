@@ -1,6 +1,7 @@
 """Shared fixtures: a real nats-server with JetStream on a free port and a temp store."""
 
 import asyncio
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -9,6 +10,15 @@ import pytest
 
 from events.streams import ensure_streams
 from services import broker as broker_mod
+
+STANDBY_ENV = "FLIGHTDECK_STANDBY"  # services.resources.agent.STANDBY_ENV (not imported: it pulls in the agent)
+
+# Node agents the tests start (as processes, which inherit this, or in-process) keep no warm standby ranks unless a
+# test asks for them (`--standby N`, or this variable in the agent's environment): each standby imports torch, about
+# 10 CPU-seconds on a 2-core box at every start and refill, which most tests never use and all of them wait behind.
+# Tests about standbys or restart speed (test_standby.py, the demo) ask explicitly; set it yourself to run every
+# test with standbys.
+os.environ.setdefault(STANDBY_ENV, "0")
 
 
 @pytest.fixture

@@ -132,17 +132,18 @@ async def assert_verified(p: Platform, job_id: str) -> None:
     assert verdict.ok, "\n".join(verify_cmd.report(verdict, "the drill's broker", every=True))
 
 
-async def start_two_nodes(p: Platform) -> None:
-    """Agents n1 and n2, one CPU slot each, each with its own data dir as on two hosts."""
-    p.agent("n1", "--slots", "1", "--grace-s", "2")
-    p.agent("n2", "--slots", "1", "--grace-s", "2", "--data-dir", str(p.root / "data-n2"))
+async def start_two_nodes(p: Platform, *extra: str) -> None:
+    """Agents n1 and n2, one CPU slot each, each with its own data dir as on two hosts; `extra` agent flags (e.g.
+    `--standby 1`: the tests keep no standbys unless asked, tests/conftest.py)."""
+    p.agent("n1", "--slots", "1", "--grace-s", "2", *extra)
+    p.agent("n2", "--slots", "1", "--grace-s", "2", "--data-dir", str(p.root / "data-n2"), *extra)
     await p.ready("n1")
     await p.ready("n2")
 
 
-def join_node(p: Platform, node: str) -> None:
+def join_node(p: Platform, node: str, *extra: str) -> None:
     """Another host's agent (one CPU slot, its own data dir) joins the fleet: a new node, or a lost one back."""
-    p.agent(node, "--slots", "1", "--grace-s", "2", "--data-dir", str(p.root / f"data-{node}"))
+    p.agent(node, "--slots", "1", "--grace-s", "2", "--data-dir", str(p.root / f"data-{node}"), *extra)
 
 
 async def kill_agent_mid_run(p: Platform, job_id: str, node: str = "n2", after_step: int = KILL_AFTER_STEP) -> float:

@@ -3,6 +3,7 @@ ranks) runs examples/demo.toml: a loss spike and then a crash in attempt 0, a ha
 complete by itself: the spike rolled back in place with a skip window, the crash and the hang each restarted,
 and the restart after the rollback resumed on the rolled-back timeline."""
 
+import os
 import re
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from services.console import upstate
+from tests.conftest import STANDBY_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 300  # the job takes about a minute on an idle 2-core box; the rest is slack for a busy one
@@ -22,10 +24,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(TIMEOUT_S + 150)]
 def run_demo(data_dir: Path, log: Path) -> tuple[int, str]:
     """The demo's exit code and output. On a timeout it is terminated (it then stops what it started), and
     `down` runs in any case, so no broker or rank outlives the test."""
+    # As `make demo` runs: one warm standby per slot (the tests' default of none, tests/conftest.py, is dropped).
+    env = {k: v for k, v in os.environ.items() if k != STANDBY_ENV}
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "services.console.demo", "--data-dir", str(data_dir),
                                  "--timeout-s", str(TIMEOUT_S - 60)], stdout=out, stderr=subprocess.STDOUT,
-                                text=True, cwd=ROOT)
+                                text=True, cwd=ROOT, env=env)
         try:
             proc.wait(TIMEOUT_S)
         except subprocess.TimeoutExpired:

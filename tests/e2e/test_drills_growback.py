@@ -35,6 +35,8 @@ from tests.integration.test_lifecycle_services import kinds
 
 pytestmark = [pytest.mark.slow]
 
+STANDBY = ("--standby", "1")
+
 
 def global_tokens(p: Platform, job_id: str) -> dict[tuple[int, int], int]:
     """(attempt, step) -> tokens all the ranks together trained on, for the steps every rank of the attempt
@@ -52,7 +54,8 @@ def global_tokens(p: Platform, job_id: str) -> dict[tuple[int, int], int]:
 @pytest.mark.timeout(200)
 async def test_a_shrunk_job_grows_back_when_a_node_joins_and_completes(drill: Platform) -> None:
     p, job, spec = drill, "growback-000001", grow_back_spec()
-    await start_two_nodes(p)
+    # With warm standbys, as a fleet runs: the restarts onto the node left and onto the joined node take them.
+    await start_two_nodes(p, *STANDBY)
     await p.submit(spec, job)
     killed = await kill_agent_mid_run(p, job) + time.time() - time.monotonic()  # as a wall-clock time
     # Shrunk: n2 found lost, the job resumed on n1 alone. Only now does n3 start (earlier, the restart would
@@ -60,7 +63,7 @@ async def test_a_shrunk_job_grows_back_when_a_node_joins_and_completes(drill: Pl
     await p.until(lambda: any(e.world_size == 1 for e in p.seen(JobResumed, job)), 90, "the job to shrink", job)
     (lost,) = p.seen(NodeLost)
     assert lost.node == "n2" and lost.occurred_at > killed
-    join_node(p, "n3")
+    join_node(p, "n3", *STANDBY)
     await p.ready("n3", within=90)
     await p.until(lambda: bool(p.seen(JobCompleted, job)) or bool(p.seen(JobFailed, job)), 120,
                   "the job to end", job)
