@@ -14,7 +14,7 @@ from nats.js.errors import BadRequestError
 
 from events import codec
 from events.base import Event
-from events.jsreader import Replay, StoreClient, is_unavailable
+from events.jsreader import Replay, StoreClient, cancellable, is_unavailable
 from events.store import AppendResult, ConcurrencyConflict, Stored, StoreUnavailable, decoded
 from events.streams import TELEMETRY_MAX_BYTES, check_server_version, ensure_streams, server_list
 from events.subjects import stream_of
@@ -84,7 +84,7 @@ class JetStreamStore:
 
     async def _call(self, fn: Callable[[], Awaitable[T]]) -> T:
         try:
-            return await fn()
+            return await cancellable(fn())  # a cancel nats-py dropped is raised, not lost
         except Exception as exc:
             if is_unavailable(exc):
                 raise StoreUnavailable(f"NATS did not answer: {exc!r}") from exc

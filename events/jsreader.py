@@ -10,7 +10,8 @@ next stream sequence wanted, so no message is skipped or repeated.
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from typing import TypeVar
 
 import nats.errors
 import structlog
@@ -23,6 +24,8 @@ from nats.js.errors import APIError, ServerError, ServiceUnavailableError
 from events.store import Stored, StoreUnavailable, decoded
 
 log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
 
 Frame = tuple[bytes, bytes, bytes, bytes]  # subject, reply, payload, raw headers (b"" when none)
 
@@ -61,6 +64,32 @@ def is_unavailable(exc: BaseException) -> bool:
     if isinstance(exc, APIError):  # an answer: only "JetStream not available" and server errors are outages
         return isinstance(exc, ServiceUnavailableError | ServerError)
     return isinstance(exc, nats.errors.Error | asyncio.TimeoutError | OSError)
+
+
+async def cancellable(call: Awaitable[T]) -> T:
+    """`await call` (a nats-py request), raising a cancel of this task that the request dropped.
+
+    nats-py times its requests out with asyncio.wait_for, which on Python 3.11 returns the answer of a request
+    answered just as its task was cancelled and drops the cancel (gh-86296). The caller's loop then runs on, and
+    whoever cancelled it and waits for it waits forever: a test's telemetry publisher, cancelled mid-append, kept
+    publishing while the test waited on it until its 180 s timeout. A dropped cancel still counts in
+    `Task.cancelling()`, so a count higher after the call than before it is a cancel that arrived during the call and
+    was lost; it is raised here (inside `asyncio.timeout` that becomes the timeout's TimeoutError, as it should)."""
+    task = asyncio.current_task()
+    before = task.cancelling() if task is not None else 0
+
+    def dropped() -> bool:
+        return task is not None and task.cancelling() > before
+
+    try:
+        result = await call
+    except Exception as exc:  # wait_for re-raises the request's own error in place of the cancel, too
+        if dropped():
+            raise asyncio.CancelledError("cancelled during a NATS request (its cancel was dropped)") from exc
+        raise
+    if dropped():
+        raise asyncio.CancelledError("cancelled during a NATS request (its cancel was dropped)")
+    return result
 
 
 def msg_id_of(headers: bytes) -> str:
@@ -115,7 +144,7 @@ class Replay:
             mem_storage=True, num_replicas=1, inactive_threshold=max(30.0, 5 * self._heartbeat_s),
             filter_subjects=self._subjects or None,
         )
-        info = await self._js.add_consumer(self._stream, config, timeout=self._timeout)
+        info = await cancellable(self._js.add_consumer(self._stream, config, timeout=self._timeout))
         self._consumer = info.name or ""
         return info.num_pending or 0
 
@@ -123,10 +152,10 @@ class Replay:
         sub, consumer, self._sub, self._consumer = self._sub, self._consumer, None, ""
         with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError, OSError):
             if sub is not None:
-                await self._nc.sink_unsubscribe(sub)
+                await cancellable(self._nc.sink_unsubscribe(sub))
             if consumer and self._nc.is_connected:
                 # an ephemeral consumer would also go by itself after inactive_threshold; this is sooner
-                await self._js.delete_consumer(self._stream, consumer)
+                await cancellable(self._js.delete_consumer(self._stream, consumer))
 
     async def _restart(self, *, forever: bool) -> int:
         """`_start`, retried while the broker is unavailable: for `timeout` seconds, or forever."""

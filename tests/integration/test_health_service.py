@@ -81,6 +81,19 @@ class Ranks:
             await asyncio.sleep(BEAT_S)
 
 
+async def ended(task: asyncio.Task[None], within: float, what: str) -> None:
+    """Wait for `task` to end (a cancel included), failing rather than hanging if it has not within `within` s: a
+    cancel dropped inside a NATS call once left the publisher running and this file waiting out its 180 s timeout
+    (events/jsreader.py `cancellable`). What the task raised is raised here."""
+    done, _ = await asyncio.wait({task}, timeout=within)
+    if not done:
+        task.cancel()
+        await asyncio.wait({task}, timeout=5)
+        raise AssertionError(f"{what} still running {within}s after it was told to stop")
+    with contextlib.suppress(asyncio.CancelledError):
+        task.result()
+
+
 async def findings(store: JetStreamStore, job_id: str) -> list[Finding]:
     return [s.event for s in await read_all(store, subjects.CONTROL, (subjects.job_all(job_id),))
             if isinstance(s.event, Finding)]
@@ -107,10 +120,9 @@ async def test_heartbeats_stopping_is_rank_lost_and_frozen_steps_are_rank_hung(n
             found = await findings(bus.store, "hm-1")
         finally:
             publisher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await publisher
+            await ended(publisher, 10, "the telemetry publisher")
             stop.set()
-            await asyncio.wait_for(task, 15)
+            await ended(task, 15, "the health service")
         lost = next(f for f in found if isinstance(f, RankLost))
         hung = next(f for f in found if isinstance(f, RankHung))
         assert (lost.rank, lost.reason, hung.rank, len(found)) == (1, "heartbeats stopped", 2, 2)
@@ -148,8 +160,7 @@ async def test_python_m_services_health_reports_a_crashed_rank(nats_server: brok
                 await asyncio.sleep(1.0)  # and nothing more: its silence afterwards is the same loss
             finally:
                 publisher.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await publisher
+                await ended(publisher, 10, "the telemetry publisher")
             (lost,) = await findings(bus.store, "hm-2")
             assert isinstance(lost, RankLost) and lost.reason == "exited with code 3" and lost.rank == 0
             assert lost.evidence[0] == "hm-2-exit" and lost.causation_id == "hm-2-exit"
