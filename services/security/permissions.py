@@ -132,7 +132,8 @@ def service(name: str, nodes: tuple[str, ...] = ()) -> Permissions:
 
 def agent(node: str | None, nodes: tuple[str, ...] = ()) -> Permissions:
     """A node agent: WorkersStarted/WorkersExited for any job (it starts whatever the grants say), the
-    RankHeartbeats batches of the ranks it runs, and its node's fleet events. Without a node, the fleet-wide `agent` user may act for any node."""
+    RankHeartbeats batches of the ranks it runs, and its node's fleet events. Without a node, the fleet-wide
+    `agent` user may act for any node."""
     if node:
         return _producer(agent_user(node), AGENT, agent_user(node), subjects.token(node), nodes)
     return _producer(AGENT, AGENT, AGENT, "*", nodes, wildcard_name=True)
