@@ -22,7 +22,7 @@ from events.job import (
     WorkersExited,
     WorkersStarted,
 )
-from events.spec import JobSpec, PolicySpec
+from events.spec import JobSpec, PolicySpec, TrainSpec
 from events.training import Heartbeat, StepCompleted
 from services.resources.spawner import START_FAILED_EXIT
 from tests.integration.test_lifecycle_services import ENDLESS, TINY, Cluster, cluster, exits, gone
@@ -137,10 +137,14 @@ async def test_with_rank0_step_reports_only_rank_0_reports_steps_and_the_agent_c
     c = cluster
     c.agent("n1", "--step-reports", "rank0")
     await c.ready()
-    await c.submit(TINY, "tiny-000005")
+    # beats 4x a second over 80 steps: the job lasts several beats even on a quiet box
+    spec = JobSpec(name="tiny", slots=2, model=TINY.model,
+                   train=TrainSpec(steps=80, checkpoint_every=40, data="synthetic"),
+                   policy=PolicySpec(heartbeat_interval_s=0.25))
+    await c.submit(spec, "tiny-000005")
     await c.until(lambda: bool(c.seen(JobCompleted, "tiny-000005")), 120, "the job to complete", "tiny-000005")
     steps = c.seen(StepCompleted, "tiny-000005", stream=subjects.TELEMETRY)
-    assert {e.rank for e in steps} == {0} and sorted(e.step for e in steps) == list(range(TINY.train.steps))
+    assert {e.rank for e in steps} == {0} and sorted(e.step for e in steps) == list(range(80))
     batches = c.seen(RankHeartbeats, "tiny-000005", stream=subjects.TELEMETRY)
     assert batches and all(e.producer == "agent-n1" and e.node == "n1" and e.rank == 0 for e in batches)
     rank1 = [b for e in batches for b in e.beats if b.rank == 1]
