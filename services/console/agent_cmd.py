@@ -16,7 +16,8 @@ from events import subjects
 from services import logging as service_logging
 from services.checkpoints.service import DATA_DIR_ENV, OBJECTS_ENV
 from services.console.cli import EXIT_NOT_FOUND, Command, UserError, add_nats_argument
-from services.resources.agent import DEFAULT_CPU_SLOTS, AgentError, add_standby_argument, run_agent
+from services.resources.agent import add_heartbeat_arguments, add_standby_argument, run_agent
+from services.resources.inventory import DEFAULT_CPU_SLOTS, AgentError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,6 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", default="127.0.0.1", help="where other nodes reach this node's rank 0")
     parser.add_argument("--grace-s", type=float, default=30.0, help="SIGTERM to SIGKILL when ranks are stopped")
     add_standby_argument(parser)
+    add_heartbeat_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
         return await run_agent(nats=args.nats, node=args.node, slots=args.slots, device=args.device,
                                data_dir=args.data_dir or os.environ.get(DATA_DIR_ENV) or ".flightdeck",
                                objects=args.objects or os.environ.get(OBJECTS_ENV) or None,
-                               address=args.address, grace_s=args.grace_s, standby=args.standby, stop_event=stop)
+                               address=args.address, grace_s=args.grace_s, standby=args.standby,
+                               heartbeats=args.heartbeats, step_reports=args.step_reports, stop_event=stop)
 
     try:
         return asyncio.run(go())

@@ -27,7 +27,10 @@ from dataclasses import dataclass, field
 import msgspec
 import structlog
 
+from events import subjects
 from events.heartbeats import LocalBeat, RankBeat, RankHeartbeats
+from events.store import EventStore
+from services.connection import TRANSIENT
 
 log = structlog.get_logger("flightdeck.agent.beats")
 
@@ -186,3 +189,22 @@ class BeatRelay:
                     await asyncio.wait_for(self._wake.wait(), wait)
             for batch in self.batches.take_due(time.monotonic(), time.time()):
                 await self.publish(batch)
+
+
+def store_publisher(store: EventStore) -> Publish:
+    """Publish a batch, or drop it when the broker does not take it within its interval (the next is newer)."""
+    dropped = 0
+    logged_at = 0.0
+
+    async def publish(batch: RankHeartbeats) -> None:
+        nonlocal dropped, logged_at
+        subject = subjects.telemetry(batch.job_id, batch.rank, "RankHeartbeats")
+        try:
+            await asyncio.wait_for(store.append(subject, batch, msg_id=batch.event_id), batch.interval_s)
+        except TRANSIENT as exc:
+            dropped += 1
+            if time.monotonic() - logged_at >= 10.0:
+                logged_at = time.monotonic()
+                log.warning("heartbeat batch dropped: the broker did not take it in time", job_id=batch.job_id,
+                            attempt=batch.attempt, beats=len(batch.beats), dropped=dropped, error=repr(exc))
+    return publish

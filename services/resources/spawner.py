@@ -1,13 +1,7 @@
 """The node agent's effects: start a job's ranks, stop them, fetch checkpoints into the node's cache, and
 watch every rank until it exits (recorded as WorkersExited).
 
-Layout under the agent's data dir:
-
-    jobs/<job>/spec.toml                  the spec the ranks read
-    cache/<job>/<checkpoint_id>/          a committed checkpoint, downloaded and verified (restore, rollback)
-    staging/                              where ranks stage their checkpoints
-    logs/<job>-a<attempt>-r<rank>.log     each rank's stdout and stderr
-    logs/standby.log                      warm standbys' output until each becomes a rank
+The data dir's layout and how a rank's process is set up are in launch.py.
 
 A rank dies with its agent: it is started with PR_SET_PDEATHSIG = SIGKILL, so a lost agent means lost
 ranks (the health service notices; the next agent on the node records them as exited). WorkersStarted
@@ -22,11 +16,9 @@ pid recorded as the rank's, and its exit watched and recorded the same way.
 
 import asyncio
 import contextlib
-import ctypes
 import os
 import shutil
 import signal
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,52 +47,14 @@ from services.resources.agentcore import (
     SpawnArgs,
     StopArgs,
 )
+from services.resources.launch import REPO, Launch, Paths, die_with_agent, exit_msg_id, rank_base_env
 from services.resources.standbys import StandbyPool
-from services.security.credentials import AGENT_ONLY, rank_env
+from services.security.credentials import rank_env
 from trainer.beats import BEATS_ENV, STEP_REPORTS_ENV
 
 log = structlog.get_logger("flightdeck.agent")
 
-REPO = Path(__file__).resolve().parents[2]
 START_FAILED_EXIT = 125  # recorded for ranks that could not be started (no checkpoint, no executable)
-PR_SET_PDEATHSIG = 1
-_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
-
-
-@dataclass(frozen=True)
-class Paths:
-    root: Path  # absolute
-
-    def spec(self, job_id: str) -> Path:
-        return self.root / "jobs" / job_id / "spec.toml"
-
-    def cache(self, job_id: str, checkpoint_id: str = "") -> Path:
-        base = self.root / "cache" / job_id
-        return base / checkpoint_id if checkpoint_id else base
-
-    @property
-    def staging(self) -> Path:
-        return self.root / "staging"
-
-    def log(self, job_id: str, attempt: int, rank: int) -> Path:
-        return self.root / "logs" / f"{job_id}-a{attempt}-r{rank}.log"
-
-    @property
-    def standby_log(self) -> Path:
-        return self.root / "logs" / "standby.log"  # what standbys print before they become ranks
-
-
-@dataclass(frozen=True)
-class Launch:
-    """How ranks are started on this node."""
-
-    nats_url: str
-    device: str  # "cpu" or "cuda"
-    grace_s: float  # SIGTERM, then this long, then SIGKILL
-    checkpoints_flag: bool  # the trainer accepts --checkpoints (where rollbacks find committed checkpoints)
-    python: str = sys.executable
-    beats: str = ""  # the agent's heartbeat socket (services/resources/beats.py); "": ranks publish their own
-    step_reports: str = "all"  # "rank0": ranks > 0 leave their steps to the agent's batches (trainer/beats.py)
 
 
 @dataclass(eq=False)
@@ -116,31 +70,6 @@ class RankProc:
     @property
     def alive(self) -> bool:
         return self.proc.returncode is None
-
-
-def exit_msg_id(producer: str, job_id: str, attempt: int, rank: int) -> str:
-    return f"{producer}:exit:{job_id}:{attempt}:{rank}"
-
-
-def rank_base_env() -> dict[str, str]:
-    """What every rank's environment holds besides its rendezvous variables (a standby starts with this)."""
-    return {**os.environ, "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))}
-
-
-def standby_env() -> dict[str, str]:
-    """A standby's environment: a rank's base without the agent's own identity (a standby becomes a rank; the
-    job's credential comes with its assignment, security/credentials.rank_env)."""
-    return {k: v for k, v in rank_base_env().items() if k not in AGENT_ONLY}
-
-
-def die_with_agent(agent_pid: int) -> Callable[[], None]:
-    def preexec() -> None:  # runs in the child between fork and exec
-        if _LIBC is not None:
-            _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != agent_pid:  # the agent died before prctl took effect
-            os._exit(1)
-    return preexec
 
 
 def detached(producer: str, **context: Any) -> None:

@@ -26,7 +26,8 @@ from services.health.core import core_service as health
 from services.resharder.core import core_service as resharder
 from services.resources.agentcore import core_service as agent
 from services.resources.core import core_service as resources
-from services.resources.spawner import Launch, Paths, Spawner
+from services.resources.launch import Launch, Paths
+from services.resources.spawner import Spawner
 from services.runtime import ConsumerPolicy, consumer_name, run_service
 from services.scheduler.core import core_service as scheduler
 from tests.integration.runtime_helpers import eventually, read_all

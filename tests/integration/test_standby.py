@@ -21,7 +21,7 @@ from events.job import JobCompleted, WorkersStarted
 from events.spec import FaultSpec, JobSpec
 from events.training import RankStarted, StepCompleted
 from services.resources.agent import STANDBY_ENV, kill_if_rank
-from services.resources.spawner import REPO, die_with_agent, standby_env
+from services.resources.launch import REPO, die_with_agent, standby_env
 from services.resources.standbys import Standby, StandbyPool
 from tests.integration.test_lifecycle_services import ENDLESS, TINY, Cluster, cluster, exits, gone
 

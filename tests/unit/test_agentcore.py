@@ -36,7 +36,8 @@ from services.resources.agentcore import (
     State,
     StopArgs,
 )
-from services.resources.spawner import Launch, Paths, Spawner
+from services.resources.launch import Launch, Paths
+from services.resources.spawner import Spawner
 
 SPEC = JobSpec(name="j", slots=3, train=TrainSpec(steps=20, data="synthetic"))
 
