@@ -98,8 +98,9 @@ class Telemetry:
         self._loop = bus.LoopThread(f"telemetry-{rank}")
         self._beat_stop = threading.Event()
         self._beat_thread: threading.Thread | None = None
-        self._step = 0
-        self._step_time_s = 0.0  # the newest step's duration, carried by beats through the agent
+        # (last completed step, its duration): one value, so the heartbeat thread never pairs a step with the
+        # time of the step before it; the duration rides beats through the agent
+        self._progress = (0, 0.0)
         self._beats = beats
         self._closed = False
         self._subjects: dict[str, str] = {}
@@ -153,7 +154,7 @@ class Telemetry:
                 self._loop.call_soon(wake.set)
 
     def set_step(self, step: int, step_time_s: float = 0.0) -> None:
-        self._step, self._step_time_s = step, step_time_s
+        self._progress = (step, step_time_s)
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop heartbeating, publish what is queued within `timeout`, stop the threads.
@@ -179,17 +180,17 @@ class Telemetry:
         while True:
             if not self._beat_to_agent():
                 self.emit(Heartbeat(job_id=self._job_id, rank=self._rank, attempt=self._attempt, node=self._node,
-                                    step=self._step, interval_s=self._heartbeat_s))
+                                    step=self._progress[0], interval_s=self._heartbeat_s))
             if self._beat_stop.wait(self._heartbeat_s):
                 return
 
     def _beat_to_agent(self) -> bool:
         if self._beats is None:
             return False
-        step, step_time = self._step, self._step_time_s
+        step, step_time = self._progress
         beat = LocalBeat(job_id=self._job_id, attempt=self._attempt, rank=self._rank, step=step,
                          occurred_at=time.time(), interval_s=self._heartbeat_s,
-                         step_time_s=step_time if step >= 0 and step_time > 0 else 0.0)
+                         step_time_s=max(step_time, 0.0) if step >= 0 else 0.0)
         if self._beats.send(beat):
             return True
         self._log.warning("telemetry.agent_gone", address=self._beats.address,
