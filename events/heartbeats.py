@@ -7,8 +7,9 @@ health monitor folds each entry exactly as it folds a rank's own Heartbeat (the 
 evidence a finding cites), plus the step time of the rank's newest step, which is what straggler and hang
 detection need from the ranks that no longer publish a StepCompleted per step.
 
-Subject: `fd.tel.<job>.<rank>.RankHeartbeats`, where `rank` is the lowest rank the agent runs for the job on
-that node (the node's "subject rank"), so the subject grammar, its checks and a job's publish permission
+Subject: `fd.tel.<job>.<rank>.RankHeartbeats`, where `rank` is the lowest rank the agent has relayed for the
+job and attempt so far (the node's "subject rank": the first batch may name a higher one than later batches
+when its lowest rank beat later), so the subject grammar, its checks and a job's publish permission
 (`fd.tel.<job>.>`) stay as they are. A rank missing from a batch has not beaten since the previous one.
 
 `LocalBeat` is what a rank hands its node agent over the node-local datagram socket (trainer/beats.py,
@@ -35,7 +36,7 @@ class RankBeat(msgspec.Struct, frozen=True, kw_only=True):
 
 class RankHeartbeats(RankEvent, frozen=True, kw_only=True):
     """The heartbeats of a node's ranks of one job and attempt since the agent's previous batch; `rank` is the
-    node's subject rank (its lowest), `node` the agent's node."""
+    node's subject rank (the lowest it has relayed), `node` the agent's node. Readers use the entries' ranks."""
 
     interval_s: float
     beats: list[RankBeat]
