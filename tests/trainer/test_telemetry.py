@@ -139,6 +139,7 @@ def test_full_backlog_drops_heartbeats_and_steps_but_not_faults(nats_server: bro
     nats_server.stop()  # the rank starts with its broker away
     tel = Telemetry(nats_server.url, JOB, 0, 0, "node-a", heartbeat_s=60, capacity=100)
     tel.start()
+    _wait(lambda: tel.num_pending == 1, 10)  # the start heartbeat is queued first (its thread may lag on a busy box)
     sent: list[RankEvent] = []
     for i in range(400):
         e: RankEvent = _fault(i) if i % 8 == 0 else _step(i)
