@@ -35,11 +35,28 @@ _STATUS = b"NATS/1.0 "
 
 
 class StoreClient(Client):
-    """nats-py's client, plus sink subscriptions whose frames bypass the per-message machinery."""
+    """nats-py's client, plus sink subscriptions whose frames bypass the per-message machinery, and requests that
+    fail as soon as the connection they went out on is lost."""
 
     def __init__(self) -> None:
         super().__init__()
         self._sinks: dict[int, Callable[[Frame], None]] = {}
+        self.requests_abandoned = 0  # requests failed because their connection was lost under them
+
+    async def _attempt_reconnect(self) -> None:
+        self._abandon_requests()
+        await super()._attempt_reconnect()
+
+    def _abandon_requests(self) -> None:
+        """Fail every request still waiting for its answer: it was written to (or queued for) the connection just
+        lost, and nats-py would leave it waiting its whole timeout (5 s) for an answer that cannot come. A broker
+        restart then stalled whoever made it long after the reconnect (a service's ticks, for 4.5 s). The callers
+        retry at once; a request that did land is answered again by its msg id, as after any timeout. Requests
+        made from here on wait in nats-py's pending buffer and go out on the new connection."""
+        for future in list(self._resp_map.values()):
+            if not future.done():
+                future.set_exception(nats.errors.ConnectionReconnectingError())
+                self.requests_abandoned += 1
 
     async def _process_msg(self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes) -> None:
         sink = self._sinks.get(sid)

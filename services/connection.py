@@ -19,7 +19,8 @@ log = structlog.get_logger("flightdeck.shell")
 TRANSIENT: tuple[type[BaseException], ...] = (
     StoreUnavailable, nats.errors.TimeoutError, nats.errors.ConnectionClosedError, nats.errors.NoRespondersError,
     nats.errors.StaleConnectionError, nats.errors.OutboundBufferLimitError, nats.errors.FlushTimeoutError,
-    nats.js.errors.ServiceUnavailableError, asyncio.TimeoutError, ConnectionError, OSError,
+    nats.errors.ConnectionReconnectingError, nats.js.errors.ServiceUnavailableError, asyncio.TimeoutError,
+    ConnectionError, OSError,
 )
 
 
