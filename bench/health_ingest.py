@@ -1,0 +1,91 @@
+"""How fast the health core folds telemetry, pure and in-process: 4,096 ranks at 1 Hz (a heartbeat and a step each
+per second) against 256 ranks measured in the same run, so the ratio shows whether a beat's cost grows with the
+job's size (an O(ranks) heartbeat would make it ~16x).
+
+    python bench/health_ingest.py [--seconds 6] [--repeats 3]
+
+Goals: >= 20,000 events/s at 4,096 ranks on a 2-core CPU box; per-event cost at 4,096 / at 256 <= 1.5.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from events.clock import ClockTick
+from events.spec import PolicySpec
+from events.training import Heartbeat, StepCompleted
+from services.health.core import NAME
+from tests.unit.health_synth import SERVICE, Cluster
+
+
+def telemetry(c: Cluster, num_ranks: int, second: int) -> list[Heartbeat | StepCompleted]:
+    out: list[Heartbeat | StepCompleted] = []
+    for rank in range(num_ranks):
+        env: dict[str, Any] = {"job_id": c.job_id, "rank": rank, "attempt": 0, "node": f"n{rank // 8}"}
+        at = second + rank / num_ranks
+        out.append(StepCompleted(step=second, loss=2.0 - second * 1e-3 + rank * 1e-7, grad_norm=1.0, lr=1e-3,
+                                 tokens_per_s=1e5, step_time_s=0.9 + (rank % 7) * 0.01, event_id=f"s{second}-{rank}",
+                                 occurred_at=at, **env))
+        out.append(Heartbeat(step=second, interval_s=1.0, event_id=f"h{second}-{rank}", occurred_at=at, **env))
+    return out
+
+
+def fold(num_ranks: int, seconds: int) -> dict[str, float]:
+    """Fold `seconds` of a healthy job's telemetry and ticks; events/s, the slowest tick, and the findings made."""
+    c = Cluster(num_ranks=num_ranks, policy=PolicySpec(straggler_window=3))
+    c.start()
+    batches = [telemetry(c, num_ranks, s) for s in range(seconds)]
+    ticks = [ClockTick(service=NAME, now=s + 1.0, positions={}, event_id=f"t{s}", occurred_at=s + 1.0)
+             for s in range(seconds)]
+    state = SERVICE.initial
+    for ev in c.events:
+        state = SERVICE.evolve(state, ev)
+    folded = outputs = 0
+    slowest_tick = 0.0
+    began = time.perf_counter()
+    for batch, tick in zip(batches, ticks, strict=True):
+        for ev in batch:
+            state = SERVICE.evolve(state, ev)
+            outputs += len(SERVICE.decide(state, ev))
+        t0 = time.perf_counter()
+        state = SERVICE.evolve(state, tick)
+        outputs += len(SERVICE.decide(state, tick))
+        slowest_tick = max(slowest_tick, time.perf_counter() - t0)
+        folded += len(batch) + 1
+    elapsed = time.perf_counter() - began
+    return {"events_per_s": folded / elapsed, "us_per_event": elapsed / folded * 1e6,
+            "slowest_tick_ms": slowest_tick * 1e3, "findings": outputs}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seconds", type=int, default=6)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "cpu-health-ingest.json")
+    args = ap.parse_args()
+    runs: dict[int, list[dict[str, float]]] = {256: [], 4096: []}
+    for _ in range(args.repeats):  # interleaved, so drift in the box's load hits both sizes alike
+        for n in runs:
+            runs[n].append(fold(n, args.seconds))
+    summary: dict[str, Any] = {"load_1m": os.getloadavg()[0], "seconds": args.seconds, "repeats": args.repeats}
+    for n, rs in runs.items():
+        summary[str(n)] = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+    summary["cost_ratio_4096_vs_256"] = summary["4096"]["us_per_event"] / summary["256"]["us_per_event"]
+    for n in runs:
+        s = summary[str(n)]
+        print(f"{n:>5} ranks: {s['events_per_s']:>9,.0f} events/s ({s['us_per_event']:.1f} us each), slowest tick "
+              f"{s['slowest_tick_ms']:.1f} ms, findings {s['findings']:.0f}")
+    print(f"per-event cost, 4,096 vs 256 ranks: {summary['cost_ratio_4096_vs_256']:.2f}x "
+          f"(load {summary['load_1m']:.1f})")
+    args.out.write_text(json.dumps(summary, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
