@@ -23,6 +23,19 @@ from services.health.core import NAME, State, core_service
 SERVICE = core_service()
 
 
+def steady_second(job_id: str, num_ranks: int, second: int) -> list[Heartbeat | StepCompleted]:
+    """One simulated second of a healthy job at 1 Hz: a StepCompleted and a Heartbeat from every rank, 8 to a node."""
+    out: list[Heartbeat | StepCompleted] = []
+    for rank in range(num_ranks):
+        env: dict[str, Any] = {"job_id": job_id, "rank": rank, "attempt": 0, "node": f"n{rank // 8}"}
+        at = second + rank / num_ranks
+        out.append(StepCompleted(step=second, loss=2.0 - second * 1e-3 + rank * 1e-7, grad_norm=1.0, lr=1e-3,
+                                 tokens_per_s=1e5, step_time_s=0.9 + (rank % 7) * 0.01, event_id=f"s{second}-{rank}",
+                                 occurred_at=at, **env))
+        out.append(Heartbeat(step=second, interval_s=1.0, event_id=f"h{second}-{rank}", occurred_at=at, **env))
+    return out
+
+
 def loss_curve(step: int, *, a: float = 2.0, b: float = 1.0, tau: float = 300.0) -> float:
     return b + a * math.exp(-step / tau)
 

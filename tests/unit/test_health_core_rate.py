@@ -5,34 +5,20 @@ Its speed (events/s, the cost of a tick, and whether a beat's cost grows with th
 """
 
 import time
-from typing import Any
 
 from events.clock import ClockTick
 from events.spec import PolicySpec
-from events.training import Heartbeat, StepCompleted
 from services.health.core import NAME
-from tests.unit.health_synth import SERVICE, Cluster
+from tests.unit.health_synth import SERVICE, Cluster, steady_second
 
 NUM_RANKS = 4096
 SECONDS = 6
 
 
-def telemetry(c: Cluster, second: int) -> list[Heartbeat | StepCompleted]:
-    out: list[Heartbeat | StepCompleted] = []
-    for rank in range(NUM_RANKS):
-        env: dict[str, Any] = {"job_id": c.job_id, "rank": rank, "attempt": 0, "node": f"n{rank // 8}"}
-        at = second + rank / NUM_RANKS
-        out.append(StepCompleted(step=second, loss=2.0 - second * 1e-3 + rank * 1e-7, grad_norm=1.0, lr=1e-3,
-                                 tokens_per_s=1e5, step_time_s=0.9 + (rank % 7) * 0.01, event_id=f"s{second}-{rank}",
-                                 occurred_at=at, **env))
-        out.append(Heartbeat(step=second, interval_s=1.0, event_id=f"h{second}-{rank}", occurred_at=at, **env))
-    return out
-
-
 def test_a_healthy_4096_rank_job_folds_without_a_finding() -> None:
     c = Cluster(num_ranks=NUM_RANKS, policy=PolicySpec(straggler_window=3))
     c.start()
-    batches = [telemetry(c, s) for s in range(SECONDS)]
+    batches = [steady_second(c.job_id, NUM_RANKS, s) for s in range(SECONDS)]
     ticks = [ClockTick(service=NAME, now=s + 1.0, positions={}, event_id=f"t{s}", occurred_at=s + 1.0)
              for s in range(SECONDS)]
     evolve, decide = SERVICE.evolve, SERVICE.decide
