@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-unit test-integration lint chaos bench clean
+.PHONY: install demo test test-unit test-integration lint chaos clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -25,6 +25,9 @@ test: $(STAMP)
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit tests/contract
+
+test-integration: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile tests/integration
 
 lint: $(STAMP)
 	$(BIN)/ruff check events services trainer tests bench
