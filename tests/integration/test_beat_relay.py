@@ -53,6 +53,7 @@ async def test_a_ranks_beats_reach_the_broker_in_batches_and_impostors_do_not(na
     tel = Telemetry(nats_server.url, JOB, 0, 0, "n1", heartbeat_s=0.2, beats=BeatChannel(relay.address))
     try:
         tel.start()
+        began = time.monotonic()
         tel.set_step(4, 0.05)
         # another local process claiming to be rank 0, and bytes that are no beat
         await asyncio.to_thread(subprocess.run, [sys.executable, "-c", FORGER, relay.address], cwd=ROOT,
@@ -62,7 +63,10 @@ async def test_a_ranks_beats_reach_the_broker_in_batches_and_impostors_do_not(na
         await asyncio.sleep(1.5)
         assert relay.rejected == 1 and relay.invalid == 1
         published = [e for e in await _telemetry(store, "RankHeartbeats") if isinstance(e, RankHeartbeats)]
-        assert 4 <= relay.received <= 10 and 3 <= len(published) <= 10  # ~one batch per 0.2 s interval
+        # One beat, and at most one batch, per 0.2 s of the time this took (+2: the first beat and batch go out at
+        # once); the forger's start-up makes that longer on a loaded box (a fixed 10 failed at 11 under a CPU hog).
+        most = (time.monotonic() - began) / 0.2 + 2
+        assert 4 <= relay.received <= most and 3 <= len(published) <= most, (relay.received, len(published), most)
         assert all(e.producer == "agent-n1" and e.node == "n1" and e.rank == 0 for e in published)
         entries = [b for batch in published for b in batch.beats]
         assert {b.rank for b in entries} == {0} and all(b.step in (0, 4) for b in entries)  # never the forged 5
