@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m services.console.demo
+	$(BIN)/python -m services.tools.console.demo
 
 # Whole files go to one of 3 workers (--dist loadfile): a file's tests may share a module-scoped platform.
 TEST_WORKERS ?= 3

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from events import codec, subjects
 from events.jetstream import JetStreamStore
 from events.training import StepCompleted
-from services import broker
+from services.shell import broker
 
 
 def steps(n: int, tag: str) -> list[tuple[str, StepCompleted]]:

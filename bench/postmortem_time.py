@@ -1,11 +1,11 @@
 """Time to write the postmortem of a 1M-event job history (telemetry included), against reading the file raw.
 
-A synthetic history (services/postmortem/synthetic.py: N ranks' steps, heartbeats and checkpoints, the health
+A synthetic history (services/tools/postmortem/synthetic.py: N ranks' steps, heartbeats and checkpoints, the health
 monitor's clock, a crash, a loss spike and a hang with their detections, decisions and recoveries) is written as
 an .fdh file, then timed end to end as `flightdeck postmortem --from FILE` does it:
 
-    load      services.history.fdh.load: parse, check and decode every row
-    analyse   services.postmortem.analyse: the single pass, incidents, goodput, timeline
+    load      services.tools.history.fdh.load: parse, check and decode every row
+    analyse   services.tools.postmortem.analyse: the single pass, incidents, goodput, timeline
     plots     the three PNGs (curves reduced to at most 2,000 points)
     report    report.md and report.html (PNGs inlined)
 
@@ -32,11 +32,11 @@ import msgspec
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from events import codec
-from services.history import fdh
-from services.postmortem.analysis import analyse
-from services.postmortem.plots import draw_all
-from services.postmortem.report import blocks, html_page, markdown
-from services.postmortem.synthetic import Scenario, synthesise
+from services.tools.history import fdh
+from services.tools.postmortem.analysis import analyse
+from services.tools.postmortem.plots import draw_all
+from services.tools.postmortem.report import blocks, html_page, markdown
+from services.tools.postmortem.synthetic import Scenario, synthesise
 
 RESULTS = Path(__file__).resolve().parent / "results" / "cpu-postmortem-time.json"
 

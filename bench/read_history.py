@@ -28,7 +28,7 @@ from events.base import Event
 from events.clock import ClockTick
 from events.jetstream import JetStreamStore
 from events.job import AllocationRequested, JobQueued, WorkersExited
-from services import broker
+from services.shell import broker
 
 
 def history(n: int, jobs: int = 100) -> list[tuple[str, Event]]:

@@ -8,7 +8,7 @@ The history is one 4-rank job: every step a StepCompleted and a Heartbeat per ra
 ClockTick (recording its telemetry position) every 50 telemetry messages, checkpoints every 100 steps, the
 job's lifecycle on FD_CONTROL; a second job's telemetry (a tenth of the stream) that the replay filters out.
 
-- ours: `services.history.read.job_rows` (the batched reader of events/jsreader.py, events decoded once with
+- ours: `services.tools.history.read.job_rows` (the batched reader of events/jsreader.py, events decoded once with
   the reused msgspec decoder) -> `History` (the read-only store over the rows) -> the replay fold
   (`replay_cmd.replayed`: the job's state at the end and its timeline);
 - raw: nats-py ordered consumers with a callback (its fastest documented path) over the same selection,
@@ -51,10 +51,10 @@ from events.job import (
 from events.spec import JobSpec
 from events.store import Stored, decoded
 from events.training import Heartbeat, StepCompleted
-from services import broker
-from services.console.replay_cmd import replayed
-from services.history import History
-from services.history.read import job_rows
+from services.shell import broker
+from services.tools.console.replay_cmd import replayed
+from services.tools.history import History
+from services.tools.history.read import job_rows
 
 JOB, OTHER, RANKS = "bench-000001", "other-000002", 4
 T0 = 1.7e9

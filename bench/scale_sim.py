@@ -24,7 +24,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.sim.harness import RunConfig, run
+from bench.sim.harness import RunConfig, run
 
 RESULTS = Path(__file__).resolve().parent / "results" / "cpu-scale-sim.json"
 

@@ -37,7 +37,7 @@ from events import subjects
 from events.job import AllocationGranted, JobCompleted, JobSubmitted, WorkersStarted
 from events.spec import JobSpec, ModelSpec, TrainSpec
 from events.training import RankStarted, StepCompleted
-from services import broker
+from services.shell import broker
 from tests.integration.lifecycle_harness import Objects, Platform, open_platform
 
 PARTS = ("scheduling", "spawn", "startup", "first_step")

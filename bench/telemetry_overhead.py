@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from events.spec import JobSpec, ModelSpec, TrainSpec
 from events.streams import ensure_streams
-from services import broker
+from services.shell import broker
 from trainer import distributed
 from trainer.commands import CommandInbox
 from trainer.config import RunConfig

@@ -39,7 +39,7 @@ class CheckpointCommitted(JobEvent, frozen=True, kw_only=True):
     data: DataPosition
     manifest_sha256: str = ""  # sha256 of MANIFEST.json as written; a restore refuses any other manifest
     attempt: int = 0  # the attempt whose ranks staged it
-    timeline: int = 0  # rollbacks that attempt had applied when it staged (services/checkpoints/lineage.py)
+    timeline: int = 0  # rollbacks that attempt had applied when it staged (events/lineage.py)
 
 
 class CheckpointFailed(JobEvent, frozen=True, kw_only=True):

@@ -12,8 +12,8 @@ job and attempt so far (the node's "subject rank": the first batch may name a hi
 when its lowest rank beat later), so the subject grammar, its checks and a job's publish permission
 (`fd.tel.<job>.>`) stay as they are. A rank missing from a batch has not beaten since the previous one.
 
-`LocalBeat` is what a rank hands its node agent over the node-local datagram socket (trainer/beats.py,
-services/resources/beats.py); it never reaches the broker. Its bounds are checked as it is decoded, since
+`LocalBeat` is what a rank hands its node agent over the node-local datagram socket (events/nodelocal.py,
+services/agent/beats.py); it never reaches the broker. Its bounds are checked as it is decoded, since
 any local process can write to the socket.
 """
 

@@ -16,6 +16,8 @@ import re
 CONTROL = "FD_CONTROL"
 TELEMETRY = "FD_TELEMETRY"
 DEAD = "FD_DEAD"
+# The built-in services: each has its clock and dead-letter subjects, durable consumer and broker user.
+SERVICES = ("scheduler", "resources", "checkpoints", "health", "resharder")
 
 STREAM_SUBJECTS: dict[str, str] = {CONTROL: "fd.ctl.>", TELEMETRY: "fd.tel.>", DEAD: "fd.dead.>"}
 

@@ -10,10 +10,10 @@ import structlog
 
 from events.streams import ServerTooOld
 from services import registry
-from services.broker import nats_url
 from services.core import Service
-from services.logging import configure
-from services.runtime import ConsumerPolicy, PublishDenied, run_service
+from services.shell.broker import nats_url
+from services.shell.logging import configure
+from services.shell.runtime import ConsumerPolicy, PublishDenied, run_service
 
 log = structlog.get_logger("flightdeck.service")
 

@@ -1,6 +1,6 @@
 """The contract every service's pure core fulfils, and the outputs a core may return.
 
-A core never does I/O: the shell (services/runtime.py) feeds it decoded events in a recorded
+A core never does I/O: the shell (services/shell/runtime.py) feeds it decoded events in a recorded
 order and stores what it returns. The same cores run live, on a restart's rebuild, and in
 `flightdeck verify` / `whatif`, which is why they must be deterministic functions of their inputs.
 

@@ -10,10 +10,11 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from events import subjects
 from events.base import Event
 from services.core import Emit, Service
 
-BUILTIN = ("scheduler", "resources", "checkpoints", "health", "resharder")
+BUILTIN = subjects.SERVICES
 EXTRA_ENV = "FLIGHTDECK_EXTRA_SERVICES"
 
 

@@ -9,9 +9,9 @@ import nats
 import pytest
 
 from events.streams import ensure_streams
-from services import broker as broker_mod
+from services.shell import broker as broker_mod
 
-STANDBY_ENV = "FLIGHTDECK_STANDBY"  # services.resources.agent.STANDBY_ENV (not imported: it pulls in the agent)
+STANDBY_ENV = "FLIGHTDECK_STANDBY"  # services.agent.main.STANDBY_ENV (not imported: it pulls in the agent)
 
 # Node agents the tests start (as processes, which inherit this, or in-process) keep no warm standby ranks unless a
 # test asks for them (`--standby N`, or this variable in the agent's environment): each standby imports torch, about

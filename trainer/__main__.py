@@ -9,9 +9,10 @@ from typing import Any
 
 import structlog
 
+from events.nodelocal import BeatChannel
 from events.training import RankFault
 from trainer import config, distributed
-from trainer.beats import BeatChannel, steps_to_bus
+from trainer.beats import steps_to_bus
 from trainer.commands import CommandInbox
 from trainer.loop import Loop
 from trainer.reports import Emitter
@@ -25,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     structlog.contextvars.bind_contextvars(job_id=cfg.job_id, rank=cfg.rank, attempt=cfg.attempt)
     log = structlog.get_logger("trainer")
     envelope: dict[str, Any] = {"job_id": cfg.job_id, "rank": cfg.rank, "attempt": cfg.attempt, "node": cfg.node}
-    beats = BeatChannel.from_env()  # the node agent batches this node's heartbeats (trainer/beats.py)
+    beats = BeatChannel.from_env()  # the node agent batches this node's heartbeats (events/nodelocal.py)
     telemetry = Telemetry(cfg.nats_url, cfg.job_id, cfg.rank, cfg.attempt, cfg.node,
                           heartbeat_s=cfg.spec.policy.heartbeat_interval_s, beats=beats)
     # Only rank 0's view of the commands counts (it is broadcast), so only rank 0 subscribes.

@@ -148,7 +148,7 @@ def _secret_file(env: Mapping[str, str], name: str) -> str:
 
 
 def credentials(env: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """nats-py options from the variables services/security/credentials.py documents (the node agent sets
+    """nats-py options from the variables services/shell/security/credentials.py documents (the node agent sets
     them for its ranks): the job's user and a file with its password, TLS CA and client certificate. The
     password is read here and kept in the connection only: never logged, never on a command line."""
     env = os.environ if env is None else env

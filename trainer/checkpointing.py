@@ -52,7 +52,7 @@ def manifest_in(path: Path) -> Path | None:
     return next((path / n for n in MANIFEST_NAMES if (path / n).exists()), None)
 
 
-# services/checkpoints/manifest.py's cap (a trainer imports no service; a test holds the two equal): the
+# services/shell/objects/manifest.py's cap (a trainer imports no service; a test holds the two equal): the
 # checkpoint service writes no larger manifest, so a larger one is hostile and is not read into memory.
 MAX_MANIFEST_BYTES = 16_843_008
 

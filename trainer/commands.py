@@ -123,7 +123,7 @@ class CommandInbox:
         config = ConsumerConfig(
             # Named, with the job's history as its one filter: nats-py then puts the filter in the API
             # subject ($JS.API.CONSUMER.CREATE.<stream>.<name>.<filter>), which is how the broker's
-            # permissions confine a job's ranks to their own job (services/security/permissions.py).
+            # permissions confine a job's ranks to their own job (services/shell/security/permissions.py).
             # Commands are picked out of the job's events in _take.
             name=f"inbox-{uuid.uuid4().hex}",
             ack_policy=AckPolicy.NONE,

@@ -1,7 +1,7 @@
 """A warm standby rank: a process that has already imported torch and the trainer, waiting for one assignment
 from its node agent; it then becomes that rank exactly as `python -m trainer ...` would have run it.
 
-    python -m trainer.standby --fd N       (started by the node agent: services/resources/standbys.py)
+    python -m trainer.standby --fd N       (started by the node agent: services/agent/standbys.py)
 
 N is the standby's end of a SOCK_SEQPACKET socket pair. One message each way, then the socket is closed:
     standby -> agent   READY, once the imports are done
@@ -18,7 +18,7 @@ path itself must match) or working directory, or a command that is not `python -
 execs the command cold instead: same pid, log and parent-death signal, just no head start. So does a
 standby whose imports failed (the traceback is in the standby log; the rank's own log shows it if it is real).
 
-This module imports no torch at the top: the node agent imports it for the Assignment type.
+The messages and their limits are events/nodelocal.py's.
 """
 
 import argparse
@@ -31,32 +31,14 @@ import sys
 import time
 import traceback
 
-import msgspec
+from events.nodelocal import ASSIGNMENT_DECODER, LATE_ENV, MAX_MESSAGE, OWN_ENV_PREFIX, READY, Assignment
 
-READY = b"R"
-MAX_MESSAGE = 1 << 20  # an assignment is the rank's command line and environment: a few KB
-# What a rank's run reads from the environment only after the assignment (torch.distributed, trainer.config).
-LATE_ENV = frozenset({"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-                      "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT"})
-OWN_ENV_PREFIX = "FLIGHTDECK_"  # read where used (trainer/bus.py, events/streams.py), never at import
 # Everything `python -m trainer` imports (trainer/__main__.py's imports and what they load on first use), but
 # not trainer.__main__ itself: runpy warns when the module it runs as __main__ is already imported.
 # torch._dynamo: torch.optim's Optimizer.__init__ imports it on first use (as much time again as `import torch`).
 WARM_MODULES = ("torch", "torch._dynamo", "torch.distributed", "torch.distributed.checkpoint", "torch.nn.parallel",
                 "nats", "trainer.config", "trainer.distributed", "trainer.commands", "trainer.loop", "trainer.reports",
                 "trainer.telemetry", "trainer.checkpointing", "trainer.model", "trainer.data")
-
-
-class Assignment(msgspec.Struct, frozen=True, kw_only=True):
-    """The rank a standby becomes: the command line and environment a cold start would exec, and its cwd."""
-
-    argv: list[str]  # argv[0] is the interpreter, as for execve
-    env: dict[str, str]
-    cwd: str
-
-
-ENCODER = msgspec.msgpack.Encoder()
-DECODER = msgspec.msgpack.Decoder(Assignment)
 
 
 def warm_module(a: Assignment, baseline: dict[str, str]) -> str | None:
@@ -118,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) or len(fds) != 1:
         print(f"standby {os.getpid()}: assignment truncated or with {len(fds)} descriptors, not 1", file=sys.stderr)
         return 2
-    return become(DECODER.decode(message), fds[0], baseline, warm)
+    return become(ASSIGNMENT_DECODER.decode(message), fds[0], baseline, warm)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ The step never waits on the network. While the broker is away events wait in the
 full the oldest Heartbeat/StepCompleted go first, and facts a postmortem needs (faults, drills,
 checkpoints staged, rollbacks, starts) are never dropped.
 
-With a node agent's heartbeat socket (trainer/beats.py) the heartbeat thread hands each beat to the agent,
+With a node agent's heartbeat socket (events/nodelocal.py) the heartbeat thread hands each beat to the agent,
 which publishes one batch per node; if the agent stops listening the rank heartbeats through the broker."""
 
 import asyncio
@@ -23,9 +23,9 @@ from nats.js.api import PubAck
 from events import codec, subjects
 from events.base import Event, RankEvent
 from events.heartbeats import LocalBeat
+from events.nodelocal import BeatChannel
 from events.training import Heartbeat, StepCompleted
 from trainer import bus
-from trainer.beats import BeatChannel
 
 DROPPABLE: tuple[type[Event], ...] = (Heartbeat, StepCompleted)  # superseded by the next one of their kind
 BATCH = 256

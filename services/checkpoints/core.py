@@ -29,8 +29,8 @@ from events.base import Event
 from events.checkpoint import CheckpointCommitted, CheckpointDeleted, CheckpointStaged, DataPosition, ShardInfo
 from events.commands import RollbackRequested
 from events.job import JobCancelled, JobCompleted, JobFailed, JobResumed, JobSubmitted
+from events.lineage import Fork, forked, thrown_away
 from events.training import RankStarted, RolledBack
-from services.checkpoints.lineage import Fork, forked, thrown_away
 from services.core import Effect, EffectHandler, Emit, Output, Service
 
 SERVICE = "checkpoints"

@@ -18,12 +18,10 @@ from typing import Any
 
 from services.checkpoints import uploader
 from services.checkpoints.core import COMMIT, DELETE, State, core_service
-from services.checkpoints.objectstore import ObjectStore
-from services.checkpoints.stores import open_store
 from services.core import EffectHandler, Emit, Service
+from services.shell.objects.open import DATA_DIR_ENV, OBJECTS_ENV, open_store
+from services.shell.objects.store import ObjectStore
 
-OBJECTS_ENV = "FLIGHTDECK_OBJECTS"
-DATA_DIR_ENV = "FLIGHTDECK_DATA_DIR"
 STAGING_ENV = "FLIGHTDECK_STAGING_ROOTS"
 
 

@@ -8,9 +8,9 @@ from datetime import datetime
 
 import structlog
 
-from services.checkpoints.localstore import LocalStore
-from services.checkpoints.objectstore import ObjectStore
-from services.checkpoints.s3store import S3Store
+from services.shell.objects.local import LocalStore
+from services.shell.objects.s3 import S3Store
+from services.shell.objects.store import ObjectStore
 
 DEFAULT_OLDER_THAN_S = 6 * 3600.0  # far longer than any upload in progress takes
 

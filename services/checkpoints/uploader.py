@@ -23,16 +23,16 @@ import structlog
 
 from events import subjects
 from events.checkpoint import CheckpointCommitted, CheckpointFailed, ShardInfo
-from services.checkpoints import manifest as mf
 from services.checkpoints.core import CommitArgs, DeleteArgs, StagedRank
-from services.checkpoints.objectstore import (
+from services.core import EffectHandler, Emit
+from services.shell.objects import manifest as mf
+from services.shell.objects.store import (
     ObjectAlreadyExists,
     ObjectNotFound,
     ObjectStore,
     ObjectTooLarge,
     local_path,
 )
-from services.core import EffectHandler, Emit
 
 log = structlog.get_logger(__name__)
 

@@ -5,8 +5,8 @@
 """
 
 from services.core import Service
-from services.envconfig import float_env
 from services.health.core import State, core_service
+from services.shell.envconfig import float_env
 
 TICK_ENV = "FLIGHTDECK_HEALTH_TICK_S"
 DEFAULT_TICK_S = 1.0

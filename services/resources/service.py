@@ -6,8 +6,8 @@ the environment.
 """
 
 from services.core import Service
-from services.envconfig import int_env
 from services.resources.core import Ports, State, core_service
+from services.shell.envconfig import int_env
 
 PORT_BASE_ENV = "FLIGHTDECK_MASTER_PORT_BASE"
 PORT_SPAN_ENV = "FLIGHTDECK_MASTER_PORT_SPAN"

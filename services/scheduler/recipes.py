@@ -28,9 +28,9 @@ from a checkpoint's recorded DataPosition over the windows in force.
 
 from dataclasses import dataclass
 
+from events import lineage
 from events.checkpoint import DataPosition
 from events.findings import LossSpikeDetected, NonFiniteLoss
-from services.checkpoints import lineage
 from services.scheduler.policy import Fail
 from services.scheduler.state import Checkpoint, Incident, Job
 

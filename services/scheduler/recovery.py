@@ -15,10 +15,10 @@ windows they skip); with an empty window, any such commit before the rollback la
 
 import msgspec
 
+from events import lineage
 from events.checkpoint import CheckpointCommitted
 from events.commands import RollbackRequested, StopRequested
 from events.training import RolledBack
-from services.checkpoints import lineage
 from services.scheduler import queue, recipes
 from services.scheduler.lifecycle import fail
 from services.scheduler.policy import Fail

@@ -5,9 +5,9 @@
 """
 
 from services.core import Service
-from services.envconfig import float_env
 from services.scheduler.core import core_service
 from services.scheduler.state import State
+from services.shell.envconfig import float_env
 
 STOP_TIMEOUT_ENV = "FLIGHTDECK_STOP_TIMEOUT_S"
 DEFAULT_STOP_TIMEOUT_S = 120.0

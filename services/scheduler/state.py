@@ -4,10 +4,10 @@ from typing import Literal
 
 import msgspec
 
+from events import lineage
 from events.checkpoint import DataPosition
 from events.job import SlotRef
 from events.spec import JobSpec
-from services.checkpoints import lineage
 from services.core import Emit
 
 Phase = Literal["queued", "placing", "running", "stopping", "preempted", "recovering",
@@ -22,7 +22,7 @@ class Checkpoint(msgspec.Struct, frozen=True, kw_only=True):
     at: float  # when it was committed (its event's occurred_at)
     data: DataPosition | None = None  # where its token stream stood (None: not known, read as step, no skips)
     attempt: int = 0  # the attempt that staged it
-    timeline: int = 0  # rollbacks that attempt had applied then (services/checkpoints/lineage.py)
+    timeline: int = 0  # rollbacks that attempt had applied then (events/lineage.py)
 
 
 class Rollback(msgspec.Struct, frozen=True, kw_only=True):

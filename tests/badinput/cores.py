@@ -17,15 +17,15 @@ from events.clock import ClockTick
 from events.job import JobSubmitted
 from events.store import Stored, decoded
 from events.training import Heartbeat, RankStarted, StepCompleted
+from services.agent.core import EFFECTS as AGENT_EFFECTS
+from services.agent.core import core_service as agent
 from services.checkpoints.core import core_service as checkpoints
 from services.core import Emit, Service
-from services.fold import Folder
 from services.health.core import core_service as health
 from services.resharder.core import core_service as resharder
-from services.resources.agentcore import EFFECTS as AGENT_EFFECTS
-from services.resources.agentcore import core_service as agent
 from services.resources.core import core_service as resources
 from services.scheduler.core import core_service as scheduler
+from services.shell.fold import Folder
 from tests.badinput.hostile import JOB, NODE
 from tests.badinput.hostile import subject_for as subject_for
 from tests.unit.helpers import Agents, Bus, register, submit

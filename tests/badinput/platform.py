@@ -18,18 +18,18 @@ from events.jetstream import JetStreamStore
 from events.job import AllocationGranted, JobSubmitted, WorkersStarted
 from events.spec import JobSpec, PolicySpec, TrainSpec
 from events.store import Stored
+from services.agent.core import core_service as agent
+from services.agent.launch import Launch, Paths
+from services.agent.spawner import Spawner
 from services.checkpoints import uploader
 from services.checkpoints.core import core_service as checkpoints
-from services.checkpoints.localstore import LocalStore
 from services.core import Service
 from services.health.core import core_service as health
 from services.resharder.core import core_service as resharder
-from services.resources.agentcore import core_service as agent
 from services.resources.core import core_service as resources
-from services.resources.launch import Launch, Paths
-from services.resources.spawner import Spawner
-from services.runtime import ConsumerPolicy, consumer_name, run_service
 from services.scheduler.core import core_service as scheduler
+from services.shell.objects.local import LocalStore
+from services.shell.runtime import ConsumerPolicy, consumer_name, run_service
 from tests.integration.runtime_helpers import eventually, read_all
 
 SPEC = JobSpec(name="fuzz", slots=2, train=TrainSpec(steps=10_000),

@@ -13,10 +13,10 @@ import msgspec
 import pytest
 
 from events.checkpoint import CheckpointCommitted, DataPosition, ShardInfo
-from services.checkpoints import manifest as mf
 from services.checkpoints.core import CommitArgs, StagedRank
-from services.checkpoints.objectstore import ObjectStore
 from services.checkpoints.uploader import commit
+from services.shell.objects import manifest as mf
+from services.shell.objects.store import ObjectStore
 from tests.integration.s3_fixture import moto_s3, store
 
 __all__ = ["moto_s3", "store"]

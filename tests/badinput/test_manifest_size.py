@@ -14,11 +14,11 @@ import pytest
 
 from events.checkpoint import CheckpointCommitted, CheckpointFailed, DataPosition, ShardInfo
 from events.codec import MAX_SLOTS
-from services.checkpoints import manifest as mf
 from services.checkpoints.core import CommitArgs, StagedRank
-from services.checkpoints.localstore import LocalStore
-from services.checkpoints.objectstore import ObjectStore, ObjectTooLarge
 from services.checkpoints.uploader import commit
+from services.shell.objects import manifest as mf
+from services.shell.objects.local import LocalStore
+from services.shell.objects.store import ObjectStore, ObjectTooLarge
 from tests.integration.s3_fixture import moto_s3, store
 from trainer import checkpointing
 

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from events.checkpoint import CheckpointCommitted, CheckpointFailed, DataPosition, ShardInfo
-from services.checkpoints import manifest as mf
 from services.checkpoints.core import CommitArgs, StagedRank
-from services.checkpoints.retry import RetryPolicy
-from services.checkpoints.s3store import MIN_PART_SIZE, S3Store
 from services.checkpoints.uploader import commit
+from services.shell.objects import manifest as mf
+from services.shell.objects.retry import RetryPolicy
+from services.shell.objects.s3 import MIN_PART_SIZE, S3Store
 from tests.badinput.faultproxy import FaultProxy
 from tests.integration.s3_fixture import MotoS3, moto_s3
 

@@ -16,8 +16,8 @@ from events.catalog import BY_NAME
 from events.clock import DeadLettered
 from events.history import append_to_job, read_job
 from events.job import CancelRequested, JobCancelled, JobQueued, JobSubmitted
-from services import broker as broker_mod
-from services.fold import mismatch
+from services.shell import broker as broker_mod
+from services.shell.fold import mismatch
 from tests.badinput import hostile
 from tests.badinput.platform import SPEC, Platform, platform
 from tests.conftest import ensure_streams_at

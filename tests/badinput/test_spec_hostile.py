@@ -13,8 +13,8 @@ from events import codec, subjects
 from events.jetstream import JetStreamStore
 from events.job import JobSubmitted
 from events.spec import MAX_SPEC_BYTES, InvalidSpec, JobSpec, ModelSpec, TrainSpec, parse_spec
-from services import broker as broker_mod
-from services.console.__main__ import main
+from services.shell import broker as broker_mod
+from services.tools.console.__main__ import main
 from tests.conftest import ensure_streams_at
 
 OK = 'name = "ok"\n'

@@ -19,11 +19,11 @@ from events.history import append_to_job
 from events.jetstream import JetStreamStore
 from events.job import JobSubmitted
 from events.spec import JobSpec, TrainSpec
-from services import broker as broker_mod
 from services.checkpoints import service as checkpoint_service
 from services.checkpoints.core import COMMIT, State
 from services.core import Effect, Service
-from services.runtime import ConsumerPolicy, run_service
+from services.shell import broker as broker_mod
+from services.shell.runtime import ConsumerPolicy, run_service
 from tests.integration.runtime_helpers import eventually, read_all
 
 pytestmark = pytest.mark.timeout(60)

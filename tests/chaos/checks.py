@@ -1,5 +1,5 @@
 """What every chaos drill checks once its job has ended, read back from the broker rather than from what the
-test saw live: `flightdeck verify` passes (services/audit: the pure cores decide again exactly what was recorded),
+test saw live: `flightdeck verify` passes (services/tools/audit: the pure cores decide again exactly what was recorded),
 every step of the final lineage reported exactly once by every rank, and no decision taken twice.
 
     outcome = await check(store, job_id, steps=..., drill="services", faults=[...])
@@ -35,7 +35,7 @@ from events.job import (
 )
 from events.store import EventStore, Stored
 from events.training import StepCompleted
-from services.audit.settle import verify_live
+from services.tools.audit.settle import verify_live
 
 RECORD_ENV = "FLIGHTDECK_CHAOS_RECORD"  # a JSON-lines file each drill's outcome is appended to (optional)
 

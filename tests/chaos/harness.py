@@ -5,7 +5,7 @@ tests/e2e/drill_harness.py), and the waits between them.
     await sigkill(p, "scheduler")           # the process is gone, nothing drained
     await restart(p, "scheduler")           # started again; returns once it has rebuilt its state
 
-A service is ready again when it logs `rebuilt` (services/runtime.py: its state folded up to its consumer's
+A service is ready again when it logs `rebuilt` (services/shell/runtime.py: its state folded up to its consumer's
 ack floor, before it takes the next input).
 """
 
@@ -24,7 +24,7 @@ from events import subjects
 from events.job import WorkersStarted
 from events.spec import FaultSpec, JobSpec
 from events.training import StepCompleted
-from services import broker as broker_mod
+from services.shell import broker as broker_mod
 from tests.chaos.checks import Outcome, check, record
 from tests.e2e.drill_harness import drill_spec, export, start_drill
 from tests.integration.lifecycle_harness import Platform

@@ -1,10 +1,10 @@
-"""The nats-server under a running job: SIGKILLed and started again on the same store, then frozen with SIGSTOP
-past every client timeout (a request waits 5 s, a service's ack wait is 2 s, heartbeats are lost after 2 s) and
-let go with SIGCONT. The broker fsyncs every write (sync_interval: always), so nothing acknowledged is lost; the
-services, the agent and the ranks ride both outages out. The job completes, the cores replay to the recorded
-decisions, no step is lost or reported twice, and no decision is taken twice. And nothing is restarted: with the
-drills' 2 s heartbeat deadline the health monitor finds no live rank lost: its ticks name the telemetry stored by
-their time (services/tap.py; before, a tick named the last message a dead feed delivered, and health raised RankLost
+"""The nats-server under a running job: SIGKILLed and started again on the same store, then frozen with SIGSTOP past
+every client timeout (a request waits 5 s, a service's ack wait is 2 s, heartbeats are lost after 2 s) and let go
+with SIGCONT. The broker fsyncs every write (sync_interval: always), so nothing acknowledged is lost; the services,
+the agent and the ranks ride both outages out. The job completes, the cores replay to the recorded decisions, no
+step is lost or reported twice, and no decision is taken twice. And nothing is restarted: with the drills' 2 s
+heartbeat deadline the health monitor finds no live rank lost: its ticks name the telemetry stored by their time
+(services/shell/tap.py; before, a tick named the last message a dead feed delivered, and health raised RankLost
 "heartbeats stopped" for both ranks after the broker restart), and silence is counted from the end of an outage the
 service saw (ClockTick.recovered_at: a rank resends its backlog only once its in-flight publish times out)."""
 

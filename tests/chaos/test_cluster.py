@@ -1,9 +1,9 @@
-"""A job on a three-server broker cluster (infra/nats/cluster.conf, services.broker.start_cluster): every process is
-given all three URLs, the streams are created with three replicas, and under the running job the server leading
+"""A job on a three-server broker cluster (infra/nats/cluster.conf, services.shell.broker.start_cluster): every process
+is given all three URLs, the streams are created with three replicas, and under the running job the server leading
 FD_TELEMETRY is SIGKILLed (and started again), then the one leading FD_CONTROL at that moment. Each kill leaves a
 quorum of two, so the job completes with nothing lost, the cores replay to the recorded decisions, and no decision
 is taken twice; and in one attempt: with the drills' 2 s heartbeat deadline no live rank is found lost while a new
-leader takes over (a health tick names the telemetry stored by its time, services/tap.py)."""
+leader takes over (a health tick names the telemetry stored by its time, services/shell/tap.py)."""
 
 import asyncio
 import contextlib
@@ -18,7 +18,7 @@ import pytest
 from events import subjects
 from events.jetstream import JetStreamStore
 from events.streams import REPLICAS_ENV, ensure_streams, server_list
-from services import broker as broker_mod
+from services.shell import broker as broker_mod
 from tests.chaos.checks import check, record
 from tests.chaos.harness import chaos_spec, ended, progress, step_reached
 from tests.e2e.drill_harness import export, start_drill, wait_lineage

@@ -14,7 +14,7 @@ from events.jetstream import JetStreamStore
 from events.store import StoreUnavailable
 from events.streams import ServerTooOld, check_server_version, ensure_streams
 from events.subjects import CONTROL, DEAD, TELEMETRY
-from services.broker import Broker, free_port
+from services.shell.broker import Broker, free_port
 from tests.conftest import restart_broker
 from tests.contract.store_fixtures import collect, queued, read_all, within
 

@@ -31,9 +31,9 @@ from events.job import JobResumed
 from events.spec import FaultSpec, JobSpec, ModelSpec, PolicySpec, TrainSpec
 from events.store import Stored
 from events.training import StepCompleted
-from services import broker as broker_mod
-from services.audit.settle import verify_live
-from services.console import verify_cmd
+from services.shell import broker as broker_mod
+from services.tools.audit.settle import verify_live
+from services.tools.console import verify_cmd
 from tests.integration.lifecycle_harness import SERVICES, Objects, Platform, open_platform
 
 HEALTH_TICK_S = "0.5"
@@ -126,7 +126,7 @@ async def drill(nats_server: broker_mod.Broker, tmp_path: Path) -> AsyncIterator
 
 
 async def assert_verified(p: Platform, job_id: str) -> None:
-    """`flightdeck verify` of the job on the drill's broker (services/audit), once every service has folded its
+    """`flightdeck verify` of the job on the drill's broker (services/tools/audit), once every service has folded its
     history: each recorded decision re-derives from the recorded inputs, or the drill fails with the divergence."""
     verdict = await verify_live(p.store, job_id)
     assert verdict.ok, "\n".join(verify_cmd.report(verdict, "the drill's broker", every=True))

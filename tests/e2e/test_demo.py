@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from services.console import upstate
+from services.tools.console import upstate
 from tests.conftest import STANDBY_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,7 +27,7 @@ def run_demo(data_dir: Path, log: Path) -> tuple[int, str]:
     # As `make demo` runs: one warm standby per slot (the tests' default of none, tests/conftest.py, is dropped).
     env = {k: v for k, v in os.environ.items() if k != STANDBY_ENV}
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "services.console.demo", "--data-dir", str(data_dir),
+        proc = subprocess.Popen([sys.executable, "-m", "services.tools.console.demo", "--data-dir", str(data_dir),
                                  "--timeout-s", str(TIMEOUT_S - 60)], stdout=out, stderr=subprocess.STDOUT,
                                 text=True, cwd=ROOT, env=env)
         try:
@@ -39,7 +39,7 @@ def run_demo(data_dir: Path, log: Path) -> tuple[int, str]:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-            subprocess.run([sys.executable, "-m", "services.console", "down", "--data-dir", str(data_dir)],
+            subprocess.run([sys.executable, "-m", "services.tools.console", "down", "--data-dir", str(data_dir)],
                            capture_output=True, timeout=60, cwd=ROOT)
     return proc.returncode, log.read_text()
 

@@ -16,11 +16,11 @@ from events.commands import RollbackRequested
 from events.findings import LossSpikeDetected
 from events.store import MemoryStore, Stored
 from services.core import Service
-from services.fold import comparable, replay
 from services.health.core import core_service as health
 from services.resharder.core import core_service as resharder
 from services.resources.core import core_service as resources
 from services.scheduler.core import core_service as scheduler
+from services.shell.fold import comparable, replay
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "histories" / "spike.fdh.jsonl"
 

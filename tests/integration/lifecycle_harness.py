@@ -24,11 +24,11 @@ from pathlib import Path
 import pytest
 
 from events.jetstream import JetStreamStore
-from services import broker as broker_mod
-from services.checkpoints import manifest as mf
-from services.checkpoints.objectstore import ObjectStore
 from services.checkpoints.service import OBJECTS_ENV, STAGING_ENV
-from services.checkpoints.stores import open_store
+from services.shell import broker as broker_mod
+from services.shell.objects import manifest as mf
+from services.shell.objects.open import open_store
+from services.shell.objects.store import ObjectStore
 from tests.integration.s3_fixture import MotoS3
 from tests.integration.test_lifecycle_services import ROOT, Cluster
 

@@ -15,10 +15,10 @@ import boto3
 import pytest
 from moto.server import ThreadedMotoServer
 
-from services.checkpoints.localstore import LocalStore
-from services.checkpoints.objectstore import ObjectStore
-from services.checkpoints.retry import RetryPolicy
-from services.checkpoints.s3store import MIN_PART_SIZE, S3Store
+from services.shell.objects.local import LocalStore
+from services.shell.objects.retry import RetryPolicy
+from services.shell.objects.s3 import MIN_PART_SIZE, S3Store
+from services.shell.objects.store import ObjectStore
 
 
 @dataclass(frozen=True)

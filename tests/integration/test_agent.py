@@ -24,7 +24,7 @@ from events.job import (
 )
 from events.spec import JobSpec, PolicySpec, TrainSpec
 from events.training import Heartbeat, StepCompleted
-from services.resources.spawner import START_FAILED_EXIT
+from services.agent.spawner import START_FAILED_EXIT
 from tests.integration.test_lifecycle_services import ENDLESS, TINY, Cluster, cluster, exits, gone
 
 __all__ = ["cluster"]  # the fixture, shared with the lifecycle tests

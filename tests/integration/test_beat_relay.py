@@ -16,11 +16,11 @@ import pytest
 from events import codec, subjects
 from events.heartbeats import LocalBeat, RankHeartbeats
 from events.jetstream import JetStreamStore
+from events.nodelocal import BeatChannel, sockaddr
 from events.training import Heartbeat
-from services import broker as broker_mod
-from services.resources.beats import BeatRelay, store_publisher
+from services.agent.beats import BeatRelay, store_publisher
+from services.shell import broker as broker_mod
 from tests.conftest import ensure_streams_at
-from trainer.beats import BeatChannel, sockaddr
 from trainer.telemetry import Telemetry
 
 JOB = "beats-000001"
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 FORGER = """
 import sys
 from events.heartbeats import LocalBeat
-from trainer.beats import BeatChannel
+from events.nodelocal import BeatChannel
 ch = BeatChannel(sys.argv[1])
 ch.send(LocalBeat(job_id="beats-000001", attempt=0, rank=0, step=5, occurred_at=1.0, interval_s=0.2))
 """

@@ -24,12 +24,13 @@ from events.jetstream import JetStreamStore
 from events.job import JobCompleted, JobQueued, JobSubmitted
 from events.spec import JobSpec
 from events.training import StepCompleted
-from services import broker, registry
-from services.console import up as up_mod
-from services.console import upstate
+from services import registry
+from services.shell import broker
+from services.tools.console import up as up_mod
+from services.tools.console import upstate
 
 pytestmark = pytest.mark.timeout(60)
-CLI = (sys.executable, "-m", "services.console")
+CLI = (sys.executable, "-m", "services.tools.console")
 
 
 @dataclass

@@ -8,7 +8,7 @@ from typing import Any
 import yaml
 
 from services.registry import BUILTIN
-from services.security import permissions
+from services.shell.security import permissions
 
 INFRA = Path(__file__).resolve().parents[2] / "infra"
 PASSWORD_FILE = "FLIGHTDECK_NATS_PASSWORD_FILE"
@@ -38,7 +38,7 @@ def test_compose_runs_nats_every_service_and_an_agent_each_as_its_own_user() -> 
         assert svc["secrets"] == [name]
         assert compose["secrets"][name]["file"] == f"./secrets/{name}.password"
     agent = services["agent"]
-    assert agent["command"][:3] == ["python", "-m", "services.resources.agent"]
+    assert agent["command"][:3] == ["python", "-m", "services.agent"]
     user = agent["environment"]["FLIGHTDECK_NATS_USER"]
     assert user == permissions.agent_user(agent["command"][agent["command"].index("--node") + 1])
     assert "FLIGHTDECK_JOB_KEY_FILE" in agent["environment"]
@@ -71,7 +71,7 @@ def test_kubernetes_runs_the_agent_on_every_gpu_node_and_nats_from_its_helm_char
     assert "nvidia.com/gpu" in " ".join(pod["nodeSelector"]) and pod["hostNetwork"] is True
     assert any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
     (container,) = pod["containers"]
-    assert "services.resources.agent" in " ".join(container["args"])
+    assert "services.agent" in " ".join(container["args"])
     assert env_of(container)["FLIGHTDECK_NATS_USER"] == permissions.AGENT
     assert "nvidia.com/gpu" in container["resources"]["limits"]
     values = yaml.safe_load((INFRA / "k8s" / "nats-values.yaml").read_text())
@@ -87,7 +87,7 @@ def test_systemd_has_a_unit_per_service_and_the_agent() -> None:
         path = INFRA / "systemd" / f"flightdeck-{name}.service"
         unit.read_string(path.read_text().replace("\\\n", " "))
         service = unit["Service"]
-        target = "services" if name != "agent" else "services.resources.agent"
+        target = "services" if name != "agent" else "services.agent"
         assert f"-m {target} {name if name != 'agent' else ''}".strip() in service["ExecStart"], path
         assert service["Restart"] == "always" and service["EnvironmentFile"].startswith("/etc/flightdeck/")
         text = path.read_text()

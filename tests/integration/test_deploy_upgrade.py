@@ -9,9 +9,9 @@ import pytest
 
 from events.job import AllocationReleased, JobCompleted, WorkersExited, WorkersStarted
 from events.spec import JobSpec, ModelSpec, TrainSpec
-from services import broker as broker_mod
 from services import registry
-from services.fold import comparable, replay
+from services.shell import broker as broker_mod
+from services.shell.fold import comparable, replay
 from tests.integration.lifecycle_harness import Objects, open_platform
 from tests.integration.test_lifecycle_services import kinds
 

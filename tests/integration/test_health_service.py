@@ -20,10 +20,10 @@ from events.jetstream import JetStreamStore
 from events.job import AllocationGranted, JobSubmitted, SlotRef, WorkersExited, WorkersStarted
 from events.spec import JobSpec, PolicySpec
 from events.training import Heartbeat, RankStarted, StepCompleted
-from services import broker as broker_mod
-from services.fold import comparable, outputs_of, replay
 from services.health.core import core_service
-from services.runtime import run_service
+from services.shell import broker as broker_mod
+from services.shell.fold import comparable, outputs_of, replay
+from services.shell.runtime import run_service
 from tests.integration.runtime_helpers import bus_at, eventually, read_all, spawn_service
 
 pytestmark = pytest.mark.timeout(180)  # starts real ranks: a minute on a loaded 2-core box

@@ -1,4 +1,4 @@
-"""`flightdeck submit / status / cancel / checkpoints` as a user runs them (`python -m services.console`),
+"""`flightdeck submit / status / cancel / checkpoints` as a user runs them (`python -m services.tools.console`),
 against a real nats-server holding histories written with append_to_job. No services run: what a verb
 shows comes only from the events these tests wrote."""
 
@@ -34,11 +34,11 @@ from events.job import (
 )
 from events.spec import parse_spec
 from events.training import StepCompleted
-from services import broker
+from services.shell import broker
 
 pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parents[2]
-CLI = (sys.executable, "-m", "services.console")
+CLI = (sys.executable, "-m", "services.tools.console")
 
 
 def flightdeck(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:

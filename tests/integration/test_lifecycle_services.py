@@ -1,5 +1,5 @@
 """A job's whole lifecycle through running services on a real broker: the scheduler and the resource manager
-as `python -m services NAME`, one node agent (`python -m services.resources.agent`, 2 CPU slots) starting
+as `python -m services NAME`, one node agent (`python -m services.agent`, 2 CPU slots) starting
 real trainer ranks. `Cluster` is shared with test_agent.py."""
 
 import asyncio
@@ -36,11 +36,11 @@ from events.job import (
 from events.spec import FaultSpec, JobSpec, ModelSpec, TrainSpec
 from events.store import Stored
 from events.training import RankStarted, StepCompleted
-from services import broker as broker_mod
 from services.checkpoints.core import core_service as checkpoints_core
-from services.checkpoints.localstore import LocalStore
 from services.checkpoints.uploader import handlers as checkpoint_handlers
-from services.runtime import run_service
+from services.shell import broker as broker_mod
+from services.shell.objects.local import LocalStore
+from services.shell.runtime import run_service
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = JobSpec(name="tiny", slots=2, model=ModelSpec(d_model=32),
@@ -94,7 +94,7 @@ class Cluster:
         return self._start(name, ["-m", "services", name, "--nats", self.url])
 
     def agent(self, node: str = "n1", *extra: str) -> subprocess.Popen[bytes]:
-        return self._start(f"agent-{node}", ["-m", "services.resources.agent", "--nats", self.url, "--node", node,
+        return self._start(f"agent-{node}", ["-m", "services.agent", "--nats", self.url, "--node", node,
                                              "--slots", "2", "--device", "cpu", "--data-dir", str(self.data),
                                              "--grace-s", "5", *extra])
 

@@ -13,11 +13,11 @@ import pytest
 from events import subjects
 from events.checkpoint import CheckpointCommitted, CheckpointFailed, CheckpointStaged, DataPosition, ShardInfo
 from services.checkpoints import core
-from services.checkpoints import manifest as mf
 from services.checkpoints.core import CommitArgs, DeleteArgs
-from services.checkpoints.objectstore import ObjectStore
 from services.checkpoints.uploader import handlers
 from services.core import Emit
+from services.shell.objects import manifest as mf
+from services.shell.objects.store import ObjectStore
 from tests.integration.s3_fixture import moto_s3, store
 
 __all__ = ["moto_s3", "store"]

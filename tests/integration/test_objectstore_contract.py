@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from services.checkpoints.objectstore import InvalidKey, ObjectAlreadyExists, ObjectNotFound, ObjectStore
+from services.shell.objects.store import InvalidKey, ObjectAlreadyExists, ObjectNotFound, ObjectStore
 from tests.integration.s3_fixture import moto_s3, store
 
 __all__ = ["moto_s3", "store"]  # fixtures, imported for pytest

@@ -16,10 +16,10 @@ import pytest
 from aiohttp import web
 
 from services.checkpoints import sweeper
-from services.checkpoints.localstore import LocalStore
-from services.checkpoints.retry import RetryPolicy, is_retryable
-from services.checkpoints.s3store import MIN_PART_SIZE, S3Store
-from services.checkpoints.stores import open_store
+from services.shell.objects.local import LocalStore
+from services.shell.objects.open import open_store
+from services.shell.objects.retry import RetryPolicy, is_retryable
+from services.shell.objects.s3 import MIN_PART_SIZE, S3Store
 from tests.integration.s3_fixture import MotoS3, moto_s3
 
 __all__ = ["moto_s3"]

@@ -13,9 +13,9 @@ from events.jetstream import JetStreamStore
 from events.job import AllocationGranted, JobSubmitted, SlotRef
 from events.plan import ReshardPlanned
 from events.spec import JobSpec
-from services import broker as broker_mod
 from services.resharder.service import build
-from services.runtime import run_service
+from services.shell import broker as broker_mod
+from services.shell.runtime import run_service
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,4 +1,4 @@
-"""`flightdeck postmortem` as a user runs it (`python -m services.console`): from a history file, from a job's
+"""`flightdeck postmortem` as a user runs it (`python -m services.tools.console`): from a history file, from a job's
 history on a real broker, and the one-line errors."""
 
 import asyncio
@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from events.jetstream import JetStreamStore
-from services import broker
-from services.postmortem.synthetic import Scenario, synthesise
+from services.shell import broker
+from services.tools.postmortem.synthetic import Scenario, synthesise
 
 ROOT = Path(__file__).resolve().parents[2]
-CLI = (sys.executable, "-m", "services.console")
+CLI = (sys.executable, "-m", "services.tools.console")
 FIXTURE = ROOT / "tests" / "fixtures" / "histories" / "spike.fdh.jsonl"
 
 

@@ -31,10 +31,10 @@ from events.job import (
 from events.spec import parse_spec
 from events.store import Stored
 from events.training import StepCompleted
-from services import broker
-from services.console.__main__ import main
-from services.history import fdh
-from services.history.read import job_rows
+from services.shell import broker
+from services.tools.console.__main__ import main
+from services.tools.history import fdh
+from services.tools.history.read import job_rows
 
 pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parents[2]
@@ -160,7 +160,7 @@ def test_export_then_import_replays_the_same_without_the_broker(nats_server: bro
     data_dir = tmp_path / "data"
 
     # the real CLI, writing to a pipe as `flightdeck export JOB > job.fdh` does
-    exported = subprocess.run([sys.executable, "-m", "services.console", "export", "a-000001", "--nats",
+    exported = subprocess.run([sys.executable, "-m", "services.tools.console", "export", "a-000001", "--nats",
                                nats_server.url, "--data-dir", str(data_dir)], capture_output=True, cwd=ROOT,
                               timeout=30)
     assert exported.returncode == 0, exported.stderr

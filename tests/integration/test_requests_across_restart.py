@@ -10,7 +10,7 @@ import pytest
 
 from events.jetstream import JetStreamStore
 from events.jsreader import StoreClient
-from services import broker as broker_mod
+from services.shell import broker as broker_mod
 
 NEVER_S = 600.0  # longer than the test may run: only the lost connection can end a request sent with it
 

@@ -22,11 +22,11 @@ from events.fleet import NodeHeartbeat
 from events.job import CancelRequested, JobQueued
 from events.store import StoreUnavailable
 from events.training import StepCompleted
-from services import broker as broker_mod
 from services.core import Service
-from services.fold import comparable, outputs_of, replay
-from services.runtime import ConsumerPolicy, PublishDenied, consumer_name, run_service
-from services.security import credentials
+from services.shell import broker as broker_mod
+from services.shell.fold import comparable, outputs_of, replay
+from services.shell.runtime import ConsumerPolicy, PublishDenied, consumer_name, run_service
+from services.shell.security import credentials
 from tests.conftest import restart_broker
 from tests.integration import toy_service
 from tests.integration.runtime_helpers import (

@@ -1,4 +1,4 @@
-"""Warm standby ranks (services/resources/standbys.py, trainer/standby.py) as real processes: a standby becomes
+"""Warm standby ranks (services/agent/standbys.py, trainer/standby.py) as real processes: a standby becomes
 the command it is handed, warm when it can and cold in place when its environment cannot be changed after
 import; one that dies idle is replaced; the next agent finds one that outlived its agent by its log. Through a
 node agent, a rank started from a standby trains, crashes, restarts and is recorded exactly like the cold rank
@@ -20,9 +20,9 @@ from events import subjects
 from events.job import JobCompleted, WorkersStarted
 from events.spec import FaultSpec, JobSpec
 from events.training import RankStarted, StepCompleted
-from services.resources.agent import STANDBY_ENV, kill_if_rank
-from services.resources.launch import REPO, die_with_agent, standby_env
-from services.resources.standbys import Standby, StandbyPool
+from services.agent.launch import REPO, die_with_agent, standby_env
+from services.agent.main import STANDBY_ENV, kill_if_rank
+from services.agent.standbys import Standby, StandbyPool
 from tests.integration.test_lifecycle_services import ENDLESS, TINY, Cluster, cluster, exits, gone
 
 __all__ = ["cluster"]  # the fixture, shared with the lifecycle tests
@@ -185,7 +185,7 @@ async def test_a_rank_from_a_standby_is_recorded_like_a_cold_one_and_dies_with_i
 
 @pytest.mark.timeout(60)
 def test_a_bad_standby_count_says_what_to_change() -> None:
-    base = [sys.executable, "-m", "services.resources.agent", "--nats", "nats://127.0.0.1:9", "--device", "cpu"]
+    base = [sys.executable, "-m", "services.agent", "--nats", "nats://127.0.0.1:9", "--device", "cpu"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     out = subprocess.run([*base, "--standby", "-1"], cwd=REPO, env=env, capture_output=True, text=True, timeout=30)
     assert out.returncode == 2 and "--standby must be 0 or more" in out.stderr

@@ -12,7 +12,7 @@ from events import subjects
 from events.jetstream import JetStreamStore
 from events.job import JobSubmitted
 from events.spec import JobSpec
-from services import broker as broker_mod
+from services.shell import broker as broker_mod
 
 CANCELS = 300  # with the cancel dropped 1 time in 16, all 300 stopping by chance is about 1 in 10^8
 

@@ -1,9 +1,9 @@
-"""Telemetry folded across a broker outage (services/tap.py): a service that reads telemetry, with ranks publishing
-through a SIGKILL and restart of the nats-server on the same store, folds every telemetry message exactly once and
-in stream order; each of its recorded ticks folds exactly the messages between the previous tick's position and its
-own (no position names a message the service did not fold); the ticks name fresh positions within a few ticks of
-the broker's return (the tap's feed died with the server: ticks that named its last message stayed stale for the
-6 s it took to notice); and a replay of the stored streams decides exactly what the live service did."""
+"""Telemetry folded across a broker outage (services/shell/tap.py): a service that reads telemetry, with ranks
+publishing through a SIGKILL and restart of the nats-server on the same store, folds every telemetry message exactly
+once and in stream order; each of its recorded ticks folds exactly the messages between the previous tick's position
+and its own (no position names a message the service did not fold); the ticks name fresh positions within a few
+ticks of the broker's return (the tap's feed died with the server: ticks that named its last message stayed stale
+for the 6 s it took to notice); and a replay of the stored streams decides exactly what the live service did."""
 
 import asyncio
 import signal
@@ -20,10 +20,10 @@ from events.clock import ClockTick
 from events.commands import CheckpointRequested
 from events.store import Stored
 from events.training import Heartbeat, StepCompleted
-from services import broker as broker_mod
-from services.connection import TRANSIENT
-from services.fold import Output, comparable, outputs_of, replay
-from services.runtime import run_service
+from services.shell import broker as broker_mod
+from services.shell.connection import TRANSIENT
+from services.shell.fold import Output, comparable, outputs_of, replay
+from services.shell.runtime import run_service
 from tests.integration import toy_service
 from tests.integration.runtime_helpers import Bus, bus_at, eventually, read_all
 

@@ -1,6 +1,6 @@
 """`flightdeck verify` and `whatif` against a real nats-server: the recorded spike drill is stored back into a
 fresh broker (every stream of it is whole from sequence 1, so it lands at its recorded sequences), and the verbs
-read it as they read any live job (services/history: job_rows). No services run."""
+read it as they read any live job (services/tools/history: job_rows). No services run."""
 
 import asyncio
 from pathlib import Path
@@ -14,9 +14,9 @@ from events.commands import RollbackRequested
 from events.jetstream import JetStreamStore
 from events.job import JobFailed
 from events.store import Stored
-from services import broker
-from services.console.__main__ import main as cli_main
-from services.history import fdh
+from services.shell import broker
+from services.tools.console.__main__ import main as cli_main
+from services.tools.history import fdh
 
 pytestmark = pytest.mark.timeout(60)
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "histories" / "spike.fdh.jsonl"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from services.sim.harness import RunConfig, run
+from bench.sim.harness import RunConfig, run
 
 
 @pytest.mark.timeout(120)

@@ -16,11 +16,11 @@ import nats
 import pytest
 
 from events.jetstream import JetStreamStore
-from services import broker as broker_mod
-from services.security import permissions
-from services.security.__main__ import rendered
-from services.security.credentials import PASSWORD_FILE, USER, client_options
-from services.security.passwords import SecretsDir, job_password, write_private
+from services.shell import broker as broker_mod
+from services.shell.security import permissions
+from services.shell.security.__main__ import rendered
+from services.shell.security.credentials import PASSWORD_FILE, USER, client_options
+from services.shell.security.passwords import SecretsDir, job_password, write_private
 
 NODES = ("n1",)
 

@@ -15,7 +15,7 @@ from events.commands import StopRequested
 from events.history import append_to_job
 from events.job import JobQueued
 from events.training import Heartbeat
-from services.security import permissions
+from services.shell.security import permissions
 from tests.security.secure_broker import SecureBroker, secure_broker  # noqa: F401 (the fixture)
 from trainer import bus
 

@@ -13,11 +13,11 @@ import pytest
 from events import codec, subjects
 from events.catalog import ALL_TYPES
 from events.clock import ClockTick, DeadLettered
-from services import broker as broker_mod
 from services.registry import BUILTIN
-from services.security import permissions, render
-from services.security.__main__ import SHIPPED, shipped
-from services.security.credentials import (
+from services.shell import broker as broker_mod
+from services.shell.security import permissions, render
+from services.shell.security.__main__ import SHIPPED, shipped
+from services.shell.security.credentials import (
     JOB_KEY_FILE,
     PASSWORD_FILE,
     USER,
@@ -26,7 +26,7 @@ from services.security.credentials import (
     client_options,
     rank_env,
 )
-from services.security.passwords import SecretsDir, job_password
+from services.shell.security.passwords import SecretsDir, job_password
 from trainer import bus
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -95,7 +95,8 @@ def test_a_job_may_read_only_its_own_history_and_reply_subjects() -> None:
 
 
 def test_the_shipped_config_is_the_rendered_one_and_the_server_accepts_it(tmp_path: Path) -> None:
-    assert SHIPPED.read_text() == shipped(), "run `python -m services.security shipped` after changing permissions"
+    assert SHIPPED.read_text() == shipped(), \
+        "run `python -m services.shell.security shipped` after changing permissions"
     conf = tmp_path / "server.conf"
     conf.write_text(broker_mod.CONFIG.read_text() + f'\ninclude "{SHIPPED.name}"\n')
     (tmp_path / SHIPPED.name).write_text(SHIPPED.read_text())

@@ -16,8 +16,8 @@ from events.job import AllocationGranted, AllocationReleased, JobCompleted, JobS
 from events.plan import ReshardPlanned
 from events.spec import JobSpec, ModelSpec, TrainSpec
 from events.training import StepCompleted
-from services.security import permissions
-from services.security.passwords import job_password
+from services.shell.security import permissions
+from services.shell.security.passwords import job_password
 from tests.integration.lifecycle_harness import Objects, Platform
 from tests.integration.test_lifecycle_services import kinds
 from tests.security.secure_broker import SecureBroker, secure_broker  # noqa: F401 (the fixture)

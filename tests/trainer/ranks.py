@@ -13,7 +13,7 @@ from typing import Any
 
 from events.base import Event
 from events.spec import parse_spec
-from services.broker import free_port
+from services.shell.broker import free_port
 from trainer import distributed
 from trainer.config import RunConfig
 from trainer.loop import Loop

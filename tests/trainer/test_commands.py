@@ -11,7 +11,7 @@ from events import codec, subjects
 from events.base import Event, JobEvent
 from events.commands import CheckpointRequested, PauseRequested, ResumeRequested, StopRequested
 from events.job import JobQueued
-from services import broker as broker_mod
+from services.shell import broker as broker_mod
 from tests.conftest import ensure_streams_at, restart_broker
 from trainer.commands import CommandInbox
 

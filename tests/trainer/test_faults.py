@@ -14,7 +14,7 @@ from events import codec, subjects
 from events.commands import RollbackRequested
 from events.streams import ensure_streams
 from events.training import Heartbeat
-from services import broker as broker_mod
+from services.shell import broker as broker_mod
 from tests.trainer import ranks
 from trainer.faults import CRASH_EXIT_CODE, HANG_EXIT_CODE, SPIKE_BATCHES
 

@@ -13,7 +13,7 @@ from events import codec, subjects
 from events.base import Event
 from events.commands import CheckpointRequested, PauseRequested, ResumeRequested, RollbackRequested, StopRequested
 from events.streams import ensure_streams
-from services import broker as broker_mod
+from services.shell import broker as broker_mod
 from tests.trainer import ranks
 from trainer.checkpointing import CorruptCheckpoint
 from trainer.loop import PAUSE_POLL_S

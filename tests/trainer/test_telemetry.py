@@ -16,7 +16,7 @@ from events import codec, subjects
 from events.base import Event, RankEvent
 from events.checkpoint import CheckpointStaged, DataPosition
 from events.training import FaultInjected, Heartbeat, RankFault, RankStarted, StepCompleted
-from services import broker as broker_mod
+from services.shell import broker as broker_mod
 from tests.conftest import ensure_streams_at, restart_broker
 from trainer.telemetry import Backlog, Telemetry
 

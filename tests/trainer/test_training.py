@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from services.broker import free_port
+from services.shell.broker import free_port
 from tests.trainer import ranks
 
 STEPS = 30

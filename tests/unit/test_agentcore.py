@@ -20,11 +20,8 @@ from events.job import (
 )
 from events.spec import JobSpec, TrainSpec
 from events.store import MemoryStore, Stored
-from services.checkpoints.localstore import LocalStore
-from services.core import Effect
-from services.fold import Folder
-from services.resources import agentcore
-from services.resources.agentcore import (
+from services.agent import core as agentcore
+from services.agent.core import (
     EVICT,
     PREFETCH,
     SPAWN,
@@ -36,8 +33,11 @@ from services.resources.agentcore import (
     State,
     StopArgs,
 )
-from services.resources.launch import Launch, Paths
-from services.resources.spawner import Spawner
+from services.agent.launch import Launch, Paths
+from services.agent.spawner import Spawner
+from services.core import Effect
+from services.shell.fold import Folder
+from services.shell.objects.local import LocalStore
 
 SPEC = JobSpec(name="j", slots=3, train=TrainSpec(steps=20, data="synthetic"))
 

@@ -7,9 +7,9 @@ from events.base import Event
 from events.checkpoint import CheckpointCommitted, DataPosition
 from events.job import AllocationGranted, AllocationReleased, JobCancelled, JobFailed, JobSubmitted, SlotRef
 from events.spec import JobSpec
+from services.agent import core as agentcore
+from services.agent.core import SPAWN, STOP, SpawnArgs, State, StopArgs
 from services.core import Effect
-from services.resources import agentcore
-from services.resources.agentcore import SPAWN, STOP, SpawnArgs, State, StopArgs
 
 JOBS = ("j", "k")
 

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from events import codec
 from events.heartbeats import LocalBeat
-from services.resources.beats import IDLE_GROUPS_AFTER, Batches
+from services.agent.beats import IDLE_GROUPS_AFTER, Batches
 
 
 def beat(rank: int, at: float, step: int = 3, job: str = "j-000001", attempt: int = 0, interval: float = 1.0,

@@ -18,7 +18,7 @@ from events.training import RankStarted, RolledBack
 from services.checkpoints import core
 from services.checkpoints.core import CommitArgs, DeleteArgs, State, checkpoint_id
 from services.core import Effect, Emit, Output
-from services.fold import Folder
+from services.shell.fold import Folder
 
 JOB = "llm-abc123"
 
@@ -256,7 +256,7 @@ def test_service_wiring() -> None:
 
 
 def test_outputs_pass_the_shared_fold() -> None:
-    """Through services/fold.py: telemetry folded at a tick, outputs stamped and checked against the grammar."""
+    """Through services/shell/fold.py: telemetry folded at a tick, outputs stamped and checked against the grammar."""
 
     async def nothing(args: object) -> list[Emit]:
         return []

@@ -6,9 +6,9 @@ from events.checkpoint import CheckpointCommitted
 from events.commands import RollbackRequested
 from events.findings import RankLost
 from events.job import AllocationGranted, JobSubmitted, SlotRef
-from services.checkpoints.lineage import Fork, forked, thrown_away
-from services.resources import agentcore
-from services.resources.agentcore import SPAWN, SpawnArgs
+from events.lineage import Fork, forked, thrown_away
+from services.agent import core as agentcore
+from services.agent.core import SPAWN, SpawnArgs
 from services.scheduler.state import State
 from tests.unit.test_recovery_recipes import JOB, cid, commit, landed, only_rollback, run, running, spec, spike
 

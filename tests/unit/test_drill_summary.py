@@ -6,7 +6,7 @@ from events.findings import LossSpikeDetected, RankHung, RankLost
 from events.job import AllocationRequested, JobCompleted, JobResumed, JobSubmitted, WorkersExited
 from events.spec import JobSpec
 from events.training import FaultInjected, RolledBack, StepCompleted
-from services.console.drill_summary import incidents, render
+from services.tools.console.drill_summary import incidents, render
 
 J = "demo-1"
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from services.audit.verify import verify
-from services.console.verify_cmd import report
-from services.history import library
+from services.tools.audit.verify import verify
+from services.tools.console.verify_cmd import report
+from services.tools.history import library
 from tests.e2e.drill_harness import DRILL_SPECS
 
 HISTORIES = Path(__file__).resolve().parents[1] / "fixtures" / "histories"

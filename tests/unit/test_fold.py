@@ -17,8 +17,8 @@ from events.spec import JobSpec
 from events.store import MemoryStore, Stored, decoded
 from events.training import StepCompleted
 from services.core import Effect, Emit, Service
-from services.fold import Folder, Step, comparable, outputs_of, rebuild, replay
-from services.tap import TelemetryTap
+from services.shell.fold import Folder, Step, comparable, outputs_of, rebuild, replay
+from services.shell.tap import TelemetryTap
 
 
 @dataclass(frozen=True)

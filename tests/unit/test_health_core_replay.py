@@ -1,4 +1,4 @@
-"""The health core under services/fold.py: recorded control events, telemetry and ticks replay to the
+"""The health core under services/shell/fold.py: recorded control events, telemetry and ticks replay to the
 findings that were recorded, from scratch or from a rebuild half way."""
 
 import math
@@ -11,8 +11,8 @@ from events.history import append_to_job
 from events.spec import PolicySpec
 from events.store import MemoryStore
 from events.training import StepCompleted
-from services.fold import comparable, outputs_of, rebuild, replay
 from services.health.core import TELEMETRY_TYPES
+from services.shell.fold import comparable, outputs_of, rebuild, replay
 from tests.unit.health_synth import SERVICE, Cluster, RankPlan, fold, loss_curve
 
 POLICY = PolicySpec(heartbeat_interval_s=1.0, heartbeat_misses=3, hang_min_s=4.0, hang_factor=10.0, spike_warmup=10)

@@ -11,8 +11,8 @@ from events import codec, subjects
 from events.clock import ClockTick
 from events.job import JobQueued
 from events.store import Stored, decoded
-from services.history import fdh, library
-from services.history.recorded import ReadOnlyHistory, RecordedStore
+from services.tools.history import fdh, library
+from services.tools.history.recorded import ReadOnlyHistory, RecordedStore
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "histories" / "spike.fdh.jsonl"
 JOB = "spike-000001"

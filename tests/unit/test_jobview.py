@@ -6,10 +6,10 @@ from events.checkpoint import CheckpointCommitted, CheckpointDeleted, DataPositi
 from events.commands import RollbackRequested
 from events.job import AllocationReleased, CancelRequested, JobQueued, WorkersExited
 from events.training import StepCompleted
-from services.console import jobview
-from services.console.jobview import JobView
 from services.resources.core import core_service as resources
 from services.scheduler.core import core_service as scheduler
+from services.tools.history import jobview
+from services.tools.history.jobview import JobView
 from tests.unit.helpers import Agents, Bus, register, submit
 
 

@@ -7,9 +7,9 @@ from hypothesis import strategies as st
 from events.clock import ClockTick
 from events.fleet import NodeLost
 from events.job import CancelRequested, WorkersExited
-from services.console import jobview
 from services.resources.core import core_service as resources
 from services.scheduler.core import core_service as scheduler
+from services.tools.history import jobview
 from tests.unit.helpers import Agents, Bus, register, submit
 
 Action = tuple[str, int, int]  # (what, which, how)

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.checkpoints.manifest import manifest_key, prefix, shard_key
-from services.checkpoints.objectstore import (
+from services.shell.objects.manifest import manifest_key, prefix, shard_key
+from services.shell.objects.store import (
     InvalidKey,
     UnsafeLocalPath,
     key,

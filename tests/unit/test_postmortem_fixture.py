@@ -17,8 +17,8 @@ from events.findings import LossSpikeDetected
 from events.job import AllocationGranted, JobCompleted, JobSubmitted
 from events.store import Stored
 from events.training import FaultInjected, RolledBack, StepCompleted
-from services.history import fdh
-from services.postmortem import Postmortem, analyse, write_report
+from services.tools.history import fdh
+from services.tools.postmortem import Postmortem, analyse, write_report
 
 E = TypeVar("E", bound=Event)
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "histories" / "spike.fdh.jsonl"

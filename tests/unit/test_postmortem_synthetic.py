@@ -1,4 +1,4 @@
-"""Postmortems of synthetic histories (services/postmortem/synthetic.py): goodput accounting as a property over
+"""Postmortems of synthetic histories (services/tools/postmortem/synthetic.py): goodput accounting as a property over
 random runs, a run without incidents, and a failed job's cause chain."""
 
 import math
@@ -9,9 +9,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from events.job import JobFailed, WorkersExited
-from services.postmortem import analyse, write_report
-from services.postmortem.goodput import BADPUT, PARTS
-from services.postmortem.synthetic import Scenario, synthesise
+from services.tools.postmortem import analyse, write_report
+from services.tools.postmortem.goodput import BADPUT, PARTS
+from services.tools.postmortem.synthetic import Scenario, synthesise
 
 EVERY = 10
 

@@ -21,9 +21,9 @@ from events.spec import JobSpec, PolicySpec, TrainSpec
 from events.store import Stored, decoded
 from events.training import RolledBack
 from services.core import Emit
-from services.fold import Folder
 from services.scheduler.core import core_service
 from services.scheduler.state import State
+from services.shell.fold import Folder
 from tests.unit.helpers import events_of, fold, register, subject_of
 
 SVC = core_service(stop_timeout_s=30.0, landing_timeout_s=60.0)
@@ -206,7 +206,7 @@ def test_the_same_finding_read_twice_decides_once() -> None:
 
 
 def test_the_shell_s_fold_reads_rolled_back_where_the_scheduler_s_own_tick_put_it() -> None:
-    """Through services.fold.Folder, as live and in replays: RolledBack is read from FD_TELEMETRY on the
+    """Through services.shell.fold.Folder, as live and in replays: RolledBack is read from FD_TELEMETRY on the
     scheduler's telemetry subjects, only when one of its ticks comes back, and ends the rollback's flight."""
     folder = Folder(SVC)
     control: list[Event] = [register("a", 4), JobSubmitted(job_id=JOB, spec=spec()),

@@ -20,19 +20,18 @@ import pytest
 from events import subjects
 from events.clock import ClockTick
 from events.training import FaultInjected, StepCompleted
-from services.console import jobview
-from services.console.jobview import JobView
-from services.console.replay_cmd import replayed, text
 from services.core import Service
-from services.fold import Folder, comparable, rebuild, replay
 from services.health.core import core_service as health
 from services.health.core import snapshot as health_snapshot
-from services.history import History, library
-from services.history.timeline import job_view_at
-from services.history.until import BadUntil, Cut, parse_until, resolve, submitted_at, tick_position
 from services.resharder.core import core_service as resharder
 from services.resources.core import core_service as resources
 from services.scheduler.core import core_service as scheduler
+from services.shell.fold import Folder, comparable, rebuild, replay
+from services.tools.console.replay_cmd import replayed, text
+from services.tools.history import History, jobview, library
+from services.tools.history.jobview import JobView
+from services.tools.history.timeline import job_view_at
+from services.tools.history.until import BadUntil, Cut, parse_until, resolve, submitted_at, tick_position
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "histories" / "spike.fdh.jsonl"
 JOB = "spike-000001"

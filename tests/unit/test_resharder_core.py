@@ -11,10 +11,10 @@ from events.job import AllocationGranted, JobCompleted, JobSubmitted, SlotRef
 from events.plan import ReshardPlanned
 from events.spec import JobSpec, ModelSpec, TrainSpec
 from events.store import MemoryStore
-from services.fold import comparable, outputs_of, replay
 from services.resharder.core import UNKNOWN_SLOT_GB, core_service
 from services.resources.core import core_service as resources
 from services.scheduler.core import core_service as scheduler
+from services.shell.fold import comparable, outputs_of, replay
 from tests.unit.helpers import Agents, Bus, events_of, fold, register, submit
 
 SERVICE = core_service()

@@ -11,11 +11,11 @@ from events.codec import encode
 from events.fleet import NodeLost, NodeUncordoned
 from events.job import AllocationRequested, CancelRequested, JobCancelled, JobCompleted, JobFailed, JobSubmitted
 from events.store import decoded
-from services.fold import Folder, comparable
 from services.resources.core import core_service as resources
 from services.scheduler.core import core_service as scheduler
 from services.scheduler.state import WAITING, State
 from services.scheduler.tx import queue_key
+from services.shell.fold import Folder, comparable
 from tests.unit.helpers import Agents, Bus, register, subject_of, submit
 
 ACTIONS = st.lists(st.tuples(st.sampled_from(["submit", "submit", "finish", "crash", "cancel", "lose", "add",
@@ -90,7 +90,7 @@ def test_states_survive_a_snapshot_round_trip() -> None:
 
 
 def test_the_shell_s_fold_replays_the_same_decisions() -> None:
-    """Feed the recorded log, encoded and decoded as on the wire, through services.fold.Folder: the
+    """Feed the recorded log, encoded and decoded as on the wire, through services.shell.fold.Folder: the
     subject grammar holds for every output and each service decides again exactly what it decided."""
     b = Bus([scheduler(), resources()])
     agents = Agents(b)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from services.console.supervisor import Backoff, ProcessSpec, Supervisor
+from services.tools.console.supervisor import Backoff, ProcessSpec, Supervisor
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -152,7 +152,7 @@ def test_children_die_when_the_supervisor_is_killed(tmp_path: Path) -> None:
     script = (
         "import sys, time\n"
         "from pathlib import Path\n"
-        "from services.console.supervisor import ProcessSpec, Supervisor\n"
+        "from services.tools.console.supervisor import ProcessSpec, Supervisor\n"
         f"sup = Supervisor([ProcessSpec('sleeper', {SLEEPER!r})], Path({str(tmp_path)!r}))\n"
         "sup.start()\n"
         "print('PID', sup.pids()['sleeper'], flush=True)\n"

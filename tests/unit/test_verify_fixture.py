@@ -16,10 +16,10 @@ from events.findings import LossSpikeDetected
 from events.job import JobFailed
 from events.store import Stored
 from events.training import StepCompleted
-from services.audit.verify import Verdict, verify
-from services.console.__main__ import main as cli_main
-from services.history import fdh
-from services.history.library import History
+from services.tools.audit.verify import Verdict, verify
+from services.tools.console.__main__ import main as cli_main
+from services.tools.history import fdh
+from services.tools.history.library import History
 
 # The spike drill as recorded by tests/fixtures/record_drill.py spike (tests/unit/test_fixtures_verify.py keeps it
 # verifying with the current cores).

@@ -11,10 +11,10 @@ from events.commands import RollbackRequested
 from events.findings import LossSpikeDetected
 from events.job import AllocationRequested, JobCompleted, JobFailed
 from events.training import RolledBack
-from services.audit import settings
-from services.audit.whatif import whatif
-from services.console.__main__ import main as cli_main
-from services.history import fdh
+from services.tools.audit import settings
+from services.tools.audit.whatif import whatif
+from services.tools.console.__main__ import main as cli_main
+from services.tools.history import fdh
 
 HISTORIES = Path(__file__).resolve().parents[1] / "fixtures" / "histories"
 SPIKE, CRASH = HISTORIES / "spike.fdh.jsonl", HISTORIES / "crash.fdh.jsonl"

@@ -1,0 +1,87 @@
+"""The node-local protocol between a node agent and the ranks it starts: the variables it sets for them, the
+heartbeat socket, and the warm-standby hand-off. Both sides import it; nothing here reaches the broker.
+
+Heartbeats. A rank sends each beat (events.heartbeats.LocalBeat) as one datagram to the socket named in
+$FLIGHTDECK_BEATS; the agent publishes one batch per node (services/agent/beats.py). The address is a path,
+or `@name` for a Linux abstract socket (no file, no path-length limit, gone with the agent). Sending never
+blocks: a full buffer drops the beat (the next supersedes it); a socket nobody listens on means the agent is
+gone, which the sender hears as False and answers by heartbeating through the broker again.
+
+Standby hand-off (trainer/standby.py, services/agent/standbys.py): over a SOCK_SEQPACKET pair the standby
+sends READY once its imports are done; the agent answers with one Assignment (msgpack, at most MAX_MESSAGE)
+and the rank's log file as a descriptor.
+"""
+
+import errno
+import os
+import socket
+
+import msgspec
+
+from events.heartbeats import LocalBeat
+
+BEATS_ENV = "FLIGHTDECK_BEATS"  # the agent's heartbeat socket, set for the ranks it starts
+STEP_REPORTS_ENV = "FLIGHTDECK_STEP_REPORTS"  # "all" (default) or "rank0": who publishes StepCompleted
+STEP_REPORTS = ("all", "rank0")
+
+READY = b"R"
+MAX_MESSAGE = 1 << 20  # an assignment is the rank's command line and environment: a few KB
+# What a rank's run reads from the environment only after the assignment (torch.distributed, trainer.config).
+LATE_ENV = frozenset({"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+                      "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT"})
+OWN_ENV_PREFIX = "FLIGHTDECK_"  # read where used (trainer/bus.py, events/streams.py), never at import
+
+
+class Assignment(msgspec.Struct, frozen=True, kw_only=True):
+    """The rank a standby becomes: the command line and environment a cold start would exec, and its cwd."""
+
+    argv: list[str]  # argv[0] is the interpreter, as for execve
+    env: dict[str, str]
+    cwd: str
+
+
+ASSIGNMENT_ENCODER = msgspec.msgpack.Encoder()
+ASSIGNMENT_DECODER = msgspec.msgpack.Decoder(Assignment)
+_beat_encoder = msgspec.msgpack.Encoder()
+
+
+def sockaddr(address: str) -> str:
+    """`@name` is the abstract socket `name` (Linux); anything else a path."""
+    return "\0" + address[1:] if address.startswith("@") else address
+
+
+class BeatChannel:
+    """A rank's end of the heartbeat socket."""
+
+    def __init__(self, address: str) -> None:
+        if not address or address == "@":
+            raise ValueError(f"${BEATS_ENV} is empty: a path or @name of the node agent's heartbeat socket")
+        self.address = address
+        self._to = sockaddr(address)
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.setblocking(False)
+        self.num_sent = 0
+        self.num_dropped = 0
+
+    @classmethod
+    def from_env(cls) -> "BeatChannel | None":
+        address = os.environ.get(BEATS_ENV, "")
+        return cls(address) if address else None
+
+    def send(self, beat: LocalBeat) -> bool:
+        """Hand one beat over; False when no agent listens there any more."""
+        try:
+            self._sock.sendto(_beat_encoder.encode(beat), self._to)
+        except BlockingIOError:  # the agent is behind: this beat is superseded by the next
+            self.num_dropped += 1
+            return True
+        except OSError as exc:
+            if exc.errno in (errno.ECONNREFUSED, errno.ENOENT, errno.ENOTCONN):
+                return False
+            self.num_dropped += 1
+            return True
+        self.num_sent += 1
+        return True
+
+    def close(self) -> None:
+        self._sock.close()

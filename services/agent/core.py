@@ -1,0 +1,271 @@
+"""The node agent's pure core: which ranks this node must start and stop, and what they restore from.
+
+The agent of node N is the service `agent-N`. It folds every job's spec, checkpoints and allocations and
+asks its shell for effects (spawner.py runs them):
+
+- `spawn`    an AllocationGranted with slots on N: start its ranks there, restoring the newest checkpoint
+             the job had committed when the grant was folded, passing over those a rollback threw away
+             (events/lineage.py; the scheduler's rule too), None: from scratch. If N still holds an
+             older attempt of the job, a `stop` with `immediate=True` comes first: old ranks are killed
+             before new ones start on the same slots.
+- `stop`     AllocationReleased of the attempt N holds, or the job cancelled or ended: SIGTERM, a grace
+             period, then SIGKILL.
+- `prefetch` a checkpoint committed while N runs the job: download it into the node's cache, where a
+             rank told to roll back finds it.
+- `evict`    a checkpoint deleted, or the job ended: its cached copies go.
+
+`live` mirrors WorkersStarted / WorkersExited of this node, so an agent that comes back after a crash
+knows which ranks it had started and never saw exit. Like the other cores, `evolve` applies a whole
+transition and leaves its outputs in `State.outbox`, which `decide` returns.
+"""
+
+import msgspec
+
+from events import lineage, subjects
+from events.base import Event
+from events.checkpoint import CheckpointCommitted, CheckpointDeleted
+from events.commands import RollbackRequested
+from events.job import (
+    AllocationGranted,
+    AllocationReleased,
+    JobCancelled,
+    JobCompleted,
+    JobFailed,
+    JobSubmitted,
+    SlotRef,
+    WorkersExited,
+    WorkersStarted,
+)
+from events.spec import JobSpec
+from services.core import Effect, EffectHandler, Output, Service
+
+SPAWN, STOP, PREFETCH, EVICT = "spawn", "stop", "prefetch", "evict"
+EFFECTS = (SPAWN, STOP, PREFETCH, EVICT)
+
+
+def service_name(node: str) -> str:
+    return f"agent-{subjects.token(node)}"
+
+
+class Restore(msgspec.Struct, frozen=True, kw_only=True):
+    """A committed checkpoint, as much as a restore needs to find and verify it."""
+
+    checkpoint_id: str
+    step: int
+    manifest_sha256: str = ""
+    attempt: int = 0  # the attempt that staged it
+    timeline: int = 0  # rollbacks that attempt had applied then
+
+
+class SpawnArgs(msgspec.Struct, frozen=True, kw_only=True):
+    job_id: str
+    attempt: int
+    node: str
+    ranks: list[SlotRef]  # the ranks this node runs, with the slot each one uses
+    world_size: int
+    master_addr: str
+    master_port: int
+    spec: JobSpec
+    restore: Restore | None
+    grant_id: str  # event id of the grant, the cause of what the agent records about these ranks
+
+
+class StopArgs(msgspec.Struct, frozen=True, kw_only=True):
+    job_id: str
+    attempt: int
+    reason: str
+    immediate: bool = False  # SIGKILL at once: a newer attempt needs the slots
+
+
+class PrefetchArgs(msgspec.Struct, frozen=True, kw_only=True):
+    job_id: str
+    checkpoint: Restore
+
+
+class EvictArgs(msgspec.Struct, frozen=True, kw_only=True):
+    job_id: str
+    checkpoint_ids: list[str]  # empty: the whole job's cache
+
+
+class Held(msgspec.Struct, frozen=True, kw_only=True):
+    attempt: int
+    ranks: tuple[SlotRef, ...]
+
+
+class JobView(msgspec.Struct, frozen=True, kw_only=True):
+    spec: JobSpec
+    checkpoints: tuple[Restore, ...] = ()  # committed and not deleted, in commit order
+    held: Held | None = None  # the attempt whose ranks this node runs
+    latest: int = -1  # newest attempt granted or released: a grant for it or an older one is stale or repeated
+    forks: tuple[lineage.Fork, ...] = ()  # timelines the job's rollbacks started
+
+
+class LiveRank(msgspec.Struct, frozen=True, kw_only=True):
+    job_id: str
+    attempt: int
+    rank: int
+    pid: int
+
+
+class State(msgspec.Struct, frozen=True, kw_only=True):
+    node: str
+    jobs: dict[str, JobView] = {}
+    ended: frozenset[str] = frozenset()
+    live: dict[str, LiveRank] = {}  # "<job>/<attempt>/<rank>" -> a rank started here that has not exited
+    outbox: tuple[Output, ...] = ()
+
+
+def live_key(job_id: str, attempt: int, rank: int) -> str:
+    return f"{job_id}/{attempt}/{rank}"
+
+
+def newest(checkpoints: tuple[Restore, ...], forks: tuple[lineage.Fork, ...] = ()) -> Restore | None:
+    """The highest step a rollback did not throw away; among equal steps the one committed last (the scheduler's
+    choice too)."""
+    best: Restore | None = None
+    for c in checkpoints:
+        if lineage.thrown_away(forks, c.attempt, c.timeline, c.step):
+            continue
+        if best is None or c.step >= best.step:
+            best = c
+    return best
+
+
+def _put(state: State, job_id: str, view: JobView, *outs: Output) -> State:
+    return msgspec.structs.replace(state, jobs={**state.jobs, job_id: view}, outbox=outs)
+
+
+def _granted(state: State, ev: AllocationGranted) -> State:
+    view = state.jobs.get(ev.job_id)
+    if view is None:
+        # Grants only follow submissions in the stream and ended jobs are dropped: nothing to run.
+        return msgspec.structs.replace(state, outbox=())
+    mine = tuple(sorted((r for r in ev.assignments if r.node == state.node), key=lambda r: r.rank))
+    held = view.held
+    if ev.attempt <= view.latest:
+        return msgspec.structs.replace(state, outbox=())  # a stale or repeated grant
+    view = msgspec.structs.replace(view, latest=ev.attempt)
+    outs: list[Output] = []
+    if held is not None:
+        outs.append(Effect(STOP, StopArgs(job_id=ev.job_id, attempt=held.attempt, immediate=True,
+                                          reason=f"attempt {ev.attempt} replaces it")))
+    if not mine:
+        return _put(state, ev.job_id, msgspec.structs.replace(view, held=None), *outs)
+    outs.append(Effect(SPAWN, SpawnArgs(
+        job_id=ev.job_id, attempt=ev.attempt, node=state.node, ranks=list(mine), world_size=len(ev.assignments),
+        master_addr=ev.master_addr, master_port=ev.master_port, spec=view.spec,
+        restore=newest(view.checkpoints, view.forks), grant_id=ev.event_id)))
+    return _put(state, ev.job_id, msgspec.structs.replace(view, held=Held(attempt=ev.attempt, ranks=mine)), *outs)
+
+
+def _released(state: State, ev: AllocationReleased) -> State:
+    view = state.jobs.get(ev.job_id)
+    if view is None:
+        return msgspec.structs.replace(state, outbox=())
+    after = msgspec.structs.replace(view, latest=max(view.latest, ev.attempt))
+    if view.held is None or view.held.attempt != ev.attempt:
+        return _put(state, ev.job_id, after)
+    stop = Effect(STOP, StopArgs(job_id=ev.job_id, attempt=ev.attempt, reason=f"released: {ev.reason}"))
+    return _put(state, ev.job_id, msgspec.structs.replace(after, held=None), stop)
+
+
+def _ended(state: State, job_id: str, why: str) -> State:
+    view = state.jobs.get(job_id)
+    if view is None:
+        return msgspec.structs.replace(state, outbox=())
+    outs: list[Output] = []
+    if view.held is not None:
+        outs.append(Effect(STOP, StopArgs(job_id=job_id, attempt=view.held.attempt, reason=why)))
+    if view.checkpoints:
+        outs.append(Effect(EVICT, EvictArgs(job_id=job_id, checkpoint_ids=[])))
+    jobs = {j: v for j, v in state.jobs.items() if j != job_id}
+    return msgspec.structs.replace(state, jobs=jobs, ended=state.ended | {job_id}, outbox=tuple(outs))
+
+
+def _committed(state: State, ev: CheckpointCommitted) -> State:
+    view = state.jobs.get(ev.job_id)
+    if view is None or any(c.checkpoint_id == ev.checkpoint_id for c in view.checkpoints):
+        return msgspec.structs.replace(state, outbox=())
+    entry = Restore(checkpoint_id=ev.checkpoint_id, step=ev.step, manifest_sha256=ev.manifest_sha256,
+                    attempt=ev.attempt, timeline=ev.timeline)
+    after = msgspec.structs.replace(view, checkpoints=(*view.checkpoints, entry))
+    if view.held is None:
+        return _put(state, ev.job_id, after)
+    return _put(state, ev.job_id, after, Effect(PREFETCH, PrefetchArgs(job_id=ev.job_id, checkpoint=entry)))
+
+
+def _deleted(state: State, ev: CheckpointDeleted) -> State:
+    view = state.jobs.get(ev.job_id)
+    if view is None or not any(c.checkpoint_id == ev.checkpoint_id for c in view.checkpoints):
+        return msgspec.structs.replace(state, outbox=())
+    after = msgspec.structs.replace(view, checkpoints=tuple(c for c in view.checkpoints
+                                                             if c.checkpoint_id != ev.checkpoint_id))
+    return _put(state, ev.job_id, after, Effect(EVICT, EvictArgs(job_id=ev.job_id,
+                                                                 checkpoint_ids=[ev.checkpoint_id])))
+
+
+def _workers(state: State, ev: WorkersStarted | WorkersExited) -> State:
+    if ev.node != state.node:
+        return msgspec.structs.replace(state, outbox=()) if state.outbox else state
+    live = dict(state.live)
+    if isinstance(ev, WorkersStarted):
+        for rank, pid in zip(ev.ranks, ev.pids, strict=True):
+            live[live_key(ev.job_id, ev.attempt, rank)] = LiveRank(job_id=ev.job_id, attempt=ev.attempt, rank=rank,
+                                                                   pid=pid)
+    else:
+        live.pop(live_key(ev.job_id, ev.attempt, ev.rank), None)
+    return msgspec.structs.replace(state, live=live, outbox=())
+
+
+def transition(state: State, event: Event) -> State:
+    match event:
+        case JobSubmitted(job_id=job_id, spec=spec):
+            if job_id in state.jobs or job_id in state.ended:  # the same submission seen again
+                return msgspec.structs.replace(state, outbox=())
+            return _put(state, job_id, JobView(spec=spec))
+        case AllocationGranted():
+            return _granted(state, event)
+        case AllocationReleased():
+            return _released(state, event)
+        case JobCancelled(job_id=job_id, reason=reason):
+            return _ended(state, job_id, f"cancelled: {reason}")
+        case JobCompleted(job_id=job_id):
+            return _ended(state, job_id, "completed")
+        case JobFailed(job_id=job_id, reason=reason):
+            return _ended(state, job_id, f"failed: {reason}")
+        case CheckpointCommitted():
+            return _committed(state, event)
+        case CheckpointDeleted():
+            return _deleted(state, event)
+        case RollbackRequested(job_id=job_id) if job_id in state.jobs:
+            view = state.jobs[job_id]
+            return _put(state, job_id, msgspec.structs.replace(view, forks=lineage.forked(view.forks, event)))
+        case WorkersStarted() | WorkersExited():
+            return _workers(state, event)
+        case _:
+            return msgspec.structs.replace(state, outbox=()) if state.outbox else state
+
+
+def decide(state: State, event: Event) -> list[Output]:
+    return list(state.outbox)
+
+
+CONTROL_TYPES = ("JobSubmitted", "AllocationGranted", "AllocationReleased", "JobCancelled", "JobCompleted",
+                 "JobFailed", "CheckpointCommitted", "CheckpointDeleted", "WorkersStarted", "WorkersExited",
+                 "RollbackRequested")
+
+
+def core_service(node: str, effects: dict[str, EffectHandler]) -> Service[State]:
+    """The agent core of `node` wired to its effect handlers (spawner.py); replays fold it without running them."""
+    missing = set(EFFECTS) - set(effects)
+    if missing:
+        raise ValueError(f"the node agent needs effect handlers for {sorted(missing)}")
+    return Service(
+        name=service_name(node),
+        initial=State(node=node),
+        evolve=transition,
+        decide=decide,
+        control_subjects=tuple(f"fd.ctl.job.*.{t}" for t in CONTROL_TYPES),
+        wants_tick=lambda state, now: False,  # nothing here waits on time: grace periods are the spawner's
+        effects=effects,
+    )

@@ -1,0 +1,129 @@
+"""What a node offers and whether it works: its slots (GPUs listed by nvidia-smi, else CPU slots; the agent
+never imports torch) and the self-check it runs before registering (`python -m trainer.selfcheck`)."""
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from services.agent.launch import REPO
+
+DEFAULT_CPU_SLOTS = 2
+Device = Literal["auto", "cpu", "cuda"]
+
+
+class AgentError(RuntimeError):
+    """A setup the agent cannot run with; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class Inventory:
+    kind: Literal["cpu", "gpu"]
+    slots: int
+    devices: list[str]
+    memory_gb: float
+
+
+def parse_gpus(text: str) -> list[tuple[str, float]]:
+    """(name, memory in GB) per line of `nvidia-smi --query-gpu=name,memory.total --format=csv,noheader,nounits`."""
+    gpus = []
+    for line in filter(None, (ln.strip() for ln in text.splitlines())):
+        name, _, mib = line.rpartition(",")
+        try:
+            gpus.append((name.strip(), round(float(mib) / 1024, 1)))
+        except ValueError:
+            gpus.append((line, 0.0))
+    return gpus
+
+
+def _nvidia_gpus() -> list[tuple[str, float]]:
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return []
+    try:
+        out = subprocess.run([exe, "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return parse_gpus(out.stdout) if out.returncode == 0 else []
+
+
+def _host_memory_gb() -> float:
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) / 1024 / 1024, 1)
+    return 0.0
+
+
+def detect(device: Device, slots: int | None) -> Inventory:
+    gpus = _nvidia_gpus() if device != "cpu" else []
+    if device == "cuda" and not gpus:
+        raise AgentError("--device cuda, but nvidia-smi lists no GPU: install the NVIDIA driver or use --device cpu")
+    if gpus:
+        n = len(gpus) if slots is None else slots
+        if n > len(gpus):
+            raise AgentError(f"--slots {slots}, but nvidia-smi lists only {len(gpus)} GPUs")
+        return Inventory("gpu", n, [name for name, _ in gpus[:n]], gpus[0][1])
+    n = slots or DEFAULT_CPU_SLOTS
+    return Inventory("cpu", n, ["cpu"] * n, _host_memory_gb())
+
+
+def default_node() -> str:
+    return re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname())[:128] or "node"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    ok: bool
+    seconds: float
+    detail: str  # devices when it passed, the reason when it failed
+
+
+async def selfcheck(python: str, inv: Inventory, timeout_s: float) -> Verdict:
+    """`python -m trainer.selfcheck` (matmul with a known answer, all-reduce across the slots) in its own session."""
+    started = time.perf_counter()
+    proc = await asyncio.create_subprocess_exec(
+        python, "-m", "trainer.selfcheck", "--slots", str(inv.slots),
+        "--device", "cuda" if inv.kind == "gpu" else "cpu",
+        cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
+    except (TimeoutError, asyncio.CancelledError) as exc:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the check's own worker processes too
+        await proc.wait()
+        if isinstance(exc, asyncio.CancelledError):
+            raise
+        return Verdict(False, time.perf_counter() - started, f"self-check did not finish in {timeout_s:g}s")
+    seconds = time.perf_counter() - started
+    lines = out.decode(errors="replace").strip().splitlines()
+    try:
+        result: dict[str, Any] = json.loads(lines[-1]) if lines else {}
+    except json.JSONDecodeError:
+        result = {}
+    if proc.returncode == 0 and result.get("ok") is True:
+        # seconds: the whole check as the node waited for it (interpreter and torch start included)
+        devices = ", ".join(result.get("devices", []))
+        return Verdict(True, seconds, f"devices: {devices}; checks took {result.get('seconds', '?')}s")
+    reason = str(result.get("reason") or err.decode(errors="replace").strip()[-2000:] or "no verdict printed")
+    return Verdict(False, seconds, f"exit code {proc.returncode}: {reason}")
+
+
+async def trainer_accepts(python: str, flag: str) -> bool:
+    """Whether `python -m trainer` takes `flag` (read from its parser, without importing torch)."""
+    proc = await asyncio.create_subprocess_exec(
+        python, "-c", "from trainer.config import parser; print(parser().format_help())", cwd=REPO,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+    out, _ = await proc.communicate()
+    return proc.returncode == 0 and flag in out.decode().split()

@@ -1,0 +1,219 @@
+"""The node agent: one per host. It finds the host's slots, runs the self-check, registers the node, then
+runs its core (agentcore.py) in the service shell, starting and stopping trainer ranks (spawner.py).
+
+    python -m services.agent --help     (the command line: bootstrap.py; `flightdeck agent` is the same)
+
+Slots: GPUs listed by nvidia-smi (the agent never imports torch), else `--slots` CPU slots (default 2).
+Standbys (standbys.py): `--standby N` warm rank processes with torch imported, started with the self-check
+(dropped if it fails) and refilled after each hand-off; default ($FLIGHTDECK_STANDBY, else one per slot, since
+a restart starts all of a job's ranks on the node at once and waits for the slowest); 0 turns them off.
+Heartbeats (beats.py): by default the ranks hand their heartbeats to the agent over a node-local socket and
+the agent publishes one RankHeartbeats per job per interval; `--heartbeats rank` has each rank publish its
+own. `--step-reports rank0` (for fleets of thousands of ranks) leaves only rank 0 publishing a StepCompleted
+per step; the others' steps and step times ride the agent's batches. Defaults: $FLIGHTDECK_HEARTBEATS,
+$FLIGHTDECK_STEP_REPORTS, else node and all.
+SIGTERM/SIGINT: the ranks are stopped (they checkpoint on SIGTERM), their exits recorded, then the agent
+exits 0. SIGKILL: the ranks die with it; the next agent on the node records them as exited.
+"""
+
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import sys
+import time
+import uuid
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from events import subjects
+from events.base import NodeEvent
+from events.fleet import NodeRegistered, SelfCheckFailed, SelfCheckPassed
+from events.nodelocal import STEP_REPORTS, STEP_REPORTS_ENV
+from events.store import EventStore
+from events.streams import ServerTooOld
+from services.agent import core as agentcore
+from services.agent.beats import BeatRelay, new_address, store_publisher
+from services.agent.inventory import (
+    AgentError,
+    Device,
+    Inventory,
+    Verdict,
+    default_node,
+    detect,
+    selfcheck,
+    trainer_accepts,
+)
+from services.agent.launch import REPO, Launch, Paths, die_with_agent, standby_env
+from services.agent.spawner import Spawner, retrying
+from services.agent.standbys import StandbyPool
+from services.shell.broker import nats_url
+from services.shell.connection import Connection
+from services.shell.fold import rebuild
+from services.shell.objects.open import open_store
+from services.shell.runtime import ConsumerPolicy, PublishDenied, run_service
+
+log = structlog.get_logger("flightdeck.agent")
+
+STANDBY_ENV = "FLIGHTDECK_STANDBY"  # the default for --standby (unset: one per slot)
+HEARTBEATS_ENV = "FLIGHTDECK_HEARTBEATS"  # the default for --heartbeats
+HEARTBEATS = ("node", "rank")
+ORPHAN_EXIT = -signal.SIGKILL  # a rank that died with its agent (PR_SET_PDEATHSIG)
+
+
+def kill_if_rank(pid: int, job_id: str) -> None:
+    """Kill `pid` if it is still a rank of `job_id` (it should have died with its agent; the pid may be reused)."""
+    with contextlib.suppress(OSError):
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        cold = b"trainer" in cmdline and job_id.encode() in cmdline
+        # A rank started by a standby keeps the standby's command line; its stdout is the rank's log.
+        log_name = Path(os.readlink(f"/proc/{pid}/fd/1")).name if b"trainer.standby" in cmdline else ""
+        warm = re.fullmatch(rf"{re.escape(job_id)}-a\d+-r\d+\.log", log_name) is not None
+        if cold or warm:
+            os.kill(pid, signal.SIGKILL)
+
+
+async def reconcile(service: Any, store: EventStore, spawner: Spawner) -> int:
+    """Record the ranks an earlier agent on this node started and never saw exit: they died with it."""
+    folder = await rebuild(service, store, until=await store.last_seq(subjects.CONTROL))
+    state: agentcore.State = folder.state
+    for rank in state.live.values():
+        kill_if_rank(rank.pid, rank.job_id)
+        log.warning("rank lost with an earlier agent", job_id=rank.job_id, attempt=rank.attempt, rank=rank.rank,
+                    pid=rank.pid)
+        await spawner.record_exit(rank.job_id, rank.attempt, rank.rank, ORPHAN_EXIT, "")
+    return len(state.live)
+
+
+async def register(store: EventStore, node: str, producer: str, inv: Inventory, address: str, verdict: Verdict) -> None:
+    """NodeRegistered, then the self-check's verdict (a failure makes the resource manager cordon the node)."""
+    boot = uuid.uuid4().hex[:12]
+    now = time.time()
+    envelope: dict[str, Any] = {"node": node, "occurred_at": now, "producer": producer}
+    events: list[NodeEvent] = [
+        NodeRegistered(kind=inv.kind, slots=inv.slots, devices=inv.devices, memory_gb=inv.memory_gb, address=address,
+                       event_id=f"{producer}:register:{boot}", **envelope)]
+    if verdict.ok:
+        events.append(SelfCheckPassed(seconds=round(verdict.seconds, 3), detail=verdict.detail,
+                                      event_id=f"{producer}:selfcheck:{boot}", **envelope))
+    else:
+        events.append(SelfCheckFailed(reason=verdict.detail, event_id=f"{producer}:selfcheck:{boot}", **envelope))
+    for ev in events:
+        subject = subjects.node(node, type(ev).__name__)
+        await retrying(f"appending {type(ev).__name__}", partial(store.append, subject, ev, msg_id=ev.event_id))
+
+
+async def run_agent(*, nats: str | None = None, node: str | None = None, slots: int | None = None,
+                    device: Device = "auto", data_dir: Path | str = ".flightdeck", objects: str | None = None,
+                    address: str = "127.0.0.1", grace_s: float = 30.0, selfcheck_timeout_s: float = 300.0,
+                    standby: int | None = None, heartbeats: str | None = None, step_reports: str | None = None,
+                    stop_event: asyncio.Event | None = None) -> int:
+    """Run the agent of `node` until `stop_event` is set; returns the process exit code (0: stopped cleanly).
+    `standby`: warm standby ranks to keep (None: one per slot). `heartbeats`: "node" relays the ranks' beats
+    in one batch per job per interval, "rank" leaves each rank to publish its own. `step_reports`: "all" or
+    "rank0". None: from the environment (`$FLIGHTDECK_HEARTBEATS`, `$FLIGHTDECK_STEP_REPORTS`), else node, all."""
+    heartbeats = heartbeats or env_choice(HEARTBEATS_ENV, HEARTBEATS, "node")
+    step_reports = step_reports or env_choice(STEP_REPORTS_ENV, STEP_REPORTS, "all")
+    if heartbeats not in HEARTBEATS:
+        raise AgentError(f"heartbeats {heartbeats!r}: choose one of {', '.join(HEARTBEATS)}")
+    if step_reports not in STEP_REPORTS:
+        raise AgentError(f"step reports {step_reports!r}: choose one of {', '.join(STEP_REPORTS)}")
+    if step_reports == "rank0" and heartbeats != "node":
+        raise AgentError("--step-reports rank0 needs --heartbeats node: "
+                         "the agent's batches carry the other ranks' steps")
+    stop = stop_event or asyncio.Event()
+    url, node = nats_url(nats), subjects.token(node or default_node())
+    producer = agentcore.service_name(node)
+    structlog.contextvars.bind_contextvars(service=producer)
+    root = Path.cwd() / data_dir  # absolute: ranks run with the repository as their working directory
+    inv = await asyncio.to_thread(detect, device, slots)
+    wanted = standby if standby is not None else standby_default()
+    standbys = inv.slots if wanted is None else wanted
+    python = sys.executable
+    verdict_task = asyncio.create_task(selfcheck(python, inv, selfcheck_timeout_s))
+    conn = Connection(producer)
+    store = await conn.open(url, stop)
+    if store is None:
+        verdict_task.cancel()
+        return 0
+    code = 0
+    pool: StandbyPool | None = None
+    relay: BeatRelay | None = None
+    try:
+        async with open_store(objects or str(root / "objects")) as objs:
+            beats = new_address(node) if heartbeats == "node" else ""  # the relay's socket, bound below
+            launch = Launch(nats_url=url, device="cuda" if inv.kind == "gpu" else "cpu", grace_s=grace_s,
+                            checkpoints_flag=await trainer_accepts(python, "--checkpoints"), beats=beats,
+                            step_reports=step_reports)
+            pool = StandbyPool(size=standbys, python=python, env=standby_env(), cwd=REPO,
+                               log_file=Paths(root).standby_log, preexec=die_with_agent(os.getpid()), producer=producer)
+            spawner = Spawner(node=node, producer=producer, store=store, objects=objs, paths=Paths(root), launch=launch,
+                              standbys=pool if pool.size > 0 else None)
+            if beats:
+                relay = BeatRelay(node=node, producer=producer, publish=store_publisher(store),
+                                  admit=spawner.speaks_for, address=beats)
+                relay.start()
+            # Warming while the self-check runs: on a host with cores to spare the first ranks find them ready.
+            pool.start()
+            service = agentcore.core_service(node, spawner.handlers())
+            lost = await reconcile(service, store, spawner)
+            waiter = asyncio.create_task(stop.wait())
+            await asyncio.wait({verdict_task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            if not verdict_task.done():
+                return 0  # stopped during the self-check (the finally below ends it)
+            verdict = verdict_task.result()
+            await register(store, node, producer, inv, address, verdict)
+            log.info("node registered", kind=inv.kind, slots=inv.slots, selfcheck_ok=verdict.ok,
+                     selfcheck_s=round(verdict.seconds, 2), detail=verdict.detail, orphans_recorded=lost,
+                     trainer_checkpoints_flag=launch.checkpoints_flag, standbys=pool.size)
+            if not verdict.ok:  # cordoned: it gets no ranks
+                await pool.close()
+                spawner.standbys = None
+            shell_stop = asyncio.Event()
+            shell = asyncio.create_task(run_service(service, url, stop_event=shell_stop,
+                                                    policy=ConsumerPolicy.from_env()))
+            waiter = asyncio.create_task(stop.wait())
+            await asyncio.wait({shell, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            shell_stop.set()  # no new ranks from here on
+            try:
+                await shell
+            except (PublishDenied, ServerTooOld) as exc:
+                log.error("agent stopped", error=str(exc))
+                code = 3
+            finally:
+                await spawner.shutdown(wait_s=grace_s + 15.0)
+    finally:
+        if not verdict_task.done():
+            verdict_task.cancel()
+        if pool is not None:
+            await pool.close()
+        if relay is not None:
+            await relay.close()
+        conn.closing = True
+        with contextlib.suppress(Exception):
+            await store.nc.close()
+    log.info("agent stopped", exit_code=code)
+    return code
+
+
+def standby_default() -> int | None:
+    """$FLIGHTDECK_STANDBY as a count (unset or empty: None, one per slot)."""
+    raw = os.environ.get(STANDBY_ENV, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit():
+        raise AgentError(f"${STANDBY_ENV}={raw!r} is not a count of standby ranks: set it to 0 or more")
+    return int(raw)
+
+
+def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    raw = os.environ.get(name, "").strip() or default
+    if raw not in choices:
+        raise AgentError(f"${name}={raw!r}: choose one of {', '.join(choices)}")
+    return raw

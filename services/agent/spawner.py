@@ -1,0 +1,340 @@
+"""The node agent's effects: start a job's ranks, stop them, fetch checkpoints into the node's cache, and
+watch every rank until it exits (recorded as WorkersExited).
+
+The data dir's layout and how a rank's process is set up are in launch.py.
+
+A rank dies with its agent: it is started with PR_SET_PDEATHSIG = SIGKILL, so a lost agent means lost
+ranks (the health service notices; the next agent on the node records them as exited). WorkersStarted
+and WorkersExited are appended here, not returned to the shell, so that a rank's exit can never be
+recorded before its start. Their msg ids name (node, job, attempt[, rank]): an agent that restarts and
+records the same fact again stores nothing new.
+
+A rank is started cold (`python -m trainer ...`) or handed to a warm standby that has imported torch already
+(standbys.py): the same command line, environment, log file, session and parent-death signal, the standby's
+pid recorded as the rank's, and its exit watched and recorded the same way.
+"""
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import structlog
+
+from events.heartbeats import LocalBeat
+from events.history import append_to_job
+from events.job import SlotRef, WorkersExited, WorkersStarted
+from events.nodelocal import BEATS_ENV, STEP_REPORTS_ENV
+from events.store import EventStore
+from services.agent.core import (
+    EVICT,
+    PREFETCH,
+    SPAWN,
+    STOP,
+    EvictArgs,
+    PrefetchArgs,
+    Restore,
+    SpawnArgs,
+    StopArgs,
+)
+from services.agent.launch import REPO, Launch, Paths, die_with_agent, exit_msg_id, rank_base_env
+from services.agent.standbys import StandbyPool
+from services.core import EffectHandler, Emit
+from services.shell.connection import TRANSIENT
+from services.shell.objects import manifest
+from services.shell.objects.store import ObjectStore
+from services.shell.security.credentials import rank_env
+
+log = structlog.get_logger("flightdeck.agent")
+
+START_FAILED_EXIT = 125  # recorded for ranks that could not be started (no checkpoint, no executable)
+
+
+@dataclass(eq=False)
+class RankProc:
+    job_id: str
+    attempt: int
+    ref: SlotRef
+    proc: asyncio.subprocess.Process
+    cause: str  # the grant's event id
+    shutdown: bool = False  # stopped because the agent is going away, not because the job let it go
+    watcher: asyncio.Task[None] | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.returncode is None
+
+
+def detached(producer: str, **context: Any) -> None:
+    """Give a task started while an input was in hand a log context of its own: it outlives that input."""
+    structlog.contextvars.clear_contextvars()
+    structlog.contextvars.bind_contextvars(service=producer, **context)
+
+
+def signal_rank(p: RankProc, sig: int) -> None:
+    if p.alive:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(p.proc.pid, sig)  # its own session: whatever it started goes too
+
+
+async def retrying(what: str, fn: Callable[[], Any]) -> Any:
+    """Await `fn()` until the broker takes it (it may be restarting)."""
+    delay = 0.1
+    while True:
+        try:
+            return await fn()
+        except TRANSIENT as exc:
+            log.warning(f"{what} failed; retrying", error=repr(exc), retry_in_s=delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+
+class Spawner:
+    def __init__(self, *, node: str, producer: str, store: EventStore, objects: ObjectStore, paths: Paths,
+                 launch: Launch, standbys: StandbyPool | None = None) -> None:
+        self.node, self.producer, self.store, self.objects = node, producer, store, objects
+        self.paths, self.launch, self.standbys = paths, launch, standbys
+        self.procs: dict[tuple[str, int, int], RankProc] = {}
+        self.pids: dict[int, tuple[str, int, int]] = {}  # a live rank's pid -> (job, attempt, rank), from its start
+        self.fetches: dict[tuple[str, str], asyncio.Task[Path]] = {}
+        self.timers: set[asyncio.Task[None]] = set()
+
+    def handlers(self) -> dict[str, EffectHandler]:
+        async def spawn(args: Any) -> list[Emit]:
+            assert isinstance(args, SpawnArgs), type(args)
+            return await self.spawn(args)
+
+        async def stop(args: Any) -> list[Emit]:
+            assert isinstance(args, StopArgs), type(args)
+            self.stop(args.job_id, args.attempt, args.reason, immediate=args.immediate)
+            return []
+
+        async def prefetch(args: Any) -> list[Emit]:
+            assert isinstance(args, PrefetchArgs), type(args)
+            self.fetch_task(args.job_id, args.checkpoint)
+            return []
+
+        async def evict(args: Any) -> list[Emit]:
+            assert isinstance(args, EvictArgs), type(args)
+            await self.evict(args.job_id, args.checkpoint_ids)
+            return []
+
+        return {SPAWN: spawn, STOP: stop, PREFETCH: prefetch, EVICT: evict}
+
+    # -- spawning ----------------------------------------------------------------------------------
+
+    async def spawn(self, args: SpawnArgs) -> list[Emit]:
+        bound = log.bind(job_id=args.job_id, attempt=args.attempt, ranks=[r.rank for r in args.ranks])
+        if all((args.job_id, args.attempt, r.rank) in self.procs for r in args.ranks):
+            return []  # this process started them already
+        await self._clear_slots(args)
+        restore: Path | None = None
+        if args.restore is not None:
+            try:
+                restore = await self.fetch(args.job_id, args.restore)
+            except Exception as exc:  # a checkpoint we cannot verify is never loaded, nor silently skipped
+                return await self._not_started(args, f"restore {args.restore.checkpoint_id} failed: {exc!r}")
+        started: list[RankProc] = []
+        try:
+            spec_file = await asyncio.to_thread(self._write_spec, args)
+            for ref in args.ranks:
+                started.append(await self._start_rank(args, ref, spec_file, restore))
+        except Exception as exc:  # recorded as exits, so the scheduler sees a fault instead of waiting forever
+            for p in started:
+                signal_rank(p, signal.SIGKILL)
+                await p.proc.wait()
+                self.pids.pop(p.proc.pid, None)
+            return await self._not_started(args, f"could not start a rank: {exc!r}")
+        event = WorkersStarted(job_id=args.job_id, node=self.node, attempt=args.attempt,
+                               ranks=[p.ref.rank for p in started], pids=[p.proc.pid for p in started],
+                               event_id=f"{self.producer}:start:{args.job_id}:{args.attempt}",
+                               occurred_at=time.time(), causation_id=args.grant_id, producer=self.producer)
+        await retrying("recording WorkersStarted", lambda: append_to_job(self.store, event, msg_id=event.event_id))
+        for p in started:
+            self.procs[(p.job_id, p.attempt, p.ref.rank)] = p
+            p.watcher = asyncio.create_task(self._watch(p))
+        bound.info("ranks started", pids=event.pids, restore=str(restore or ""), master_port=args.master_port)
+        return []
+
+    async def _clear_slots(self, args: SpawnArgs) -> None:
+        """Kill what still runs on the granted slots, and older attempts of the job, before anything starts."""
+        slots = {r.slot for r in args.ranks}
+        doomed = [p for p in self.procs.values() if p.alive and (
+            p.ref.slot in slots or (p.job_id == args.job_id and p.attempt != args.attempt))]
+        for p in doomed:
+            log.warning("killing a rank whose slot was granted again", job_id=p.job_id, attempt=p.attempt,
+                        rank=p.ref.rank, slot=p.ref.slot)
+            signal_rank(p, signal.SIGKILL)
+        watchers = [p.watcher for p in doomed if p.watcher is not None]
+        if watchers:
+            await asyncio.wait(watchers)  # their exits are recorded before the new ranks' start
+
+    def _write_spec(self, args: SpawnArgs) -> Path:
+        path = self.paths.spec(args.job_id)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(msgspec.toml.encode(args.spec))
+        os.replace(tmp, path)
+        return path
+
+    def _command(self, args: SpawnArgs, spec_file: Path, restore: Path | None) -> list[str]:
+        cmd = [self.launch.python, "-m", "trainer", "--job-id", args.job_id, "--spec", str(spec_file),
+               "--attempt", str(args.attempt), "--node", self.node, "--nats", self.launch.nats_url,
+               "--staging", str(self.paths.staging), "--device", self.launch.device]
+        if restore is not None:
+            cmd += ["--restore", str(restore), "--manifest", str(restore / manifest.MANIFEST)]
+        if self.launch.checkpoints_flag:
+            cmd += ["--checkpoints", str(self.paths.root / "cache")]
+        return cmd
+
+    async def _start_rank(self, args: SpawnArgs, ref: SlotRef, spec_file: Path, restore: Path | None) -> RankProc:
+        env = {**rank_base_env(),
+               "RANK": str(ref.rank), "WORLD_SIZE": str(args.world_size),
+               # the slot is the device index: two jobs on one node never share a GPU
+               "LOCAL_RANK": str(ref.slot), "MASTER_ADDR": args.master_addr, "MASTER_PORT": str(args.master_port)}
+        rank_env(env, args.job_id, self.paths.root)  # the job's broker credential, never the agent's own
+        if self.launch.beats:
+            env[BEATS_ENV], env[STEP_REPORTS_ENV] = self.launch.beats, self.launch.step_reports
+        cmd = self._command(args, spec_file, restore)
+        log_path = self.paths.log(args.job_id, args.attempt, ref.rank)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        out = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            proc = self._hand_to_standby(cmd, env, out, ref.rank)
+            if proc is None:
+                proc = await asyncio.create_subprocess_exec(
+                    *cmd, cwd=REPO, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=out,
+                    stderr=asyncio.subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_agent(os.getpid()))
+        finally:
+            os.close(out)
+        self.pids[proc.pid] = (args.job_id, args.attempt, ref.rank)
+        return RankProc(job_id=args.job_id, attempt=args.attempt, ref=ref, proc=proc, cause=args.grant_id)
+
+    def speaks_for(self, beat: LocalBeat, pid: int) -> bool:
+        """Whether process `pid` is the rank `beat` claims to be (a heartbeat relayed for anyone else is refused)."""
+        return self.pids.get(pid) == (beat.job_id, beat.attempt, beat.rank)
+
+    def _hand_to_standby(self, cmd: list[str], env: dict[str, str], log_fd: int,
+                         rank: int) -> asyncio.subprocess.Process | None:
+        """The rank started by a warm standby (standbys.py), or None: start it cold."""
+        while self.standbys is not None and (standby := self.standbys.take()) is not None:
+            if self.standbys.assign(standby, cmd, env, REPO, log_fd):
+                log.info("rank handed to a standby", rank=rank, pid=standby.proc.pid, ready=standby.ready)
+                return standby.proc
+        return None
+
+    async def _not_started(self, args: SpawnArgs, reason: str) -> list[Emit]:
+        log.error("ranks not started", job_id=args.job_id, attempt=args.attempt, reason=reason)
+        for ref in args.ranks:
+            await self.record_exit(args.job_id, args.attempt, ref.rank, START_FAILED_EXIT, args.grant_id)
+        return []
+
+    # -- watching and stopping -----------------------------------------------------------------------
+
+    async def _watch(self, p: RankProc) -> None:
+        detached(self.producer, job_id=p.job_id, attempt=p.attempt, rank=p.ref.rank)
+        code = await p.proc.wait()
+        self.pids.pop(p.proc.pid, None)
+        if p.shutdown and code == 0:
+            # A rank checkpoints and exits 0 on SIGTERM; recorded as 0 it would read as "finished training".
+            code = -signal.SIGTERM
+        log.info("rank exited", exit_code=code, returncode=p.proc.returncode)
+        await self.record_exit(p.job_id, p.attempt, p.ref.rank, code, p.cause)
+        self.procs.pop((p.job_id, p.attempt, p.ref.rank), None)
+
+    async def record_exit(self, job_id: str, attempt: int, rank: int, code: int, cause: str) -> None:
+        mid = exit_msg_id(self.producer, job_id, attempt, rank)
+        event = WorkersExited(job_id=job_id, node=self.node, attempt=attempt, rank=rank, exit_code=code,
+                              event_id=mid, occurred_at=time.time(), causation_id=cause, producer=self.producer)
+        await retrying("recording WorkersExited", lambda: append_to_job(self.store, event, msg_id=mid))
+
+    def stop(self, job_id: str, attempt: int, reason: str, *, immediate: bool = False, shutdown: bool = False) -> None:
+        """SIGTERM the attempt's ranks here (they checkpoint and exit), SIGKILL whatever outlives the grace."""
+        targets = [p for p in self.procs.values() if p.job_id == job_id and p.attempt == attempt and p.alive]
+        for p in targets:
+            p.shutdown = p.shutdown or shutdown
+            signal_rank(p, signal.SIGKILL if immediate else signal.SIGTERM)
+        if targets:
+            log.info("stopping ranks", job_id=job_id, attempt=attempt, reason=reason, immediate=immediate,
+                     ranks=[p.ref.rank for p in targets])
+        if targets and not immediate:
+            timer = asyncio.create_task(self._kill_after(targets, self.launch.grace_s))
+            self.timers.add(timer)
+            timer.add_done_callback(self.timers.discard)
+
+    async def _kill_after(self, targets: list[RankProc], grace_s: float) -> None:
+        detached(self.producer)
+        await asyncio.sleep(grace_s)
+        for p in targets:
+            if p.alive:
+                log.warning("rank outlived its grace period; killing it", job_id=p.job_id, attempt=p.attempt,
+                            rank=p.ref.rank, grace_s=grace_s)
+                signal_rank(p, signal.SIGKILL)
+
+    async def shutdown(self, wait_s: float) -> None:
+        """Stop every rank (SIGTERM, grace, SIGKILL) and wait up to `wait_s` for their exits to be recorded."""
+        for job_id, attempt in {(p.job_id, p.attempt) for p in self.procs.values()}:
+            self.stop(job_id, attempt, "the agent is stopping", shutdown=True)
+        for fetch in self.fetches.values():
+            fetch.cancel()
+        if self.standbys is not None:
+            await self.standbys.close()
+        watchers = [p.watcher for p in self.procs.values() if p.watcher is not None]
+        if watchers:
+            _, pending = await asyncio.wait(watchers, timeout=wait_s)
+            if pending:  # the broker is away: the next agent here records these exits (agent.reconcile)
+                log.error("exits not recorded before the agent stopped", ranks=len(pending))
+                for watcher in pending:
+                    watcher.cancel()
+        for timer in list(self.timers):
+            timer.cancel()
+
+    # -- the checkpoint cache ------------------------------------------------------------------------
+
+    def fetch_task(self, job_id: str, checkpoint: Restore) -> asyncio.Task[Path]:
+        """The download of `checkpoint` into the cache: one at a time per checkpoint, retried after a failure."""
+        key = (job_id, checkpoint.checkpoint_id)
+        task = self.fetches.get(key)
+        if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
+            task = asyncio.create_task(self._download(job_id, checkpoint))
+            task.add_done_callback(_report_fetch)
+            self.fetches[key] = task
+        return task
+
+    async def fetch(self, job_id: str, checkpoint: Restore) -> Path:
+        return await asyncio.shield(self.fetch_task(job_id, checkpoint))
+
+    async def _download(self, job_id: str, checkpoint: Restore) -> Path:
+        detached(self.producer, job_id=job_id, checkpoint_id=checkpoint.checkpoint_id)
+        dest = self.paths.cache(job_id, checkpoint.checkpoint_id)
+        if dest.exists():  # downloads land whole and verified, or not at all
+            return dest
+        started = time.perf_counter()
+        got = await manifest.download(self.objects, job_id, checkpoint.checkpoint_id, dest,
+                                      expected_sha256=checkpoint.manifest_sha256)
+        log.info("checkpoint cached", bytes=got.bytes, seconds=round(time.perf_counter() - started, 3))
+        return dest
+
+    async def evict(self, job_id: str, checkpoint_ids: list[str]) -> None:
+        for cid in checkpoint_ids or [c for j, c in self.fetches if j == job_id]:
+            task = self.fetches.pop((job_id, cid), None)
+            if task is not None and not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+        targets = [self.paths.cache(job_id, c) for c in checkpoint_ids] or [self.paths.cache(job_id)]
+        for target in targets:
+            await asyncio.to_thread(shutil.rmtree, target, True)
+
+
+def _report_fetch(task: asyncio.Task[Path]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("checkpoint prefetch failed; a restore will try again", error=repr(task.exception()))
+

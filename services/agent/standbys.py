@@ -1,0 +1,169 @@
+"""The node agent's warm standby ranks: processes that have already imported torch and the trainer
+(trainer/standby.py), so a rank handed to one skips the interpreter start and `import torch` (~4.5 s of a
+restart on CPU). The spawner takes one per rank it starts, sends it the rank's command line, environment and
+log file, and the pool refills in the background.
+
+A standby is started like a cold rank (the agent's child, its own session, PR_SET_PDEATHSIG), so a rank that
+came from one is watched, signalled, killed with the agent and recorded exactly like a cold one. Each runs at
+most one rank. One that dies while waiting is replaced (with a growing delay, so a broken install does not
+spin); its warm-up output goes to <logs>/standby.log.
+
+Refills wait `refill_delay_s` (1 s) after a hand-off: long enough for the ranks just handed off to start
+(~0.5 s warm), whose start a standby's imports would slow on a small host; short enough that a standby is
+ready again for the next restart of a job that fails twice in a row.
+"""
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+
+from events.nodelocal import ASSIGNMENT_ENCODER, READY, Assignment
+
+log = structlog.get_logger("flightdeck.agent")
+
+MAX_BACKOFF_S = 60.0
+
+
+@dataclass(eq=False)
+class Standby:
+    proc: asyncio.subprocess.Process
+    sock: socket.socket  # the agent's end of the pair
+    started: float  # time.monotonic()
+    ready: bool = False
+    taken: bool = False
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+
+class StandbyPool:
+    def __init__(self, *, size: int, python: str, env: dict[str, str], cwd: Path, log_file: Path,
+                 preexec: Callable[[], None], producer: str, refill_delay_s: float = 1.0) -> None:
+        self.size, self.python, self.env, self.cwd, self.log_file = size, python, env, cwd, log_file
+        self.producer = producer
+        self.preexec, self.refill_delay_s = preexec, refill_delay_s
+        self.idle: list[Standby] = []
+        self.failures = 0  # standbys in a row that died while waiting
+        self.refill: asyncio.Task[None] | None = None
+        self.closed = False
+
+    def start(self) -> None:
+        """Fill the pool now (in the background)."""
+        self._schedule(0.0)
+
+    def take(self) -> Standby | None:
+        """An idle standby (ready ones first, then the longest warming), or None; a refill is scheduled."""
+        live = [s for s in self.idle if s.proc.returncode is None]
+        if not live:
+            return None
+        best = max(live, key=lambda s: (s.ready, -s.started))
+        self.idle.remove(best)
+        best.taken = True
+        self._schedule(self.refill_delay_s)
+        return best
+
+    def assign(self, standby: Standby, argv: list[str], env: dict[str, str], cwd: Path, log_fd: int) -> bool:
+        """Hand the rank to `standby`; False if it is gone (start the rank another way)."""
+        for task in standby.tasks:
+            task.cancel()
+        message = ASSIGNMENT_ENCODER.encode(Assignment(argv=argv, env=env, cwd=str(cwd)))
+        try:
+            # Non-blocking, but the socket is empty and the message small: it goes whole or not at all.
+            socket.send_fds(standby.sock, [message], [log_fd])
+        except OSError as exc:
+            log.warning("standby gone before its assignment", pid=standby.proc.pid, error=repr(exc))
+            _kill(standby)
+            return False
+        finally:
+            standby.sock.close()
+        return True
+
+    async def close(self) -> None:
+        """Kill the idle standbys (they hold nothing) and stop refilling."""
+        self.closed = True
+        if self.refill is not None:
+            self.refill.cancel()
+        for s in self.idle:
+            _kill(s)
+            for task in s.tasks:
+                task.cancel()
+            s.sock.close()
+        await asyncio.gather(*(s.proc.wait() for s in self.idle), return_exceptions=True)
+        self.idle.clear()
+
+    # -- filling -------------------------------------------------------------------------------------------
+
+    def _schedule(self, delay_s: float) -> None:
+        if self.closed or (self.refill is not None and not self.refill.done()):
+            return
+        self.refill = asyncio.create_task(self._fill(delay_s))
+
+    async def _fill(self, delay_s: float) -> None:
+        structlog.contextvars.clear_contextvars()  # it outlives the input in hand when it was scheduled
+        structlog.contextvars.bind_contextvars(service=self.producer)
+        await asyncio.sleep(delay_s)
+        while not self.closed and len(self.idle) < self.size:
+            try:
+                self.idle.append(await self._start_one())
+            except OSError as exc:
+                log.error("could not start a standby", error=repr(exc))
+                self.failures += 1
+                await asyncio.sleep(self._backoff())
+
+    def _backoff(self) -> float:
+        return min(MAX_BACKOFF_S, max(1.0, self.refill_delay_s) * 2 ** min(self.failures, 6))
+
+    async def _start_one(self) -> Standby:
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self.log_file.parent.mkdir(parents=True, exist_ok=True)
+            out = os.open(self.log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    self.python, "-m", "trainer.standby", "--fd", str(theirs.fileno()), cwd=self.cwd, env=self.env,
+                    stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT,
+                    start_new_session=True, preexec_fn=self.preexec, pass_fds=(theirs.fileno(),))
+            finally:
+                os.close(out)
+        except BaseException:
+            mine.close()
+            raise
+        finally:
+            theirs.close()
+        mine.setblocking(False)
+        s = Standby(proc=proc, sock=mine, started=time.monotonic())
+        s.tasks = [asyncio.create_task(self._await_ready(s)), asyncio.create_task(self._watch(s))]
+        log.info("standby started", pid=proc.pid, pool=len(self.idle) + 1, size=self.size)
+        return s
+
+    async def _await_ready(self, s: Standby) -> None:
+        got = await asyncio.get_running_loop().sock_recv(s.sock, 1)
+        if got == READY:
+            s.ready = True
+            self.failures = 0
+            log.info("standby ready", pid=s.proc.pid, warmup_s=round(time.monotonic() - s.started, 2))
+
+    async def _watch(self, s: Standby) -> None:
+        code = await s.proc.wait()
+        if s.taken or self.closed:
+            return
+        with contextlib.suppress(ValueError):
+            self.idle.remove(s)
+        s.sock.close()
+        if not s.ready:
+            self.failures += 1
+        log.warning("standby died while waiting; replacing it", pid=s.proc.pid, exit_code=code,
+                    ready=s.ready, log=str(self.log_file))
+        self._schedule(self._backoff() if self.failures else 0.0)
+
+
+def _kill(s: Standby) -> None:
+    if s.proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(s.proc.pid, signal.SIGKILL)

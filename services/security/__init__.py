@@ -1,3 +1,0 @@
-"""Broker security: per-service, per-agent and per-job NATS users with subject permissions (permissions.py),
-their secrets (passwords.py), the config the broker loads (render.py) and how clients present them
-(credentials.py). `python -m services.security --help` writes the config."""

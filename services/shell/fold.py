@@ -1,0 +1,222 @@
+"""The fold every service runs live, on a restart's rebuild and in `verify` / `whatif`.
+
+A `Folder` takes a service's inputs in recorded order (FD_CONTROL in stream order; telemetry only
+when one of the service's own ClockTicks comes back, up to the position the tick recorded) and
+returns, per input, the stamped outputs its core decided. No I/O here: `replay` reads an EventStore.
+"""
+
+import traceback
+from collections import deque
+from collections.abc import AsyncIterator, Collection, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import msgspec
+
+from events import subjects
+from events.base import Event, JobEvent, NodeEvent, RankEvent
+from events.clock import ClockTick, DeadLettered
+from events.codec import type_name
+from events.store import EventStore, Stored
+from services.core import Effect, Emit, Service
+from services.shell.deadletter import given_up
+
+S = TypeVar("S")
+
+
+@dataclass(frozen=True, slots=True)
+class Output:
+    """A stamped output, ready to append under `subject` with `msg_id`."""
+
+    subject: str
+    event: Event
+    msg_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One input folded. `outputs` are the core's decisions; `effects` the I/O it asked for (run live
+    only, their outcome events numbered from `len(outputs)`); `error` is why the input was not used
+    (undecodable, invalid, or the core raised): the shell dead-letters it, and state is unchanged."""
+
+    input: Stored
+    outputs: tuple[Output, ...]
+    effects: tuple[Effect, ...] = ()
+    error: str = ""
+
+
+def msg_id(service: str, stored: Stored, index: int) -> str:
+    return f"{service}:{stored.stream}:{stored.seq}:{index}"
+
+
+def stamp(service: str, stored: Stored, index: int, emit: Emit, *, occurred_at: float | None = None) -> Output:
+    """Stamp the envelope a core leaves empty. Decisions take the input's time (outputs are pure functions
+    of inputs); effect outcomes pass the time they really happened."""
+    assert stored.event is not None
+    mid = msg_id(service, stored, index)
+    event = msgspec.structs.replace(
+        emit.event,
+        event_id=mid,
+        occurred_at=stored.event.occurred_at if occurred_at is None else occurred_at,
+        causation_id=stored.event.event_id,
+        producer=service,
+    )
+    return Output(emit.subject, event, mid)
+
+
+def mismatch(subject: str, event: Event) -> str:
+    """Why `event` may not stand under `subject` by the subject grammar (events/subjects.py), or ""."""
+    parts = subject.split(".")
+    name = type_name(event)
+    if parts[:3] == ["fd", "ctl", "job"] and len(parts) == 5:
+        ok = isinstance(event, JobEvent) and event.job_id == parts[3] and name == parts[4]
+    elif parts[:3] == ["fd", "ctl", "node"] and len(parts) == 5:
+        ok = isinstance(event, NodeEvent) and event.node == parts[3] and name == parts[4]
+    elif parts[:3] == ["fd", "ctl", "clock"] and len(parts) == 4:
+        ok = isinstance(event, ClockTick) and event.service == parts[3]
+    elif parts[:2] == ["fd", "tel"] and len(parts) == 5:
+        ok = (isinstance(event, RankEvent) and event.job_id == parts[2] and str(event.rank) == parts[3]
+              and name == parts[4])
+    elif parts[:2] == ["fd", "dead"] and len(parts) == 3:
+        ok = isinstance(event, DeadLettered) and event.service == parts[2]
+    else:
+        return f"subject {subject!r} is outside the Flightdeck subject grammar"
+    return "" if ok else f"a {name} (job/node/rank/service fields as sent) may not stand under {subject!r}"
+
+
+def failure(exc: BaseException) -> str:
+    """A one-line summary of an exception with the frame that raised it."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
+    return f"{type(exc).__name__}: {exc}{where}"
+
+
+class Folder(Generic[S]):
+    """A service's state and the positions it has folded up to in each stream."""
+
+    def __init__(self, service: Service[S]) -> None:
+        self.service = service
+        self.state: S = service.initial
+        self.control_seq = 0  # last FD_CONTROL sequence applied
+        self.telemetry_seq = 0  # FD_TELEMETRY is folded up to here
+        self.clock_subject = subjects.clock(service.name)
+
+    def tick_position(self, stored: Stored) -> int | None:
+        """The telemetry position an own, valid ClockTick recorded; None for any other input."""
+        ev = stored.event
+        if stored.subject != self.clock_subject or not isinstance(ev, ClockTick) or ev.service != self.service.name:
+            return None
+        return ev.positions.get(subjects.TELEMETRY, 0)
+
+    def apply(self, stored: Stored, telemetry: Sequence[Stored] = ()) -> list[Step]:
+        """Fold one FD_CONTROL input. For an own ClockTick, `telemetry` must be every message on the
+        service's telemetry subjects after `telemetry_seq` up to the tick's position, in order; they
+        are folded first, then the tick."""
+        assert stored.stream == subjects.CONTROL and stored.seq > self.control_seq, (stored.stream, stored.seq)
+        steps: list[Step] = []
+        position = self.tick_position(stored)
+        if position is not None:
+            for item in telemetry:
+                assert self.telemetry_seq < item.seq <= position, (self.telemetry_seq, item.seq, position)
+                steps.append(self._fold(item))
+                self.telemetry_seq = item.seq
+            self.telemetry_seq = max(self.telemetry_seq, position)
+        else:
+            assert not telemetry, "telemetry is folded only at the service's own ticks"
+        steps.append(self._fold(stored))
+        self.control_seq = stored.seq
+        return steps
+
+    def _fold(self, stored: Stored) -> Step:
+        event = stored.event
+        if event is None:
+            return Step(stored, (), error=f"undecodable: {stored.error}")
+        reason = mismatch(stored.subject, event)
+        if reason:
+            return Step(stored, (), error=f"invalid: {reason}")
+        name = self.service.name
+        try:
+            state = self.service.evolve(self.state, event)
+            decided = list(self.service.decide(state, event))
+            emits = [d for d in decided if isinstance(d, Emit)]
+            effects = tuple(d for d in decided if isinstance(d, Effect))
+            outputs = tuple(stamp(name, stored, i, e) for i, e in enumerate(emits))
+            for out in outputs:
+                subjects.stream_of(out.subject)
+                if why := mismatch(out.subject, out.event):
+                    raise ValueError(f"{name} decided an output that breaks the subject grammar: {why}")
+            for effect in effects:
+                if effect.kind not in self.service.effects:
+                    raise ValueError(f"{name} asked for effect {effect.kind!r} but has no handler for it")
+        except Exception as exc:  # a core bug costs one input, never the service
+            return Step(stored, (), error=f"core failed: {failure(exc)}")
+        self.state = state
+        return Step(stored, outputs, effects)
+
+
+class _Lookahead:
+    """Reads one stream forward in batches and hands out messages up to a sequence."""
+
+    def __init__(self, batches: AsyncIterator[list[Stored]]) -> None:
+        self._batches = batches
+        self._pending: deque[Stored] = deque()
+        self._done = False
+
+    async def upto(self, seq: int) -> list[Stored]:
+        taken: list[Stored] = []
+        while True:
+            while self._pending and self._pending[0].seq <= seq:
+                taken.append(self._pending.popleft())
+            if self._pending or self._done:
+                return taken
+            try:
+                self._pending.extend(await anext(self._batches))
+            except StopAsyncIteration:
+                self._done = True
+
+
+async def replay(service: Service[S], store: EventStore, *, until: int = 0, folder: Folder[S] | None = None,
+                 skip: Collection[int] | None = None) -> AsyncIterator[Step]:
+    """Fold the recorded inputs of `service` up to FD_CONTROL sequence `until` (0: the end now) and yield
+    every step, telemetry folded where the recorded ticks put it. Pass `folder` to keep the state.
+    `skip`: FD_CONTROL sequences the live service never folded (default: those the server gave up on,
+    as recorded in FD_DEAD)."""
+    folder = folder if folder is not None else Folder(service)
+    skipped = skip if skip is not None else await given_up(store, service.name)
+    control = [*service.control_subjects, folder.clock_subject]
+    telemetry: _Lookahead | None = None
+    if service.telemetry_subjects:
+        telemetry = _Lookahead(aiter(store.read(subjects.TELEMETRY, service.telemetry_subjects,
+                                                from_seq=folder.telemetry_seq + 1)))
+    async for batch in store.read(subjects.CONTROL, control, from_seq=folder.control_seq + 1, until_seq=until):
+        for stored in batch:
+            if until and stored.seq > until:
+                return
+            if stored.seq in skipped:
+                continue
+            position = folder.tick_position(stored)
+            due: list[Stored] = []
+            if position is not None and telemetry is not None:
+                due = [t for t in await telemetry.upto(position) if t.seq > folder.telemetry_seq]
+            for step in folder.apply(stored, due):
+                yield step
+
+
+async def rebuild(service: Service[S], store: EventStore, *, until: int) -> Folder[S]:
+    """A folder holding the state after FD_CONTROL sequence `until`, nothing emitted."""
+    folder = Folder(service)
+    if until > 0:
+        async for _ in replay(service, store, until=until, folder=folder):
+            pass
+    return folder
+
+
+def outputs_of(steps: Sequence[Step]) -> list[Output]:
+    return [out for step in steps for out in step.outputs]
+
+
+def comparable(event: Event) -> dict[str, Any]:
+    """An output as a replay can reproduce it: the history's `job_version` is assigned on append."""
+    fields = msgspec.structs.asdict(event)
+    fields.pop("job_version", None)
+    return {"type": type_name(event), **fields}

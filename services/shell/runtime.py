@@ -1,0 +1,310 @@
+"""The shell every service runs: connect, rebuild state, then consume, fold, store outputs, ack.
+
+The durable consumer `service-<name>` on FD_CONTROL has one input in flight at a time, so inputs are
+folded in stream order even across crashes: an input a killed process held comes back (after the ack
+wait) before anything later. Startup rebuilds state by folding everything up to the consumer's ack
+floor without emitting. Every output carries the msg id `"{service}:{stream}:{seq}:{index}"`, so an
+input folded twice stores nothing new the second time. An input that kills the process every time
+is given up after `max_deliver` deliveries; the server's advisory is dead-lettered, and replays skip
+that input as the live service did.
+"""
+
+import asyncio
+import contextlib
+import os
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, TypeVar
+
+import nats.errors
+import structlog
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig
+
+from events import subjects
+from events.base import JobEvent
+from events.clock import ClockTick
+from events.history import append_to_job
+from events.jetstream import JetStreamStore
+from events.store import EventStore, Stored, decoded
+from services.core import Effect, Emit, Service
+from services.shell import deadletter
+from services.shell.connection import TRANSIENT, Connection, PublishDenied, sleep_or_stop
+from services.shell.fold import Folder, Output, Step, failure, mismatch, rebuild, stamp
+from services.shell.tap import TelemetryTap
+
+log = structlog.get_logger("flightdeck.shell")
+T = TypeVar("T")
+
+@dataclass(frozen=True)
+class ConsumerPolicy:
+    """How the durable consumer redelivers. `backoff[0]` is the ack wait: how long an input a crashed
+    process held waits before it comes back. After `max_deliver` deliveries without an ack the server
+    gives up on an input and the shell dead-letters it from the advisory."""
+
+    max_deliver: int = 5
+    backoff: tuple[float, ...] = (2.0, 10.0, 30.0, 60.0)
+    fetch_s: float = 0.5
+
+    @classmethod
+    def from_env(cls) -> "ConsumerPolicy":
+        """$FLIGHTDECK_MAX_DELIVER and $FLIGHTDECK_BACKOFF_S ("2,10,30") override the defaults."""
+        default = cls()
+        backoff = os.environ.get("FLIGHTDECK_BACKOFF_S")
+        return cls(max_deliver=int(os.environ.get("FLIGHTDECK_MAX_DELIVER", default.max_deliver)),
+                   backoff=tuple(float(b) for b in backoff.split(",")) if backoff else default.backoff)
+
+
+def consumer_name(service: str) -> str:
+    return f"service-{subjects.token(service)}"
+
+
+def filters(patterns: Sequence[str]) -> list[str]:
+    """The patterns without duplicates or ones another pattern covers (the server refuses overlapping filters)."""
+    unique = list(dict.fromkeys(patterns))
+    return [p for p in unique if not any(q != p and subjects.matches(q, p) for q in unique)]
+
+
+async def run_service(service: Service[Any], url: str, *, stop_event: asyncio.Event | None = None,
+                      policy: ConsumerPolicy | None = None) -> None:
+    """Run `service` against the broker at `url` until `stop_event` is set (then drain and return)."""
+    stop = stop_event or asyncio.Event()
+    structlog.contextvars.bind_contextvars(service=service.name)
+    conn = Connection(service.name)
+    store = await conn.open(url, stop)
+    if store is None:
+        return
+    try:
+        await Shell(service, store, conn, policy or ConsumerPolicy(), stop).run()
+    finally:
+        # Flush (the last acks) and close. Not drain(): a pull subscription keeps the expiry notices of
+        # timed-out fetches queued, and drain() would wait for them until its 30 s timeout.
+        with contextlib.suppress(Exception):
+            await store.nc.flush(timeout=5)
+        conn.closing = True
+        with contextlib.suppress(Exception):
+            await store.nc.close()
+
+
+class Shell:
+    def __init__(self, service: Service[Any], store: JetStreamStore, conn: Connection, policy: ConsumerPolicy,
+                 stop: asyncio.Event) -> None:
+        self.service, self.conn, self.policy, self.stop = service, conn, policy, stop
+        self.nc: Client = store.nc
+        self.js = store.js
+        self.store: EventStore = store
+        self.consumer = consumer_name(service.name)
+        self.folder: Folder[Any] = Folder(service)
+        self.tap = TelemetryTap(self.store, service.telemetry_subjects)
+        self.tick_in_flight = 0  # FD_CONTROL sequence of the last tick appended and not yet folded
+        # Broker outages this process saw, for its ticks (ClockTick.recovered_at): while the broker is away ranks
+        # cannot publish, so a monitor must not read their silence then as death.
+        self.outage_at = 0.0  # when a call first went unanswered in the outage under way (0: none)
+        self.recovered_at = 0.0  # when the broker last answered again after one
+        self.reconnects = 0  # the client's reconnect count when last looked at
+        self.handled: deque[int] = deque(maxlen=10_000)  # recent inputs folded, to answer advisories
+
+    async def retrying(self, what: str, fn: Callable[[], Awaitable[T]], subject: str = "") -> T:
+        """Run `fn` until it succeeds: the broker may be restarting. A denied publish is not retried."""
+        delay = 0.1
+        while True:
+            try:
+                result = await fn()
+            except TRANSIENT as exc:
+                if subject and self.conn.is_denied(subject):
+                    raise PublishDenied(subject) from exc
+                self._unanswered()
+                log.warning(f"{what} failed; retrying", error=repr(exc), retry_in_s=delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+                continue
+            self._answered()
+            return result
+
+    def _unanswered(self) -> None:
+        if not self.outage_at:
+            self.outage_at = time.time()
+
+    def _answered(self) -> None:
+        if self.outage_at:
+            self.outage_at, self.recovered_at = 0.0, time.time()
+            log.info("broker answering again", recovered_at=self.recovered_at)
+
+    def _reconnected(self, now: float) -> None:
+        """A reconnect since the last look is an outage too, even if no call of ours failed in it (an idle fetch
+        times out quietly); `now` is when it was noticed, no earlier than it happened."""
+        reconnects = self.nc.stats["reconnects"]
+        if reconnects != self.reconnects:
+            self.reconnects = reconnects
+            self.recovered_at = max(self.recovered_at, now)
+
+    async def run(self) -> None:
+        floor = await self.retrying("creating the consumer", self._ensure_consumer)
+        self.folder = await self.retrying("rebuilding", partial(rebuild, self.service, self.store, until=floor))
+        log.info("rebuilt", until_seq=floor, telemetry_seq=self.folder.telemetry_seq)
+        self.tap.start(self.folder.telemetry_seq)
+        advisory = await self.nc.subscribe(deadletter.advisory_subject(subjects.CONTROL, self.consumer),
+                                           cb=self._max_deliveries)
+        sub = await self.retrying("binding the consumer",
+                                  lambda: self.js.pull_subscribe_bind(self.consumer, subjects.CONTROL))
+        ticker = asyncio.create_task(self._ticker())
+        consumer = asyncio.create_task(self._consume(sub))
+        try:
+            await asyncio.wait({ticker, consumer}, return_when=asyncio.FIRST_COMPLETED)
+            failed = ticker.exception() if ticker.done() else None
+            if failed is not None:
+                self.stop.set()  # e.g. ticks denied: finish the input in hand, then fail with the ticker's error
+            await consumer
+            if failed is not None:
+                raise failed
+        finally:
+            ticker.cancel()
+            consumer.cancel()
+            await self.tap.stop()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await ticker
+            with contextlib.suppress(Exception):
+                await advisory.unsubscribe()
+        log.info("stopped", control_seq=self.folder.control_seq)
+
+    async def _ensure_consumer(self) -> int:
+        """Create or update the durable consumer; return its ack floor (every input up to it is done)."""
+        info = await self.js.add_consumer(subjects.CONTROL, ConsumerConfig(
+            durable_name=self.consumer, ack_policy=AckPolicy.EXPLICIT, max_deliver=self.policy.max_deliver,
+            backoff=list(self.policy.backoff),
+            # One input in flight: a redelivered input can never be overtaken by a later one, which is
+            # what keeps the live order equal to the stream order a replay folds.
+            max_ack_pending=1,
+            filter_subjects=filters([*self.service.control_subjects, self.folder.clock_subject]),
+        ))
+        return info.ack_floor.stream_seq if info.ack_floor else 0
+
+    async def _consume(self, sub: Any) -> None:
+        delay = 0.1
+        while not self.stop.is_set():
+            try:
+                msgs = await sub.fetch(1, timeout=self.policy.fetch_s)
+                delay = 0.1
+                self._answered()
+            except nats.errors.TimeoutError:
+                continue
+            except TRANSIENT as exc:
+                self._unanswered()
+                log.warning("fetch failed; retrying", error=repr(exc), retry_in_s=delay)
+                await sleep_or_stop(self.stop, delay)
+                delay = min(delay * 2, 5.0)
+                continue
+            for msg in msgs:
+                await self._handle(msg)
+
+    async def _handle(self, msg: Msg) -> None:
+        seq = msg.metadata.sequence.stream
+        if seq <= self.folder.control_seq:  # a redelivery of an input already folded and stored
+            await self.retrying("acking", msg.ack)
+            return
+        stored = decoded(subjects.CONTROL, seq, msg.subject, msg.data, (msg.headers or {}).get("Nats-Msg-Id", ""))
+        position = self.folder.tick_position(stored)
+        telemetry: list[Stored] = []
+        if position is not None:
+            take = partial(self.tap.take, self.folder.telemetry_seq, position)
+            telemetry = await self.retrying("reading telemetry", take)
+        with structlog.contextvars.bound_contextvars(
+            seq=seq, subject=msg.subject, event_id=stored.event.event_id if stored.event else "",
+            job=subjects.job_of(msg.subject) or "",
+        ):
+            steps = self.folder.apply(stored, telemetry)
+            for step in steps:
+                await self._store(step, msg)
+            # A refused input is terminated, not acked: the server then knows it was never used.
+            await self.retrying("finishing", msg.term if steps[-1].error else msg.ack)
+        self.handled.append(seq)
+        if self.tick_in_flight and seq >= self.tick_in_flight:
+            self.tick_in_flight = 0
+
+    async def _store(self, step: Step, msg: Msg) -> None:
+        for out in step.outputs:
+            await self._append(out)
+        index = len(step.outputs)
+        for n, effect in enumerate(step.effects):
+            try:
+                emits = await self._run_effect(effect, msg)
+                outs = [stamp(self.service.name, step.input, index + i, e,
+                              occurred_at=e.event.occurred_at or time.time()) for i, e in enumerate(emits)]
+                if bad := next(filter(None, (mismatch(o.subject, o.event) for o in outs)), ""):
+                    raise ValueError(f"effect {effect.kind!r} returned an output against the subject grammar: {bad}")
+            except Exception as exc:  # an effect's failure costs that effect, recorded; the service goes on
+                reason = f"effect {effect.kind} failed: {failure(exc)}"
+                await self._dead_letter(step.input, reason, cause=f"effect{n}")
+                continue
+            index += len(outs)
+            for out in outs:
+                await self._append(out)
+        if step.error:
+            await self._dead_letter(step.input, step.error)
+
+    async def _run_effect(self, effect: Effect, msg: Msg) -> Sequence[Emit]:
+        """Run one effect, telling the server the input is still in progress so it is not redelivered."""
+        work = asyncio.ensure_future(self.service.effects[effect.kind](effect.args))
+        while True:
+            done, _ = await asyncio.wait({work}, timeout=self.policy.backoff[0] / 3)
+            if done:
+                return work.result()
+            with contextlib.suppress(*TRANSIENT):
+                await msg.in_progress()
+
+    async def _append(self, out: Output) -> None:
+        if out.subject.startswith("fd.ctl.job."):
+            assert isinstance(out.event, JobEvent)  # the fold refuses anything else under a job subject
+            await self.retrying(f"appending to {out.subject}",
+                                partial(append_to_job, self.store, out.event, msg_id=out.msg_id), out.subject)
+        else:
+            await self.retrying(f"appending to {out.subject}",
+                                partial(self.store.append, out.subject, out.event, msg_id=out.msg_id), out.subject)
+        log.debug("stored", out_subject=out.subject, msg_id=out.msg_id)
+
+    async def _dead_letter(self, stored: Stored, reason: str, *, cause: str = "input") -> None:
+        dead = deadletter.letter(self.service.name, stored, reason, cause=cause)
+        log.error("dead-lettered", reason=reason, dead_seq=stored.seq, stream=stored.stream)
+        await self.retrying("dead-lettering", partial(self.store.append, dead.subject, dead.event, msg_id=dead.msg_id),
+                            dead.subject)
+
+    async def _max_deliveries(self, msg: Msg) -> None:
+        """The server gave up on an input. Record it; unless this process folded it (its acks were lost),
+        replays skip it, as the live service did."""
+        try:
+            advisory = deadletter.parse_advisory(msg.data)
+            raw = await self.js.get_msg(advisory.stream, advisory.stream_seq)
+            stored = decoded(advisory.stream, advisory.stream_seq, raw.subject or "", raw.data or b"", "")
+            folded = advisory.stream_seq in self.handled
+            outcome = "folded, but its acks were lost" if folded else "given up: the service crashed or stalled on it"
+            reason = f"delivered {advisory.deliveries} times without an ack (max_deliver): {outcome}"
+            await self._dead_letter(stored, reason, cause=deadletter.FOLDED_ANYWAY if folded else deadletter.GIVEN_UP)
+        except Exception as exc:  # an advisory we cannot act on is logged; redelivery state is the server's
+            log.error("max-deliveries advisory not recorded", error=failure(exc))
+
+    async def _ticker(self) -> None:
+        """Record time for the core: a ClockTick every `tick_s` while the core wants one, at most one in flight."""
+        while not self.stop.is_set():
+            await asyncio.sleep(self.service.tick_s)
+            now = time.time()
+            self._reconnected(now)
+            if self.tick_in_flight or not self.service.wants_tick(self.folder.state, now):
+                continue
+            positions = {subjects.CONTROL: self.folder.control_seq}
+            if self.service.telemetry_subjects:
+                # Read after `now`: every message stored by then is at or below the position, so the tick names
+                # all the telemetry the ranks had stored at its time, however far behind the tap's feed is.
+                positions[subjects.TELEMETRY] = await self.retrying("reading the telemetry position",
+                                                                    self.tap.position)
+            mid = f"{self.service.name}:tick:{time.time_ns()}"
+            tick = ClockTick(service=self.service.name, now=now, positions=positions, recovered_at=self.recovered_at,
+                             event_id=mid, occurred_at=now, producer=self.service.name)
+            subject = self.folder.clock_subject
+            append = partial(self.store.append, subject, tick, msg_id=mid)
+            res = await self.retrying("appending a tick", append, subject)
+            if res.seq > self.folder.control_seq:
+                self.tick_in_flight = res.seq

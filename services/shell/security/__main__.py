@@ -1,0 +1,75 @@
+"""Write the NATS users config.
+
+    python -m services.shell.security render --secrets DIR --out FILE [--node N ...] [--job JOB ...] [--cost 11]
+                                       [--no-fleet-agent] [--reload PIDFILE]
+    python -m services.shell.security shipped [--out infra/nats/accounts.conf]
+
+`render` makes a deployment's config: passwords are created in DIR on first use (one file per user, mode
+0600, plus job.key for jobs) and the config holds their bcrypt hashes; with --reload it then sends SIGHUP to
+the nats-server whose pid is in PIDFILE, which applies the new users without dropping connections.
+`shipped` writes the config kept in the repository: the same users, no jobs, each password read from the
+server's environment ($FLIGHTDECK_PW_<USER>, a bcrypt hash or the password itself).
+"""
+
+import argparse
+import os
+import signal
+import sys
+from pathlib import Path
+
+from events.subjects import InvalidSubjectToken
+from services.shell.security import permissions, render
+from services.shell.security.passwords import DEFAULT_COST, SecretsDir, bcrypt, job_password, write_private
+
+SHIPPED = Path(__file__).resolve().parents[3] / "infra" / "nats" / "accounts.conf"
+
+
+def rendered(secrets: SecretsDir, nodes: tuple[str, ...], jobs: tuple[str, ...], *, cost: int = DEFAULT_COST,
+             fleet_agent: bool = True) -> str:
+    users = permissions.fleet(nodes, jobs, fleet_agent=fleet_agent)
+    job_users = {permissions.job_user(j): j for j in jobs}
+    key = secrets.job_key() if jobs else ""
+
+    def password(user: str) -> str:
+        return job_password(key, job_users[user]) if user in job_users else secrets.password(user)
+
+    return render.render(users, render.hashed(lambda user: bcrypt(password(user), cost)))
+
+
+def shipped() -> str:
+    return render.render(permissions.fleet(), render.from_environment)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m services.shell.security", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    verbs = p.add_subparsers(dest="verb", required=True)
+    r = verbs.add_parser("render", help="a deployment's users config, with hashed passwords")
+    r.add_argument("--secrets", type=Path, required=True, help="directory of password files (created if missing)")
+    r.add_argument("--out", type=Path, required=True)
+    r.add_argument("--node", action="append", default=[], help="a node with its own agent-<node> user")
+    r.add_argument("--job", action="append", default=[], help="a job id to give a user")
+    r.add_argument("--cost", type=int, default=DEFAULT_COST, help="bcrypt work factor (4-31)")
+    r.add_argument("--no-fleet-agent", action="store_true", help="no shared `agent` user: per-node users only")
+    r.add_argument("--reload", type=Path, metavar="PIDFILE", help="SIGHUP this nats-server afterwards")
+    s = verbs.add_parser("shipped", help="the repository's config: passwords from the server's environment")
+    s.add_argument("--out", type=Path, default=SHIPPED)
+    args = p.parse_args(argv)
+    try:
+        if args.verb == "shipped":
+            args.out.write_text(shipped())
+        else:
+            text = rendered(SecretsDir(args.secrets), tuple(args.node), tuple(args.job), cost=args.cost,
+                            fleet_agent=not args.no_fleet_agent)
+            write_private(args.out, text)
+            if args.reload:
+                os.kill(int(args.reload.read_text().strip()), signal.SIGHUP)
+    except (ValueError, InvalidSubjectToken, OSError) as exc:
+        print(f"python -m services.shell.security: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""`flightdeck cancel JOB`: append CancelRequested to the job's history; the scheduler stops the ranks and
+records JobCancelled. A job that has already ended is left as it is (exit 0, saying how it ended)."""
+
+import argparse
+import asyncio
+import time
+import uuid
+
+from events.history import append_to_job
+from events.job import CancelRequested
+from services.shell.broker import nats_url
+from services.tools.cli import Command, add_nats_argument
+from services.tools.connect import open_store
+from services.tools.console.status import load_view
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("job", help="the job id (as `flightdeck submit` printed it)")
+    parser.add_argument("--reason", default="", help="why, for the record (default: cancelled by the user)")
+    add_nats_argument(parser)
+
+
+async def cancel(url: str, job_id: str, reason: str) -> str:
+    """What happened, in one line for the user."""
+    async with open_store(url) as store:
+        view = await load_view(store, job_id, url)
+        if view.ended:
+            return f"{job_id} has already ended ({view.phase}): nothing to cancel"
+        if view.cancel_requested:
+            return f"{job_id}: a cancel is already requested (phase {view.phase})"
+        await append_to_job(store, CancelRequested(event_id=uuid.uuid4().hex, job_id=job_id, occurred_at=time.time(),
+                                                   producer="cli", reason=reason or "cancelled by the user"))
+    return f"{job_id}: cancel requested (phase {view.phase}); `flightdeck status {job_id}` shows when it has ended"
+
+
+def run(args: argparse.Namespace) -> int:
+    print(asyncio.run(cancel(nats_url(args.nats), args.job, args.reason)))
+    return 0
+
+
+COMMAND = Command("cancel", "cancel a job: its ranks are stopped and it ends as cancelled", add_arguments, run)

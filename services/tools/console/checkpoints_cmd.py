@@ -1,0 +1,62 @@
+"""`flightdeck checkpoints JOB`: the job's committed checkpoints from its history, oldest first, with the
+ones retention deleted marked as such (`--json` for scripts)."""
+
+import argparse
+import asyncio
+import sys
+
+import msgspec
+
+from events import codec
+from services.shell.broker import nats_url
+from services.tools.cli import Command, add_nats_argument
+from services.tools.connect import open_store
+from services.tools.console.status import load_view
+from services.tools.history.jobview import CheckpointEntry
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("job", help="the job id (as `flightdeck submit` printed it)")
+    parser.add_argument("--json", action="store_true", help="a JSON list, one object per checkpoint")
+    add_nats_argument(parser)
+
+
+def size(n: int) -> str:
+    if n < 1024:
+        return f"{n} B"
+    value = n / 1024
+    for unit in ("KiB", "MiB"):
+        if value < 1024:
+            return f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GiB"
+
+
+def table(entries: tuple[CheckpointEntry, ...]) -> str:
+    head = ("CHECKPOINT", "STEP", "WORLD", "SIZE", "STATE", "URI")
+    rows = [head] + [(c.checkpoint_id, str(c.step), str(c.world_size), size(c.bytes),
+                      f"deleted ({c.deleted_reason})" if c.deleted else "kept", c.uri) for c in entries]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    right = {1, 2, 3}
+    return "\n".join("  ".join(c.rjust(w) if i in right else c.ljust(w)
+                               for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip() for r in rows)
+
+
+def run(args: argparse.Namespace) -> int:
+    url = nats_url(args.nats)
+
+    async def go() -> tuple[CheckpointEntry, ...]:
+        async with open_store(url) as store:
+            return (await load_view(store, args.job, url)).checkpoints
+
+    entries = asyncio.run(go())
+    if args.json:
+        sys.stdout.write(codec.to_json(msgspec.to_builtins(list(entries))).decode() + "\n")
+    elif entries:
+        print(table(entries))
+    else:
+        print(f"{args.job} has no committed checkpoint yet")
+    return 0
+
+
+COMMAND = Command("checkpoints", "a job's committed checkpoints (and which retention deleted)", add_arguments, run)

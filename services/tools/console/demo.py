@@ -1,0 +1,251 @@
+"""`make demo`: a fault drill on this machine, start to finish, with the commands a person would type.
+
+`flightdeck up --detach` on a fresh data dir (under .flightdeck-demo/) and a free port, `flightdeck submit
+examples/demo.toml` (2 CPU ranks; a loss spike, then a crash, then a hang in the next attempt), a live
+timeline of the job's events (phases, faults, findings, exits, checkpoints, rollbacks, restarts), a summary
+of each incident (drill_summary.py), then `flightdeck status` and `flightdeck checkpoints`, and always
+`flightdeck down`. Exit code 0 only if the job completed.
+
+    python -m services.tools.console.demo [--spec FILE] [--data-dir DIR] [--timeout-s 300]
+"""
+
+import argparse
+import asyncio
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from events import subjects
+from events.base import Event
+from events.checkpoint import CheckpointCommitted, CheckpointDeleted
+from events.commands import RollbackRequested, StopRequested
+from events.findings import Finding
+from events.job import JobCompleted, JobResumed, JobSubmitted, WorkersExited, WorkersStarted
+from events.spec import parse_spec
+from events.store import EventStore, Stored
+from events.training import FaultInjected, Heartbeat, RankFault, RolledBack, StepCompleted
+from services.shell import broker
+from services.tools.connect import open_store
+from services.tools.console import drill_summary, upstate
+from services.tools.console.checkpoints_cmd import size
+from services.tools.console.status import duration
+from services.tools.history import jobview
+from services.tools.history.jobview import JobView
+
+REPO = Path(__file__).resolve().parents[3]
+DEMO_ROOT = REPO / ".flightdeck-demo"
+CLI = (sys.executable, "-m", "services.tools.console")
+LABEL = 11
+SLACK_S = 180
+CANCEL_TRIES = 20
+RETENTION = CheckpointDeleted(job_id="", checkpoint_id="").reason  # routine deletions: not worth a line
+SOURCE_PREFIX = re.compile(r"^\[[^]]*\]\s*")  # gloo's "[/path/pair.cc:553] ": no help in a timeline
+PROGRESS_LINES = 8  # progress lines a pass over the whole run prints, about
+
+
+def flightdeck(*args: str, timeout_s: float = 120.0, show: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run one `flightdeck` command as a user would, echoing it and what it printed."""
+    if show:
+        print(f"$ flightdeck {' '.join(args)}", flush=True)
+    done = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
+    if show:
+        for text in (done.stdout, done.stderr):
+            if text.strip():
+                print("  " + text.rstrip().replace("\n", "\n  "), flush=True)
+    return done
+
+
+class Timeline:
+    """Prints one compact line per event worth seeing, folding the control history into a JobView as it goes."""
+
+    def __init__(self, job_id: str, every: int) -> None:
+        self.view = JobView(job_id=job_id)
+        self.every = every  # print a progress line every this many steps
+        self.base = 0.0
+        self.seen: list[Event] = []  # what the incident summary is made of (heartbeats left out)
+
+    def show(self, stored: Stored) -> None:
+        ev = stored.event
+        if ev is None:
+            return
+        if isinstance(ev, JobSubmitted):
+            self.base = ev.occurred_at
+        if not isinstance(ev, Heartbeat):
+            self.seen.append(ev)
+        line = self._control(ev) if stored.stream == subjects.CONTROL else self._telemetry(ev)
+        if line:
+            label, text = line
+            print(f"  {ev.occurred_at - self.base:>6.1f}s  {label:<{LABEL}} {text}".rstrip(), flush=True)
+
+    def _control(self, ev: Event) -> tuple[str, str] | None:
+        before, self.view = self.view, jobview.evolve(self.view, ev)
+        v = self.view
+        match ev:
+            case JobSubmitted(spec=spec):
+                return "submitted", f"{spec.slots} slots, {spec.train.steps} steps, {len(spec.faults)} fault(s) planned"
+            case WorkersStarted(node=node, ranks=ranks, attempt=attempt) if v.phase == "running" != before.phase:
+                return "running", f"attempt {attempt}: ranks {', '.join(map(str, ranks))} on {node}"
+            case WorkersExited(rank=rank, exit_code=code) if code != 0:
+                return "exited", f"rank {rank} exited with code {code}"
+            case JobResumed(from_step=step, checkpoint_id=cid, world_size=world):
+                return "resumed", f"from {cid or 'scratch'} at step {step}, world size {world}"
+            case CheckpointCommitted(step=step, bytes=n):
+                return "checkpoint", f"step {step} committed ({size(n)})"
+            case CheckpointDeleted(checkpoint_id=cid, reason=reason) if reason != RETENTION:
+                return "deleted", f"{cid} ({reason})"
+            case StopRequested(checkpoint=checkpoint):
+                return "stop", f"ranks told to stop ({'after a' if checkpoint else 'no'} checkpoint)"
+            case JobCompleted(steps=steps):
+                return "completed", f"{steps} steps, {v.restarts} restart(s)"
+            case RollbackRequested(to_step=step, reason=reason):
+                return "rollback", f"to step {step}: {reason}"
+            case Finding(rank=rank):
+                return "finding", f"{type(ev).__name__} on rank {rank}"
+        if v.phase != before.phase and v.phase != "running":
+            return v.phase, v.reason or (f"attempt {v.attempt}" if v.phase == "placing" else "")
+        return None
+
+    def _telemetry(self, ev: Event) -> tuple[str, str] | None:
+        match ev:
+            case FaultInjected(kind=kind, rank=rank, step=step):
+                return "fault", f"{kind} injected on rank {rank} at step {step} (drill)"
+            case RankFault(rank=rank, error_type=error, message=message):
+                return "rank fault", f"rank {rank}: {error}: {SOURCE_PREFIX.sub('', message)}"[:100]
+            case RolledBack(rank=0, to_step=step, timeline=timeline):
+                return "rolled back", f"to step {step}, in place (timeline {timeline} of attempt {ev.attempt})"
+            case StepCompleted(rank=0, step=step, loss=loss) if step % self.every == 0:
+                return "step", f"{step}/{self.view.steps} loss {loss:.3f} (attempt {ev.attempt})"
+        return None
+
+
+async def follow(url: str, job_id: str, timeline: Timeline, timeout_s: float) -> JobView:
+    """Show the job's events as they happen until it ends; TimeoutError after `timeout_s`."""
+    ended = asyncio.Event()
+
+    def show(stored: Stored) -> None:
+        timeline.show(stored)
+        if timeline.view.ended:
+            ended.set()
+
+    async def pump(store: EventStore, stream: str, filters: list[str]) -> None:
+        async for stored in store.follow(stream, filters):
+            show(stored)
+
+    async with open_store(url) as store:
+        readers = [asyncio.create_task(pump(store, subjects.CONTROL, [subjects.job_all(job_id)])),
+                   asyncio.create_task(pump(store, subjects.TELEMETRY, [subjects.telemetry_job(job_id)]))]
+        waiter = asyncio.create_task(ended.wait())
+        try:
+            await asyncio.wait({*readers, waiter}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            for reader in readers:
+                if reader.done():
+                    reader.result()  # a reader failed: say why
+            if not ended.is_set():
+                raise TimeoutError
+        finally:
+            await stop([*readers, waiter])
+    return timeline.view
+
+
+async def stop(tasks: list[asyncio.Task[Any]]) -> None:
+    """Cancel `tasks` until every one has stopped. Once is not always enough on Python 3.11: its
+    asyncio.wait_for, which the store's readers wait in, drops a cancel that lands just as the wait it
+    guards completes (gh-86296), and a reader of a busy stream then reads on forever."""
+    pending = {t for t in tasks if not t.done()}
+    for _ in range(CANCEL_TRIES):
+        if not pending:
+            return
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=0.5)
+    raise RuntimeError(f"{len(pending)} event readers ignored {CANCEL_TRIES} cancels")
+
+
+def drill(spec: Path, data_dir: Path, timeout_s: float) -> JobView | None:
+    """Everything between `up` and `down`; None when the job could not even be submitted."""
+    port = broker.free_port()
+    url = f"nats://127.0.0.1:{port}"
+    if flightdeck("up", "--detach", "--data-dir", str(data_dir), "--port", str(port)).returncode != 0:
+        return None
+    submitted = flightdeck("submit", str(spec), "--nats", url)
+    if submitted.returncode != 0:
+        return None
+    job_id = submitted.stdout.strip()
+    train = parse_spec(spec.read_bytes()).train  # submit accepted it: it parses
+    every = max(1, train.steps // PROGRESS_LINES // train.checkpoint_every) * train.checkpoint_every
+    print(f"\njob {job_id}, live (times from submission):", flush=True)
+    timeline = Timeline(job_id, every)
+    try:
+        view = asyncio.run(follow(url, job_id, timeline, timeout_s))
+    except TimeoutError:
+        view = timeline.view
+        print(f"  the job did not end within {timeout_s:.0f}s (phase {view.phase}); logs: {data_dir / 'logs'}")
+    print()
+    print("\n".join(drill_summary.render(timeline.seen)), end="\n\n", flush=True)
+    flightdeck("status", job_id, "--nats", url)
+    flightdeck("checkpoints", job_id, "--nats", url)
+    return view
+
+
+class PastDeadline(Exception):
+    """The demo as a whole ran far past --timeout-s: something is stuck; stop what it started anyway."""
+
+
+def _interrupted(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def _past_deadline(signum: int, frame: FrameType | None) -> None:
+    raise PastDeadline
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m services.tools.console.demo", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--spec", type=Path, default=REPO / "examples" / "demo.toml")
+    p.add_argument("--data-dir", type=Path, default=None, help="default: a fresh folder under .flightdeck-demo/")
+    p.add_argument("--timeout-s", type=float, default=300.0, help="give up on the job after this long")
+    args = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupted)  # a terminated demo still runs its `finally`: down
+    signal.signal(signal.SIGALRM, _past_deadline)
+    signal.alarm(int(args.timeout_s + SLACK_S))  # the job's own timeout plus startup, status and checkpoints
+    data_dir = (args.data_dir or DEMO_ROOT / time.strftime("%Y%m%d-%H%M%S")).resolve()
+    started = time.monotonic()
+    print(f"Flightdeck demo: a fault drill from {args.spec.name}, data in {data_dir}\n", flush=True)
+    view, interrupted = None, False
+    try:
+        view = drill(args.spec.resolve(), data_dir, args.timeout_s)
+    except KeyboardInterrupt:
+        interrupted = True
+        print("\ninterrupted: stopping what the demo started", flush=True)
+    except PastDeadline:
+        print(f"\nthe demo is still running {args.timeout_s + SLACK_S:.0f}s after it started, so something is "
+              "stuck: stopping what it started", flush=True)
+    finally:
+        signal.alarm(0)
+        print()
+        flightdeck("down", "--data-dir", str(data_dir), timeout_s=60.0)
+    took = duration(time.monotonic() - started)
+    if upstate.lock_held(data_dir):
+        state = upstate.read_state(data_dir)
+        print(f"\ndemo FAILED: `flightdeck down` left flightdeck up running (supervisor pid "
+              f"{state.pid if state else '?'}); stop it with `flightdeck down --data-dir {data_dir}`")
+        return 1
+    if interrupted:
+        return 130
+    if view is None or view.phase != "completed":
+        print(f"\ndemo FAILED after {took}: the job {'was not submitted' if view is None else f'ended {view.phase}'}"
+              f"; logs in {data_dir / 'logs'}")
+        return 1
+    print(f"\ndemo done in {took}: {view.job_id} completed {view.steps} steps after {view.restarts} restart(s), "
+          f"{len(view.checkpoints)} checkpoints committed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""`flightdeck down`: stop what `flightdeck up` started for a data dir (the supervisor stops its own
+processes; anything a killed supervisor left behind is stopped from the pids in its state file)."""
+
+import argparse
+import os
+import signal
+import time
+from pathlib import Path
+
+from services.tools.cli import Command, UserError
+from services.tools.console import upstate
+from services.tools.console.up import DEFAULT_DATA_DIR
+
+STOP_TIMEOUT_S = 30.0  # the supervisor gives each process 10 s, then the broker 10 s
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR, help="the data dir `up` used (default: ./.flightdeck)")
+
+
+def run(args: argparse.Namespace) -> int:
+    data_dir = Path(args.data_dir).resolve()
+    state = _state_of_running(data_dir)
+    if state is None and not upstate.lock_held(data_dir):
+        print(f"nothing to stop: no flightdeck up is running for {data_dir}")
+        return 0
+    if upstate.lock_held(data_dir):
+        if state is None:
+            raise UserError(f"flightdeck up holds {data_dir / upstate.LOCK_FILE} but wrote no state yet; retry")
+        _stop_supervisor(data_dir, state.pid)
+    if state is not None:
+        upstate.terminate(upstate.leftovers(state))
+    upstate.remove_state(data_dir)
+    if state is not None:
+        print(f"flightdeck stopped: supervisor pid {state.pid}, {len(state.processes)} services, broker {state.url}")
+    return 0
+
+
+def _state_of_running(data_dir: Path) -> upstate.UpState | None:
+    """The state file; an up that holds the lock but is still starting may not have written it yet."""
+    deadline = time.monotonic() + 2.0
+    while (state := upstate.read_state(data_dir)) is None and upstate.lock_held(data_dir):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    return state
+
+
+def _stop_supervisor(data_dir: Path, pid: int) -> None:
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    # It lets go of the lock once it has stopped everything, a moment before it exits.
+    while upstate.lock_held(data_dir) or upstate.alive(pid):
+        if time.monotonic() > deadline:
+            # Its children die with it (PR_SET_PDEATHSIG); the broker is stopped from the state file.
+            os.kill(pid, signal.SIGKILL)
+            time.sleep(0.2)
+            break
+        time.sleep(0.05)
+
+
+COMMAND = Command("down", "stop what `flightdeck up` started", add_arguments, run)

@@ -1,0 +1,69 @@
+"""`flightdeck postmortem JOB --out DIR [--from FILE]`: a report of what happened to a job (report.md with PNG
+plots, and a self-contained report.html), from an imported history, the live broker, or a history file."""
+
+import argparse
+import asyncio
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from services.tools.cli import EXIT_NOT_FOUND, Command, UserError
+from services.tools.history import add_history_arguments, history_from_args
+
+if TYPE_CHECKING:
+    from services.tools.postmortem import Postmortem
+
+INCIDENT_LINES = 3  # the summary names this many incidents; the report has them all
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_history_arguments(parser)
+    parser.add_argument("--out", required=True, type=Path, metavar="DIR",
+                        help="folder for report.md, report.html and the plots (created if missing)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.out.exists() and not args.out.is_dir():
+        raise UserError(f"--out {args.out} is a file; name a folder for the report")
+    # numpy and matplotlib load here, not when the CLI starts: every other verb would pay for them
+    from services.tools.postmortem import analyse, write_report
+
+    history = asyncio.run(history_from_args(args))
+    try:
+        pm = analyse(history.rows, history.job_id)
+    except LookupError as exc:
+        raise UserError(f"{history.source}: {exc}", EXIT_NOT_FOUND) from None
+    try:
+        paths = write_report(pm, args.out)
+    except OSError as exc:
+        raise UserError(f"cannot write the report into {args.out}: {exc.strerror or exc}") from None
+    print(f"postmortem of {history.job_id} ({history.source}):")
+    print(f"  {paths['report.html']}  (open in a browser; {paths['report.md'].name} and the PNGs beside it)")
+    for line in summary(pm):
+        print(f"  {line}")
+    return 0
+
+
+def summary(pm: "Postmortem") -> list[str]:
+    """Five to ten lines: outcome, time, steps, goodput, the biggest badput parts, the first incidents."""
+    from services.tools.postmortem.goodput import BADPUT
+    from services.tools.postmortem.report import seconds
+
+    s, g = pm.summary, pm.goodput
+    lines = [f"outcome: {s.outcome}" + (f" ({s.reason})" if s.reason else ""),
+             f"wall time {seconds(s.wall_s)}; {s.steps_final} of {s.steps_planned} steps stand, "
+             f"{s.steps_computed - s.steps_final} were thrown away and redone",
+             f"goodput {g.goodput:.1%}; badput: " + ", ".join(
+                 f"{p} {seconds(g.parts[p])}" for p in sorted(BADPUT, key=lambda p: -g.parts[p])[:4]
+                 if g.parts[p] > 0),
+             f"incidents: {len(pm.incidents)}"]
+    for i in pm.incidents[:INCIDENT_LINES]:
+        recover = f", recovered in {seconds(i.time_to_recover)}" if i.time_to_recover is not None else ""
+        lines.append(f"  #{i.number} {i.kind} (attempt {i.attempt}): {i.decision}; detected in "
+                     f"{seconds(i.time_to_detect)}{recover}; {i.steps_lost} steps lost")
+    if len(pm.incidents) > INCIDENT_LINES:
+        lines.append(f"  ... and {len(pm.incidents) - INCIDENT_LINES} more in the report")
+    return lines
+
+
+COMMAND = Command("postmortem", "write a report of what happened to a job (Markdown, HTML, plots)",
+                  add_arguments, run)

@@ -1,0 +1,178 @@
+"""`flightdeck status [JOB]`: every job as a table, or one job in detail (`--json` for scripts).
+
+What a job's status is comes from its control history alone (jobview.py), plus the newest step its ranks
+reported on telemetry; the same loaders serve `cancel` and `checkpoints`.
+"""
+
+import argparse
+import asyncio
+import sys
+import time
+from collections import defaultdict
+from typing import Any
+
+import msgspec
+
+from events import codec, subjects
+from events.base import Event
+from events.history import HistoryGap, check_contiguous, read_job
+from events.store import EventStore, Stored
+from events.training import StepCompleted
+from services.shell.broker import nats_url
+from services.tools.cli import EXIT_ERROR, EXIT_NOT_FOUND, Command, UserError, add_nats_argument
+from services.tools.connect import open_store
+from services.tools.history import jobview
+from services.tools.history.jobview import JobView
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("job", nargs="?", help="one job's details (default: a table of every job)")
+    parser.add_argument("--json", action="store_true", help="JSON: one object for a job, a list for the table")
+    add_nats_argument(parser)
+
+
+def check_job_id(job_id: str) -> None:
+    try:
+        subjects.token(job_id)
+    except subjects.InvalidSubjectToken as exc:
+        raise UserError(str(exc), EXIT_NOT_FOUND) from None
+
+
+async def newest_step(store: EventStore, job_id: str) -> StepCompleted | None:
+    last = await store.last(subjects.TELEMETRY, f"fd.tel.{subjects.token(job_id)}.*.StepCompleted")
+    return last.event if last is not None and isinstance(last.event, StepCompleted) else None
+
+
+def _events(history: list[Stored]) -> list[Event]:
+    # An event this version cannot decode (a newer schema) is skipped: the rest still says where the job is.
+    return [s.event for s in history if s.event is not None]
+
+
+async def load_view(store: EventStore, job_id: str, url: str = "") -> JobView:
+    """One job's view; UserError (exit 2) when no such job exists."""
+    check_job_id(job_id)
+    try:
+        history = await read_job(store, job_id)
+    except HistoryGap as exc:
+        raise UserError(str(exc), EXIT_ERROR) from None
+    if not history:
+        where = f" on {url}" if url else ""
+        raise UserError(f"no job {job_id!r}{where}: `flightdeck status` lists every job", EXIT_NOT_FOUND)
+    return jobview.fold(job_id, _events(history), await newest_step(store, job_id))
+
+
+async def load_all(store: EventStore) -> list[JobView]:
+    """Every job's view, oldest submission first."""
+    per_job: dict[str, list[Stored]] = defaultdict(list)
+    async for batch in store.read(subjects.CONTROL, ["fd.ctl.job.>"]):
+        for stored in batch:
+            job_id = subjects.job_of(stored.subject)
+            if job_id is not None:
+                per_job[job_id].append(stored)
+    views = []
+    for job_id, history in per_job.items():
+        try:
+            check_contiguous(job_id, history)
+        except HistoryGap as exc:
+            print(f"flightdeck status: warning: {exc}", file=sys.stderr)
+        views.append(jobview.fold(job_id, _events(history), await newest_step(store, job_id)))
+    return sorted(views, key=lambda v: (v.submitted_at, v.job_id))
+
+
+def duration(seconds: float) -> str:
+    s = max(0, int(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02}h"
+
+
+def _slots(v: JobView) -> str:
+    return f"{v.world_size or '-'}/{v.slots}"
+
+
+def _steps(v: JobView) -> str:
+    return f"{'-' if v.steps_done is None else v.steps_done}/{v.steps}"
+
+
+def _checkpoint(v: JobView) -> str:
+    last = v.last_checkpoint
+    return f"step {last.step}" if last else "-"
+
+
+COLUMNS = ("JOB", "PHASE", "PRIO", "SLOTS", "STEPS", "CHECKPOINT", "RESTARTS", "AGE")
+
+
+def table(views: list[JobView], now: float) -> str:
+    rows = [COLUMNS] + [(v.job_id, v.phase, str(v.priority), _slots(v), _steps(v), _checkpoint(v), str(v.restarts),
+                         duration(now - v.submitted_at)) for v in views]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+    right = {2, 6}  # numbers line up on the right
+    return "\n".join("  ".join(c.rjust(w) if i in right else c.ljust(w)
+                               for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip() for r in rows)
+
+
+def details(v: JobView, now: float) -> str:
+    last = v.last_checkpoint
+    deleted = sum(c.deleted for c in v.checkpoints)
+    lines = [
+        ("job", f"{v.job_id} ({v.name})"),
+        ("phase", v.phase + (f" ({v.reason})" if v.reason else "")),
+        ("priority", str(v.priority)),
+        ("slots", f"{v.slots} asked, {v.world_size} granted (attempt {v.attempt})"),
+        ("steps", f"{_steps(v)} done" + ("" if v.loss is None else f" (loss {v.loss:.4g})")),
+        ("checkpoint", f"{last.checkpoint_id} at step {last.step}" if last else "none committed"),
+        ("committed", f"{len(v.checkpoints)} ({deleted} deleted)"
+         + (f", {v.checkpoint_failures} failed" if v.checkpoint_failures else "")),
+        ("restarts", f"{v.restarts} of {v.max_restarts}"
+         + (f", resumed from step {v.resumed_from_step}" if v.resumed_from_step is not None else "")),
+        ("rollbacks", str(v.rollbacks)),
+        *([("last fault", v.last_fault)] if v.last_fault else []),
+        ("submitted", f"{duration(now - v.submitted_at)} ago"),
+    ]
+    if v.preempted_by:
+        lines.append(("preempted by", v.preempted_by))
+    if v.running_since and not v.ended:
+        lines.append(("running for", duration(now - v.running_since)))
+    if v.ended:
+        lines.append(("ended", f"{duration(now - v.ended_at)} ago, after {duration(v.ended_at - v.submitted_at)}"))
+    width = max(len(k) for k, _ in lines)
+    return "\n".join(f"{k + ':':<{width + 1}} {val}" for k, val in lines)
+
+
+def as_json(v: JobView, now: float) -> dict[str, Any]:
+    out: dict[str, Any] = msgspec.to_builtins(v)
+    for internal in ("granted", "started"):
+        out.pop(internal)
+    last = v.last_checkpoint
+    out["steps_done"] = v.steps_done
+    out["last_checkpoint"] = msgspec.to_builtins(last) if last else None
+    out["age_s"] = round(now - v.submitted_at, 3)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    url = nats_url(args.nats)
+
+    async def go() -> JobView | list[JobView]:
+        async with open_store(url) as store:
+            return await load_view(store, args.job, url) if args.job else await load_all(store)
+
+    found = asyncio.run(go())
+    now = time.time()
+    if args.json:
+        body: Any = as_json(found, now) if isinstance(found, JobView) else [as_json(v, now) for v in found]
+        sys.stdout.write(codec.to_json(body).decode() + "\n")  # NaN loss as "nan", not null
+    elif isinstance(found, JobView):
+        print(details(found, now))
+    elif found:
+        print(table(found, now))
+    else:
+        print(f"no jobs on {url}: `flightdeck submit SPEC.toml` submits one")
+    return 0
+
+
+COMMAND = Command("status", "every job's phase and progress, or one job's details", add_arguments, run)

@@ -1,0 +1,129 @@
+"""`flightdeck verify JOB`: re-run every service's pure core over the job's recorded inputs and check that each
+recorded decision comes back exactly; exit 1 showing the first divergence otherwise (services/tools/audit/verify.py)."""
+
+import argparse
+import asyncio
+import sys
+from typing import Any
+
+import msgspec
+
+from events import codec
+from events.store import Stored
+from services.tools.audit.verify import Divergence, NoSuchJob, Verdict, verify
+from services.tools.cli import EXIT_ERROR, EXIT_NOT_FOUND, Command, UserError
+from services.tools.history import add_history_arguments, history_from_args
+
+MAX_VALUE_CHARS = 160
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_history_arguments(parser)
+    parser.add_argument("--all", action="store_true", help="list every divergence, not only the first")
+    parser.add_argument("--json", action="store_true", help="the verdict as one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    verdict, source = asyncio.run(_verify(args))
+    if args.json:
+        sys.stdout.write(codec.to_json(as_json(verdict, source)).decode() + "\n")
+    else:
+        sys.stdout.write("\n".join(report(verdict, source, every=args.all)) + "\n")
+    return 0 if verdict.ok else EXIT_ERROR
+
+
+async def _verify(args: argparse.Namespace) -> tuple[Verdict, str]:
+    history = await history_from_args(args)
+    try:
+        return await verify(history.store, history.job_id), history.source
+    except NoSuchJob:
+        raise UserError(f"{history.source} holds no control event of job {history.job_id!r}", EXIT_NOT_FOUND) from None
+
+
+def report(verdict: Verdict, source: str, *, every: bool = False) -> list[str]:
+    """The summary (per service: inputs folded, decisions checked), then the first divergence (or all)."""
+    head = "OK: every recorded decision reproduced" if verdict.ok else f"DIVERGED: {len(verdict.divergences)} " \
+        "divergence(s) between the recorded decisions and a replay of the recorded inputs"
+    lines = [f"verify {verdict.job_id} ({source}, inputs up to FD_CONTROL seq {verdict.horizon}): {head}", ""]
+    lines.append(f"  {'service':<12} {'control in':>10} {'telemetry in':>12} {'decisions':>9} {'effects':>7} "
+                 f"{'dead live/replay':>16}")
+    for c in verdict.checks:
+        dead = f"{len(c.dead_live)}/{len(c.dead_replay)}" + (f" (+{c.skipped} given up)" if c.skipped else "")
+        lines.append(f"  {c.service:<12} {c.control_inputs:>10} {c.telemetry_inputs:>12} {c.decisions:>9} "
+                     f"{c.effects:>7} {dead:>16}")
+    lines += ["", *(f"  note: {n}" for n in verdict.notes)]
+    shown = verdict.divergences if every else verdict.divergences[:1]
+    for i, d in enumerate(shown):
+        lines += ["", *describe(d, first=i == 0)]
+    if len(verdict.divergences) > len(shown):
+        lines.append(f"\n  ... and {len(verdict.divergences) - len(shown)} more (--all lists them)")
+    return lines
+
+
+def describe(d: Divergence, *, first: bool) -> list[str]:
+    title = "first divergence" if first else "divergence"
+    out = [f"{title} ({d.service}, {d.kind}): {d.detail}"]
+    out.append(f"  input:    {_input(d.input)}")
+    if d.msg_id:
+        out.append(f"  decision: {d.msg_id}")
+    if d.recorded is not None:
+        out.append(f"  recorded: {_event(d.recorded)}")
+    if d.replayed is not None:
+        out.append(f"  replayed: {_event(d.replayed)}")
+    for name, recorded, replayed in d.fields():
+        out.append(f"  field {name}: recorded {_short(recorded)}, replayed {_short(replayed)}")
+    return out
+
+
+def as_json(verdict: Verdict, source: str) -> dict[str, Any]:
+    return {
+        "job_id": verdict.job_id, "source": source, "ok": verdict.ok, "horizon": verdict.horizon,
+        "services": [{"service": c.service, "control_inputs": c.control_inputs,
+                      "telemetry_inputs": c.telemetry_inputs, "decisions": c.decisions, "effects": c.effects,
+                      "dead_lettered_live": sorted(list(k) for k in c.dead_live),
+                      "dead_lettered_replay": sorted(list(k) for k in c.dead_replay), "given_up": c.skipped}
+                     for c in verdict.checks],
+        "divergences": [{"service": d.service, "kind": d.kind, "position": d.position, "detail": d.detail,
+                         "input": _input_json(d.input), "msg_id": d.msg_id,
+                         "recorded": codec.to_builtins(d.recorded) if d.recorded is not None else None,
+                         "replayed": codec.to_builtins(d.replayed) if d.replayed is not None else None,
+                         "fields": [{"field": f, "recorded": _jsonable(a), "replayed": _jsonable(b)}
+                                    for f, a, b in d.fields()]}
+                        for d in verdict.divergences],
+        "notes": verdict.notes,
+    }
+
+
+def _input(s: Stored | None) -> str:
+    if s is None:
+        return "(not in the history)"
+    kind = type(s.event).__name__ if s.event is not None else f"<undecodable: {s.error}>"
+    return f"{s.stream} seq {s.seq}  {s.subject}  {kind}" + (f"  (msg id {s.msg_id})" if s.msg_id else "")
+
+
+def _input_json(s: Stored | None) -> dict[str, Any] | None:
+    if s is None:
+        return None
+    return {"stream": s.stream, "seq": s.seq, "subject": s.subject, "msg_id": s.msg_id,
+            "type": type(s.event).__name__ if s.event is not None else None}
+
+
+def _event(event: Any) -> str:
+    fields = codec.to_builtins(event)
+    return _short(fields, limit=400)
+
+
+def _short(value: Any, limit: int = MAX_VALUE_CHARS) -> str:
+    text = codec.to_json(_jsonable(value)).decode()
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _jsonable(value: Any) -> Any:
+    try:
+        return msgspec.to_builtins(value, str_keys=True)
+    except TypeError:  # a value msgspec cannot take (the diff's <absent> marker)
+        return repr(value)
+
+
+COMMAND = Command("verify", "re-run the services' pure cores over a job's recorded inputs and check every "
+                  "recorded decision is reproduced (exit 1 at the first divergence)", add_arguments, run)

@@ -1,0 +1,146 @@
+"""The layout's import rules, read from the code: no upward import, no service importing another, no torch or
+trainer in the control plane. A new import that breaks one fails here with the module and the line.
+
+Layers, lowest first: events/ (the catalog and the node-local protocol); services/core.py (the core contract)
+and services/shell/ (the I/O every process shares); the five services and the node agent, side by side;
+services/registry.py and services/__main__.py (which wire the services); services/tools/ (the operator's
+tools: tools/cli.py and tools/connect.py, then history/, then audit/ and postmortem/, then console/, the CLI).
+trainer/ stands beside the control plane and shares only events/ with it.
+"""
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVICES = ("scheduler", "resources", "checkpoints", "health", "resharder")
+TOOLS = ("history", "audit", "postmortem", "console")  # lowest first; cli.py and connect.py sit below them
+TORCH = ("torch",)
+
+
+@dataclass(frozen=True)
+class Import:
+    module: str  # the importing module
+    target: str  # what it imports: a module, or a module's attribute as `module.name`
+    line: int
+
+
+def imports_of(module: str, source: str) -> list[Import]:
+    """Every absolute import in `source`, also those inside functions; `from a import b` as `a.b`."""
+    found: list[Import] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [Import(module, a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{module}:{node.lineno}: relative import (write it absolute)"
+            base = node.module or ""
+            found += [Import(module, f"{base}.{a.name}", node.lineno) for a in node.names]
+    return found
+
+
+def place(name: str) -> tuple[str, ...]:
+    """Where a dotted name lives: ('events',), ('core',), ('shell',), ('service', NAME), ('agent',), ('wiring',),
+    ('tools', RANK, PART), ('trainer',), ('torch',) or ('other',)."""
+    parts = name.split(".")
+    top = parts[0]
+    if top in ("events", "trainer"):
+        return (top,)
+    if top in TORCH:
+        return ("torch",)
+    if top != "services" or len(parts) == 1:
+        return ("other",)
+    second = parts[1]
+    if second == "core":
+        return ("core",)
+    if second == "shell":
+        return ("shell",)
+    if second in SERVICES:
+        return ("service", second)
+    if second == "agent":
+        return ("agent",)
+    if second in ("registry", "__main__"):
+        return ("wiring",)
+    if second == "tools":
+        part = parts[2] if len(parts) > 2 else ""
+        rank = TOOLS.index(part) + 1 if part in TOOLS else 0  # cli.py, connect.py: 0
+        return ("tools", str(rank), part)
+    return ("other",)
+
+
+def why_not(imp: Import) -> str:
+    """Why `imp` breaks a rule, or ""."""
+    src, dst = place(imp.module), place(imp.target)
+    if dst == ("other",):
+        return ""  # the standard library and third-party packages (torch is its own place)
+    kind, target = src[0], dst[0]
+    if kind == "trainer":
+        return "the trainer imports no service" if target not in ("events", "trainer", "torch") else ""
+    if target == "torch":
+        return "the control plane never imports torch"
+    if target == "trainer":
+        return "nothing outside trainer/ imports the trainer: the node-local protocol is events/nodelocal.py's"
+    if kind == "events":
+        return "events/ is the lowest layer" if target != "events" else ""
+    allowed = {
+        "core": {"events", "core"},
+        "shell": {"events", "core", "shell"},
+        "service": {"events", "core", "shell", "service"},
+        "agent": {"events", "core", "shell", "agent"},
+        "wiring": {"events", "core", "shell", "service", "agent", "wiring"},
+        "tools": {"events", "core", "shell", "service", "agent", "wiring", "tools"},
+    }[kind]
+    if target not in allowed:
+        return f"{'/'.join(src)} may not import {target} (a higher layer or a neighbour)"
+    if kind == "service" and target == "service" and src[1] != dst[1]:
+        return f"the {src[1]} service imports the {dst[1]} service: move what both need down"
+    if kind == "tools" and target == "tools" and int(dst[1]) > int(src[1]):
+        return f"tools/{src[2] or '*.py'} imports tools/{dst[2]}, a tool above it"
+    return ""
+
+
+def modules() -> dict[str, str]:
+    found = {}
+    for top in ("events", "services", "trainer"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+            found[name] = path.read_text()
+    return found
+
+
+def test_the_tree_keeps_its_layers() -> None:
+    broken = [f"{i.module}:{i.line} imports {i.target}: {why}"
+              for name, source in modules().items() for i in imports_of(name, source) if (why := why_not(i))]
+    assert broken == []
+
+
+def test_every_module_has_a_place() -> None:
+    assert [name for name in modules() if place(name) == ("other",) and name != "services"] == []
+
+
+@pytest.mark.parametrize(("module", "target", "rule"), [
+    ("services.scheduler.recipes", "services.checkpoints.core.COMMIT", "imports the checkpoints service"),
+    ("services.tools.history.timeline", "services.tools.console.jobview.JobView", "a tool above it"),
+    ("services.agent.spawner", "trainer.beats.BEATS_ENV", "nothing outside trainer/"),
+    ("services.health.core", "torch", "never imports torch"),
+    ("services.shell.runtime", "services.health.core.State", "shell may not import service"),
+    ("services.agent.main", "services.checkpoints.service.OBJECTS_ENV", "agent may not import service"),
+    ("events.codec", "services.core.Emit", "lowest layer"),
+    ("trainer.loop", "services.shell.objects.manifest", "the trainer imports no service"),
+    ("services.health.core", "services.registry.BUILTIN", "health may not import wiring"),
+])
+def test_each_rule_catches_what_it_forbids(module: str, target: str, rule: str) -> None:
+    assert rule in why_not(Import(module, target, 1))
+
+
+@pytest.mark.parametrize(("module", "target"), [
+    ("services.scheduler.recipes", "events.lineage.thrown_away"),
+    ("services.tools.console.status", "services.tools.history.jobview.JobView"),
+    ("services.tools.audit.verify", "services.checkpoints.core.COMMIT"),
+    ("services.agent.spawner", "events.nodelocal.BEATS_ENV"),
+    ("trainer.standby", "events.nodelocal.Assignment"),
+    ("services.registry", "services.health.service.build"),
+])
+def test_what_the_layers_allow(module: str, target: str) -> None:
+    assert why_not(Import(module, target, 1)) == ""
