@@ -33,17 +33,17 @@ def fold(num_ranks: int, seconds: int) -> dict[str, float]:
              for s in range(seconds)]
     state = SERVICE.initial
     for ev in c.events:
-        state = SERVICE.evolve(state, ev)
+        state, _ = SERVICE.transition(state, ev)
     folded = outputs = 0
     slowest_tick = 0.0
     began = time.perf_counter()
     for batch, tick in zip(batches, ticks, strict=True):
         for ev in batch:
-            state = SERVICE.evolve(state, ev)
-            outputs += len(SERVICE.decide(state, ev))
+            state, outs = SERVICE.transition(state, ev)
+            outputs += len(outs)
         t0 = time.perf_counter()
-        state = SERVICE.evolve(state, tick)
-        outputs += len(SERVICE.decide(state, tick))
+        state, outs = SERVICE.transition(state, tick)
+        outputs += len(outs)
         slowest_tick = max(slowest_tick, time.perf_counter() - t0)
         folded += len(batch) + 1
     elapsed = time.perf_counter() - began

@@ -33,7 +33,7 @@ class Emit:
 class Effect:
     """Work with I/O that a core asks the shell to do (upload a checkpoint, spawn ranks).
 
-    `decide` may return Effects beside Emits. The shell calls `service.effects[kind](args)`, which
+    A transition may return Effects beside Emits. The shell calls `service.effects[kind](args)`, which
     returns the events that record what happened (e.g. CheckpointCommitted); they are appended like
     Emits, their msg ids continuing the input's output index, before the input is acked (the shell
     marks the input in progress while a long effect runs). A replay does not run effects: it reads
@@ -52,19 +52,21 @@ EffectHandler = Callable[[Any], Awaitable[Sequence[Emit]]]
 class Service(Generic[S]):
     """A service's pure core plus the subjects it reads.
 
-    - `evolve(state, event) -> state` folds one input into state (no decisions).
-    - `decide(state, event) -> outputs` is called right after `evolve` with the new state; outputs
-      are Emits (decisions, verified on replay) and Effects (I/O whose results are recorded).
+    - `transition(state, event) -> (state, outputs)` folds one input and decides in one pure function:
+      outputs are Emits (decisions, verified on replay) and Effects (I/O whose results are recorded). It
+      returns a new state and leaves the one it was given as it was, so a transition that raises costs the
+      fold nothing. A core that updates its state in place for speed (health) names `copy` instead: the fold
+      keeps a copy and, when a transition raises, rebuilds the state before that input from it.
     - `wants_tick(state, now) -> bool` lets a core say it has nothing time-dependent to watch, so an
       idle service records no ticks.
     """
 
     name: str
     initial: S
-    evolve: Callable[[S, Event], S]
-    decide: Callable[[S, Event], Sequence[Output]]
+    transition: Callable[[S, Event], tuple[S, Sequence[Output]]]
     control_subjects: tuple[str, ...]  # filters on FD_CONTROL (its own clock subject is added)
     telemetry_subjects: tuple[str, ...] = ()  # filters on FD_TELEMETRY, folded at ticks
     tick_s: float = 1.0
     wants_tick: Callable[[S, float], bool] = field(default=lambda state, now: True)
     effects: Mapping[str, EffectHandler] = field(default_factory=dict)
+    copy: Callable[[S], S] | None = None  # only for a core whose transition changes the state it is given

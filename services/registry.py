@@ -22,13 +22,13 @@ class UnknownService(ValueError):
     pass
 
 
-def _nothing(state: None, event: Event) -> list[Emit]:
-    return []
+def _nothing(state: None, event: Event) -> tuple[None, list[Emit]]:
+    return state, []
 
 
 def idle(name: str) -> Service[None]:
     """A core with no logic yet: reads only its own clock, never asks for a tick."""
-    return Service(name=name, initial=None, evolve=lambda state, event: state, decide=_nothing,
+    return Service(name=name, initial=None, transition=_nothing,
                    control_subjects=(), wants_tick=lambda state, now: False)
 
 

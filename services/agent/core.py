@@ -15,8 +15,7 @@ asks its shell for effects (spawner.py runs them):
 - `evict`    a checkpoint deleted, or the job ended: its cached copies go.
 
 `live` mirrors WorkersStarted / WorkersExited of this node, so an agent that comes back after a crash
-knows which ranks it had started and never saw exit. Like the other cores, `evolve` applies a whole
-transition and leaves its outputs in `State.outbox`, which `decide` returns.
+knows which ranks it had started and never saw exit.
 """
 
 import msgspec
@@ -112,7 +111,6 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
     jobs: dict[str, JobView] = {}
     ended: frozenset[str] = frozenset()
     live: dict[str, LiveRank] = {}  # "<job>/<attempt>/<rank>" -> a rank started here that has not exited
-    outbox: tuple[Output, ...] = ()
 
 
 def live_key(job_id: str, attempt: int, rank: int) -> str:
@@ -131,19 +129,22 @@ def newest(checkpoints: tuple[Restore, ...], forks: tuple[lineage.Fork, ...] = (
     return best
 
 
-def _put(state: State, job_id: str, view: JobView, *outs: Output) -> State:
-    return msgspec.structs.replace(state, jobs={**state.jobs, job_id: view}, outbox=outs)
+Transition = tuple[State, tuple[Output, ...]]
 
 
-def _granted(state: State, ev: AllocationGranted) -> State:
+def _put(state: State, job_id: str, view: JobView, *outs: Output) -> Transition:
+    return msgspec.structs.replace(state, jobs={**state.jobs, job_id: view}), outs
+
+
+def _granted(state: State, ev: AllocationGranted) -> Transition:
     view = state.jobs.get(ev.job_id)
     if view is None:
         # Grants only follow submissions in the stream and ended jobs are dropped: nothing to run.
-        return msgspec.structs.replace(state, outbox=())
+        return state, ()
     mine = tuple(sorted((r for r in ev.assignments if r.node == state.node), key=lambda r: r.rank))
     held = view.held
     if ev.attempt <= view.latest:
-        return msgspec.structs.replace(state, outbox=())  # a stale or repeated grant
+        return state, ()  # a stale or repeated grant
     view = msgspec.structs.replace(view, latest=ev.attempt)
     outs: list[Output] = []
     if held is not None:
@@ -158,10 +159,10 @@ def _granted(state: State, ev: AllocationGranted) -> State:
     return _put(state, ev.job_id, msgspec.structs.replace(view, held=Held(attempt=ev.attempt, ranks=mine)), *outs)
 
 
-def _released(state: State, ev: AllocationReleased) -> State:
+def _released(state: State, ev: AllocationReleased) -> Transition:
     view = state.jobs.get(ev.job_id)
     if view is None:
-        return msgspec.structs.replace(state, outbox=())
+        return state, ()
     after = msgspec.structs.replace(view, latest=max(view.latest, ev.attempt))
     if view.held is None or view.held.attempt != ev.attempt:
         return _put(state, ev.job_id, after)
@@ -169,23 +170,23 @@ def _released(state: State, ev: AllocationReleased) -> State:
     return _put(state, ev.job_id, msgspec.structs.replace(after, held=None), stop)
 
 
-def _ended(state: State, job_id: str, why: str) -> State:
+def _ended(state: State, job_id: str, why: str) -> Transition:
     view = state.jobs.get(job_id)
     if view is None:
-        return msgspec.structs.replace(state, outbox=())
+        return state, ()
     outs: list[Output] = []
     if view.held is not None:
         outs.append(Effect(STOP, StopArgs(job_id=job_id, attempt=view.held.attempt, reason=why)))
     if view.checkpoints:
         outs.append(Effect(EVICT, EvictArgs(job_id=job_id, checkpoint_ids=[])))
     jobs = {j: v for j, v in state.jobs.items() if j != job_id}
-    return msgspec.structs.replace(state, jobs=jobs, ended=state.ended | {job_id}, outbox=tuple(outs))
+    return msgspec.structs.replace(state, jobs=jobs, ended=state.ended | {job_id}), tuple(outs)
 
 
-def _committed(state: State, ev: CheckpointCommitted) -> State:
+def _committed(state: State, ev: CheckpointCommitted) -> Transition:
     view = state.jobs.get(ev.job_id)
     if view is None or any(c.checkpoint_id == ev.checkpoint_id for c in view.checkpoints):
-        return msgspec.structs.replace(state, outbox=())
+        return state, ()
     entry = Restore(checkpoint_id=ev.checkpoint_id, step=ev.step, manifest_sha256=ev.manifest_sha256,
                     attempt=ev.attempt, timeline=ev.timeline)
     after = msgspec.structs.replace(view, checkpoints=(*view.checkpoints, entry))
@@ -194,19 +195,19 @@ def _committed(state: State, ev: CheckpointCommitted) -> State:
     return _put(state, ev.job_id, after, Effect(PREFETCH, PrefetchArgs(job_id=ev.job_id, checkpoint=entry)))
 
 
-def _deleted(state: State, ev: CheckpointDeleted) -> State:
+def _deleted(state: State, ev: CheckpointDeleted) -> Transition:
     view = state.jobs.get(ev.job_id)
     if view is None or not any(c.checkpoint_id == ev.checkpoint_id for c in view.checkpoints):
-        return msgspec.structs.replace(state, outbox=())
+        return state, ()
     after = msgspec.structs.replace(view, checkpoints=tuple(c for c in view.checkpoints
                                                              if c.checkpoint_id != ev.checkpoint_id))
     return _put(state, ev.job_id, after, Effect(EVICT, EvictArgs(job_id=ev.job_id,
                                                                  checkpoint_ids=[ev.checkpoint_id])))
 
 
-def _workers(state: State, ev: WorkersStarted | WorkersExited) -> State:
+def _workers(state: State, ev: WorkersStarted | WorkersExited) -> Transition:
     if ev.node != state.node:
-        return msgspec.structs.replace(state, outbox=()) if state.outbox else state
+        return state, ()
     live = dict(state.live)
     if isinstance(ev, WorkersStarted):
         for rank, pid in zip(ev.ranks, ev.pids, strict=True):
@@ -214,14 +215,14 @@ def _workers(state: State, ev: WorkersStarted | WorkersExited) -> State:
                                                                    pid=pid)
     else:
         live.pop(live_key(ev.job_id, ev.attempt, ev.rank), None)
-    return msgspec.structs.replace(state, live=live, outbox=())
+    return msgspec.structs.replace(state, live=live), ()
 
 
-def transition(state: State, event: Event) -> State:
+def transition(state: State, event: Event) -> Transition:
     match event:
         case JobSubmitted(job_id=job_id, spec=spec):
             if job_id in state.jobs or job_id in state.ended:  # the same submission seen again
-                return msgspec.structs.replace(state, outbox=())
+                return state, ()
             return _put(state, job_id, JobView(spec=spec))
         case AllocationGranted():
             return _granted(state, event)
@@ -243,11 +244,7 @@ def transition(state: State, event: Event) -> State:
         case WorkersStarted() | WorkersExited():
             return _workers(state, event)
         case _:
-            return msgspec.structs.replace(state, outbox=()) if state.outbox else state
-
-
-def decide(state: State, event: Event) -> list[Output]:
-    return list(state.outbox)
+            return state, ()
 
 
 CONTROL_TYPES = ("JobSubmitted", "AllocationGranted", "AllocationReleased", "JobCancelled", "JobCompleted",
@@ -263,8 +260,7 @@ def core_service(node: str, effects: dict[str, EffectHandler]) -> Service[State]
     return Service(
         name=service_name(node),
         initial=State(node=node),
-        evolve=transition,
-        decide=decide,
+        transition=transition,
         control_subjects=tuple(f"fd.ctl.job.*.{t}" for t in CONTROL_TYPES),
         wants_tick=lambda state, now: False,  # nothing here waits on time: grace periods are the spawner's
         effects=effects,

@@ -15,8 +15,8 @@ allocation alone does not make an attempt stale: a preempted job's final checkpo
 its next allocation was requested. Likewise a completed job's last attempt still finishes its sets:
 its ranks staged them before exiting 0, but telemetry is folded only at ticks, so they may be read after
 JobCompleted; the service keeps ticking (up to LINGER_S) until the final step's set is read.
-`evolve` records in `State.last` what the latest input made due, so `decide` acts exactly once, on
-the input that caused it, and never again on a later one.
+A transition acts on what its own input made due (a commit, deletions), exactly once: a later input never
+repeats it.
 """
 
 from collections.abc import Sequence
@@ -111,7 +111,7 @@ class JobState(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Due(msgspec.Struct, frozen=True, kw_only=True):
-    """What the latest input made due (set by evolve, acted on by decide)."""
+    """What one input made due: the transition turns it into outputs."""
 
     commit: CommitArgs | None = None
     doomed: tuple[str, ...] = ()
@@ -122,7 +122,6 @@ NOTHING_DUE = Due()
 
 class State(msgspec.Struct, frozen=True, kw_only=True):
     jobs: dict[str, JobState] = {}
-    last: Due = NOTHING_DUE
 
 
 def retention(job: JobState) -> tuple[JobState, tuple[str, ...]]:
@@ -228,23 +227,20 @@ def _evolve_job(job: JobState, ev: Event) -> tuple[JobState, Due]:
     return job, Due(doomed=doomed)
 
 
-def evolve(state: State, ev: Event) -> State:
+def transition(state: State, ev: Event) -> tuple[State, Sequence[Output]]:
     job_id = getattr(ev, "job_id", None)
     if not isinstance(job_id, str):
-        return state if state.last is NOTHING_DUE else replace(state, last=NOTHING_DUE)
+        return state, ()
     job, due = _evolve_job(state.jobs.get(job_id, JobState()), ev)
-    return replace(state, jobs={**state.jobs, job_id: job}, last=due)
+    return replace(state, jobs={**state.jobs, job_id: job}), _outputs(job_id, job, due)
 
 
-def decide(state: State, ev: Event) -> Sequence[Output]:
-    due = state.last
+def _outputs(job_id: str, job: JobState, due: Due) -> list[Output]:
     out: list[Output] = []
     if due.commit is not None:
         out.append(Effect(COMMIT, due.commit))
     if due.doomed:
-        job_id = getattr(ev, "job_id", "")
         subject = subjects.job(job_id, "CheckpointDeleted")
-        job = state.jobs[job_id]
         thrown = {c.checkpoint_id for c in job.committed if thrown_away(job.forks, c.attempt, c.timeline, c.step)}
         out.extend(Emit(subject, CheckpointDeleted(job_id=job_id, checkpoint_id=cid, reason=THROWN_AWAY)
                         if cid in thrown else CheckpointDeleted(job_id=job_id, checkpoint_id=cid))
@@ -274,8 +270,7 @@ def core_service(effects: dict[str, EffectHandler]) -> Service[State]:
     return Service(
         name=SERVICE,
         initial=State(),
-        evolve=evolve,
-        decide=decide,
+        transition=transition,
         control_subjects=tuple(f"fd.ctl.job.*.{t}" for t in CONTROL_TYPES),
         telemetry_subjects=tuple(f"fd.tel.*.*.{t}" for t in TELEMETRY_TYPES),
         tick_s=1.0,

@@ -19,12 +19,12 @@ Each finding fires once per (attempt, rank, kind, episode), recorded in `JobWatc
 replays to the same memory, so a restarted service repeats nothing. Every finding's `evidence` holds
 the ids of the input events it rests on.
 
-State is mutable, for O(1) work per heartbeat at thousands of ranks: `evolve` updates the state it is
-given and returns it, so a fold owns its state. `INITIAL` is sealed: a fold starting from it works on
-its own copy, so one Service can run any number of folds; `snapshot` gives a sealed copy to keep.
+State is mutable, for O(1) work per heartbeat at thousands of ranks: `transition` updates the state it is
+given and returns it, so a fold owns its state, and the Service names `snapshot` as its `copy`: the fold
+keeps one to undo a transition that raised part-way. `INITIAL` is sealed: a fold starting from it works on
+its own copy, so one Service can run any number of folds.
 """
 
-import copy
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -84,6 +84,13 @@ class JobWatch:
     def quiet(self) -> bool:
         return self.stopping or self.cancelling
 
+    def clone(self) -> "JobWatch":
+        return JobWatch(job_id=self.job_id, policy=self.policy, spikes=self.spikes.clone(), last_step=self.last_step,
+                        attempt=self.attempt, ranks={rank: r.clone() for rank, r in self.ranks.items()},
+                        stopping=self.stopping, cancelling=self.cancelling, paused=self.paused,
+                        nonfinite=self.nonfinite.clone(), stragglers=self.stragglers.clone(),
+                        reported=set(self.reported), unrecorded=dict(self.unrecorded), recording=dict(self.recording))
+
     def gone(self, r: RankWatch) -> None:
         if not r.gone:
             r.gone = True
@@ -104,7 +111,6 @@ class State:
     ended: set[str] = field(default_factory=set)
     now: float = 0.0  # the newest ClockTick's time
     recovered_at: float = 0.0  # the newest end of a broker outage a tick reported: silence counts from then on
-    outbox: tuple[Emit, ...] = ()  # findings of the latest input, returned by decide
     sealed: bool = False
 
 
@@ -112,14 +118,13 @@ INITIAL = State(sealed=True)
 
 
 def snapshot(state: State) -> State:
-    """A sealed copy of `state`: later folds of the original do not change it."""
-    copied = copy.deepcopy(state)
-    copied.sealed = True
-    return copied
+    """A sealed copy of `state`: later folds of the original do not change it (nor it them)."""
+    return State(jobs={job_id: job.clone() for job_id, job in state.jobs.items()}, ended=set(state.ended),
+                 now=state.now, recovered_at=state.recovered_at, sealed=True)
 
 
-def _emit(state: State, finding: Finding) -> None:
-    state.outbox = (*state.outbox, Emit(subjects.job(finding.job_id, type(finding).__name__), finding))
+def _emit(out: list[Output], finding: Finding) -> None:
+    out.append(Emit(subjects.job(finding.job_id, type(finding).__name__), finding))
 
 
 def _job(state: State, job_id: str, policy: PolicySpec | None = None) -> JobWatch | None:
@@ -146,7 +151,7 @@ def _restart_clocks(job: JobWatch, ev: Event, now: float) -> None:
         r.restart_clock(ev.occurred_at, now, ev.event_id)
 
 
-def _control(state: State, ev: Event) -> None:
+def _control(state: State, ev: Event, out: list[Output]) -> None:
     match ev:
         case JobSubmitted():
             if ev.job_id not in state.jobs and (job := _job(state, ev.job_id, ev.spec.policy)) is not None:
@@ -170,7 +175,7 @@ def _control(state: State, ev: Event) -> None:
                 watch.started(ev.occurred_at, state.now, ev.event_id)
                 watch.node = ev.node
         case WorkersExited():
-            _exited(state, ev)
+            _exited(state, ev, out)
         case StopRequested() | JobPreempted() | CancelRequested():
             job = state.jobs.get(ev.job_id)
             if job is not None:
@@ -198,7 +203,7 @@ def _control(state: State, ev: Event) -> None:
             state.ended.add(ev.job_id)
 
 
-def _exited(state: State, ev: WorkersExited) -> None:
+def _exited(state: State, ev: WorkersExited, out: list[Output]) -> None:
     job = state.jobs.get(ev.job_id)
     if job is None:
         return
@@ -214,35 +219,35 @@ def _exited(state: State, ev: WorkersExited) -> None:
     if ev.exit_code == 0 or job.quiet or not job.first(r.rank, "RankLost"):
         return
     evidence = list(dict.fromkeys(i for i in (ev.event_id, r.fault_id, r.seen_id) if i))
-    _emit(state, RankLost(job_id=job.job_id, rank=r.rank, attempt=job.attempt, evidence=evidence,
+    _emit(out, RankLost(job_id=job.job_id, rank=r.rank, attempt=job.attempt, evidence=evidence,
                           reason=f"exited with code {ev.exit_code}", last_seen=r.seen_at or r.started_at))
 
 
-def _step(state: State, job: JobWatch, r: RankWatch, ev: StepCompleted) -> None:
+def _step(state: State, job: JobWatch, r: RankWatch, ev: StepCompleted, out: list[Output]) -> None:
     r.step_completed(ev.step, ev.step_time_s, ev.occurred_at, state.now, ev.event_id)
     finite = math.isfinite(ev.loss) and math.isfinite(ev.grad_norm)
     if job.nonfinite.observe(ev.step, finite) and job.first(r.rank, "NonFiniteLoss", job.nonfinite.episodes):
-        _emit(state, NonFiniteLoss(job_id=job.job_id, rank=r.rank, attempt=job.attempt, evidence=[ev.event_id],
+        _emit(out, NonFiniteLoss(job_id=job.job_id, rank=r.rank, attempt=job.attempt, evidence=[ev.event_id],
                                    step=ev.step, loss=ev.loss, grad_norm=ev.grad_norm))
     policy = job.policy
     if r.rank == 0:
         spike = job.spikes.observe(ev.step, ev.loss, policy)
         if spike is not None and job.first(0, "LossSpikeDetected", spike.episode):
-            _emit(state, LossSpikeDetected(
+            _emit(out, LossSpikeDetected(
                 job_id=job.job_id, rank=0, attempt=job.attempt, evidence=[ev.event_id], step=spike.step,
                 loss=spike.loss, baseline=spike.baseline, mad=spike.mad, z=spike.z, threshold=spike.threshold))
-    _straggler(state, job, r.rank, ev.step, ev.step_time_s, ev.event_id)
+    _straggler(job, r.rank, ev.step, ev.step_time_s, ev.event_id, out)
 
 
-def _straggler(state: State, job: JobWatch, rank: int, step: int, step_time_s: float, event_id: str) -> None:
+def _straggler(job: JobWatch, rank: int, step: int, step_time_s: float, event_id: str, out: list[Output]) -> None:
     slow = job.stragglers.observe(rank, step, step_time_s, event_id, job.policy)
     if slow is not None and job.first(slow.rank, "StragglerDetected", slow.episode):
-        _emit(state, StragglerDetected(
+        _emit(out, StragglerDetected(
             job_id=job.job_id, rank=slow.rank, attempt=job.attempt, evidence=list(slow.evidence),
             step_time_s=slow.step_time_s, peer_median_s=slow.peer_median_s, factor=slow.factor))
 
 
-def _beats(state: State, ev: RankHeartbeats) -> None:
+def _beats(state: State, ev: RankHeartbeats, out: list[Output]) -> None:
     """A node agent's batch: each entry is the rank's own heartbeat, and a step time is that step reported.
     Ranks that publish only through their agent have no StepCompleted but rank 0's, so a new step in a beat
     arms the hang clock and feeds the straggler watch as a StepCompleted would."""
@@ -260,12 +265,12 @@ def _beats(state: State, ev: RankHeartbeats) -> None:
             continue
         if b.step_time_s > 0 and b.step > r.progress_step:
             r.step_completed(b.step, b.step_time_s, b.occurred_at, state.now, ev.event_id)
-            _straggler(state, job, r.rank, b.step, b.step_time_s, ev.event_id)
+            _straggler(job, r.rank, b.step, b.step_time_s, ev.event_id, out)
         else:
             r.heartbeat(b.step, b.occurred_at, state.now, ev.event_id)
 
 
-def _telemetry(state: State, ev: Heartbeat | StepCompleted | RankFault | RankStarted) -> None:
+def _telemetry(state: State, ev: Heartbeat | StepCompleted | RankFault | RankStarted, out: list[Output]) -> None:
     job = state.jobs.get(ev.job_id)
     if job is not None and ev.attempt < job.attempt and job.unrecorded:
         agents.heard(job.unrecorded, ev.attempt, ev.rank, ev.occurred_at, state.now, ev.event_id)
@@ -277,7 +282,7 @@ def _telemetry(state: State, ev: Heartbeat | StepCompleted | RankFault | RankSta
     if type(ev) is Heartbeat:
         r.heartbeat(ev.step, ev.occurred_at, state.now, ev.event_id)
     elif isinstance(ev, StepCompleted):
-        _step(state, job, r, ev)
+        _step(state, job, r, ev, out)
     elif isinstance(ev, RankStarted):
         r.seen(ev.occurred_at, state.now, ev.event_id)
         r.progressed(ev.from_step - 1, ev.occurred_at, state.now, ev.event_id)
@@ -286,7 +291,7 @@ def _telemetry(state: State, ev: Heartbeat | StepCompleted | RankFault | RankSta
         r.fault_id = ev.event_id
         if ev.kind == "nonfinite" and job.nonfinite.observe(ev.step, False) and job.first(
                 r.rank, "NonFiniteLoss", job.nonfinite.episodes):
-            _emit(state, NonFiniteLoss(job_id=job.job_id, rank=r.rank, attempt=job.attempt, evidence=[ev.event_id],
+            _emit(out, NonFiniteLoss(job_id=job.job_id, rank=r.rank, attempt=job.attempt, evidence=[ev.event_id],
                                        step=ev.step, loss=math.nan, grad_norm=math.nan))
 
 
@@ -296,13 +301,13 @@ def _worst_first(verdict: Lost | Hung) -> tuple[int, float, int]:
     return (1, -verdict.stalled_s, verdict.rank)
 
 
-def _tick(state: State, tick: ClockTick) -> None:
+def _tick(state: State, tick: ClockTick, out: list[Output]) -> None:
     state.now = now = max(state.now, tick.now)
     state.recovered_at = max(state.recovered_at, tick.recovered_at)
     for job in state.jobs.values():
         if job.unrecorded:
             alive = {r.node for r in job.ranks.values() if r.started_id}
-            state.outbox = (*state.outbox, *agents.overdue(job.unrecorded, job.policy, now, alive, job.recording))
+            out.extend(agents.overdue(job.unrecorded, job.policy, now, alive, job.recording))
         if job.quiet:
             continue
         verdicts = [v for r in job.ranks.values()
@@ -317,12 +322,12 @@ def _tick(state: State, tick: ClockTick) -> None:
             if isinstance(verdict, Lost):
                 job.gone(r)
                 if job.first(r.rank, "RankLost"):
-                    _emit(state, RankLost(job_id=job.job_id, rank=r.rank, attempt=job.attempt, evidence=evidence,
+                    _emit(out, RankLost(job_id=job.job_id, rank=r.rank, attempt=job.attempt, evidence=evidence,
                                           reason=verdict.reason, last_seen=verdict.last_seen))
             else:
                 r.hung = True
                 if job.first(r.rank, "RankHung"):
-                    _emit(state, RankHung(job_id=job.job_id, rank=r.rank, attempt=job.attempt, evidence=evidence,
+                    _emit(out, RankHung(job_id=job.job_id, rank=r.rank, attempt=job.attempt, evidence=evidence,
                                           step=verdict.step, stalled_s=verdict.stalled_s,
                                           deadline_s=verdict.deadline_s))
 
@@ -330,24 +335,20 @@ def _tick(state: State, tick: ClockTick) -> None:
 TELEMETRY = (Heartbeat, StepCompleted, RankFault, RankStarted)
 
 
-def evolve(state: State, ev: Event) -> State:
+def transition(state: State, ev: Event) -> tuple[State, list[Output]]:
     if state.sealed:
-        state = copy.deepcopy(state)
+        state = snapshot(state)
         state.sealed = False
-    state.outbox = ()
+    out: list[Output] = []
     if isinstance(ev, TELEMETRY):
-        _telemetry(state, ev)
+        _telemetry(state, ev, out)
     elif isinstance(ev, RankHeartbeats):
-        _beats(state, ev)
+        _beats(state, ev, out)
     elif isinstance(ev, ClockTick):  # the fold hands a service only its own ticks
-        _tick(state, ev)
+        _tick(state, ev, out)
     else:
-        _control(state, ev)
-    return state
-
-
-def decide(state: State, ev: Event) -> Sequence[Output]:
-    return state.outbox
+        _control(state, ev, out)
+    return state, out
 
 
 def wants_tick(state: State, now: float) -> bool:
@@ -360,10 +361,10 @@ def core_service(*, tick_s: float = 1.0) -> Service[State]:
     return Service(
         name=NAME,
         initial=INITIAL,
-        evolve=evolve,
-        decide=decide,
+        transition=transition,
         control_subjects=tuple(f"fd.ctl.job.*.{t}" for t in CONTROL_TYPES),
         telemetry_subjects=tuple(f"fd.tel.*.*.{t}" for t in TELEMETRY_TYPES),
         tick_s=tick_s,
         wants_tick=wants_tick,
+        copy=snapshot,
     )

@@ -100,6 +100,12 @@ class RankWatch:
     def live(self) -> bool:
         return not self.gone and bool(self.started_id or self.seen_id)
 
+    def clone(self) -> "RankWatch":
+        return RankWatch(self.rank, self.node, self.started_at, self.started_folded, self.started_id, self.seen_at,
+                         self.seen_folded, self.seen_id, self.armed, self.progress_at, self.progress_folded,
+                         self.progress_id, self.progress_step, self.step_times.copy(), self.fault_id, self.gone,
+                         self.exited, self.hung)
+
     def started(self, at: float, folded: float, event_id: str) -> None:
         self.started_at, self.started_folded, self.started_id = at, folded, event_id
 
@@ -206,6 +212,11 @@ class SpikeWatch:
         self.spiking = False
         self.episodes = 0  # spikes reported so far: a spike that comes back after a rollback is a new one
 
+    def clone(self) -> "SpikeWatch":
+        c = SpikeWatch.__new__(SpikeWatch)
+        c.window, c.steps, c.spiking, c.episodes = self.window.clone(), self.steps.copy(), self.spiking, self.episodes
+        return c
+
     def observe(self, step: int, loss: float, policy: PolicySpec) -> Spike | None:
         if not math.isfinite(loss):
             return None
@@ -240,6 +251,11 @@ class NonFiniteWatch:
         self.last = -1  # the highest non-finite step seen
         self.open = False
         self.episodes = 0  # opened so far
+
+    def clone(self) -> "NonFiniteWatch":
+        c = NonFiniteWatch()
+        c.last, c.open, c.episodes = self.last, self.open, self.episodes
+        return c
 
     def reset(self) -> None:
         """Steps are about to be redone (a rollback): a NaN at a step seen before is news again."""
@@ -290,6 +306,12 @@ class StragglerWatch:
         self.latest: dict[int, float] = {}  # rank -> its newest step time
         self.times: list[float] = []  # the values of `latest`, sorted
         self.runs: dict[int, _Run] = {}
+
+    def clone(self) -> "StragglerWatch":
+        c = StragglerWatch()
+        c.latest, c.times = dict(self.latest), list(self.times)
+        c.runs = {rank: _Run(run.count, run.ids.copy(), run.reported, run.episode) for rank, run in self.runs.items()}
+        return c
 
     def forget(self, rank: int) -> None:
         """A rank gone is no one's peer any more."""

@@ -21,6 +21,11 @@ class RobustWindow:
         self._order: deque[float] = deque()
         self._sorted: list[float] = []
 
+    def clone(self) -> "RobustWindow":
+        c = RobustWindow(self.size)
+        c._order, c._sorted = self._order.copy(), list(self._sorted)
+        return c
+
     def __len__(self) -> int:
         return len(self._order)
 

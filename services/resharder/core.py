@@ -21,7 +21,7 @@ from events.base import Event
 from events.fleet import NodeRegistered
 from events.job import AllocationGranted, JobCancelled, JobCompleted, JobFailed, JobSubmitted
 from events.plan import ParallelPlan, ReshardPlanned
-from services.core import Emit, Output, Service
+from services.core import Emit, Service
 from services.resharder import gpus
 from services.resharder.gpus import GpuType
 from services.resharder.planner import PlanError, Slots, plan
@@ -47,7 +47,6 @@ class JobPlan(msgspec.Struct, frozen=True, kw_only=True):
 class State(msgspec.Struct, frozen=True, kw_only=True):
     jobs: dict[str, JobPlan] = {}
     nodes: dict[str, NodeInfo] = {}
-    outbox: tuple[Emit, ...] = ()  # what the latest input decided; `decide` returns it
 
 
 def device_of(registered: NodeRegistered) -> GpuType:
@@ -79,10 +78,13 @@ def reason(old: ParallelPlan | None, new: ParallelPlan, grant: AllocationGranted
     return f"{change}: world {old.world_size} -> {new.world_size}, {where} (attempt {grant.attempt})"
 
 
-def granted(state: State, grant: AllocationGranted) -> State:
+Transition = tuple[State, tuple[Emit, ...]]
+
+
+def granted(state: State, grant: AllocationGranted) -> Transition:
     job = state.jobs.get(grant.job_id)
     if job is None or not grant.assignments:
-        return msgspec.structs.replace(state, outbox=())
+        return state, ()
     slots = slots_of(state, grant)
     try:
         new = plan(job.model, slots, job.global_batch).plan
@@ -95,14 +97,14 @@ def granted(state: State, grant: AllocationGranted) -> State:
                      Emit(subjects.job(grant.job_id, "ReshardPlanned"), event))
 
 
-def _with_job(state: State, job_id: str, job: JobPlan | None, *outbox: Emit) -> State:
+def _with_job(state: State, job_id: str, job: JobPlan | None, *outputs: Emit) -> Transition:
     jobs = {k: v for k, v in state.jobs.items() if k != job_id}
     if job is not None:
         jobs[job_id] = job
-    return msgspec.structs.replace(state, jobs=jobs, outbox=outbox)
+    return msgspec.structs.replace(state, jobs=jobs), outputs
 
 
-def evolve(state: State, event: Event) -> State:
+def transition(state: State, event: Event) -> Transition:
     match event:
         case JobSubmitted(job_id=job_id, spec=spec):
             return _with_job(state, job_id, JobPlan(model=from_spec(spec.model), global_batch=spec.train.batch_size))
@@ -110,14 +112,10 @@ def evolve(state: State, event: Event) -> State:
             return granted(state, event)
         case NodeRegistered(node=name):
             nodes = {**state.nodes, name: NodeInfo(device=device_of(event))}
-            return msgspec.structs.replace(state, nodes=nodes, outbox=())
+            return msgspec.structs.replace(state, nodes=nodes), ()
         case JobCompleted(job_id=job_id) | JobFailed(job_id=job_id) | JobCancelled(job_id=job_id):
             return _with_job(state, job_id, None)
-    return msgspec.structs.replace(state, outbox=()) if state.outbox else state
-
-
-def decide(state: State, event: Event) -> list[Output]:
-    return list(state.outbox)
+    return state, ()
 
 
 def core_service() -> Service[State]:
@@ -125,8 +123,7 @@ def core_service() -> Service[State]:
     return Service(
         name=NAME,
         initial=State(),
-        evolve=evolve,
-        decide=decide,
+        transition=transition,
         control_subjects=(*(f"fd.ctl.job.*.{t}" for t in CONTROL_TYPES),
                           *(f"fd.ctl.node.*.{t}" for t in FLEET_TYPES)),
         wants_tick=lambda state, now: False,

@@ -1,9 +1,8 @@
 """The resource manager's pure core: node inventory, cordons, the allocation ledger, placement.
 
-`evolve` applies a whole transition, decisions included: an allocation is booked in the ledger on
-the AllocationRequested that asks for it, because the next request may arrive before the grant comes
-back through the stream. The outputs of the latest transition ride in `State.outbox`, which `decide`
-returns; own outputs read back later (AllocationGranted/Denied, NodeCordoned) change nothing.
+A transition books an allocation in the ledger on the AllocationRequested that asks for it, because the
+next request may arrive before the grant comes back through the stream; own outputs read back later
+(AllocationGranted/Denied, NodeCordoned) change nothing.
 
 Cordons: NodeCordoned, SelfCheckFailed and NodeLost cordon a node (the last two are recorded as a
 NodeCordoned so every reader of the fleet sees it); only NodeUncordoned lifts a cordon. A lost node
@@ -30,7 +29,7 @@ from events.job import (
     JobFailed,
     SlotRef,
 )
-from services.core import Emit, Output, Service
+from services.core import Emit, Service
 from services.resources import ledger as ledger_mod
 from services.resources.ledger import Ledger
 from services.resources.placement import Candidate, Unplaceable, place
@@ -51,7 +50,6 @@ class Node(msgspec.Struct, frozen=True, kw_only=True):
 class State(msgspec.Struct, frozen=True, kw_only=True):
     nodes: dict[str, Node] = {}
     ledger: Ledger = Ledger()
-    outbox: tuple[Emit, ...] = ()  # outputs of the transition that produced this state; not for snapshots
 
 
 class Ports(msgspec.Struct, frozen=True, kw_only=True):
@@ -80,40 +78,43 @@ def _job_emit(event: AllocationGranted | AllocationDenied) -> Emit:
     return Emit(subjects.job(event.job_id, type(event).__name__), event)
 
 
+Transition = tuple[State, tuple[Emit, ...]]
+
+
 def _with_node(state: State, name: str, **changes: object) -> State:
     node = msgspec.structs.replace(state.nodes.get(name, Node()), **changes)
-    return msgspec.structs.replace(state, nodes={**state.nodes, name: node}, outbox=())
+    return msgspec.structs.replace(state, nodes={**state.nodes, name: node})
 
 
-def _cordon(state: State, name: str, reason: str, *, lost: bool = False) -> State:
+def _cordon(state: State, name: str, reason: str, *, lost: bool = False) -> Transition:
     """Cordon on a self-check failure or a loss, recorded as a NodeCordoned unless already cordoned."""
     before = state.nodes.get(name, Node())
     changes: dict[str, object] = {"lost": True} if lost else {}
     if before.cordoned:
-        return _with_node(state, name, **changes)
+        return _with_node(state, name, **changes), ()
     after = _with_node(state, name, cordoned=True, cordon_reason=reason, **changes)
-    return msgspec.structs.replace(after, outbox=(_node_emit(NodeCordoned(node=name, reason=reason), name),))
+    return after, (_node_emit(NodeCordoned(node=name, reason=reason), name),)
 
 
-def _allocate(state: State, ev: AllocationRequested, ports: Ports) -> State:
+def _allocate(state: State, ev: AllocationRequested, ports: Ports) -> Transition:
     held = state.ledger.allocations.get(ev.job_id)
     if held is not None and held.attempt == ev.attempt and len(held.assignments) == ev.slots:
         granted = _grant(state, ev.job_id, ev.attempt, held.assignments, ports)  # asked again: the same answer
-        return msgspec.structs.replace(state, outbox=(_job_emit(granted),))
+        return state, (_job_emit(granted),)
     if held is not None and held.attempt >= ev.attempt:
         why = (f"attempt {ev.attempt} is stale: attempt {held.attempt} holds slots" if held.attempt > ev.attempt
                else f"attempt {ev.attempt} already holds {len(held.assignments)} slots, not {ev.slots}")
         denied = AllocationDenied(job_id=ev.job_id, attempt=ev.attempt, reason=why)
-        return msgspec.structs.replace(state, outbox=(_job_emit(denied),))
+        return state, (_job_emit(denied),)
     # A job runs one attempt at a time: asking for a newer one gives back what an older one held.
     base = msgspec.structs.replace(state, ledger=ledger_mod.release(state.ledger, ev.job_id))
     placed = place(candidates(base), ev.slots, tp=ev.tp, use_spares=ev.use_spares)
     if isinstance(placed, Unplaceable):
         denied = AllocationDenied(job_id=ev.job_id, attempt=ev.attempt, reason=placed.reason)
-        return msgspec.structs.replace(base, outbox=(_job_emit(denied),))
+        return base, (_job_emit(denied),)
     booked = ledger_mod.book(base.ledger, ev.job_id, ev.attempt, placed)
     after = msgspec.structs.replace(base, ledger=booked)
-    return msgspec.structs.replace(after, outbox=(_job_emit(_grant(after, ev.job_id, ev.attempt, placed, ports)),))
+    return after, (_job_emit(_grant(after, ev.job_id, ev.attempt, placed, ports)),)
 
 
 def _grant(state: State, job_id: str, attempt: int, refs: tuple[SlotRef, ...],
@@ -124,15 +125,15 @@ def _grant(state: State, job_id: str, attempt: int, refs: tuple[SlotRef, ...],
                              master_port=master_port(job_id, attempt, ports))
 
 
-def transition(state: State, event: Event, ports: Ports) -> State:
+def transition(state: State, event: Event, ports: Ports) -> Transition:
     match event:
         case NodeRegistered(node=name):
             return _with_node(state, name, kind=event.kind, slots=event.slots, spare=event.spare,
-                              address=event.address, lost=False)
+                              address=event.address, lost=False), ()
         case NodeCordoned(node=name, reason=reason):
-            return _with_node(state, name, cordoned=True, cordon_reason=reason)
+            return _with_node(state, name, cordoned=True, cordon_reason=reason), ()
         case NodeUncordoned(node=name):
-            return _with_node(state, name, cordoned=False, cordon_reason="")
+            return _with_node(state, name, cordoned=False, cordon_reason=""), ()
         case SelfCheckFailed(node=name, reason=reason):
             return _cordon(state, name, f"self-check failed: {reason}")
         case NodeLost(node=name, reason=reason):
@@ -140,15 +141,11 @@ def transition(state: State, event: Event, ports: Ports) -> State:
         case AllocationRequested():
             return _allocate(state, event, ports)
         case AllocationReleased(job_id=job_id, attempt=attempt):
-            return State(nodes=state.nodes, ledger=ledger_mod.release(state.ledger, job_id, attempt))
+            return State(nodes=state.nodes, ledger=ledger_mod.release(state.ledger, job_id, attempt)), ()
         case JobCompleted(job_id=job_id) | JobFailed(job_id=job_id) | JobCancelled(job_id=job_id):
-            return State(nodes=state.nodes, ledger=ledger_mod.release(state.ledger, job_id))
+            return State(nodes=state.nodes, ledger=ledger_mod.release(state.ledger, job_id)), ()
         case _:
-            return msgspec.structs.replace(state, outbox=()) if state.outbox else state
-
-
-def decide(state: State, event: Event) -> list[Output]:
-    return list(state.outbox)
+            return state, ()
 
 
 CONTROL_TYPES = ("AllocationRequested", "AllocationReleased", "JobCompleted", "JobFailed", "JobCancelled")
@@ -161,8 +158,7 @@ def core_service(*, ports: Ports | None = None) -> Service[State]:
     return Service(
         name=NAME,
         initial=State(),
-        evolve=lambda state, event: transition(state, event, chosen),
-        decide=decide,
+        transition=lambda state, event: transition(state, event, chosen),
         control_subjects=(*(f"fd.ctl.job.*.{t}" for t in CONTROL_TYPES),
                           *(f"fd.ctl.node.*.{t}" for t in FLEET_TYPES)),
         wants_tick=lambda state, now: False,  # nothing here waits on time

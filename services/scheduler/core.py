@@ -1,17 +1,14 @@
 """The scheduler's pure core: queue, gang admission, preemption, restarts, job ends.
 
-`evolve` applies a whole transition, decisions included, because an output comes back through the
-stream only later and the inputs in between must already see it (a job asked for must not be asked
-for twice). The outputs of the latest transition ride in `State.outbox`, which `decide` returns. The
-scheduler reads only the types it needs (see `CONTROL_TYPES`); its own outputs, if a shell feeds them
+A transition records its decisions in the state as it makes them, because an output comes back through
+the stream only later and the inputs in between must already see it (a job asked for must not be asked
+for twice). The reads only the types it needs (see `CONTROL_TYPES`); its own outputs, if a shell feeds them
 back anyway, change nothing. After every input the queue is given a chance to admit (queue.py).
 Time is the input's `occurred_at`, or `now` for a ClockTick; ticks only matter while a stop is in
 flight (a stop that outlasts `stop_timeout_s` ends anyway) or a rollback is (the one telemetry type read,
 RolledBack, is folded at the scheduler's own ticks and ends it; a rank's clock never moves the scheduler's).
 The recovery recipes are in recipes.py (decisions) and recovery.py (carrying them out).
 """
-
-import msgspec
 
 from events.base import Event
 from events.checkpoint import CheckpointCommitted, CheckpointDeleted
@@ -41,7 +38,8 @@ TELEMETRY_TYPES = ("RolledBack",)
 FLEET_TYPES = ("NodeRegistered", "NodeCordoned", "NodeUncordoned", "SelfCheckFailed", "NodeLost")
 
 
-def transition(state: State, event: Event, *, stop_timeout_s: float, landing_timeout_s: float) -> State:
+def transition(state: State, event: Event, *, stop_timeout_s: float,
+               landing_timeout_s: float) -> tuple[State, tuple[Output, ...]]:
     match event:
         case ClockTick(now=at):
             pass
@@ -86,13 +84,9 @@ def transition(state: State, event: Event, *, stop_timeout_s: float, landing_tim
         case ClockTick():
             lifecycle.stop_deadlines(tx, stop_timeout_s)
         case _:
-            return msgspec.structs.replace(state, outbox=()) if state.outbox else state
+            return state, ()
     queue.admit(tx)
     return tx.freeze()
-
-
-def decide(state: State, event: Event) -> list[Output]:
-    return list(state.outbox)
 
 
 def wants_tick(state: State, now: float, landing_timeout_s: float) -> bool:
@@ -105,9 +99,8 @@ def core_service(*, stop_timeout_s: float = 120.0, landing_timeout_s: float = 12
     return Service(
         name=NAME,
         initial=State(),
-        evolve=lambda state, event: transition(state, event, stop_timeout_s=stop_timeout_s,
-                                               landing_timeout_s=landing_timeout_s),
-        decide=decide,
+        transition=lambda state, event: transition(state, event, stop_timeout_s=stop_timeout_s,
+                                                   landing_timeout_s=landing_timeout_s),
         control_subjects=(*(f"fd.ctl.job.*.{t}" for t in CONTROL_TYPES),
                           *(f"fd.ctl.node.*.{t}" for t in FLEET_TYPES)),
         telemetry_subjects=tuple(f"fd.tel.*.*.{t}" for t in TELEMETRY_TYPES),

@@ -8,7 +8,6 @@ from events import lineage
 from events.checkpoint import DataPosition
 from events.job import SlotRef
 from events.spec import JobSpec
-from services.core import Emit
 
 Phase = Literal["queued", "placing", "running", "stopping", "preempted", "recovering",
                 "completed", "failed", "cancelled"]
@@ -115,4 +114,3 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
     next_order: int = 0
     epoch: int = 0  # grows whenever capacity may have grown (a node joins or returns, slots are released)
     now: float = 0.0  # the latest time seen in an input
-    outbox: tuple[Emit, ...] = ()  # outputs of the transition that produced this state; not for snapshots

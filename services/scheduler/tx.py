@@ -69,6 +69,8 @@ class Tx:
         """Jobs holding or asking for slots: the jobs not waiting in the queue."""
         return [j for j in self.jobs.values() if j.requested or j.assignments]
 
-    def freeze(self) -> State:
-        return State(jobs=self.jobs, ended=self.ended, queue=tuple(self.queue), nodes=self.nodes,
-                     next_order=self.next_order, epoch=self.epoch, now=self.at, outbox=tuple(self.out))
+    def freeze(self) -> tuple[State, tuple[Emit, ...]]:
+        """The new state and what this input decided."""
+        state = State(jobs=self.jobs, ended=self.ended, queue=tuple(self.queue), nodes=self.nodes,
+                      next_order=self.next_order, epoch=self.epoch, now=self.at)
+        return state, tuple(self.out)

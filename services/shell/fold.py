@@ -5,6 +5,7 @@ when one of the service's own ClockTicks comes back, up to the position the tick
 returns, per input, the stamped outputs its core decided. No I/O here: `replay` reads an EventStore.
 """
 
+import time
 import traceback
 from collections import deque
 from collections.abc import AsyncIterator, Collection, Sequence
@@ -91,6 +92,12 @@ def failure(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}{where}"
 
 
+# For a core that changes its state in place: a new copy once folding since the last one took COPY_EVERY times
+# as long as making it (so copies cost at most ~5% of folding), or after MAX_SINCE inputs (memory).
+COPY_EVERY = 20
+MAX_SINCE = 65_536
+
+
 class Folder(Generic[S]):
     """A service's state and the positions it has folded up to in each stream."""
 
@@ -100,6 +107,12 @@ class Folder(Generic[S]):
         self.control_seq = 0  # last FD_CONTROL sequence applied
         self.telemetry_seq = 0  # FD_TELEMETRY is folded up to here
         self.clock_subject = subjects.clock(service.name)
+        # In-place cores only: a copy of an earlier state and the events folded since, to undo a failed transition.
+        self._base: S = service.initial
+        self._since: list[Event] = []
+        self._copy_cost_s = 0.0
+        self._folding_s = 0.0
+        self.num_refolded = 0  # events folded again to undo failed transitions
 
     def tick_position(self, stored: Stored) -> int | None:
         """The telemetry position an own, valid ClockTick recorded; None for any other input."""
@@ -135,9 +148,9 @@ class Folder(Generic[S]):
         if reason:
             return Step(stored, (), error=f"invalid: {reason}")
         name = self.service.name
+        began = time.perf_counter()
         try:
-            state = self.service.evolve(self.state, event)
-            decided = list(self.service.decide(state, event))
+            state, decided = self.service.transition(self.state, event)
             emits = [d for d in decided if isinstance(d, Emit)]
             effects = tuple(d for d in decided if isinstance(d, Effect))
             outputs = tuple(stamp(name, stored, i, e) for i, e in enumerate(emits))
@@ -149,9 +162,36 @@ class Folder(Generic[S]):
                 if effect.kind not in self.service.effects:
                     raise ValueError(f"{name} asked for effect {effect.kind!r} but has no handler for it")
         except Exception as exc:  # a core bug costs one input, never the service
+            self._undo()
             return Step(stored, (), error=f"core failed: {failure(exc)}")
         self.state = state
+        self._remember(event, time.perf_counter() - began)
         return Step(stored, outputs, effects)
+
+    def _remember(self, event: Event, took_s: float) -> None:
+        copy = self.service.copy
+        if copy is None:
+            return
+        self._since.append(event)
+        self._folding_s += took_s
+        if self._folding_s >= COPY_EVERY * self._copy_cost_s or len(self._since) >= MAX_SINCE:
+            began = time.perf_counter()
+            self._base = copy(self.state)
+            self._copy_cost_s = time.perf_counter() - began
+            self._since.clear()
+            self._folding_s = 0.0
+
+    def _undo(self) -> None:
+        """The state before the failed input: a transition that raised may have changed it part-way. Cores are
+        deterministic, so folding the same events from the kept copy again gives that state exactly."""
+        copy = self.service.copy
+        if copy is None:
+            return  # the state it was given is unchanged
+        state = copy(self._base)
+        for event in self._since:
+            state, _ = self.service.transition(state, event)
+        self.state = state
+        self.num_refolded += len(self._since)
 
 
 class _Lookahead:

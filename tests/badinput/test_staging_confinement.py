@@ -65,8 +65,8 @@ async def run_commit(stagings: list[CheckpointStaged]) -> CheckpointCommitted | 
     state = svc.initial
     effects: list[Effect] = []
     for ev in stagings:
-        state = svc.evolve(state, ev)
-        effects += [o for o in svc.decide(state, ev) if isinstance(o, Effect) and o.kind == COMMIT]
+        state, outs = svc.transition(state, ev)
+        effects += [o for o in outs if isinstance(o, Effect) and o.kind == COMMIT]
     (effect,) = effects
     (emit,) = await svc.effects[COMMIT](effect.args)
     assert isinstance(emit.event, CheckpointCommitted | CheckpointFailed)

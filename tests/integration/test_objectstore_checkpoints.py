@@ -47,8 +47,7 @@ def commit_args(stagings: list[CheckpointStaged]) -> CommitArgs:
     """The effect the pure core asks for once every rank has staged."""
     state, outputs = core.State(), []
     for ev in stagings:
-        state = core.evolve(state, ev)
-        outputs = list(core.decide(state, ev))
+        state, outputs = core.transition(state, ev)
     [effect] = outputs
     assert isinstance(effect, core.Effect) and effect.kind == core.COMMIT
     return effect.args

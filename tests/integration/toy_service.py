@@ -66,14 +66,19 @@ def decide(state: Tally, ev: Event) -> list[Emit]:
     return []
 
 
+def transition(state: Tally, ev: Event) -> tuple[Tally, list[Emit | Effect]]:
+    after = evolve(state, ev)
+    return after, list(decide(after, ev))
+
+
 def build() -> Service[Tally]:
-    return Service(name="toy", initial=Tally(), evolve=evolve, decide=decide,
+    return Service(name="toy", initial=Tally(), transition=transition,
                    control_subjects=("fd.ctl.job.*.JobSubmitted", "fd.ctl.job.*.CancelRequested"),
                    tick_s=TICK_S, wants_tick=lambda state, now: state.jobs > 0)
 
 
 def build_telemetry() -> Service[Tally]:
-    return Service(name="toytel", initial=Tally(), evolve=evolve, decide=decide, control_subjects=(),
+    return Service(name="toytel", initial=Tally(), transition=transition, control_subjects=(),
                    telemetry_subjects=("fd.tel.*.*.StepCompleted",), tick_s=0.1)
 
 
@@ -91,7 +96,12 @@ def _decide_effects(state: Tally, ev: Event) -> list[Emit | Effect]:
     return []
 
 
+def _with_effects(state: Tally, ev: Event) -> tuple[Tally, list[Emit | Effect]]:
+    after = evolve(state, ev)
+    return after, _decide_effects(after, ev)
+
+
 def build_effects() -> Service[Tally]:
-    return Service(name="toyfx", initial=Tally(), evolve=evolve, decide=_decide_effects,
+    return Service(name="toyfx", initial=Tally(), transition=_with_effects,
                    control_subjects=("fd.ctl.job.*.JobSubmitted",), wants_tick=lambda state, now: False,
                    effects={"stamp": _stamp})

@@ -30,20 +30,22 @@ def lost_nodes(exits_at: list[float], until: float) -> list[tuple[float, str]]:
     ]
     state = SERVICE.initial
     for ev in events:
-        state = SERVICE.evolve(state, ev)
-    state = SERVICE.evolve(state, ClockTick(service=NAME, now=10.0, positions={}, event_id="t10", occurred_at=10.0))
-    state = SERVICE.evolve(state, AllocationGranted(job_id=JOB, attempt=1, event_id="g1", occurred_at=10.0,
-                                                    assignments=[SlotRef(node="n3", slot=r, rank=r) for r in range(4)]))
+        state, _ = SERVICE.transition(state, ev)
+    tick = ClockTick(service=NAME, now=10.0, positions={}, event_id="t10", occurred_at=10.0)
+    state, _ = SERVICE.transition(state, tick)
+    grant = AllocationGranted(job_id=JOB, attempt=1, event_id="g1", occurred_at=10.0,
+                              assignments=[SlotRef(node="n3", slot=r, rank=r) for r in range(4)])
+    state, _ = SERVICE.transition(state, grant)
     found: list[tuple[float, str]] = []
     pending = [WorkersExited(job_id=JOB, node="n1", attempt=0, rank=r, exit_code=-9, event_id=f"x{r}", occurred_at=t)
                for r, t in enumerate(exits_at)]
     t = 11.0
     while t <= until:
         while pending and pending[0].occurred_at <= t:
-            state = SERVICE.evolve(state, pending.pop(0))
+            state, _ = SERVICE.transition(state, pending.pop(0))
         tick = ClockTick(service=NAME, now=t, positions={}, event_id=f"t{t}", occurred_at=t)
-        state = SERVICE.evolve(state, tick)
-        found += [(t, o.event.node) for o in SERVICE.decide(state, tick) if isinstance(o.event, NodeLost)]
+        state, outs = SERVICE.transition(state, tick)
+        found += [(t, o.event.node) for o in outs if isinstance(o.event, NodeLost)]
         t += 1.0
     return found
 

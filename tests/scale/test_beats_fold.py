@@ -22,8 +22,8 @@ def test_a_batch_folds_like_each_ranks_heartbeats() -> None:
 
     def fold(ev: object) -> None:
         nonlocal state
-        state = SERVICE.evolve(state, ev)  # type: ignore[arg-type]
-        found.extend(o.event for o in SERVICE.decide(state, ev) if isinstance(o.event, Finding))  # type: ignore[union-attr,arg-type]
+        state, outs = SERVICE.transition(state, ev)  # type: ignore[arg-type]
+        found.extend(o.event for o in outs if isinstance(o.event, Finding))  # type: ignore[union-attr]
 
     for ev in c.events:
         fold(ev)
@@ -56,9 +56,9 @@ def test_beats_of_another_attempt_are_ignored() -> None:
     c.start()
     state = SERVICE.initial
     for ev in c.events:
-        state = SERVICE.evolve(state, ev)
+        state, _ = SERVICE.transition(state, ev)
     stale = RankHeartbeats(job_id=c.job_id, rank=0, attempt=7, node="n1", interval_s=1.0,
                            beats=[RankBeat(rank=0, step=3, occurred_at=1.0, step_time_s=1.0)],
                            event_id="b", occurred_at=1.0)
-    state = SERVICE.evolve(state, stale)
+    state, _ = SERVICE.transition(state, stale)
     assert state.jobs[c.job_id].ranks[0].seen_id == ""

@@ -129,8 +129,8 @@ def fold_pairs(events: Iterable[Event], state: State | None = None) -> tuple[Sta
     current = SERVICE.initial if state is None else state
     found: list[tuple[Event, Finding]] = []
     for ev in events:
-        current = SERVICE.evolve(current, ev)
-        for out in SERVICE.decide(current, ev):
+        current, outs = SERVICE.transition(current, ev)
+        for out in outs:
             assert isinstance(out, Emit) and isinstance(out.event, Finding), out
             assert out.subject == f"fd.ctl.job.{out.event.job_id}.{type(out.event).__name__}", out
             assert (out.event.event_id, out.event.occurred_at, out.event.producer) == ("", 0.0, ""), out

@@ -49,8 +49,8 @@ def check_emit(emit: Emit) -> None:
 
 
 def step(service: Service[S], state: S, event: Event) -> tuple[S, list[Emit]]:
-    state = service.evolve(state, event)
-    outs = list(service.decide(state, event))
+    state, decided = service.transition(state, event)
+    outs = list(decided)
     for out in outs:
         check_emit(out)  # type: ignore[arg-type]
     return state, outs  # type: ignore[return-value]

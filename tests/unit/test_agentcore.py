@@ -46,8 +46,7 @@ def run(events: Iterable[Event], state: State | None = None) -> tuple[State, lis
     current = state or State(node="a")
     effects: list[Effect] = []
     for ev in events:
-        current = agentcore.transition(current, ev)
-        outs = agentcore.decide(current, ev)
+        current, outs = agentcore.transition(current, ev)
         assert all(isinstance(o, Effect) for o in outs), outs  # the agent decides nothing but I/O
         effects.extend(o for o in outs if isinstance(o, Effect))
     return current, effects

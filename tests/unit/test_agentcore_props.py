@@ -39,8 +39,8 @@ def fold(events: list[Event]) -> tuple[State, list[Effect]]:
     state = State(node="a")
     effects: list[Effect] = []
     for ev in [*(JobSubmitted(job_id=j, spec=JobSpec(name=j)) for j in JOBS), *events]:
-        state = agentcore.transition(state, ev)
-        effects.extend(o for o in agentcore.decide(state, ev) if isinstance(o, Effect))
+        state, outs = agentcore.transition(state, ev)
+        effects.extend(o for o in outs if isinstance(o, Effect))
     return state, effects
 
 

@@ -47,8 +47,8 @@ def run(events: Iterable[Event], state: State | None = None) -> tuple[State, lis
     state = state if state is not None else core.State()
     outs = []
     for ev in events:
-        state = core.evolve(state, ev)
-        outs.append(list(core.decide(state, ev)))
+        state, decided = core.transition(state, ev)
+        outs.append(list(decided))
     return state, outs
 
 

@@ -23,8 +23,7 @@ def test_one_commit_exactly_when_every_rank_has_staged(world: int, data: st.Data
     seen: set[int] = set()
     for i, rank in enumerate(ranks):
         ev = staged(rank, 7, world, at=float(i))
-        state = core.evolve(state, ev)
-        outs = core.decide(state, ev)
+        state, outs = core.transition(state, ev)
         completes = rank not in seen and len(seen | {rank}) == world
         seen.add(rank)
         assert len(outs) == (1 if completes else 0)
@@ -61,8 +60,8 @@ def test_retention_keeps_newest_k_and_every_held_checkpoint(keep: int, history: 
 
     def feed(ev: Event) -> None:
         nonlocal state
-        state = core.evolve(state, ev)
-        now = [out.event.checkpoint_id for out in core.decide(state, ev) if isinstance(out, Emit)
+        state, outs = core.transition(state, ev)
+        now = [out.event.checkpoint_id for out in outs if isinstance(out, Emit)
                and isinstance(out.event, CheckpointDeleted)]
         assert not set(now) & set(standing()[-keep:]), "one of the newest K a rollback left standing was deleted"
         deleted.extend(now)

@@ -33,8 +33,8 @@ def restored_by_agent(history: list[Event]) -> str:
     state = agentcore.State(node="a")
     spawned: list[SpawnArgs] = []
     for ev in history:
-        state = agentcore.transition(state, ev)
-        spawned += [o.args for o in agentcore.decide(state, ev) if o.kind == SPAWN]  # type: ignore[union-attr]
+        state, outs = agentcore.transition(state, ev)
+        spawned += [o.args for o in outs if o.kind == SPAWN]  # type: ignore[union-attr]
     assert [s.attempt for s in spawned] == [0, 1]
     assert spawned[1].restore is not None
     return spawned[1].restore.checkpoint_id

@@ -61,7 +61,12 @@ async def _no_io(args: object) -> list[Emit]:
     return []
 
 
-TOY = Service(name="toy", initial=Tally(), evolve=evolve, decide=decide,
+def transition(state: Tally, ev: Event) -> tuple[Tally, list[Emit | Effect]]:
+    after = evolve(state, ev)
+    return after, decide(after, ev)
+
+
+TOY = Service(name="toy", initial=Tally(), transition=transition,
               control_subjects=("fd.ctl.job.*.JobSubmitted", "fd.ctl.job.*.CancelRequested"),
               telemetry_subjects=("fd.tel.*.*.StepCompleted",), effects={"upload": _no_io})
 

@@ -21,20 +21,20 @@ def test_a_healthy_4096_rank_job_folds_without_a_finding() -> None:
     batches = [steady_second(c.job_id, NUM_RANKS, s) for s in range(SECONDS)]
     ticks = [ClockTick(service=NAME, now=s + 1.0, positions={}, event_id=f"t{s}", occurred_at=s + 1.0)
              for s in range(SECONDS)]
-    evolve, decide = SERVICE.evolve, SERVICE.decide
+    transition = SERVICE.transition
     state = SERVICE.initial
     for ev in c.events:
-        state = evolve(state, ev)
+        state, _ = transition(state, ev)
     folded = outputs = 0
     tick_s = 0.0
     began = time.perf_counter()
     for batch, tick in zip(batches, ticks, strict=True):
         for ev in batch:
-            state = evolve(state, ev)
-            outputs += len(decide(state, ev))
+            state, outs = transition(state, ev)
+            outputs += len(outs)
         t0 = time.perf_counter()
-        state = evolve(state, tick)
-        outputs += len(decide(state, tick))
+        state, outs = transition(state, tick)
+        outputs += len(outs)
         tick_s = max(tick_s, time.perf_counter() - t0)
         folded += len(batch) + 1
     elapsed = time.perf_counter() - began

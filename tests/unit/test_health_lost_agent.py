@@ -68,8 +68,8 @@ def fold(events: list[Event]) -> list[tuple[Event, Emit]]:
     state: Any = SERVICE.initial
     out = []
     for ev in events:
-        state = SERVICE.evolve(state, ev)
-        out += [(ev, o) for o in SERVICE.decide(state, ev) if isinstance(o, Emit) and isinstance(o.event, NodeLost)]
+        state, outs = SERVICE.transition(state, ev)
+        out += [(ev, o) for o in outs if isinstance(o, Emit) and isinstance(o.event, NodeLost)]
     return out
 
 

@@ -58,8 +58,8 @@ def lost(events: list[Event]) -> list[tuple[float, int]]:
     state: Any = SERVICE.initial
     found = []
     for ev in events:
-        state = SERVICE.evolve(state, ev)
-        found += [(ev.now, o.event.rank) for o in SERVICE.decide(state, ev)
+        state, outs = SERVICE.transition(state, ev)
+        found += [(ev.now, o.event.rank) for o in outs
                   if isinstance(o, Emit) and isinstance(o.event, RankLost) and isinstance(ev, ClockTick)]
     return found
 
