@@ -28,7 +28,7 @@ ALL_TYPES: tuple[type[Event], ...] = (
     commands.CheckpointRequested, commands.RollbackRequested, commands.StopRequested,
     commands.PauseRequested, commands.ResumeRequested,
     # clock and shell records
-    clock.ClockTick, clock.DeadLettered,
+    clock.ClockTick, clock.CoreConfigured, clock.DeadLettered,
 )
 
 BY_NAME: dict[str, type[Event]] = {t.__name__: t for t in ALL_TYPES}

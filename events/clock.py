@@ -15,6 +15,14 @@ class ClockTick(Event, frozen=True, kw_only=True):
     recovered_at: float = 0.0
 
 
+class CoreConfigured(Event, frozen=True, kw_only=True):
+    """The settings a service's core runs with, recorded by its shell at every start on its clock subject. A core
+    folds its own like any input, so a replay anywhere decides with the settings the live service had."""
+
+    service: str
+    settings: dict[str, float | int | str]
+
+
 class DeadLettered(Event, frozen=True, kw_only=True):
     """A message a service could not use: kept with the reason, never silently dropped."""
 

@@ -2,7 +2,7 @@
 
     fd.ctl.job.<job>.<Type>         a job's control history: decisions, lifecycle, commands
     fd.ctl.node.<node>.<Type>       fleet events about one node
-    fd.ctl.clock.<service>          a service's recorded clock ticks
+    fd.ctl.clock.<service>          a service's recorded clock ticks, and the settings its core runs with
     fd.tel.<job>.<rank>.<Type>      what a rank publishes: steps, heartbeats, faults, checkpoints staged
     fd.dead.<service>               messages a service could not use, with the reason
 

@@ -70,3 +70,6 @@ class Service(Generic[S]):
     wants_tick: Callable[[S, float], bool] = field(default=lambda state, now: True)
     effects: Mapping[str, EffectHandler] = field(default_factory=dict)
     copy: Callable[[S], S] | None = None  # only for a core whose transition changes the state it is given
+    # What the core was built with, recorded as CoreConfigured when its shell starts; the core folds that event
+    # back into its state, so live and replayed decisions use the same values.
+    settings: Mapping[str, float | int | str] = field(default_factory=dict)

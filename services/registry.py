@@ -7,7 +7,7 @@ processes). `$FLIGHTDECK_EXTRA_SERVICES` ("name=module:function,...") adds more,
 
 import importlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from events import subjects
@@ -46,7 +46,7 @@ def names() -> list[str]:
     return [*BUILTIN, *(n for n in _extra() if n not in BUILTIN)]
 
 
-def _load(target: str) -> Callable[[], Service[Any]]:
+def _load(target: str) -> Callable[..., Service[Any]]:
     module, _, attr = target.partition(":")
     factory = getattr(importlib.import_module(module), attr, None)
     if not callable(factory):
@@ -54,15 +54,16 @@ def _load(target: str) -> Callable[[], Service[Any]]:
     return factory
 
 
-def build(name: str) -> Service[Any]:
-    """The service called `name`, built fresh."""
+def build(name: str, env: Mapping[str, str] | None = None) -> Service[Any]:
+    """The service called `name`, built fresh with its settings from `env` (default: the process environment);
+    `env={}` gives a built-in service's defaults, as an audit wants them (the recorded settings come from the log)."""
     extra = _extra()
     if name in extra:
         service = _load(extra[name])()
     elif name in BUILTIN:
         module = f"services.{name}.service"
         try:
-            service = _load(f"{module}:build")()
+            service = _load(f"{module}:build")(env)
         except ModuleNotFoundError as exc:
             if exc.name not in (module, f"services.{name}"):
                 raise  # the module exists but something it imports does not: a real error

@@ -13,6 +13,7 @@ async resource, and `build()` is synchronous.
 
 import contextlib
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,27 +26,29 @@ from services.shell.objects.store import ObjectStore
 STAGING_ENV = "FLIGHTDECK_STAGING_ROOTS"
 
 
-def objects_url() -> str:
-    return os.environ.get(OBJECTS_ENV) or str(Path(os.environ.get(DATA_DIR_ENV) or ".flightdeck") / "objects")
+def objects_url(env: Mapping[str, str] | None = None) -> str:
+    env = os.environ if env is None else env
+    return env.get(OBJECTS_ENV) or str(Path(env.get(DATA_DIR_ENV) or ".flightdeck") / "objects")
 
 
-def staging_roots() -> list[Path]:
-    roots = [Path(p).absolute() for p in os.environ.get(STAGING_ENV, "").split(os.pathsep) if p]
-    return roots or [(Path(os.environ.get(DATA_DIR_ENV) or ".flightdeck") / "staging").absolute()]
+def staging_roots(env: Mapping[str, str] | None = None) -> list[Path]:
+    env = os.environ if env is None else env
+    roots = [Path(p).absolute() for p in env.get(STAGING_ENV, "").split(os.pathsep) if p]
+    return roots or [(Path(env.get(DATA_DIR_ENV) or ".flightdeck") / "staging").absolute()]
 
 
 class _OpenOnFirstUse:
     """Effect handlers that open the object store the first time one of them runs."""
 
-    def __init__(self, url: str) -> None:
-        self.url = url
+    def __init__(self, url: str, roots: list[Path]) -> None:
+        self.url, self.roots = url, roots
         self._stack = contextlib.AsyncExitStack()
         self._handlers: dict[str, EffectHandler] | None = None
 
     async def _get(self) -> dict[str, EffectHandler]:
         if self._handlers is None:
             store: ObjectStore = await self._stack.enter_async_context(open_store(self.url))
-            self._handlers = uploader.handlers(store, staging_roots=staging_roots())
+            self._handlers = uploader.handlers(store, staging_roots=self.roots)
         return self._handlers
 
     def handler(self, kind: str) -> EffectHandler:
@@ -55,6 +58,6 @@ class _OpenOnFirstUse:
         return run
 
 
-def build() -> Service[State]:
-    lazy = _OpenOnFirstUse(objects_url())
+def build(env: Mapping[str, str] | None = None) -> Service[State]:
+    lazy = _OpenOnFirstUse(objects_url(env), staging_roots(env))
     return core_service({COMMIT: lazy.handler(COMMIT), DELETE: lazy.handler(DELETE)})

@@ -367,4 +367,5 @@ def core_service(*, tick_s: float = 1.0) -> Service[State]:
         tick_s=tick_s,
         wants_tick=wants_tick,
         copy=snapshot,
+        settings={"tick_s": tick_s},  # when ticks are taken; what they decide comes from the recorded ticks
     )

@@ -4,6 +4,8 @@
                                silence and hangs (default 1.0)
 """
 
+from collections.abc import Mapping
+
 from services.core import Service
 from services.health.core import State, core_service
 from services.shell.envconfig import float_env
@@ -12,5 +14,5 @@ TICK_ENV = "FLIGHTDECK_HEALTH_TICK_S"
 DEFAULT_TICK_S = 1.0
 
 
-def build() -> Service[State]:
-    return core_service(tick_s=float_env(TICK_ENV, DEFAULT_TICK_S, above=0.0, at_most=60.0))
+def build(env: Mapping[str, str] | None = None) -> Service[State]:
+    return core_service(tick_s=float_env(TICK_ENV, DEFAULT_TICK_S, above=0.0, at_most=60.0, env=env))

@@ -18,6 +18,7 @@ import msgspec
 
 from events import subjects
 from events.base import Event
+from events.clock import CoreConfigured
 from events.fleet import NodeCordoned, NodeLost, NodeRegistered, NodeUncordoned, SelfCheckFailed
 from events.job import (
     AllocationDenied,
@@ -47,16 +48,21 @@ class Node(msgspec.Struct, frozen=True, kw_only=True):
     lost: bool = False
 
 
-class State(msgspec.Struct, frozen=True, kw_only=True):
-    nodes: dict[str, Node] = {}
-    ledger: Ledger = Ledger()
-
-
 class Ports(msgspec.Struct, frozen=True, kw_only=True):
     """MASTER_PORT range: a new attempt gets a different port, so a restart never meets its old rendezvous."""
 
     base: int = 29500
     span: int = 1000
+
+    def __post_init__(self) -> None:
+        if not (1024 <= self.base <= 65535 and 1 <= self.span <= 65536 - self.base):
+            raise ValueError(f"no such MASTER_PORT range: base {self.base}, span {self.span}")
+
+
+class State(msgspec.Struct, frozen=True, kw_only=True):
+    nodes: dict[str, Node] = {}
+    ledger: Ledger = Ledger()
+    ports: Ports = Ports()  # the core's one setting: recorded as CoreConfigured, folded from it
 
 
 def master_port(job_id: str, attempt: int, ports: Ports) -> int:
@@ -96,7 +102,8 @@ def _cordon(state: State, name: str, reason: str, *, lost: bool = False) -> Tran
     return after, (_node_emit(NodeCordoned(node=name, reason=reason), name),)
 
 
-def _allocate(state: State, ev: AllocationRequested, ports: Ports) -> Transition:
+def _allocate(state: State, ev: AllocationRequested) -> Transition:
+    ports = state.ports
     held = state.ledger.allocations.get(ev.job_id)
     if held is not None and held.attempt == ev.attempt and len(held.assignments) == ev.slots:
         granted = _grant(state, ev.job_id, ev.attempt, held.assignments, ports)  # asked again: the same answer
@@ -125,8 +132,10 @@ def _grant(state: State, job_id: str, attempt: int, refs: tuple[SlotRef, ...],
                              master_port=master_port(job_id, attempt, ports))
 
 
-def transition(state: State, event: Event, ports: Ports) -> Transition:
+def transition(state: State, event: Event) -> Transition:
     match event:
+        case CoreConfigured(service=service) if service == NAME:
+            return msgspec.structs.replace(state, ports=msgspec.convert(event.settings, Ports)), ()
         case NodeRegistered(node=name):
             return _with_node(state, name, kind=event.kind, slots=event.slots, spare=event.spare,
                               address=event.address, lost=False), ()
@@ -139,11 +148,11 @@ def transition(state: State, event: Event, ports: Ports) -> Transition:
         case NodeLost(node=name, reason=reason):
             return _cordon(state, name, f"lost: {reason}", lost=True)
         case AllocationRequested():
-            return _allocate(state, event, ports)
+            return _allocate(state, event)
         case AllocationReleased(job_id=job_id, attempt=attempt):
-            return State(nodes=state.nodes, ledger=ledger_mod.release(state.ledger, job_id, attempt)), ()
+            return msgspec.structs.replace(state, ledger=ledger_mod.release(state.ledger, job_id, attempt)), ()
         case JobCompleted(job_id=job_id) | JobFailed(job_id=job_id) | JobCancelled(job_id=job_id):
-            return State(nodes=state.nodes, ledger=ledger_mod.release(state.ledger, job_id)), ()
+            return msgspec.structs.replace(state, ledger=ledger_mod.release(state.ledger, job_id)), ()
         case _:
             return state, ()
 
@@ -153,13 +162,15 @@ FLEET_TYPES = ("NodeRegistered", "NodeCordoned", "NodeUncordoned", "SelfCheckFai
 
 
 def core_service(*, ports: Ports | None = None) -> Service[State]:
-    """The resources core wired as a Service; the shell adds consumers, effects and logging."""
+    """The resources core wired as a Service, starting from this port range; the shell adds consumers, effects
+    and logging."""
     chosen = ports or Ports()
     return Service(
         name=NAME,
-        initial=State(),
-        transition=lambda state, event: transition(state, event, chosen),
+        initial=State(ports=chosen),
+        transition=transition,
         control_subjects=(*(f"fd.ctl.job.*.{t}" for t in CONTROL_TYPES),
                           *(f"fd.ctl.node.*.{t}" for t in FLEET_TYPES)),
         wants_tick=lambda state, now: False,  # nothing here waits on time
+        settings=msgspec.structs.asdict(chosen),
     )

@@ -5,6 +5,8 @@ the environment.
     FLIGHTDECK_MASTER_PORT_SPAN   how many ports from there (default 1000)
 """
 
+from collections.abc import Mapping
+
 from services.core import Service
 from services.resources.core import Ports, State, core_service
 from services.shell.envconfig import int_env
@@ -13,11 +15,11 @@ PORT_BASE_ENV = "FLIGHTDECK_MASTER_PORT_BASE"
 PORT_SPAN_ENV = "FLIGHTDECK_MASTER_PORT_SPAN"
 
 
-def ports_from_env() -> Ports:
-    base = int_env(PORT_BASE_ENV, Ports().base, 1024, 65535)
-    span = int_env(PORT_SPAN_ENV, Ports().span, 1, 65536 - base)
+def ports_from_env(env: Mapping[str, str] | None = None) -> Ports:
+    base = int_env(PORT_BASE_ENV, Ports().base, 1024, 65535, env)
+    span = int_env(PORT_SPAN_ENV, Ports().span, 1, 65536 - base, env)
     return Ports(base=base, span=span)
 
 
-def build() -> Service[State]:
-    return core_service(ports=ports_from_env())
+def build(env: Mapping[str, str] | None = None) -> Service[State]:
+    return core_service(ports=ports_from_env(env))

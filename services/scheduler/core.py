@@ -10,9 +10,11 @@ RolledBack, is folded at the scheduler's own ticks and ends it; a rank's clock n
 The recovery recipes are in recipes.py (decisions) and recovery.py (carrying them out).
 """
 
+import msgspec
+
 from events.base import Event
 from events.checkpoint import CheckpointCommitted, CheckpointDeleted
-from events.clock import ClockTick
+from events.clock import ClockTick, CoreConfigured
 from events.findings import LossSpikeDetected, NonFiniteLoss, RankHung, RankLost, StragglerDetected
 from events.fleet import NodeCordoned, NodeLost, NodeRegistered, NodeUncordoned, SelfCheckFailed
 from events.job import (
@@ -26,7 +28,7 @@ from events.job import (
 from events.training import RolledBack
 from services.core import Output, Service
 from services.scheduler import lifecycle, queue, recovery
-from services.scheduler.state import State
+from services.scheduler.state import Settings, State
 from services.scheduler.tx import Tx
 
 NAME = "scheduler"
@@ -38,9 +40,10 @@ TELEMETRY_TYPES = ("RolledBack",)
 FLEET_TYPES = ("NodeRegistered", "NodeCordoned", "NodeUncordoned", "SelfCheckFailed", "NodeLost")
 
 
-def transition(state: State, event: Event, *, stop_timeout_s: float,
-               landing_timeout_s: float) -> tuple[State, tuple[Output, ...]]:
+def transition(state: State, event: Event) -> tuple[State, tuple[Output, ...]]:
     match event:
+        case CoreConfigured(service=service) if service == NAME:
+            return msgspec.structs.replace(state, settings=msgspec.convert(event.settings, Settings)), ()
         case ClockTick(now=at):
             pass
         case RolledBack():
@@ -48,6 +51,7 @@ def transition(state: State, event: Event, *, stop_timeout_s: float,
         case _:
             at = event.occurred_at
     tx = Tx(state, at)
+    stop_timeout_s, landing_timeout_s = state.settings.stop_timeout_s, state.settings.landing_timeout_s
     match event:
         case JobSubmitted():
             lifecycle.submitted(tx, event)
@@ -89,20 +93,22 @@ def transition(state: State, event: Event, *, stop_timeout_s: float,
     return tx.freeze()
 
 
-def wants_tick(state: State, now: float, landing_timeout_s: float) -> bool:
+def wants_tick(state: State, now: float) -> bool:
+    landing_timeout_s = state.settings.landing_timeout_s
     return any(job.stop or recovery.in_flight(job, now, landing_timeout_s) for job in state.jobs.values())
 
 
 def core_service(*, stop_timeout_s: float = 120.0, landing_timeout_s: float = 120.0) -> Service[State]:
-    """The scheduler core wired as a Service; the shell adds consumers, effects and logging.
-    `landing_timeout_s`: how long a rollback counts as in flight when no rank reports RolledBack."""
+    """The scheduler core wired as a Service, starting from these settings; the shell adds consumers, effects and
+    logging. `landing_timeout_s`: how long a rollback counts as in flight when no rank reports RolledBack."""
+    settings = Settings(stop_timeout_s=stop_timeout_s, landing_timeout_s=landing_timeout_s)
     return Service(
         name=NAME,
-        initial=State(),
-        transition=lambda state, event: transition(state, event, stop_timeout_s=stop_timeout_s,
-                                                   landing_timeout_s=landing_timeout_s),
+        initial=State(settings=settings),
+        transition=transition,
         control_subjects=(*(f"fd.ctl.job.*.{t}" for t in CONTROL_TYPES),
                           *(f"fd.ctl.node.*.{t}" for t in FLEET_TYPES)),
         telemetry_subjects=tuple(f"fd.tel.*.*.{t}" for t in TELEMETRY_TYPES),
-        wants_tick=lambda state, now: wants_tick(state, now, landing_timeout_s),
+        wants_tick=wants_tick,
+        settings=msgspec.structs.asdict(settings),
     )

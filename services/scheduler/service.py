@@ -4,6 +4,8 @@
                                 released anyway, which makes the node agents kill what is left (default 120)
 """
 
+from collections.abc import Mapping
+
 from services.core import Service
 from services.scheduler.core import core_service
 from services.scheduler.state import State
@@ -13,5 +15,6 @@ STOP_TIMEOUT_ENV = "FLIGHTDECK_STOP_TIMEOUT_S"
 DEFAULT_STOP_TIMEOUT_S = 120.0
 
 
-def build() -> Service[State]:
-    return core_service(stop_timeout_s=float_env(STOP_TIMEOUT_ENV, DEFAULT_STOP_TIMEOUT_S, above=0.0, at_most=86_400.0))
+def build(env: Mapping[str, str] | None = None) -> Service[State]:
+    timeout = float_env(STOP_TIMEOUT_ENV, DEFAULT_STOP_TIMEOUT_S, above=0.0, at_most=86_400.0, env=env)
+    return core_service(stop_timeout_s=timeout)

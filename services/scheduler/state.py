@@ -106,7 +106,19 @@ class NodeView(msgspec.Struct, frozen=True, kw_only=True):
         return not self.cordoned and not self.lost and (spares or not self.spare)
 
 
+class Settings(msgspec.Struct, frozen=True, kw_only=True):
+    """What the core decides with: recorded by the shell as CoreConfigured and folded from it."""
+
+    stop_timeout_s: float = 120.0  # a stop (preemption, cancel) that outlasts this releases the slots anyway
+    landing_timeout_s: float = 120.0  # a rollback no rank reports RolledBack for counts as in flight this long
+
+    def __post_init__(self) -> None:
+        if not (self.stop_timeout_s > 0 and self.landing_timeout_s > 0):
+            raise ValueError(f"scheduler settings must be positive: {self}")
+
+
 class State(msgspec.Struct, frozen=True, kw_only=True):
+    settings: Settings = Settings()
     jobs: dict[str, Job] = {}  # jobs that have not ended
     ended: dict[str, Phase] = {}  # job id -> how it ended; later events about it change nothing
     queue: tuple[str, ...] = ()  # waiting jobs, best first: priority descending, then submission order

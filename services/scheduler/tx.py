@@ -21,6 +21,7 @@ def queue_key(job: Job) -> tuple[int, int]:
 
 class Tx:
     def __init__(self, state: State, at: float) -> None:
+        self.settings = state.settings
         self.jobs = dict(state.jobs)
         self.ended = state.ended  # copied on write: jobs end rarely, and this map only grows
         self.queue = list(state.queue)
@@ -71,6 +72,6 @@ class Tx:
 
     def freeze(self) -> tuple[State, tuple[Emit, ...]]:
         """The new state and what this input decided."""
-        state = State(jobs=self.jobs, ended=self.ended, queue=tuple(self.queue), nodes=self.nodes,
-                      next_order=self.next_order, epoch=self.epoch, now=self.at)
+        state = State(settings=self.settings, jobs=self.jobs, ended=self.ended, queue=tuple(self.queue),
+                      nodes=self.nodes, next_order=self.next_order, epoch=self.epoch, now=self.at)
         return state, tuple(self.out)

@@ -1,11 +1,14 @@
-"""Settings read from the environment by the service shells, each checked with a message naming the variable."""
+"""Settings read from the environment by the service shells, each checked with a message naming the variable.
+`env` defaults to the process environment; an audit passes {} to build cores with their defaults."""
 
 import os
+from collections.abc import Mapping
 
 
-def float_env(name: str, default: float, *, above: float, at_most: float) -> float:
+def float_env(name: str, default: float, *, above: float, at_most: float,
+              env: Mapping[str, str] | None = None) -> float:
     """`$name` as a number in (above, at_most], or `default` when unset or empty."""
-    raw = os.environ.get(name, "")
+    raw = (os.environ if env is None else env).get(name, "")
     try:
         value = float(raw) if raw else default
     except ValueError:
@@ -15,9 +18,9 @@ def float_env(name: str, default: float, *, above: float, at_most: float) -> flo
     return value
 
 
-def int_env(name: str, default: int, low: int, high: int) -> int:
+def int_env(name: str, default: int, low: int, high: int, env: Mapping[str, str] | None = None) -> int:
     """`$name` as an integer in [low, high], or `default` when unset or empty."""
-    raw = os.environ.get(name, "")
+    raw = (os.environ if env is None else env).get(name, "")
     try:
         value = int(raw) if raw else default
     except ValueError:

@@ -16,7 +16,7 @@ import msgspec
 
 from events import subjects
 from events.base import Event, JobEvent, NodeEvent, RankEvent
-from events.clock import ClockTick, DeadLettered
+from events.clock import ClockTick, CoreConfigured, DeadLettered
 from events.codec import type_name
 from events.store import EventStore, Stored
 from services.core import Effect, Emit, Service
@@ -74,7 +74,7 @@ def mismatch(subject: str, event: Event) -> str:
     elif parts[:3] == ["fd", "ctl", "node"] and len(parts) == 5:
         ok = isinstance(event, NodeEvent) and event.node == parts[3] and name == parts[4]
     elif parts[:3] == ["fd", "ctl", "clock"] and len(parts) == 4:
-        ok = isinstance(event, ClockTick) and event.service == parts[3]
+        ok = isinstance(event, ClockTick | CoreConfigured) and event.service == parts[3]
     elif parts[:2] == ["fd", "tel"] and len(parts) == 5:
         ok = (isinstance(event, RankEvent) and event.job_id == parts[2] and str(event.rank) == parts[3]
               and name == parts[4])

@@ -27,7 +27,7 @@ from nats.js.api import AckPolicy, ConsumerConfig
 
 from events import subjects
 from events.base import JobEvent
-from events.clock import ClockTick
+from events.clock import ClockTick, CoreConfigured
 from events.history import append_to_job
 from events.jetstream import JetStreamStore
 from events.store import EventStore, Stored, decoded
@@ -146,6 +146,7 @@ class Shell:
         floor = await self.retrying("creating the consumer", self._ensure_consumer)
         self.folder = await self.retrying("rebuilding", partial(rebuild, self.service, self.store, until=floor))
         log.info("rebuilt", until_seq=floor, telemetry_seq=self.folder.telemetry_seq)
+        await self._record_settings()
         self.tap.start(self.folder.telemetry_seq)
         advisory = await self.nc.subscribe(deadletter.advisory_subject(subjects.CONTROL, self.consumer),
                                            cb=self._max_deliveries)
@@ -170,6 +171,17 @@ class Shell:
             with contextlib.suppress(Exception):
                 await advisory.unsubscribe()
         log.info("stopped", control_seq=self.folder.control_seq)
+
+    async def _record_settings(self) -> None:
+        """Append what this core runs with: after the backlog, which was decided with the settings before it."""
+        now = time.time()
+        mid = f"{self.service.name}:configured:{time.time_ns()}"
+        event = CoreConfigured(service=self.service.name, settings=dict(self.service.settings), event_id=mid,
+                               occurred_at=now, producer=self.service.name)
+        subject = self.folder.clock_subject
+        await self.retrying("recording the core's settings", partial(self.store.append, subject, event, msg_id=mid),
+                            subject)
+        log.info("settings recorded", settings=event.settings)
 
     async def _ensure_consumer(self) -> int:
         """Create or update the durable consumer; return its ack floor (every input up to it is done)."""

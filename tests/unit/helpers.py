@@ -13,7 +13,7 @@ import msgspec
 
 from events import subjects
 from events.base import Event, JobEvent, NodeEvent
-from events.clock import ClockTick
+from events.clock import ClockTick, CoreConfigured
 from events.commands import StopRequested
 from events.fleet import NodeRegistered
 from events.job import (
@@ -32,7 +32,7 @@ S = TypeVar("S")
 
 def subject_of(event: Event) -> str:
     name = type(event).__name__
-    if isinstance(event, ClockTick):
+    if isinstance(event, ClockTick | CoreConfigured):
         return subjects.clock(event.service)
     if isinstance(event, JobEvent):
         return subjects.job(event.job_id, name)

@@ -7,7 +7,6 @@ Before the fold undid failed transitions, the health core lost decisions this wa
 reported in the half-changed state was never emitted.
 """
 
-from collections.abc import Iterator
 from dataclasses import replace
 from itertools import count
 from pathlib import Path
@@ -59,9 +58,8 @@ def history(drill: str) -> History:
     return History(job_id=f"{drill}-000001", rows=fdh.load(FIXTURES / f"{drill}.fdh.jsonl"), source=drill)
 
 
-def services() -> Iterator[Any]:
-    for service in cores():
-        yield pytest.param(service, id=service.name)
+def services() -> list[Any]:
+    return [pytest.param(service, id=service.name) for service in cores()]
 
 
 @pytest.mark.parametrize("drill", DRILLS)

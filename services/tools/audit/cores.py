@@ -1,8 +1,8 @@
 """Which cores an audit re-runs, and which recorded messages are decisions about one job.
 
-The cores are built exactly as `python -m services NAME` builds them (services.registry), so service
-settings read from the environment (FLIGHTDECK_STOP_TIMEOUT_S, the MASTER_PORT range) must match the ones
-the live services ran with. Their effects are never run: replays read the recorded outcomes.
+The cores are the built-in services with their default settings, whatever this machine's environment says:
+the settings a live service ran with are in the log (CoreConfigured, recorded at every start), and its core
+folds them as it replays. Their effects are never run: replays read the recorded outcomes.
 """
 
 from collections.abc import Sequence
@@ -15,14 +15,13 @@ from events.store import Stored
 from services import registry
 from services.core import Service
 
-AUDITED = ("scheduler", "health", "resources", "resharder", "checkpoints")
 # Events the checkpoint service's "commit" effect records: the outcome of I/O (upload, verify), not a decision
 # a core can re-derive, so replays take them as recorded inputs.
 EFFECT_OUTCOMES = frozenset({"CheckpointCommitted", "CheckpointFailed"})
 
 
 def cores() -> list[Service[Any]]:
-    return [registry.build(name) for name in AUDITED]
+    return [registry.build(name, env={}) for name in registry.BUILTIN]
 
 
 def index_of(msg_id: str, service: str) -> tuple[str, int, int] | None:

@@ -12,8 +12,8 @@ from nats.js.errors import NotFoundError
 
 from events import subjects
 from events.jetstream import JetStreamStore
+from services import registry
 from services.shell.runtime import consumer_name
-from services.tools.audit import cores
 from services.tools.audit.verify import NoSuchJob, Verdict, verify
 from services.tools.history.read import job_rows
 from services.tools.history.recorded import RecordedStore
@@ -27,7 +27,7 @@ async def lagging(store: JetStreamStore, horizon: int) -> dict[str, int]:
     """Audited services whose consumer has not yet acked every input up to FD_CONTROL seq `horizon`, with the
     sequence they have acked up to. A service that never ran (no consumer) lags at 0."""
     out: dict[str, int] = {}
-    for name in cores.AUDITED:
+    for name in registry.BUILTIN:
         try:
             info = await store.js.consumer_info(subjects.CONTROL, consumer_name(name))
         except NotFoundError:  # the service has not started yet

@@ -16,7 +16,7 @@ from typing import Any
 from events import subjects
 from events.base import Event
 from events.checkpoint import CheckpointCommitted, CheckpointFailed
-from events.clock import DeadLettered
+from events.clock import CoreConfigured, DeadLettered
 from events.store import EventStore, Stored
 from services.checkpoints.core import COMMIT, CommitArgs
 from services.core import Effect, Service
@@ -113,7 +113,8 @@ async def verify(store: EventStore, job_id: str, services: Sequence[Service[Any]
     scope = cores.Scope(job_id, history.control)
     checks: list[ServiceCheck] = []
     found: list[Divergence] = []
-    for service in services if services is not None else cores.cores():
+    chosen = list(services) if services is not None else cores.cores()
+    for service in chosen:
         steps = [s async for s in _positioned(replay(service, store, until=history.horizon))]
         check, divergences = _compare(service.name, steps, history, scope)
         checks.append(check)
@@ -124,11 +125,21 @@ async def verify(store: EventStore, job_id: str, services: Sequence[Service[Any]
         "node agents: not re-derived; their cores only ask for I/O (spawn, stop), and the WorkersStarted / "
         "WorkersExited they record are inputs to every other core",
     ]
+    notes += settings_notes(chosen, history.control)
     if not scope.fleet:
         notes.append("fleet decisions (node subjects) not checked: the history holds other jobs, whose telemetry "
                      "a job's history does not keep")
     found.sort(key=lambda d: d.position)  # stable: within one input, the service order and output order stay
     return Verdict(job_id, history.horizon, checks, found, notes)
+
+
+def settings_notes(services: Sequence[Service[Any]], control: Sequence[Stored]) -> list[str]:
+    """Which cores replayed with the settings they started from, for want of a recorded CoreConfigured (a history
+    written before services recorded them): their defaults, not this machine's environment."""
+    recorded = {s.event.service for s in control if isinstance(s.event, CoreConfigured)}
+    return [f"{s.name}: no settings recorded in this history: replayed with the defaults "
+            f"({', '.join(f'{k}={v}' for k, v in s.settings.items())})"
+            for s in services if s.settings and s.name not in recorded]
 
 
 async def _positioned(steps: Any) -> Any:
