@@ -4,7 +4,8 @@ trainer in the control plane. A new import that breaks one fails here with the m
 Layers, lowest first: events/ (the catalog and the node-local protocol); services/core.py (the core contract)
 and services/shell/ (the I/O every process shares); the five services and the node agent, side by side;
 services/registry.py and services/__main__.py (which wire the services); services/tools/ (the operator's
-tools: tools/cli.py and tools/connect.py, then history/, then audit/ and postmortem/, then console/, the CLI).
+tools: tools/cli.py and tools/connect.py, then history/, postmortem/ (goodput's one definition), audit/
+(verify, whatif), then console/, the CLI).
 trainer/ stands beside the control plane and shares only events/ with it.
 """
 
@@ -16,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ("scheduler", "resources", "checkpoints", "health", "resharder")
-TOOLS = ("history", "audit", "postmortem", "console")  # lowest first; cli.py and connect.py sit below them
+TOOLS = ("history", "postmortem", "audit", "console")  # lowest first; cli.py and connect.py sit below them
 TORCH = ("torch",)
 
 

@@ -15,6 +15,7 @@ from services.tools.audit import settings
 from services.tools.audit.whatif import whatif
 from services.tools.console.__main__ import main as cli_main
 from services.tools.history import fdh
+from services.tools.postmortem.analysis import analyse
 
 HISTORIES = Path(__file__).resolve().parents[1] / "fixtures" / "histories"
 SPIKE, CRASH = HISTORIES / "spike.fdh.jsonl", HISTORIES / "crash.fdh.jsonl"
@@ -33,6 +34,15 @@ def test_the_recorded_settings_change_nothing(path: Path, job: str) -> None:
     assert w.changes == [] and w.outcome.dropped == [] and w.settings == {}
     assert w.outcome.kept >= 10  # every decision about the job, made again where it was recorded
     assert w.wall_s == w.measured.wall_s and w.goodput == w.measured.goodput() > 0 and w.ends == "completed"
+
+
+@pytest.mark.parametrize(("path", "job"), [(SPIKE, "spike-000001"), (CRASH, "crash-000001")], ids=["spike", "crash"])
+def test_whatif_and_the_postmortem_report_the_same_recorded_goodput(path: Path, job: str) -> None:
+    rows = fdh.load(path)
+    split = analyse(rows, job).goodput
+    measured = whatif(rows, job, {}).measured
+    assert (measured.wall_s, measured.useful_s, measured.goodput()) == (split.wall_s, split.parts["useful"],
+                                                                        split.goodput)
 
 
 def test_a_higher_spike_threshold_removes_the_rollback_and_saves_its_measured_cost() -> None:

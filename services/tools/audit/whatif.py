@@ -1,7 +1,7 @@
 """`flightdeck whatif`: the job's decisions under changed settings, and a first-order estimate of the goodput.
 
 The simulation (simulate.py) gives the decisions that vanish, appear or differ. Each recovery that vanishes
-saves what the recorded one cost (goodput.py); one that appears costs what a recorded one of its kind did; a
+saves what the recorded one cost (measured.py); one that appears costs what a recorded one of its kind did; a
 failure that appears ends the job there, keeping only the work up to its newest checkpoint. Nothing is modelled
 beyond that: the telemetry after a changed decision is the live run's, so everything after the first change is
 counterfactual.
@@ -17,7 +17,7 @@ from events.findings import LossSpikeDetected, NonFiniteLoss
 from events.job import AllocationRequested, JobCompleted, JobFailed
 from events.store import Stored
 from services.tools.audit import settings as setting
-from services.tools.audit.goodput import Measured, measure
+from services.tools.audit.measured import Measured, measure
 from services.tools.audit.simulate import Change, Outcome, simulate, submitted_spec
 
 CAVEATS = (

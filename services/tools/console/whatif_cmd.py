@@ -68,8 +68,8 @@ def report(w: WhatIf, source: str) -> list[str]:
         lines.append(f"recorded inputs that follow from a gone decision and are left out: {len(w.outcome.dropped)} ("
                      + ", ".join(f"{n} x{k}" for n, k in kinds.most_common()) + ")")
     lines += ["", "goodput (useful training time / wall time), first-order estimate:",
-              f"  recorded: {m.outcome}, wall {m.wall_s:.1f} s, useful {m.useful_s:.1f} s ({m.done} steps x "
-              f"{m.step_s * 1000:.0f} ms), goodput {m.goodput():.3f}",
+              f"  recorded: {m.outcome}, wall {m.wall_s:.1f} s, useful {m.useful_s:.1f} s ({m.done} steps, median "
+              f"{m.step_s * 1000:.0f} ms), goodput {m.goodput():.3f} (as the postmortem splits it)",
               f"  what-if:  {w.ends}, wall {w.wall_s:.1f} s, useful {w.useful_s:.1f} s, goodput {w.goodput:.3f}"]
     lines += [f"    {e.seconds:+8.1f} s  {e.what}" + (f": {e.note}" if e.note else "") for e in w.estimates]
     lines += ["", "what a what-if can and cannot know:", *(f"  - {c}" for c in w.caveats)]

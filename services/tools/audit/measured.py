@@ -1,9 +1,9 @@
-"""What a job's recorded history says its time went to: goodput and what each recovery cost.
+"""What a what-if starts from: the recorded job's wall and useful time, and what each recovery cost.
 
-Goodput here is useful training time over wall time: the steps of the final run (`train.steps` for a completed
-job) at the median step time, over submit to end. A recovery (a rollback, or a restart as a new attempt) costs
-the time from the last step before it until training first passes that step again, less one step: detection,
-stop, restore or restart, and the redone steps.
+Wall and useful time are the postmortem's (services/tools/postmortem/goodput.py, the one definition of goodput),
+so both verbs report the same recorded goodput. A recovery (a rollback, or a restart as a new attempt) costs the
+time from the last step before it until training first passes that step again, less one step: detection, stop,
+restore or restart, and the redone steps.
 """
 
 import statistics
@@ -15,6 +15,7 @@ from events.commands import RollbackRequested
 from events.job import AllocationRequested, JobCancelled, JobCompleted, JobFailed, JobResumed, JobSubmitted
 from events.store import Stored
 from events.training import RolledBack, StepCompleted
+from services.tools.postmortem.analysis import analyse
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,14 +41,8 @@ class Measured:
     checkpoint_every: int
     incidents: list[Incident]
     commits: list[tuple[float, int]]  # (time, step) of every committed checkpoint
-
-    @property
-    def wall_s(self) -> float:
-        return max(self.end - self.start, 0.0)
-
-    @property
-    def useful_s(self) -> float:
-        return self.done * self.step_s
+    wall_s: float  # submission to the end, as the postmortem splits it
+    useful_s: float  # rank 0 computing steps that stand in the final timeline (the postmortem's "useful")
 
     def goodput(self, wall_s: float | None = None, useful_s: float | None = None) -> float:
         wall = self.wall_s if wall_s is None else wall_s
@@ -66,11 +61,12 @@ def measure(rows: Sequence[Stored], job_id: str) -> Measured:
     commits = sorted((e.occurred_at, e.step) for e in events if isinstance(e, CheckpointCommitted))
     stalls = [e.stall_s for e in events if isinstance(e, CheckpointStaged) and e.rank == 0]
     done = submitted.spec.train.steps if outcome == "completed" else max((s.step + 1 for s in steps), default=0)
+    split = analyse(rows, job_id).goodput
     return Measured(
         start=submitted.occurred_at, end=end, outcome=outcome, steps=submitted.spec.train.steps, done=done,
         step_s=statistics.median(s.step_time_s for s in steps) if steps else 0.0,
         stall_s=statistics.median(stalls) if stalls else 0.0, checkpoint_every=submitted.spec.train.checkpoint_every,
-        incidents=_incidents(events, steps), commits=commits,
+        incidents=_incidents(events, steps), commits=commits, wall_s=split.wall_s, useful_s=split.parts["useful"],
     )
 
 
