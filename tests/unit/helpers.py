@@ -15,10 +15,11 @@ from events import subjects
 from events.base import Event, JobEvent, NodeEvent
 from events.clock import ClockTick, CoreConfigured
 from events.commands import StopRequested
-from events.fleet import NodeRegistered
+from events.fleet import NodeLost, NodeRegistered, NodeUncordoned
 from events.job import (
     AllocationGranted,
     AllocationReleased,
+    CancelRequested,
     JobCancelled,
     JobSubmitted,
     WorkersExited,
@@ -183,3 +184,32 @@ class Agents:
     def finish(self, job_id: str, code: int = 0) -> None:
         """The job's running ranks exit with `code`."""
         self.bus.exit_workers(self.running.pop(job_id), code)
+
+
+class Fleet:
+    """The random traffic the scheduler property tests share: jobs ending, cancels, and nodes lost, added and
+    back, on a Bus with its Agents. `nodes` counts the nodes named n0, n1, ... so far."""
+
+    def __init__(self, bus: Bus, agents: Agents, nodes: int) -> None:
+        self.bus, self.agents, self.nodes = bus, agents, nodes
+
+    def act(self, kind: str, x: int, y: int) -> bool:
+        """Carry out one shared action; False when `kind` is none of them or has nothing to act on."""
+        b, jobs, running = self.bus, sorted(self.bus.state("scheduler").jobs), sorted(self.agents.running)
+        match kind:
+            case "finish" | "crash" if running:
+                self.agents.finish(running[x % len(running)], 0 if kind == "finish" else 1)
+            case "cancel" if jobs:
+                b.publish(CancelRequested(job_id=jobs[x % len(jobs)], reason="test"))
+            case "lose":
+                b.publish(NodeLost(node=f"n{x % self.nodes}", reason="test"))
+            case "add":
+                b.publish(register(f"n{self.nodes}", y))
+                self.nodes += 1
+            case "uncordon":
+                b.publish(register(f"n{x % self.nodes}", 2), NodeUncordoned(node=f"n{x % self.nodes}"))
+            case "tick":
+                b.publish(ClockTick(service="scheduler", now=b.clock + 10.0, positions={}))
+            case _:
+                return False
+        return True

@@ -11,17 +11,15 @@ from hypothesis import strategies as st
 
 from events.base import Event
 from events.checkpoint import CheckpointCommitted, CheckpointDeleted, DataPosition
-from events.clock import ClockTick
 from events.commands import RollbackRequested
 from events.findings import LossSpikeDetected, NonFiniteLoss, StragglerDetected
-from events.fleet import NodeLost, NodeUncordoned
-from events.job import AllocationRequested, CancelRequested, JobCancelled, JobCompleted, JobFailed, JobSubmitted
+from events.job import AllocationRequested, JobCancelled, JobCompleted, JobFailed, JobSubmitted
 from events.spec import JobSpec, PolicySpec, TrainSpec
 from events.training import RolledBack
 from services.resources.core import core_service as resources
 from services.scheduler.core import core_service as scheduler
 from services.scheduler.recipes import batch_after
-from tests.unit.helpers import Agents, Bus, register, step
+from tests.unit.helpers import Agents, Bus, Fleet, register, step
 from tests.unit.test_scheduler_invariants import check
 from trainer.data import TokenStream
 
@@ -92,10 +90,10 @@ def test_invariants_hold_with_findings_and_rollbacks_in_the_traffic(first: tuple
     agents = Agents(b)
     b.publish(register("n0", 2), register("n1", 2), *([register("spare", 2, spare=True)] if spare else []))
     b.publish(submitted(0, 3, first[0], floor=1 + first[0] % 2), submitted(1, 1, first[1]))  # these run at once
-    nodes, submissions, progress = 3, 2, dict[str, int]()
+    submissions, progress = 2, dict[str, int]()
+    fleet = Fleet(b, agents, nodes=3)
     agents()
     for kind, x, y in actions:
-        jobs = sorted(b.state("scheduler").jobs)
         running = sorted(agents.running)
         target = running[x % len(running)] if running else ""
         grant = agents.running.get(target)
@@ -103,19 +101,8 @@ def test_invariants_hold_with_findings_and_rollbacks_in_the_traffic(first: tuple
             case "submit":
                 b.publish(submitted(submissions, y, x))
                 submissions += 1
-            case "finish" | "crash" if running:
-                agents.finish(target, 0 if kind == "finish" else 1)
-            case "cancel" if jobs:
-                b.publish(CancelRequested(job_id=jobs[x % len(jobs)], reason="test"))
-            case "lose":
-                b.publish(NodeLost(node=f"n{x % nodes}", reason="test"))
-            case "add":
-                b.publish(register(f"n{nodes}", y))
-                nodes += 1
-            case "uncordon":
-                b.publish(register(f"n{x % nodes}", 2), NodeUncordoned(node=f"n{x % nodes}"))
-            case "tick":
-                b.publish(ClockTick(service="scheduler", now=b.clock + 10.0, positions={}))
+            case "finish" | "crash" | "cancel" | "lose" | "add" | "uncordon" | "tick":
+                fleet.act(kind, x, y)
             case "commit" if grant:
                 done = progress[target] = progress.get(target, 0) + 10 * y
                 b.publish(CheckpointCommitted(job_id=target, checkpoint_id=f"c{done}-{len(b.log)}", step=done,

@@ -6,17 +6,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from events import subjects
-from events.clock import ClockTick
 from events.codec import encode
-from events.fleet import NodeLost, NodeUncordoned
-from events.job import AllocationRequested, CancelRequested, JobCancelled, JobCompleted, JobFailed, JobSubmitted
+from events.fleet import NodeLost
+from events.job import AllocationRequested, JobCancelled, JobCompleted, JobFailed, JobSubmitted
 from events.store import decoded
 from services.resources.core import core_service as resources
 from services.scheduler.core import core_service as scheduler
 from services.scheduler.state import WAITING, State
 from services.scheduler.tx import queue_key
 from services.shell.fold import Folder, comparable
-from tests.unit.helpers import Agents, Bus, register, subject_of, submit
+from tests.unit.helpers import Agents, Bus, Fleet, register, subject_of, submit
 
 ACTIONS = st.lists(st.tuples(st.sampled_from(["submit", "submit", "finish", "crash", "cancel", "lose", "add",
                                               "uncordon", "tick"]),
@@ -43,26 +42,12 @@ def test_scheduler_and_resources_agree_under_random_traffic(actions: list[tuple[
     b = Bus([scheduler(stop_timeout_s=5.0), resources()])
     agents = Agents(b)
     b.publish(register("n0", 2), register("n1", 2), register("spare", 2, spare=True))
-    nodes = 3
+    fleet = Fleet(b, agents, nodes=3)
     for kind, x, y in actions:
-        jobs = sorted(b.state("scheduler").jobs)
-        running = sorted(agents.running)
-        match kind:
-            case "submit":
-                b.publish(submit(f"j{len(b.of(JobSubmitted))}-1", slots=y, priority=x * 10, max_restarts=x % 3))
-            case "finish" | "crash" if running:
-                agents.finish(running[x % len(running)], 0 if kind == "finish" else 1)
-            case "cancel" if jobs:
-                b.publish(CancelRequested(job_id=jobs[x % len(jobs)], reason="test"))
-            case "lose":
-                b.publish(NodeLost(node=f"n{x % nodes}", reason="test"))
-            case "add":
-                b.publish(register(f"n{nodes}", y))
-                nodes += 1
-            case "uncordon":
-                b.publish(register(f"n{x % nodes}", 2), NodeUncordoned(node=f"n{x % nodes}"))
-            case "tick":
-                b.publish(ClockTick(service="scheduler", now=b.clock + 10.0, positions={}))
+        if kind == "submit":
+            b.publish(submit(f"j{len(b.of(JobSubmitted))}-1", slots=y, priority=x * 10, max_restarts=x % 3))
+        else:
+            fleet.act(kind, x, y)
         agents()
         check(b.state("scheduler"), b)
     # Then plenty of room and well-behaved ranks: every job must get to an end (no job is stuck).
