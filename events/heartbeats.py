@@ -1,20 +1,6 @@
 """Heartbeats batched per node: what one node agent publishes each interval for every rank of a job it runs.
 
-At fleet scale one JetStream message per rank per second is more than one broker stores with
-`sync_interval: always` (about 1-2.6k messages/s on the 2-core box, bench/results/cpu-scale-sim.json), so an
-agent may gather its ranks' heartbeats and publish them as one `RankHeartbeats` per node per interval. The
-health monitor folds each entry exactly as it folds a rank's own Heartbeat (the batch's event id is the
-evidence a finding cites), plus the step time of the rank's newest step, which is what straggler and hang
-detection need from the ranks that no longer publish a StepCompleted per step.
-
-Subject: `fd.tel.<job>.<rank>.RankHeartbeats`, where `rank` is the lowest rank the agent has relayed for the
-job and attempt so far (the node's "subject rank": the first batch may name a higher one than later batches
-when its lowest rank beat later), so the subject grammar, its checks and a job's publish permission
-(`fd.tel.<job>.>`) stay as they are. A rank missing from a batch has not beaten since the previous one.
-
-`LocalBeat` is what a rank hands its node agent over the node-local datagram socket (events/nodelocal.py,
-services/agent/beats.py); it never reaches the broker. Its bounds are checked as it is decoded, since
-any local process can write to the socket.
+Why it works this way: docs/internals.md, "1. The event log".
 """
 
 from typing import Annotated

@@ -1,15 +1,7 @@
 """The node-local protocol between a node agent and the ranks it starts: the variables it sets for them, the
 heartbeat socket, and the warm-standby hand-off. Both sides import it; nothing here reaches the broker.
 
-Heartbeats. A rank sends each beat (events.heartbeats.LocalBeat) as one datagram to the socket named in
-$FLIGHTDECK_BEATS; the agent publishes one batch per node (services/agent/beats.py). The address is a path,
-or `@name` for a Linux abstract socket (no file, no path-length limit, gone with the agent). Sending never
-blocks: a full buffer drops the beat (the next supersedes it); a socket nobody listens on means the agent is
-gone, which the sender hears as False and answers by heartbeating through the broker again.
-
-Standby hand-off (trainer/standby.py, services/agent/standbys.py): over a SOCK_SEQPACKET pair the standby
-sends READY once its imports are done; the agent answers with one Assignment (msgpack, at most MAX_MESSAGE)
-and the rank's log file as a descriptor.
+Why it works this way: docs/internals.md, "1. The event log".
 """
 
 import errno

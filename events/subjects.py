@@ -1,14 +1,6 @@
 """The subject grammar and the streams that hold each kind of subject.
 
-    fd.ctl.job.<job>.<Type>         a job's control history: decisions, lifecycle, commands
-    fd.ctl.node.<node>.<Type>       fleet events about one node
-    fd.ctl.clock.<service>          a service's recorded clock ticks, and the settings its core runs with
-    fd.tel.<job>.<rank>.<Type>      what a rank publishes: steps, heartbeats, faults, checkpoints staged
-    fd.dead.<service>               messages a service could not use, with the reason
-
-Ranks publish only under fd.tel (stream FD_TELEMETRY). Control events live in FD_CONTROL. Message-id
-de-duplication is per stream, so keeping ranks out of FD_CONTROL means no rank can suppress a decision
-by reusing its id.
+Why it works this way: docs/internals.md, "1. The event log".
 """
 
 import re

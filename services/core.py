@@ -1,14 +1,6 @@
 """The contract every service's pure core fulfils, and the outputs a core may return.
 
-A core never does I/O: the shell (services/shell/runtime.py) feeds it decoded events in a recorded
-order and stores what it returns. The same cores run live, on a restart's rebuild, and in
-`flightdeck verify` / `whatif`, which is why they must be deterministic functions of their inputs.
-
-Ordering rule. A service reads FD_CONTROL in stream order, its own `ClockTick`s included (they are
-appended to `fd.ctl.clock.<service>` and come back through the same consumer). A service that also
-reads FD_TELEMETRY folds telemetry only when one of its ticks comes back, and exactly up to the
-telemetry sequence the tick recorded in `positions`. So the interleaving of the two streams is itself
-in the log, and a replay sees the same order as the live run did.
+Why it works this way: docs/internals.md, "2. Cores and the shell".
 """
 
 from collections.abc import Awaitable, Callable, Mapping, Sequence

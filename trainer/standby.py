@@ -1,24 +1,7 @@
 """A warm standby rank: a process that has already imported torch and the trainer, waiting for one assignment
 from its node agent; it then becomes that rank exactly as `python -m trainer ...` would have run it.
 
-    python -m trainer.standby --fd N       (started by the node agent: services/agent/standbys.py)
-
-N is the standby's end of a SOCK_SEQPACKET socket pair. One message each way, then the socket is closed:
-    standby -> agent   READY, once the imports are done
-    agent -> standby   an Assignment (msgpack), with the rank's log file attached as a descriptor (SCM_RIGHTS)
-End of file instead of an assignment retires the standby (exit 0). A standby runs at most one rank: it is a
-rank from the moment it reads its assignment.
-
-Variables read while importing (OMP_NUM_THREADS by libgomp as torch loads it, PYTHONPATH, LD_PRELOAD...)
-cannot change afterwards, so the assignment may differ from the standby's own environment only in LATE_ENV
-and our own FLIGHTDECK_* variables (the job's broker credential...), which are read once the rank runs.
-CUDA_VISIBLE_DEVICES is not one of them: an import that asks whether CUDA is available initialises the
-driver, which reads it then. Any other difference, another interpreter (a venv's python is a symlink: the
-path itself must match) or working directory, or a command that is not `python -m MODULE`, and the standby
-execs the command cold instead: same pid, log and parent-death signal, just no head start. So does a
-standby whose imports failed (the traceback is in the standby log; the rank's own log shows it if it is real).
-
-The messages and their limits are events/nodelocal.py's.
+Why it works this way: docs/internals.md, "7. The node agent and the ranks it runs".
 """
 
 import argparse

@@ -2,16 +2,7 @@
 (events/nodelocal.py) and the agent publishes one RankHeartbeats per job and attempt per heartbeat interval
 (events/heartbeats.py), instead of one JetStream message per rank per interval.
 
-At 4,096 ranks that is the difference between ~4k and ~512 stored messages a second (8 ranks a node), and
-one broker stores ~1-2.6k a second with `sync_interval: always` (bench/results/cpu-scale-sim.json).
-
-`Batches` is the pure part: the newest beat of each rank since the last batch, per (job, attempt), and when
-each group is due. `BeatRelay` does the I/O: binds the socket (a Linux abstract name, gone with the agent),
-checks each datagram (bounds on decode; `admit` says whether the sending pid may speak for that rank:
-the agent knows the pid of every rank it started), and publishes due batches through `publish`.
-
-A group is due one interval after its previous batch; a first beat goes out at once, so a new attempt's
-ranks show up without waiting. A publish that fails drops the batch: the next one carries newer beats.
+Why it works this way: docs/internals.md, "7. The node agent and the ranks it runs".
 """
 
 import asyncio

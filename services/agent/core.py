@@ -1,21 +1,6 @@
 """The node agent's pure core: which ranks this node must start and stop, and what they restore from.
 
-The agent of node N is the service `agent-N`. It folds every job's spec, checkpoints and allocations and
-asks its shell for effects (spawner.py runs them):
-
-- `spawn`    an AllocationGranted with slots on N: start its ranks there, restoring the newest checkpoint
-             the job had committed when the grant was folded, passing over those a rollback threw away
-             (events/lineage.py; the scheduler's rule too), None: from scratch. If N still holds an
-             older attempt of the job, a `stop` with `immediate=True` comes first: old ranks are killed
-             before new ones start on the same slots.
-- `stop`     AllocationReleased of the attempt N holds, or the job cancelled or ended: SIGTERM, a grace
-             period, then SIGKILL.
-- `prefetch` a checkpoint committed while N runs the job: download it into the node's cache, where a
-             rank told to roll back finds it.
-- `evict`    a checkpoint deleted, or the job ended: its cached copies go.
-
-`live` mirrors WorkersStarted / WorkersExited of this node, so an agent that comes back after a crash
-knows which ranks it had started and never saw exit.
+Why it works this way: docs/internals.md, "7. The node agent and the ranks it runs".
 """
 
 import msgspec

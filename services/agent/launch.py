@@ -1,13 +1,7 @@
 """How a node agent starts ranks: its data dir's layout (Paths), the settings every rank of the node gets
 (Launch), a rank's base environment, and the parent-death signal that makes a rank die with its agent.
 
-Layout under the agent's data dir:
-
-    jobs/<job>/spec.toml                  the spec the ranks read
-    cache/<job>/<checkpoint_id>/          a committed checkpoint, downloaded and verified (restore, rollback)
-    staging/                              where ranks stage their checkpoints
-    logs/<job>-a<attempt>-r<rank>.log     each rank's stdout and stderr
-    logs/standby.log                      warm standbys' output until each becomes a rank
+Why it works this way: docs/internals.md, "7. The node agent and the ranks it runs".
 """
 
 import ctypes

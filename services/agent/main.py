@@ -1,19 +1,7 @@
 """The node agent: one per host. It finds the host's slots, runs the self-check, registers the node, then
 runs its core (agentcore.py) in the service shell, starting and stopping trainer ranks (spawner.py).
 
-    python -m services.agent --help     (the command line: bootstrap.py; `flightdeck agent` is the same)
-
-Slots: GPUs listed by nvidia-smi (the agent never imports torch), else `--slots` CPU slots (default 2).
-Standbys (standbys.py): `--standby N` warm rank processes with torch imported, started with the self-check
-(dropped if it fails) and refilled after each hand-off; default ($FLIGHTDECK_STANDBY, else one per slot, since
-a restart starts all of a job's ranks on the node at once and waits for the slowest); 0 turns them off.
-Heartbeats (beats.py): by default the ranks hand their heartbeats to the agent over a node-local socket and
-the agent publishes one RankHeartbeats per job per interval; `--heartbeats rank` has each rank publish its
-own. `--step-reports rank0` (for fleets of thousands of ranks) leaves only rank 0 publishing a StepCompleted
-per step; the others' steps and step times ride the agent's batches. Defaults: $FLIGHTDECK_HEARTBEATS,
-$FLIGHTDECK_STEP_REPORTS, else node and all.
-SIGTERM/SIGINT: the ranks are stopped (they checkpoint on SIGTERM), their exits recorded, then the agent
-exits 0. SIGKILL: the ranks die with it; the next agent on the node records them as exited.
+Why it works this way: docs/internals.md, "7. The node agent and the ranks it runs".
 """
 
 import asyncio

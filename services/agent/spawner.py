@@ -1,17 +1,7 @@
 """The node agent's effects: start a job's ranks, stop them, fetch checkpoints into the node's cache, and
 watch every rank until it exits (recorded as WorkersExited).
 
-The data dir's layout and how a rank's process is set up are in launch.py.
-
-A rank dies with its agent: it is started with PR_SET_PDEATHSIG = SIGKILL, so a lost agent means lost
-ranks (the health service notices; the next agent on the node records them as exited). WorkersStarted
-and WorkersExited are appended here, not returned to the shell, so that a rank's exit can never be
-recorded before its start. Their msg ids name (node, job, attempt[, rank]): an agent that restarts and
-records the same fact again stores nothing new.
-
-A rank is started cold (`python -m trainer ...`) or handed to a warm standby that has imported torch already
-(standbys.py): the same command line, environment, log file, session and parent-death signal, the standby's
-pid recorded as the rank's, and its exit watched and recorded the same way.
+Why it works this way: docs/internals.md, "7. The node agent and the ranks it runs".
 """
 
 import asyncio

@@ -1,16 +1,7 @@
-"""The node agent's warm standby ranks: processes that have already imported torch and the trainer
-(trainer/standby.py), so a rank handed to one skips the interpreter start and `import torch` (~4.5 s of a
-restart on CPU). The spawner takes one per rank it starts, sends it the rank's command line, environment and
-log file, and the pool refills in the background.
+"""The node agent's warm standby ranks: processes with torch and the trainer imported (trainer/standby.py), so a
+restarted rank skips the interpreter start and `import torch` (~4.5 s of a restart on CPU).
 
-A standby is started like a cold rank (the agent's child, its own session, PR_SET_PDEATHSIG), so a rank that
-came from one is watched, signalled, killed with the agent and recorded exactly like a cold one. Each runs at
-most one rank. One that dies while waiting is replaced (with a growing delay, so a broken install does not
-spin); its warm-up output goes to <logs>/standby.log.
-
-Refills wait `refill_delay_s` (1 s) after a hand-off: long enough for the ranks just handed off to start
-(~0.5 s warm), whose start a standby's imports would slow on a small host; short enough that a standby is
-ready again for the next restart of a job that fails twice in a row.
+Why it works this way: docs/internals.md, "7. The node agent and the ranks it runs".
 """
 
 import asyncio

@@ -1,22 +1,6 @@
 """The checkpoint service's pure core: which checkpoints to commit and which to delete.
 
-- Commit: when every rank of (job, attempt, timeline, step) has announced CheckpointStaged, ask for the
-  "commit" effect (upload, verify, manifest last; see uploader.py), whose outcome event —
-  CheckpointCommitted or CheckpointFailed — comes back as an input. The timeline counts the rollbacks the
-  attempt had applied, so a step redone after an in-place rollback is a checkpoint of its own.
-- Retention: keep the newest `policy.keep_checkpoints` committed checkpoints (commit order) that no rollback
-  threw away (lineage.py) plus any a pending rollback or restart still needs; the rest get
-  CheckpointDeleted and a "delete" effect.
-
-Stagings are ignored when they come from an attempt older than one whose ranks have started (or
-staged, or that a JobResumed names), for a set already handed to the uploader or one a rollback threw
-away, for a job that failed or was cancelled, or when they contradict the set's world size. An
-allocation alone does not make an attempt stale: a preempted job's final checkpoint may be folded after
-its next allocation was requested. Likewise a completed job's last attempt still finishes its sets:
-its ranks staged them before exiting 0, but telemetry is folded only at ticks, so they may be read after
-JobCompleted; the service keeps ticking (up to LINGER_S) until the final step's set is read.
-A transition acts on what its own input made due (a commit, deletions), exactly once: a later input never
-repeats it.
+Why it works this way: docs/internals.md, "5. Checkpoints".
 """
 
 from collections.abc import Sequence

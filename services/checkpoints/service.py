@@ -1,14 +1,6 @@
 """The checkpoint service as a running service: the pure core (core.py) bound to an object store.
 
-    FLIGHTDECK_OBJECTS     where committed checkpoints live: a folder, file:///path or s3://bucket[/root]
-                           (default: <FLIGHTDECK_DATA_DIR>/objects, the embedded local store)
-    FLIGHTDECK_DATA_DIR    the data dir `flightdeck up` uses (default .flightdeck)
-    FLIGHTDECK_STAGING_ROOTS  where ranks stage checkpoints, several separated by ':' (default:
-                           <FLIGHTDECK_DATA_DIR>/staging, the agent's under `flightdeck up`); only a set under
-                           <root>/.../<job>/ is uploaded for that job (uploader.confine)
-
-The store is opened on the first effect and kept for the life of the process: an S3 client is an
-async resource, and `build()` is synchronous.
+Why it works this way: docs/internals.md, "5. Checkpoints".
 """
 
 import contextlib

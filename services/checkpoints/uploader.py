@@ -1,15 +1,6 @@
 """The checkpoint service's effects: commit (upload, verify, manifest last) and delete.
 
-A commit uploads every rank's staged shards, checks each against the size and sha256 its rank
-announced (hashing the bytes actually sent, and on a local store re-reading what was stored), and
-only then writes MANIFEST.json with a conditional create. Any missing or corrupt shard means
-CheckpointFailed and no manifest: a half-written checkpoint is never committed. Re-running the same
-commit (a redelivered input after a crash) finds its own identical manifest and commits again.
-
-A staging dir is whatever a rank (or anyone who may publish its job's telemetry) announced, so before anything
-is read it must resolve, symlinks followed, to a set of that job's inside a staging root: <root>/.../<job>/<set>.
-Each shard must resolve inside that dir. Otherwise any file the service can read whose size and sha256 the
-announcer knows would be copied into the object store, where the job's restores can fetch it.
+Why it works this way: docs/internals.md, "5. Checkpoints".
 """
 
 import asyncio

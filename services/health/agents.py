@@ -1,17 +1,6 @@
 """Lost node agents, told by the exits they fail to record.
 
-An agent records the exit of every rank it started (it watches the processes), and when a newer attempt of
-the job is granted it kills the older attempt's ranks at once (agentcore: `stop` with `immediate`) and records
-those exits too. So a rank of a replaced attempt whose exit no agent has recorded `exit_deadline` after the
-new grant, and which has been silent that long as well, had an agent that is gone: killed, crashed, or cut
-off with its node (its ranks die with it, PR_SET_PDEATHSIG). That is reported as NodeLost, which cordons the
-node for the resource manager and the scheduler, so the restart is not placed there again. A node whose agent
-started ranks of the job's current attempt is alive whatever else it left unrecorded, and a rank of a replaced
-attempt still heard from keeps its node alive too.
-
-Found by the lost-agent drill (tests/e2e/test_drills_elastic.py): the agent's surviving peer rank fails
-within a second (its collective loses the peer), the scheduler restarts the job on both nodes before any
-heartbeat deadline passes, and the restarted rank on the dead node is never started.
+Why it works this way: docs/internals.md, "6. The health monitor".
 """
 
 from dataclasses import dataclass, replace

@@ -1,28 +1,6 @@
 """The health monitor's core: job events and rank telemetry in, findings out (detectors.py holds the rules).
 
-Whose ranks. A job's current attempt is set by AllocationGranted (its ranks) and WorkersStarted (those
-started); telemetry and exits of any other attempt are stale and ignored, as is anything about a job
-that ended. While ranks are stopped on purpose (StopRequested, JobPreempted, CancelRequested, or the
-attempt's AllocationReleased) no rank is reported lost or hung; PauseRequested suspends hang detection
-until ResumeRequested, and a RollbackRequested restarts every rank's hang clock.
-
-What is judged where. Exits, non-finite losses, spikes and stragglers as their input is folded; silence
-and hangs at the service's own ClockTicks (time only from `ClockTick.now` and `occurred_at`), at most
-MAX_FINDINGS_PER_TICK per job and tick, the worst first (a hung collective stalls all ranks at once).
-Loss spikes follow rank 0's StepCompleted: every rank of a data-parallel job sees the same data
-window spike, rank 0's report needs no waiting for the others, and its baseline is its own.
-
-A node agent's RankHeartbeats batch folds entry by entry as its ranks' own heartbeats; an entry with a
-new step and its step time counts as that step reported (hang clock, straggler watch).
-
-Each finding fires once per (attempt, rank, kind, episode), recorded in `JobWatch.reported`; a rebuild
-replays to the same memory, so a restarted service repeats nothing. Every finding's `evidence` holds
-the ids of the input events it rests on.
-
-State is mutable, for O(1) work per heartbeat at thousands of ranks: `transition` updates the state it is
-given and returns it, so a fold owns its state, and the Service names `snapshot` as its `copy`: the fold
-keeps one to undo a transition that raised part-way. `INITIAL` is sealed: a fold starting from it works on
-its own copy, so one Service can run any number of folds.
+Why it works this way: docs/internals.md, "6. The health monitor".
 """
 
 import math

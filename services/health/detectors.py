@@ -1,27 +1,6 @@
 """The health detectors: small state machines over one job's telemetry, judged with recorded time.
 
-Time. `now` is a ClockTick's time. Every moment a detector keeps is a pair: the event's `occurred_at`
-(the rank's clock) and `folded`, the service's time when the event was folded (the newest tick's `now`
-by then; telemetry is folded just before the tick that carries it). An age is the smaller of the two
-readings: `folded` alone would make everything folded after the service was down look old, and
-`occurred_at` alone would trust a rank's clock skew. So a rank counts as silent or stalled only when
-both clocks agree it is.
-
-Liveness. Any telemetry from a rank (Heartbeat, StepCompleted, RankStarted, RankFault) is a sign of
-life: heartbeats are droppable under backpressure, and a step reported proves the rank was there.
-  dead  no sign of life for heartbeat_misses x heartbeat_interval_s; a started rank never heard from
-        gets max(STARTUP_GRACE_S, hang_min_s + that) for imports on a busy host (one that dies
-        first is reported by its WorkersExited anyway)
-  hung  still heard from after its step (StepCompleted, or the step a heartbeat carries) has not
-        moved for max(hang_min_s, hang_factor x median of the rank's last HANG_WINDOW step times),
-        counted from RankStarted or the first step (before that a rank may be restoring or
-        rendezvousing). The stall is measured up to the newest sign of life, not up to `now`, so a
-        rank that died after its last step is never called hung, whatever the two deadlines are
-  slow  the step moves, however slowly: neither of the above
-  done  reported the job's last step: it is saving, closing and exiting, and its exit is recorded as
-        WorkersExited. Neither hung nor lost by heartbeats (a torch process takes seconds to tear down
-        on a busy host, longer than a drill's heartbeat deadline); lost only when silent for
-        max(STARTUP_GRACE_S, the heartbeat deadline), for a process stuck on its way out
+Why it works this way: docs/internals.md, "6. The health monitor".
 """
 
 import bisect

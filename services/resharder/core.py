@@ -1,14 +1,6 @@
 """The resharder's pure core: a job's parallel plan for the slots it was granted, re-planned when they change.
 
-It folds JobSubmitted (model shape and global batch from the spec), NodeRegistered (what a slot is: a GPU
-type from gpus.py, or a CPU slot with its share of host memory) and AllocationGranted (the slots per node).
-On a grant it plans for the granted world and emits ReshardPlanned(old, new, reason) on the job's subject
-when the plan differs from the job's previous one: the first grant, a shrink after a node was lost, a grow
-back. An identical re-grant emits nothing. The trainer applies the data-parallel part (world size, micro-
-batch size, grad accumulation); the CPU jobs' tiny models always come out as pure DP.
-
-A grant no layout fits (e.g. a world size that does not divide the global batch) emits nothing and keeps
-the planner's reason in `JobPlan.refused`; the job's previous plan stays its reference for the next grant.
+Why it works this way: docs/internals.md, "4. Resources and the resharder".
 """
 
 import math

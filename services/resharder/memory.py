@@ -1,18 +1,6 @@
 """Memory per GPU for one layout: parameters, gradients, optimizer states and activations.
 
-Model state (mixed-precision Adam, ZeRO paper, Rajbhandari et al. 2020): bf16 weights 2 bytes/param,
-bf16 gradients 2, fp32 master weights + Adam m + v 12: 16 bytes/param before activations. TP and PP split
-the parameters evenly over tp·pp GPUs (embeddings, which sit on the first and last stage, are counted as
-if spread too); ZeRO-1 shards the optimizer states over the DP replicas, ZeRO-2 the gradients as well,
-ZeRO-3 the weights as well, at the price of gathering a layer's weights before using it (two layers held:
-the one computing and the one prefetched).
-
-Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models")
-assume full activation checkpointing at layer boundaries, sequence parallelism inside TP and a fused
-(flash) attention that keeps no seq² scores: each layer stores its bf16 input (2·s·b·h bytes / tp) for
-every micro-batch in flight, the layer being recomputed holds its full activations (34·s·b·h / tp), and
-the last stage holds fp32 logits for the loss (4·s·b·vocab / tp). The 1F1B pipeline schedule keeps up to
-pp micro-batches in flight on the first stage, which holds layers/pp layers.
+Why it works this way: docs/internals.md, "4. Resources and the resharder".
 """
 
 from dataclasses import dataclass

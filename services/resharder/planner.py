@@ -1,22 +1,7 @@
 """The 3D-parallel planner: DP x TP x PP, ZeRO stage, micro-batches and gradient accumulation for a model
 on a set of slots, and the training-days estimate. Pure functions; memory.py holds the memory model.
 
-Rules a layout obeys:
-- TP stays inside a node and divides the attention heads: TP divides gcd(heads, node size), where the
-  node size is gcd(GPUs per node, world) (ranks fill nodes in order, so a partly used last node counts
-  with what it holds). With 8-GPU nodes every TP is a power of two.
-- PP divides the layers; DP = world / (TP · PP).
-- The global batch (sequences per optimizer step) stays what the job asked for at every world size:
-  global = DP · micro_batch_size · micro_batches · grad_accum, so DP must divide it.
-- With PP > 1 one step pushes `micro_batches` micro-batches through the pipeline in one flush
-  (grad_accum = 1) and micro_batches ≥ 4 · PP keeps the bubble (PP - 1) / micro_batches under 25%.
-  With PP = 1 there is no bubble: micro_batches = 1 and the replica accumulates `grad_accum` passes.
-
-Search order, cheapest communication first: layouts by TP · PP ascending (model parallelism moves
-activations every layer, while ZeRO's traffic overlaps with compute), fewer pipeline stages first on a
-tie; within a layout ZeRO 0, 1, 2, 3 (each stage adds traffic); within a stage the largest micro-batch
-that fits (better GPU efficiency). The first combination whose memory estimate fits the GPU memory with
-headroom (memory.HEADROOM) is the plan.
+Why it works this way: docs/internals.md, "4. Resources and the resharder".
 """
 
 import math

@@ -1,14 +1,6 @@
 """The resource manager's pure core: node inventory, cordons, the allocation ledger, placement.
 
-A transition books an allocation in the ledger on the AllocationRequested that asks for it, because the
-next request may arrive before the grant comes back through the stream; own outputs read back later
-(AllocationGranted/Denied, NodeCordoned) change nothing.
-
-Cordons: NodeCordoned, SelfCheckFailed and NodeLost cordon a node (the last two are recorded as a
-NodeCordoned so every reader of the fleet sees it); only NodeUncordoned lifts a cordon. A lost node
-that registers again is no longer lost but stays cordoned until someone uncordons it. Slots held on a
-cordoned or lost node stay booked until their job's allocation is released, so nothing is double-booked
-when the node comes back.
+Why it works this way: docs/internals.md, "4. Resources and the resharder".
 """
 
 import zlib

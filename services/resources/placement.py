@@ -1,15 +1,6 @@
 """Where a job's ranks go: topology-aware, gang (all slots or none), pure.
 
-The rule, in order:
-1. Tensor-parallel groups of `tp` consecutive ranks never span nodes, so a node offers
-   `free // tp` groups and `slots` must be a multiple of `tp`.
-2. Spare nodes are used only when the request allows it (`use_spares`), and then only if the job
-   does not fit on the other nodes.
-3. Fewest nodes: if one node can take the whole job, the one with the fewest free slots that fits
-   (best fit, so large holes stay open for large jobs). Otherwise the nodes offering the most groups,
-   in that order, with the last one chosen best-fit among those that can take the remainder.
-4. Ranks are numbered node by node in that order, lowest slot ids first, so rank 0 sits on the first
-   node (its address becomes MASTER_ADDR). Ties go to the node name, which keeps placement deterministic.
+Why it works this way: docs/internals.md, "4. Resources and the resharder".
 """
 
 from collections.abc import Sequence

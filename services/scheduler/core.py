@@ -1,13 +1,6 @@
 """The scheduler's pure core: queue, gang admission, preemption, restarts, job ends.
 
-A transition records its decisions in the state as it makes them, because an output comes back through
-the stream only later and the inputs in between must already see it (a job asked for must not be asked
-for twice). The reads only the types it needs (see `CONTROL_TYPES`); its own outputs, if a shell feeds them
-back anyway, change nothing. After every input the queue is given a chance to admit (queue.py).
-Time is the input's `occurred_at`, or `now` for a ClockTick; ticks only matter while a stop is in
-flight (a stop that outlasts `stop_timeout_s` ends anyway) or a rollback is (the one telemetry type read,
-RolledBack, is folded at the scheduler's own ticks and ends it; a rank's clock never moves the scheduler's).
-The recovery recipes are in recipes.py (decisions) and recovery.py (carrying them out).
+Why it works this way: docs/internals.md, "3. The scheduler and its recovery recipes".
 """
 
 import msgspec

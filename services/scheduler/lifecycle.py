@@ -1,13 +1,6 @@
-"""How one job moves through its phases, input by input (docs/internals.md, "Job lifecycle choreography").
+"""How one job moves through its phases, input by input.
 
-    queued -> placing -> running -> completed | failed | cancelled
-    running -> stopping -> preempted -> placing ...     (preemption: stop with a checkpoint, re-queue)
-    placing/running -> recovering -> running ...        (a fault within the restart budget)
-    running -> stopping -> recovering -> running ...    (grow back to the spec's slots: recipes.py)
-
-Events about an attempt other than the job's current one are stale and change nothing: every
-re-placement moves the job to a new attempt at once, so a fault is counted once however many ranks
-report it.
+Why it works this way: docs/internals.md, "3. The scheduler and its recovery recipes" (lifecycle choreography).
 """
 
 from collections.abc import Iterable

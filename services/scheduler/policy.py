@@ -1,19 +1,6 @@
 """Recovery recipes and the preemption rule, as pure functions of what the scheduler knows.
 
-A recipe maps a fault to a `Recovery`; lifecycle.py carries it out. Faults that restart the job: a rank
-that exits non-zero, a rank the health monitor finds lost or hung, a node lost under a job, and a straggler
-when policy.replace_stragglers is set (otherwise a StragglerDetected finding is only recorded: it is in the
-job's history already, and the scheduler does nothing about it). Loss spikes, non-finite losses, shrinking
-and growing back are in recipes.py; rollbacks never spend the restart budget.
-
-Preemption rule (`choose_victims`): only running jobs of strictly lower priority than the waiting job
-are candidates. Take them cheapest first, where cost orders by
-  1. priority, lowest first;
-  2. work lost: seconds run since its newest committed checkpoint (or since it started), least first;
-  3. slots, fewest first;
-  4. submission order, newest first (the job that has waited least for its turn),
-until the freed slots cover the need; then give back every taken victim that is not needed, most
-costly first. So the set is minimal, and its highest priority is the lowest level that can cover it.
+Why it works this way: docs/internals.md, "3. The scheduler and its recovery recipes".
 """
 
 from collections.abc import Sequence

@@ -1,17 +1,6 @@
 """Admission: who gets slots next, and whom to preempt for them.
 
-Strict priority, FIFO within a priority (submission order), gang admission: a job is asked for only
-when all of its slots are free; nobody starts with part of them. No backfill: a job that waits blocks
-every job behind it, except a job that cannot fit even the whole usable fleet, which is skipped until
-the fleet grows (it could never start, so waiting for it would delay everyone for nothing). A job
-whose allocation was denied at the current capacity blocks without asking again until capacity
-changes (a node joins or is uncordoned, or slots are released).
-
-Counting is by slots on usable nodes: not cordoned, not lost, and not spares unless the job's pending
-placement replaces failed slots. Where the ranks land is the resource manager's call (placement.py).
-
-A job that may shrink (recipes.py) is skipped only when even policy.min_slots exceed the usable fleet, and
-asks for fewer slots when the fleet, or a denial at the current capacity, rules out its whole gang.
+Why it works this way: docs/internals.md, "3. The scheduler and its recovery recipes".
 """
 
 from events.commands import StopRequested

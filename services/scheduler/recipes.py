@@ -1,29 +1,6 @@
 """Recovery recipes beyond a plain restart, as pure functions of a job; recovery.py and queue.py carry them out.
 
-Shrink. A job coming back to the queue (after a fault or a preemption) whose policy.min_slots is above 0 and
-below its slots may run on fewer slots when the whole gang cannot be placed: the usable fleet holds fewer
-slots than it needs, or resources denied that many at the current capacity. It then asks for the largest
-world size from min_slots up that the free slots hold, preferring one that divides train.batch_size (every
-rank then takes the same share of the global batch). A shrink never preempts to get more than min_slots.
-
-Grow back. A job running on fewer slots than its spec's grows at the first CheckpointCommitted of its steps
-at which the free usable slots (spares aside) plus its own would hold the whole gang and no waiting job of
-its priority or above could use them: it is stopped without a new checkpoint (the one just committed is the
-restore point), released, and asked for all its slots again.
-
-Loss spike / non-finite loss. Roll back to the newest committed checkpoint at least
-policy.rollback_steps_back steps before the spike (none that old: the oldest at or before it; none at all:
-the job fails, since a run restarted from scratch would read the same batches and spike again) and skip
-policy.rollback_skip_batches batches from the one the spiking step read (PaLM: restart ~100 steps before,
-skip 200-500 batches). A spike inside the same incident (from the first rollback's checkpoint to a margin
-after the newest spike, the margin being max(rollback_steps_back, checkpoint_every) steps) doubles the
-window from its old start, extended to cover the new spike's batch; a third fails the job with the three
-findings as causes. Checkpoints of the steps a rollback throws away are never rollback targets.
-Rollbacks do not count against policy.max_restarts: they are bounded by the three-spike rule instead.
-
-Steps and batches. Step i reads global batch i until windows are skipped; from then on a step reads the
-next index outside every skipped window (trainer/data.py), so the batch a step read is found by walking
-from a checkpoint's recorded DataPosition over the windows in force.
+Why it works this way: docs/internals.md, "3. The scheduler and its recovery recipes".
 """
 
 from dataclasses import dataclass

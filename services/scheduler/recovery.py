@@ -1,16 +1,6 @@
 """Carrying out the recipes of recipes.py on one transition: rollbacks, their landing, and growing back.
 
-A rollback is in flight from its decision until a rank of the attempt reports RolledBack for it (the one
-telemetry type the scheduler reads, folded at its own ticks), or for `landing_timeout_s` should that report
-never come. Loss findings meanwhile are about steps the ranks are throwing away and are ignored, as are
-findings of any attempt but the current one. Findings carry no mark of the timeline they come from, so
-two races remain, each about one tick wide (the scheduler ticks while a rollback is in flight): a finding
-from the redone steps that arrives before the tick folding RolledBack is ignored, and one from the thrown-
-away steps that the health monitor appends after that tick is judged (at worst a widened skip).
-
-Which commits a rollback throws away: every checkpoint known then above the rollback's step, and any commit
-above it that arrives later without the rollback's skip window in its data position (the ranks record the
-windows they skip); with an empty window, any such commit before the rollback landed.
+Why it works this way: docs/internals.md, "3. The scheduler and its recovery recipes".
 """
 
 import msgspec

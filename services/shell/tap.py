@@ -1,19 +1,6 @@
 """Telemetry read ahead of the ticks that fold it.
 
-A service folds telemetry only when one of its own ClockTicks comes back, up to the position the tick
-recorded. A tick records FD_TELEMETRY's real last sequence, read from the stream when the tick is taken
-(`position`), not the last message this process happened to receive: after a broker restart, a pause or
-the loss of a stream leader the feed below may be gone for seconds, and a tick naming its stale position
-would hold back every sign of life the ranks stored meanwhile (the health monitor then finds live ranks
-silent). What a tick names and the feed has not delivered is read from the store (`take`), so the fold
-gets every matching message up to the position, in order, none missing, whatever the feed did.
-
-The feed follows FD_TELEMETRY (an ordered consumer from the last folded position + 1) into a bounded
-buffer, so that a tick usually finds its telemetry in memory. A feed that has not delivered, a
-`stall_s` after a tick, messages the store already had to supply is stuck (its consumer went with a
-restarted server or a lost stream leader, or the connection was re-established under it) and is started
-again past what was folded; before this a dead feed was noticed only after 3 idle heartbeats (6 s).
-Memory stays bounded: a tick asking for more than the buffer holds is served from the store.
+Why it works this way: docs/internals.md, "2. Cores and the shell".
 """
 
 import asyncio

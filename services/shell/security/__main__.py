@@ -1,14 +1,6 @@
 """Write the NATS users config.
 
-    python -m services.shell.security render --secrets DIR --out FILE [--node N ...] [--job JOB ...] [--cost 11]
-                                       [--no-fleet-agent] [--reload PIDFILE]
-    python -m services.shell.security shipped [--out infra/nats/accounts.conf]
-
-`render` makes a deployment's config: passwords are created in DIR on first use (one file per user, mode
-0600, plus job.key for jobs) and the config holds their bcrypt hashes; with --reload it then sends SIGHUP to
-the nats-server whose pid is in PIDFILE, which applies the new users without dropping connections.
-`shipped` writes the config kept in the repository: the same users, no jobs, each password read from the
-server's environment ($FLIGHTDECK_PW_<USER>, a bcrypt hash or the password itself).
+Why it works this way: docs/internals.md, "9. Security and deployment".
 """
 
 import argparse

@@ -1,18 +1,7 @@
 """How a Flightdeck process presents itself to the broker, from files named in its environment, and how a
 node agent hands a job's credential to the ranks it starts.
 
-    FLIGHTDECK_NATS_USER            the NATS user (scheduler, agent-n1, console, job-<job>, ...)
-    FLIGHTDECK_NATS_PASSWORD_FILE   a file holding its password (never the password itself in the environment)
-    FLIGHTDECK_NATS_CREDS           or a .creds file (operator/JWT mode; needs the `nkeys` package)
-    FLIGHTDECK_NATS_TLS_CA          CA bundle that signed the servers' certificates (turns TLS on)
-    FLIGHTDECK_NATS_TLS_CERT/_KEY   a client certificate and key, where the servers verify clients
-    FLIGHTDECK_NATS_TLS_HOSTNAME    the name to check the server certificate against, if not the URL's host
-    FLIGHTDECK_NATS_INBOX_PREFIX    reply subjects' prefix (default `_INBOX.<user>`, the one its permissions allow)
-    FLIGHTDECK_JOB_KEY_FILE         node agents only: the key jobs' passwords are derived from
-    FLIGHTDECK_NATS_RANK_TLS_CERT/_KEY  node agents only: the client certificate ranks present, if any
-
-trainer/bus.py reads the same variables (the trainer never imports services). Secrets are read from
-files when a connection is made and go nowhere else: not into events, logs, URLs or command lines.
+Why it works this way: docs/internals.md, "9. Security and deployment".
 """
 
 import os

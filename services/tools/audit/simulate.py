@@ -1,16 +1,6 @@
 """All audited cores folded together over a job's recorded inputs, their decisions about the job fed back.
 
-`verify` re-folds each core on its own over recorded inputs. A what-if must chain them: with a higher spike
-threshold the health core makes no LossSpikeDetected, so the scheduler must not be fed the recorded one. Here
-every core folds one shared timeline. It starts as the recorded history minus the cores' decisions about the
-job; each decision a core makes is put back where it was recorded when the history holds it under the same msg
-id (identical, or changed), else right after the input that caused it (a new one). A recorded decision no core
-makes again is gone, and so are the recorded inputs that followed from it: an input caused by a gone event, the
-telemetry of an attempt whose ranks were never started, a RolledBack of a rollback never asked for.
-
-What it cannot do: the telemetry after a changed decision is what the live run did, not what would have
-happened, so past the first change the timeline is counterfactual and only a first-order guide. Decisions
-about other jobs and the fleet are taken as recorded; effects are not run (their recorded outcomes stay).
+Why it works this way: docs/internals.md, "8. Operator tools".
 """
 
 import heapq

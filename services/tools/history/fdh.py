@@ -1,13 +1,6 @@
 """The `.fdh` history file: a job's recorded messages, one JSON object a line, keeping the wire bytes.
 
-    {"format": "flightdeck-history", "version": 1, "job_id": "spike-000001", "exported_at": 1.7e9,
-     "counts": {"FD_CONTROL": 335, ...}, "source": "nats://..."}                      (optional header)
-    {"stream": "FD_CONTROL", "seq": 12, "subject": "fd.ctl.job.spike-000001.RollbackRequested",
-     "msg_id": "scheduler:FD_CONTROL:48:0", "data": "<base64 of the msgpack event, events.codec>"}
-
-The rows are what tests/fixtures/record_drill.py writes; a file without the header loads too. Each row
-keeps its recorded stream sequence (sequences only grow within a stream; gaps are allowed, since a job's
-history is a selection of the streams), so a replay sees decision msg ids and clock-tick positions as live.
+Why it works this way: docs/internals.md, "8. Operator tools".
 """
 
 import time

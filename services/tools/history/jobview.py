@@ -1,15 +1,6 @@
 """A job as a person asks about it: its control history folded into one frozen `JobView`.
 
-Pure: no I/O and no clock. The phases are the scheduler's (services/scheduler/state.py), read back from
-the events it emitted rather than from its memory, plus `submitted` for a job the scheduler has not
-answered yet. The rules follow services/scheduler/lifecycle.py:
-
-    JobQueued -> queued (reason "preempted": preempted; a recovering job stays recovering)
-    AllocationRequested -> placing (recovering stays recovering)
-    WorkersStarted for every granted rank -> running
-    JobPreempted, or CancelRequested while running -> stopping
-    AllocationReleased of the current attempt outside a stop -> recovering (a restart after a fault)
-    JobCompleted / JobFailed / JobCancelled -> completed / failed / cancelled (nothing changes after)
+Why it works this way: docs/internals.md, "8. Operator tools".
 """
 
 from collections.abc import Iterable

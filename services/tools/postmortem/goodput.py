@@ -1,22 +1,6 @@
 """Goodput: the job's wall time split into useful training and the parts of badput, adding up exactly.
 
-Every instant from submission to the job's end gets one label, the first that covers it in this order:
-
-    detection         a fault until its detection (whatever ran meanwhile is lost anyway)
-    restart           detection until the new attempt's ranks were spawned (deciding, stopping, re-placing,
-                      spawning); for a rollback, until the ranks stopped computing the thrown-away steps
-    restore           until the first step after the fault began (rank start-up and loading the checkpoint)
-    checkpoint_stall  the step loop blocked for a checkpoint's host snapshot (the slowest rank's stall_s,
-                      right after the step before the checkpoint)
-    redone            rank 0 computing a step that a later rollback or restart threw away and redid
-    useful            rank 0 computing a step whose result stands in the final timeline
-    startup           an allocation granted until its attempt's first step began
-    queued            waiting in the queue for slots
-    shutdown          after the last step until the job ended
-    idle              anything else: between steps (data, telemetry, agreeing on commands), pauses
-
-Rank 0 stands for the job: ranks step together under data parallelism. The parts are painted onto the
-sorted boundaries of all intervals, so they sum to the wall time up to float rounding.
+Why it works this way: docs/internals.md, "8. Operator tools".
 """
 
 from dataclasses import dataclass

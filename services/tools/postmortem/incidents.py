@@ -1,14 +1,6 @@
 """Incidents: each fault walked to its detection, the decision taken on it, and how it resolved.
 
-An incident starts at a trigger the scheduler acted on (a health finding, a rank's non-zero exit, a lost
-node): the control events whose causation id is the trigger's are the decision. A trigger nobody acted on
-joins the newest incident of the same attempt (a stale RankLost after the restart its exit already caused),
-or is an incident of its own with decision "none" (a straggler reported, a finding ignored). The fault is
-the first drill fault (FaultInjected, "slow" pacing aside) or RankFault of that attempt (the trigger's rank
-first) between the previous incident's detection and this one; without one, the time the finding itself
-points to (a hang's last progress, a lost rank's last sign of life, the spiking step).
-
-Times are seconds from the job's start; control events are dated as scan.py says.
+Why it works this way: docs/internals.md, "8. Operator tools".
 """
 
 from collections import defaultdict
