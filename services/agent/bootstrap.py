@@ -10,7 +10,7 @@ import sys
 from events import subjects
 from events.nodelocal import STEP_REPORTS, STEP_REPORTS_ENV
 from services.agent.inventory import DEFAULT_CPU_SLOTS, AgentError
-from services.agent.main import HEARTBEATS, HEARTBEATS_ENV, STANDBY_ENV, run_agent
+from services.agent.main import HEARTBEATS, HEARTBEATS_ENV, STANDBY_ENV, AgentOptions, run_agent
 from services.shell.logging import configure
 from services.shell.objects.open import DATA_DIR_ENV, OBJECTS_ENV
 
@@ -52,12 +52,12 @@ def run(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        return await run_agent(nats=args.nats, node=args.node, slots=args.slots, device=args.device,
+        options = AgentOptions(nats=args.nats, node=args.node, slots=args.slots, device=args.device,
                                data_dir=args.data_dir or os.environ.get(DATA_DIR_ENV) or ".flightdeck",
-                               objects=args.objects or os.environ.get(OBJECTS_ENV) or None,
-                               address=args.address, grace_s=args.grace_s,
-                               selfcheck_timeout_s=args.selfcheck_timeout_s, standby=args.standby,
-                               heartbeats=args.heartbeats, step_reports=args.step_reports, stop_event=stop)
+                               objects=args.objects or os.environ.get(OBJECTS_ENV) or None, address=args.address,
+                               grace_s=args.grace_s, selfcheck_timeout_s=args.selfcheck_timeout_s,
+                               standby=args.standby, heartbeats=args.heartbeats, step_reports=args.step_reports)
+        return await run_agent(options, stop)
 
     try:
         return asyncio.run(go())

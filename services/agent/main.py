@@ -12,6 +12,7 @@ import signal
 import sys
 import time
 import uuid
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -95,15 +96,30 @@ async def register(store: EventStore, node: str, producer: str, inv: Inventory, 
         await retrying(f"appending {type(ev).__name__}", partial(store.append, subject, ev, msg_id=ev.event_id))
 
 
-async def run_agent(*, nats: str | None = None, node: str | None = None, slots: int | None = None,
-                    device: Device = "auto", data_dir: Path | str = ".flightdeck", objects: str | None = None,
-                    address: str = "127.0.0.1", grace_s: float = 30.0, selfcheck_timeout_s: float = 300.0,
-                    standby: int | None = None, heartbeats: str | None = None, step_reports: str | None = None,
-                    stop_event: asyncio.Event | None = None) -> int:
-    """Run the agent of `node` until `stop_event` is set; returns the process exit code (0: stopped cleanly).
-    `standby`: warm standby ranks to keep (None: one per slot). `heartbeats`: "node" relays the ranks' beats
-    in one batch per job per interval, "rank" leaves each rank to publish its own. `step_reports`: "all" or
-    "rank0". None: from the environment (`$FLIGHTDECK_HEARTBEATS`, `$FLIGHTDECK_STEP_REPORTS`), else node, all."""
+@dataclass(frozen=True)
+class AgentOptions:
+    """What one agent runs with; bootstrap.py fills it from the command line and the environment."""
+
+    nats: str | None = None
+    node: str | None = None  # default: the host name
+    slots: int | None = None  # default: every GPU, else DEFAULT_CPU_SLOTS CPU slots
+    device: Device = "auto"
+    data_dir: Path | str = ".flightdeck"
+    objects: str | None = None  # default: <data_dir>/objects
+    address: str = "127.0.0.1"  # where other nodes reach this node's rank 0
+    grace_s: float = 30.0  # SIGTERM to SIGKILL when ranks are stopped
+    selfcheck_timeout_s: float = 300.0
+    standby: int | None = None  # warm standby ranks (None: $FLIGHTDECK_STANDBY, else one per slot)
+    heartbeats: str | None = None  # "node" relays beats in one batch per job per interval; "rank": each its own
+    step_reports: str | None = None  # "all" or "rank0"; None for both: the environment, else node and all
+
+
+async def run_agent(options: AgentOptions, stop_event: asyncio.Event | None = None) -> int:
+    """Run the agent until `stop_event` is set; returns the process exit code (0: stopped cleanly)."""
+    o = options
+    nats, node, slots, device, data_dir, objects = o.nats, o.node, o.slots, o.device, o.data_dir, o.objects
+    address, grace_s, selfcheck_timeout_s, standby = o.address, o.grace_s, o.selfcheck_timeout_s, o.standby
+    heartbeats, step_reports = o.heartbeats, o.step_reports
     heartbeats = heartbeats or env_choice(HEARTBEATS_ENV, HEARTBEATS, "node")
     step_reports = step_reports or env_choice(STEP_REPORTS_ENV, STEP_REPORTS, "all")
     if heartbeats not in HEARTBEATS:
