@@ -57,9 +57,20 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
     ports: Ports = Ports()  # the core's one setting: recorded as CoreConfigured, folded from it
 
 
-def master_port(job_id: str, attempt: int, ports: Ports) -> int:
+def master_port(job_id: str, attempt: int, ports: Ports, used: frozenset[int] = frozenset()) -> int:
+    """The first port from the job's own place in the range that no other live job's rank 0 on the same node
+    holds (`used`); a full range falls back to that place."""
     # crc32, not hash(): Python salts str hashes per process, and a replay must pick the same port.
-    return ports.base + zlib.crc32(f"{job_id}:{attempt}".encode()) % ports.span
+    start = zlib.crc32(f"{job_id}:{attempt}".encode()) % ports.span
+    for i in range(ports.span):
+        port = ports.base + (start + i) % ports.span
+        if port not in used:
+            return port
+    return ports.base + start
+
+
+def ports_in_use(ledger: Ledger, node: str) -> frozenset[int]:
+    return frozenset(a.master_port for a in ledger.allocations.values() if a.rank0_node == node and a.master_port)
 
 
 def candidates(state: State) -> list[Candidate]:
@@ -98,7 +109,8 @@ def _allocate(state: State, ev: AllocationRequested) -> Transition:
     ports = state.ports
     held = state.ledger.allocations.get(ev.job_id)
     if held is not None and held.attempt == ev.attempt and len(held.assignments) == ev.slots:
-        granted = _grant(state, ev.job_id, ev.attempt, held.assignments, ports)  # asked again: the same answer
+        port = held.master_port or master_port(ev.job_id, ev.attempt, ports)
+        granted = _grant(state, ev.job_id, ev.attempt, held.assignments, port)  # asked again: the same answer
         return state, (_job_emit(granted),)
     if held is not None and held.attempt >= ev.attempt:
         why = (f"attempt {ev.attempt} is stale: attempt {held.attempt} holds slots" if held.attempt > ev.attempt
@@ -111,17 +123,17 @@ def _allocate(state: State, ev: AllocationRequested) -> Transition:
     if isinstance(placed, Unplaceable):
         denied = AllocationDenied(job_id=ev.job_id, attempt=ev.attempt, reason=placed.reason)
         return base, (_job_emit(denied),)
-    booked = ledger_mod.book(base.ledger, ev.job_id, ev.attempt, placed)
+    rank0 = next(r.node for r in placed if r.rank == 0)
+    port = master_port(ev.job_id, ev.attempt, ports, ports_in_use(base.ledger, rank0))
+    booked = ledger_mod.book(base.ledger, ev.job_id, ev.attempt, placed, port)
     after = msgspec.structs.replace(base, ledger=booked)
-    return after, (_job_emit(_grant(after, ev.job_id, ev.attempt, placed, ports)),)
+    return after, (_job_emit(_grant(after, ev.job_id, ev.attempt, placed, port)),)
 
 
-def _grant(state: State, job_id: str, attempt: int, refs: tuple[SlotRef, ...],
-           ports: Ports) -> AllocationGranted:
+def _grant(state: State, job_id: str, attempt: int, refs: tuple[SlotRef, ...], port: int) -> AllocationGranted:
     first = next(r for r in refs if r.rank == 0)
     return AllocationGranted(job_id=job_id, attempt=attempt, assignments=list(refs),
-                             master_addr=state.nodes[first.node].address,
-                             master_port=master_port(job_id, attempt, ports))
+                             master_addr=state.nodes[first.node].address, master_port=port)
 
 
 def transition(state: State, event: Event) -> Transition:

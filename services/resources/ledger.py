@@ -14,6 +14,11 @@ from events.job import SlotRef
 class Allocation(msgspec.Struct, frozen=True, kw_only=True):
     attempt: int
     assignments: tuple[SlotRef, ...]
+    master_port: int = 0  # where its rank 0 listens for the rendezvous (0: not recorded)
+
+    @property
+    def rank0_node(self) -> str:
+        return next((r.node for r in self.assignments if r.rank == 0), "")
 
 
 class Ledger(msgspec.Struct, frozen=True, kw_only=True):
@@ -31,7 +36,7 @@ def free_slots(ledger: Ledger, node: str, slots: int) -> tuple[int, ...]:
     return tuple(s for s in range(slots) if s not in taken)
 
 
-def book(ledger: Ledger, job_id: str, attempt: int, assignments: Iterable[SlotRef]) -> Ledger:
+def book(ledger: Ledger, job_id: str, attempt: int, assignments: Iterable[SlotRef], master_port: int = 0) -> Ledger:
     """Give `assignments` to `job_id`. The job must hold nothing and every slot must be free."""
     refs = tuple(assignments)
     assert job_id not in ledger.allocations, f"{job_id} already holds slots; release them first"
@@ -42,7 +47,7 @@ def book(ledger: Ledger, job_id: str, attempt: int, assignments: Iterable[SlotRe
         current = taken[ref.node].get(ref.slot)
         assert current is None, f"slot {ref.node}/{ref.slot} is held by {current}; {job_id} cannot have it"
         taken[ref.node][ref.slot] = job_id
-    allocations = {**ledger.allocations, job_id: Allocation(attempt=attempt, assignments=refs)}
+    allocations = {**ledger.allocations, job_id: Allocation(attempt=attempt, assignments=refs, master_port=master_port)}
     return Ledger(allocations=allocations, taken=taken)
 
 

@@ -116,3 +116,23 @@ def test_the_service_reads_what_it_needs_and_never_ticks() -> None:
     state, answer = ask(fleet(("a", 1)), "j", 1)
     state, outs = fold(SVC, [answer], state)  # its own grant read back
     assert outs == []
+
+
+def test_two_live_jobs_with_rank_zero_on_one_node_never_share_a_port() -> None:
+    """Ports hash into a small range here, so the jobs' own places collide: the later grant takes the next free
+    port, a released job's port is free again, and with the whole range held the job keeps its own place."""
+    svc = core_service(ports=Ports(base=40000, span=2))
+    state, _ = fold(svc, [NodeRegistered(node="a", kind="gpu", slots=4, address="10.0.0.1")])
+    granted: dict[str, int] = {}
+    for job in ("j1", "j2", "j3"):
+        state, outs = step(svc, state, AllocationRequested(job_id=job, slots=1, attempt=0))
+        (grant,) = events_of(outs, AllocationGranted)
+        granted[job] = grant.master_port
+    assert {granted["j1"], granted["j2"]} == {40000, 40001}  # whatever their own places: never the same
+    assert granted["j3"] == master_port("j3", 0, Ports(base=40000, span=2))  # the range is full
+    state, _ = step(svc, state, AllocationReleased(job_id="j1", attempt=0, reason="done"))
+    state, outs = step(svc, state, AllocationRequested(job_id="j1", slots=1, attempt=1))
+    (again,) = events_of(outs, AllocationGranted)
+    assert again.master_port != granted["j2"]
+    state, outs = step(svc, state, AllocationRequested(job_id="j1", slots=1, attempt=1))  # asked again
+    assert events_of(outs, AllocationGranted)[0].master_port == again.master_port
