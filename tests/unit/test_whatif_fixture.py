@@ -109,3 +109,9 @@ def test_the_cli_refuses_an_unknown_key_and_reports_a_what_if(capsys: pytest.Cap
     assert flightdeck(["whatif", "--from", str(SPIKE), "--set", "policy.spike_z=8"]) == 0
     out = capsys.readouterr().out
     assert "VANISHES scheduler   RollbackRequested" in out and "what a what-if can and cannot know" in out
+
+
+def test_a_history_without_recorded_settings_says_the_what_if_used_the_defaults() -> None:
+    w = whatif(fdh.load(SPIKE), "spike-000001", {})
+    assert "scheduler: no settings recorded in this history: replayed with the defaults " \
+           "(stop_timeout_s=120.0, landing_timeout_s=120.0)" in w.caveats

@@ -12,13 +12,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from events import subjects
 from events.commands import RollbackRequested
 from events.findings import LossSpikeDetected, NonFiniteLoss
 from events.job import AllocationRequested, JobCompleted, JobFailed
 from events.store import Stored
 from services.tools.audit import settings as setting
+from services.tools.audit.cores import cores
 from services.tools.audit.measured import Measured, measure
 from services.tools.audit.simulate import Change, Outcome, simulate, submitted_spec
+from services.tools.audit.verify import settings_notes
 
 CAVEATS = (
     "Decisions up to the first change are exact: every input before it happened as recorded.",
@@ -69,7 +72,7 @@ def whatif(rows: list[Stored], job_id: str, changes: Mapping[str, Any]) -> WhatI
     # past a failure the job is over: what else changes after it costs or saves nothing
     estimates = [e for c in outcome.changes if (failed is None or c.position < failed.position)
                  and (e := _estimate(c, m, outcome)) is not None]
-    caveats: tuple[str, ...] = CAVEATS
+    caveats: tuple[str, ...] = (*CAVEATS, *settings_notes(cores(), [s for s in rows if s.stream == subjects.CONTROL]))
     if "train.checkpoint_every" in diff:
         estimates += _interval(m, *diff["train.checkpoint_every"])
         caveats = (*caveats, "train.checkpoint_every is the trainer's: the recorded checkpoints stay in the replay; "
