@@ -10,7 +10,7 @@ from typing import Any
 
 from events import subjects
 from events.base import Event
-from events.clock import ClockTick
+from events.clock import ClockTick, CoreConfigured
 from events.store import Stored
 from services import registry
 from services.core import Service
@@ -52,8 +52,8 @@ class Scope:
 
 
 def is_decision(stored: Stored, service: str) -> bool:
-    """A message recorded as `service`'s output (its clock ticks are inputs it records). Whatever its msg id:
+    """A message recorded as `service`'s output (its ticks and settings are inputs it records). Whatever its msg id:
     one that is not the shell's `service:stream:seq:index` can never be reproduced, which is the point."""
     ev: Event | None = stored.event
     return (ev is not None and ev.producer == service and stored.stream == subjects.CONTROL
-            and not isinstance(ev, ClockTick))
+            and not isinstance(ev, ClockTick | CoreConfigured))
