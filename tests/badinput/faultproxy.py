@@ -6,6 +6,7 @@ Each request is forwarded (with `Connection: close`) unless a fault rule matches
     "503"     HTTP 503 SlowDown                 (throttling)
     "reset"   the connection reset (RST) before any response
     "stall"   the request read, then no response at all until the client gives up
+    "lost"    the request forwarded and carried out, then the connection reset: the answer never arrives
 
 Rules match on method and path, apply to the next `times` matching requests (or forever), and count what
 they did, so a test can say which faults were met and that the client retried past them.
@@ -46,7 +47,7 @@ class FaultProxy:
         return f"http://127.0.0.1:{self.port}"
 
     def fail(self, kind: str, *, times: int | None = 1, match: Match = lambda method, path: True) -> None:
-        assert kind in ("500", "503", "reset", "stall"), kind
+        assert kind in ("500", "503", "reset", "stall", "lost"), kind
         self.rules.append(Rule(kind, match, times))
 
     def clear(self) -> None:
@@ -104,7 +105,7 @@ class FaultProxy:
                 await writer.drain()
                 writer.close()
             else:
-                await self._forward(head, reader, writer)
+                await self._forward(head, reader, writer, deliver=kind != "lost")
         except (ConnectionError, asyncio.IncompleteReadError):
             writer.close()
 
@@ -116,7 +117,8 @@ class FaultProxy:
         if length:
             await reader.readexactly(length)
 
-    async def _forward(self, head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _forward(self, head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                       deliver: bool = True) -> None:
         up_reader, up_writer = await asyncio.open_connection(self.upstream_host, self.upstream_port)
         first, _, rest = head.partition(b"\r\n")
         kept = [ln for ln in rest.split(b"\r\n") if ln and not ln.lower().startswith(b"connection:")]
@@ -133,7 +135,12 @@ class FaultProxy:
 
         upstream = asyncio.create_task(pipe(reader, up_writer))
         try:
-            await pipe(up_reader, writer)  # the response, until the server closes (we asked it to)
+            if deliver:
+                await pipe(up_reader, writer)  # the response, until the server closes (we asked it to)
+            else:
+                await up_reader.read()  # the server did the work; its answer goes nowhere
+                sock = writer.get_extra_info("socket")
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         finally:
             upstream.cancel()
             with contextlib.suppress(BaseException):

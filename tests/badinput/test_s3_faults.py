@@ -125,6 +125,19 @@ async def test_persistent_faults_fail_the_checkpoint_and_keep_the_previous(
     await assert_whole(s3, good, first, tmp_path)  # the previous checkpoint is still the newest, whole
 
 
+async def test_an_upload_started_by_a_request_whose_answer_was_lost_is_aborted(
+        s3: S3Store, proxy: FaultProxy, tmp_path: Path) -> None:
+    """The endpoint starts a multipart upload but its answer never arrives: the retry starts a second one, and the
+    first, whose id the store never learnt, must not stay open."""
+    proxy.fail("lost", match=lambda method, path: method == "POST" and "uploads" in path)
+    args = staged(tmp_path, 10)
+    event, _ = await committed(s3, args)
+    assert isinstance(event, CheckpointCommitted), event
+    assert proxy.seen["fault:lost"] == 1
+    assert await s3.multipart_uploads() == []
+    await assert_whole(s3, args, event, tmp_path)
+
+
 async def test_a_stalled_endpoint_fails_in_bounded_time(s3: S3Store, proxy: FaultProxy, tmp_path: Path) -> None:
     proxy.fail("stall", times=None, match=shard_put)
     event, seconds = await committed(s3, staged(tmp_path, 10))

@@ -181,9 +181,22 @@ class S3Store:
         finally:
             os.close(fd)
             self.in_flight.discard(upload_id)
+            await asyncio.shield(self._abort_orphans(k))
         seconds = time.monotonic() - started
         blog.info("uploaded", seconds=round(seconds, 3), mb_s=round(size / MiB / max(seconds, 1e-9), 1))
         return size, digest.hexdigest()
+
+    async def _abort_orphans(self, k: str) -> None:
+        """Abort other open uploads of key `k`: a CreateMultipartUpload that timed out may have started one whose id
+        never reached us, and the retry started another (seen with moto on a loaded box)."""
+        try:
+            listed = await self._call("list_multipart_uploads", Prefix=k)
+        except Exception as exc:  # the sweeper aborts what stays; the upload itself is done
+            log.error("could not list open uploads", key=k, error=repr(exc))
+            return
+        for upload in listed.get("Uploads", []):
+            if upload.get("Key") == k and upload["UploadId"] not in self.in_flight:
+                await self._abort(k, upload["UploadId"])
 
     async def _abort(self, k: str, upload_id: str) -> None:
         try:
