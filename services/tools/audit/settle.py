@@ -8,6 +8,7 @@ stored yet, which would read as a missing decision. Once they have, the job's hi
 import asyncio
 import time
 
+import nats.errors
 from nats.js.errors import NotFoundError
 
 from events import subjects
@@ -23,20 +24,24 @@ class NotSettled(TimeoutError):
     """Some service did not fold the job's history in time (stopped, or stuck)."""
 
 
-async def lagging(store: JetStreamStore, horizon: int) -> dict[str, int]:
-    """Audited services whose consumer has not yet acked every input up to FD_CONTROL seq `horizon`, with the
-    sequence they have acked up to. A service that never ran (no consumer) lags at 0."""
-    out: dict[str, int] = {}
+async def lagging(store: JetStreamStore, horizon: int) -> dict[str, str]:
+    """Audited services whose consumer has not yet acked every input up to FD_CONTROL seq `horizon`, with how far
+    they have. A service that never ran (no consumer) lags at 0; one whose consumer info did not come in time
+    (a cluster electing a stream leader answers late) counts as behind until it does."""
+    out: dict[str, str] = {}
     for name in registry.BUILTIN:
         try:
             info = await store.js.consumer_info(subjects.CONTROL, consumer_name(name))
         except NotFoundError:  # the service has not started yet
-            out[name] = 0
+            out[name] = "acked up to 0"
+            continue
+        except nats.errors.TimeoutError:
+            out[name] = "consumer info not answered"
             continue
         floor = info.ack_floor.stream_seq if info.ack_floor else 0
         idle = not info.num_pending and not info.num_ack_pending
         if floor < horizon and not idle:
-            out[name] = floor or 0
+            out[name] = f"acked up to {floor or 0}"
     return out
 
 
@@ -54,7 +59,7 @@ async def settle(store: JetStreamStore, job_id: str, *, within: float = 30.0) ->
             return last.seq
         if time.monotonic() > deadline:
             raise NotSettled(f"job {job_id}: services still behind its last event (FD_CONTROL seq {last.seq}) "
-                             f"after {within:.0f} s: " + ", ".join(f"{n} acked up to {s}" for n, s in behind.items()))
+                             f"after {within:.0f} s: " + ", ".join(f"{n} {s}" for n, s in behind.items()))
         await asyncio.sleep(0.2)
 
 
