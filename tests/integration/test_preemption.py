@@ -95,5 +95,8 @@ async def test_a_preempted_job_checkpoints_yields_and_resumes_from_that_checkpoi
           "high_completed": c.first_at(JobCompleted, HIGH), "low_resumed": c.first_at(JobResumed, LOW)}
     print(f"\nlow job checkpointed at {first}, preempted at step {final}; seconds after the high job's submission:",
           {k: round(v - high_submitted, 2) for k, v in at.items()})
+    # JobCompleted and the release that follows it are two appends: read the history once both are in
+    await c.until(lambda: kinds(c.job(LOW))[-1:] == ["AllocationReleased"] and "JobCompleted" in kinds(c.job(LOW)),
+                  10, "the low job's end and release")
     history = kinds(c.job(LOW))
     assert history.count("JobCompleted") == 1 and history[-2:] == ["JobCompleted", "AllocationReleased"]
