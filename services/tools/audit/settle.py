@@ -9,7 +9,7 @@ import asyncio
 import time
 
 import nats.errors
-from nats.js.errors import NotFoundError
+from nats.js.errors import NotFoundError, ServiceUnavailableError
 
 from events import subjects
 from events.jetstream import JetStreamStore
@@ -26,8 +26,8 @@ class NotSettled(TimeoutError):
 
 async def lagging(store: JetStreamStore, horizon: int) -> dict[str, str]:
     """Audited services whose consumer has not yet acked every input up to FD_CONTROL seq `horizon`, with how far
-    they have. A service that never ran (no consumer) lags at 0; one whose consumer info did not come in time
-    (a cluster electing a stream leader answers late) counts as behind until it does."""
+    they have. A service that never ran (no consumer) lags at 0; one whose consumer info did not come (a cluster
+    electing a stream leader answers late, or 503) counts as behind until it does."""
     out: dict[str, str] = {}
     for name in registry.BUILTIN:
         try:
@@ -35,7 +35,7 @@ async def lagging(store: JetStreamStore, horizon: int) -> dict[str, str]:
         except NotFoundError:  # the service has not started yet
             out[name] = "acked up to 0"
             continue
-        except nats.errors.TimeoutError:
+        except (nats.errors.TimeoutError, ServiceUnavailableError):  # the cluster is still electing
             out[name] = "consumer info not answered"
             continue
         floor = info.ack_floor.stream_seq if info.ack_floor else 0
