@@ -51,6 +51,10 @@ Seconds = Annotated[float, Meta(ge=0.0, le=1e9)]
 Ref = Annotated[str, Meta(max_length=1024)]
 Step = Annotated[int, Meta(ge=-1)]  # -1: no step completed yet (a rank's heartbeats before its first step)
 
+MAX_CAUSE = 4096  # WorkersExited.cause: a start failure or the last lines a rank printed
+MAX_METRICS = 64  # custom metrics in one StepCompleted (trainer API `report`)
+MetricName = Annotated[str, Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_./-]{0,63}\Z")]
+
 # Field name -> the bounded type readers may rely on. Ids land in subjects, cache folders and object keys
 # (a checkpoint id of "../.." would have the node agent evict outside its cache); slot counts size loops
 # (a node announcing 10**9 slots stalled placement for minutes); times feed deadlines.
@@ -69,6 +73,8 @@ BOUNDS: dict[str, Any] = {
     "interval_s": Annotated[float, Meta(gt=0.0, le=86_400.0)], "step_time_s": Seconds, "stall_s": Seconds,
     "write_s": Seconds, "seconds": Seconds, "memory_gb": Seconds,
     "manifest_sha256": Annotated[str, Meta(pattern=r"^(?:[0-9a-f]{64})?\Z")],
+    "metrics": Annotated[dict[MetricName, float], Meta(max_length=MAX_METRICS)],
+    "cause": Annotated[str, Meta(max_length=MAX_CAUSE)],
 }
 # Field name -> the most items a list of nested structs may hold (its items keep their own BOUNDS).
 LENGTHS: dict[str, int] = {"beats": MAX_SLOTS}  # a node agent's batch: at most one entry per rank

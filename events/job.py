@@ -60,6 +60,10 @@ class WorkersExited(JobEvent, frozen=True, kw_only=True):
     attempt: int
     rank: int
     exit_code: int  # negative: killed by that signal
+    # Why, in the agent's words, for a failed rank: why it could not be started, or the last lines it printed
+    # (a traceback), so status and postmortems show it without the node's disk.
+    cause: str = ""
+    unrunnable: bool = False  # the command cannot be found or executed: no restart can help
 
 
 class JobResumed(JobEvent, frozen=True, kw_only=True):

@@ -16,6 +16,24 @@ BEATS_ENV = "FLIGHTDECK_BEATS"  # the agent's heartbeat socket, set for the rank
 STEP_REPORTS_ENV = "FLIGHTDECK_STEP_REPORTS"  # "all" (default) or "rank0": who publishes StepCompleted
 STEP_REPORTS = ("all", "rank0")
 
+# What the agent tells every rank it starts, built-in trainer or a user's entrypoint alike; the trainer API
+# (trainer/session.py) reads them in `init()`. Without JOB_ENV a script runs in no-platform mode.
+JOB_ENV = "FLIGHTDECK_JOB_ID"
+ATTEMPT_ENV = "FLIGHTDECK_ATTEMPT"
+NODE_ENV = "FLIGHTDECK_NODE"
+NATS_ENV = "FLIGHTDECK_NATS_URL"  # the broker (one URL or several, comma-separated)
+SPEC_ENV = "FLIGHTDECK_SPEC"  # the job spec as TOML, written by the agent
+STAGING_ENV = "FLIGHTDECK_STAGING"  # where ranks stage checkpoints: <dir>/<job>/step-<N>/
+RESTORE_ENV = "FLIGHTDECK_RESTORE"  # a verified checkpoint directory to restore before the first step
+MANIFEST_ENV = "FLIGHTDECK_MANIFEST"  # its manifest (sizes and sha256s), checked again by the rank
+CACHE_ENV = "FLIGHTDECK_CACHE"  # the node's cache of committed checkpoints: <dir>/<job>/<checkpoint_id>/
+DEVICE_ENV = "FLIGHTDECK_DEVICE"  # "cpu", "cuda" or "auto"
+SYNC_EVERY_ENV = "FLIGHTDECK_SYNC_EVERY"  # steps between the collectives that agree on commands
+EVENTS_LOG_ENV = "FLIGHTDECK_EVENTS_LOG"  # every event a rank emits, also as JSON lines here
+PLAN_ENV = "FLIGHTDECK_PLAN"  # the ParallelPlan recorded for this world size, as JSON
+RUN_ENV = (JOB_ENV, ATTEMPT_ENV, NODE_ENV, NATS_ENV, SPEC_ENV, STAGING_ENV, RESTORE_ENV, MANIFEST_ENV, CACHE_ENV,
+           DEVICE_ENV, SYNC_EVERY_ENV, EVENTS_LOG_ENV, PLAN_ENV, BEATS_ENV, STEP_REPORTS_ENV)
+
 READY = b"R"
 MAX_MESSAGE = 1 << 20  # an assignment is the rank's command line and environment: a few KB
 # What a rank's run reads from the environment only after the assignment (torch.distributed, trainer.config).

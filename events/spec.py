@@ -1,6 +1,6 @@
 """The job spec: what a user submits (TOML decoded straight into these structs) and what JobSubmitted carries."""
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -67,6 +67,23 @@ class FaultSpec(Spec, frozen=True, kw_only=True):
     attempt: NonNegInt = 0  # inject only in this attempt, so a restarted job does not fault again
 
 
+EnvName = Annotated[str, Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}\Z")]
+Arg = Annotated[str, Meta(max_length=4096, pattern=r"^[^\x00]*\Z")]  # execve cannot pass a NUL
+# Set by the node agent for every rank: a job may not override how its ranks find each other or the platform.
+RESERVED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                "TORCHELASTIC_RESTART_COUNT")
+RESERVED_ENV_PREFIX = "FLIGHTDECK_"
+
+
+class EntrypointSpec(Spec, frozen=True, kw_only=True):
+    """What each rank runs: the user's own training script, which reports through the trainer API
+    (`import flightdeck`). "python" as the program is the node's Python (the one with torch and Flightdeck)."""
+
+    command: Annotated[list[Arg], Meta(min_length=1, max_length=256)]
+    cwd: Annotated[str, Meta(max_length=4096, pattern=r"^[^\x00]*\Z")] = ""  # "": the agent's working directory
+    env: Annotated[dict[EnvName, Arg], Meta(max_length=256)] = {}
+
+
 class JobSpec(Spec, frozen=True, kw_only=True):
     name: Name
     priority: Annotated[int, Meta(ge=0, le=1000)] = 50
@@ -75,6 +92,7 @@ class JobSpec(Spec, frozen=True, kw_only=True):
     train: TrainSpec = TrainSpec()
     policy: PolicySpec = PolicySpec()
     faults: Annotated[list[FaultSpec], Meta(max_length=MAX_FAULTS)] = []
+    entrypoint: EntrypointSpec | None = None  # None: the built-in trainer (`python -m trainer`), which reads [model]
 
 
 class InvalidSpec(ValueError):
@@ -95,6 +113,15 @@ def rank_memory_bytes(spec: JobSpec) -> int:
 
 def check(spec: JobSpec) -> JobSpec:
     """The rules across fields (and the memory a rank would need); InvalidSpec names what to change."""
+    for i, fault in enumerate(spec.faults):
+        if fault.rank >= spec.slots:
+            raise InvalidSpec(f"faults[{i}].rank ({fault.rank}) must be below slots ({spec.slots})")
+        if fault.step >= spec.train.steps:
+            raise InvalidSpec(f"faults[{i}].step ({fault.step}) must be below train.steps ({spec.train.steps})")
+    if spec.policy.min_slots > spec.slots:
+        raise InvalidSpec(f"policy.min_slots ({spec.policy.min_slots}) must not exceed slots ({spec.slots})")
+    if spec.entrypoint is not None:
+        return _check_entrypoint(spec.entrypoint, spec)
     need = rank_memory_bytes(spec)
     if need > MAX_RANK_BYTES:
         raise InvalidSpec(
@@ -105,18 +132,32 @@ def check(spec: JobSpec) -> JobSpec:
         raise InvalidSpec(
             f"model.d_model ({spec.model.d_model}) must be a multiple of model.n_head ({spec.model.n_head})"
         )
-    if spec.policy.min_slots > spec.slots:
-        raise InvalidSpec(f"policy.min_slots ({spec.policy.min_slots}) must not exceed slots ({spec.slots})")
     if spec.train.batch_size < spec.slots:
         raise InvalidSpec(
             f"train.batch_size ({spec.train.batch_size}) must be at least slots ({spec.slots}): one sequence per rank"
         )
-    for i, fault in enumerate(spec.faults):
-        if fault.rank >= spec.slots:
-            raise InvalidSpec(f"faults[{i}].rank ({fault.rank}) must be below slots ({spec.slots})")
-        if fault.step >= spec.train.steps:
-            raise InvalidSpec(f"faults[{i}].step ({fault.step}) must be below train.steps ({spec.train.steps})")
     return spec
+
+
+def _check_entrypoint(entry: EntrypointSpec, spec: JobSpec) -> JobSpec:
+    if not entry.command[0].strip():
+        raise InvalidSpec("entrypoint.command[0] is empty: name the program to run, e.g. [\"python\", \"train.py\"]")
+    for key in entry.env:
+        if key in RESERVED_ENV or key.startswith(RESERVED_ENV_PREFIX):
+            raise InvalidSpec(f"entrypoint.env.{key} is set by the node agent for every rank and may not be "
+                              f"overridden (reserved: {', '.join(RESERVED_ENV)} and {RESERVED_ENV_PREFIX}*)")
+    return spec
+
+
+def spec_builtins(spec: JobSpec) -> dict[str, Any]:
+    """The spec as plain data TOML can hold: no None (an absent [entrypoint] is the built-in trainer)."""
+    data: dict[str, Any] = msgspec.to_builtins(spec)
+    return {k: v for k, v in data.items() if v is not None}
+
+
+def spec_toml(spec: JobSpec) -> bytes:
+    """The spec as TOML that `parse_spec` reads back to an equal spec (the node agent writes it for its ranks)."""
+    return msgspec.toml.encode(spec_builtins(spec))
 
 
 def parse_spec(text: str | bytes) -> JobSpec:

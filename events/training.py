@@ -6,12 +6,15 @@ from events.base import RankEvent
 
 
 class StepCompleted(RankEvent, frozen=True, kw_only=True):
+    SCHEMA = 2  # 2 added `metrics`; a step without custom metrics is still written as version 1
+
     step: int
-    loss: float  # NaN and Inf survive msgpack; JSON would turn them into null
-    grad_norm: float
-    lr: float
+    loss: float  # NaN and Inf survive msgpack; JSON would turn them into null; the detectors read this one
+    grad_norm: float  # 0: not reported; non-finite is a fault like a non-finite loss
+    lr: float  # 0: not reported
     tokens_per_s: float
     step_time_s: float
+    metrics: dict[str, float] = {}  # the script's own, by name (trainer API `report(step, loss, **metrics)`)
 
 
 class Heartbeat(RankEvent, frozen=True, kw_only=True):

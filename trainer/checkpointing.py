@@ -4,6 +4,7 @@ were applied: a redone step must not overwrite the set it replaces while that ma
 hashes what this rank wrote and announces CheckpointStaged. Restore loads such a directory at any world
 size, verifying sha256s first when a manifest is given."""
 
+import copy
 import hashlib
 import json
 import threading
@@ -17,18 +18,18 @@ import msgspec
 import structlog
 import torch
 import torch.distributed.checkpoint as dcp
-from torch import nn
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+from torch.distributed.tensor import DTensor
 
 from events.base import RankEvent
 from events.checkpoint import CheckpointStaged, DataPosition, ShardInfo
-from trainer.data import TokenStream
 from trainer.distributed import Dist
+from trainer.state import TrainState, keys
 
 log = structlog.get_logger(__name__)
 # DCP warns on every single-process save and load; one rank alone is a supported way to run here.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-META_KEY = "trainer"  # JSON: step, data position, world size; a non-tensor DCP item
+META_KEY = "flightdeck"  # JSON: step, data position, world size; a non-tensor DCP item
 
 
 class CorruptCheckpoint(ValueError):
@@ -69,31 +70,6 @@ def read_manifest(path: Path) -> list[ShardInfo]:
         raise CorruptCheckpoint(f"cannot read checkpoint manifest {path}: {exc}") from None
 
 
-def train_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """The live tensors a checkpoint holds, by stable name (parameter names, not optimizer ids).
-
-    Creates AdamW's state up front (what its first step would create) so buffers and restores can
-    target it before training starts."""
-    out: dict[str, torch.Tensor] = {}
-    for name, p in model.named_parameters():
-        out[f"model.{name}"] = p.data
-        state = optimizer.state[p]
-        if not state:
-            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        for key in ("step", "exp_avg", "exp_avg_sq"):
-            out[f"optim.{name}.{key}"] = state[key]
-    return out
-
-
-def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
-    out = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        out["cuda"] = torch.cuda.get_rng_state(device)
-    return out
-
-
 def sha256_file(path: Path) -> str:
     with path.open("rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
@@ -108,7 +84,8 @@ class Checkpointer:
         self.dist = dist
         self.emit = emit
         self.envelope = envelope  # job_id, rank, attempt, node for the events this rank emits
-        self.buffers: dict[str, torch.Tensor] = {}
+        self.buffers: dict[str, Any] = {}  # host copies of the live tensors (DTensors stay DTensors), by key
+        self._layout: list[tuple[str, torch.Size, torch.dtype]] = []
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.last_step: int | None = None
@@ -116,33 +93,41 @@ class Checkpointer:
         self._copy_stream: torch.cuda.Stream | None = None
         self._copied: torch.cuda.Event | None = None  # the last snapshot's copies, until before_update
 
-    def prepare(self, live: dict[str, torch.Tensor]) -> None:
-        """Allocate the host buffers once; pinned on CUDA so device-to-host copies run at full speed."""
+    def prepare(self, live: dict[str, Any]) -> None:
+        """Allocate the host buffers (again only when the state's layout changed); pinned on CUDA so
+        device-to-host copies run at full speed."""
+        tensors = {k: v for k, v in live.items() if isinstance(v, torch.Tensor)}
+        layout = [(k, t.shape, t.dtype) for k, t in tensors.items()]
+        if layout == self._layout:
+            return
         pin = self.dist.device.type == "cuda"
-        self.buffers = {k: torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin) for k, t in live.items()}
+        self.buffers = _create_cpu_state_dict(tensors, pin_memory=pin)
+        self._layout = layout
         if not pin:
             for buf in self.buffers.values():
-                buf.zero_()  # fault the pages in now, not during the first save's stall
+                local = buf.to_local() if isinstance(buf, DTensor) else buf
+                local.zero_()  # fault the pages in now, not during the first save's stall
 
-    def snapshot(self, live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Copy the live tensors into the host buffers. On CUDA the copies are only queued, on a side stream
-        after the step's work: the host goes on at once, the copy overlaps the next forward/backward, and
-        `before_update` keeps the next optimizer step (the first write to this state) behind it."""
-        if not self.buffers:
-            self.prepare(live)
+    def snapshot(self, live: dict[str, Any]) -> dict[str, Any]:
+        """Copy the live state into the host buffers (values that are not tensors are copied as they are).
+        On CUDA the copies are only queued, on a side stream after the step's work: the host goes on at once,
+        the copy overlaps the next forward/backward, and `before_update` keeps the next optimizer step (the
+        first write to this state) behind it."""
+        self.prepare(live)
+        out: dict[str, Any] = {k: (v if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for k, v in live.items()}
+        tensors = {k: v for k, v in live.items() if isinstance(v, torch.Tensor)}
         if self.dist.device.type != "cuda":
-            for key, t in live.items():
-                self.buffers[key].copy_(t.detach())
-            return self.buffers
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(self.dist.device)
-        self._copy_stream.wait_stream(torch.cuda.current_stream(self.dist.device))
-        with torch.cuda.stream(self._copy_stream):
-            for key, t in live.items():
-                self.buffers[key].copy_(t.detach(), non_blocking=True)
-        self._copied = torch.cuda.Event()
-        self._copied.record(self._copy_stream)
-        return self.buffers
+            _copy_state_dict(tensors, self.buffers)
+        else:
+            if self._copy_stream is None:
+                self._copy_stream = torch.cuda.Stream(self.dist.device)
+            self._copy_stream.wait_stream(torch.cuda.current_stream(self.dist.device))
+            with torch.cuda.stream(self._copy_stream):
+                _copy_state_dict(tensors, self.buffers, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record(self._copy_stream)
+        out.update(self.buffers)
+        return out
 
     def before_update(self) -> None:
         """Call before changing the live state in place: a GPU-side wait for the snapshot copy, no host sync."""
@@ -150,21 +135,13 @@ class Checkpointer:
             torch.cuda.current_stream(self.dist.device).wait_event(self._copied)
             self._copied = None
 
-    def snapshot_done(self) -> None:
-        """Block until the last snapshot is in host memory (the writer does this before writing)."""
-        if self._copied is not None:
-            self._copied.synchronize()
-
-    def save(self, step: int, live: dict[str, torch.Tensor], stream: TokenStream) -> float:
+    def save(self, step: int, live: dict[str, Any], position: DataPosition) -> float:
         """Snapshot now and write in the background; returns the stall (seconds the caller was blocked)."""
         started = time.perf_counter()
         self.wait()  # the buffers are reused: the previous write must be done with them
-        state: dict[str, object] = dict(self.snapshot(live))
-        position = stream.position()
+        state = self.snapshot(live)
         state[META_KEY] = json.dumps({"step": step, "next_batch": position.next_batch,
                                       "skipped": position.skipped, "world_size": self.dist.world_size})
-        for kind, t in _rng_state(self.dist.device).items():
-            state[f"rng.{kind}.{self.dist.rank}"] = t
         stall = time.perf_counter() - started
         path = self.staged_dir(step, self.timeline)
         copied = self._copied
@@ -239,9 +216,8 @@ def verify(path: Path, shards: list[ShardInfo]) -> None:
                                     f"{shard.sha256}; the file is damaged, restore another checkpoint")
 
 
-def load(path: Path, live: dict[str, torch.Tensor], stream: TokenStream, dist: Dist,
-         shards: list[ShardInfo] | None = None) -> int:
-    """Load a checkpoint into the live tensors (any saved world size) and seek the stream; returns its step."""
+def load(path: Path, state: TrainState, dist: Dist, shards: list[ShardInfo] | None = None) -> tuple[int, DataPosition]:
+    """Load a checkpoint into the registered state (any saved world size); returns its step and data position."""
     if shards is not None:
         verify(path, shards)
     reader = dcp.FileSystemReader(path)
@@ -250,30 +226,22 @@ def load(path: Path, live: dict[str, torch.Tensor], stream: TokenStream, dist: D
     except Exception as exc:
         raise CorruptCheckpoint(f"checkpoint {path} has no readable .metadata (incomplete or not a checkpoint): "
                                 f"{exc}") from None
-    dest: dict[str, object] = dict(live)
-    dest[META_KEY] = ""
-    rng_keys = [k for k in (f"rng.cpu.{dist.rank}", f"rng.cuda.{dist.rank}") if k in saved]
-    for key in rng_keys:
-        md = saved[key]
-        assert isinstance(md, TensorStorageMetadata)
-        dest[key] = torch.empty(md.size, dtype=md.properties.dtype)
-    missing = sorted(set(live) - set(saved))
+    if META_KEY not in saved:
+        raise CorruptCheckpoint(f"checkpoint {path} was not written by Flightdeck's trainer API (no {META_KEY!r} item)")
+    dest = state.load_target(saved)
+    missing = sorted(keys(dest) - set(saved))
     if missing:
-        raise CorruptCheckpoint(f"checkpoint {path} does not fit this model: it lacks {missing[:3]} "
-                                f"({len(missing)} tensors); was it saved from another model spec?")
+        raise CorruptCheckpoint(f"checkpoint {path} does not fit the registered state: it lacks {missing[:3]} "
+                                f"({len(missing)} items); was it saved from another model or optimizer?")
+    dest[META_KEY] = ""
     try:
         dcp.load(dest, storage_reader=reader, process_group=dist.ckpt_group, no_dist=dist.ckpt_group is None)
     except Exception as exc:
         raise CorruptCheckpoint(f"cannot load checkpoint {path}: {type(exc).__name__}: {exc}") from exc
-    meta = json.loads(str(dest[META_KEY]))
-    stream.seek(DataPosition(next_batch=meta["next_batch"], skipped=[tuple(w) for w in meta["skipped"]]))
-    if f"rng.cpu.{dist.rank}" in rng_keys:
-        torch.set_rng_state(_as_tensor(dest[f"rng.cpu.{dist.rank}"]))
-    if f"rng.cuda.{dist.rank}" in rng_keys and dist.device.type == "cuda":
-        torch.cuda.set_rng_state(_as_tensor(dest[f"rng.cuda.{dist.rank}"]), dist.device)
-    return int(meta["step"])
-
-
-def _as_tensor(value: object) -> torch.Tensor:
-    assert isinstance(value, torch.Tensor)
-    return value
+    meta = json.loads(str(dest.pop(META_KEY)))
+    try:
+        state.apply(dest)
+    except Exception as exc:
+        raise CorruptCheckpoint(f"checkpoint {path} does not fit the registered state: {type(exc).__name__}: "
+                                f"{exc}") from exc
+    return int(meta["step"]), DataPosition(next_batch=meta["next_batch"], skipped=[tuple(w) for w in meta["skipped"]])

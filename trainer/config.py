@@ -1,12 +1,22 @@
-"""What one rank is told to do: command-line flags plus the torchrun environment, read once into a RunConfig."""
+"""What one rank is told to do, read once into a RunConfig: the variables the node agent sets
+(events/nodelocal.py) plus torchrun's. Without a job id a script runs in no-platform mode: job "local",
+telemetry off (or to $FLIGHTDECK_EVENTS_LOG), checkpoints under .flightdeck/staging/local/, and a torchrun
+restart resumes from the newest one there."""
 
 import argparse
 import os
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from events.spec import JobSpec, parse_spec
+import msgspec
+
+from events import nodelocal as nl
+from events.plan import ParallelPlan
+from events.spec import JobSpec, check, parse_spec
+
+LOCAL_JOB = "local"
 
 
 @dataclass(frozen=True)
@@ -26,50 +36,93 @@ class RunConfig:
     sync_every: int  # steps between the collectives that agree on commands and SIGTERM
     events_log: Path | None  # every emitted event also appended here as a JSON line
     checkpoints: Path | None = None  # the node's cache of committed checkpoints: <dir>/<job>/<checkpoint_id>/
+    plan: ParallelPlan | None = None  # None: plain data parallel over the world
+    platform: bool = True  # started by a node agent (a job id was given)
+    resume_local: bool = False  # no-platform mode after a torchrun restart: resume from the newest staged set
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m trainer", description="Run one training rank.")
-    p.add_argument("--job-id", required=True)
-    p.add_argument("--spec", required=True, type=Path, help="TOML job spec")
-    p.add_argument("--attempt", type=int, default=None,
-                   help="the job's attempt (default: torchrun's TORCHELASTIC_RESTART_COUNT, else 0)")
-    p.add_argument("--node", default=socket.gethostname())
-    p.add_argument("--nats", default=None, help="broker URL; absent: telemetry off")
-    p.add_argument("--staging", type=Path, default=Path(".flightdeck/staging"))
-    p.add_argument("--restore", type=Path, default=None, help="checkpoint directory to load first")
-    p.add_argument("--manifest", type=Path, default=None,
-                   help="JSON {'shards': [{path, size, sha256}]} to verify --restore against "
-                        "(default: <restore>/MANIFEST.json when it exists)")
-    p.add_argument("--checkpoints", type=Path, default=None,
-                   help="the node's cache of committed checkpoints (<dir>/<job>/<checkpoint_id>/), for rollbacks")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--sync-every", type=int, default=10)
-    p.add_argument("--events-log", type=Path, default=None)
-    return p
+def _int(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name, "")
+    try:
+        return int(raw) if raw else default
+    except ValueError:
+        raise ValueError(f"${name} must be an integer, got {raw!r}") from None
 
 
-def from_args(argv: list[str] | None = None, env: dict[str, str] | None = None) -> RunConfig:
-    args = parser().parse_args(argv)
-    env = dict(os.environ) if env is None else env
-    spec = parse_spec(args.spec.read_bytes())
-    if args.sync_every < 1:
-        raise ValueError(f"--sync-every must be at least 1, got {args.sync_every}")
-    device = args.device
+def from_env(env: Mapping[str, str] | None = None) -> RunConfig:
+    env = os.environ if env is None else env
+    job_id = env.get(nl.JOB_ENV, "")
+    world_size = _int(env, "WORLD_SIZE", 1)
+    spec_path = env.get(nl.SPEC_ENV, "")
+    spec = parse_spec(Path(spec_path).read_bytes()) if spec_path else check(JobSpec(name="local", slots=world_size))
+    sync_every = _int(env, nl.SYNC_EVERY_ENV, 10)
+    if sync_every < 1:
+        raise ValueError(f"${nl.SYNC_EVERY_ENV} must be at least 1, got {sync_every}")
+    device = env.get(nl.DEVICE_ENV, "") or "auto"
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"${nl.DEVICE_ENV} must be auto, cpu or cuda, got {device!r}")
     if device == "auto":
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    manifest = args.manifest
-    if manifest is None and args.restore is not None:
-        manifest = next((args.restore / n for n in ("MANIFEST.json", "manifest.json")
-                         if (args.restore / n).exists()), None)
+    restore = Path(env[nl.RESTORE_ENV]) if env.get(nl.RESTORE_ENV) else None
+    manifest = Path(env[nl.MANIFEST_ENV]) if env.get(nl.MANIFEST_ENV) else None
+    if manifest is None and restore is not None:
+        manifest = next((restore / n for n in ("MANIFEST.json", "manifest.json") if (restore / n).exists()), None)
+    plan = None
+    if raw := env.get(nl.PLAN_ENV, ""):
+        try:
+            plan = msgspec.json.decode(raw, type=ParallelPlan)
+        except msgspec.DecodeError as exc:
+            raise ValueError(f"${nl.PLAN_ENV} is not a parallel plan: {exc}") from None
+    restarts = _int(env, "TORCHELASTIC_RESTART_COUNT", 0)
     # Under plain torchrun a restart re-runs the same command line: its restart count is the attempt.
-    attempt = args.attempt if args.attempt is not None else int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    attempt = _int(env, nl.ATTEMPT_ENV, restarts)
     return RunConfig(
-        job_id=args.job_id, spec=spec, attempt=attempt, node=args.node, nats_url=args.nats,
-        staging=args.staging, restore=args.restore, manifest=manifest, checkpoints=args.checkpoints,
-        rank=int(env.get("RANK", "0")), world_size=int(env.get("WORLD_SIZE", "1")),
-        local_rank=int(env.get("LOCAL_RANK", "0")), device=device, sync_every=args.sync_every,
-        events_log=args.events_log,
+        job_id=job_id or LOCAL_JOB, spec=spec, attempt=attempt, node=env.get(nl.NODE_ENV, "") or socket.gethostname(),
+        nats_url=env.get(nl.NATS_ENV) if job_id else None,
+        staging=Path(env.get(nl.STAGING_ENV, "") or ".flightdeck/staging"), restore=restore, manifest=manifest,
+        checkpoints=Path(env[nl.CACHE_ENV]) if env.get(nl.CACHE_ENV) else None,
+        rank=_int(env, "RANK", 0), world_size=world_size, local_rank=_int(env, "LOCAL_RANK", 0), device=device,
+        sync_every=sync_every, events_log=Path(env[nl.EVENTS_LOG_ENV]) if env.get(nl.EVENTS_LOG_ENV) else None,
+        plan=plan, platform=bool(job_id), resume_local=not job_id and restore is None and restarts > 0,
     )
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m trainer",
+        description="Run one rank of the built-in trainer. The node agent sets these through the environment "
+                    "(events/nodelocal.py); the flags are for running it by hand, and override the environment.")
+    p.add_argument("--job-id")
+    p.add_argument("--spec", type=Path, help="TOML job spec")
+    p.add_argument("--attempt", type=int, help="the job's attempt (default: torchrun's TORCHELASTIC_RESTART_COUNT)")
+    p.add_argument("--node")
+    p.add_argument("--nats", help="broker URL; absent: telemetry off")
+    p.add_argument("--staging", type=Path)
+    p.add_argument("--restore", type=Path, help="checkpoint directory to load first")
+    p.add_argument("--manifest", type=Path, help="JSON {'shards': [{path, size, sha256}]} to verify --restore "
+                                                 "against (default: <restore>/MANIFEST.json when it exists)")
+    p.add_argument("--checkpoints", type=Path,
+                   help="the node's cache of committed checkpoints (<dir>/<job>/<checkpoint_id>/), for rollbacks")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--sync-every", type=int)
+    p.add_argument("--events-log", type=Path)
+    return p
+
+
+FLAG_ENV = {"job_id": nl.JOB_ENV, "spec": nl.SPEC_ENV, "attempt": nl.ATTEMPT_ENV, "node": nl.NODE_ENV,
+            "nats": nl.NATS_ENV, "staging": nl.STAGING_ENV, "restore": nl.RESTORE_ENV, "manifest": nl.MANIFEST_ENV,
+            "checkpoints": nl.CACHE_ENV, "device": nl.DEVICE_ENV, "sync_every": nl.SYNC_EVERY_ENV,
+            "events_log": nl.EVENTS_LOG_ENV}
+
+
+def flags_to_env(argv: list[str] | None, env: dict[str, str] | os._Environ[str]) -> None:
+    """Put `python -m trainer`'s flags into `env`, where the trainer API reads them."""
+    args = parser().parse_args(argv)
+    for name, var in FLAG_ENV.items():
+        value = getattr(args, name)
+        if value is not None:
+            env[var] = str(value)
+    if args.nats is None and args.job_id is not None:
+        env.pop(nl.NATS_ENV, None)  # a job id without --nats: telemetry off, as the flags always meant

@@ -12,8 +12,6 @@ from pathlib import Path
 
 import torch
 
-from events.checkpoint import DataPosition
-
 CORPUS = Path(__file__).resolve().parent / "data" / "kjv-genesis-ruth.txt"
 SYNTHETIC_TOKENS = 1 << 17
 SYNTHETIC_BRANCHING = 4  # successors per token: the synthetic stream's loss floor is ln(4) nats
@@ -44,7 +42,7 @@ def _batch_seed(seed: int, index: int) -> int:
 
 
 class TokenStream:
-    """Batches for one rank, read in batch-index order, skipping the windows it was told to skip."""
+    """One rank's slice of any global batch, by index (which index a step reads: trainer/cursor.py)."""
 
     def __init__(self, tokens: torch.Tensor, *, seq_len: int, batch_size: int, seed: int, rank: int,
                  world_size: int, vocab_size: int) -> None:
@@ -59,9 +57,6 @@ class TokenStream:
         self.vocab_size = vocab_size
         rows = torch.tensor_split(torch.arange(batch_size), world_size)[rank]
         self.rows = slice(int(rows[0]), int(rows[-1]) + 1)
-        self.next_batch = 0
-        self.skipped: list[tuple[int, int]] = []
-        self.poisoned: list[tuple[int, int]] = []  # drill windows whose batches are replaced by noise
 
     @property
     def local_batch(self) -> int:
@@ -70,33 +65,6 @@ class TokenStream:
     def batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), each (local batch, seq_len), for global batch `index`."""
         g = torch.Generator().manual_seed(_batch_seed(self.seed, index))
-        if any(a <= index < b for a, b in self.poisoned):
-            noise = torch.randint(0, self.vocab_size, (self.batch_size, self.seq_len + 1), generator=g)
-            window = noise[self.rows]
-        else:
-            offsets = torch.randint(0, self.tokens.numel() - self.seq_len, (self.batch_size,), generator=g)
-            window = self.tokens[offsets[self.rows, None] + torch.arange(self.seq_len + 1)]
+        offsets = torch.randint(0, self.tokens.numel() - self.seq_len, (self.batch_size,), generator=g)
+        window = self.tokens[offsets[self.rows, None] + torch.arange(self.seq_len + 1)]
         return window[:, :-1], window[:, 1:]
-
-    def next_index(self) -> int:
-        """The batch index the next step reads, after skips; advances the stream."""
-        index = self.next_batch
-        moved = True
-        while moved:
-            moved = False
-            for a, b in self.skipped:
-                if a <= index < b:
-                    index, moved = b, True
-        self.next_batch = index + 1
-        return index
-
-    def skip(self, start: int, end: int) -> None:
-        if end > start:
-            self.skipped.append((start, end))
-
-    def position(self) -> DataPosition:
-        return DataPosition(next_batch=self.next_batch, skipped=list(self.skipped))
-
-    def seek(self, position: DataPosition) -> None:
-        self.next_batch = position.next_batch
-        self.skipped = [(int(a), int(b)) for a, b in position.skipped]

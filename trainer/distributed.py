@@ -1,13 +1,11 @@
-"""One rank per process: the torch.distributed groups, the DDP wrap, and the small collective that makes
-every rank act on the same command at the same step."""
+"""One rank per process: the torch.distributed groups, and the small collective that makes every rank act on
+the same command at the same step."""
 
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 
@@ -25,12 +23,6 @@ class Dist:
     @property
     def distributed(self) -> bool:
         return self.ctl_group is not None
-
-    def wrap(self, model: nn.Module) -> nn.Module:
-        if not self.distributed:
-            return model
-        ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=ids)
 
     def agree(self, flags: list[int], payload: bytes) -> tuple[list[int], bytes]:
         """Every rank's flags OR-ed together (any rank's 1 wins) and rank 0's payload, on every rank."""
@@ -67,9 +59,10 @@ def init(rank: int, world_size: int, local_rank: int, device: str) -> Dist:
         dev = torch.device("cpu")
     if world_size == 1:
         return Dist(rank, 1, dev, None, None)
-    backend = "nccl" if device == "cuda" else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT,
-                            device_id=dev if device == "cuda" else None)
+    if not dist.is_initialized():  # a script may have joined its own group already
+        backend = "nccl" if device == "cuda" else "gloo"
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT,
+                                device_id=dev if device == "cuda" else None)
     ctl = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
     ckpt = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
     return Dist(rank, world_size, dev, ctl, ckpt)

@@ -2,9 +2,10 @@
 
     crash       exit with CRASH_EXIT_CODE at the step
     hang        stop stepping at the step (heartbeats go on) until SIGTERM
-    loss_spike  global batches [step, step + SPIKE_BATCHES) are noise: every rank's loss jumps; a
-                rollback that skips that window removes it, which is the recovery being drilled
-    nonfinite   the rank's loss is NaN at the step (the optimizer step is skipped on every rank)
+    loss_spike  global batches [step, step + SPIKE_BATCHES) are poisoned: every rank's reported loss for them is
+                multiplied by trainer.reports.SPIKE_FACTOR; a rollback that skips that window removes it,
+                which is the recovery being drilled
+    nonfinite   the rank reports a NaN loss at the step
     slow        the rank sleeps `seconds` per step from the step on
 Each fires at most once per process, except `slow` (every step) and the spike's noisy data.
 """
@@ -36,6 +37,9 @@ class Faults:
                 self._fired.add(i)
                 out.append(f)
         return out
+
+    def poisoned(self, batch_index: int) -> bool:
+        return any(a <= batch_index < b for a, b in self.poison)
 
     def slow_seconds(self, step: int) -> float:
         return sum(f.seconds for f in self.mine if f.kind == "slow" and f.step <= step)

@@ -6,6 +6,7 @@ import math
 import os
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol
 
@@ -94,28 +95,42 @@ class Emitter:
         os._exit(code)
 
 
+SPIKE_FACTOR = 10.0  # a drill's loss spike multiplies the reported loss of the poisoned batches
+
+
 class StepReporter:
-    def __init__(self, emitter: Emitter, device: torch.device, local_tokens: int) -> None:
+    """Turns each step's values (loss, grad norm, the script's metrics: tensors or numbers) into StepCompleted.
+    On CUDA the tensors are stacked and copied to pinned memory without blocking, and read one step later."""
+
+    def __init__(self, emitter: Emitter, device: torch.device) -> None:
         self.emitter = emitter
         self.cuda = device.type == "cuda"
-        self.local_tokens = local_tokens
         self.step_times: list[float] = []
         self.losses: dict[int, float] = {}
         self._last_report = time.perf_counter()
-        self._pending: tuple[int, torch.Tensor, torch.cuda.Event, float, float] | None = None
-        self._host = [torch.empty(2, dtype=torch.float32, pin_memory=self.cuda) for _ in range(2)]
+        self._pending: _Pending | None = None
+        self._host: dict[int, list[torch.Tensor]] = {}  # by number of tensor values: two pinned buffers each
 
-    def record(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, started: float) -> None:
-        values = torch.stack([loss.float(), grad_norm.float()])
+    def record(self, step: int, values: dict[str, torch.Tensor | float], *, lr: float, tokens: float,
+               started: float, scale: float = 1.0) -> None:
+        """`values` holds "loss", "grad_norm" (0.0 when not known) and the custom metrics; `scale` is applied to
+        the loss when it is read (a drill's spike, or NaN)."""
         if not self.cuda:
-            a, b = values.tolist()
-            self._report(step, a, b, lr, started)
+            read = {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in values.items()}
+            self._report(step, read, lr, tokens, started, scale)
             return
-        host = self._host[step % 2]
-        host.copy_(values, non_blocking=True)
+        names = [k for k, v in values.items() if isinstance(v, torch.Tensor)]
+        host: torch.Tensor | None = None
+        if names:
+            stacked = torch.stack([values[k].detach().float().reshape(()) for k in names])  # type: ignore[union-attr]
+            pair = self._host.setdefault(len(names), [torch.empty(len(names), dtype=torch.float32, pin_memory=True)
+                                                      for _ in range(2)])
+            host = pair[step % 2]
+            host.copy_(stacked, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        previous, self._pending = self._pending, (step, host, done, lr, started)
+        plain = {k: float(v) for k, v in values.items() if not isinstance(v, torch.Tensor)}
+        previous, self._pending = self._pending, _Pending(step, names, host, plain, done, lr, tokens, started, scale)
         if previous is not None:
             self._finish(previous)
 
@@ -124,26 +139,44 @@ class StepReporter:
             previous, self._pending = self._pending, None
             self._finish(previous)
 
-    def _finish(self, pending: tuple[int, torch.Tensor, torch.cuda.Event, float, float]) -> None:
-        step, host, done, lr, started = pending
-        done.synchronize()  # waits for that step only; the next one is already queued behind it
-        a, b = host.tolist()
-        self._report(step, a, b, lr, started)
+    def _finish(self, p: "_Pending") -> None:
+        p.done.synchronize()  # waits for that step only; the next one is already queued behind it
+        read: dict[str, float] = dict(p.plain)
+        if p.host is not None:
+            read.update(zip(p.names, p.host.tolist(), strict=True))
+        self._report(p.step, read, p.lr, p.tokens, p.started, p.scale)
 
-    def _report(self, step: int, loss: float, grad_norm: float, lr: float, started: float) -> None:
+    def _report(self, step: int, values: dict[str, float], lr: float, tokens: float, started: float,
+                scale: float) -> None:
         now = time.perf_counter()
         # From the later of the step's start and the previous report: on CUDA a step's work overlaps the
         # host's wait for the step before it, and a pause or checkpoint before the step is not its time.
         step_time = now - max(started, self._last_report)
         self._last_report = now
         self.step_times.append(step_time)
+        loss = float(values.pop("loss")) * scale
+        grad_norm = float(values.pop("grad_norm"))
         self.losses[step] = loss
         env = self.emitter.envelope
+        metrics = {k: float(v) for k, v in values.items()}
         self.emitter.emit(StepCompleted(step=step, loss=loss, grad_norm=grad_norm, lr=lr,
-                                        tokens_per_s=self.local_tokens / step_time if step_time > 0 else 0.0,
-                                        step_time_s=step_time, **env))
+                                        tokens_per_s=tokens / step_time if step_time > 0 and tokens else 0.0,
+                                        step_time_s=step_time, metrics=metrics,
+                                        schema_version=2 if metrics else 1, **env))
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             self.emitter.emit(RankFault(kind="nonfinite", error_type="NonFiniteLoss", step=step,
-                                        message=f"loss {loss}, grad norm {grad_norm} at step {step}: "
-                                                "the optimizer step was skipped on every rank", **env))
+                                        message=f"loss {loss}, grad norm {grad_norm} at step {step}", **env))
         self.emitter.set_step(step, step_time)
+
+
+@dataclass(frozen=True)
+class _Pending:
+    step: int
+    names: list[str]
+    host: torch.Tensor | None
+    plain: dict[str, float]
+    done: torch.cuda.Event
+    lr: float
+    tokens: float
+    started: float
+    scale: float

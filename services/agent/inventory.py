@@ -118,12 +118,3 @@ async def selfcheck(python: str, inv: Inventory, timeout_s: float) -> Verdict:
         return Verdict(True, seconds, f"devices: {devices}; checks took {result.get('seconds', '?')}s")
     reason = str(result.get("reason") or err.decode(errors="replace").strip()[-2000:] or "no verdict printed")
     return Verdict(False, seconds, f"exit code {proc.returncode}: {reason}")
-
-
-async def trainer_accepts(python: str, flag: str) -> bool:
-    """Whether `python -m trainer` takes `flag` (read from its parser, without importing torch)."""
-    proc = await asyncio.create_subprocess_exec(
-        python, "-c", "from trainer.config import parser; print(parser().format_help())", cwd=REPO,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
-    out, _ = await proc.communicate()
-    return proc.returncode == 0 and flag in out.decode().split()

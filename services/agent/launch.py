@@ -49,7 +49,6 @@ class Launch:
     nats_url: str
     device: str  # "cpu" or "cuda"
     grace_s: float  # SIGTERM, then this long, then SIGKILL
-    checkpoints_flag: bool  # the trainer accepts --checkpoints (where rollbacks find committed checkpoints)
     python: str = sys.executable
     beats: str = ""  # the agent's heartbeat socket (services/agent/beats.py); "": ranks publish their own
     step_reports: str = "all"  # "rank0": ranks > 0 leave their steps to the agent's batches (trainer/beats.py)
@@ -61,7 +60,7 @@ def exit_msg_id(producer: str, job_id: str, attempt: int, rank: int) -> str:
 
 def rank_base_env() -> dict[str, str]:
     """What every rank's environment holds besides its rendezvous variables (a standby starts with this)."""
-    return {**os.environ, "OMP_NUM_THREADS": "1",
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",  # a rank's lines reach its log as printed
             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))}
 
 

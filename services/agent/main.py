@@ -35,7 +35,6 @@ from services.agent.inventory import (
     default_node,
     detect,
     selfcheck,
-    trainer_accepts,
 )
 from services.agent.launch import REPO, Launch, Paths, die_with_agent, standby_env
 from services.agent.spawner import Spawner, retrying
@@ -151,7 +150,7 @@ async def run_agent(options: AgentOptions, stop_event: asyncio.Event | None = No
         async with open_store(objects or str(root / "objects")) as objs:
             beats = new_address(node) if heartbeats == "node" else ""  # the relay's socket, bound below
             launch = Launch(nats_url=url, device="cuda" if inv.kind == "gpu" else "cpu", grace_s=grace_s,
-                            checkpoints_flag=await trainer_accepts(python, "--checkpoints"), beats=beats,
+                            beats=beats,
                             step_reports=step_reports)
             pool = StandbyPool(size=standbys, python=python, env=standby_env(), cwd=REPO,
                                log_file=Paths(root).standby_log, preexec=die_with_agent(os.getpid()), producer=producer)
@@ -174,7 +173,7 @@ async def run_agent(options: AgentOptions, stop_event: asyncio.Event | None = No
             await register(store, node, producer, inv, address, verdict)
             log.info("node registered", kind=inv.kind, slots=inv.slots, selfcheck_ok=verdict.ok,
                      selfcheck_s=round(verdict.seconds, 2), detail=verdict.detail, orphans_recorded=lost,
-                     trainer_checkpoints_flag=launch.checkpoints_flag, standbys=pool.size)
+                     standbys=pool.size)
             if not verdict.ok:  # cordoned: it gets no ranks
                 await pool.close()
                 spawner.standbys = None

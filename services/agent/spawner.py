@@ -15,13 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import structlog
 
+from events import nodelocal as nl
+from events.codec import MAX_CAUSE
 from events.heartbeats import LocalBeat
 from events.history import append_to_job
 from events.job import SlotRef, WorkersExited, WorkersStarted
-from events.nodelocal import BEATS_ENV, STEP_REPORTS_ENV
+from events.spec import spec_toml
 from events.store import EventStore
 from services.agent.core import (
     EVICT,
@@ -125,6 +126,10 @@ class Spawner:
         if all((args.job_id, args.attempt, r.rank) in self.procs for r in args.ranks):
             return []  # this process started them already
         await self._clear_slots(args)
+        cmd, cwd = self._command(args)
+        entry_env = args.spec.entrypoint.env if args.spec.entrypoint is not None else {}
+        if (problem := runnable_problem(cmd, cwd, entry_env.get("PATH") or os.environ.get("PATH", ""))) is not None:
+            return await self._not_started(args, problem, unrunnable=True)
         restore: Path | None = None
         if args.restore is not None:
             try:
@@ -170,37 +175,50 @@ class Spawner:
         path = self.paths.spec(args.job_id)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_bytes(msgspec.toml.encode(args.spec))
+        tmp.write_bytes(spec_toml(args.spec))
         os.replace(tmp, path)
         return path
 
-    def _command(self, args: SpawnArgs, spec_file: Path, restore: Path | None) -> list[str]:
-        cmd = [self.launch.python, "-m", "trainer", "--job-id", args.job_id, "--spec", str(spec_file),
-               "--attempt", str(args.attempt), "--node", self.node, "--nats", self.launch.nats_url,
-               "--staging", str(self.paths.staging), "--device", self.launch.device]
-        if restore is not None:
-            cmd += ["--restore", str(restore), "--manifest", str(restore / manifest.MANIFEST)]
-        if self.launch.checkpoints_flag:
-            cmd += ["--checkpoints", str(self.paths.root / "cache")]
-        return cmd
+    def _command(self, args: SpawnArgs) -> tuple[list[str], Path]:
+        """What a rank runs, and where: the job's entrypoint, or the built-in trainer. "python" is this node's
+        Python (the one with torch and Flightdeck); a relative cwd is taken from the agent's working directory."""
+        entry = args.spec.entrypoint
+        if entry is None:
+            return [self.launch.python, "-m", "trainer"], REPO
+        argv = list(entry.command)
+        if argv[0] in ("python", "python3"):
+            argv[0] = self.launch.python
+        return argv, Path.cwd() / entry.cwd if entry.cwd else Path.cwd()
 
-    async def _start_rank(self, args: SpawnArgs, ref: SlotRef, spec_file: Path, restore: Path | None) -> RankProc:
-        env = {**rank_base_env(),
+    def _rank_env(self, args: SpawnArgs, ref: SlotRef, spec_file: Path, restore: Path | None) -> dict[str, str]:
+        entry = args.spec.entrypoint
+        env = {**rank_base_env(), **(entry.env if entry is not None else {}),
                "RANK": str(ref.rank), "WORLD_SIZE": str(args.world_size),
                # the slot is the device index: two jobs on one node never share a GPU
-               "LOCAL_RANK": str(ref.slot), "MASTER_ADDR": args.master_addr, "MASTER_PORT": str(args.master_port)}
+               "LOCAL_RANK": str(ref.slot), "MASTER_ADDR": args.master_addr, "MASTER_PORT": str(args.master_port),
+               nl.JOB_ENV: args.job_id, nl.ATTEMPT_ENV: str(args.attempt), nl.NODE_ENV: self.node,
+               nl.NATS_ENV: self.launch.nats_url, nl.SPEC_ENV: str(spec_file), nl.STAGING_ENV: str(self.paths.staging),
+               nl.CACHE_ENV: str(self.paths.root / "cache"), nl.DEVICE_ENV: self.launch.device}
+        for stale in (nl.RESTORE_ENV, nl.MANIFEST_ENV, nl.PLAN_ENV, nl.EVENTS_LOG_ENV, nl.SYNC_EVERY_ENV):
+            env.pop(stale, None)  # never inherited from the agent's own environment
+        if restore is not None:
+            env[nl.RESTORE_ENV], env[nl.MANIFEST_ENV] = str(restore), str(restore / manifest.MANIFEST)
         rank_env(env, args.job_id, self.paths.root)  # the job's broker credential, never the agent's own
         if self.launch.beats:
-            env[BEATS_ENV], env[STEP_REPORTS_ENV] = self.launch.beats, self.launch.step_reports
-        cmd = self._command(args, spec_file, restore)
+            env[nl.BEATS_ENV], env[nl.STEP_REPORTS_ENV] = self.launch.beats, self.launch.step_reports
+        return env
+
+    async def _start_rank(self, args: SpawnArgs, ref: SlotRef, spec_file: Path, restore: Path | None) -> RankProc:
+        env = self._rank_env(args, ref, spec_file, restore)
+        cmd, cwd = self._command(args)
         log_path = self.paths.log(args.job_id, args.attempt, ref.rank)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         out = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:
-            proc = self._hand_to_standby(cmd, env, out, ref.rank)
+            proc = self._hand_to_standby(cmd, env, cwd, out, ref.rank)
             if proc is None:
                 proc = await asyncio.create_subprocess_exec(
-                    *cmd, cwd=REPO, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=out,
+                    *cmd, cwd=cwd, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=out,
                     stderr=asyncio.subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_agent(os.getpid()))
         finally:
             os.close(out)
@@ -211,19 +229,20 @@ class Spawner:
         """Whether process `pid` is the rank `beat` claims to be (a heartbeat relayed for anyone else is refused)."""
         return self.pids.get(pid) == (beat.job_id, beat.attempt, beat.rank)
 
-    def _hand_to_standby(self, cmd: list[str], env: dict[str, str], log_fd: int,
+    def _hand_to_standby(self, cmd: list[str], env: dict[str, str], cwd: Path, log_fd: int,
                          rank: int) -> asyncio.subprocess.Process | None:
         """The rank started by a warm standby (standbys.py), or None: start it cold."""
         while self.standbys is not None and (standby := self.standbys.take()) is not None:
-            if self.standbys.assign(standby, cmd, env, REPO, log_fd):
+            if self.standbys.assign(standby, cmd, env, cwd, log_fd):
                 log.info("rank handed to a standby", rank=rank, pid=standby.proc.pid, ready=standby.ready)
                 return standby.proc
         return None
 
-    async def _not_started(self, args: SpawnArgs, reason: str) -> list[Emit]:
+    async def _not_started(self, args: SpawnArgs, reason: str, *, unrunnable: bool = False) -> list[Emit]:
         log.error("ranks not started", job_id=args.job_id, attempt=args.attempt, reason=reason)
         for ref in args.ranks:
-            await self.record_exit(args.job_id, args.attempt, ref.rank, START_FAILED_EXIT, args.grant_id)
+            await self.record_exit(args.job_id, args.attempt, ref.rank, START_FAILED_EXIT, args.grant_id,
+                                   cause=reason, unrunnable=unrunnable)
         return []
 
     # -- watching and stopping -----------------------------------------------------------------------
@@ -236,13 +255,18 @@ class Spawner:
             # A rank checkpoints and exits 0 on SIGTERM; recorded as 0 it would read as "finished training".
             code = -signal.SIGTERM
         log.info("rank exited", exit_code=code, returncode=p.proc.returncode)
-        await self.record_exit(p.job_id, p.attempt, p.ref.rank, code, p.cause)
+        tail = ""
+        if code != 0:
+            tail = await asyncio.to_thread(last_lines, self.paths.log(p.job_id, p.attempt, p.ref.rank))
+        await self.record_exit(p.job_id, p.attempt, p.ref.rank, code, p.cause, cause=tail)
         self.procs.pop((p.job_id, p.attempt, p.ref.rank), None)
 
-    async def record_exit(self, job_id: str, attempt: int, rank: int, code: int, cause: str) -> None:
+    async def record_exit(self, job_id: str, attempt: int, rank: int, code: int, causation_id: str, *,
+                          cause: str = "", unrunnable: bool = False) -> None:
         mid = exit_msg_id(self.producer, job_id, attempt, rank)
         event = WorkersExited(job_id=job_id, node=self.node, attempt=attempt, rank=rank, exit_code=code,
-                              event_id=mid, occurred_at=time.time(), causation_id=cause, producer=self.producer)
+                              cause=cause[-MAX_CAUSE:], unrunnable=unrunnable, event_id=mid, occurred_at=time.time(),
+                              causation_id=causation_id, producer=self.producer)
         await retrying("recording WorkersExited", lambda: append_to_job(self.store, event, msg_id=mid))
 
     def stop(self, job_id: str, attempt: int, reason: str, *, immediate: bool = False, shutdown: bool = False) -> None:
@@ -322,6 +346,40 @@ class Spawner:
         targets = [self.paths.cache(job_id, c) for c in checkpoint_ids] or [self.paths.cache(job_id)]
         for target in targets:
             await asyncio.to_thread(shutil.rmtree, target, True)
+
+
+def runnable_problem(cmd: list[str], cwd: Path, search_path: str) -> str | None:
+    """Why `cmd` cannot be started in `cwd` (the program or the directory is missing, or not executable),
+    or None. Checked before anything starts, so the job's history says so in words instead of a bare code."""
+    shown = " ".join(cmd)[:300]
+    if not cwd.is_dir():
+        return f"cannot run {shown!r}: its working directory {cwd} does not exist on node"
+    program = cmd[0]
+    if "/" in program:
+        path = program if os.path.isabs(program) else str(cwd / program)
+        found = path if os.path.isfile(path) and os.access(path, os.X_OK) else None
+    else:
+        found = shutil.which(program, path=search_path or os.defpath)
+    if found is None:
+        return f"cannot run {shown!r}: {program!r} is not an executable file (not found in the working directory " \
+               f"{cwd} or on PATH)"
+    if len(cmd) > 1 and os.path.basename(found).startswith("python") and not cmd[1].startswith("-"):
+        script = cmd[1] if os.path.isabs(cmd[1]) else str(cwd / cmd[1])
+        if not os.path.isfile(script):
+            return f"cannot run {shown!r}: the script {cmd[1]!r} does not exist (working directory {cwd})"
+    return None
+
+
+def last_lines(path: Path, max_bytes: int = 2048, max_lines: int = 20) -> str:
+    """The end of a rank's output: what a failed rank said last (usually its traceback)."""
+    try:
+        with path.open("rb") as f:
+            f.seek(max(f.seek(0, os.SEEK_END) - max_bytes, 0))
+            data = f.read()
+    except OSError:
+        return ""
+    lines = data.decode(errors="replace").splitlines()[-max_lines:]
+    return "\n".join(lines).strip()
 
 
 def _report_fetch(task: asyncio.Task[Path]) -> None:

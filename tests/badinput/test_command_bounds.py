@@ -12,7 +12,7 @@ from events import codec
 from events.base import Event
 from events.commands import CheckpointRequested, RollbackRequested
 from tests.trainer import ranks
-from trainer.loop import admitted
+from trainer.session import admitted
 
 pytestmark = pytest.mark.timeout(60)
 JOB = ranks.JOB
@@ -33,7 +33,7 @@ def test_a_rollback_whose_checkpoint_id_leaves_the_cache_is_refused_and_not_acte
     assert code == 0
     assert ranks.events(log, "RolledBack") == []
     assert [s for s, _ in ranks.losses(log, 0)] == list(range(6))  # no step redone, none skipped
-    assert loop.stream.next_batch == 6
+    assert loop.cursor.next_batch == 6
     # the refusal is per command: the valid one agreed at the same boundary was obeyed
     assert [e["step"] for e in ranks.events(log, "CheckpointStaged")] == [3]
     (refused,) = [e for e in logs if e["event"] == "refusing a command"]

@@ -16,8 +16,9 @@ from events.spec import parse_spec
 from services.shell.broker import free_port
 from trainer import distributed
 from trainer.config import RunConfig
-from trainer.loop import Loop
+from trainer.loop import train
 from trainer.reports import Emitter
+from trainer.session import Run
 from trainer.telemetry import Telemetry
 
 JOB = "job-c"
@@ -139,8 +140,9 @@ class ScriptedInbox:
 
 def run_loop(tmp: Path, script: dict[tuple[int, int], list[Event]], steps: int = 30, every: int = 10,
              faults: list[dict[str, Any]] | None = None,
-             checkpoints: Path | None = None) -> tuple[int, Path, ScriptedInbox, Loop]:
-    """One rank in this process (telemetry off), commands from `script`; returns its exit code and log."""
+             checkpoints: Path | None = None) -> tuple[int, Path, ScriptedInbox, Run]:
+    """One rank of the built-in trainer in this process (telemetry off), commands from `script`; returns its
+    exit code (a stop's SystemExit included), its events log and the Run."""
     tmp.mkdir(parents=True, exist_ok=True)
     spec_path = write_spec(tmp / "job.toml", train={"steps": steps, "checkpoint_every": every}, faults=faults)
     cfg = RunConfig(job_id=JOB, spec=parse_spec(spec_path.read_bytes()), attempt=0, node="n", nats_url=None,
@@ -149,8 +151,12 @@ def run_loop(tmp: Path, script: dict[tuple[int, int], list[Event]], steps: int =
     envelope = {"job_id": JOB, "rank": 0, "attempt": 0, "node": "n"}
     emitter = Emitter(Telemetry(None, JOB, 0, 0, "n"), envelope, cfg.events_log)
     inbox = ScriptedInbox(script)
-    loop = Loop(cfg, distributed.init(0, 1, 0, "cpu"), emitter, inbox)
-    inbox.step_of = lambda: loop.step
-    code = loop.run()
-    emitter.close()
-    return code, tmp / "events.jsonl", inbox, loop
+    run = Run(cfg, distributed.init(0, 1, 0, "cpu"), emitter, inbox)
+    inbox.step_of = lambda: run.step
+    try:
+        code = train(run)
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    finally:
+        run.close()
+    return code, tmp / "events.jsonl", inbox, run

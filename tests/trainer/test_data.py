@@ -1,8 +1,9 @@
-"""The token stream: deterministic, the same global batch at any world size, seekable, skip windows."""
+"""The token stream: deterministic, the same global batch at any world size; the batch cursor: skip windows, seek."""
 
 import torch
 
 from events.checkpoint import DataPosition
+from trainer.cursor import BatchCursor
 from trainer.data import CORPUS, TokenStream, load_tokens
 
 
@@ -38,23 +39,15 @@ def test_uneven_slices_cover_the_batch() -> None:
 
 
 def test_skip_windows_and_seek() -> None:
-    s = stream(load_tokens("synthetic", 64), 0, 1)
+    s = BatchCursor()
     assert [s.next_index() for _ in range(3)] == [0, 1, 2]
     s.skip(4, 6)
     s.skip(6, 8)  # windows that touch chain
     assert [s.next_index() for _ in range(3)] == [3, 8, 9]
     pos = s.position()
     assert pos == DataPosition(next_batch=10, skipped=[(4, 6), (6, 8)])
-    t = stream(load_tokens("synthetic", 64), 0, 2)
+    t = BatchCursor()
     t.seek(DataPosition(next_batch=5, skipped=[(4, 6), (6, 8)]))
     assert t.next_index() == 8
 
 
-def test_a_poisoned_window_is_noise() -> None:
-    tokens = load_tokens("corpus", 256)
-    s = stream(tokens, 0, 1)
-    clean = s.batch(5)[0]
-    s.poisoned = [(5, 6)]
-    noisy = s.batch(5)[0]
-    assert not torch.equal(clean, noisy) and int(noisy.max()) >= 128  # uniform bytes, not ASCII text
-    assert torch.equal(s.batch(6)[0], stream(tokens, 0, 1).batch(6)[0])

@@ -100,14 +100,14 @@ def test_loss_spike_shows_and_a_rollback_that_skips_the_window_removes_it(tmp_pa
     assert all(after[s] < 1.1 * before for s in range(spike, 30))  # gone after rollback + skip
 
 
-def test_nonfinite_loss_is_reported_and_the_update_skipped_on_every_rank(tmp_path: Path) -> None:
+def test_a_nonfinite_fault_reports_nan_on_its_rank_at_its_step(tmp_path: Path) -> None:
     spec = ranks.write_spec(tmp_path / "job.toml", slots=2, train={"steps": 10},
                             faults=[{"kind": "nonfinite", "step": 5, "rank": 0}])
     assert ranks.run(tmp_path, spec, world=2) == [0, 0], ranks.log_tail(tmp_path, 2)
     log = tmp_path / "events.jsonl"
     assert injected(log) == [("nonfinite", 5, 0)]
     faults = sorted((e["rank"], e["kind"], e["step"]) for e in ranks.events(log, "RankFault"))
-    assert faults == [(0, "nonfinite", 5), (1, "nonfinite", 5)]  # rank 1 sees the NaN gradient after all-reduce
+    assert faults == [(0, "nonfinite", 5)]  # injected in what the rank reports, as for any script
     zero = dict(ranks.losses(log, 0))
     assert math.isnan(zero[5])
     assert all(math.isfinite(zero[s]) for s in range(10) if s != 5)  # the weights were not poisoned

@@ -16,7 +16,7 @@ from events.streams import ensure_streams
 from services.shell import broker as broker_mod
 from tests.trainer import ranks
 from trainer.checkpointing import CorruptCheckpoint
-from trainer.loop import PAUSE_POLL_S
+from trainer.session import PAUSE_POLL_S
 
 JOB = ranks.JOB
 
@@ -33,7 +33,7 @@ def test_rollback_restores_the_checkpoint_and_skips_the_window(tmp_path: Path) -
     assert steps == list(range(20)) + list(range(10, 30))
     (rb,) = ranks.events(log, "RolledBack")
     assert (rb["checkpoint_id"], rb["to_step"], rb["skip_from"], rb["skip_to"]) == ("step-10", 10, 10, 15)
-    assert loop.stream.next_batch == 35  # batches 10..14 were skipped after the rollback
+    assert loop.cursor.next_batch == 35  # batches 10..14 were skipped after the rollback
     first, second = (loss for s, loss in ranks.losses(log, 0) if s == 10)
     assert first != second  # step 10 read batch 15 the second time
     # Commands come before the periodic save at a boundary: step 20 was saved only on the new timeline.
@@ -103,7 +103,7 @@ def test_rollback_takes_the_committed_checkpoint_from_the_node_cache_and_verifie
     rollback = cmd(RollbackRequested, checkpoint_id=cid, to_step=10, skip_from=10, skip_to=12, reason="test")
     code, log, _, loop = ranks.run_loop(tmp_path / "second", {(3, 1): [rollback]}, steps=12, every=100,
                                         checkpoints=cache)
-    assert code == 0 and loop.stream.next_batch == 14
+    assert code == 0 and loop.cursor.next_batch == 14
     assert [s for s, _ in ranks.losses(log, 0)] == [0, 1, 2, 10, 11]
 
     shard = cache / JOB / cid / "__0_0.distcp"

@@ -158,8 +158,7 @@ def test_live_ranks_follow_this_node_s_starts_and_exits() -> None:
 
 def test_the_service_reads_its_inputs_and_asks_only_for_effects_it_can_run(tmp_path: Path) -> None:
     spawner = Spawner(node="a", producer="agent-a", store=MemoryStore(), objects=LocalStore(tmp_path / "objects"),
-                      paths=Paths(tmp_path), launch=Launch(nats_url="nats://127.0.0.1:1", device="cpu", grace_s=1.0,
-                                                           checkpoints_flag=False))
+                      paths=Paths(tmp_path), launch=Launch(nats_url="nats://127.0.0.1:1", device="cpu", grace_s=1.0))
     service = agentcore.core_service("a", spawner.handlers())
     assert service.name == "agent-a" and not service.wants_tick(service.initial, 0.0)
     assert "fd.ctl.job.*.AllocationGranted" in service.control_subjects

@@ -39,7 +39,8 @@ def strategy(t: mi.Type) -> st.SearchStrategy[Any]:
         case mi.FloatType():
             return _floats(t)
         case mi.StrType(pattern=str() as pattern):
-            return st.from_regex(pattern, fullmatch=True)
+            longest = t.max_length
+            return st.from_regex(pattern, fullmatch=True).filter(lambda v: longest is None or len(v) <= longest)
         case mi.StrType():
             return st.text(min_size=t.min_length or 0, max_size=t.max_length or 40)
         case mi.BoolType():
@@ -51,7 +52,7 @@ def strategy(t: mi.Type) -> st.SearchStrategy[Any]:
         case mi.LiteralType():
             return st.sampled_from(t.values)
         case mi.ListType():
-            return st.lists(strategy(t.item_type), max_size=4)
+            return st.lists(strategy(t.item_type), min_size=t.min_length or 0, max_size=4)
         case mi.TupleType():
             return st.tuples(*(strategy(i) for i in t.item_types))
         case mi.DictType():
@@ -104,7 +105,7 @@ def test_every_tag_is_its_class_name_and_unique() -> None:
 def test_a_newer_schema_version_is_refused() -> None:
     wire = codec.encode(StepCompleted(job_id="j", rank=0, step=1, loss=1.0, grad_norm=1.0, lr=1.0, tokens_per_s=1.0,
                                       step_time_s=1.0, schema_version=StepCompleted.SCHEMA + 1))
-    with pytest.raises(codec.UnknownSchemaVersion, match=r"StepCompleted schema version 2 is newer than 1"):
+    with pytest.raises(codec.UnknownSchemaVersion, match=r"StepCompleted schema version 3 is newer than 2"):
         codec.decode(wire)
     assert issubclass(codec.UnknownSchemaVersion, codec.UndecodableEvent)
 

@@ -5,7 +5,6 @@ random traffic, every rollback naming a live checkpoint at or before its trigger
 from typing import Any
 
 import msgspec
-import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
@@ -21,7 +20,7 @@ from services.scheduler.core import core_service as scheduler
 from services.scheduler.recipes import batch_after
 from tests.unit.helpers import Agents, Bus, Fleet, register, step
 from tests.unit.test_scheduler_invariants import check
-from trainer.data import TokenStream
+from trainer.cursor import BatchCursor
 
 WINDOWS = st.lists(st.tuples(st.integers(0, 60), st.integers(0, 30)).map(lambda w: (w[0], w[0] + w[1])), max_size=4)
 
@@ -29,8 +28,7 @@ WINDOWS = st.lists(st.tuples(st.integers(0, 60), st.integers(0, 30)).map(lambda 
 @settings(max_examples=200, deadline=None)
 @given(start=st.integers(0, 40), windows=WINDOWS, n=st.integers(0, 80))
 def test_the_batch_walk_is_the_trainer_s(start: int, windows: list[tuple[int, int]], n: int) -> None:
-    stream = TokenStream(torch.zeros(64, dtype=torch.long), seq_len=8, batch_size=1, seed=0, rank=0, world_size=1,
-                         vocab_size=256)
+    stream = BatchCursor()
     stream.seek(DataPosition(next_batch=start, skipped=windows))
     read = [stream.next_index() for _ in range(n + 1)]
     assert batch_after(DataPosition(next_batch=start, skipped=windows), (), n) == read[-1]

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from events.spec import InvalidSpec, JobSpec, PolicySpec, parse_spec
+from events.spec import InvalidSpec, JobSpec, PolicySpec, parse_spec, spec_builtins
 
 TRAINER_KEYS = ("train.checkpoint_every",)
 CHANGEABLE = (*(f"policy.{name}" for name in PolicySpec.__struct_fields__), *TRAINER_KEYS)
@@ -51,7 +51,7 @@ def unknown(key: str) -> str:
 
 def apply(spec: JobSpec, settings: Mapping[str, Any]) -> JobSpec:
     """`spec` with `settings` in place, validated like a submitted spec (ranges, min_slots <= slots ...)."""
-    data = msgspec.to_builtins(spec)
+    data = spec_builtins(spec)
     for key, value in settings.items():
         section, _, name = key.partition(".")
         data[section][name] = value

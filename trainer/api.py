@@ -1,0 +1,68 @@
+"""Flightdeck's trainer API: what a training script imports (`import flightdeck`) to be run, watched,
+checkpointed and healed by Flightdeck. The whole API:
+
+    run = flightdeck.init()                      # join the job (or run alone: no-platform mode)
+    run.register(model, optimizer, **extras)     # what a checkpoint holds; extras: state_dict()/load_state_dict()
+    start = run.restore()                        # optional: steps() restores first anyway; returns the step
+    for step in run.steps():                     # commands, checkpoints, preemption, drills at step boundaries
+        x, y = my_batch(step.batch)              # read global batch `step.batch` (a rollback skips some)
+        ...                                      # forward, backward, optimizer step: your code
+        run.report(step, loss, lr=lr, **metrics) # tensors are read later: no host sync
+
+`run.rank`, `run.world_size`, `run.local_rank`, `run.device` say where this rank runs; `run.plan` is the
+parallel layout Flightdeck recorded for this world size (dp, tp, pp, micro-batches); `run.spec` the job spec.
+A stop or a preemption (SIGTERM) ends the process with exit code 0 after its checkpoint is saved. Details
+and the no-platform mode: README, "Bring your own training code".
+"""
+
+import atexit
+import sys
+from typing import Any
+
+import structlog
+
+from events.nodelocal import BeatChannel
+from trainer import config, distributed
+from trainer.beats import steps_to_bus
+from trainer.checkpointing import CorruptCheckpoint
+from trainer.commands import CommandInbox
+from trainer.reports import Emitter
+from trainer.session import Run, Step, fail_hook
+from trainer.state import Stateful
+from trainer.telemetry import Telemetry
+
+__all__ = ["CorruptCheckpoint", "Run", "Stateful", "Step", "init"]
+
+_run: Run | None = None
+
+
+def init() -> Run:
+    """Join this rank's job from what the node agent (or torchrun) set; the same Run on a second call.
+
+    Joins torch.distributed when the world has more than one rank and the script has not joined already."""
+    global _run
+    if _run is not None:
+        return _run
+    cfg = config.from_env()
+    structlog.contextvars.bind_contextvars(job_id=cfg.job_id, rank=cfg.rank, attempt=cfg.attempt)
+    envelope: dict[str, Any] = {"job_id": cfg.job_id, "rank": cfg.rank, "attempt": cfg.attempt, "node": cfg.node}
+    beats = BeatChannel.from_env() if cfg.platform else None  # the agent batches its node's heartbeats
+    telemetry = Telemetry(cfg.nats_url, cfg.job_id, cfg.rank, cfg.attempt, cfg.node,
+                          heartbeat_s=cfg.spec.policy.heartbeat_interval_s, beats=beats)
+    # Only rank 0's view of the commands counts (it is broadcast), so only rank 0 subscribes.
+    inbox = CommandInbox(cfg.nats_url if cfg.rank == 0 else None, cfg.job_id, cfg.rank, cfg.attempt)
+    emitter = Emitter(telemetry, envelope, cfg.events_log, steps_to_bus=steps_to_bus(cfg.rank, beats))
+    telemetry.start()
+    inbox.start()
+    try:
+        dist = distributed.init(cfg.rank, cfg.world_size, cfg.local_rank, cfg.device)
+    except BaseException:
+        inbox.close()
+        emitter.close()
+        raise
+    run = Run(cfg, dist, emitter, inbox)
+    run.install_signals()
+    sys.excepthook = fail_hook(run)
+    atexit.register(run.close)
+    _run = run
+    return run

@@ -1,0 +1,34 @@
+"""Which global batch each step reads: a counter that steps over skipped windows, and the position a
+checkpoint records. A rollback's skip window lands here, so it works for any data pipeline that reads
+batch `step.batch` (trainer API) as a function of that index."""
+
+from events.checkpoint import DataPosition
+
+
+class BatchCursor:
+    def __init__(self) -> None:
+        self.next_batch = 0
+        self.skipped: list[tuple[int, int]] = []
+
+    def next_index(self) -> int:
+        """The batch index the next step reads, after skips; advances the cursor."""
+        index = self.next_batch
+        moved = True
+        while moved:
+            moved = False
+            for a, b in self.skipped:
+                if a <= index < b:
+                    index, moved = b, True
+        self.next_batch = index + 1
+        return index
+
+    def skip(self, start: int, end: int) -> None:
+        if end > start:
+            self.skipped.append((start, end))
+
+    def position(self) -> DataPosition:
+        return DataPosition(next_batch=self.next_batch, skipped=list(self.skipped))
+
+    def seek(self, position: DataPosition) -> None:
+        self.next_batch = position.next_batch
+        self.skipped = [(int(a), int(b)) for a, b in position.skipped]

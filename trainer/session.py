@@ -1,0 +1,385 @@
+"""The trainer API's one object, `Run`: a rank's link to Flightdeck, what its script registered, and the step
+loop's boundaries, where commands are obeyed, checkpoints saved, and drill faults fired.
+
+Steps are numbered from 0. `run.step` is the number of steps done, i.e. the index of the next step;
+checkpoint step-N holds the state before step N runs. Without skips, step i reads global batch i.
+
+At a boundary, every `sync_every` steps (every step when paused or alone), rank 0's commands and every
+rank's SIGTERM flag are agreed with one small collective, so all ranks act at the same step: DCP saves
+and loads are collective.
+"""
+
+import os
+import re
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from numbers import Real
+from pathlib import Path
+from types import FrameType
+from typing import Any, NoReturn, Protocol
+
+import msgspec
+import structlog
+import torch
+from torch import nn
+
+from events import codec
+from events.base import Event
+from events.checkpoint import ShardInfo
+from events.commands import (
+    CheckpointRequested,
+    PauseRequested,
+    ResumeRequested,
+    RollbackRequested,
+    StopRequested,
+)
+from events.plan import ParallelPlan
+from events.spec import JobSpec
+from events.training import FaultInjected, RankStarted, RolledBack
+from trainer import checkpointing, faults
+from trainer.config import RunConfig
+from trainer.cursor import BatchCursor
+from trainer.distributed import Dist
+from trainer.reports import SPIKE_FACTOR, Emitter, StepReporter
+from trainer.state import Stateful, TrainState
+
+log = structlog.get_logger("trainer")
+PAUSE_POLL_S = 0.2
+ROLLBACK_WAIT_S = 30.0  # for the node agent's prefetch of a committed checkpoint to land
+METRIC_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_./-]{0,63}\Z")
+RESERVED_METRICS = frozenset({"loss", "grad_norm"})
+
+
+class CommandSource(Protocol):
+    """What a run needs from a command inbox; trainer.commands.CommandInbox has this shape."""
+
+    def poll(self) -> list[Event]:
+        """Commands received since the last poll, in order."""
+
+
+class Step(int):
+    """A step number (use it as an int) that also says which global batch this step reads: `step.batch`.
+    After a rollback that skipped a window, batch and step differ: read by `step.batch`."""
+
+    batch: int
+
+    def __new__(cls, step: int, batch: int) -> "Step":
+        obj = super().__new__(cls, step)
+        obj.batch = batch
+        return obj
+
+
+def admitted(raws: list[bytes]) -> list[Event]:
+    """The agreed commands that pass `codec.admit`; a refused one is logged and not acted on. Every rank
+    decodes the same agreed bytes, so every rank refuses the same commands and the collectives stay in step."""
+    out: list[Event] = []
+    for raw in raws:
+        try:
+            out.append(codec.admit(raw))  # the bounds too: a rollback's checkpoint id becomes a cache path
+        except codec.UndecodableEvent as exc:
+            log.error("refusing a command", error=str(exc))
+    return out
+
+
+class Run:
+    """One rank of a job. Made by `flightdeck.init()`; see trainer/api.py for the calls a script makes."""
+
+    def __init__(self, cfg: RunConfig, dist: Dist, emitter: Emitter, inbox: CommandSource) -> None:
+        self.cfg, self.dist, self.emitter, self.inbox = cfg, dist, emitter, inbox
+        self.job_id, self.attempt = cfg.job_id, cfg.attempt
+        self.rank, self.world_size, self.local_rank = dist.rank, dist.world_size, cfg.local_rank
+        self.device: torch.device = dist.device
+        self.spec: JobSpec = cfg.spec
+        self.plan: ParallelPlan = cfg.plan or ParallelPlan(world_size=dist.world_size, dp=dist.world_size)
+        self.step = 0  # steps done: the index of the next step
+        self.cursor = BatchCursor()
+        self.faults = faults.Faults(cfg.spec.faults, dist.rank, cfg.attempt)
+        self.state = TrainState(None, None, {}, rank=dist.rank, device=dist.device)
+        self.ckpt = checkpointing.Checkpointer(job_id=cfg.job_id, staging=cfg.staging, dist=dist,
+                                               emit=emitter.emit, envelope=emitter.envelope)
+        self.reporter = StepReporter(emitter, dist.device)
+        self.saved_at: int | None = None  # the boundary whose state is already checkpointed
+        self.paused = False
+        self.sigterm = False
+        self.restored = False
+        self.finished = False  # the step loop ended or stopped cleanly: the process group may be torn down
+        self.closed = False
+        self._current: tuple[int, int, float] | None = None  # the step being run: (step, batch, started)
+        self._reported = False
+        self._spike = False
+        self._nan = False
+        self._names: set[frozenset[str]] = set()  # metric-name sets already checked
+        self._cmd_decoder = msgspec.msgpack.Decoder(list[bytes])
+
+    # -- what a script calls -------------------------------------------------------------------------
+
+    def register(self, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+                 **extras: Stateful) -> None:
+        """The state a checkpoint holds; call once, before `restore()` or `steps()`."""
+        if self.restored:
+            raise RuntimeError("register(...) comes before restore() and steps(): the state to restore into "
+                               "must be known first")
+        self.state = TrainState(model, optimizer, extras, rank=self.rank, device=self.device)
+        if optimizer is not None:
+            # The optimizer's step is the first write to state a CUDA snapshot may still be copying.
+            optimizer.register_step_pre_hook(lambda *_: self.ckpt.before_update())
+
+    def restore(self) -> int:
+        """Load the checkpoint this attempt starts from, if any; returns the step to start from (0: none)."""
+        if self.restored:
+            return self.step
+        self.restored = True
+        path, shards = self.cfg.restore, None
+        if path is not None and self.cfg.manifest is not None:
+            shards = checkpointing.read_manifest(self.cfg.manifest)
+        elif path is None and self.cfg.resume_local:
+            path = self._newest_local()
+        if path is not None:
+            self._load(path, shards)
+            self.saved_at = self.step
+            log.info("restored", checkpoint=str(path), step=self.step)
+        return self.step
+
+    def steps(self, total: int | None = None) -> Iterator[Step]:
+        """The steps to run, from where `restore()` left off up to `total` (default: the spec's train.steps)."""
+        total = self.spec.train.steps if total is None else total
+        self.restore()
+        self.emitter.emit(RankStarted(world_size=self.world_size, from_step=self.step, device=str(self.device),
+                                      **self.emitter.envelope))
+        self.emitter.set_step(self.step - 1)
+        while True:
+            if self.world_size == 1 or self.paused or self.step % self.cfg.sync_every == 0:
+                self._boundary()
+            if self.paused:
+                self.emitter.flush()
+                time.sleep(PAUSE_POLL_S)
+                continue
+            if self.step > 0 and self.step % self.spec.train.checkpoint_every == 0:
+                self._checkpoint()
+            if self.step >= total:
+                break
+            step, index, started = self.step, self.cursor.next_index(), time.perf_counter()
+            self._before_step(step, index)  # a drill's slow rank sleeps here: part of the step's time
+            self._current, self._reported = (step, index, started), False
+            yield Step(step, index)
+            if not self._reported:  # the heartbeat still shows progress for a script that reports nothing
+                self.emitter.set_step(step, time.perf_counter() - self._current[2])
+            self._current = None
+            self.step = step + 1
+        self.reporter.flush()
+        self.ckpt.wait()
+        self.finished = True
+        log.info("training finished", steps=self.step)
+
+    def report(self, step: int, loss: torch.Tensor | float, *, grad_norm: torch.Tensor | float | None = None,
+               lr: float | None = None, tokens: int | None = None, **metrics: torch.Tensor | float) -> None:
+        """Publish one step's loss and metrics. Tensors are read later (never a host sync on CUDA)."""
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise TypeError(f"report(step=...) takes the int step from steps(), got {type(step).__name__}")
+        values: dict[str, torch.Tensor | float] = {"loss": _value("loss", loss),
+                                                   "grad_norm": 0.0 if grad_norm is None else
+                                                   _value("grad_norm", grad_norm)}
+        if metrics:
+            names = frozenset(metrics)
+            if names not in self._names:
+                _check_names(names)
+                self._names.add(names)
+            for name, value in metrics.items():
+                values[name] = _value(name, value)
+        scale = 1.0
+        current = self._current
+        started = current[2] if current is not None and current[0] == step else time.perf_counter()
+        if current is not None and current[0] == step:
+            scale = float("nan") if self._nan else SPIKE_FACTOR if self._spike else 1.0
+            self._reported = True
+        self.reporter.record(int(step), values, lr=0.0 if lr is None else float(lr),
+                             tokens=0.0 if tokens is None else float(tokens), started=started, scale=scale)
+
+    def close(self) -> None:
+        """Flush telemetry and wait for a checkpoint being written; `init()` arranges this at exit."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.reporter.flush()
+            self.ckpt.wait()
+        finally:
+            inbox_close = getattr(self.inbox, "close", None)
+            if inbox_close is not None:
+                inbox_close()
+            self.emitter.close()
+        if self.finished:
+            self.dist.close()  # only when the peers are healthy: tearing down a broken group can block
+
+    # -- step boundaries -----------------------------------------------------------------------------
+
+    def install_signals(self) -> None:
+        def on_term(signum: int, frame: FrameType | None) -> None:
+            self.sigterm = True
+
+        signal.signal(signal.SIGTERM, on_term)
+
+    def _before_step(self, step: int, index: int) -> None:
+        self._nan = self._spike = False
+        for fault in self.faults.due(step, index):
+            self._inject(fault.kind, step)
+        self._spike = self.faults.poisoned(index)
+        delay = self.faults.slow_seconds(step)
+        if delay:
+            time.sleep(delay)
+
+    def _inject(self, kind: str, step: int) -> None:
+        """Announce a drill fault, then act on it."""
+        self.emitter.emit(FaultInjected(kind=kind, step=step, **self.emitter.envelope))  # type: ignore[arg-type]
+        log.warning("injecting drill fault", kind=kind, step=step)
+        if kind == "crash":
+            self.reporter.flush()
+            self.emitter.crash(faults.CRASH_EXIT_CODE)
+        if kind == "hang":
+            self.reporter.flush()
+            self.emitter.flush()
+            faults.hang(lambda: self.sigterm)
+            self._die(faults.HANG_EXIT_CODE)
+        if kind == "nonfinite":
+            self._nan = True
+
+    def _die(self, code: int) -> NoReturn:
+        """Leave at once, as a killed process would, once what was emitted is flushed."""
+        self.emitter.close(timeout=3.0)
+        os._exit(code)
+
+    def _stop(self) -> NoReturn:
+        self.reporter.flush()
+        self.ckpt.wait()
+        self.finished = True
+        raise SystemExit(0)
+
+    def _boundary(self) -> None:
+        payload = b""
+        if self.rank == 0:
+            polled = self.inbox.poll()
+            if polled:
+                payload = msgspec.msgpack.encode([codec.encode(c) for c in polled])
+        (sigterm,), payload = self.dist.agree([int(self.sigterm)], payload)
+        commands = admitted(self._cmd_decoder.decode(payload)) if payload else []
+        for command in commands:
+            self._obey(command)
+        if sigterm:
+            log.warning("SIGTERM: checkpointing before exit (preemption)", step=self.step)
+            self._checkpoint(wait=True)
+            self._stop()
+
+    def _obey(self, command: Event) -> None:
+        log.info("command", type=type(command).__name__, step=self.step)
+        match command:
+            case CheckpointRequested():
+                self._checkpoint()
+            case StopRequested(checkpoint=save):
+                if save:
+                    self._checkpoint(wait=True)
+                self._stop()
+            case PauseRequested():
+                self.paused = True
+            case ResumeRequested():
+                self.paused = False
+            case RollbackRequested():
+                self._rollback(command)
+            case _:
+                log.warning("ignoring a command this trainer does not know", type=type(command).__name__)
+
+    def _checkpoint(self, *, wait: bool = False) -> None:
+        if self.saved_at != self.step:
+            self.ckpt.save(self.step, self.state.live(), self.cursor.position())
+            self.saved_at = self.step
+        if wait:
+            self.ckpt.wait()
+
+    def _load(self, path: Path, shards: list[ShardInfo] | None) -> None:
+        step, position = checkpointing.load(path, self.state, self.dist, shards)
+        self.step = step
+        self.cursor.seek(position)
+
+    def _rollback(self, cmd: RollbackRequested) -> None:
+        self.reporter.flush()
+        self.ckpt.wait()
+        path = self._find_checkpoint(cmd.checkpoint_id, cmd.to_step)
+        manifest = checkpointing.manifest_in(path)
+        self._load(path, checkpointing.read_manifest(manifest) if manifest else None)
+        self.cursor.skip(cmd.skip_from, cmd.skip_to)
+        self.saved_at = self.step
+        timeline = self.ckpt.rolled_back()
+        self.emitter.set_step(self.step - 1)
+        self.emitter.emit(RolledBack(checkpoint_id=cmd.checkpoint_id, to_step=self.step, skip_from=cmd.skip_from,
+                                     skip_to=cmd.skip_to, timeline=timeline, **self.emitter.envelope))
+        log.warning("rolled back", checkpoint=str(path), to_step=self.step, skip=(cmd.skip_from, cmd.skip_to))
+
+    def _find_checkpoint(self, checkpoint_id: str, step: int) -> Path:
+        """Where a rollback's checkpoint is: the node's cache of committed checkpoints, which a prefetch may
+        still be filling, else what this node staged (same id, or step-<N> from this run)."""
+        cached = self.cfg.checkpoints / self.job_id / checkpoint_id if self.cfg.checkpoints else None
+        staged = [self.cfg.staging / self.job_id / checkpoint_id, *self.ckpt.staged_dirs(step)]
+        deadline = time.monotonic() + (ROLLBACK_WAIT_S if cached else 0.0)
+        while True:
+            if cached is not None and (cached / ".metadata").exists():
+                return cached
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.2)
+        for path in staged:
+            if (path / ".metadata").exists():
+                log.warning("rolling back from local staging, not a committed checkpoint", path=str(path))
+                return path
+        raise checkpointing.CorruptCheckpoint(
+            f"checkpoint {checkpoint_id} (step {step}) is in none of {[str(p) for p in [cached, *staged] if p]}")
+
+    def _newest_local(self) -> Path | None:
+        """No-platform mode after a torchrun restart: the newest complete staged set, as rank 0 sees it."""
+        root = self.cfg.staging / self.job_id
+        found: list[tuple[int, int, Path]] = []
+        for d in root.glob("step-*") if root.is_dir() else []:
+            m = re.fullmatch(r"step-(\d+)(?:-t(\d+))?", d.name)
+            if m and (d / ".metadata").exists():
+                found.append((int(m[1]), int(m[2] or 0), d))
+        mine = str(max(found)[2]).encode() if found and self.rank == 0 else b""
+        _, agreed = self.dist.agree([], mine)  # every rank loads the set rank 0 picked
+        return Path(agreed.decode()) if agreed else None
+
+
+def _value(name: str, value: object) -> torch.Tensor | float:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"report({name}=...) takes one number; got a tensor of shape {tuple(value.shape)}")
+        return value
+    if isinstance(value, Real) and not isinstance(value, bool):
+        return float(value)
+    raise TypeError(f"report({name}=...) takes a number or a one-element tensor, got {type(value).__name__}")
+
+
+def _check_names(names: frozenset[str]) -> None:
+    if len(names) > codec.MAX_METRICS:
+        raise ValueError(f"report(...) takes at most {codec.MAX_METRICS} custom metrics, got {len(names)}")
+    for name in names:
+        if name in RESERVED_METRICS or not METRIC_NAME.match(name):
+            raise ValueError(f"report(...): metric name {name!r} must match {METRIC_NAME.pattern} "
+                             f"and not be one of {sorted(RESERVED_METRICS)}")
+
+
+def fail_hook(run: Run) -> Any:
+    """A sys.excepthook that records an uncaught exception as RankFault before Python prints it."""
+    from events.training import RankFault
+
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
+        text = f"{kind.__name__}: {exc}"
+        if not run.closed:
+            run.emitter.emit(RankFault(kind="cuda" if "CUDA" in text else "exception", error_type=kind.__name__,
+                                       message=str(exc)[:4000], step=run.step, **run.emitter.envelope))
+            run.finished = False
+            run.closed = True  # do not wait on a checkpoint write or collectives of a failed rank at exit
+            run.emitter.close()
+        previous(kind, exc, tb)
+
+    return hook
