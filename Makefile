@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "torch==2.13.0" -e ".[dev,trainer]"
+	$(BIN)/python -m pip install -q "torch==2.13.0" -e ".[dev,trainer,examples]"
 	@touch $(STAMP)
 
 install: $(STAMP)
@@ -30,7 +30,7 @@ test-integration: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile tests/integration
 
 lint: $(STAMP)
-	$(BIN)/ruff check events services trainer tests bench
+	$(BIN)/ruff check events services trainer flightdeck tests bench examples
 	$(BIN)/mypy events services trainer
 
 chaos: $(STAMP)

@@ -39,6 +39,9 @@ class PolicySpec(Spec, frozen=True, kw_only=True):
     heartbeat_misses: Annotated[int, Meta(ge=1, le=1000)] = 5
     hang_factor: Annotated[float, Meta(gt=1.0, le=1000.0)] = 10.0  # hang deadline = factor x recent step time
     hang_min_s: Annotated[float, Meta(gt=0.0, le=86_400.0)] = 30.0
+    # least time a started rank may take to its first sign of life (imports, loading a model); a script that
+    # never calls the trainer API is found silent after it, like a lost rank
+    startup_grace_s: Annotated[float, Meta(gt=0.0, le=86_400.0)] = 120.0
     spike_z: Annotated[float, Meta(gt=0.0, le=1000.0)] = 6.0
     spike_window: Annotated[int, Meta(ge=4, le=100_000)] = 50
     spike_warmup: Annotated[int, Meta(ge=0, le=100_000_000)] = 20

@@ -160,7 +160,8 @@ class Checkpointer:
                 copied.synchronize()
             path.mkdir(parents=True, exist_ok=True)
             group = self.dist.ckpt_group
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(path), process_group=group, no_dist=group is None)
+            writer = dcp.FileSystemWriter(path, overwrite=True)  # said, so DCP does not warn on every redone step
+            dcp.save(state, storage_writer=writer, process_group=group, no_dist=group is None)
             # What this rank wrote (DCP names a rank's files __<rank>_<n>.distcp), and the metadata on rank 0.
             names = sorted(f.name for f in path.glob(f"__{self.dist.rank}_*.distcp"))
             if self.dist.rank == 0:

@@ -212,6 +212,7 @@ class Run:
             self.emitter.close()
         if self.finished:
             self.dist.close()  # only when the peers are healthy: tearing down a broken group can block
+        log.info("rank exiting", finished=self.finished)
 
     # -- step boundaries -----------------------------------------------------------------------------
 

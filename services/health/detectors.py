@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from events.spec import PolicySpec
 from services.health.window import RobustWindow, median_without
 
-STARTUP_GRACE_S = 120.0  # least time a started rank may take to send its first sign of life
+STARTUP_GRACE_S = PolicySpec().startup_grace_s  # the default least time to a started rank's first sign of life
 HANG_WINDOW = 16  # recent step times per rank behind its hang deadline
 MAD_SCALE = 1.4826  # MAD x this estimates the standard deviation of normal noise
 REL_EPS = 1e-3  # scale floor, relative to the baseline: a rise below spike_z x 0.1% is never a spike
@@ -128,7 +128,7 @@ class RankWatch:
         if self.seen_id:
             silent = age(now, self.seen_at, max(self.seen_folded, recovered_at))
             if done:
-                if silent > max(STARTUP_GRACE_S, dead_after):
+                if silent > max(policy.startup_grace_s, dead_after):
                     return Lost(self.rank, f"no exit within {silent:.0f}s of its last step", self.seen_at,
                                 (self.seen_id,))
                 return None
@@ -136,7 +136,7 @@ class RankWatch:
                 return Lost(self.rank, "heartbeats stopped", self.seen_at, (self.seen_id,))
         elif self.started_id:
             waited = age(now, self.started_at, self.started_folded)
-            if waited > max(STARTUP_GRACE_S, policy.hang_min_s + dead_after):
+            if waited > max(policy.startup_grace_s, policy.hang_min_s + dead_after):
                 return Lost(self.rank, f"no heartbeat within {waited:.0f}s of start", self.started_at,
                             (self.started_id,))
             return None

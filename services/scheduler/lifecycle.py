@@ -89,6 +89,9 @@ def exited(tx: Tx, ev: WorkersExited) -> None:
         return
     if job.stop:
         ranks_gone(tx, job, {ev.rank})
+    elif ev.exit_code != 0 and ev.unrunnable:  # the same command fails the same way on any slot: no restart
+        job = tx.update(job, exited=job.exited | {ev.rank}, faults=(*job.faults, ev.event_id))
+        fail(tx, job, f"{fault_reason(ev)}; not restarted: the job's command cannot run", job.faults)
     elif ev.exit_code != 0:
         fault(tx, job, ev.event_id, fault_reason(ev), {ev.rank})
     else:

@@ -28,9 +28,11 @@ Recovery = Restart | Fail
 def fault_reason(event: WorkersExited | RankLost | RankHung | StragglerDetected) -> str:
     """Why an input counts as a fault, in words for the record ("" if it is not one)."""
     match event:
-        case WorkersExited(rank=rank, exit_code=code) if code != 0:
+        case WorkersExited(rank=rank, exit_code=code, cause=cause, unrunnable=unrunnable) if code != 0:
             how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-            return f"rank {rank} {how}"
+            if unrunnable:
+                how = "could not be started"
+            return f"rank {rank} {how}" + (f": {quoted(cause)}" if cause else "")
         case RankLost(rank=rank, reason=why):
             return f"rank {rank} lost: {why}"
         case RankHung(rank=rank, step=step, stalled_s=stalled, deadline_s=deadline):
@@ -39,6 +41,15 @@ def fault_reason(event: WorkersExited | RankLost | RankHung | StragglerDetected)
             return (f"rank {rank} straggler replaced: steps take {took:.3g}s against a peer median of {median:.3g}s "
                     f"({factor:.1f}x)")
     return ""
+
+
+QUOTED_CHARS = 1500  # of a rank's last output, in a decision's reason (the whole tail is in WorkersExited.cause)
+
+
+def quoted(text: str) -> str:
+    """The end of a rank's output (or an agent's explanation) as it goes into a reason."""
+    text = text.strip()
+    return text if len(text) <= QUOTED_CHARS else "..." + text[-QUOTED_CHARS:]
 
 
 def after_fault(job: Job, reason: str) -> Recovery:

@@ -1,0 +1,54 @@
+"""A Hugging Face Transformers causal LM kept alive by Flightdeck: GPT-2's architecture built from a small
+config (nothing downloaded), trained byte-level on the corpus Flightdeck ships, under DDP. The lines marked
+`# flightdeck` are all it adds.
+
+    flightdeck submit examples/hf_causal_lm/job.toml
+    torchrun --nproc-per-node 2 examples/hf_causal_lm/train.py     # alone: no platform
+
+Needs `transformers` (pip install "flightdeck[examples]"; `make install` includes it).
+"""
+
+from pathlib import Path
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import flightdeck  # flightdeck
+
+CORPUS = Path(__file__).resolve().parents[2] / "trainer" / "data" / "kjv-genesis-ruth.txt"
+SEQ, GLOBAL_BATCH = 64, 8
+
+
+def batch(tokens: torch.Tensor, index: int, rank: int, world: int) -> torch.Tensor:
+    """This rank's rows of global batch `index`: random windows of the byte stream, a pure function of `index`."""
+    g = torch.Generator().manual_seed(index)
+    starts = torch.randint(0, tokens.numel() - SEQ, (GLOBAL_BATCH,), generator=g)
+    rows = torch.tensor_split(torch.arange(GLOBAL_BATCH), world)[rank]
+    return tokens[starts[rows, None] + torch.arange(SEQ)]
+
+
+def main() -> None:
+    run = flightdeck.init()  # flightdeck
+    tokens = torch.frombuffer(bytearray(CORPUS.read_bytes()), dtype=torch.uint8).long()
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=256, n_positions=SEQ, n_embd=64, n_layer=2, n_head=2, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0)
+    model: torch.nn.Module = GPT2LMHeadModel(config)
+    if run.world_size > 1:
+        model = DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    run.register(model, opt)  # flightdeck
+    for step in run.steps():  # flightdeck
+        ids = batch(tokens, step.batch, run.rank, run.world_size).to(run.device)
+        out = model(input_ids=ids, labels=ids)  # the model shifts the labels itself
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        run.report(step, out.loss.detach(), grad_norm=grad_norm, lr=1e-3, tokens=ids.numel())  # flightdeck
+    print(f"rank {run.rank}: done at step {run.step}")
+
+
+if __name__ == "__main__":
+    main()

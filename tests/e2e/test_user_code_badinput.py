@@ -1,0 +1,100 @@
+"""A user's script that cannot run, fails at import, reports the wrong thing, or never calls the trainer API:
+each ends with a named outcome in the job's history (the command, or the script's last lines quoted), and
+the services go on (the next job runs). Real broker, services and node agent, as in every drill."""
+
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from events import subjects
+from events.findings import RankLost
+from events.job import JobCompleted, JobFailed, JobResumed, WorkersExited
+from events.spec import EntrypointSpec, JobSpec, ModelSpec, TrainSpec
+from events.training import RankFault
+from services.agent.spawner import START_FAILED_EXIT
+from tests.e2e.drill_harness import DRILL_POLICY
+from tests.integration.lifecycle_harness import Platform
+from tests.integration.test_lifecycle_services import kinds
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+def user_job(name: str, command: list[str], *, restarts: int = 1, **policy: float) -> JobSpec:
+    return JobSpec(name=name, slots=1, train=TrainSpec(steps=20, checkpoint_every=5),
+                   entrypoint=EntrypointSpec(command=command),
+                   policy=msgspec.structs.replace(DRILL_POLICY, max_restarts=restarts, **policy))
+
+
+async def ended(p: Platform, job: str) -> JobFailed | JobCompleted:
+    await p.until(lambda: bool(p.seen(JobFailed, job) or p.seen(JobCompleted, job)), 180, "the job to end", job)
+    return (p.seen(JobFailed, job) or p.seen(JobCompleted, job))[0]
+
+
+async def test_a_command_that_is_not_there_fails_the_job_once_naming_it(drill: Platform, tmp_path: Path) -> None:
+    p = drill
+    p.agent("n1", "--slots", "1")
+    await p.ready("n1")
+    await p.submit(user_job("nofile", ["python", str(tmp_path / "missing.py")], restarts=3), "nofile-000001")
+    await p.submit(user_job("noprog", ["no-such-program-xyz", "--flag"], restarts=3), "noprog-000001")
+    for job, said in (("nofile-000001", f"the script '{tmp_path / 'missing.py'}' does not exist"),
+                      ("noprog-000001", "'no-such-program-xyz' is not an executable file")):
+        failed = await ended(p, job)
+        assert isinstance(failed, JobFailed), kinds(p.job(job))
+        assert said in failed.reason and "not restarted: the job's command cannot run" in failed.reason
+        (exit_,) = p.seen(WorkersExited, job)
+        assert exit_.unrunnable and exit_.exit_code == START_FAILED_EXIT and said in exit_.cause
+        assert not p.seen(JobResumed, job)  # no restart budget spent on a command that cannot run
+
+    # the services are unaffected: the built-in trainer's next job runs to completion
+    await p.submit(JobSpec(name="after", slots=1, model=ModelSpec(d_model=32),
+                           train=TrainSpec(steps=5, checkpoint_every=5, data="synthetic")), "after-000001")
+    assert isinstance(await ended(p, "after-000001"), JobCompleted)
+
+
+async def test_a_script_that_fails_at_import_is_retried_then_failed_quoting_its_traceback(
+        drill: Platform, tmp_path: Path) -> None:
+    p, job = drill, "imports-000001"
+    script = tmp_path / "train.py"
+    script.write_text("import flightdeck\nimport no_such_module_for_flightdeck_tests\n")
+    p.agent("n1", "--slots", "1")
+    await p.ready("n1")
+    await p.submit(user_job("imports", ["python", str(script)], restarts=1), job)
+    failed = await ended(p, job)
+    assert isinstance(failed, JobFailed)
+    assert "ModuleNotFoundError: No module named 'no_such_module_for_flightdeck_tests'" in failed.reason
+    assert "restart budget of 1 spent" in failed.reason
+    assert [e.exit_code for e in p.seen(WorkersExited, job)] == [1, 1]
+    assert all("Traceback" in e.cause for e in p.seen(WorkersExited, job))
+
+
+async def test_a_script_reporting_a_wrong_type_fails_with_a_named_rank_fault(drill: Platform, tmp_path: Path) -> None:
+    p, job = drill, "wrongtype-000001"
+    script = tmp_path / "train.py"
+    script.write_text("import flightdeck\nrun = flightdeck.init()\nfor step in run.steps():\n"
+                      "    run.report(step, loss='low')\n")
+    p.agent("n1", "--slots", "1")
+    await p.ready("n1")
+    await p.submit(user_job("wrongtype", ["python", str(script)], restarts=0), job)
+    failed = await ended(p, job)
+    assert isinstance(failed, JobFailed)
+    said = "TypeError: report(loss=...) takes a number or a one-element tensor, got str"
+    assert said in failed.reason
+    await p.until(lambda: bool(p.seen(RankFault, job, stream=subjects.TELEMETRY)), 30, "the rank fault", job)
+    (fault,) = p.seen(RankFault, job, stream=subjects.TELEMETRY)
+    assert (fault.kind, fault.error_type, fault.step) == ("exception", "TypeError", 0)
+
+
+async def test_a_script_that_never_calls_the_api_is_found_silent_like_a_lost_rank(
+        drill: Platform, tmp_path: Path) -> None:
+    p, job = drill, "silent-000001"
+    script = tmp_path / "train.py"
+    script.write_text("import time\nprint('training without telling anyone', flush=True)\ntime.sleep(600)\n")
+    p.agent("n1", "--slots", "1", "--grace-s", "1")
+    await p.ready("n1")
+    await p.submit(user_job("silent", ["python", str(script)], restarts=0, startup_grace_s=4.0), job)
+    failed = await ended(p, job)
+    assert isinstance(failed, JobFailed)
+    (lost,) = p.seen(RankLost, job)
+    assert lost.rank == 0 and "no heartbeat within" in lost.reason
+    assert "rank 0 lost" in failed.reason
