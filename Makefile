@@ -31,7 +31,7 @@ test-integration: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check events services trainer flightdeck tests bench examples
-	$(BIN)/mypy events services trainer
+	$(BIN)/mypy events services trainer flightdeck
 
 chaos: $(STAMP)
 	$(BIN)/python -m pytest -q tests/chaos

@@ -6,7 +6,8 @@ and services/shell/ (the I/O every process shares); the five services and the no
 services/registry.py and services/__main__.py (which wire the services); services/tools/ (the operator's
 tools: tools/cli.py and tools/connect.py, then history/, postmortem/ (goodput's one definition), audit/
 (verify, whatif), then console/, the CLI).
-trainer/ stands beside the control plane and shares only events/ with it.
+trainer/ (with flightdeck/, the trainer API's import path) stands beside the control plane and shares only
+events/ with it.
 """
 
 import ast
@@ -48,6 +49,8 @@ def place(name: str) -> tuple[str, ...]:
     top = parts[0]
     if top in ("events", "trainer"):
         return (top,)
+    if top == "flightdeck":  # the trainer API's import path (trainer/api.py), part of the trainer
+        return ("trainer",)
     if top in TORCH:
         return ("torch",)
     if top != "services" or len(parts) == 1:
@@ -103,7 +106,7 @@ def why_not(imp: Import) -> str:
 
 def modules() -> dict[str, str]:
     found = {}
-    for top in ("events", "services", "trainer"):
+    for top in ("events", "services", "trainer", "flightdeck"):
         for path in sorted((ROOT / top).rglob("*.py")):
             name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
             found[name] = path.read_text()
