@@ -1,6 +1,6 @@
 """Every concrete message type, in one tuple: the codec's union and the fixture tests read it from here."""
 
-from events import checkpoint, clock, commands, findings, fleet, heartbeats, job, plan, training
+from events import checkpoint, clock, commands, findings, fleet, heartbeats, job, logs, plan, training
 from events.base import Event
 
 ALL_TYPES: tuple[type[Event], ...] = (
@@ -16,6 +16,7 @@ ALL_TYPES: tuple[type[Event], ...] = (
     training.StepCompleted, training.Heartbeat, training.RankFault, training.FaultInjected,
     training.RolledBack, training.RankStarted,
     heartbeats.RankHeartbeats,  # a node's ranks' heartbeats, batched by its agent
+    logs.RankOutput,  # what a rank printed, shipped by its agent
     # checkpoint
     checkpoint.CheckpointStaged, checkpoint.CheckpointCommitted, checkpoint.CheckpointFailed,
     checkpoint.CheckpointDeleted,

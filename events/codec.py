@@ -18,6 +18,7 @@ from msgspec import Meta
 from events.base import Event
 from events.catalog import ALL_TYPES, BY_NAME
 from events.job import JobSubmitted
+from events.logs import MAX_LINE, MAX_LINES
 from events.spec import InvalidSpec, check
 
 AnyEvent = Union[ALL_TYPES]  # type: ignore[valid-type]  # noqa: UP007 (a tuple unpacks only into Union)
@@ -75,6 +76,8 @@ BOUNDS: dict[str, Any] = {
     "manifest_sha256": Annotated[str, Meta(pattern=r"^(?:[0-9a-f]{64})?\Z")],
     "metrics": Annotated[dict[MetricName, float], Meta(max_length=MAX_METRICS)],
     "cause": Annotated[str, Meta(max_length=MAX_CAUSE)],
+    "first_line": Count, "dropped": Count,
+    "lines": Annotated[list[Annotated[str, Meta(max_length=MAX_LINE + 64)]], Meta(max_length=MAX_LINES)],
 }
 # Field name -> the most items a list of nested structs may hold (its items keep their own BOUNDS).
 LENGTHS: dict[str, int] = {"beats": MAX_SLOTS}  # a node agent's batch: at most one entry per rank

@@ -12,7 +12,7 @@ from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError, NotFoundError
 
-from events.subjects import CONTROL, DEAD, STREAM_SUBJECTS, TELEMETRY
+from events.subjects import CONTROL, DEAD, LOGS, STREAM_SUBJECTS, TELEMETRY
 
 log = structlog.get_logger(__name__)
 
@@ -20,6 +20,8 @@ MIN_SERVER_VERSION = (2, 12, 7)  # older servers silently ignore Nats-Expected-L
 DUPLICATE_WINDOW_S = 120.0
 TELEMETRY_MAX_AGE_S = 7 * 24 * 3600.0
 TELEMETRY_MAX_BYTES = 4 * 1024**3
+LOGS_MAX_AGE_S = 3 * 24 * 3600.0  # what ranks printed: kept for postmortems of recent jobs
+LOGS_MAX_BYTES = 1024**3
 _STREAM_NAME_IN_USE = 10058
 REPLICAS_ENV = "FLIGHTDECK_REPLICAS"
 CLUSTER_REPLICAS = 3  # on a cluster: any one server can be lost without losing an acknowledged event
@@ -80,12 +82,13 @@ def _config(name: str, replicas: int, **limits: Any) -> StreamConfig:
 
 def stream_configs(replicas: int = 1, telemetry_max_bytes: int = TELEMETRY_MAX_BYTES,
                    telemetry_max_age_s: float = TELEMETRY_MAX_AGE_S) -> list[StreamConfig]:
-    """FD_CONTROL is the permanent record (no limits, no deletes); telemetry ages out; dead letters stay."""
+    """FD_CONTROL is the permanent record (no limits, no deletes); telemetry and logs age out; dead letters stay."""
     return [
         _config(CONTROL, replicas, deny_delete=True, deny_purge=True),
         _config(TELEMETRY, replicas, max_age=telemetry_max_age_s, max_bytes=telemetry_max_bytes,
                 discard=DiscardPolicy.OLD),
         _config(DEAD, replicas),
+        _config(LOGS, replicas, max_age=LOGS_MAX_AGE_S, max_bytes=LOGS_MAX_BYTES, discard=DiscardPolicy.OLD),
     ]
 
 

@@ -8,10 +8,11 @@ import re
 CONTROL = "FD_CONTROL"
 TELEMETRY = "FD_TELEMETRY"
 DEAD = "FD_DEAD"
+LOGS = "FD_LOGS"
 # The built-in services: each has its clock and dead-letter subjects, durable consumer and broker user.
 SERVICES = ("scheduler", "resources", "checkpoints", "health", "resharder")
 
-STREAM_SUBJECTS: dict[str, str] = {CONTROL: "fd.ctl.>", TELEMETRY: "fd.tel.>", DEAD: "fd.dead.>"}
+STREAM_SUBJECTS: dict[str, str] = {CONTROL: "fd.ctl.>", TELEMETRY: "fd.tel.>", DEAD: "fd.dead.>", LOGS: "fd.log.>"}
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}\Z")  # \Z: $ would let a trailing newline through
 
@@ -50,6 +51,15 @@ def telemetry(job_id: str, rank: int, type_name: str) -> str:
 
 def telemetry_job(job_id: str) -> str:
     return f"fd.tel.{token(job_id)}.>"
+
+
+def logs(job_id: str, attempt: int, rank: int) -> str:
+    return f"fd.log.{token(job_id)}.{token(attempt)}.{token(rank)}"
+
+
+def logs_filter(job_id: str, attempt: int | None = None, rank: int | None = None) -> str:
+    """What a reader of one job's output subscribes to: every attempt and rank unless given."""
+    return f"fd.log.{token(job_id)}.{'*' if attempt is None else token(attempt)}.{'*' if rank is None else token(rank)}"
 
 
 def dead(service: str) -> str:

@@ -36,6 +36,7 @@ from services.agent.core import (
     StopArgs,
 )
 from services.agent.launch import REPO, Launch, Paths, die_with_agent, exit_msg_id, rank_base_env
+from services.agent.output import OutputPump, store_publisher
 from services.agent.standbys import StandbyPool
 from services.core import EffectHandler, Emit
 from services.shell.connection import TRANSIENT
@@ -45,6 +46,7 @@ from services.shell.security.credentials import rank_env
 
 log = structlog.get_logger("flightdeck.agent")
 
+OUTPUT_DRAIN_S = 3.0  # after a rank exits, for what it printed last (a child it left may hold the pipe longer)
 START_FAILED_EXIT = 125  # recorded for ranks that could not be started (no checkpoint, no executable)
 
 
@@ -57,6 +59,7 @@ class RankProc:
     cause: str  # the grant's event id
     shutdown: bool = False  # stopped because the agent is going away, not because the job let it go
     watcher: asyncio.Task[None] | None = None
+    output: asyncio.Task[None] | None = None  # its OutputPump: the log file and FD_LOGS
 
     @property
     def alive(self) -> bool:
@@ -213,17 +216,23 @@ class Spawner:
         cmd, cwd = self._command(args)
         log_path = self.paths.log(args.job_id, args.attempt, ref.rank)
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        out = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        read_end, out = os.pipe()  # the rank's stdout and stderr, read by its OutputPump
         try:
             proc = self._hand_to_standby(cmd, env, cwd, out, ref.rank)
             if proc is None:
                 proc = await asyncio.create_subprocess_exec(
                     *cmd, cwd=cwd, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=out,
                     stderr=asyncio.subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_agent(os.getpid()))
+        except BaseException:
+            os.close(read_end)
+            raise
         finally:
             os.close(out)
         self.pids[proc.pid] = (args.job_id, args.attempt, ref.rank)
-        return RankProc(job_id=args.job_id, attempt=args.attempt, ref=ref, proc=proc, cause=args.grant_id)
+        pump = OutputPump(read_end, log_path, store_publisher(self.store), job_id=args.job_id, attempt=args.attempt,
+                          rank=ref.rank, node=self.node, producer=self.producer)
+        return RankProc(job_id=args.job_id, attempt=args.attempt, ref=ref, proc=proc, cause=args.grant_id,
+                        output=asyncio.create_task(pump.run()))
 
     def speaks_for(self, beat: LocalBeat, pid: int) -> bool:
         """Whether process `pid` is the rank `beat` claims to be (a heartbeat relayed for anyone else is refused)."""
@@ -251,6 +260,8 @@ class Spawner:
         detached(self.producer, job_id=p.job_id, attempt=p.attempt, rank=p.ref.rank)
         code = await p.proc.wait()
         self.pids.pop(p.proc.pid, None)
+        if p.output is not None:  # its last lines: in the log file and on their way to FD_LOGS
+            await asyncio.wait({p.output}, timeout=OUTPUT_DRAIN_S)
         if p.shutdown and code == 0:
             # A rank checkpoints and exits 0 on SIGTERM; recorded as 0 it would read as "finished training".
             code = -signal.SIGTERM

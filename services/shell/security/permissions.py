@@ -111,6 +111,7 @@ def _producer(user: str, role: str, name: str, node_token: str, nodes: tuple[str
     publish = [*(f"fd.ctl.job.*.{t}" for t in JOB_TYPES.get(role, ())),
                *(f"fd.ctl.node.{node_token}.{t}" for t in NODE_TYPES.get(role, ())),
                *(f"fd.tel.*.*.{t}" for t in TELEMETRY_TYPES.get(role, ())),
+               *(["fd.log.*.*.*"] if role == AGENT else []),  # what the ranks it runs print (events/logs.py)
                subjects.clock(name) if not wildcard_name else "fd.ctl.clock.*",
                subjects.dead(name) if not wildcard_name else "fd.dead.*",
                *_reader_api(user), *_shell_api(consumer)]

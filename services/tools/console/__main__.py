@@ -11,7 +11,18 @@ from events.store import StoreUnavailable
 from services.shell.broker import BrokerError
 from services.shell.logging import CurrentStderr
 from services.tools.cli import EXIT_ERROR, Command, UserError
-from services.tools.console import agent_cmd, cancel, checkpoints_cmd, down, events_cmd, plan_cmd, status, submit, up
+from services.tools.console import (
+    agent_cmd,
+    cancel,
+    checkpoints_cmd,
+    down,
+    events_cmd,
+    logs_cmd,
+    plan_cmd,
+    status,
+    submit,
+    up,
+)
 from services.tools.console.export_cmd import COMMAND as EXPORT
 from services.tools.console.import_cmd import COMMAND as IMPORT
 from services.tools.console.postmortem_cmd import COMMAND as POSTMORTEM
@@ -22,7 +33,7 @@ from services.tools.console.whatif_cmd import COMMAND as WHATIF
 COMMANDS: tuple[Command, ...] = (
     up.COMMAND,
     down.COMMAND,
-    events_cmd.COMMAND,
+    events_cmd.COMMAND, logs_cmd.COMMAND,
     submit.COMMAND, status.COMMAND, cancel.COMMAND, checkpoints_cmd.COMMAND, agent_cmd.COMMAND,
     plan_cmd.COMMAND,
     REPLAY, EXPORT, IMPORT,

@@ -1,0 +1,182 @@
+"""What a rank prints: read by its node agent from the rank's stdout/stderr pipe, appended whole to the rank's
+log file on the node, and shipped to FD_LOGS as RankOutput batches within a per-rank budget of lines and bytes
+a second, so `flightdeck logs` shows it from any machine and a chatty script cannot crowd out telemetry."""
+
+import asyncio
+import contextlib
+import os
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import structlog
+
+from events import subjects
+from events.logs import MAX_LINE, MAX_LINES, RankOutput
+from events.store import EventStore
+from services.shell.connection import TRANSIENT
+
+log = structlog.get_logger("flightdeck.agent")
+
+LINES_PER_S, LINE_BURST = 200.0, 2_000.0  # a rank's shipped lines: rate and burst
+BYTES_PER_S, BYTE_BURST = 128 * 1024.0, 512 * 1024.0  # ... and bytes
+FLUSH_S = 0.2  # a batch goes out at most this long after its first line
+MAX_PENDING = 64  # batches waiting for the broker; past that the oldest is dropped (and counted)
+PUBLISH_TIMEOUT_S = 5.0
+READ_CHUNK = 64 * 1024
+
+Publish = Callable[[RankOutput], Awaitable[None]]
+
+
+class Budget:
+    """A token bucket: `take(now, amount)` is True while the rate (with its burst) allows `amount` more."""
+
+    def __init__(self, rate: float, burst: float) -> None:
+        self.rate, self.burst = rate, burst
+        self.tokens, self.at = burst, 0.0
+
+    def take(self, now: float, amount: float) -> bool:
+        if self.at:
+            self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        if self.tokens < amount:
+            return False
+        self.tokens -= amount
+        return True
+
+
+def cut(line: str) -> str:
+    """A line no longer than MAX_LINE (plus the note of how much was cut)."""
+    if len(line) <= MAX_LINE:
+        return line
+    return f"{line[:MAX_LINE]}... [{len(line) - MAX_LINE} more characters cut]"
+
+
+class Lines:
+    """Splits the bytes a rank writes into lines (a carriage return also ends one: progress bars)."""
+
+    def __init__(self) -> None:
+        self._rest = b""
+
+    def feed(self, data: bytes) -> list[str]:
+        data = (self._rest + data).replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        *whole, self._rest = data.split(b"\n")
+        if len(self._rest) > 4 * MAX_LINE:  # an endless line: ship what we have rather than hold it all
+            whole.append(self._rest)
+            self._rest = b""
+        return [cut(w.decode(errors="replace")) for w in whole]
+
+    def finish(self) -> list[str]:
+        rest, self._rest = self._rest, b""
+        return [cut(rest.decode(errors="replace"))] if rest else []
+
+
+class OutputPump:
+    """One rank's output, from its pipe to its log file and FD_LOGS."""
+
+    def __init__(self, fd: int, log_path: Path, publish: Publish, *, job_id: str, attempt: int, rank: int,
+                 node: str, producer: str) -> None:
+        self.fd, self.log_path, self.publish = fd, log_path, publish
+        self.job_id, self.attempt, self.rank, self.node, self.producer = job_id, attempt, rank, node, producer
+        self.lines_budget, self.bytes_budget = Budget(LINES_PER_S, LINE_BURST), Budget(BYTES_PER_S, BYTE_BURST)
+        self.batch: list[str] = []
+        self.batch_since = 0.0
+        self.next_line = 0  # number of the next line the rank prints, shipped or not
+        self.first_line = 0  # number of the batch's first line
+        self.dropped = 0  # lines over the budget since the last shipped batch
+        self.num_dropped = 0
+        self.num_shipped = 0
+        self.pending: deque[RankOutput] = deque()
+        self._wake = asyncio.Event()
+        self._eof = False
+
+    async def run(self) -> None:
+        """Until the rank and everything it started have closed the pipe; then ship what is left."""
+        sender = asyncio.create_task(self._send())
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader(limit=4 * READ_CHUNK)
+        transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader),
+                                                    os.fdopen(self.fd, "rb", buffering=0))
+        splitter = Lines()
+        try:
+            with self.log_path.open("ab", buffering=0) as out:
+                while True:
+                    try:
+                        chunk = await asyncio.wait_for(reader.read(READ_CHUNK), FLUSH_S)
+                    except TimeoutError:
+                        self._flush_if_due(force=bool(self.batch))
+                        continue
+                    if not chunk:
+                        break
+                    out.write(chunk)  # the node's copy is whole: the budget is for the broker only
+                    for line in splitter.feed(chunk):
+                        self._offer(line)
+                    self._flush_if_due()
+                for line in splitter.finish():
+                    self._offer(line)
+        finally:
+            transport.close()
+            self._flush_if_due(force=True)
+            self._eof = True
+            self._wake.set()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sender
+
+    def _offer(self, line: str) -> None:
+        now = time.monotonic()
+        number = self.next_line
+        self.next_line += 1
+        if not (self.lines_budget.take(now, 1) and self.bytes_budget.take(now, len(line) + 1)):
+            self.dropped += 1
+            self.num_dropped += 1
+            if self.batch:
+                self._flush_if_due(force=True)
+            self.first_line = self.next_line
+            return
+        if not self.batch:
+            self.first_line, self.batch_since = number, now
+        self.batch.append(line)
+        if len(self.batch) >= MAX_LINES:
+            self._flush_if_due(force=True)
+
+    def _flush_if_due(self, force: bool = False) -> None:
+        if not self.batch or not (force or time.monotonic() - self.batch_since >= FLUSH_S):
+            return
+        event = RankOutput(job_id=self.job_id, attempt=self.attempt, rank=self.rank, node=self.node,
+                           first_line=self.first_line, lines=self.batch, dropped=self.dropped,
+                           event_id=f"{self.producer}:out:{self.job_id}:{self.attempt}:{self.rank}:{self.first_line}",
+                           occurred_at=time.time(), producer=self.producer)
+        self.batch, self.dropped = [], 0
+        if len(self.pending) >= MAX_PENDING:  # the broker is away: keep the newest
+            lost = self.pending.popleft()
+            self.num_dropped += len(lost.lines)
+        self.pending.append(event)
+        self._wake.set()
+
+    async def _send(self) -> None:
+        while True:
+            while self.pending:
+                event = self.pending[0]
+                try:
+                    await asyncio.wait_for(self.publish(event), PUBLISH_TIMEOUT_S)
+                except TRANSIENT as exc:  # asyncio.TimeoutError (wait_for) included
+                    if self._eof:
+                        log.warning("rank output not shipped: the broker did not take it", job_id=self.job_id,
+                                    rank=self.rank, batches=len(self.pending), error=repr(exc))
+                        return
+                    await asyncio.sleep(0.5)
+                    continue
+                if self.pending and self.pending[0] is event:
+                    self.pending.popleft()
+                self.num_shipped += len(event.lines)
+            if self._eof:
+                return
+            self._wake.clear()
+            await self._wake.wait()
+
+
+def store_publisher(store: EventStore) -> Publish:
+    async def publish(event: RankOutput) -> None:
+        await store.append(subjects.logs(event.job_id, event.attempt, event.rank), event, msg_id=event.event_id)
+    return publish
