@@ -74,11 +74,11 @@ def stream_of(subject: str) -> str:
 
 
 def job_of(subject: str) -> str | None:
-    """The job id a control or telemetry subject is about, if any."""
+    """The job id a control, telemetry or logs subject is about, if any."""
     parts = subject.split(".")
     if parts[:3] == ["fd", "ctl", "job"] and len(parts) >= 4:
         return parts[3]
-    if parts[:2] == ["fd", "tel"] and len(parts) >= 3:
+    if parts[:2] in (["fd", "tel"], ["fd", "log"]) and len(parts) >= 3:
         return parts[2]
     return None
 

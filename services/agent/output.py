@@ -105,7 +105,7 @@ class OutputPump:
                     try:
                         chunk = await asyncio.wait_for(reader.read(READ_CHUNK), FLUSH_S)
                     except TimeoutError:
-                        self._flush_if_due(force=bool(self.batch))
+                        self._flush_if_due(force=bool(self.batch) or bool(self.dropped))
                         continue
                     if not chunk:
                         break
@@ -141,7 +141,9 @@ class OutputPump:
             self._flush_if_due(force=True)
 
     def _flush_if_due(self, force: bool = False) -> None:
-        if not self.batch or not (force or time.monotonic() - self.batch_since >= FLUSH_S):
+        if not self.batch and force and self.dropped:  # say how many were left out even if none follow
+            self.first_line = self.next_line
+        elif not self.batch or not (force or time.monotonic() - self.batch_since >= FLUSH_S):
             return
         event = RankOutput(job_id=self.job_id, attempt=self.attempt, rank=self.rank, node=self.node,
                            first_line=self.first_line, lines=self.batch, dropped=self.dropped,

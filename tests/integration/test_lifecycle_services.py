@@ -76,6 +76,7 @@ class Cluster:
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     control: list[Seen] = field(default_factory=list)
     telemetry: list[Seen] = field(default_factory=list)
+    output: list[Seen] = field(default_factory=list)  # FD_LOGS: what ranks printed
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     @property
@@ -103,18 +104,22 @@ class Cluster:
             async for stored in self.store.follow(stream, []):
                 into.append(Seen(time.monotonic(), stored))
         self.tasks += [asyncio.create_task(follow(subjects.CONTROL, self.control)),
-                       asyncio.create_task(follow(subjects.TELEMETRY, self.telemetry))]
+                       asyncio.create_task(follow(subjects.TELEMETRY, self.telemetry)),
+                       asyncio.create_task(follow(subjects.LOGS, self.output))]
 
     def job(self, job_id: str) -> list[Event]:
         return [s.event for s in self.control if subjects.job_of(s.stored.subject) == job_id]
 
+    def _pool(self, stream: str) -> list[Seen]:
+        return {subjects.CONTROL: self.control, subjects.LOGS: self.output}.get(stream, self.telemetry)
+
     def seen(self, kind: type, job_id: str = "", *, stream: str = subjects.CONTROL) -> list[Any]:
-        pool = self.control if stream == subjects.CONTROL else self.telemetry
+        pool = self._pool(stream)
         return [s.event for s in pool if isinstance(s.stored.event, kind)
                 and (not job_id or subjects.job_of(s.stored.subject) == job_id)]
 
     def first_at(self, kind: type, job_id: str, stream: str = subjects.CONTROL) -> float:
-        pool = self.control if stream == subjects.CONTROL else self.telemetry
+        pool = self._pool(stream)
         return next(s.at for s in pool
                     if isinstance(s.stored.event, kind) and subjects.job_of(s.stored.subject) == job_id)
 

@@ -1,0 +1,62 @@
+"""The pieces of a rank's output pump: line splitting (long lines cut, saying how much), the rate budget, and
+a whole pump over a real pipe: the node's file gets every byte, the broker every line within the budget and
+a count of the rest."""
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+
+from events.logs import MAX_LINE, RankOutput
+from services.agent import output
+from services.agent.output import Budget, Lines, OutputPump, cut
+
+
+def test_lines_split_on_newlines_and_carriage_returns_and_keep_the_unfinished_one() -> None:
+    s = Lines()
+    assert s.feed(b"one\ntw") == ["one"]
+    assert s.feed(b"o\r\n10%\r20%\rdone") == ["two", "10%", "20%"]
+    assert s.finish() == ["done"] and s.finish() == []
+    assert s.feed(b"\xff\xfe bad bytes\n") == ["\ufffd\ufffd bad bytes"]
+
+
+def test_a_long_line_is_cut_saying_how_much() -> None:
+    assert cut("a" * MAX_LINE) == "a" * MAX_LINE
+    assert cut("a" * (MAX_LINE + 10)) == "a" * MAX_LINE + "... [10 more characters cut]"
+    endless = Lines().feed(b"z" * (5 * MAX_LINE))  # no newline ever: shipped rather than held
+    assert len(endless) == 1 and endless[0].endswith(f"[{4 * MAX_LINE} more characters cut]")
+
+
+def test_the_budget_allows_its_burst_then_its_rate() -> None:
+    b = Budget(rate=10.0, burst=5.0)
+    assert [b.take(100.0, 1) for _ in range(6)] == [True] * 5 + [False]
+    assert b.take(100.15, 1) and not b.take(100.15, 1)  # 0.15 s at 10/s: one more (and a half)
+    assert b.take(200.0, 5) and not b.take(200.0, 1)  # refilled to the burst, no more
+
+
+@pytest.mark.parametrize("lines", [30, 5000])
+async def test_a_pump_ships_every_line_or_counts_it_and_keeps_every_byte(
+        tmp_path: Path, lines: int) -> None:
+    got: list[RankOutput] = []
+
+    async def publish(event: RankOutput) -> None:
+        got.append(event)
+
+    read, write = os.pipe()
+    pump = OutputPump(read, tmp_path / "rank.log", publish, job_id="j", attempt=2, rank=1, node="n", producer="a")
+    task = asyncio.create_task(pump.run())
+    text = "".join(f"line {i}\n" for i in range(lines)).encode()
+    await asyncio.to_thread(os.write, write, text)
+    os.close(write)
+    await asyncio.wait_for(task, 10)
+    assert (tmp_path / "rank.log").read_bytes() == text
+    shipped = [line for e in got for line in e.lines]
+    dropped = sum(e.dropped for e in got)
+    assert len(shipped) + dropped == lines
+    assert shipped[: min(lines, int(output.LINE_BURST))] == [f"line {i}" for i in range(min(lines, 2000))]
+    assert all(e.first_line + len(e.lines) <= lines and (e.job_id, e.attempt, e.rank) == ("j", 2, 1) for e in got)
+    if lines > output.LINE_BURST:
+        assert dropped > 0
+    else:
+        assert dropped == 0
