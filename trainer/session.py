@@ -382,5 +382,10 @@ def fail_hook(run: Run) -> Any:
             run.closed = True  # do not wait on a checkpoint write or collectives of a failed rank at exit
             run.emitter.close()
         previous(kind, exc, tb)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Now, not after the interpreter's teardown (seconds with torch loaded): a rank that stopped
+        # heartbeating but has not exited would be reported lost before its exit and traceback land.
+        os._exit(1)
 
     return hook

@@ -12,8 +12,8 @@ from nats.js.api import DiscardPolicy, StorageType
 from events import subjects
 from events.jetstream import JetStreamStore
 from events.store import StoreUnavailable
-from events.streams import ServerTooOld, check_server_version, ensure_streams
-from events.subjects import CONTROL, DEAD, TELEMETRY
+from events.streams import LOGS_MAX_AGE_S, LOGS_MAX_BYTES, ServerTooOld, check_server_version, ensure_streams
+from events.subjects import CONTROL, DEAD, LOGS, TELEMETRY
 from services.shell.broker import Broker, free_port
 from tests.conftest import restart_broker
 from tests.contract.store_fixtures import collect, queued, read_all, within
@@ -45,6 +45,9 @@ async def test_streams_are_provisioned_as_designed(nats_server: Broker) -> None:
         assert telemetry.max_bytes == 10**8 and telemetry.max_age == 7 * 24 * 3600
         assert DiscardPolicy(telemetry.discard) == DiscardPolicy.OLD
         assert (await store.js.stream_info(DEAD)).config.subjects == ["fd.dead.>"]
+        logs = (await store.js.stream_info(LOGS)).config  # what ranks print: limited apart from telemetry
+        assert logs.subjects == ["fd.log.>"] and logs.max_bytes == LOGS_MAX_BYTES and logs.max_age == LOGS_MAX_AGE_S
+        assert DiscardPolicy(logs.discard) == DiscardPolicy.OLD
     finally:
         await store.close()
 
@@ -54,9 +57,9 @@ async def test_ensure_streams_is_idempotent_and_updates_what_differs(nats_server
     try:
         await store.append(subjects.job("j", "JobQueued"), queued("j", 1, "kept"))
         racing = await asyncio.gather(ensure_streams(store.js), ensure_streams(store.js))  # two processes at once
-        assert racing == [{CONTROL: "unchanged", TELEMETRY: "unchanged", DEAD: "unchanged"}] * 2
+        assert racing == [{CONTROL: "unchanged", TELEMETRY: "unchanged", DEAD: "unchanged", LOGS: "unchanged"}] * 2
         changed = await ensure_streams(store.js, telemetry_max_bytes=12345678)
-        assert changed == {CONTROL: "unchanged", TELEMETRY: "updated", DEAD: "unchanged"}
+        assert changed == {CONTROL: "unchanged", TELEMETRY: "updated", DEAD: "unchanged", LOGS: "unchanged"}
         assert (await store.js.stream_info(TELEMETRY)).config.max_bytes == 12345678
         assert await store.last_seq(CONTROL) == 1  # an update never loses what is stored
     finally:

@@ -54,6 +54,8 @@ async def test_an_example_script_survives_every_drill_fault(drill: Platform, exa
     assert p.seen(LossSpikeDetected, job), kinds(p.job(job))
     (rollback,) = p.seen(RollbackRequested, job)
     assert rollback.to_step < SPIKE_AT <= rollback.skip_from + 2 and rollback.skip_to > SPIKE_AT
+    await p.until(lambda: any(e.rank == 0 for e in p.seen(RolledBack, job, stream=subjects.TELEMETRY)), 30,
+                  "rank 0's RolledBack (telemetry trails the history)", job)
     (rolled,) = [e for e in p.seen(RolledBack, job, stream=subjects.TELEMETRY) if e.rank == 0]
     assert rolled.to_step == rollback.to_step and spike.attempt == 0
     assert {(e.attempt, e.rank): e.exit_code for e in p.seen(WorkersExited, job)}[(0, 1)] == 3

@@ -19,11 +19,12 @@ NAME = re.compile(r"^(?P<type>[A-Za-z0-9]+)\.v(?P<version>\d+)\.msgpack$")
 
 
 def same(a: Any, b: Any) -> bool:
-    """Equality where NaN equals NaN (the codec must keep NaN losses)."""
+    """`b` (read now) keeps everything `a` (written then) held, NaN equal to NaN (the codec must keep NaN losses).
+    A struct read now may hold fields added since, at their defaults (a spec's new `[entrypoint]`, say)."""
     if isinstance(a, float) and isinstance(b, float):
         return (math.isnan(a) and math.isnan(b)) or a == b
     if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+        return a.keys() <= b.keys() and all(same(a[k], b[k]) for k in a)
     if isinstance(a, list | tuple) and isinstance(b, list | tuple):
         return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
     return bool(a == b) and type(a) is type(b)
