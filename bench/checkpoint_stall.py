@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from events.base import RankEvent
 from trainer import distributed
 from trainer.checkpointing import Checkpointer
-from trainer.data import TokenStream
+from trainer.cursor import BatchCursor
 
 CHUNK = 1 << 22  # elements per tensor: a model's state is many tensors, not one
 
@@ -57,13 +57,12 @@ def time_ours(state: dict[str, torch.Tensor], root: Path, dist: distributed.Dist
     ckpt = Checkpointer(job_id="bench", staging=root, dist=dist, emit=staged.append,
                         envelope={"job_id": "bench", "rank": 0})
     ckpt.prepare(state)  # the loop allocates its pinned buffers once, before training
-    stream = TokenStream(torch.zeros(64, dtype=torch.long), seq_len=8, batch_size=1, seed=0, rank=0, world_size=1,
-                         vocab_size=2)
+    position = BatchCursor().position()
     stalls, copies = [], []
     for step in range(repeats):
         sync(dist.device)
         t = time.perf_counter()
-        stalls.append(ckpt.save(step, state, stream))
+        stalls.append(ckpt.save(step, state, position))
         ckpt.snapshot_done()  # on CUDA the copy finishes behind the loop's back; how long it takes is bandwidth
         copies.append(time.perf_counter() - t)
         ckpt.before_update()
@@ -71,7 +70,7 @@ def time_ours(state: dict[str, torch.Tensor], root: Path, dist: distributed.Dist
     # The next optimizer step must not change what the snapshot is still copying: update at once, then check.
     last = list(state)[-3:]
     before = {k: state[k].clone() for k in last}
-    ckpt.save(repeats, state, stream)
+    ckpt.save(repeats, state, position)
     ckpt.before_update()
     for tensor in state.values():
         tensor.add_(1.0)

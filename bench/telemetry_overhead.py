@@ -1,10 +1,12 @@
-"""Median step time of the real training loop with telemetry on (publisher + heartbeat + command inbox,
-against a local nats-server) versus off, alternating runs so drift hits both sides alike.
+"""What the trainer API costs a training step: the built-in trainer's loop (a user of the API, trainer/loop.py)
+with telemetry on (`run.steps()` + `run.report()`, publisher, heartbeat and command inbox against a local
+nats-server) and off, against the same loop body with no Flightdeck at all ("plain"). Runs alternate, so
+drift hits every side alike.
 
     python bench/telemetry_overhead.py                                  # CPU, a small GPT on the corpus
     python bench/telemetry_overhead.py --device cuda --params 350e6     # ~350M-param GPT, bf16 autocast
 
-Goals: on/off <= 1.02 on CPU; <= 1.01 on CUDA with the ~350M model.
+Goals: on/plain <= 1.02 on CPU; <= 1.01 on CUDA with the ~350M model.
 """
 
 import argparse
@@ -23,15 +25,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import torch.nn.functional as F
+
 from events.spec import JobSpec, ModelSpec, TrainSpec
 from events.streams import ensure_streams
 from services.shell import broker
 from trainer import distributed
+from trainer import model as model_mod
 from trainer.commands import CommandInbox
 from trainer.config import RunConfig
-from trainer.loop import Loop
+from trainer.data import TokenStream, load_tokens
+from trainer.loop import GRAD_CLIP, lr_at, train
 from trainer.model import num_params
 from trainer.reports import Emitter
+from trainer.session import Run
 from trainer.telemetry import Telemetry
 
 WARMUP_STEPS = 10
@@ -46,22 +53,56 @@ def one_run(spec: JobSpec, url: str | None, job_id: str, device: str, staging: P
     emitter = Emitter(telemetry, {"job_id": job_id, "rank": 0, "attempt": 0, "node": "bench"}, batch_s=batch_s)
     telemetry.start()
     inbox.start()
-    loop = Loop(cfg, distributed.init(0, 1, 0, device), emitter, inbox)
+    run = Run(cfg, distributed.init(0, 1, 0, device), emitter, inbox)
     cpu, main_cpu = time.process_time(), time.thread_time()
-    assert loop.run() == 0
+    assert train(run) == 0
     # CPU the process spent outside the training thread (publisher, heartbeat, inbox): a noise-free upper
     # bound on what telemetry can take from the step, where the wall clock on a shared box cannot resolve 2%.
     background_cpu = (time.process_time() - cpu) - (time.thread_time() - main_cpu)
-    inbox.close()
-    emitter.close()
+    run.close()
     published = telemetry.num_published
-    times = loop.reporter.step_times[WARMUP_STEPS:]
-    background_per_step = background_cpu / len(loop.reporter.step_times)
-    del loop
+    times = run.reporter.step_times[WARMUP_STEPS:]
+    background_per_step = background_cpu / len(run.reporter.step_times)
+    del run
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
     return times, published, background_per_step
+
+
+def plain_run(spec: JobSpec, device: str) -> tuple[list[float], int, float]:
+    """trainer/loop.py's step body with no Flightdeck: the baseline a user compares with."""
+    dev = torch.device(device)
+    torch.manual_seed(spec.train.seed)
+    gpt = model_mod.build(spec.model, spec.train.seed, dev)
+    opt = torch.optim.AdamW(gpt.parameters(), lr=spec.train.lr, betas=(0.9, 0.95), weight_decay=0.01, fused=True)
+    stream = TokenStream(load_tokens(spec.train.data, spec.model.vocab_size), seq_len=spec.model.seq_len,
+                         batch_size=spec.train.batch_size, seed=spec.train.seed, rank=0, world_size=1,
+                         vocab_size=spec.model.vocab_size)
+    global_tokens = spec.train.batch_size * spec.model.seq_len
+    times: list[float] = []
+    last = time.perf_counter()
+    for step in range(spec.train.steps):
+        x, y = (t.to(dev, non_blocking=True) for t in stream.batch(step))
+        lr = lr_at(step, spec.train.steps, spec.train.lr)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+            logits = gpt(x)
+        loss_sum = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
+        opt.zero_grad(set_to_none=True)
+        (loss_sum / global_tokens).backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(gpt.parameters(), GRAD_CLIP)
+        opt.found_inf = (~torch.isfinite(grad_norm)).float()  # type: ignore[attr-defined]
+        opt.step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()  # the API side reads each step's loss one step later: the same wait
+        now = time.perf_counter()
+        times.append(now - last)
+        last = now
+    del gpt, opt
+    gc.collect()
+    return times[WARMUP_STEPS:], 0, 0.0
 
 
 def main() -> None:
@@ -94,23 +135,25 @@ def main() -> None:
             await nc.close()
 
         asyncio.run(streams())
-        off: list[float] = []
-        on: list[float] = []
-        paired: list[float] = []
+        times: dict[str, list[float]] = {"plain": [], "off": [], "on": []}
+        paired: dict[str, list[float]] = {"on": [], "off": []}
         background: dict[str, list[float]] = {"on": [], "off": []}
         published = 0
+        orders = [("plain", "off", "on"), ("on", "plain", "off"), ("off", "on", "plain")]
         for r in range(args.rounds):
-            # Alternate which side goes first, so a slow drift (thermal, a neighbour's load) is shared.
-            first_on = r % 2 == 1
+            # Rotate which side goes first, so a slow drift (thermal, a neighbour's load) is shared.
             runs = {}
-            for side in (("on", "off") if first_on else ("off", "on")):
-                runs[side] = one_run(spec, b.url if side == "on" else None, f"{side}-{r}", args.device,
-                                     tmp / "staging", args.emit_batch_s)
-            off += runs["off"][0]
-            on += runs["on"][0]
+            for side in orders[r % 3]:
+                if side == "plain":
+                    runs[side] = plain_run(spec, args.device)
+                else:
+                    runs[side] = one_run(spec, b.url if side == "on" else None, f"{side}-{r}", args.device,
+                                         tmp / "staging", args.emit_batch_s)
+            for side in times:
+                times[side] += runs[side][0]
             published += runs["on"][1]
-            paired.append(statistics.median(runs["on"][0]) / statistics.median(runs["off"][0]))
             for side in ("on", "off"):
+                paired[side].append(statistics.median(runs[side][0]) / statistics.median(runs["plain"][0]))
                 background[side].append(runs[side][2])
     finally:
         b.stop()
@@ -125,12 +168,14 @@ def main() -> None:
                   "seq_len": model.seq_len, "params": n_params}, "batch_size": args.batch_size,
         "steps_per_run": args.steps, "emit_batch_s": args.emit_batch_s, "rounds": args.rounds,
         "events_published_on": published,
-        "median_step_s": {"off": statistics.median(off), "on": statistics.median(on)},
-        "ratio_on_vs_off": statistics.median(on) / statistics.median(off),
-        "paired_ratios": paired, "paired_ratio_median": statistics.median(paired),
+        "median_step_s": {k: statistics.median(v) for k, v in times.items()},
+        "ratio_on_vs_plain": statistics.median(times["on"]) / statistics.median(times["plain"]),
+        "ratio_off_vs_plain": statistics.median(times["off"]) / statistics.median(times["plain"]),
+        "paired_ratios_vs_plain": paired,
+        "paired_ratio_median": {k: statistics.median(v) for k, v in paired.items()},
         "background_cpu_s_per_step": {k: statistics.median(v) for k, v in background.items()},
         "background_cpu_vs_step": (statistics.median(background["on"]) - statistics.median(background["off"]))
-        / statistics.median(off),
+        / statistics.median(times["plain"]),
         "goal": 1.01 if cuda else 1.02,
     }
     print(json.dumps(result, indent=2))

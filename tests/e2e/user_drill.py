@@ -2,12 +2,13 @@
 Transformers causal LM, an FSDP2 model) runs as an entrypoint job on a real broker with every service and a
 node agent, through every drill fault: a loss spike (rolled back, its batches skipped), a crashed rank and a
 hung one (restarted from the newest checkpoint), and a preemption (SIGTERM: a checkpoint, then a resume
-from exactly it). The drill fixture checks that `flightdeck verify` re-derives every decision."""
+from exactly it). The drill fixture checks that `flightdeck verify` re-derives every decision.
+
+One test module per example (test_user_code_*.py), so the three run on different workers."""
 
 from pathlib import Path
 
 import msgspec
-import pytest
 
 from events import subjects
 from events.checkpoint import CheckpointCommitted, CheckpointStaged
@@ -20,7 +21,6 @@ from tests.e2e.drill_harness import DRILL_POLICY, wait_lineage
 from tests.integration.lifecycle_harness import Platform
 from tests.integration.test_lifecycle_services import kinds
 
-pytestmark = [pytest.mark.slow]
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 STEPS, SPIKE_AT, CRASH_AT, HANG_AT = 80, 25, 40, 50
 
@@ -40,9 +40,7 @@ HIGH = JobSpec(name="high", priority=90, slots=2, model=ModelSpec(d_model=32),
                train=TrainSpec(steps=10, checkpoint_every=5, data="synthetic"))
 
 
-@pytest.mark.timeout(420)
-@pytest.mark.parametrize("example", ["pytorch_ddp", "hf_causal_lm", "fsdp2"])
-async def test_an_example_script_survives_every_drill_fault(drill: Platform, example: str) -> None:
+async def survives_every_drill_fault(drill: Platform, example: str) -> None:
     p, job = drill, f"{example.replace('_', '-')}-000001"
     p.agent("n1", "--grace-s", "5")
     await p.ready("n1")
