@@ -135,6 +135,11 @@ class Checkpointer:
             torch.cuda.current_stream(self.dist.device).wait_event(self._copied)
             self._copied = None
 
+    def snapshot_done(self) -> None:
+        """Block until the last snapshot is in host memory (the writer does this before writing)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+
     def save(self, step: int, live: dict[str, Any], position: DataPosition) -> float:
         """Snapshot now and write in the background; returns the stall (seconds the caller was blocked)."""
         started = time.perf_counter()

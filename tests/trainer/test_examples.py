@@ -40,7 +40,7 @@ def events(tmp: Path, kind: str, **match: Any) -> list[dict[str, Any]]:
     return [e for e in rows if e["type"] == kind and all(e[k] == v for k, v in match.items())]
 
 
-@pytest.mark.parametrize("example", ["pytorch_ddp", "hf_causal_lm", "fsdp2"])
+@pytest.mark.parametrize("example", ["pytorch_ddp", "hf_causal_lm"])
 def test_an_example_runs_under_plain_torchrun(tmp_path: Path, example: str) -> None:
     done = torchrun(tmp_path, example, spec(tmp_path, 12))
     assert done.returncode == 0, done.stderr[-3000:]
@@ -85,11 +85,14 @@ def test_a_restart_resumes_from_the_newest_whole_local_checkpoint(tmp_path: Path
     assert not events(tmp_path, "FaultInjected", attempt=1)  # the crash was attempt 0's
 
 
-def test_fsdp2_checkpoints_from_two_ranks_restore_into_one(tmp_path: Path) -> None:
+def test_fsdp2_runs_under_plain_torchrun_and_its_checkpoints_from_two_ranks_restore_into_one(tmp_path: Path) -> None:
     two = tmp_path / "two"
     two.mkdir()
     done = torchrun(two, "fsdp2", spec(two, 15))
     assert done.returncode == 0, done.stderr[-3000:]
+    for rank in (0, 1):
+        assert [e["step"] for e in events(two, "StepCompleted", rank=rank)] == list(range(15))
+    assert sorted(e["step"] for e in events(two, "CheckpointStaged", rank=0)) == [5, 10, 15]
     one = tmp_path / "one"
     one.mkdir()
     ckpt = two / ".flightdeck" / "staging" / "local" / "step-10"
