@@ -145,7 +145,8 @@ async def test_a_chatty_script_is_held_to_its_rate_and_its_telemetry_arrives_who
     printed = max(e.first_line + len(e.lines) for e in out)
     assert shipped + left_out == printed  # every line the rank printed was shipped or counted
     assert sum(1 for e in out for line in e.lines if "x" * 93 in line) + left_out >= 50_000
-    elapsed = max(e.occurred_at for e in out) - min(e.occurred_at for e in out)
-    assert LINE_BURST <= shipped <= LINE_BURST + LINES_PER_S * (elapsed + 1)
+    # The budget, not a speed: a slower box only stretches the span, which loosens the upper bound.
+    span = max(e.occurred_at for e in out) - min(e.occurred_at for e in out)
+    assert LINE_BURST <= shipped <= LINE_BURST + LINES_PER_S * (span + 1)
     lines = logs(p, job)
     assert any("lines left out: over the rank's output rate limit" in ln for ln in lines)
