@@ -92,7 +92,9 @@ async def test_a_job_whose_every_restart_crashes_fails_naming_each_fault_in_orde
     by_id = {e.event_id: e for e in p.job(job)}
     causes = [by_id[c] for c in failed.causes]
     assert [c.attempt for c in causes] == [0, 1, 2], failed.causes  # one per attempt, first to last
-    assert all(isinstance(c, WorkersExited | RankLost) for c in causes)
-    assert [(c.rank, c.exit_code) for c in causes if isinstance(c, WorkersExited)] == [(1, 3)] * 3
+    # each attempt's cause is rank 1's crash: its exit (code 3), or its silence when that was found first (a
+    # crashing rank flushes its telemetry for up to 3 s without heartbeating; a loaded box can outlast that)
+    assert all(isinstance(c, WorkersExited | RankLost) and c.rank == 1 for c in causes), causes
+    assert all(c.exit_code == 3 for c in causes if isinstance(c, WorkersExited)), causes
     assert "restart" in failed.reason or "budget" in failed.reason or "max_restarts" in failed.reason, failed.reason
     assert lineage_gaps(p, job, 20) != []  # it never finished

@@ -4,7 +4,7 @@ node agent, through every drill fault: a loss spike (rolled back, its batches sk
 hung one (restarted from the newest checkpoint), and a preemption (SIGTERM: a checkpoint, then a resume
 from exactly it). The drill fixture checks that `flightdeck verify` re-derives every decision.
 
-One test module per example (test_user_code_*.py), so the three run on different workers."""
+Run by tests/e2e/test_user_code.py."""
 
 from pathlib import Path
 

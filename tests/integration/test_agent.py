@@ -123,6 +123,8 @@ async def test_a_checkpoint_that_cannot_be_verified_is_never_loaded(cluster: Clu
         data=DataPosition(next_batch=10), event_id="test-commit", producer="test"))
     c.agent()
     await c.until(lambda: bool(c.seen(JobFailed, "lost-000001")), 60, "the job to fail", "lost-000001")
+    # the job fails at attempt 1's first exit; the agent records the other right after it
+    await c.until(lambda: len(exits(c, "lost-000001", 1)) == 2, 10, "attempt 1's second exit", "lost-000001")
     assert exits(c, "lost-000001", 0) == exits(c, "lost-000001", 1) == {0: START_FAILED_EXIT, 1: START_FAILED_EXIT}
     assert c.seen(WorkersStarted, "lost-000001") == []
     assert "never committed" in (c.root / "agent-n1.log").read_text()
