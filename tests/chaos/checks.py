@@ -8,6 +8,7 @@ every step of the final lineage reported exactly once by every rank, and no deci
 `Outcome` is also what a drill records for the README's reliability table (`record`).
 """
 
+import asyncio
 import json
 import os
 from collections import Counter
@@ -33,7 +34,7 @@ from events.job import (
     WorkersExited,
     WorkersStarted,
 )
-from events.store import EventStore, Stored
+from events.store import EventStore, Stored, StoreUnavailable
 from events.training import StepCompleted
 from services.tools.audit.settle import verify_live
 
@@ -62,11 +63,21 @@ class Outcome:
                 and not self.repeated_decisions and sum(self.decisions_verified.values()) > 0)
 
 
+READ_TRIES = 4  # a cluster whose stream leader was just killed may still be electing when the job has ended
+
+
 async def read_all(store: EventStore, stream: str, filters: Iterable[str] = ()) -> list[Stored]:
-    out: list[Stored] = []
-    async for batch in store.read(stream, list(filters)):
-        out += batch
-    return out
+    for attempt in range(READ_TRIES):
+        out: list[Stored] = []
+        try:
+            async for batch in store.read(stream, list(filters)):
+                out += batch
+            return out
+        except StoreUnavailable:
+            if attempt == READ_TRIES - 1:
+                raise
+            await asyncio.sleep(2.0)
+    raise AssertionError("unreachable")
 
 
 def identity(event: Event) -> tuple[Any, ...] | None:
