@@ -30,9 +30,10 @@ CACHE_ENV = "FLIGHTDECK_CACHE"  # the node's cache of committed checkpoints: <di
 DEVICE_ENV = "FLIGHTDECK_DEVICE"  # "cpu", "cuda" or "auto"
 SYNC_EVERY_ENV = "FLIGHTDECK_SYNC_EVERY"  # steps between the collectives that agree on commands
 EVENTS_LOG_ENV = "FLIGHTDECK_EVENTS_LOG"  # every event a rank emits, also as JSON lines here
-PLAN_ENV = "FLIGHTDECK_PLAN"  # the ParallelPlan recorded for this world size, as JSON
+PLAN_ENV = "FLIGHTDECK_PLAN"  # a ParallelPlan as JSON, set by hand; else `run.plan` reads the recorded one
+FIRED_ENV = "FLIGHTDECK_FIRED_FAULTS"  # indices of the spec's unpinned drill faults an earlier attempt fired: "0,3"
 RUN_ENV = (JOB_ENV, ATTEMPT_ENV, NODE_ENV, NATS_ENV, SPEC_ENV, STAGING_ENV, RESTORE_ENV, MANIFEST_ENV, CACHE_ENV,
-           DEVICE_ENV, SYNC_EVERY_ENV, EVENTS_LOG_ENV, PLAN_ENV, BEATS_ENV, STEP_REPORTS_ENV)
+           DEVICE_ENV, SYNC_EVERY_ENV, EVENTS_LOG_ENV, PLAN_ENV, FIRED_ENV, BEATS_ENV, STEP_REPORTS_ENV)
 
 READY = b"R"
 MAX_MESSAGE = 1 << 20  # an assignment is the rank's command line and environment: a few KB

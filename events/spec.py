@@ -67,7 +67,9 @@ class FaultSpec(Spec, frozen=True, kw_only=True):
     step: NonNegInt
     rank: NonNegInt = 0
     seconds: Annotated[float, Meta(ge=0.0, le=3600.0)] = 0.5  # per-step delay for "slow"
-    attempt: NonNegInt = 0  # inject only in this attempt, so a restarted job does not fault again
+    # None: fire once, in the first attempt that reaches `step` (the node agent tells later attempts what fired);
+    # a number pins the fault to that attempt.
+    attempt: NonNegInt | None = None
 
 
 EnvName = Annotated[str, Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}\Z")]
@@ -153,8 +155,10 @@ def _check_entrypoint(entry: EntrypointSpec, spec: JobSpec) -> JobSpec:
 
 
 def spec_builtins(spec: JobSpec) -> dict[str, Any]:
-    """The spec as plain data TOML can hold: no None (an absent [entrypoint] is the built-in trainer)."""
+    """The spec as plain data TOML can hold: no None (an absent [entrypoint] is the built-in trainer, an absent
+    fault `attempt` an unpinned fault)."""
     data: dict[str, Any] = msgspec.to_builtins(spec)
+    data["faults"] = [{k: v for k, v in f.items() if v is not None} for f in data.get("faults", [])]
     return {k: v for k, v in data.items() if v is not None}
 
 

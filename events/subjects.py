@@ -49,6 +49,11 @@ def telemetry(job_id: str, rank: int, type_name: str) -> str:
     return f"fd.tel.{token(job_id)}.{token(rank)}.{token(type_name)}"
 
 
+def telemetry_of(job_id: str, type_name: str) -> str:
+    """One event type from every rank of a job."""
+    return f"fd.tel.{token(job_id)}.*.{token(type_name)}"
+
+
 def telemetry_job(job_id: str) -> str:
     return f"fd.tel.{token(job_id)}.>"
 

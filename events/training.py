@@ -32,8 +32,11 @@ class RankFault(RankEvent, frozen=True, kw_only=True):
 class FaultInjected(RankEvent, frozen=True, kw_only=True):
     """A drill's fault, recorded by the rank before it acts, so a postmortem can tell a drill from a real fault."""
 
+    SCHEMA = 2  # 2 added `fault`
+
     kind: Literal["crash", "hang", "loss_spike", "nonfinite", "slow"]
     step: int
+    fault: int = -1  # its index in the spec's `faults`: a later attempt skips the unpinned ones that fired (-1: v1)
 
 
 class RolledBack(RankEvent, frozen=True, kw_only=True):

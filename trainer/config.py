@@ -37,6 +37,7 @@ class RunConfig:
     events_log: Path | None  # every emitted event also appended here as a JSON line
     checkpoints: Path | None = None  # the node's cache of committed checkpoints: <dir>/<job>/<checkpoint_id>/
     plan: ParallelPlan | None = None  # None: plain data parallel over the world
+    fired: frozenset[int] = frozenset()  # the spec's unpinned drill faults an earlier attempt fired (trainer/faults.py)
     platform: bool = True  # started by a node agent (a job id was given)
     resume_local: bool = False  # no-platform mode after a torchrun restart: resume from the newest staged set
 
@@ -75,6 +76,10 @@ def from_env(env: Mapping[str, str] | None = None) -> RunConfig:
             plan = msgspec.json.decode(raw, type=ParallelPlan)
         except msgspec.DecodeError as exc:
             raise ValueError(f"${nl.PLAN_ENV} is not a parallel plan: {exc}") from None
+    try:
+        fired = frozenset(int(i) for i in env.get(nl.FIRED_ENV, "").split(",") if i.strip())
+    except ValueError:
+        raise ValueError(f"${nl.FIRED_ENV} must list fault indices like 0,3, got {env[nl.FIRED_ENV]!r}") from None
     restarts = _int(env, "TORCHELASTIC_RESTART_COUNT", 0)
     # Under plain torchrun a restart re-runs the same command line: its restart count is the attempt.
     attempt = _int(env, nl.ATTEMPT_ENV, restarts)
@@ -85,7 +90,7 @@ def from_env(env: Mapping[str, str] | None = None) -> RunConfig:
         checkpoints=Path(env[nl.CACHE_ENV]) if env.get(nl.CACHE_ENV) else None,
         rank=_int(env, "RANK", 0), world_size=world_size, local_rank=_int(env, "LOCAL_RANK", 0), device=device,
         sync_every=sync_every, events_log=Path(env[nl.EVENTS_LOG_ENV]) if env.get(nl.EVENTS_LOG_ENV) else None,
-        plan=plan, platform=bool(job_id), resume_local=not job_id and restore is None and restarts > 0,
+        plan=plan, fired=fired, platform=bool(job_id), resume_local=not job_id and restore is None and restarts > 0,
     )
 
 

@@ -38,7 +38,7 @@ from events.commands import (
 from events.plan import ParallelPlan
 from events.spec import JobSpec
 from events.training import FaultInjected, RankStarted, RolledBack
-from trainer import checkpointing, faults
+from trainer import checkpointing, faults, plans
 from trainer.config import RunConfig
 from trainer.cursor import BatchCursor
 from trainer.distributed import Dist
@@ -92,10 +92,10 @@ class Run:
         self.rank, self.world_size, self.local_rank = dist.rank, dist.world_size, cfg.local_rank
         self.device: torch.device = dist.device
         self.spec: JobSpec = cfg.spec
-        self.plan: ParallelPlan = cfg.plan or ParallelPlan(world_size=dist.world_size, dp=dist.world_size)
+        self._plan: ParallelPlan | None = cfg.plan
         self.step = 0  # steps done: the index of the next step
         self.cursor = BatchCursor()
-        self.faults = faults.Faults(cfg.spec.faults, dist.rank, cfg.attempt)
+        self.faults = faults.Faults(cfg.spec.faults, dist.rank, cfg.attempt, cfg.fired)
         self.state = TrainState(None, None, {}, rank=dist.rank, device=dist.device)
         self.ckpt = checkpointing.Checkpointer(job_id=cfg.job_id, staging=cfg.staging, dist=dist,
                                                emit=emitter.emit, envelope=emitter.envelope)
@@ -197,6 +197,18 @@ class Run:
         self.reporter.record(int(step), values, lr=0.0 if lr is None else float(lr),
                              tokens=0.0 if tokens is None else float(tokens), started=started, scale=scale)
 
+    @property
+    def plan(self) -> ParallelPlan:
+        """The parallel layout Flightdeck recorded for this world size (trainer/plans.py), read on first use;
+        plain data parallelism when none was recorded (no resharder, or no platform)."""
+        if self._plan is None:
+            recorded = None
+            if self.cfg.nats_url is not None:
+                recorded = plans.recorded_plan(self.cfg.nats_url, self.job_id, self.world_size, log)
+            self._plan = recorded or ParallelPlan(world_size=self.world_size, dp=self.world_size)
+            log.info("parallel plan", recorded=recorded is not None, plan=msgspec.to_builtins(self._plan))
+        return self._plan
+
     def close(self) -> None:
         """Flush telemetry and wait for a checkpoint being written; `init()` arranges this at exit."""
         if self.closed:
@@ -224,16 +236,18 @@ class Run:
 
     def _before_step(self, step: int, index: int) -> None:
         self._nan = self._spike = False
-        for fault in self.faults.due(step, index):
-            self._inject(fault.kind, step)
+        for i, fault in self.faults.due(step, index):
+            self._inject(fault.kind, step, i)
         self._spike = self.faults.poisoned(index)
         delay = self.faults.slow_seconds(step)
         if delay:
             time.sleep(delay)
 
-    def _inject(self, kind: str, step: int) -> None:
-        """Announce a drill fault, then act on it."""
-        self.emitter.emit(FaultInjected(kind=kind, step=step, **self.emitter.envelope))  # type: ignore[arg-type]
+    def _inject(self, kind: str, step: int, index: int) -> None:
+        """Announce a drill fault, then act on it. The announcement is what a later attempt's agent reads to keep an
+        unpinned fault from firing again (a crash flushes it before the exit that causes the restart)."""
+        self.emitter.emit(FaultInjected(kind=kind, step=step, fault=index, schema_version=2,  # type: ignore[arg-type]
+                                        **self.emitter.envelope))
         log.warning("injecting drill fault", kind=kind, step=step)
         if kind == "crash":
             self.reporter.flush()

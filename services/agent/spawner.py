@@ -18,12 +18,14 @@ from typing import Any
 import structlog
 
 from events import nodelocal as nl
+from events import subjects
 from events.codec import MAX_CAUSE
 from events.heartbeats import LocalBeat
 from events.history import append_to_job
 from events.job import SlotRef, WorkersExited, WorkersStarted
 from events.spec import spec_toml
 from events.store import EventStore
+from events.training import FaultInjected
 from services.agent.core import (
     EVICT,
     PREFETCH,
@@ -139,11 +141,12 @@ class Spawner:
                 restore = await self.fetch(args.job_id, args.restore)
             except Exception as exc:  # a checkpoint we cannot verify is never loaded, nor silently skipped
                 return await self._not_started(args, f"restore {args.restore.checkpoint_id} failed: {exc!r}")
+        fired = await retrying("reading which drill faults fired", lambda: self.fired_faults(args))
         started: list[RankProc] = []
         try:
             spec_file = await asyncio.to_thread(self._write_spec, args)
             for ref in args.ranks:
-                started.append(await self._start_rank(args, ref, spec_file, restore))
+                started.append(await self._start_rank(args, ref, spec_file, restore, fired))
         except Exception as exc:  # recorded as exits, so the scheduler sees a fault instead of waiting forever
             for p in started:
                 signal_rank(p, signal.SIGKILL)
@@ -174,6 +177,20 @@ class Spawner:
         if watchers:
             await asyncio.wait(watchers)  # their exits are recorded before the new ranks' start
 
+    async def fired_faults(self, args: SpawnArgs) -> frozenset[int]:
+        """The spec's unpinned drill faults that an earlier attempt fired, by index (trainer/faults.py): read
+        from the job's FaultInjected events, which a rank stores before it acts on the fault, so before the
+        exit or finding that led to this attempt."""
+        if args.attempt == 0 or all(f.attempt is not None for f in args.spec.faults):
+            return frozenset()
+        fired: set[int] = set()
+        async for batch in self.store.read(subjects.TELEMETRY, [subjects.telemetry_of(args.job_id, "FaultInjected")]):
+            for stored in batch:
+                ev = stored.event
+                if isinstance(ev, FaultInjected) and ev.attempt < args.attempt and ev.fault >= 0:
+                    fired.add(ev.fault)
+        return frozenset(fired)
+
     def _write_spec(self, args: SpawnArgs) -> Path:
         path = self.paths.spec(args.job_id)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -193,7 +210,8 @@ class Spawner:
             argv[0] = self.launch.python
         return argv, Path.cwd() / entry.cwd if entry.cwd else Path.cwd()
 
-    def _rank_env(self, args: SpawnArgs, ref: SlotRef, spec_file: Path, restore: Path | None) -> dict[str, str]:
+    def _rank_env(self, args: SpawnArgs, ref: SlotRef, spec_file: Path, restore: Path | None,
+                  fired: frozenset[int] = frozenset()) -> dict[str, str]:
         entry = args.spec.entrypoint
         env = {**rank_base_env(), **(entry.env if entry is not None else {}),
                "RANK": str(ref.rank), "WORLD_SIZE": str(args.world_size),
@@ -202,8 +220,10 @@ class Spawner:
                nl.JOB_ENV: args.job_id, nl.ATTEMPT_ENV: str(args.attempt), nl.NODE_ENV: self.node,
                nl.NATS_ENV: self.launch.nats_url, nl.SPEC_ENV: str(spec_file), nl.STAGING_ENV: str(self.paths.staging),
                nl.CACHE_ENV: str(self.paths.root / "cache"), nl.DEVICE_ENV: self.launch.device}
-        for stale in (nl.RESTORE_ENV, nl.MANIFEST_ENV, nl.PLAN_ENV, nl.EVENTS_LOG_ENV, nl.SYNC_EVERY_ENV):
+        for stale in (nl.RESTORE_ENV, nl.MANIFEST_ENV, nl.PLAN_ENV, nl.FIRED_ENV, nl.EVENTS_LOG_ENV, nl.SYNC_EVERY_ENV):
             env.pop(stale, None)  # never inherited from the agent's own environment
+        if fired:
+            env[nl.FIRED_ENV] = ",".join(map(str, sorted(fired)))
         if restore is not None:
             env[nl.RESTORE_ENV], env[nl.MANIFEST_ENV] = str(restore), str(restore / manifest.MANIFEST)
         rank_env(env, args.job_id, self.paths.root)  # the job's broker credential, never the agent's own
@@ -211,8 +231,9 @@ class Spawner:
             env[nl.BEATS_ENV], env[nl.STEP_REPORTS_ENV] = self.launch.beats, self.launch.step_reports
         return env
 
-    async def _start_rank(self, args: SpawnArgs, ref: SlotRef, spec_file: Path, restore: Path | None) -> RankProc:
-        env = self._rank_env(args, ref, spec_file, restore)
+    async def _start_rank(self, args: SpawnArgs, ref: SlotRef, spec_file: Path, restore: Path | None,
+                          fired: frozenset[int]) -> RankProc:
+        env = self._rank_env(args, ref, spec_file, restore, fired)
         cmd, cwd = self._command(args)
         log_path = self.paths.log(args.job_id, args.attempt, ref.rank)
         log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,7 @@ from events.checkpoint import CheckpointCommitted, CheckpointStaged
 from events.commands import RollbackRequested, StopRequested
 from events.findings import LossSpikeDetected, RankHung
 from events.job import JobCompleted, JobFailed, JobPreempted, JobResumed, WorkersExited
+from events.plan import ReshardPlanned
 from events.spec import FaultSpec, JobSpec, ModelSpec, TrainSpec, parse_spec
 from events.training import FaultInjected, RolledBack
 from tests.e2e.drill_harness import DRILL_POLICY, wait_lineage
@@ -32,8 +33,11 @@ def drilled(example: str) -> JobSpec:
     faults = [FaultSpec(kind="slow", step=0, rank=0, seconds=0.1, attempt=a) for a in range(4)]
     faults += [FaultSpec(kind="loss_spike", step=SPIKE_AT, rank=0), FaultSpec(kind="crash", step=CRASH_AT, rank=1),
                FaultSpec(kind="hang", step=HANG_AT, rank=0, attempt=1)]
-    return msgspec.structs.replace(spec, train=TrainSpec(steps=STEPS, checkpoint_every=5),
-                                   policy=msgspec.structs.replace(DRILL_POLICY, spike_window=10), faults=faults)
+    # Six seconds of silence make a rank lost, not the drill policy's two: on CI's loaded box an FSDP2 rank's
+    # heartbeat thread went unheard for over two seconds during a rollback's DCP load, and was taken for dead.
+    policy = msgspec.structs.replace(DRILL_POLICY, spike_window=10, heartbeat_misses=12)
+    return msgspec.structs.replace(spec, train=TrainSpec(steps=STEPS, checkpoint_every=5), policy=policy,
+                                   faults=faults)
 
 
 HIGH = JobSpec(name="high", priority=90, slots=2, model=ModelSpec(d_model=32),
@@ -57,6 +61,10 @@ async def survives_every_drill_fault(drill: Platform, example: str) -> None:
     (rolled,) = [e for e in p.seen(RolledBack, job, stream=subjects.TELEMETRY) if e.rank == 0]
     assert rolled.to_step == rollback.to_step and spike.attempt == 0
     assert {(e.attempt, e.rank): e.exit_code for e in p.seen(WorkersExited, job)}[(0, 1)] == 3
+    if example == "fsdp2":  # its device mesh came from the plan the resharder recorded, not the fallback
+        assert p.seen(ReshardPlanned, job)
+        first = (p.data / "logs" / f"{job}-a0-r0.log").read_text()
+        assert "parallel plan" in first and "recorded=True" in first, first[-2000:]
 
     # attempt 1 hangs; attempt 2 is preempted by a higher-priority job once it has committed a checkpoint
     await p.until(lambda: len(p.seen(JobResumed, job)) >= 2, 120, "the hang's restart", job)

@@ -35,7 +35,7 @@ from events.job import (
 )
 from events.spec import FaultSpec, JobSpec, ModelSpec, TrainSpec
 from events.store import Stored
-from events.training import RankStarted, StepCompleted
+from events.training import FaultInjected, RankStarted, StepCompleted
 from services.checkpoints.core import core_service as checkpoints_core
 from services.checkpoints.uploader import handlers as checkpoint_handlers
 from services.shell import broker as broker_mod
@@ -248,6 +248,28 @@ async def test_a_crashed_rank_restarts_the_job_and_it_completes(cluster: Cluster
     history = kinds(c.job("crash-000001"))
     assert history.index("AllocationReleased") < len(history) - 2  # attempt 0's slots were given back first
     assert all(gone(pid) for pid in c.pids("crash-000001"))
+
+
+@pytest.mark.timeout(180)
+async def test_an_unpinned_fault_fires_once_in_the_first_attempt_that_reaches_its_step(cluster: Cluster) -> None:
+    """Attempt 0 crashes at step 8 and never reaches step 12. Attempt 1 (no checkpoint: it starts over) passes
+    step 8 quietly, since the agent read that fault's FaultInjected, and crashes at 12. Attempt 2 runs through."""
+    c = cluster
+    c.agent()
+    await c.ready()
+    spec = JobSpec(name="twice", slots=2, model=TINY.model, train=TINY.train,
+                   faults=[FaultSpec(kind="crash", step=8, rank=1), FaultSpec(kind="crash", step=12, rank=0),
+                           FaultSpec(kind="crash", step=4, rank=0, attempt=3)])  # pinned to an attempt never run
+    await c.submit(spec, "twice-000001")
+    await c.until(lambda: bool(c.seen(JobCompleted, "twice-000001")), 160, "the job to complete", "twice-000001")
+    fired = [(e.attempt, e.fault, e.step, e.rank) for e in c.seen(FaultInjected, "twice-000001",
+                                                                  stream=subjects.TELEMETRY)]
+    assert fired == [(0, 0, 8, 1), (1, 1, 12, 0)]
+    assert [e.attempt for e in c.seen(AllocationGranted, "twice-000001")] == [0, 1, 2]
+    assert (exits(c, "twice-000001", 0)[1], exits(c, "twice-000001", 1)[0]) == (3, 3)
+    assert exits(c, "twice-000001", 2) == {0: 0, 1: 0}
+    steps = {e.step for e in c.seen(StepCompleted, "twice-000001", stream=subjects.TELEMETRY) if e.attempt == 1}
+    assert set(range(12)) <= steps  # attempt 1 went past step 8
 
 
 @pytest.mark.timeout(120)
