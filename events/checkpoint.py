@@ -47,6 +47,17 @@ class CheckpointFailed(JobEvent, frozen=True, kw_only=True):
     reason: str
 
 
+class CheckpointRejected(JobEvent, frozen=True, kw_only=True):
+    """A committed checkpoint found bad when a restart was to restore it (a shard's size or sha256 differs from
+    its manifest, a file or the manifest is missing): never loaded. Restarts fall back to the newest good one."""
+
+    checkpoint_id: str
+    step: int
+    attempt: int  # the attempt that was to restore it
+    node: str  # whose agent found it
+    cause: str  # which file, and what was expected and found
+
+
 class CheckpointDeleted(JobEvent, frozen=True, kw_only=True):
     checkpoint_id: str
     reason: str = "retention"

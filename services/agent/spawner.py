@@ -19,6 +19,7 @@ import structlog
 
 from events import nodelocal as nl
 from events import subjects
+from events.checkpoint import CheckpointRejected
 from events.codec import MAX_CAUSE
 from events.heartbeats import LocalBeat
 from events.history import append_to_job
@@ -139,6 +140,9 @@ class Spawner:
         if args.restore is not None:
             try:
                 restore = await self.fetch(args.job_id, args.restore)
+            except (manifest.CorruptCheckpoint, manifest.CheckpointMissing) as exc:
+                await self._rejected(args, args.restore, str(exc))
+                return await self._not_started(args, f"restore {args.restore.checkpoint_id} failed: {exc!r}")
             except Exception as exc:  # a checkpoint we cannot verify is never loaded, nor silently skipped
                 return await self._not_started(args, f"restore {args.restore.checkpoint_id} failed: {exc!r}")
         fired = await retrying("reading which drill faults fired", lambda: self.fired_faults(args))
@@ -268,6 +272,16 @@ class Spawner:
                 return standby.proc
         return None
 
+    async def _rejected(self, args: SpawnArgs, checkpoint: Restore, why: str) -> None:
+        """Record a bad checkpoint before the exits it causes: the scheduler then restarts from an older one
+        without spending the job's restart budget, and a postmortem names it."""
+        log.error("checkpoint rejected", job_id=args.job_id, checkpoint_id=checkpoint.checkpoint_id, cause=why)
+        mid = f"{self.producer}:reject:{args.job_id}:{args.attempt}:{checkpoint.checkpoint_id}"
+        event = CheckpointRejected(job_id=args.job_id, checkpoint_id=checkpoint.checkpoint_id, step=checkpoint.step,
+                                   attempt=args.attempt, node=self.node, cause=why[-MAX_CAUSE:], event_id=mid,
+                                   occurred_at=time.time(), causation_id=args.grant_id, producer=self.producer)
+        await retrying("recording CheckpointRejected", lambda: append_to_job(self.store, event, msg_id=mid))
+
     async def _not_started(self, args: SpawnArgs, reason: str, *, unrunnable: bool = False) -> list[Emit]:
         log.error("ranks not started", job_id=args.job_id, attempt=args.attempt, reason=reason)
         for ref in args.ranks:
@@ -348,6 +362,9 @@ class Spawner:
         """The download of `checkpoint` into the cache: one at a time per checkpoint, retried after a failure."""
         key = (job_id, checkpoint.checkpoint_id)
         task = self.fetches.get(key)
+        if task is not None and task.done() and not task.cancelled() and task.exception() is None \
+                and not (task.result() / manifest.MANIFEST).is_file():
+            task = None  # cached once, gone since (removed by hand, or the disk was wiped): download it again
         if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
             task = asyncio.create_task(self._download(job_id, checkpoint))
             task.add_done_callback(_report_fetch)
@@ -360,8 +377,10 @@ class Spawner:
     async def _download(self, job_id: str, checkpoint: Restore) -> Path:
         detached(self.producer, job_id=job_id, checkpoint_id=checkpoint.checkpoint_id)
         dest = self.paths.cache(job_id, checkpoint.checkpoint_id)
-        if dest.exists():  # downloads land whole and verified, or not at all
+        if (dest / manifest.MANIFEST).is_file():  # downloads land whole and verified, or not at all
             return dest
+        if dest.exists():  # a copy someone removed part of: fetched again
+            await asyncio.to_thread(shutil.rmtree, dest, True)
         started = time.perf_counter()
         got = await manifest.download(self.objects, job_id, checkpoint.checkpoint_id, dest,
                                       expected_sha256=checkpoint.manifest_sha256)

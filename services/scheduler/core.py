@@ -6,7 +6,7 @@ Why it works this way: docs/internals.md, "3. The scheduler and its recovery rec
 import msgspec
 
 from events.base import Event
-from events.checkpoint import CheckpointCommitted, CheckpointDeleted
+from events.checkpoint import CheckpointCommitted, CheckpointDeleted, CheckpointRejected
 from events.clock import ClockTick, CoreConfigured
 from events.findings import LossSpikeDetected, NonFiniteLoss, RankHung, RankLost, StragglerDetected
 from events.fleet import NodeCordoned, NodeLost, NodeRegistered, NodeUncordoned, SelfCheckFailed
@@ -27,8 +27,8 @@ from services.scheduler.tx import Tx
 NAME = "scheduler"
 
 CONTROL_TYPES = ("JobSubmitted", "CancelRequested", "AllocationGranted", "AllocationDenied", "WorkersStarted",
-                 "WorkersExited", "CheckpointCommitted", "CheckpointDeleted", "RankLost", "RankHung",
-                 "StragglerDetected", "NonFiniteLoss", "LossSpikeDetected")
+                 "WorkersExited", "CheckpointCommitted", "CheckpointDeleted", "CheckpointRejected", "RankLost",
+                 "RankHung", "StragglerDetected", "NonFiniteLoss", "LossSpikeDetected")
 TELEMETRY_TYPES = ("RolledBack",)
 FLEET_TYPES = ("NodeRegistered", "NodeCordoned", "NodeUncordoned", "SelfCheckFailed", "NodeLost")
 
@@ -68,6 +68,8 @@ def transition(state: State, event: Event) -> tuple[State, tuple[Output, ...]]:
             recovery.checkpoint_committed(tx, event, landing_timeout_s)
         case CheckpointDeleted():
             lifecycle.checkpoint_deleted(tx, event)
+        case CheckpointRejected():
+            lifecycle.checkpoint_rejected(tx, event)
         case NodeRegistered(node=name):
             tx.set_node(name, slots=event.slots, spare=event.spare, lost=False)
             tx.epoch += 1

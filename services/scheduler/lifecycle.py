@@ -5,7 +5,7 @@ Why it works this way: docs/internals.md, "3. The scheduler and its recovery rec
 
 from collections.abc import Iterable
 
-from events.checkpoint import CheckpointDeleted
+from events.checkpoint import CheckpointDeleted, CheckpointRejected
 from events.commands import StopRequested
 from events.findings import RankHung, RankLost, StragglerDetected
 from events.job import (
@@ -22,7 +22,7 @@ from events.job import (
     WorkersExited,
     WorkersStarted,
 )
-from services.scheduler.policy import Fail, Restart, after_fault, fault_reason
+from services.scheduler.policy import Fail, Restart, after_bad_checkpoint, after_fault, fault_reason
 from services.scheduler.state import Job
 from services.scheduler.tx import Tx
 
@@ -133,21 +133,23 @@ def fault(tx: Tx, job: Job, cause_id: str, reason: str, gone: Iterable[int]) -> 
     told to stop first (no checkpoint: the newest committed one is the restore point); releasing the
     allocation makes the node agents kill whatever does not stop."""
     job = tx.update(job, exited=job.exited | frozenset(gone), faults=(*job.faults, cause_id))
-    recovery = after_fault(job, reason)
+    free = bool(job.bad_restore)
+    recovery = after_bad_checkpoint(job, reason) if free else after_fault(job, reason)
     if job.started - job.exited:
         tx.emit(StopRequested(job_id=job.job_id, checkpoint=False, reason=recovery.reason))
     match recovery:
         case Restart(reason=why):
             job = tx.release(job, why)
-            job = tx.update(job, phase="recovering", attempt=job.attempt + 1, restarts=job.restarts + 1,
-                            use_spares=True, restore=None, running_since=0.0, **NEW_ATTEMPT)
+            job = tx.update(job, phase="recovering", attempt=job.attempt + 1,
+                            restarts=job.restarts + (0 if free else 1), use_spares=True, restore=None,
+                            running_since=0.0, **NEW_ATTEMPT)
             tx.enqueue(job)
         case Fail(reason=why):
             fail(tx, job, why, job.faults, stopped=True)
 
 
 # What a new attempt starts without: the full gang is asked for first, and no rollback of its own yet.
-NEW_ATTEMPT: dict[str, object] = {"world": 0, "rollback": None, "skips": ()}
+NEW_ATTEMPT: dict[str, object] = {"world": 0, "rollback": None, "skips": (), "bad_restore": ""}
 
 
 def fail(tx: Tx, job: Job, reason: str, causes: Iterable[str], *, stopped: bool = False) -> None:
@@ -207,6 +209,18 @@ def stop_deadlines(tx: Tx, timeout_s: float) -> None:
     for job in list(tx.jobs.values()):
         if job.stop and job.assignments and tx.at - job.stop_since >= timeout_s:
             finish_stop(tx, job, f"; stop timed out after {timeout_s:g}s")
+
+
+def checkpoint_rejected(tx: Tx, ev: CheckpointRejected) -> None:
+    """A checkpoint found bad on restore leaves the catalog (restarts fall back past it); if it was this
+    attempt's, the exits that follow restart the job for free."""
+    job = tx.jobs.get(ev.job_id)
+    if job is None:
+        return
+    job = tx.update(job, checkpoints=tuple(c for c in job.checkpoints if c.checkpoint_id != ev.checkpoint_id))
+    if ev.attempt == job.attempt and not job.bad_restore:
+        tx.update(job, faults=(*job.faults, ev.event_id),
+                  bad_restore=f"checkpoint {ev.checkpoint_id} (step {ev.step}) is bad: {ev.cause[:300]}")
 
 
 def checkpoint_deleted(tx: Tx, ev: CheckpointDeleted) -> None:

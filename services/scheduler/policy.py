@@ -52,6 +52,16 @@ def quoted(text: str) -> str:
     return text if len(text) <= QUOTED_CHARS else "..." + text[-QUOTED_CHARS:]
 
 
+def after_bad_checkpoint(job: Job, reason: str) -> Recovery:
+    """The attempt could not start because its checkpoint is bad: restart from the newest good one without
+    spending the restart budget (the bad one is out of the catalog already), or fail once if none is left."""
+    good = job.newest
+    if good is None:
+        return Fail(f"{job.bad_restore}; no good checkpoint is left to restore ({reason})")
+    return Restart(f"{job.bad_restore}; restarting from {good.checkpoint_id} (step {good.step}), the newest good "
+                   "checkpoint, without spending the restart budget")
+
+
 def after_fault(job: Job, reason: str) -> Recovery:
     """Restart while the budget lasts (policy.max_restarts restarts), then fail."""
     budget = job.spec.policy.max_restarts

@@ -79,6 +79,7 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     incident: Incident | None = None  # the latest loss incident; outlives restarts (it is about the data)
     abandoned: frozenset[str] = frozenset()  # checkpoints of steps a rollback threw away: never a rollback target
     forks: tuple[lineage.Fork, ...] = ()  # timelines rollbacks started, every attempt's: never restored across
+    bad_restore: str = ""  # why `attempt`'s checkpoint was rejected (CheckpointRejected): its restart is free
 
     @property
     def ranks(self) -> frozenset[int]:

@@ -22,7 +22,7 @@ JOB_TYPES: dict[str, tuple[str, ...]] = {
     "checkpoints": ("CheckpointCommitted", "CheckpointFailed", "CheckpointDeleted"),
     "health": ("RankLost", "RankHung", "StragglerDetected", "NonFiniteLoss", "LossSpikeDetected"),
     "resharder": ("ReshardPlanned",),
-    "agent": ("WorkersStarted", "WorkersExited"),
+    "agent": ("WorkersStarted", "WorkersExited", "CheckpointRejected"),
     # A person's requests: submit and cancel jobs, ask ranks to checkpoint, pause or resume.
     "console": ("JobSubmitted", "CancelRequested", "CheckpointRequested", "PauseRequested", "ResumeRequested"),
 }

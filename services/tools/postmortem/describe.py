@@ -3,7 +3,13 @@
 from dataclasses import dataclass
 
 from events.base import Event
-from events.checkpoint import CheckpointCommitted, CheckpointDeleted, CheckpointFailed, CheckpointStaged
+from events.checkpoint import (
+    CheckpointCommitted,
+    CheckpointDeleted,
+    CheckpointFailed,
+    CheckpointRejected,
+    CheckpointStaged,
+)
 from events.commands import CheckpointRequested, PauseRequested, ResumeRequested, RollbackRequested, StopRequested
 from events.findings import LossSpikeDetected, NonFiniteLoss, RankHung, RankLost, StragglerDetected
 from events.fleet import NodeCordoned, NodeLost, NodeUncordoned, SelfCheckFailed
@@ -46,6 +52,9 @@ def describe(ev: Event) -> str:
             return f"rank {ev.rank} staged step {ev.step} (stall {ev.stall_s * 1e3:.1f} ms)"
         case WorkersExited():
             return f"rank {ev.rank} (attempt {ev.attempt}) on {ev.node} exited with code {ev.exit_code}"
+        case CheckpointRejected():
+            return f"checkpoint {ev.checkpoint_id} (step {ev.step}) rejected by {ev.node} for attempt {ev.attempt}, " \
+                   f"never loaded: {ev.cause[:200]}"
         case WorkersStarted():
             return f"attempt {ev.attempt}: ranks {', '.join(map(str, ev.ranks))} started on {ev.node}"
         case RankLost():

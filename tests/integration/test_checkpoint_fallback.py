@@ -1,0 +1,135 @@
+"""A restart whose checkpoint turns out bad falls back to the newest good one (issue 16): the node agent refuses
+the download by its manifest, records CheckpointRejected naming the file and both hashes before the exits it
+causes, and the scheduler restarts from the next checkpoint without spending the restart budget. With no good
+checkpoint left, the job fails once, saying so. Nothing corrupt is ever loaded.
+
+Deterministic: rank 0 sleeps inside step 31 (a `slow` drill fault) once steps 10, 20 and 30 are committed, the
+test damages checkpoints in the object store and removes the node's cached copies (so the agent must download
+them), then kills rank 1: that crash is the restart."""
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from events import subjects
+from events.checkpoint import CheckpointCommitted, CheckpointRejected
+from events.job import AllocationReleased, JobCompleted, JobFailed, JobResumed, WorkersExited, WorkersStarted
+from events.spec import FaultSpec, JobSpec, ModelSpec, PolicySpec, TrainSpec
+from events.training import RankStarted
+from services.agent.spawner import START_FAILED_EXIT
+from services.checkpoints.core import checkpoint_id
+from services.shell import broker as broker_mod
+from services.tools.audit.settle import verify_live
+from tests.integration.lifecycle_harness import Objects, Platform, local_objects, open_platform
+from tests.integration.test_job_checkpoints_corrupt import flip
+from tests.integration.test_lifecycle_services import kinds
+from tests.integration.test_postmortem_cli import CLI
+
+__all__ = ["local_objects"]  # fixture
+
+SPEC = JobSpec(name="fallback", slots=2, model=ModelSpec(d_model=32),
+               train=TrainSpec(steps=50, checkpoint_every=10, data="synthetic"),
+               policy=PolicySpec(hang_min_s=3600.0),  # the sleeping rank is held on purpose, not hung
+               faults=[FaultSpec(kind="slow", step=31, rank=0, seconds=600.0)])  # fires once: attempt 0 only
+
+
+async def hold_after_three_commits(p: Platform, job: str) -> list[int]:
+    """Start the job and wait until steps 10, 20 and 30 are committed and cached; the pids of attempt 0."""
+    p.start_all()  # the services and agent n1
+    await p.ready("n1")
+    await p.submit(SPEC, job)
+    await p.until(lambda: {e.step for e in p.seen(CheckpointCommitted, job)} >= {10, 20, 30}, 90,
+                  "commits of steps 10, 20 and 30", job)
+    cache = p.data / "cache" / job
+    await p.until(lambda: all((cache / checkpoint_id(0, s) / "MANIFEST.json").exists() for s in (10, 20, 30)), 30,
+                  "the agent to cache them", job)
+    (started,) = p.seen(WorkersStarted, job)
+    return list(started.pids)
+
+
+def damage(p: Platform, objects: Objects, job: str, step: int) -> str:
+    """Flip bytes of the checkpoint's largest shard in the store and drop the node's copy; the shard's name."""
+    stored = Path(objects.url) / "checkpoints" / job / checkpoint_id(0, step)
+    shard = max((f for f in stored.iterdir() if f.name != "MANIFEST.json"), key=lambda f: f.stat().st_size)
+    flip(shard)
+    shutil.rmtree(p.data / "cache" / job / checkpoint_id(0, step))
+    return shard.name
+
+
+def crash_rank_1(pids: list[int]) -> None:
+    os.kill(pids[1], signal.SIGKILL)
+
+
+@pytest.mark.timeout(240)
+async def test_a_bad_newest_checkpoint_is_rejected_and_the_restart_falls_back_for_free(
+        nats_server: broker_mod.Broker, tmp_path: Path, local_objects: Objects) -> None:
+    job = "fallback-000001"
+    p = await open_platform(nats_server.url, tmp_path, local_objects)
+    try:
+        pids = await hold_after_three_commits(p, job)
+        shard = damage(p, local_objects, job, 30)
+        crash_rank_1(pids)
+        await p.until(lambda: bool(p.seen(JobCompleted, job) or p.seen(JobFailed, job)), 150, "the end", job)
+        assert p.seen(JobCompleted, job), kinds(p.job(job))
+
+        (rejected,) = p.seen(CheckpointRejected, job)
+        assert (rejected.checkpoint_id, rejected.step, rejected.attempt, rejected.node) == \
+               (checkpoint_id(0, 30), 30, 1, "n1")
+        assert shard in rejected.cause and "sha256" in rejected.cause, rejected.cause
+        history = p.job(job)
+        exits_1 = [i for i, e in enumerate(history) if isinstance(e, WorkersExited) and e.attempt == 1]
+        assert len(exits_1) == 2 and history.index(rejected) < exits_1[0]  # recorded before the exits it caused
+        assert {e.exit_code for e in p.seen(WorkersExited, job) if e.attempt == 1} == {START_FAILED_EXIT}
+
+        resumed = {e.attempt: e for e in p.seen(JobResumed, job)}
+        assert (resumed[2].from_step, resumed[2].checkpoint_id) == (20, checkpoint_id(0, 20))
+        started = {e.from_step for e in p.seen(RankStarted, job, stream=subjects.TELEMETRY) if e.attempt == 2}
+        assert started == {20}  # what the ranks loaded: the good one, never the bad one
+        assert not any(e.attempt == 1 for e in p.seen(RankStarted, job, stream=subjects.TELEMETRY))
+
+        releases = [e.reason for e in p.seen(AllocationReleased, job)]
+        assert sum("restart 1 of 3" in r for r in releases) == 1  # the crash spent one restart ...
+        assert sum("without spending the restart budget" in r for r in releases) == 1  # ... the bad checkpoint none
+        assert not any("restart 2 of 3" in r for r in releases)
+        assert not (p.data / "cache" / job / checkpoint_id(0, 30)).exists()  # evicted on every node
+        assert (await verify_live(p.store, job)).ok  # `flightdeck verify` re-derives the fallback
+    finally:
+        await p.close()
+
+
+@pytest.mark.timeout(240)
+async def test_with_no_good_checkpoint_left_the_job_fails_once_naming_them(
+        nats_server: broker_mod.Broker, tmp_path: Path, local_objects: Objects) -> None:
+    job = "fallback-000002"
+    p = await open_platform(nats_server.url, tmp_path, local_objects)
+    try:
+        pids = await hold_after_three_commits(p, job)
+        for step in (10, 20, 30):
+            damage(p, local_objects, job, step)
+        crash_rank_1(pids)
+        await p.until(lambda: bool(p.seen(JobFailed, job)), 150, "the job to fail", job)
+        assert [(e.step, e.attempt) for e in p.seen(CheckpointRejected, job)] == [(30, 1), (20, 2), (10, 3)]
+        (failed,) = p.seen(JobFailed, job)
+        assert "no good checkpoint is left" in failed.reason and checkpoint_id(0, 10) in failed.reason, failed.reason
+        rejected_ids = {e.event_id for e in p.seen(CheckpointRejected, job)}
+        assert rejected_ids <= set(failed.causes)
+        assert not p.seen(JobCompleted, job) and kinds(p.job(job)).count("JobFailed") == 1
+        assert not any(e.attempt > 0 for e in p.seen(RankStarted, job, stream=subjects.TELEMETRY))
+
+        out = tmp_path / "pm"  # a postmortem names the bad checkpoints and why the job gave up
+        run = await asyncio.to_thread(subprocess.run, [*CLI, "postmortem", job, "--out", str(out), "--nats", p.url,
+                                                       "--data-dir", str(tmp_path / "none")],
+                                      capture_output=True, text=True, timeout=60)
+        assert run.returncode == 0, run.stderr
+        assert "no good checkpoint is left" in run.stdout, run.stdout
+        report = (out / "report.md").read_text()
+        for step in (10, 20, 30):
+            assert f"checkpoint {checkpoint_id(0, step)} (step {step}) rejected by n1" in report, report[-3000:]
+        assert (await verify_live(p.store, job)).ok
+    finally:
+        await p.close()
