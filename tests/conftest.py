@@ -23,9 +23,13 @@ os.environ.setdefault(STANDBY_ENV, "0")
 # A job's MASTER_PORT is a function of its id and attempt (services/resources/core.py), so two tests on different
 # xdist workers that run the same job id at once would have their ranks 0 listen on one port of this host
 # (EADDRINUSE: the ranks exit 1). Each worker's platforms take ports from a range of their own, below the
-# ephemeral ports (32768 and up) the broker and clients are given.
-_worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
-os.environ.setdefault("FLIGHTDECK_MASTER_PORT_BASE", str(20_000 + 1_000 * (_worker % 12)))
+# ephemeral ports (32768 and up) the broker and clients are given. Set, not defaulted, in a worker: the xdist
+# controller imports this file first and its environment (with gw0's range) is what every worker inherits.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    _worker = int(os.environ["PYTEST_XDIST_WORKER"].removeprefix("gw") or 0)
+    os.environ["FLIGHTDECK_MASTER_PORT_BASE"] = str(20_000 + 1_000 * (_worker % 12))
+else:
+    os.environ.setdefault("FLIGHTDECK_MASTER_PORT_BASE", "20000")
 
 
 @pytest.fixture

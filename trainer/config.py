@@ -83,6 +83,8 @@ def from_env(env: Mapping[str, str] | None = None) -> RunConfig:
     restarts = _int(env, "TORCHELASTIC_RESTART_COUNT", 0)
     # Under plain torchrun a restart re-runs the same command line: its restart count is the attempt.
     attempt = _int(env, nl.ATTEMPT_ENV, restarts)
+    if not job_id and attempt > 0:  # no agent to say which unpinned faults fired: they had their first run
+        fired = frozenset(i for i, f in enumerate(spec.faults) if f.attempt is None)
     return RunConfig(
         job_id=job_id or LOCAL_JOB, spec=spec, attempt=attempt, node=env.get(nl.NODE_ENV, "") or socket.gethostname(),
         nats_url=env.get(nl.NATS_ENV) if job_id else None,

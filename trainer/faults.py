@@ -9,7 +9,8 @@
     slow        the rank sleeps `seconds` per step from the step on
 A fault pinned to an attempt (`attempt = N`) fires only in it. An unpinned one fires once, in the first attempt
 that reaches its step: the node agent passes the indices of those an earlier attempt fired ($FLIGHTDECK_FIRED_FAULTS,
-read from the job's FaultInjected events), and they stay quiet. Within an attempt each fires at most once, except
+read from the job's FaultInjected events), and they stay quiet; without the platform (a torchrun restart) there is
+no agent to ask, and an unpinned fault fires in the first run only. Within an attempt each fires at most once, except
 `slow` (every step from its step on) and the spike's noisy data.
 """
 

@@ -139,7 +139,7 @@ class Spawner:
         restore: Path | None = None
         if args.restore is not None:
             try:
-                restore = await self.fetch(args.job_id, args.restore)
+                restore = await self._restore_copy(args.job_id, args.restore)
             except (manifest.CorruptCheckpoint, manifest.CheckpointMissing) as exc:
                 await self._rejected(args, args.restore, str(exc))
                 return await self._not_started(args, f"restore {args.restore.checkpoint_id} failed: {exc!r}")
@@ -370,6 +370,21 @@ class Spawner:
             task.add_done_callback(_report_fetch)
             self.fetches[key] = task
         return task
+
+    async def _restore_copy(self, job_id: str, checkpoint: Restore) -> Path:
+        """The node's verified copy of the checkpoint a new attempt restores. The cached copy is checked again
+        (its download was verified, but a disk can rot and people edit folders); a damaged one is evicted and
+        downloaded again. A copy that fails in the store too raises CorruptCheckpoint."""
+        path = await self.fetch(job_id, checkpoint)
+        try:
+            await asyncio.to_thread(manifest.verify_local, path, job_id=job_id, checkpoint_id=checkpoint.checkpoint_id,
+                                    expected_sha256=checkpoint.manifest_sha256)
+            return path
+        except manifest.CorruptCheckpoint as exc:
+            log.warning("cached checkpoint damaged; downloading it again", job_id=job_id,
+                        checkpoint_id=checkpoint.checkpoint_id, error=str(exc))
+        await self.evict(job_id, [checkpoint.checkpoint_id])
+        return await self.fetch(job_id, checkpoint)
 
     async def fetch(self, job_id: str, checkpoint: Restore) -> Path:
         return await asyncio.shield(self.fetch_task(job_id, checkpoint))

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from events import subjects
-from events.checkpoint import CheckpointCommitted, DataPosition
+from events.checkpoint import CheckpointCommitted, CheckpointRejected, DataPosition
 from events.fleet import NodeCordoned, NodeRegistered, SelfCheckFailed
 from events.heartbeats import RankHeartbeats
 from events.history import append_to_job
@@ -114,8 +114,9 @@ async def test_an_agent_set_up_wrong_says_what_to_change(cluster: Cluster) -> No
 
 @pytest.mark.timeout(90)
 async def test_a_checkpoint_that_cannot_be_verified_is_never_loaded(cluster: Cluster) -> None:
-    """Committed (as far as the log says) but absent from the object store: the agent starts no rank and
-    records them as not started, so the scheduler restarts and then fails the job instead of waiting."""
+    """Committed (as far as the log says) but absent from the object store: the agent starts no rank, records the
+    checkpoint as rejected and the ranks as not started; with no other checkpoint the job fails at once, naming
+    it, instead of spending its restarts on the same missing checkpoint."""
     c = cluster
     spec = JobSpec(name="lost", slots=2, model=TINY.model, train=TINY.train, policy=PolicySpec(max_restarts=1))
     await c.submit(spec, "lost-000001")
@@ -125,11 +126,15 @@ async def test_a_checkpoint_that_cannot_be_verified_is_never_loaded(cluster: Clu
         data=DataPosition(next_batch=10), event_id="test-commit", producer="test"))
     c.agent()
     await c.until(lambda: bool(c.seen(JobFailed, "lost-000001")), 60, "the job to fail", "lost-000001")
-    # the job fails at attempt 1's first exit; the agent records the other right after it
-    await c.until(lambda: len(exits(c, "lost-000001", 1)) == 2, 10, "attempt 1's second exit", "lost-000001")
-    assert exits(c, "lost-000001", 0) == exits(c, "lost-000001", 1) == {0: START_FAILED_EXIT, 1: START_FAILED_EXIT}
+    # the job fails at attempt 0's first exit; the agent records the other right after it
+    await c.until(lambda: len(exits(c, "lost-000001", 0)) == 2, 10, "attempt 0's second exit", "lost-000001")
+    assert exits(c, "lost-000001", 0) == {0: START_FAILED_EXIT, 1: START_FAILED_EXIT}
+    assert exits(c, "lost-000001", 1) == {}
+    (rejected,) = c.seen(CheckpointRejected, "lost-000001")
+    assert (rejected.checkpoint_id, rejected.attempt) == ("step000000010-a0", 0) and "never committed" in rejected.cause
+    (failed,) = c.seen(JobFailed, "lost-000001")
+    assert "no good checkpoint is left" in failed.reason and rejected.event_id in failed.causes
     assert c.seen(WorkersStarted, "lost-000001") == []
-    assert "never committed" in (c.root / "agent-n1.log").read_text()
     assert not (c.data / "cache" / "lost-000001" / "step000000010-a0").exists()
 
 

@@ -52,13 +52,23 @@ async def hold_after_three_commits(p: Platform, job: str) -> list[int]:
     return list(started.pids)
 
 
-def damage(p: Platform, objects: Objects, job: str, step: int) -> str:
-    """Flip bytes of the checkpoint's largest shard in the store and drop the node's copy; the shard's name."""
-    stored = Path(objects.url) / "checkpoints" / job / checkpoint_id(0, step)
-    shard = max((f for f in stored.iterdir() if f.name != "MANIFEST.json"), key=lambda f: f.stat().st_size)
-    flip(shard)
-    shutil.rmtree(p.data / "cache" / job / checkpoint_id(0, step))
-    return shard.name
+def largest_shard(folder: Path) -> Path:
+    return max((f for f in folder.iterdir() if f.name != "MANIFEST.json"), key=lambda f: f.stat().st_size)
+
+
+def damage(p: Platform, objects: Objects, job: str, step: int, *, store: bool = True, cache: str = "missing") -> str:
+    """Flip bytes of the checkpoint's largest shard in the store (`store`), and remove the node's copy
+    (`cache` "missing") or flip the same bytes in it ("flipped"); the shard's name."""
+    cid = checkpoint_id(0, step)
+    cached = p.data / "cache" / job / cid
+    shard = largest_shard(cached).name
+    if store:
+        flip(Path(objects.url) / "checkpoints" / job / cid / shard)
+    if cache == "missing":
+        shutil.rmtree(cached)
+    else:
+        flip(cached / shard)
+    return shard
 
 
 def crash_rank_1(pids: list[int]) -> None:
@@ -66,13 +76,15 @@ def crash_rank_1(pids: list[int]) -> None:
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("cache", ["missing", "flipped"])
 async def test_a_bad_newest_checkpoint_is_rejected_and_the_restart_falls_back_for_free(
-        nats_server: broker_mod.Broker, tmp_path: Path, local_objects: Objects) -> None:
+        nats_server: broker_mod.Broker, tmp_path: Path, local_objects: Objects, cache: str) -> None:
+    """Bad in the store, and the node's copy gone or damaged the same way."""
     job = "fallback-000001"
     p = await open_platform(nats_server.url, tmp_path, local_objects)
     try:
         pids = await hold_after_three_commits(p, job)
-        shard = damage(p, local_objects, job, 30)
+        shard = damage(p, local_objects, job, 30, cache=cache)
         crash_rank_1(pids)
         await p.until(lambda: bool(p.seen(JobCompleted, job) or p.seen(JobFailed, job)), 150, "the end", job)
         assert p.seen(JobCompleted, job), kinds(p.job(job))
@@ -98,6 +110,26 @@ async def test_a_bad_newest_checkpoint_is_rejected_and_the_restart_falls_back_fo
         assert not any("restart 2 of 3" in r for r in releases)
         assert not (p.data / "cache" / job / checkpoint_id(0, 30)).exists()  # evicted on every node
         assert (await verify_live(p.store, job)).ok  # `flightdeck verify` re-derives the fallback
+    finally:
+        await p.close()
+
+
+@pytest.mark.timeout(240)
+async def test_a_damaged_cached_copy_is_downloaded_again_and_restored(
+        nats_server: broker_mod.Broker, tmp_path: Path, local_objects: Objects) -> None:
+    """Bad only on the node: its copy is checked before a restart, evicted and fetched again from the store."""
+    job = "fallback-000003"
+    p = await open_platform(nats_server.url, tmp_path, local_objects)
+    try:
+        pids = await hold_after_three_commits(p, job)
+        damage(p, local_objects, job, 30, store=False, cache="flipped")
+        crash_rank_1(pids)
+        await p.until(lambda: bool(p.seen(JobCompleted, job) or p.seen(JobFailed, job)), 150, "the end", job)
+        assert p.seen(JobCompleted, job) and p.seen(CheckpointRejected, job) == [], kinds(p.job(job))
+        (resumed,) = p.seen(JobResumed, job)
+        assert (resumed.attempt, resumed.from_step) == (1, 30)
+        assert {e.from_step for e in p.seen(RankStarted, job, stream=subjects.TELEMETRY) if e.attempt == 1} == {30}
+        assert "cached checkpoint damaged; downloading it again" in (tmp_path / "agent-n1.log").read_text()
     finally:
         await p.close()
 

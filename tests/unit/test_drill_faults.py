@@ -1,6 +1,8 @@
 """Which drill faults may fire in an attempt (trainer/faults.py): a pinned one only in its attempt; an unpinned one
 once, in the first attempt that reaches its step, which later attempts learn from the fired indices."""
 
+from pathlib import Path
+
 import pytest
 
 from events.spec import FaultSpec, parse_spec, spec_toml
@@ -45,10 +47,15 @@ def test_slow_applies_from_its_step_in_the_attempt_it_fires_in_only() -> None:
     assert Faults(SPEC, rank=1, attempt=1, fired=frozenset({3})).slow_seconds(9) == 0.0
 
 
-def test_the_agents_list_of_fired_faults_is_read_from_the_environment() -> None:
+def test_the_agents_list_of_fired_faults_is_read_from_the_environment(tmp_path: Path) -> None:
     env = {"FLIGHTDECK_FIRED_FAULTS": "0,3", "FLIGHTDECK_DEVICE": "cpu"}
     assert from_env(env).fired == frozenset({0, 3})
     assert from_env({"FLIGHTDECK_DEVICE": "cpu"}).fired == frozenset()
+    spec = tmp_path / "job.toml"
+    spec.write_text('name = "d"\n[[faults]]\nkind = "crash"\nstep = 3\n'
+                    '[[faults]]\nkind = "hang"\nstep = 5\nattempt = 1\n')
+    restarted = {"FLIGHTDECK_SPEC": str(spec), "TORCHELASTIC_RESTART_COUNT": "1", "FLIGHTDECK_DEVICE": "cpu"}
+    assert from_env(restarted).fired == frozenset({0})  # no platform: an unpinned fault had its first run
     with pytest.raises(ValueError, match="FLIGHTDECK_FIRED_FAULTS must list fault indices"):
         from_env({"FLIGHTDECK_FIRED_FAULTS": "crash", "FLIGHTDECK_DEVICE": "cpu"})
 

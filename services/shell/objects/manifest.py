@@ -137,6 +137,30 @@ async def read_manifest(store: ObjectStore, job_id: str, checkpoint_id: str, *,
     return decode(data, job_id=job_id, checkpoint_id=checkpoint_id, expected_sha256=expected_sha256), data
 
 
+def verify_local(path: Path, *, job_id: str, checkpoint_id: str, expected_sha256: str = "") -> Manifest:
+    """Check a downloaded copy again (a node's cache can rot, or be edited, after its verified download): its
+    manifest against the committed hash, every shard's size and sha256 against the manifest."""
+    try:
+        raw = (path / MANIFEST).read_bytes()
+    except OSError as exc:
+        raise CorruptCheckpoint(f"cached copy of {job_id}/{checkpoint_id} has no readable manifest: {exc}") from None
+    manifest = decode(raw, job_id=job_id, checkpoint_id=checkpoint_id, expected_sha256=expected_sha256)
+    for shard in manifest.shards:
+        f = local_path(path, shard.path)
+        if not f.is_file():
+            raise CorruptCheckpoint(f"cached copy of {job_id}/{checkpoint_id} lacks shard {shard.path!r}")
+        digest, size = hashlib.sha256(), 0
+        with f.open("rb") as src:
+            while chunk := src.read(1 << 20):
+                digest.update(chunk)
+                size += len(chunk)
+        if (size, digest.hexdigest()) != (shard.size, shard.sha256):
+            raise CorruptCheckpoint(
+                f"cached copy of {job_id}/{checkpoint_id}: shard {shard.path!r} has {size} bytes with sha256 "
+                f"{digest.hexdigest()}, the manifest says {shard.size} bytes with {shard.sha256}")
+    return manifest
+
+
 def _partial_dir(dest: Path) -> Path:
     if dest.exists():
         raise FileExistsError(f"{dest} already exists: restore into a new folder")
