@@ -10,7 +10,14 @@ from msgspec.structs import replace
 
 from events import subjects
 from events.base import Event
-from events.checkpoint import CheckpointCommitted, CheckpointDeleted, CheckpointStaged, DataPosition, ShardInfo
+from events.checkpoint import (
+    CheckpointCommitted,
+    CheckpointDeleted,
+    CheckpointRejected,
+    CheckpointStaged,
+    DataPosition,
+    ShardInfo,
+)
 from events.commands import RollbackRequested
 from events.job import JobCancelled, JobCompleted, JobFailed, JobResumed, JobSubmitted
 from events.lineage import Fork, forked, thrown_away
@@ -22,6 +29,7 @@ COMMIT = "commit"
 DELETE = "delete"
 DEFAULT_KEEP = 3
 THROWN_AWAY = "thrown away by a rollback"  # CheckpointDeleted.reason, beside the default "retention"
+REJECTED = "rejected: found bad on restore"  # ... and a checkpoint a node agent found bad (CheckpointRejected)
 LINGER_S = 30.0  # after a completion, the longest the service keeps ticking for the final step's set
 
 
@@ -92,6 +100,7 @@ class JobState(msgspec.Struct, frozen=True, kw_only=True):
     final: int = -1  # a completed job's last step while the set staged there is due, else -1
     ended_at: float = 0.0
     forks: tuple[Fork, ...] = ()  # the timelines rollbacks started
+    bad: frozenset[str] = frozenset()  # rejected on restore: never one of the `keep` good ones, deleted
 
 
 class Due(msgspec.Struct, frozen=True, kw_only=True):
@@ -109,9 +118,11 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def retention(job: JobState) -> tuple[JobState, tuple[str, ...]]:
-    """Doom every live checkpoint that is neither among the newest `keep` a rollback left standing nor held."""
+    """Doom every live checkpoint that is neither among the newest `keep` good ones a rollback left standing nor
+    held. A rejected checkpoint does not count as one of them: the last good one is always kept."""
     live = [c for c in job.committed if c.checkpoint_id not in job.doomed]
-    standing = [c for c in live if not thrown_away(job.forks, c.attempt, c.timeline, c.step)]
+    standing = [c for c in live if not thrown_away(job.forks, c.attempt, c.timeline, c.step)
+                and c.checkpoint_id not in job.bad]
     keep = {c.checkpoint_id for c in standing[-job.keep:]} | set(job.holds)
     doomed = tuple(c.checkpoint_id for c in live if c.checkpoint_id not in keep)
     if not doomed:
@@ -183,6 +194,8 @@ def _evolve_job(job: JobState, ev: Event) -> tuple[JobState, Due]:
         case CheckpointDeleted():
             return replace(job, committed=tuple(c for c in job.committed if c.checkpoint_id != ev.checkpoint_id),
                            doomed=job.doomed - {ev.checkpoint_id}), NOTHING_DUE
+        case CheckpointRejected():
+            job = replace(job, bad=job.bad | {ev.checkpoint_id})
         case JobSubmitted():
             return replace(job, keep=ev.spec.policy.keep_checkpoints, every=ev.spec.train.checkpoint_every), NOTHING_DUE
         case RollbackRequested():
@@ -226,11 +239,17 @@ def _outputs(job_id: str, job: JobState, due: Due) -> list[Output]:
     if due.doomed:
         subject = subjects.job(job_id, "CheckpointDeleted")
         thrown = {c.checkpoint_id for c in job.committed if thrown_away(job.forks, c.attempt, c.timeline, c.step)}
-        out.extend(Emit(subject, CheckpointDeleted(job_id=job_id, checkpoint_id=cid, reason=THROWN_AWAY)
-                        if cid in thrown else CheckpointDeleted(job_id=job_id, checkpoint_id=cid))
+        out.extend(Emit(subject, CheckpointDeleted(job_id=job_id, checkpoint_id=cid,
+                                                   reason=_why_deleted(job, cid, thrown)))
                    for cid in due.doomed)
         out.append(Effect(DELETE, DeleteArgs(job_id=job_id, checkpoint_ids=list(due.doomed))))
     return out
+
+
+def _why_deleted(job: JobState, checkpoint_id: str, thrown: set[str]) -> str:
+    if checkpoint_id in job.bad:
+        return REJECTED
+    return THROWN_AWAY if checkpoint_id in thrown else "retention"
 
 
 def wants_tick(state: State, now: float) -> bool:
@@ -241,7 +260,7 @@ def wants_tick(state: State, now: float) -> bool:
 
 CONTROL_TYPES = (
     "JobSubmitted", "JobResumed", "RollbackRequested",
-    "CheckpointCommitted", "CheckpointDeleted", "JobCompleted", "JobFailed", "JobCancelled",
+    "CheckpointCommitted", "CheckpointDeleted", "CheckpointRejected", "JobCompleted", "JobFailed", "JobCancelled",
 )
 TELEMETRY_TYPES = ("CheckpointStaged", "RolledBack", "RankStarted")
 

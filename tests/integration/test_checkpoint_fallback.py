@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 
 from events import subjects
-from events.checkpoint import CheckpointCommitted, CheckpointRejected
+from events.checkpoint import CheckpointCommitted, CheckpointDeleted, CheckpointRejected
 from events.job import AllocationReleased, JobCompleted, JobFailed, JobResumed, WorkersExited, WorkersStarted
 from events.spec import FaultSpec, JobSpec, ModelSpec, PolicySpec, TrainSpec
 from events.training import RankStarted
 from services.agent.spawner import START_FAILED_EXIT
-from services.checkpoints.core import checkpoint_id
+from services.checkpoints.core import REJECTED, checkpoint_id
 from services.shell import broker as broker_mod
 from services.tools.audit.settle import verify_live
 from tests.integration.lifecycle_harness import Objects, Platform, local_objects, open_platform
@@ -109,6 +109,8 @@ async def test_a_bad_newest_checkpoint_is_rejected_and_the_restart_falls_back_fo
         assert sum("without spending the restart budget" in r for r in releases) == 1  # ... the bad checkpoint none
         assert not any("restart 2 of 3" in r for r in releases)
         assert not (p.data / "cache" / job / checkpoint_id(0, 30)).exists()  # evicted on every node
+        bad = [e for e in p.seen(CheckpointDeleted, job) if e.checkpoint_id == checkpoint_id(0, 30)]
+        assert [e.reason for e in bad] == [REJECTED]  # and deleted from the store, not counted as a kept one
         assert (await verify_live(p.store, job)).ok  # `flightdeck verify` re-derives the fallback
     finally:
         await p.close()

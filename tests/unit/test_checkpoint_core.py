@@ -7,7 +7,14 @@ import pytest
 
 from events import subjects
 from events.base import Event
-from events.checkpoint import CheckpointCommitted, CheckpointDeleted, CheckpointStaged, DataPosition, ShardInfo
+from events.checkpoint import (
+    CheckpointCommitted,
+    CheckpointDeleted,
+    CheckpointRejected,
+    CheckpointStaged,
+    DataPosition,
+    ShardInfo,
+)
 from events.clock import ClockTick
 from events.codec import encode
 from events.commands import RollbackRequested
@@ -279,3 +286,17 @@ def test_outputs_pass_the_shared_fold() -> None:
         assert step.error == ""
     assert [o.event.checkpoint_id for o in step.outputs] == [checkpoint_id(0, 10)]
     assert step.outputs[0].msg_id == f"{core.SERVICE}:{subjects.CONTROL}:{seq}:0"
+
+
+def test_a_rejected_checkpoint_is_deleted_and_never_counts_among_the_kept_good_ones() -> None:
+    rejected = CheckpointRejected(job_id=JOB, checkpoint_id=checkpoint_id(0, 20), step=20, attempt=1, node="n1",
+                                  cause="shard '__0_0.distcp' ... sha256 ...")
+    state, outs = run([submitted(keep=2), committed(10), committed(20), rejected])
+    assert deleted(outs) == [checkpoint_id(0, 20)]  # the last good one, step 10, stays
+    (emit,) = [o for o in outs[-1] if isinstance(o, Emit)]
+    assert emit.event.reason == core.REJECTED
+    state, outs = run([CheckpointDeleted(job_id=JOB, checkpoint_id=checkpoint_id(0, 20), reason=core.REJECTED),
+                       committed(30)], state)
+    assert deleted(outs) == []  # 10 and 30 are the two good ones kept
+    state, outs = run([committed(40)], state)
+    assert deleted(outs) == [checkpoint_id(0, 10)]
