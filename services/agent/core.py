@@ -180,19 +180,9 @@ def _committed(state: State, ev: CheckpointCommitted) -> Transition:
     return _put(state, ev.job_id, after, Effect(PREFETCH, PrefetchArgs(job_id=ev.job_id, checkpoint=entry)))
 
 
-def _rejected(state: State, ev: CheckpointRejected) -> Transition:
-    """A checkpoint found bad (here or on another node) is never restored again: the next attempt takes the newest
-    good one, as the scheduler does."""
-    view = state.jobs.get(ev.job_id)
-    if view is None or not any(c.checkpoint_id == ev.checkpoint_id for c in view.checkpoints):
-        return state, ()
-    after = msgspec.structs.replace(view, checkpoints=tuple(c for c in view.checkpoints
-                                                             if c.checkpoint_id != ev.checkpoint_id))
-    return _put(state, ev.job_id, after, Effect(EVICT, EvictArgs(job_id=ev.job_id,
-                                                                 checkpoint_ids=[ev.checkpoint_id])))
-
-
-def _deleted(state: State, ev: CheckpointDeleted) -> Transition:
+def _gone(state: State, ev: CheckpointDeleted | CheckpointRejected) -> Transition:
+    """A deleted checkpoint, or one found bad (here or on another node), is never restored: it leaves the catalog
+    and the cache, and the next attempt takes the newest good one, as the scheduler does."""
     view = state.jobs.get(ev.job_id)
     if view is None or not any(c.checkpoint_id == ev.checkpoint_id for c in view.checkpoints):
         return state, ()
@@ -233,10 +223,8 @@ def transition(state: State, event: Event) -> Transition:
             return _ended(state, job_id, f"failed: {reason}")
         case CheckpointCommitted():
             return _committed(state, event)
-        case CheckpointDeleted():
-            return _deleted(state, event)
-        case CheckpointRejected():
-            return _rejected(state, event)
+        case CheckpointDeleted() | CheckpointRejected():
+            return _gone(state, event)
         case RollbackRequested(job_id=job_id) if job_id in state.jobs:
             view = state.jobs[job_id]
             return _put(state, job_id, msgspec.structs.replace(view, forks=lineage.forked(view.forks, event)))

@@ -11,6 +11,9 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import structlog
 
 from services.shell.security.credentials import AGENT_ONLY
 
@@ -77,3 +80,9 @@ def die_with_agent(agent_pid: int) -> Callable[[], None]:
         if os.getppid() != agent_pid:  # the agent died before prctl took effect
             os._exit(1)
     return preexec
+
+
+def detached(producer: str, **context: Any) -> None:
+    """Give a task started while an input was in hand a log context of its own: it outlives that input."""
+    structlog.contextvars.clear_contextvars()
+    structlog.contextvars.bind_contextvars(service=producer, **context)

@@ -1,4 +1,4 @@
-"""The node agent's effects: start a job's ranks, stop them, fetch checkpoints into the node's cache, and
+"""The node agent's effects: start a job's ranks, stop them, keep the node's checkpoint cache (cache.py), and
 watch every rank until it exits (recorded as WorkersExited).
 
 Why it works this way: docs/internals.md, "7. The node agent and the ranks it runs".
@@ -27,6 +27,7 @@ from events.job import SlotRef, WorkersExited, WorkersStarted
 from events.spec import spec_toml
 from events.store import EventStore
 from events.training import FaultInjected
+from services.agent.cache import CheckpointCache
 from services.agent.core import (
     EVICT,
     PREFETCH,
@@ -38,7 +39,7 @@ from services.agent.core import (
     SpawnArgs,
     StopArgs,
 )
-from services.agent.launch import REPO, Launch, Paths, die_with_agent, exit_msg_id, rank_base_env
+from services.agent.launch import REPO, Launch, Paths, detached, die_with_agent, exit_msg_id, rank_base_env
 from services.agent.output import OutputPump, store_publisher
 from services.agent.standbys import StandbyPool
 from services.core import EffectHandler, Emit
@@ -69,12 +70,6 @@ class RankProc:
         return self.proc.returncode is None
 
 
-def detached(producer: str, **context: Any) -> None:
-    """Give a task started while an input was in hand a log context of its own: it outlives that input."""
-    structlog.contextvars.clear_contextvars()
-    structlog.contextvars.bind_contextvars(service=producer, **context)
-
-
 def signal_rank(p: RankProc, sig: int) -> None:
     if p.alive:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -100,7 +95,7 @@ class Spawner:
         self.paths, self.launch, self.standbys = paths, launch, standbys
         self.procs: dict[tuple[str, int, int], RankProc] = {}
         self.pids: dict[int, tuple[str, int, int]] = {}  # a live rank's pid -> (job, attempt, rank), from its start
-        self.fetches: dict[tuple[str, str], asyncio.Task[Path]] = {}
+        self.cache = CheckpointCache(node_paths=paths, objects=objects, producer=producer)
         self.timers: set[asyncio.Task[None]] = set()
 
     def handlers(self) -> dict[str, EffectHandler]:
@@ -115,12 +110,12 @@ class Spawner:
 
         async def prefetch(args: Any) -> list[Emit]:
             assert isinstance(args, PrefetchArgs), type(args)
-            self.fetch_task(args.job_id, args.checkpoint)
+            self.cache.fetch_task(args.job_id, args.checkpoint)
             return []
 
         async def evict(args: Any) -> list[Emit]:
             assert isinstance(args, EvictArgs), type(args)
-            await self.evict(args.job_id, args.checkpoint_ids)
+            await self.cache.evict(args.job_id, args.checkpoint_ids)
             return []
 
         return {SPAWN: spawn, STOP: stop, PREFETCH: prefetch, EVICT: evict}
@@ -139,7 +134,7 @@ class Spawner:
         restore: Path | None = None
         if args.restore is not None:
             try:
-                restore = await self._restore_copy(args.job_id, args.restore)
+                restore = await self.cache.verified_copy(args.job_id, args.restore)
             except (manifest.CorruptCheckpoint, manifest.CheckpointMissing) as exc:
                 await self._rejected(args, args.restore, str(exc))
                 return await self._not_started(args, f"restore {args.restore.checkpoint_id} failed: {exc!r}")
@@ -342,8 +337,7 @@ class Spawner:
         """Stop every rank (SIGTERM, grace, SIGKILL) and wait up to `wait_s` for their exits to be recorded."""
         for job_id, attempt in {(p.job_id, p.attempt) for p in self.procs.values()}:
             self.stop(job_id, attempt, "the agent is stopping", shutdown=True)
-        for fetch in self.fetches.values():
-            fetch.cancel()
+        self.cache.cancel_all()
         if self.standbys is not None:
             await self.standbys.close()
         watchers = [p.watcher for p in self.procs.values() if p.watcher is not None]
@@ -355,63 +349,6 @@ class Spawner:
                     watcher.cancel()
         for timer in list(self.timers):
             timer.cancel()
-
-    # -- the checkpoint cache ------------------------------------------------------------------------
-
-    def fetch_task(self, job_id: str, checkpoint: Restore) -> asyncio.Task[Path]:
-        """The download of `checkpoint` into the cache: one at a time per checkpoint, retried after a failure."""
-        key = (job_id, checkpoint.checkpoint_id)
-        task = self.fetches.get(key)
-        if task is not None and task.done() and not task.cancelled() and task.exception() is None \
-                and not (task.result() / manifest.MANIFEST).is_file():
-            task = None  # cached once, gone since (removed by hand, or the disk was wiped): download it again
-        if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
-            task = asyncio.create_task(self._download(job_id, checkpoint))
-            task.add_done_callback(_report_fetch)
-            self.fetches[key] = task
-        return task
-
-    async def _restore_copy(self, job_id: str, checkpoint: Restore) -> Path:
-        """The node's verified copy of the checkpoint a new attempt restores. The cached copy is checked again
-        (its download was verified, but a disk can rot and people edit folders); a damaged one is evicted and
-        downloaded again. A copy that fails in the store too raises CorruptCheckpoint."""
-        path = await self.fetch(job_id, checkpoint)
-        try:
-            await asyncio.to_thread(manifest.verify_local, path, job_id=job_id, checkpoint_id=checkpoint.checkpoint_id,
-                                    expected_sha256=checkpoint.manifest_sha256)
-            return path
-        except manifest.CorruptCheckpoint as exc:
-            log.warning("cached checkpoint damaged; downloading it again", job_id=job_id,
-                        checkpoint_id=checkpoint.checkpoint_id, error=str(exc))
-        await self.evict(job_id, [checkpoint.checkpoint_id])
-        return await self.fetch(job_id, checkpoint)
-
-    async def fetch(self, job_id: str, checkpoint: Restore) -> Path:
-        return await asyncio.shield(self.fetch_task(job_id, checkpoint))
-
-    async def _download(self, job_id: str, checkpoint: Restore) -> Path:
-        detached(self.producer, job_id=job_id, checkpoint_id=checkpoint.checkpoint_id)
-        dest = self.paths.cache(job_id, checkpoint.checkpoint_id)
-        if (dest / manifest.MANIFEST).is_file():  # downloads land whole and verified, or not at all
-            return dest
-        if dest.exists():  # a copy someone removed part of: fetched again
-            await asyncio.to_thread(shutil.rmtree, dest, True)
-        started = time.perf_counter()
-        got = await manifest.download(self.objects, job_id, checkpoint.checkpoint_id, dest,
-                                      expected_sha256=checkpoint.manifest_sha256)
-        log.info("checkpoint cached", bytes=got.bytes, seconds=round(time.perf_counter() - started, 3))
-        return dest
-
-    async def evict(self, job_id: str, checkpoint_ids: list[str]) -> None:
-        for cid in checkpoint_ids or [c for j, c in self.fetches if j == job_id]:
-            task = self.fetches.pop((job_id, cid), None)
-            if task is not None and not task.done():
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
-        targets = [self.paths.cache(job_id, c) for c in checkpoint_ids] or [self.paths.cache(job_id)]
-        for target in targets:
-            await asyncio.to_thread(shutil.rmtree, target, True)
 
 
 def runnable_problem(cmd: list[str], cwd: Path, search_path: str) -> str | None:
@@ -446,9 +383,3 @@ def last_lines(path: Path, max_bytes: int = 2048, max_lines: int = 20) -> str:
         return ""
     lines = data.decode(errors="replace").splitlines()[-max_lines:]
     return "\n".join(lines).strip()
-
-
-def _report_fetch(task: asyncio.Task[Path]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.warning("checkpoint prefetch failed; a restore will try again", error=repr(task.exception()))
-

@@ -68,13 +68,19 @@ def logs(p: Platform, *args: str) -> list[str]:
     return done.stdout.splitlines()
 
 
+async def with_script(p: Platform, tmp_path: Path, source: str) -> Path:
+    """The script written where the job will find it, and a node agent ready to run it."""
+    script = tmp_path / "train.py"
+    script.write_text(source)
+    p.agent("n1", "--grace-s", "2")
+    await p.ready("n1")
+    return script
+
+
 async def test_flightdeck_logs_shows_each_ranks_lines_in_order_by_rank_and_attempt(
         drill: Platform, tmp_path: Path) -> None:
     p, job = drill, "talker-000001"
-    script = tmp_path / "train.py"
-    script.write_text(TALKER)
-    p.agent("n1", "--grace-s", "2")
-    await p.ready("n1")
+    script = await with_script(p, tmp_path, TALKER)
     follower = follow(p, job, "--rank", "0")
     try:
         await p.submit(job_of(script, "talker", 2, 5), job)
@@ -125,10 +131,7 @@ async def test_flightdeck_logs_shows_each_ranks_lines_in_order_by_rank_and_attem
 async def test_a_chatty_script_is_held_to_its_rate_and_its_telemetry_arrives_whole(
         drill: Platform, tmp_path: Path) -> None:
     p, job = drill, "chatty-000001"
-    script = tmp_path / "train.py"
-    script.write_text(CHATTY)
-    p.agent("n1", "--grace-s", "2")
-    await p.ready("n1")
+    script = await with_script(p, tmp_path, CHATTY)
     await p.submit(job_of(script, "chatty", 1, 30), job)
     await p.until(lambda: bool(p.seen(JobCompleted, job) or p.seen(JobFailed, job)), 180, "the end", job)
     assert p.seen(JobCompleted, job), kinds(p.job(job))
