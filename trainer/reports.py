@@ -4,9 +4,11 @@ without a host sync on CUDA: values are copied to pinned memory without blocking
 
 import math
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass
+from numbers import Real
 from pathlib import Path
 from typing import IO, Any, Protocol
 
@@ -180,3 +182,28 @@ class _Pending:
     tokens: float
     started: float
     scale: float
+
+
+METRIC_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_./-]{0,63}\Z")
+RESERVED_METRICS = frozenset({"loss", "grad_norm"})
+
+
+def checked_value(name: str, value: object) -> torch.Tensor | float:
+    """A value `report` takes: a number, or a one-element tensor (read later); else a TypeError naming it."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"report({name}=...) takes one number; got a tensor of shape {tuple(value.shape)}")
+        return value
+    if isinstance(value, Real) and not isinstance(value, bool):
+        return float(value)
+    raise TypeError(f"report({name}=...) takes a number or a one-element tensor, got {type(value).__name__}")
+
+
+def check_metric_names(names: frozenset[str]) -> None:
+    """Custom metric names a StepCompleted may carry (codec.BOUNDS checks them again on every read)."""
+    if len(names) > codec.MAX_METRICS:
+        raise ValueError(f"report(...) takes at most {codec.MAX_METRICS} custom metrics, got {len(names)}")
+    for name in names:
+        if name in RESERVED_METRICS or not METRIC_NAME.match(name):
+            raise ValueError(f"report(...): metric name {name!r} must match {METRIC_NAME.pattern} "
+                             f"and not be one of {sorted(RESERVED_METRICS)}")

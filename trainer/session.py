@@ -15,7 +15,6 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
-from numbers import Real
 from pathlib import Path
 from types import FrameType
 from typing import Any, NoReturn, Protocol
@@ -42,14 +41,12 @@ from trainer import checkpointing, faults, plans
 from trainer.config import RunConfig
 from trainer.cursor import BatchCursor
 from trainer.distributed import Dist
-from trainer.reports import SPIKE_FACTOR, Emitter, StepReporter
+from trainer.reports import SPIKE_FACTOR, Emitter, StepReporter, check_metric_names, checked_value
 from trainer.state import Stateful, TrainState
 
 log = structlog.get_logger("trainer")
 PAUSE_POLL_S = 0.2
 ROLLBACK_WAIT_S = 30.0  # for the node agent's prefetch of a committed checkpoint to land
-METRIC_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_./-]{0,63}\Z")
-RESERVED_METRICS = frozenset({"loss", "grad_norm"})
 
 
 class CommandSource(Protocol):
@@ -178,16 +175,16 @@ class Run:
         """Publish one step's loss and metrics. Tensors are read later (never a host sync on CUDA)."""
         if isinstance(step, bool) or not isinstance(step, int):
             raise TypeError(f"report(step=...) takes the int step from steps(), got {type(step).__name__}")
-        values: dict[str, torch.Tensor | float] = {"loss": _value("loss", loss),
+        values: dict[str, torch.Tensor | float] = {"loss": checked_value("loss", loss),
                                                    "grad_norm": 0.0 if grad_norm is None else
-                                                   _value("grad_norm", grad_norm)}
+                                                   checked_value("grad_norm", grad_norm)}
         if metrics:
             names = frozenset(metrics)
             if names not in self._names:
-                _check_names(names)
+                check_metric_names(names)
                 self._names.add(names)
             for name, value in metrics.items():
-                values[name] = _value(name, value)
+                values[name] = checked_value(name, value)
         scale = 1.0
         current = self._current
         started = current[2] if current is not None and current[0] == step else time.perf_counter()
@@ -360,25 +357,6 @@ class Run:
         mine = str(max(found)[2]).encode() if found and self.rank == 0 else b""
         _, agreed = self.dist.agree([], mine)  # every rank loads the set rank 0 picked
         return Path(agreed.decode()) if agreed else None
-
-
-def _value(name: str, value: object) -> torch.Tensor | float:
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"report({name}=...) takes one number; got a tensor of shape {tuple(value.shape)}")
-        return value
-    if isinstance(value, Real) and not isinstance(value, bool):
-        return float(value)
-    raise TypeError(f"report({name}=...) takes a number or a one-element tensor, got {type(value).__name__}")
-
-
-def _check_names(names: frozenset[str]) -> None:
-    if len(names) > codec.MAX_METRICS:
-        raise ValueError(f"report(...) takes at most {codec.MAX_METRICS} custom metrics, got {len(names)}")
-    for name in names:
-        if name in RESERVED_METRICS or not METRIC_NAME.match(name):
-            raise ValueError(f"report(...): metric name {name!r} must match {METRIC_NAME.pattern} "
-                             f"and not be one of {sorted(RESERVED_METRICS)}")
 
 
 def fail_hook(run: Run) -> Any:
