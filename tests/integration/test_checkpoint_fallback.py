@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -71,8 +72,14 @@ def damage(p: Platform, objects: Objects, job: str, step: int, *, store: bool = 
     return shard
 
 
-def crash_rank_1(pids: list[int]) -> None:
+async def crash_after_damage(p: Platform, objects: Objects, job: str, steps: tuple[int, ...], **how: Any) -> str:
+    """Hold the job after three commits, damage the checkpoints of `steps` (`how`: see damage), SIGKILL rank 1 (the
+    crash that makes the restart), and wait for the job to end either way; the damaged shard's name."""
+    pids = await hold_after_three_commits(p, job)
+    shards = [damage(p, objects, job, step, **how) for step in steps]
     os.kill(pids[1], signal.SIGKILL)
+    await p.until(lambda: bool(p.seen(JobCompleted, job) or p.seen(JobFailed, job)), 150, "the end", job)
+    return shards[0]
 
 
 @pytest.mark.timeout(240)
@@ -83,10 +90,7 @@ async def test_a_bad_newest_checkpoint_is_rejected_and_the_restart_falls_back_fo
     job = "fallback-000001"
     p = await open_platform(nats_server.url, tmp_path, local_objects)
     try:
-        pids = await hold_after_three_commits(p, job)
-        shard = damage(p, local_objects, job, 30, cache=cache)
-        crash_rank_1(pids)
-        await p.until(lambda: bool(p.seen(JobCompleted, job) or p.seen(JobFailed, job)), 150, "the end", job)
+        shard = await crash_after_damage(p, local_objects, job, (30,), cache=cache)
         assert p.seen(JobCompleted, job), kinds(p.job(job))
 
         (rejected,) = p.seen(CheckpointRejected, job)
@@ -123,10 +127,7 @@ async def test_a_damaged_cached_copy_is_downloaded_again_and_restored(
     job = "fallback-000003"
     p = await open_platform(nats_server.url, tmp_path, local_objects)
     try:
-        pids = await hold_after_three_commits(p, job)
-        damage(p, local_objects, job, 30, store=False, cache="flipped")
-        crash_rank_1(pids)
-        await p.until(lambda: bool(p.seen(JobCompleted, job) or p.seen(JobFailed, job)), 150, "the end", job)
+        await crash_after_damage(p, local_objects, job, (30,), store=False, cache="flipped")
         assert p.seen(JobCompleted, job) and p.seen(CheckpointRejected, job) == [], kinds(p.job(job))
         (resumed,) = p.seen(JobResumed, job)
         assert (resumed.attempt, resumed.from_step) == (1, 30)
@@ -142,11 +143,7 @@ async def test_with_no_good_checkpoint_left_the_job_fails_once_naming_them(
     job = "fallback-000002"
     p = await open_platform(nats_server.url, tmp_path, local_objects)
     try:
-        pids = await hold_after_three_commits(p, job)
-        for step in (10, 20, 30):
-            damage(p, local_objects, job, step)
-        crash_rank_1(pids)
-        await p.until(lambda: bool(p.seen(JobFailed, job)), 150, "the job to fail", job)
+        await crash_after_damage(p, local_objects, job, (10, 20, 30))
         assert [(e.step, e.attempt) for e in p.seen(CheckpointRejected, job)] == [(30, 1), (20, 2), (10, 3)]
         (failed,) = p.seen(JobFailed, job)
         assert "no good checkpoint is left" in failed.reason and checkpoint_id(0, 10) in failed.reason, failed.reason
