@@ -58,6 +58,17 @@ class CheckpointRejected(JobEvent, frozen=True, kw_only=True):
     cause: str  # which file, and what was expected and found
 
 
+class CheckpointRefused(RankEvent, frozen=True, kw_only=True):
+    """A rank told to roll back found the target bad on its node (a shard's size or sha256 differs from the
+    manifest, a file or the manifest is missing, the node could not download it) and loaded nothing: every rank
+    trains on, and the scheduler rolls back to the newest good checkpoint instead. The ranks' counterpart of
+    CheckpointRejected (ranks publish telemetry only)."""
+
+    checkpoint_id: str
+    to_step: int
+    cause: str  # which file, and what was expected and found
+
+
 class CheckpointDeleted(JobEvent, frozen=True, kw_only=True):
     checkpoint_id: str
     reason: str = "retention"

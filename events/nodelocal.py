@@ -27,6 +27,9 @@ STAGING_ENV = "FLIGHTDECK_STAGING"  # where ranks stage checkpoints: <dir>/<job>
 RESTORE_ENV = "FLIGHTDECK_RESTORE"  # a verified checkpoint directory to restore before the first step
 MANIFEST_ENV = "FLIGHTDECK_MANIFEST"  # its manifest (sizes and sha256s), checked again by the rank
 CACHE_ENV = "FLIGHTDECK_CACHE"  # the node's cache of committed checkpoints: <dir>/<job>/<checkpoint_id>/
+# Beside a cached copy, <dir>/<job>/<checkpoint_id>.unavailable: the agent could not download the checkpoint a
+# rollback names (the file says why), so a rank waiting for the copy refuses the rollback at once.
+UNAVAILABLE_SUFFIX = ".unavailable"
 DEVICE_ENV = "FLIGHTDECK_DEVICE"  # "cpu", "cuda" or "auto"
 SYNC_EVERY_ENV = "FLIGHTDECK_SYNC_EVERY"  # steps between the collectives that agree on commands
 EVENTS_LOG_ENV = "FLIGHTDECK_EVENTS_LOG"  # every event a rank emits, also as JSON lines here

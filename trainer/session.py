@@ -26,7 +26,7 @@ from torch import nn
 
 from events import codec
 from events.base import Event
-from events.checkpoint import ShardInfo
+from events.checkpoint import CheckpointRefused, ShardInfo
 from events.commands import (
     CheckpointRequested,
     PauseRequested,
@@ -34,6 +34,7 @@ from events.commands import (
     RollbackRequested,
     StopRequested,
 )
+from events.nodelocal import UNAVAILABLE_SUFFIX
 from events.plan import ParallelPlan
 from events.spec import JobSpec
 from events.training import FaultInjected, RankStarted, RolledBack
@@ -46,7 +47,7 @@ from trainer.state import Stateful, TrainState
 
 log = structlog.get_logger("trainer")
 PAUSE_POLL_S = 0.2
-ROLLBACK_WAIT_S = 30.0  # for the node agent's prefetch of a committed checkpoint to land
+ROLLBACK_WAIT_S = 30.0  # for the node agent's download of a rollback's checkpoint to land
 
 
 class CommandSource(Protocol):
@@ -316,29 +317,51 @@ class Run:
     def _rollback(self, cmd: RollbackRequested) -> None:
         self.reporter.flush()
         self.ckpt.wait()
-        path = self._find_checkpoint(cmd.checkpoint_id, cmd.to_step)
-        manifest = checkpointing.manifest_in(path)
-        self._load(path, checkpointing.read_manifest(manifest) if manifest else None)
+        problem, path = "", None
+        try:
+            path = self._rollback_source(cmd.checkpoint_id, cmd.to_step)
+        except checkpointing.CorruptCheckpoint as exc:
+            problem = str(exc)
+        (refused,), _ = self.dist.agree([int(bool(problem))], b"")  # DCP loads are collective: all or none
+        # Every rollback command starts a timeline, loaded or refused: the services count them the same way.
+        timeline = self.ckpt.rolled_back()
+        if refused or path is None:
+            if problem:
+                self.emitter.emit(CheckpointRefused(checkpoint_id=cmd.checkpoint_id, to_step=cmd.to_step,
+                                                    cause=problem[:4000], **self.emitter.envelope))
+            log.error("rollback refused: its checkpoint is bad; training on until the scheduler picks another",
+                      checkpoint_id=cmd.checkpoint_id, error=problem or "(found by another rank)")
+            return
+        self._load(path, None)  # verified by _rollback_source
         self.cursor.skip(cmd.skip_from, cmd.skip_to)
         self.saved_at = self.step
-        timeline = self.ckpt.rolled_back()
         self.emitter.set_step(self.step - 1)
         self.emitter.emit(RolledBack(checkpoint_id=cmd.checkpoint_id, to_step=self.step, skip_from=cmd.skip_from,
                                      skip_to=cmd.skip_to, timeline=timeline, **self.emitter.envelope))
         log.warning("rolled back", checkpoint=str(path), to_step=self.step, skip=(cmd.skip_from, cmd.skip_to))
 
-    def _find_checkpoint(self, checkpoint_id: str, step: int) -> Path:
-        """Where a rollback's checkpoint is: the node's cache of committed checkpoints, which a prefetch may
-        still be filling, else what this node staged (same id, or step-<N> from this run)."""
-        cached = self.cfg.checkpoints / self.job_id / checkpoint_id if self.cfg.checkpoints else None
+    def _rollback_source(self, checkpoint_id: str, step: int) -> Path:
+        """Where a rollback's checkpoint is, verified against its manifest: the node's cache of committed
+        checkpoints (a copy appears whole or not at all; the node agent downloads one a rollback names, or leaves
+        a note saying why it could not), else what this node staged (same id, or step-<N> from this run)."""
         staged = [self.cfg.staging / self.job_id / checkpoint_id, *self.ckpt.staged_dirs(step)]
-        deadline = time.monotonic() + (ROLLBACK_WAIT_S if cached else 0.0)
-        while True:
-            if cached is not None and (cached / ".metadata").exists():
+        cached = self.cfg.checkpoints / self.job_id / checkpoint_id if self.cfg.checkpoints else None
+        if cached is not None:
+            unavailable = cached.with_name(checkpoint_id + UNAVAILABLE_SUFFIX)
+            deadline = time.monotonic() + ROLLBACK_WAIT_S
+            while not cached.is_dir() and time.monotonic() < deadline:
+                if unavailable.is_file():
+                    raise checkpointing.CorruptCheckpoint(
+                        f"node {self.cfg.node or '?'} could not fetch checkpoint {checkpoint_id}: "
+                        f"{unavailable.read_text(errors='replace')[:2000]}")
+                time.sleep(0.2)
+            if cached.is_dir():
+                manifest = checkpointing.manifest_in(cached)
+                if manifest is None:
+                    raise checkpointing.CorruptCheckpoint(f"checkpoint {cached} has lost its manifest; restore "
+                                                          "another checkpoint")
+                checkpointing.verify(cached, checkpointing.read_manifest(manifest))
                 return cached
-            if time.monotonic() >= deadline:
-                break
-            time.sleep(0.2)
         for path in staged:
             if (path / ".metadata").exists():
                 log.warning("rolling back from local staging, not a committed checkpoint", path=str(path))

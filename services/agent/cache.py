@@ -6,12 +6,14 @@ Why it works this way: docs/internals.md, "7. The node agent and the ranks it ru
 
 import asyncio
 import contextlib
+import functools
 import shutil
 import time
 from pathlib import Path
 
 import structlog
 
+from events.nodelocal import UNAVAILABLE_SUFFIX
 from services.agent.core import Restore
 from services.agent.launch import Paths, detached
 from services.shell.objects import manifest
@@ -41,6 +43,13 @@ class CheckpointCache:
             task.add_done_callback(_report_fetch)
             self.tasks[key] = task
         return task
+
+    def fetch_for_rollback(self, job_id: str, checkpoint: Restore) -> None:
+        """Ranks told to roll back wait for this copy (fetched again if it went missing); if the download fails, a
+        note beside the copy says why, and they refuse the rollback at once instead of waiting for it."""
+        note = self.node_paths.cache(job_id, checkpoint.checkpoint_id + UNAVAILABLE_SUFFIX)
+        note.unlink(missing_ok=True)
+        self.fetch_task(job_id, checkpoint).add_done_callback(functools.partial(_leave_note, note))
 
     async def verified_copy(self, job_id: str, checkpoint: Restore) -> Path:
         """The node's verified copy of the checkpoint a new attempt restores. The cached copy is checked again
@@ -83,6 +92,16 @@ class CheckpointCache:
         targets = [self.node_paths.cache(job_id, c) for c in checkpoint_ids] or [self.node_paths.cache(job_id)]
         for target in targets:
             await asyncio.to_thread(shutil.rmtree, target, True)
+            target.with_name(target.name + UNAVAILABLE_SUFFIX).unlink(missing_ok=True)
+
+
+def _leave_note(note: Path, task: asyncio.Task[Path]) -> None:
+    if task.cancelled() or task.exception() is None:
+        return
+    exc = task.exception()
+    with contextlib.suppress(OSError):  # no note: the ranks wait out their deadline, then refuse
+        note.parent.mkdir(parents=True, exist_ok=True)
+        note.write_text(f"{type(exc).__name__}: {exc}")
 
 
 def _report_fetch(task: asyncio.Task[Path]) -> None:

@@ -64,6 +64,7 @@ class StopArgs(msgspec.Struct, frozen=True, kw_only=True):
 class PrefetchArgs(msgspec.Struct, frozen=True, kw_only=True):
     job_id: str
     checkpoint: Restore
+    rollback: bool = False  # ranks here wait for it: a download that fails leaves them a note saying why
 
 
 class EvictArgs(msgspec.Struct, frozen=True, kw_only=True):
@@ -192,6 +193,17 @@ def _gone(state: State, ev: CheckpointDeleted | CheckpointRejected) -> Transitio
                                                                  checkpoint_ids=[ev.checkpoint_id])))
 
 
+def _rollback(state: State, ev: RollbackRequested) -> Transition:
+    """Ranks here read a rollback's checkpoint from the cache: fetch it again if the copy went missing."""
+    view = state.jobs[ev.job_id]
+    after = msgspec.structs.replace(view, forks=lineage.forked(view.forks, ev))
+    target = next((c for c in view.checkpoints if c.checkpoint_id == ev.checkpoint_id), None)
+    if view.held is None or view.held.attempt != ev.attempt or target is None:
+        return _put(state, ev.job_id, after)
+    return _put(state, ev.job_id, after, Effect(PREFETCH, PrefetchArgs(job_id=ev.job_id, checkpoint=target,
+                                                                       rollback=True)))
+
+
 def _workers(state: State, ev: WorkersStarted | WorkersExited) -> Transition:
     if ev.node != state.node:
         return state, ()
@@ -226,8 +238,7 @@ def transition(state: State, event: Event) -> Transition:
         case CheckpointDeleted() | CheckpointRejected():
             return _gone(state, event)
         case RollbackRequested(job_id=job_id) if job_id in state.jobs:
-            view = state.jobs[job_id]
-            return _put(state, job_id, msgspec.structs.replace(view, forks=lineage.forked(view.forks, event)))
+            return _rollback(state, event)
         case WorkersStarted() | WorkersExited():
             return _workers(state, event)
         case _:

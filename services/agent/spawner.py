@@ -110,7 +110,10 @@ class Spawner:
 
         async def prefetch(args: Any) -> list[Emit]:
             assert isinstance(args, PrefetchArgs), type(args)
-            self.cache.fetch_task(args.job_id, args.checkpoint)
+            if args.rollback:
+                self.cache.fetch_for_rollback(args.job_id, args.checkpoint)
+            else:
+                self.cache.fetch_task(args.job_id, args.checkpoint)
             return []
 
         async def evict(args: Any) -> list[Emit]:

@@ -13,6 +13,7 @@ from events.base import Event
 from events.checkpoint import (
     CheckpointCommitted,
     CheckpointDeleted,
+    CheckpointRefused,
     CheckpointRejected,
     CheckpointStaged,
     DataPosition,
@@ -118,12 +119,16 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def retention(job: JobState) -> tuple[JobState, tuple[str, ...]]:
-    """Doom every live checkpoint that is neither among the newest `keep` good ones a rollback left standing nor
-    held. A rejected checkpoint does not count as one of them: the last good one is always kept."""
+    """Doom every live checkpoint that is neither among the newest `keep` good ones a rollback left standing, nor
+    held, nor older than a held one (a restore not yet confirmed may have to fall back past its target). A rejected
+    checkpoint does not count as one of them: the last good one is always kept."""
     live = [c for c in job.committed if c.checkpoint_id not in job.doomed]
     standing = [c for c in live if not thrown_away(job.forks, c.attempt, c.timeline, c.step)
                 and c.checkpoint_id not in job.bad]
+    held = [c.step for c in live if c.checkpoint_id in job.holds]
     keep = {c.checkpoint_id for c in standing[-job.keep:]} | set(job.holds)
+    if held:
+        keep |= {c.checkpoint_id for c in standing if c.step <= max(held)}
     doomed = tuple(c.checkpoint_id for c in live if c.checkpoint_id not in keep)
     if not doomed:
         return job, ()
@@ -194,8 +199,9 @@ def _evolve_job(job: JobState, ev: Event) -> tuple[JobState, Due]:
         case CheckpointDeleted():
             return replace(job, committed=tuple(c for c in job.committed if c.checkpoint_id != ev.checkpoint_id),
                            doomed=job.doomed - {ev.checkpoint_id}), NOTHING_DUE
-        case CheckpointRejected():
-            job = replace(job, bad=job.bad | {ev.checkpoint_id})
+        case CheckpointRejected() | CheckpointRefused():  # found bad: never kept as a good one, nor held
+            job = replace(job, bad=job.bad | {ev.checkpoint_id},
+                          holds={k: v for k, v in job.holds.items() if k != ev.checkpoint_id})
         case JobSubmitted():
             return replace(job, keep=ev.spec.policy.keep_checkpoints, every=ev.spec.train.checkpoint_every), NOTHING_DUE
         case RollbackRequested():
@@ -262,7 +268,7 @@ CONTROL_TYPES = (
     "JobSubmitted", "JobResumed", "RollbackRequested",
     "CheckpointCommitted", "CheckpointDeleted", "CheckpointRejected", "JobCompleted", "JobFailed", "JobCancelled",
 )
-TELEMETRY_TYPES = ("CheckpointStaged", "RolledBack", "RankStarted")
+TELEMETRY_TYPES = ("CheckpointStaged", "RolledBack", "RankStarted", "CheckpointRefused")
 
 
 def core_service(effects: dict[str, EffectHandler]) -> Service[State]:

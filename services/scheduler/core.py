@@ -6,7 +6,7 @@ Why it works this way: docs/internals.md, "3. The scheduler and its recovery rec
 import msgspec
 
 from events.base import Event
-from events.checkpoint import CheckpointCommitted, CheckpointDeleted, CheckpointRejected
+from events.checkpoint import CheckpointCommitted, CheckpointDeleted, CheckpointRefused, CheckpointRejected
 from events.clock import ClockTick, CoreConfigured
 from events.findings import LossSpikeDetected, NonFiniteLoss, RankHung, RankLost, StragglerDetected
 from events.fleet import NodeCordoned, NodeLost, NodeRegistered, NodeUncordoned, SelfCheckFailed
@@ -29,7 +29,7 @@ NAME = "scheduler"
 CONTROL_TYPES = ("JobSubmitted", "CancelRequested", "AllocationGranted", "AllocationDenied", "WorkersStarted",
                  "WorkersExited", "CheckpointCommitted", "CheckpointDeleted", "CheckpointRejected", "RankLost",
                  "RankHung", "StragglerDetected", "NonFiniteLoss", "LossSpikeDetected")
-TELEMETRY_TYPES = ("RolledBack",)
+TELEMETRY_TYPES = ("RolledBack", "CheckpointRefused")
 FLEET_TYPES = ("NodeRegistered", "NodeCordoned", "NodeUncordoned", "SelfCheckFailed", "NodeLost")
 
 
@@ -39,7 +39,7 @@ def transition(state: State, event: Event) -> tuple[State, tuple[Output, ...]]:
             return msgspec.structs.replace(state, settings=msgspec.convert(event.settings, Settings)), ()
         case ClockTick(now=at):
             pass
-        case RolledBack():
+        case RolledBack() | CheckpointRefused():  # a rank's clock is not the scheduler's
             at = state.now
         case _:
             at = event.occurred_at
@@ -70,6 +70,8 @@ def transition(state: State, event: Event) -> tuple[State, tuple[Output, ...]]:
             lifecycle.checkpoint_deleted(tx, event)
         case CheckpointRejected():
             lifecycle.checkpoint_rejected(tx, event)
+        case CheckpointRefused():
+            recovery.refused(tx, event)
         case NodeRegistered(node=name):
             tx.set_node(name, slots=event.slots, spare=event.spare, lost=False)
             tx.epoch += 1

@@ -135,3 +135,23 @@ def after_loss(job: Job, ev: LossFinding) -> RollTo | Fail:
     reason = (f"{what}: roll back to {target.checkpoint_id} (step {target.step}) and skip batches "
               f"[{skip_from}, {skip_to}){how} (finding {ev.event_id})")
     return RollTo(checkpoint=target, skip_from=skip_from, skip_to=skip_to, reason=reason, incident=incident)
+
+
+def reroll(job: Job, why: str) -> RollTo | Fail:
+    """The rollback in flight decided again once its checkpoint was found bad (`why`; it has left the catalog):
+    the newest good checkpoint the recipe allows for the same spike, skipping the same batches. Not another spike
+    of the incident; a job with no good checkpoint left fails once."""
+    incident, rb, policy = job.incident, job.rollback, job.spec.policy
+    assert incident is not None and rb is not None, "a rollback in flight has its incident"
+    spike = incident.steps[-1]
+    target, old_enough = rollback_target(job, spike)
+    if target is None:
+        return Fail(f"{why}; no good checkpoint is left to roll back to for the loss spike at step {spike}",
+                    causes=incident.triggers)
+    how = "" if old_enough else (f"; none is {policy.rollback_steps_back} steps older than the spike "
+                                 "(policy.rollback_steps_back), so the oldest one before it")
+    reason = (f"{why}; roll back to {target.checkpoint_id} (step {target.step}) instead, the newest good checkpoint "
+              f"for the spike at step {spike}, and skip batches [{rb.skip_from}, {rb.skip_to}) as planned{how}")
+    incident = Incident(first=min(incident.first, target.step), last=incident.last, skip_from=incident.skip_from,
+                        skip_to=incident.skip_to, steps=incident.steps, triggers=incident.triggers)
+    return RollTo(checkpoint=target, skip_from=rb.skip_from, skip_to=rb.skip_to, reason=reason, incident=incident)

@@ -6,7 +6,7 @@ Why it works this way: docs/internals.md, "3. The scheduler and its recovery rec
 import msgspec
 
 from events import lineage
-from events.checkpoint import CheckpointCommitted
+from events.checkpoint import CheckpointCommitted, CheckpointRefused
 from events.commands import RollbackRequested, StopRequested
 from events.training import RolledBack
 from services.scheduler import queue, recipes
@@ -31,19 +31,43 @@ def loss_finding(tx: Tx, ev: recipes.LossFinding, landing_timeout_s: float) -> N
         return  # the same finding read again
     match recipes.after_loss(job, ev):
         case recipes.RollTo() as plan:
-            target = plan.checkpoint
-            command = RollbackRequested(job_id=job.job_id, checkpoint_id=target.checkpoint_id, to_step=target.step,
-                                        skip_from=plan.skip_from, skip_to=plan.skip_to, reason=plan.reason,
-                                        trigger_id=ev.event_id, attempt=job.attempt)
-            tx.emit(command)
-            thrown = {c.checkpoint_id for c in job.checkpoints if c.step > target.step}
-            tx.update(job, incident=plan.incident, abandoned=job.abandoned | thrown,
-                      forks=lineage.forked(job.forks, command),
-                      skips=(*job.skips, (plan.skip_from, plan.skip_to)),
-                      rollback=Rollback(attempt=job.attempt, checkpoint_id=target.checkpoint_id, to_step=target.step,
-                                        skip_from=plan.skip_from, skip_to=plan.skip_to, at=tx.at))
+            roll(tx, job, plan, ev.event_id)
         case Fail(reason=why, causes=causes):
             fail(tx, job, why, causes)
+
+
+def roll(tx: Tx, job: Job, plan: recipes.RollTo, trigger_id: str) -> None:
+    target = plan.checkpoint
+    command = RollbackRequested(job_id=job.job_id, checkpoint_id=target.checkpoint_id, to_step=target.step,
+                                skip_from=plan.skip_from, skip_to=plan.skip_to, reason=plan.reason,
+                                trigger_id=trigger_id, attempt=job.attempt)
+    tx.emit(command)
+    thrown = {c.checkpoint_id for c in job.checkpoints if c.step > target.step}
+    skips = job.skips if (plan.skip_from, plan.skip_to) in job.skips else (*job.skips, (plan.skip_from, plan.skip_to))
+    tx.update(job, incident=plan.incident, abandoned=job.abandoned | thrown, forks=lineage.forked(job.forks, command),
+              skips=skips, rollback=Rollback(attempt=job.attempt, checkpoint_id=target.checkpoint_id,
+                                             to_step=target.step, skip_from=plan.skip_from, skip_to=plan.skip_to,
+                                             at=tx.at))
+
+
+def refused(tx: Tx, ev: CheckpointRefused) -> None:
+    """A rank found the rollback's checkpoint bad and no rank loaded it: it leaves the catalog, and the rollback is
+    decided again without it (recipes.reroll). A refusal of anything but the rollback in flight changes no plan."""
+    job = tx.jobs.get(ev.job_id)
+    if job is None:
+        return
+    job = tx.update(job, checkpoints=tuple(c for c in job.checkpoints if c.checkpoint_id != ev.checkpoint_id))
+    rb = job.rollback
+    if rb is None or rb.landed or (ev.attempt, ev.checkpoint_id) != (rb.attempt, rb.checkpoint_id) \
+            or job.attempt != rb.attempt or job.phase != "running" or job.stop:
+        return
+    why = (f"checkpoint {ev.checkpoint_id} (step {ev.to_step}) is bad on {ev.node or 'its node'} (rank {ev.rank}): "
+           f"{ev.cause[:300]}")
+    match recipes.reroll(job, why):
+        case recipes.RollTo() as plan:
+            roll(tx, job, plan, job.incident.triggers[-1] if job.incident else "")
+        case Fail(reason=why, causes=causes):
+            fail(tx, job, why, (*causes, ev.event_id))
 
 
 def rolled_back(tx: Tx, ev: RolledBack) -> None:

@@ -16,22 +16,25 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from msgspec.structs import replace
 
 from events import subjects
-from events.checkpoint import CheckpointCommitted, CheckpointDeleted, CheckpointRejected
+from events.checkpoint import CheckpointCommitted, CheckpointDeleted, CheckpointRefused, CheckpointRejected
+from events.commands import RollbackRequested
 from events.job import AllocationReleased, JobCompleted, JobFailed, JobResumed, WorkersExited, WorkersStarted
 from events.spec import FaultSpec, JobSpec, ModelSpec, PolicySpec, TrainSpec
-from events.training import RankStarted
+from events.training import RankStarted, RolledBack
 from services.agent.spawner import START_FAILED_EXIT
 from services.checkpoints.core import REJECTED, checkpoint_id
 from services.shell import broker as broker_mod
+from services.shell.objects import manifest as mf
 from services.tools.audit.settle import verify_live
-from tests.integration.lifecycle_harness import Objects, Platform, local_objects, open_platform
-from tests.integration.test_job_checkpoints_corrupt import flip
+from tests.integration.lifecycle_harness import Objects, Platform, local_objects, objects, open_platform
+from tests.integration.s3_fixture import moto_s3
 from tests.integration.test_lifecycle_services import kinds
 from tests.integration.test_postmortem_cli import CLI
 
-__all__ = ["local_objects"]  # fixture
+__all__ = ["local_objects", "moto_s3", "objects"]  # fixtures
 
 SPEC = JobSpec(name="fallback", slots=2, model=ModelSpec(d_model=32),
                train=TrainSpec(steps=50, checkpoint_every=10, data="synthetic"),
@@ -39,11 +42,11 @@ SPEC = JobSpec(name="fallback", slots=2, model=ModelSpec(d_model=32),
                faults=[FaultSpec(kind="slow", step=31, rank=0, seconds=600.0)])  # fires once: attempt 0 only
 
 
-async def hold_after_three_commits(p: Platform, job: str) -> list[int]:
+async def hold_after_three_commits(p: Platform, job: str, spec: JobSpec = SPEC) -> list[int]:
     """Start the job and wait until steps 10, 20 and 30 are committed and cached; the pids of attempt 0."""
     p.start_all()  # the services and agent n1
     await p.ready("n1")
-    await p.submit(SPEC, job)
+    await p.submit(spec, job)
     await p.until(lambda: {e.step for e in p.seen(CheckpointCommitted, job)} >= {10, 20, 30}, 90,
                   "commits of steps 10, 20 and 30", job)
     cache = p.data / "cache" / job
@@ -54,43 +57,59 @@ async def hold_after_three_commits(p: Platform, job: str) -> list[int]:
 
 
 def largest_shard(folder: Path) -> Path:
-    return max((f for f in folder.iterdir() if f.name != "MANIFEST.json"), key=lambda f: f.stat().st_size)
+    return max((f for f in folder.iterdir() if f.name != mf.MANIFEST), key=lambda f: f.stat().st_size)
 
 
-def damage(p: Platform, objects: Objects, job: str, step: int, *, store: bool = True, cache: str = "missing") -> str:
-    """Flip bytes of the checkpoint's largest shard in the store (`store`), and remove the node's copy
-    (`cache` "missing") or flip the same bytes in it ("flipped"); the shard's name."""
+def flipped(data: bytes) -> bytes:
+    """A few bytes in the middle inverted, the size kept: only the hash can tell."""
+    mid = len(data) // 2
+    return data[:mid] + bytes(b ^ 0xFF for b in data[mid:mid + 8]) + data[mid + 8:]
+
+
+async def damage(p: Platform, objects: Objects, job: str, step: int, *, store: str = "flipped",
+                 cache: str = "missing") -> str:
+    """Damage attempt 0's checkpoint of `step`: in the store, its largest shard "flipped" or "deleted", or its
+    manifest "truncated" ("": left alone); the node's copy "missing", "flipped" the same way, or "" left alone.
+    Returns the shard's name."""
     cid = checkpoint_id(0, step)
     cached = p.data / "cache" / job / cid
     shard = largest_shard(cached).name
-    if store:
-        flip(Path(objects.url) / "checkpoints" / job / cid / shard)
+    async with objects.open() as bucket:
+        key = mf.shard_key(job, cid, shard)
+        if store == "flipped":
+            await bucket.put_bytes(key, flipped(await bucket.get_bytes(key)))
+        elif store == "deleted":
+            await bucket.delete(key)
+        elif store == "truncated":
+            raw = await bucket.get_bytes(mf.manifest_key(job, cid))
+            await bucket.put_bytes(mf.manifest_key(job, cid), raw[:len(raw) // 2])
     if cache == "missing":
         shutil.rmtree(cached)
-    else:
-        flip(cached / shard)
+    elif cache == "flipped":
+        (cached / shard).write_bytes(flipped((cached / shard).read_bytes()))
     return shard
 
 
-async def crash_after_damage(p: Platform, objects: Objects, job: str, steps: tuple[int, ...], **how: Any) -> str:
+async def crash_after_damage(p: Platform, objects: Objects, job: str, steps: tuple[int, ...], *,
+                             spec: JobSpec = SPEC, **how: Any) -> str:
     """Hold the job after three commits, damage the checkpoints of `steps` (`how`: see damage), SIGKILL rank 1 (the
     crash that makes the restart), and wait for the job to end either way; the damaged shard's name."""
-    pids = await hold_after_three_commits(p, job)
-    shards = [damage(p, objects, job, step, **how) for step in steps]
+    pids = await hold_after_three_commits(p, job, spec)
+    shards = [await damage(p, objects, job, step, **how) for step in steps]
     os.kill(pids[1], signal.SIGKILL)
     await p.until(lambda: bool(p.seen(JobCompleted, job) or p.seen(JobFailed, job)), 150, "the end", job)
     return shards[0]
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("cache", ["missing", "flipped"])
+@pytest.mark.parametrize(("objects", "cache"), [("local", "missing"), ("s3", "flipped")], indirect=["objects"])
 async def test_a_bad_newest_checkpoint_is_rejected_and_the_restart_falls_back_for_free(
-        nats_server: broker_mod.Broker, tmp_path: Path, local_objects: Objects, cache: str) -> None:
+        nats_server: broker_mod.Broker, tmp_path: Path, objects: Objects, cache: str) -> None:
     """Bad in the store, and the node's copy gone or damaged the same way."""
     job = "fallback-000001"
-    p = await open_platform(nats_server.url, tmp_path, local_objects)
+    p = await open_platform(nats_server.url, tmp_path, objects)
     try:
-        shard = await crash_after_damage(p, local_objects, job, (30,), cache=cache)
+        shard = await crash_after_damage(p, objects, job, (30,), cache=cache)
         assert p.seen(JobCompleted, job), kinds(p.job(job))
 
         (rejected,) = p.seen(CheckpointRejected, job)
@@ -127,7 +146,7 @@ async def test_a_damaged_cached_copy_is_downloaded_again_and_restored(
     job = "fallback-000003"
     p = await open_platform(nats_server.url, tmp_path, local_objects)
     try:
-        await crash_after_damage(p, local_objects, job, (30,), store=False, cache="flipped")
+        await crash_after_damage(p, local_objects, job, (30,), store="", cache="flipped")
         assert p.seen(JobCompleted, job) and p.seen(CheckpointRejected, job) == [], kinds(p.job(job))
         (resumed,) = p.seen(JobResumed, job)
         assert (resumed.attempt, resumed.from_step) == (1, 30)
@@ -138,12 +157,13 @@ async def test_a_damaged_cached_copy_is_downloaded_again_and_restored(
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("objects", ["s3"], indirect=True)
 async def test_with_no_good_checkpoint_left_the_job_fails_once_naming_them(
-        nats_server: broker_mod.Broker, tmp_path: Path, local_objects: Objects) -> None:
+        nats_server: broker_mod.Broker, tmp_path: Path, objects: Objects) -> None:
     job = "fallback-000002"
-    p = await open_platform(nats_server.url, tmp_path, local_objects)
+    p = await open_platform(nats_server.url, tmp_path, objects)
     try:
-        await crash_after_damage(p, local_objects, job, (10, 20, 30))
+        await crash_after_damage(p, objects, job, (10, 20, 30))
         assert [(e.step, e.attempt) for e in p.seen(CheckpointRejected, job)] == [(30, 1), (20, 2), (10, 3)]
         (failed,) = p.seen(JobFailed, job)
         assert "no good checkpoint is left" in failed.reason and checkpoint_id(0, 10) in failed.reason, failed.reason
@@ -162,5 +182,77 @@ async def test_with_no_good_checkpoint_left_the_job_fails_once_naming_them(
         for step in (10, 20, 30):
             assert f"checkpoint {checkpoint_id(0, step)} (step {step}) rejected by n1" in report, report[-3000:]
         assert (await verify_live(p.store, job)).ok
+    finally:
+        await p.close()
+
+
+@pytest.mark.timeout(240)
+async def test_a_truncated_manifest_and_a_deleted_shard_are_rejected_in_turn(
+        nats_server: broker_mod.Broker, tmp_path: Path, objects: Objects) -> None:
+    """Step 30's manifest cut in half, step 20's largest shard gone from the store (neither cached): each restart
+    names what it found, costs nothing, and the third restores step 10."""
+    job = "fallback-000004"
+    p = await open_platform(nats_server.url, tmp_path, objects)
+    try:
+        pids = await hold_after_three_commits(p, job)
+        await damage(p, objects, job, 30, store="truncated")
+        shard = await damage(p, objects, job, 20, store="deleted")
+        os.kill(pids[1], signal.SIGKILL)
+        await p.until(lambda: bool(p.seen(JobCompleted, job) or p.seen(JobFailed, job)), 150, "the end", job)
+        assert p.seen(JobCompleted, job), kinds(p.job(job))
+        rejected = p.seen(CheckpointRejected, job)
+        assert [(e.step, e.attempt) for e in rejected] == [(30, 1), (20, 2)]
+        assert "manifest" in rejected[0].cause and shard in rejected[1].cause and "missing" in rejected[1].cause, \
+            [e.cause for e in rejected]
+        started = {e.attempt: e.from_step for e in p.seen(RankStarted, job, stream=subjects.TELEMETRY)}
+        assert started == {0: 0, 3: 10}
+        releases = [e.reason for e in p.seen(AllocationReleased, job)]
+        assert sum("without spending the restart budget" in r for r in releases) == 2
+        assert not any("restart 2 of 3" in r for r in releases)
+        assert (await verify_live(p.store, job)).ok
+    finally:
+        await p.close()
+
+
+# A crash at step 31 restarts the job from step 30; a NaN loss at step 35 then rolls it back to step 20 at least
+# 10 steps before it (policy.rollback_steps_back), in the running ranks. From step 36 on, steps take a second, so
+# the rollbacks land long before the last step.
+ROLLBACK_SPEC = replace(SPEC, policy=replace(SPEC.policy, rollback_steps_back=10),
+                        faults=[*SPEC.faults, FaultSpec(kind="nonfinite", step=35, rank=0, attempt=1),
+                                FaultSpec(kind="slow", step=36, rank=0, seconds=1.0, attempt=1)])
+
+
+@pytest.mark.timeout(240)
+async def test_a_rollback_whose_checkpoint_is_bad_rolls_back_further_without_a_restart(
+        nats_server: broker_mod.Broker, tmp_path: Path, objects: Objects) -> None:
+    """Step 20's shard gone from the store and its node copy removed: the agent cannot fetch it for the rollback, so
+    the ranks refuse it (CheckpointRefused, naming the shard) and the scheduler rolls back to step 10 instead, whose
+    removed node copy the agent downloads again (a cache miss downloads)."""
+    job = "fallback-000005"
+    p = await open_platform(nats_server.url, tmp_path, objects)
+    try:
+        pids = await hold_after_three_commits(p, job, ROLLBACK_SPEC)
+        shard = await damage(p, objects, job, 20, store="deleted")
+        await damage(p, objects, job, 10, store="", cache="missing")
+        os.kill(pids[1], signal.SIGKILL)
+        await p.until(lambda: bool(p.seen(JobCompleted, job) or p.seen(JobFailed, job)), 150, "the end", job)
+        assert p.seen(JobCompleted, job), kinds(p.job(job))
+
+        first, again = p.seen(RollbackRequested, job)
+        assert (first.checkpoint_id, again.checkpoint_id) == (checkpoint_id(0, 20), checkpoint_id(0, 10))
+        assert (again.skip_from, again.skip_to, again.attempt) == (first.skip_from, first.skip_to, 1)
+        assert again.reason.startswith(f"checkpoint {checkpoint_id(0, 20)} (step 20) is bad on n1"), again.reason
+        refused = p.seen(CheckpointRefused, job, stream=subjects.TELEMETRY)
+        assert refused and {(e.checkpoint_id, e.attempt) for e in refused} == {(checkpoint_id(0, 20), 1)}
+        assert all(shard in e.cause for e in refused), [e.cause for e in refused]
+        rolled = p.seen(RolledBack, job, stream=subjects.TELEMETRY)
+        assert sorted((e.rank, e.checkpoint_id, e.to_step) for e in rolled) == \
+               [(0, checkpoint_id(0, 10), 10), (1, checkpoint_id(0, 10), 10)]  # never the bad one
+
+        assert {e.attempt for e in p.seen(RankStarted, job, stream=subjects.TELEMETRY)} == {0, 1}  # no restart
+        assert [e.checkpoint_id for e in p.seen(CheckpointDeleted, job) if e.reason == REJECTED] == \
+               [checkpoint_id(0, 20)]
+        assert "rollback refused" in p.logs()
+        assert (await verify_live(p.store, job)).ok  # `flightdeck verify` re-derives both rollbacks
     finally:
         await p.close()

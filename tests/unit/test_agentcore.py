@@ -4,10 +4,12 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
+from msgspec.structs import replace
 
 from events import subjects
 from events.base import Event
 from events.checkpoint import CheckpointCommitted, CheckpointDeleted, DataPosition
+from events.commands import RollbackRequested
 from events.job import (
     AllocationGranted,
     AllocationReleased,
@@ -108,6 +110,19 @@ def test_the_restore_point_is_the_newest_checkpoint_folded_before_the_grant() ->
 def test_checkpoints_of_a_job_not_running_here_are_not_prefetched() -> None:
     _, effects = run([submitted(), committed("c1", 10), grant(nodes=("b",)), committed("c2", 20)])
     assert effects == []
+
+
+def test_a_rollback_fetches_its_checkpoint_again_for_the_ranks_here_only() -> None:
+    """A rollback's ranks read its checkpoint from the cache: a copy gone since its prefetch is downloaded again."""
+    rollback = RollbackRequested(job_id="j", checkpoint_id="c1", to_step=10, skip_from=15, skip_to=20, reason="spike")
+    _, effects = run([submitted(), committed("c1", 10), grant(), committed("c2", 20), rollback])
+    assert kinds(effects) == [SPAWN, PREFETCH, PREFETCH]
+    assert effects[-1].args == PrefetchArgs(job_id="j", checkpoint=Restore(checkpoint_id="c1", step=10,
+                                                                           manifest_sha256="sha-c1"), rollback=True)
+    _, effects = run([submitted(), committed("c1", 10), grant(nodes=("b",)), rollback])
+    assert effects == []  # no rank of the job here
+    _, effects = run([submitted(), committed("c1", 10), grant(), replace(rollback, checkpoint_id="c9")])
+    assert kinds(effects) == [SPAWN]  # a checkpoint this node does not know of: the ranks say so
 
 
 def test_a_release_stops_the_attempt_held_here_and_a_late_grant_for_it_starts_nothing() -> None:

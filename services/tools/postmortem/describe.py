@@ -7,6 +7,7 @@ from events.checkpoint import (
     CheckpointCommitted,
     CheckpointDeleted,
     CheckpointFailed,
+    CheckpointRefused,
     CheckpointRejected,
     CheckpointStaged,
 )
@@ -55,6 +56,9 @@ def describe(ev: Event) -> str:
         case CheckpointRejected():
             return f"checkpoint {ev.checkpoint_id} (step {ev.step}) rejected by {ev.node} for attempt {ev.attempt}, " \
                    f"never loaded: {ev.cause[:200]}"
+        case CheckpointRefused():
+            return f"checkpoint {ev.checkpoint_id} (step {ev.to_step}) refused by rank {ev.rank} on {ev.node} for a " \
+                   f"rollback, never loaded: {ev.cause[:200]}"
         case WorkersStarted():
             return f"attempt {ev.attempt}: ranks {', '.join(map(str, ev.ranks))} started on {ev.node}"
         case RankLost():
