@@ -20,7 +20,7 @@ ALL_TYPES: tuple[type[Event], ...] = (
     # checkpoint
     checkpoint.CheckpointStaged, checkpoint.CheckpointCommitted, checkpoint.CheckpointFailed,
     checkpoint.CheckpointDeleted,
-    checkpoint.CheckpointRejected, checkpoint.CheckpointRefused,
+    checkpoint.CheckpointRejected, checkpoint.CheckpointRefused, checkpoint.CheckpointScrubbed,
     # health findings
     findings.RankLost, findings.RankHung, findings.StragglerDetected, findings.NonFiniteLoss,
     findings.LossSpikeDetected,

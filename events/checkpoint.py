@@ -69,6 +69,18 @@ class CheckpointRefused(RankEvent, frozen=True, kw_only=True):
     cause: str  # which file, and what was expected and found
 
 
+class CheckpointScrubbed(JobEvent, frozen=True, kw_only=True):
+    """The checkpoint service read a committed checkpoint back from the store (its manifest's sha256, every
+    shard's size and sha256), at a bounded rate. `cause` "" means all matched; else it says which file differs
+    and how, and the checkpoint is bad: never restored, deleted, not counted among the ones kept."""
+
+    checkpoint_id: str
+    step: int
+    bytes: int  # read back
+    seconds: float
+    cause: str = ""
+
+
 class CheckpointDeleted(JobEvent, frozen=True, kw_only=True):
     checkpoint_id: str
     reason: str = "retention"

@@ -61,6 +61,10 @@ class Service(Generic[S]):
     tick_s: float = 1.0
     wants_tick: Callable[[S, float], bool] = field(default=lambda state, now: True)
     effects: Mapping[str, EffectHandler] = field(default_factory=dict)
+    # Effect kinds too long to hold the inputs up for (a scrub reads a whole checkpoint back at a bounded rate):
+    # the shell runs them in the background and appends their outcome when done. The core must expect none (a
+    # crash loses a run in flight) and may ask again later; a replay reads an outcome back like any other.
+    detached: frozenset[str] = frozenset()
     copy: Callable[[S], S] | None = None  # only for a core whose transition changes the state it is given
     # What the core was built with, recorded as CoreConfigured when its shell starts; the core folds that event
     # back into its state, so live and replayed decisions use the same values.

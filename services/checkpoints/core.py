@@ -15,10 +15,12 @@ from events.checkpoint import (
     CheckpointDeleted,
     CheckpointRefused,
     CheckpointRejected,
+    CheckpointScrubbed,
     CheckpointStaged,
     DataPosition,
     ShardInfo,
 )
+from events.clock import ClockTick, CoreConfigured
 from events.commands import RollbackRequested
 from events.job import JobCancelled, JobCompleted, JobFailed, JobResumed, JobSubmitted
 from events.lineage import Fork, forked, thrown_away
@@ -31,6 +33,9 @@ DELETE = "delete"
 DEFAULT_KEEP = 3
 THROWN_AWAY = "thrown away by a rollback"  # CheckpointDeleted.reason, beside the default "retention"
 REJECTED = "rejected: found bad on restore"  # ... and a checkpoint a node agent found bad (CheckpointRejected)
+SCRUBBED_BAD = "found bad by a scrub of the store"  # ... and one the scrubber found bad (CheckpointScrubbed)
+SCRUB = "scrub"
+SCRUB_SLACK_S = 300.0  # a scrub with no outcome this long past its bytes' reading time counts as lost: asked again
 LINGER_S = 30.0  # after a completion, the longest the service keeps ticking for the final step's set
 
 
@@ -38,6 +43,35 @@ def checkpoint_id(attempt: int, step: int, timeline: int = 0) -> str:
     """Unique per job (the same step may be checkpointed again by a later attempt, or by the same one after a
     rollback) and sorts by step."""
     return f"step{step:09d}-a{attempt}" + (f"-t{timeline}" if timeline else "")
+
+
+class Settings(msgspec.Struct, frozen=True, kw_only=True):
+    """What the core decides with: recorded by the shell as CoreConfigured and folded from it."""
+
+    scrub_every_s: float = 0.0  # re-verify each committed checkpoint in the store this often (0: never)
+    scrub_mb_s: float = 64.0  # read back at most this fast (MB/s), beside the training's own traffic
+
+    def __post_init__(self) -> None:
+        if not (self.scrub_every_s >= 0 and self.scrub_mb_s > 0):
+            raise ValueError(f"checkpoint service settings out of range: {self}")
+
+
+class ScrubArgs(msgspec.Struct, frozen=True, kw_only=True):
+    """What the "scrub" effect needs: one committed checkpoint to read back, and how fast it may read."""
+
+    job_id: str
+    checkpoint_id: str
+    step: int
+    manifest_sha256: str
+    bytes_per_s: float
+
+
+class Scrub(msgspec.Struct, frozen=True, kw_only=True):
+    """The scrub in flight (one at a time, for the whole store): expected back by `deadline`."""
+
+    job_id: str
+    checkpoint_id: str
+    deadline: float
 
 
 class StagedRank(msgspec.Struct, frozen=True, kw_only=True):
@@ -77,6 +111,9 @@ class Committed(msgspec.Struct, frozen=True, kw_only=True):
     world_size: int
     attempt: int = 0
     timeline: int = 0
+    bytes: int = 0
+    manifest_sha256: str = ""
+    verified_at: float = 0.0  # when its stored bytes last matched their manifest (its commit, then scrubs)
 
 
 class Hold(msgspec.Struct, frozen=True, kw_only=True):
@@ -101,7 +138,7 @@ class JobState(msgspec.Struct, frozen=True, kw_only=True):
     final: int = -1  # a completed job's last step while the set staged there is due, else -1
     ended_at: float = 0.0
     forks: tuple[Fork, ...] = ()  # the timelines rollbacks started
-    bad: frozenset[str] = frozenset()  # rejected on restore: never one of the `keep` good ones, deleted
+    bad: dict[str, str] = {}  # found bad (on restore, or by a scrub) -> why it is deleted: never one of the `keep`
 
 
 class Due(msgspec.Struct, frozen=True, kw_only=True):
@@ -116,6 +153,8 @@ NOTHING_DUE = Due()
 
 class State(msgspec.Struct, frozen=True, kw_only=True):
     jobs: dict[str, JobState] = {}
+    settings: Settings = Settings()
+    scrub: Scrub | None = None
 
 
 def retention(job: JobState) -> tuple[JobState, tuple[str, ...]]:
@@ -194,14 +233,24 @@ def _evolve_job(job: JobState, ev: Event) -> tuple[JobState, Due]:
             if any(c.checkpoint_id == ev.checkpoint_id for c in job.committed) or ev.checkpoint_id in job.doomed:
                 return job, NOTHING_DUE
             c = Committed(checkpoint_id=ev.checkpoint_id, step=ev.step, world_size=ev.world_size, attempt=ev.attempt,
-                          timeline=ev.timeline)
+                          timeline=ev.timeline, bytes=ev.bytes, manifest_sha256=ev.manifest_sha256,
+                          verified_at=ev.occurred_at)
             job = replace(job, committed=(*job.committed, c))
         case CheckpointDeleted():
             return replace(job, committed=tuple(c for c in job.committed if c.checkpoint_id != ev.checkpoint_id),
                            doomed=job.doomed - {ev.checkpoint_id}), NOTHING_DUE
         case CheckpointRejected() | CheckpointRefused():  # found bad: never kept as a good one, nor held
-            job = replace(job, bad=job.bad | {ev.checkpoint_id},
+            job = replace(job, bad={**job.bad, ev.checkpoint_id: REJECTED},
                           holds={k: v for k, v in job.holds.items() if k != ev.checkpoint_id})
+        case CheckpointScrubbed():
+            found = next((c for c in job.committed if c.checkpoint_id == ev.checkpoint_id), None)
+            if found is None or ev.checkpoint_id in job.doomed:  # deleted while it was read: nothing to learn
+                return job, NOTHING_DUE
+            checked = replace(found, verified_at=ev.occurred_at)
+            job = replace(job, committed=tuple(checked if c is found else c for c in job.committed))
+            if not ev.cause:
+                return job, NOTHING_DUE
+            job = replace(job, bad={**job.bad, ev.checkpoint_id: SCRUBBED_BAD})
         case JobSubmitted():
             return replace(job, keep=ev.spec.policy.keep_checkpoints, every=ev.spec.train.checkpoint_every), NOTHING_DUE
         case RollbackRequested():
@@ -231,11 +280,43 @@ def _evolve_job(job: JobState, ev: Event) -> tuple[JobState, Due]:
 
 
 def transition(state: State, ev: Event) -> tuple[State, Sequence[Output]]:
+    match ev:
+        case CoreConfigured(service=service) if service == SERVICE:
+            return replace(state, settings=msgspec.convert(ev.settings, Settings)), ()
+        case ClockTick(now=now):
+            return next_scrub(state, now)
     job_id = getattr(ev, "job_id", None)
     if not isinstance(job_id, str):
         return state, ()
     job, due = _evolve_job(state.jobs.get(job_id, JobState()), ev)
-    return replace(state, jobs={**state.jobs, job_id: job}), _outputs(job_id, job, due)
+    state = replace(state, jobs={**state.jobs, job_id: job})
+    if isinstance(ev, CheckpointScrubbed) and state.scrub is not None \
+            and (state.scrub.job_id, state.scrub.checkpoint_id) == (job_id, ev.checkpoint_id):
+        state = replace(state, scrub=None)
+    return state, _outputs(job_id, job, due)
+
+
+def _scrub_due(state: State, now: float) -> tuple[float, str, Committed] | None:
+    """The checkpoint verified longest ago, if that is `scrub_every_s` ago or more (oldest-verified first)."""
+    every = state.settings.scrub_every_s
+    if every <= 0 or (state.scrub is not None and now < state.scrub.deadline):
+        return None
+    due = [(c.verified_at, job_id, c) for job_id, job in state.jobs.items() for c in job.committed
+           if c.verified_at + every <= now and c.checkpoint_id not in job.doomed and c.checkpoint_id not in job.bad]
+    return min(due, key=lambda d: (d[0], d[1], d[2].checkpoint_id)) if due else None
+
+
+def next_scrub(state: State, now: float) -> tuple[State, Sequence[Output]]:
+    """At a tick: read back the checkpoint verified longest ago, one at a time across all jobs."""
+    due = _scrub_due(state, now)
+    if due is None:
+        return state, ()
+    _, job_id, c = due
+    rate = state.settings.scrub_mb_s * 1e6
+    scrub = Scrub(job_id=job_id, checkpoint_id=c.checkpoint_id, deadline=now + SCRUB_SLACK_S + 2 * c.bytes / rate)
+    args = ScrubArgs(job_id=job_id, checkpoint_id=c.checkpoint_id, step=c.step, manifest_sha256=c.manifest_sha256,
+                     bytes_per_s=rate)
+    return replace(state, scrub=scrub), (Effect(SCRUB, args),)
 
 
 def _outputs(job_id: str, job: JobState, due: Due) -> list[Output]:
@@ -254,35 +335,43 @@ def _outputs(job_id: str, job: JobState, due: Due) -> list[Output]:
 
 def _why_deleted(job: JobState, checkpoint_id: str, thrown: set[str]) -> str:
     if checkpoint_id in job.bad:
-        return REJECTED
+        return job.bad[checkpoint_id]
     return THROWN_AWAY if checkpoint_id in thrown else "retention"
 
 
 def wants_tick(state: State, now: float) -> bool:
     """Telemetry (stagings) is folded only at ticks, so tick while any job may still stage, or a completed
-    job's final set has not been read yet (ticks are recorded inputs, so reading the clock here is safe)."""
-    return any(not job.ended or (job.final >= 0 and now - job.ended_at < LINGER_S) for job in state.jobs.values())
+    job's final set has not been read yet, or a scrub is due (ticks are recorded inputs, so reading the clock
+    here is safe)."""
+    return any(not job.ended or (job.final >= 0 and now - job.ended_at < LINGER_S) for job in state.jobs.values()) \
+        or _scrub_due(state, now) is not None
 
 
 CONTROL_TYPES = (
     "JobSubmitted", "JobResumed", "RollbackRequested",
-    "CheckpointCommitted", "CheckpointDeleted", "CheckpointRejected", "JobCompleted", "JobFailed", "JobCancelled",
+    "CheckpointCommitted", "CheckpointDeleted", "CheckpointRejected", "CheckpointScrubbed", "JobCompleted", "JobFailed",
+    "JobCancelled",
 )
 TELEMETRY_TYPES = ("CheckpointStaged", "RolledBack", "RankStarted", "CheckpointRefused")
 
 
-def core_service(effects: dict[str, EffectHandler]) -> Service[State]:
-    """The checkpoint service's core wired to its effect handlers ("commit", "delete"; see uploader.py)."""
-    missing = {COMMIT, DELETE} - set(effects)
+def core_service(effects: dict[str, EffectHandler], *, scrub_every_s: float = 0.0,
+                 scrub_mb_s: float = Settings().scrub_mb_s) -> Service[State]:
+    """The checkpoint service's core wired to its effect handlers ("commit", "delete", and "scrub" when
+    `scrub_every_s` > 0; see uploader.py and scrubber.py)."""
+    settings = Settings(scrub_every_s=scrub_every_s, scrub_mb_s=scrub_mb_s)
+    missing = {COMMIT, DELETE, *([SCRUB] if scrub_every_s > 0 else [])} - set(effects)
     if missing:
         raise ValueError(f"the checkpoint service needs effect handlers for {sorted(missing)}")
     return Service(
         name=SERVICE,
-        initial=State(),
+        initial=State(settings=settings),
         transition=transition,
         control_subjects=tuple(f"fd.ctl.job.*.{t}" for t in CONTROL_TYPES),
         telemetry_subjects=tuple(f"fd.tel.*.*.{t}" for t in TELEMETRY_TYPES),
         tick_s=1.0,
         wants_tick=wants_tick,
         effects=effects,
+        detached=frozenset({SCRUB}),
+        settings=msgspec.structs.asdict(settings),
     )

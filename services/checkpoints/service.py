@@ -10,12 +10,15 @@ from pathlib import Path
 from typing import Any
 
 from services.checkpoints import uploader
-from services.checkpoints.core import COMMIT, DELETE, State, core_service
+from services.checkpoints.core import COMMIT, DELETE, SCRUB, Settings, State, core_service
 from services.core import EffectHandler, Emit, Service
 from services.shell.objects.open import DATA_DIR_ENV, OBJECTS_ENV, open_store
 from services.shell.objects.store import ObjectStore
 
 STAGING_ENV = "FLIGHTDECK_STAGING_ROOTS"
+SCRUB_EVERY_ENV = "FLIGHTDECK_SCRUB_EVERY_S"  # re-verify each committed checkpoint this often; 0 turns scrubs off
+SCRUB_MB_S_ENV = "FLIGHTDECK_SCRUB_MB_S"  # the scrubber's read rate bound
+DEFAULT_SCRUB_EVERY_S = 86_400.0
 
 
 def objects_url(env: Mapping[str, str] | None = None) -> str:
@@ -51,5 +54,8 @@ class _OpenOnFirstUse:
 
 
 def build(env: Mapping[str, str] | None = None) -> Service[State]:
+    env = os.environ if env is None else env
     lazy = _OpenOnFirstUse(objects_url(env), staging_roots(env))
-    return core_service({COMMIT: lazy.handler(COMMIT), DELETE: lazy.handler(DELETE)})
+    return core_service({kind: lazy.handler(kind) for kind in (COMMIT, DELETE, SCRUB)},
+                        scrub_every_s=float(env.get(SCRUB_EVERY_ENV) or DEFAULT_SCRUB_EVERY_S),
+                        scrub_mb_s=float(env.get(SCRUB_MB_S_ENV) or Settings().scrub_mb_s))

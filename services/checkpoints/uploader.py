@@ -14,6 +14,7 @@ import structlog
 
 from events import subjects
 from events.checkpoint import CheckpointCommitted, CheckpointFailed, ShardInfo
+from services.checkpoints import scrubber
 from services.checkpoints.core import CommitArgs, DeleteArgs, StagedRank
 from services.core import EffectHandler, Emit
 from services.shell.objects import manifest as mf
@@ -227,4 +228,4 @@ def handlers(store: ObjectStore, *, file_concurrency: int = 4, readback: bool | 
         assert isinstance(args, DeleteArgs), type(args)
         return await delete(store, args)
 
-    return {"commit": on_commit, "delete": on_delete}
+    return {"commit": on_commit, "delete": on_delete, "scrub": scrubber.handler(store)}

@@ -39,6 +39,7 @@ from services.shell.tap import TelemetryTap
 
 log = structlog.get_logger("flightdeck.shell")
 T = TypeVar("T")
+DETACHED_INDEX = 1000  # a detached effect's outcome is stamped from output index 1000 x (its position + 1) on
 
 @dataclass(frozen=True)
 class ConsumerPolicy:
@@ -107,6 +108,7 @@ class Shell:
         self.recovered_at = 0.0  # when the broker last answered again after one
         self.reconnects = 0  # the client's reconnect count when last looked at
         self.handled: deque[int] = deque(maxlen=10_000)  # recent inputs folded, to answer advisories
+        self.detached: set[asyncio.Task[None]] = set()  # effects running in the background (Service.detached)
 
     async def retrying(self, what: str, fn: Callable[[], Awaitable[T]], subject: str = "") -> T:
         """Run `fn` until it succeeds: the broker may be restarting. A denied publish is not retried."""
@@ -165,6 +167,8 @@ class Shell:
         finally:
             ticker.cancel()
             consumer.cancel()
+            for task in self.detached:
+                task.cancel()  # its outcome is never appended; the core asks again after its deadline
             await self.tap.stop()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await ticker
@@ -242,6 +246,11 @@ class Shell:
             await self._append(out)
         index = len(step.outputs)
         for n, effect in enumerate(step.effects):
+            if effect.kind in self.service.detached:
+                task = asyncio.create_task(self._run_detached(effect, step.input, n, index + DETACHED_INDEX * (n + 1)))
+                self.detached.add(task)
+                task.add_done_callback(self.detached.discard)
+                continue
             try:
                 emits = await self._run_effect(effect, msg)
                 outs = [stamp(self.service.name, step.input, index + i, e,
@@ -257,6 +266,22 @@ class Shell:
                 await self._append(out)
         if step.error:
             await self._dead_letter(step.input, step.error)
+
+    async def _run_detached(self, effect: Effect, stored: Stored, n: int, index: int) -> None:
+        """A detached effect: its outcome is stamped as the input's outputs from `index` on, so a run of the same
+        input again (a redelivery) stores nothing twice."""
+        try:
+            emits = await self.service.effects[effect.kind](effect.args)
+            outs = [stamp(self.service.name, stored, index + i, e, occurred_at=e.event.occurred_at or time.time())
+                    for i, e in enumerate(emits)]
+            if bad := next(filter(None, (mismatch(o.subject, o.event) for o in outs)), ""):
+                raise ValueError(f"effect {effect.kind!r} returned an output against the subject grammar: {bad}")
+            for out in outs:
+                await self._append(out)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            await self._dead_letter(stored, f"effect {effect.kind} failed: {failure(exc)}", cause=f"effect{n}")
 
     async def _run_effect(self, effect: Effect, msg: Msg) -> Sequence[Emit]:
         """Run one effect, telling the server the input is still in progress so it is not redelivered."""

@@ -209,10 +209,13 @@ def test_checkpoints_lists_commits_with_the_deleted_marked(nats_server: broker.B
     done = flightdeck("checkpoints", "tiny-drill-dddddd", "--nats", nats_server.url)
     assert done.returncode == 0, done.stderr
     head, first, second = done.stdout.splitlines()
-    assert head.split() == ["CHECKPOINT", "STEP", "WORLD", "SIZE", "STATE", "URI"]
-    assert first.split() == ["step000000020-a0", "20", "2", "2.0", "KiB", "deleted", "(retention)",
-                             "file:///o/checkpoints/tiny-drill-dddddd/step000000020-a0/MANIFEST.json"]
-    assert second.split()[:6] == ["step000000040-a0", "40", "2", "3.0", "MiB", "kept"]
+    assert head.split() == ["CHECKPOINT", "STEP", "WORLD", "SIZE", "VERIFIED", "(UTC)", "STATE", "URI"]
+    day, clock = first.split()[5:7]  # verified when committed: no scrub has read it back since
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d", day) and re.fullmatch(r"\d\d:\d\d:\d\d", clock), first
+    assert first.split()[:5] + first.split()[7:] == [
+        "step000000020-a0", "20", "2", "2.0", "KiB", "deleted", "(retention)",
+        "file:///o/checkpoints/tiny-drill-dddddd/step000000020-a0/MANIFEST.json"]
+    assert second.split()[:5] + second.split()[7:8] == ["step000000040-a0", "40", "2", "3.0", "MiB", "kept"]
     rows = json.loads(flightdeck("checkpoints", "tiny-drill-dddddd", "--json", "--nats", nats_server.url).stdout)
     assert [(r["step"], r["bytes"], r["deleted"]) for r in rows] == [(20, 2048, True), (40, 3 * 1024 * 1024, False)]
     asyncio.run(write(nats_server.url, running_job("tiny-drill-eeeeee")[:2]))

@@ -44,8 +44,9 @@ ops = st.lists(st.one_of(commit_op, commit_op, rollback_op, rolled_op, echo_op),
 @settings(max_examples=300, deadline=None)
 @given(keep=st.integers(1, 4), history=ops)
 def test_retention_keeps_newest_k_and_every_held_checkpoint(keep: int, history: list[tuple]) -> None:
-    """Retention keeps the newest K checkpoints no rollback threw away, and every held one: a rollback throws away
-    the checkpoints above its step that ranks staged before they applied it (an older timeline)."""
+    """Retention keeps the newest K checkpoints no rollback threw away, every held one, and every one standing
+    below a held one (a restore not yet confirmed may fall back past it): a rollback throws away the checkpoints
+    above its step that ranks staged before they applied it (an older timeline)."""
     state = core.State()
     commits: list[tuple[str, int, int]] = []  # (id, step, timeline) in commit order
     deleted: list[str] = []
@@ -58,12 +59,20 @@ def test_retention_keeps_newest_k_and_every_held_checkpoint(keep: int, history: 
         return [cid for cid, step, tl in commits
                 if cid not in deleted and not any(tl < t and step > s for t, s in forks)]
 
+    def below_holds() -> set[str]:
+        """Standing checkpoints at or below the step of a held one."""
+        top = max((step for cid, step, _ in commits if cid in holds), default=-1)
+        return {cid for cid in standing() if next(step for c, step, _ in commits if c == cid) <= top}
+
     def feed(ev: Event) -> None:
         nonlocal state
+        protected = below_holds()
         state, outs = core.transition(state, ev)
         now = [out.event.checkpoint_id for out in outs if isinstance(out, Emit)
                and isinstance(out.event, CheckpointDeleted)]
         assert not set(now) & set(standing()[-keep:]), "one of the newest K a rollback left standing was deleted"
+        if not isinstance(ev, RolledBack):
+            assert not set(now) & protected, "a checkpoint below an unconfirmed restore was deleted"
         deleted.extend(now)
         echo_pending.extend(now)
 
@@ -93,4 +102,4 @@ def test_retention_keeps_newest_k_and_every_held_checkpoint(keep: int, history: 
         live = [cid for cid, _, _ in commits if cid not in deleted]
         assert len(deleted) == len(set(deleted)), "a checkpoint was deleted twice"
         assert not set(deleted) & set(holds), "a held rollback target was deleted"
-        assert set(live) <= set(standing()[-keep:]) | set(holds), "an unneeded checkpoint was kept"
+        assert set(live) <= set(standing()[-keep:]) | set(holds) | below_holds(), "an unneeded checkpoint was kept"

@@ -146,14 +146,14 @@ class LocalStore:
     async def get_file(self, key: str, path: Path) -> tuple[int, str]:
         return await asyncio.to_thread(self._download, key, path)
 
-    def _hash(self, key: str) -> tuple[int, str]:
+    def _hash(self, key: str, bytes_per_s: float = 0.0) -> tuple[int, str]:
         try:
-            return hash_file(self._path(key))
+            return hash_file(self._path(key), bytes_per_s)
         except (FileNotFoundError, IsADirectoryError):
             raise ObjectNotFound(f"{key!r} is not in {self.root}") from None
 
-    async def hash_object(self, key: str) -> tuple[int, str]:
-        return await asyncio.to_thread(self._hash, key)
+    async def hash_object(self, key: str, *, bytes_per_s: float = 0.0) -> tuple[int, str]:
+        return await asyncio.to_thread(self._hash, key, bytes_per_s)
 
     async def exists(self, key: str) -> bool:
         path = self._path(key)

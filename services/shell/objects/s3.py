@@ -29,6 +29,7 @@ from services.shell.objects.store import (
     ObjectAlreadyExists,
     ObjectNotFound,
     ObjectTooLarge,
+    Pace,
     validate_key,
     validate_prefix,
 )
@@ -277,11 +278,17 @@ class S3Store:
         finally:
             tmp.unlink(missing_ok=True)
 
-    async def hash_object(self, key: str) -> tuple[int, str]:
-        async def nothing(chunk: bytes) -> None:
-            return None
+    async def hash_object(self, key: str, *, bytes_per_s: float = 0.0) -> tuple[int, str]:
+        async def read() -> tuple[int, str]:
+            pace = Pace(bytes_per_s)
 
-        return await self.retry.call("hash_object", lambda: self._stream(key, nothing))
+            async def paced(chunk: bytes) -> None:
+                if wait := pace.due(len(chunk)):
+                    await asyncio.sleep(wait)
+
+            return await self._stream(key, paced)
+
+        return await self.retry.call("hash_object", read)
 
     async def exists(self, key: str) -> bool:
         try:

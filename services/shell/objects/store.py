@@ -6,6 +6,7 @@ checkpoint id, a shard path announced by a rank — can climb out of its prefix.
 """
 
 import hashlib
+import time
 import unicodedata
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -105,13 +106,26 @@ def local_path(root: Path, relative: str) -> Path:
     return path
 
 
-def hash_file(path: Path) -> tuple[int, str]:
-    """(size, sha256 hex) of a file, read in chunks."""
-    digest, size = hashlib.sha256(), 0
+class Pace:
+    """Keeps a reader at or under `bytes_per_s` on average (0: unbounded): after each chunk, wait `due(n)` seconds."""
+
+    def __init__(self, bytes_per_s: float = 0.0) -> None:
+        self.rate, self.start, self.done = bytes_per_s, time.monotonic(), 0
+
+    def due(self, n: int) -> float:
+        self.done += n
+        return max(0.0, self.start + self.done / self.rate - time.monotonic()) if self.rate > 0 else 0.0
+
+
+def hash_file(path: Path, bytes_per_s: float = 0.0) -> tuple[int, str]:
+    """(size, sha256 hex) of a file, read in chunks, at most `bytes_per_s` (0: as fast as the disk goes)."""
+    digest, size, pace = hashlib.sha256(), 0, Pace(bytes_per_s)
     with open(path, "rb") as f:
         while chunk := f.read(HASH_CHUNK):
             digest.update(chunk)
             size += len(chunk)
+            if wait := pace.due(len(chunk)):
+                time.sleep(wait)
     return size, digest.hexdigest()
 
 
@@ -137,8 +151,8 @@ class ObjectStore(Protocol):
     async def get_file(self, key: str, path: Path) -> tuple[int, str]:
         """Download to a local file (written atomically); returns (size, sha256) of what arrived."""
 
-    async def hash_object(self, key: str) -> tuple[int, str]:
-        """(size, sha256) of the stored bytes, read back from the store."""
+    async def hash_object(self, key: str, *, bytes_per_s: float = 0.0) -> tuple[int, str]:
+        """(size, sha256) of the stored bytes, read back from the store at most `bytes_per_s` (0: unbounded)."""
 
     async def exists(self, key: str) -> bool:
         """Whether the key holds an object."""

@@ -19,7 +19,7 @@ JOB_TYPES: dict[str, tuple[str, ...]] = {
     "scheduler": ("JobQueued", "AllocationRequested", "AllocationReleased", "JobResumed", "JobPreempted",
                   "JobCompleted", "JobFailed", "JobCancelled", "StopRequested", "RollbackRequested"),
     "resources": ("AllocationGranted", "AllocationDenied"),
-    "checkpoints": ("CheckpointCommitted", "CheckpointFailed", "CheckpointDeleted"),
+    "checkpoints": ("CheckpointCommitted", "CheckpointFailed", "CheckpointDeleted", "CheckpointScrubbed"),
     "health": ("RankLost", "RankHung", "StragglerDetected", "NonFiniteLoss", "LossSpikeDetected"),
     "resharder": ("ReshardPlanned",),
     "agent": ("WorkersStarted", "WorkersExited", "CheckpointRejected"),

@@ -15,10 +15,10 @@ from typing import Any
 
 from events import subjects
 from events.base import Event
-from events.checkpoint import CheckpointCommitted, CheckpointFailed
+from events.checkpoint import CheckpointCommitted, CheckpointFailed, CheckpointScrubbed
 from events.clock import CoreConfigured, DeadLettered
 from events.store import EventStore, Stored
-from services.checkpoints.core import COMMIT, CommitArgs
+from services.checkpoints.core import COMMIT, SCRUB, CommitArgs, ScrubArgs
 from services.core import Effect, Service
 from services.shell.deadletter import FOLDED_ANYWAY, GIVEN_UP
 from services.shell.fold import Step, comparable, replay
@@ -221,6 +221,13 @@ def _effects(name: str, pos: int, step: Step, outcomes: list[Stored], letters: L
         if (inp.stream, inp.seq, f"effect{n}") in letters or not _leaves_outcome(effect):
             check.effects += 1
             continue
+        if effect.kind in DETACHED:  # an outcome it may never have left (a crash cut the run short)
+            found = next((s for s in pending if _outcome_of(effect, s.event)), None)
+            if found is not None:
+                pending.remove(found)
+                recorded.pop(found.msg_id)
+            check.effects += 1
+            continue
         got = pending.pop(0) if pending else None
         if got is not None and _outcome_of(effect, got.event):
             recorded.pop(got.msg_id)
@@ -240,11 +247,16 @@ def _differ(recorded: Event | None, replayed: Event) -> bool:
 
 
 def _leaves_outcome(effect: Effect) -> bool:
-    return effect.kind == COMMIT  # a delete records nothing when it works
+    return effect.kind in (COMMIT, SCRUB)  # a delete records nothing when it works
+
+
+DETACHED = (SCRUB,)
 
 
 def _outcome_of(effect: Effect, event: Event | None) -> bool:
     args = effect.args
+    if isinstance(args, ScrubArgs):
+        return isinstance(event, CheckpointScrubbed) and event.checkpoint_id == args.checkpoint_id
     if not isinstance(args, CommitArgs):
         return False
     if isinstance(event, CheckpointCommitted):

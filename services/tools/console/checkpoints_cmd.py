@@ -1,9 +1,11 @@
-"""`flightdeck checkpoints JOB`: the job's committed checkpoints from its history, oldest first, with the
-ones retention deleted marked as such (`--json` for scripts)."""
+"""`flightdeck checkpoints JOB`: the job's committed checkpoints from its history, oldest first: when each was
+last verified against its manifest (its commit, then the scrubber's reads of the store), the ones found bad and
+why, and the ones deleted and why (`--json` for scripts)."""
 
 import argparse
 import asyncio
 import sys
+from datetime import UTC, datetime
 
 import msgspec
 
@@ -32,10 +34,23 @@ def size(n: int) -> str:
     return f"{value:.1f} GiB"
 
 
+def state(c: CheckpointEntry) -> str:
+    if c.bad:
+        return f"BAD ({c.bad[:160]})" + (", deleted" if c.deleted else "")
+    return f"deleted ({c.deleted_reason})" if c.deleted else "kept"
+
+
+def verified(c: CheckpointEntry) -> str:
+    """When its stored bytes last matched the manifest, in UTC ("-" when a scrub found them changed)."""
+    if c.bad or not c.verified_at:
+        return "-"
+    return datetime.fromtimestamp(c.verified_at, UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
 def table(entries: tuple[CheckpointEntry, ...]) -> str:
-    head = ("CHECKPOINT", "STEP", "WORLD", "SIZE", "STATE", "URI")
-    rows = [head] + [(c.checkpoint_id, str(c.step), str(c.world_size), size(c.bytes),
-                      f"deleted ({c.deleted_reason})" if c.deleted else "kept", c.uri) for c in entries]
+    head = ("CHECKPOINT", "STEP", "WORLD", "SIZE", "VERIFIED (UTC)", "STATE", "URI")
+    rows = [head] + [(c.checkpoint_id, str(c.step), str(c.world_size), size(c.bytes), verified(c), state(c), c.uri)
+                     for c in entries]
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     right = {1, 2, 3}
     return "\n".join("  ".join(c.rjust(w) if i in right else c.ljust(w)
@@ -59,4 +74,5 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMAND = Command("checkpoints", "a job's committed checkpoints (and which retention deleted)", add_arguments, run)
+COMMAND = Command("checkpoints", "a job's committed checkpoints: last verified, found bad, deleted", add_arguments,
+                  run)

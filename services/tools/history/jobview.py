@@ -9,7 +9,13 @@ from typing import Literal
 import msgspec
 
 from events.base import Event
-from events.checkpoint import CheckpointCommitted, CheckpointDeleted, CheckpointFailed
+from events.checkpoint import (
+    CheckpointCommitted,
+    CheckpointDeleted,
+    CheckpointFailed,
+    CheckpointRejected,
+    CheckpointScrubbed,
+)
 from events.commands import RollbackRequested
 from events.job import (
     AllocationDenied,
@@ -43,6 +49,8 @@ class CheckpointEntry(msgspec.Struct, frozen=True, kw_only=True):
     committed_at: float
     deleted: bool = False
     deleted_reason: str = ""
+    verified_at: float = 0.0  # when its stored bytes last matched the manifest: the commit, then each scrub
+    bad: str = ""  # why it was found bad (a restore's rejection, a scrub's finding), "" while none was
 
 
 class JobView(msgspec.Struct, frozen=True, kw_only=True):
@@ -94,10 +102,35 @@ def _replace(view: JobView, **changes: object) -> JobView:
     return msgspec.structs.replace(view, **changes)
 
 
+def _checkpoints(view: JobView, event: Event, at: float) -> JobView:
+    match event:
+        case CheckpointCommitted():
+            entry = CheckpointEntry(checkpoint_id=event.checkpoint_id, step=event.step, world_size=event.world_size,
+                                    bytes=event.bytes, uri=event.uri, committed_at=at, verified_at=at)
+            if any(c.checkpoint_id == entry.checkpoint_id for c in view.checkpoints):
+                return view
+            return _replace(view, checkpoints=(*view.checkpoints, entry))
+        case CheckpointDeleted(checkpoint_id=cid, reason=reason):
+            return _replace(view, checkpoints=tuple(
+                msgspec.structs.replace(c, deleted=True, deleted_reason=reason) if c.checkpoint_id == cid else c
+                for c in view.checkpoints))
+        case CheckpointScrubbed(checkpoint_id=cid, cause=cause):
+            return _replace(view, checkpoints=tuple(
+                msgspec.structs.replace(c, verified_at=at, bad=cause or c.bad) if c.checkpoint_id == cid else c
+                for c in view.checkpoints))
+        case CheckpointRejected(checkpoint_id=cid, cause=cause):
+            return _replace(view, checkpoints=tuple(
+                msgspec.structs.replace(c, bad=f"rejected on restore by {event.node}: {cause}")
+                if c.checkpoint_id == cid else c for c in view.checkpoints))
+    return view
+
+
 def evolve(view: JobView, event: Event) -> JobView:
     """`view` after one event of its job's control history."""
     at = event.occurred_at
     view = _replace(view, updated_at=max(view.updated_at, at), version=getattr(event, "job_version", view.version))
+    if isinstance(event, CheckpointCommitted | CheckpointDeleted | CheckpointScrubbed | CheckpointRejected):
+        return _checkpoints(view, event, at)  # a job's checkpoints outlive it: kept, scrubbed, deleted later
     if view.ended:
         return view  # the scheduler changes nothing once a job has ended; neither do we
     match event:
@@ -134,16 +167,6 @@ def evolve(view: JobView, event: Event) -> JobView:
             return _replace(view, resumed_from_step=from_step)
         case RollbackRequested():
             return _replace(view, rollbacks=view.rollbacks + 1)
-        case CheckpointCommitted():
-            entry = CheckpointEntry(checkpoint_id=event.checkpoint_id, step=event.step, world_size=event.world_size,
-                                    bytes=event.bytes, uri=event.uri, committed_at=at)
-            if any(c.checkpoint_id == entry.checkpoint_id for c in view.checkpoints):
-                return view
-            return _replace(view, checkpoints=(*view.checkpoints, entry))
-        case CheckpointDeleted(checkpoint_id=cid, reason=reason):
-            return _replace(view, checkpoints=tuple(
-                msgspec.structs.replace(c, deleted=True, deleted_reason=reason) if c.checkpoint_id == cid else c
-                for c in view.checkpoints))
         case CheckpointFailed():
             return _replace(view, checkpoint_failures=view.checkpoint_failures + 1)
         case JobCompleted():

@@ -9,6 +9,7 @@ from events.checkpoint import (
     CheckpointFailed,
     CheckpointRefused,
     CheckpointRejected,
+    CheckpointScrubbed,
     CheckpointStaged,
 )
 from events.commands import CheckpointRequested, PauseRequested, ResumeRequested, RollbackRequested, StopRequested
@@ -56,6 +57,10 @@ def describe(ev: Event) -> str:
         case CheckpointRejected():
             return f"checkpoint {ev.checkpoint_id} (step {ev.step}) rejected by {ev.node} for attempt {ev.attempt}, " \
                    f"never loaded: {ev.cause[:200]}"
+        case CheckpointScrubbed(cause=cause) if cause:
+            return f"checkpoint {ev.checkpoint_id} (step {ev.step}) found bad by a scrub of the store: {cause[:200]}"
+        case CheckpointScrubbed():
+            return f"checkpoint {ev.checkpoint_id} (step {ev.step}) scrubbed: {ev.bytes} bytes match its manifest"
         case CheckpointRefused():
             return f"checkpoint {ev.checkpoint_id} (step {ev.to_step}) refused by rank {ev.rank} on {ev.node} for a " \
                    f"rollback, never loaded: {ev.cause[:200]}"
