@@ -97,10 +97,66 @@ def plan(model: ModelShape, slots: Slots, global_batch: int) -> Planned:
     raise PlanError(_too_big(model, slots, global_batch, found))
 
 
+def evaluate(model: ModelShape, slots: Slots, global_batch: int, *, dp: int, tp: int, pp: int,
+             zero_stage: int | None = None, micro_batch_size: int | None = None) -> Planned:
+    """A given layout (as a paper states it) checked and costed. Stages may be uneven; ZeRO, when not given, is
+    the lowest stage that fits, and the micro-batch the largest that fits (the smallest when none does: the
+    caller compares `memory.total_gb` with what the GPU holds). PlanError says what does not add up."""
+    if dp * tp * pp != slots.world:
+        raise PlanError(f"DP {dp} x TP {tp} x PP {pp} is {dp * tp * pp} GPUs, but there are {slots.world}: the "
+                        "three sizes multiply to the number of GPUs")
+    if global_batch % dp:
+        raise PlanError(f"a global batch of {global_batch} sequences does not split over DP {dp}: use a multiple "
+                        f"of {dp}")
+    per_replica = global_batch // dp
+    if micro_batch_size is not None and per_replica % micro_batch_size:
+        raise PlanError(f"a micro-batch of {micro_batch_size} does not divide the {per_replica} sequences each "
+                        f"replica takes per step ({global_batch} / DP {dp})")
+    sizes = [micro_batch_size] if micro_batch_size is not None else list(reversed(divisors(per_replica)))
+    zeros = [zero_stage] if zero_stage is not None else (list(ZERO_STAGES) if dp > 1 else [0])
+    usable, tried = memory.usable_gb(slots.gpu), None
+    try:
+        for zero in zeros:
+            for size in sizes:
+                count = per_replica // size
+                micro, accum = (1, count) if pp == 1 else (count, 1)
+                need = memory.estimate(model, tp=tp, pp=pp, dp=dp, zero_stage=zero, micro_batch_size=size,
+                                       micro_batches=micro)
+                tried = Planned(ParallelPlan(world_size=slots.world, dp=dp, tp=tp, pp=pp, zero_stage=zero,
+                                             micro_batches=micro, grad_accum=accum, micro_batch_size=size,
+                                             memory_per_gpu_gb=round(need.total_gb, 3)), need)
+                if need.total_gb <= usable:
+                    return tried
+    except memory.InvalidLayout as exc:
+        raise PlanError(str(exc)) from None
+    assert tried is not None
+    return tried
+
+
+def splitting_batches(model: ModelShape, slots: Slots, near: int, count: int = 3) -> list[int]:
+    """Global batches closest to `near` that some layout of these slots splits (what to ask for instead)."""
+    options: set[int] = set()
+    for tp in divisors(math.gcd(model.heads, slots.node_size)):
+        for pp in divisors(model.layers):
+            if slots.world % (tp * pp):
+                continue
+            dp = slots.world // (tp * pp)
+            for batch in (near // dp * dp, -(-near // dp) * dp):
+                if batch >= 1 and (pp == 1 or batch // dp >= MIN_MICRO_BATCHES_PER_STAGE * pp):
+                    options.add(batch)
+    return sorted(options, key=lambda b: (abs(b - near), b))[:count]
+
+
 def training_days(params: float, tokens: float, gpus: int, gpu: GpuType, mfu: float) -> float:
     """6 · params · tokens FLOPs (forward + backward) at `mfu` of the GPUs' dense bf16 peak, in days."""
     assert gpu.peak_flops > 0 and 0 < mfu <= 1, (gpu, mfu)
-    return 6 * params * tokens / (gpus * gpu.peak_flops * mfu) / SECONDS_PER_DAY
+    return days_at(params, tokens, gpus, gpu.peak_flops * mfu)
+
+
+def days_at(params: float, tokens: float, gpus: int, flops_per_gpu: float) -> float:
+    """6 · params · tokens FLOPs at a sustained `flops_per_gpu` (what papers report as TFLOP/s per GPU), in days."""
+    assert flops_per_gpu > 0, flops_per_gpu
+    return 6 * params * tokens / (gpus * flops_per_gpu) / SECONDS_PER_DAY
 
 
 def count(n: float) -> str:

@@ -56,3 +56,43 @@ def test_an_unknown_gpu_lists_the_known_ones() -> None:
 def test_a_malformed_number_is_refused_by_the_parser() -> None:
     done = plan("--params", "lots", "--tokens", "1e11", "--gpus", "8")
     assert done.returncode == 2 and "--params" in done.stderr and "not a number" in done.stderr
+
+
+# Published setups entered as their papers state them (GPUs, sustained TFLOP/s, tokens, layout), no hand conversion.
+BLOOM = ("--params", "176e9", "--layers", "70", "--hidden", "14336", "--heads", "112", "--seq-len", "2048",
+         "--vocab", "250880", "--tokens", "366e9", "--gpus", "384", "--gpu", "a100-80gb", "--tflops", "150",
+         "--global-batch", "2048")
+
+
+def test_bloom_as_published_uneven_stages_and_sustained_tflops() -> None:
+    done = plan(*BLOOM, "--dp", "8", "--tp", "4", "--pp", "12", "--zero", "1", "--micro-batch-size", "2", "--json")
+    assert done.returncode == 0, done.stderr
+    r = json.loads(done.stdout)
+    assert (r["dp"], r["tp"], r["pp"], r["zero_stage"], r["layout_given"], r["fits"]) == (8, 4, 12, 1, True, True)
+    assert r["stage_layers"] == {"6": 10, "5": 2} and r["micro_batches"] == 128
+    assert r["days"] == pytest.approx(6 * 176e9 * 366e9 / (384 * 150e12) / 86400)
+    assert r["sustained_tflops"] == 150 and r["mfu"] == pytest.approx(150 / 312)
+    human = plan(*BLOOM, "--dp", "8", "--tp", "4", "--pp", "12", "--zero", "1").stdout
+    assert "(as given); stages of uneven depth: 10 x 6 + 2 x 5 layers" in human, human
+    assert "366B tokens at 150 TFLOP/s per GPU (MFU 0.48): 77.7 days" in human, human
+
+
+def test_opt_175b_on_992_gpus_gets_its_days_and_the_batches_that_would_split() -> None:
+    done = plan("--params", "175e9", "--layers", "96", "--heads", "96", "--hidden", "12288", "--tokens", "180e9",
+                "--gpus", "992", "--gpu", "a100-80gb", "--tflops", "147")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert [line.split()[0] for line in lines] == ["model", "gpus", "layout", "training"]
+    assert "none: no DP x TP x PP layout of 992 GPUs splits a global batch of 2048 sequences" in lines[2]
+    assert "ones that split: 2046, 2077, 2108" in lines[2]
+    assert lines[3].endswith("180B tokens at 147 TFLOP/s per GPU (MFU 0.47): 15.0 days"), lines[3]
+
+
+def test_a_given_layout_that_does_not_fit_is_reported_and_exits_2() -> None:
+    done = plan(*BLOOM, "--dp", "128", "--tp", "1", "--pp", "3", "--zero", "0")
+    assert done.returncode == 2
+    assert "DOES NOT FIT" in done.stdout and "the given layout needs" in done.stderr
+    done = plan(*BLOOM, "--dp", "8", "--tp", "3", "--pp", "16")
+    assert done.returncode == 2 and "TP 3 does not divide the model's 112 attention heads" in done.stderr
+    both = plan(*BLOOM, "--mfu", "0.4")
+    assert both.returncode == 2 and "not allowed with argument" in both.stderr

@@ -117,3 +117,50 @@ def test_the_gpu_table_holds_the_datasheet_figures_and_names_what_it_knows() -> 
     assert gpus.match_device("Tesla T4") is None
     with pytest.raises(gpus.UnknownGpu, match=r"h100.*h200"):
         gpus.lookup("v100")
+
+
+# Published setups, as their papers state them (issue 16).
+BLOOM = shapes.ModelShape(params=176e9, layers=70, heads=112, hidden=14336, seq_len=2048, vocab=250880)
+OPT = shapes.ModelShape(params=175e9, layers=96, heads=96, hidden=12288, seq_len=2048)
+A100 = gpus.lookup("a100-80gb")
+
+
+def test_bloom_s_own_layout_with_uneven_pipeline_stages_is_evaluated() -> None:
+    """BLOOM-176B: 384 A100s as DP 8 x TP 4 x PP 12, ZeRO-1, 70 layers over 12 stages, micro-batch 2."""
+    planned = planner.evaluate(BLOOM, Slots(384, 8, A100), 2048, dp=8, tp=4, pp=12, zero_stage=1,
+                               micro_batch_size=2)
+    p = planned.plan
+    assert (p.dp, p.tp, p.pp, p.zero_stage, p.micro_batch_size, p.micro_batches, p.grad_accum) == \
+           (8, 4, 12, 1, 2, 128, 1)
+    heaviest = 176e9 * 6 / (70 * 4)  # the first stages hold 6 of the 70 layers, a quarter of each by TP
+    assert planned.memory.params_gb == pytest.approx(2 * heaviest / 1e9)
+    assert planned.memory.optimizer_gb == pytest.approx(12 * heaviest / 8 / 1e9)  # ZeRO-1 shards it over DP 8
+    assert planned.memory.total_gb <= memory.usable_gb(A100)
+    assert memory.stage_layers(70, 12) == 6
+    assert planner.days_at(176e9, 366e9, 384, 150e12) == pytest.approx(6 * 176e9 * 366e9 / (384 * 150e12) / 86400)
+
+
+def test_a_layout_that_cannot_hold_the_model_is_a_clear_error_not_an_assertion() -> None:
+    with pytest.raises(memory.InvalidLayout, match="TP 3 does not divide the model's 112 attention heads"):
+        memory.estimate(BLOOM, tp=3, pp=12, dp=8, zero_stage=1, micro_batch_size=2, micro_batches=128)
+    with pytest.raises(memory.InvalidLayout, match="PP 80 stages for 70 layers"):
+        memory.estimate(BLOOM, tp=4, pp=80, dp=1, zero_stage=0, micro_batch_size=1, micro_batches=1)
+    with pytest.raises(memory.InvalidLayout, match="ZeRO stage 4"):
+        memory.estimate(BLOOM, tp=4, pp=12, dp=8, zero_stage=4, micro_batch_size=1, micro_batches=1)
+    slots = Slots(384, 8, A100)
+    with pytest.raises(PlanError, match=r"DP 8 x TP 4 x PP 10 is 320 GPUs, but there are 384"):
+        planner.evaluate(BLOOM, slots, 2048, dp=8, tp=4, pp=10)
+    with pytest.raises(PlanError, match="2044 sequences does not split over DP 8"):
+        planner.evaluate(BLOOM, slots, 2044, dp=8, tp=4, pp=12)
+    with pytest.raises(PlanError, match="a micro-batch of 3 does not divide the 256 sequences"):
+        planner.evaluate(BLOOM, slots, 2048, dp=8, tp=4, pp=12, micro_batch_size=3)
+    with pytest.raises(PlanError, match="TP 3 does not divide"):
+        planner.evaluate(BLOOM, Slots(288, 8, A100), 2048, dp=8, tp=3, pp=12)
+
+
+def test_without_a_layout_for_the_batch_the_batches_that_split_are_named() -> None:
+    """OPT-175B on 992 GPUs (31 x 32): no DP divides 2048 sequences; 2046 = 66 x 31 is the nearest that splits."""
+    slots = Slots(992, 8, A100)
+    assert planner.layouts(OPT, slots, 2048) == []
+    assert planner.splitting_batches(OPT, slots, 2048) == [2046, 2077, 2108]
+    assert all(planner.layouts(OPT, slots, b) for b in (2046, 2077, 2108))
