@@ -29,12 +29,12 @@ from services.checkpoints.core import REJECTED, checkpoint_id
 from services.shell import broker as broker_mod
 from services.shell.objects import manifest as mf
 from services.tools.audit.settle import verify_live
-from tests.integration.lifecycle_harness import Objects, Platform, local_objects, objects, open_platform
+from tests.integration.lifecycle_harness import Objects, Platform, objects, open_platform
 from tests.integration.s3_fixture import moto_s3
 from tests.integration.test_lifecycle_services import kinds
 from tests.integration.test_postmortem_cli import CLI
 
-__all__ = ["local_objects", "moto_s3", "objects"]  # fixtures
+__all__ = ["moto_s3", "objects"]  # fixtures
 
 SPEC = JobSpec(name="fallback", slots=2, model=ModelSpec(d_model=32),
                train=TrainSpec(steps=50, checkpoint_every=10, data="synthetic"),
@@ -141,12 +141,12 @@ async def test_a_bad_newest_checkpoint_is_rejected_and_the_restart_falls_back_fo
 
 @pytest.mark.timeout(240)
 async def test_a_damaged_cached_copy_is_downloaded_again_and_restored(
-        nats_server: broker_mod.Broker, tmp_path: Path, local_objects: Objects) -> None:
+        nats_server: broker_mod.Broker, tmp_path: Path, objects: Objects) -> None:
     """Bad only on the node: its copy is checked before a restart, evicted and fetched again from the store."""
     job = "fallback-000003"
-    p = await open_platform(nats_server.url, tmp_path, local_objects)
+    p = await open_platform(nats_server.url, tmp_path, objects)
     try:
-        await crash_after_damage(p, local_objects, job, (30,), store="", cache="flipped")
+        await crash_after_damage(p, objects, job, (30,), store="", cache="flipped")
         assert p.seen(JobCompleted, job) and p.seen(CheckpointRejected, job) == [], kinds(p.job(job))
         (resumed,) = p.seen(JobResumed, job)
         assert (resumed.attempt, resumed.from_step) == (1, 30)
@@ -254,5 +254,14 @@ async def test_a_rollback_whose_checkpoint_is_bad_rolls_back_further_without_a_r
                [checkpoint_id(0, 20)]
         assert "rollback refused" in p.logs()
         assert (await verify_live(p.store, job)).ok  # `flightdeck verify` re-derives both rollbacks
+
+        out = tmp_path / "pm"  # a postmortem names the bad checkpoint and the rollback that went past it
+        run = await asyncio.to_thread(subprocess.run, [*CLI, "postmortem", job, "--out", str(out), "--nats", p.url,
+                                                       "--data-dir", str(tmp_path / "none")],
+                                      capture_output=True, text=True, timeout=60)
+        assert run.returncode == 0, run.stderr
+        report = (out / "report.md").read_text()
+        assert f"checkpoint {checkpoint_id(0, 20)} (step 20) refused by rank" in report, report[-3000:]
+        assert f"roll back to {checkpoint_id(0, 10)} (step 10)" in report, report[-3000:]
     finally:
         await p.close()

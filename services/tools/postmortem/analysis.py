@@ -85,7 +85,7 @@ def _timeline(sc: Scan) -> tuple[list[Mark], int]:
     marks = [(c.known - t0, c.event) for c in sc.control
              if isinstance(c.event, JobEvent) or (isinstance(c.event, NodeEvent) and c.event.node in nodes
                                                   and c.known >= t0)]
-    telemetry = [*sc.faults, *sc.paced, *sc.rolled_back, *(r for r in sc.rank_started if r.rank == 0)]
+    telemetry = [*sc.faults, *sc.paced, *sc.rolled_back, *sc.refused, *(r for r in sc.rank_started if r.rank == 0)]
     marks += [(e.occurred_at - t0, e) for e in telemetry]
     marks.sort(key=lambda m: m[0])
     left_out = 0

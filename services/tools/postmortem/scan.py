@@ -15,7 +15,7 @@ import numpy.typing as npt
 
 from events import subjects
 from events.base import Event, JobEvent, NodeEvent
-from events.checkpoint import CheckpointStaged
+from events.checkpoint import CheckpointRefused, CheckpointStaged
 from events.clock import ClockTick
 from events.job import JobSubmitted
 from events.store import Stored
@@ -59,6 +59,7 @@ class Scan:
     faults: list[FaultInjected | RankFault] = field(default_factory=list)  # drill faults (not "slow") and rank faults
     paced: list[FaultInjected] = field(default_factory=list)  # "slow" drill faults: pacing, not an incident
     rolled_back: list[RolledBack] = field(default_factory=list)
+    refused: list[CheckpointRefused] = field(default_factory=list)  # rollbacks' checkpoints ranks found bad
     rank_started: list[RankStarted] = field(default_factory=list)
     staged: list[CheckpointStaged] = field(default_factory=list)
     telemetry: list[Event] = field(default_factory=list)  # every step and heartbeat, to resolve evidence ids
@@ -151,6 +152,8 @@ def scan(rows: Iterable[Stored], job_id: str) -> Scan:
                 out.faults.append(ev)
             case RolledBack():
                 out.rolled_back.append(ev)
+            case CheckpointRefused():
+                out.refused.append(ev)
             case RankStarted():
                 out.rank_started.append(ev)
                 ranks.add(ev.rank)
@@ -172,7 +175,8 @@ def find(scan_: Scan, ids: Iterable[str]) -> dict[str, Event]:
     for c in scan_.control:
         if c.event.event_id in wanted:
             found[c.event.event_id] = c.event
-    groups: list[Sequence[Event]] = [scan_.faults, scan_.rolled_back, scan_.rank_started, scan_.staged, scan_.paced]
+    groups: list[Sequence[Event]] = [scan_.faults, scan_.rolled_back, scan_.refused, scan_.rank_started,
+                                     scan_.staged, scan_.paced]
     if wanted - found.keys():
         groups.append(scan_.telemetry)
     for group in groups:
