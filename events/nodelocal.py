@@ -30,6 +30,9 @@ CACHE_ENV = "FLIGHTDECK_CACHE"  # the node's cache of committed checkpoints: <di
 # Beside a cached copy, <dir>/<job>/<checkpoint_id>.unavailable: the agent could not download the checkpoint a
 # rollback names (the file says why), so a rank waiting for the copy refuses the rollback at once.
 UNAVAILABLE_SUFFIX = ".unavailable"
+# A rank whose restore checkpoint fails its own check (the agent's passed a moment before: a disk rotting under
+# it) exits with this before loading anything; its agent records CheckpointRejected, so the restart is free.
+RESTORE_REFUSED_EXIT = 65  # EX_DATAERR
 DEVICE_ENV = "FLIGHTDECK_DEVICE"  # "cpu", "cuda" or "auto"
 SYNC_EVERY_ENV = "FLIGHTDECK_SYNC_EVERY"  # steps between the collectives that agree on commands
 EVENTS_LOG_ENV = "FLIGHTDECK_EVENTS_LOG"  # every event a rank emits, also as JSON lines here

@@ -34,7 +34,7 @@ from events.commands import (
     RollbackRequested,
     StopRequested,
 )
-from events.nodelocal import UNAVAILABLE_SUFFIX
+from events.nodelocal import RESTORE_REFUSED_EXIT, UNAVAILABLE_SUFFIX
 from events.plan import ParallelPlan
 from events.spec import JobSpec
 from events.training import FaultInjected, RankStarted, RolledBack
@@ -135,7 +135,14 @@ class Run:
         elif path is None and self.cfg.resume_local:
             path = self._newest_local()
         if path is not None:
-            self._load(path, shards)
+            try:
+                self._load(path, shards)
+            except checkpointing.CorruptCheckpoint as exc:
+                if not (self.cfg.platform and path == self.cfg.restore):
+                    raise
+                log.error("restore refused: its checkpoint is bad; nothing was loaded", checkpoint=str(path),
+                          error=str(exc))
+                self._die(RESTORE_REFUSED_EXIT)
             self.saved_at = self.step
             log.info("restored", checkpoint=str(path), step=self.step)
         return self.step

@@ -61,6 +61,7 @@ class RankProc:
     ref: SlotRef
     proc: asyncio.subprocess.Process
     cause: str  # the grant's event id
+    restore: Restore | None = None  # the checkpoint it was started to load
     shutdown: bool = False  # stopped because the agent is going away, not because the job let it go
     watcher: asyncio.Task[None] | None = None
     output: asyncio.Task[None] | None = None  # its OutputPump: the log file and FD_LOGS
@@ -139,7 +140,7 @@ class Spawner:
             try:
                 restore = await self.cache.verified_copy(args.job_id, args.restore)
             except (manifest.CorruptCheckpoint, manifest.CheckpointMissing) as exc:
-                await self._rejected(args, args.restore, str(exc))
+                await self._rejected(args.job_id, args.attempt, args.restore, str(exc), args.grant_id)
                 return await self._not_started(args, f"restore {args.restore.checkpoint_id} failed: {exc!r}")
             except Exception as exc:  # a checkpoint we cannot verify is never loaded, nor silently skipped
                 return await self._not_started(args, f"restore {args.restore.checkpoint_id} failed: {exc!r}")
@@ -255,7 +256,7 @@ class Spawner:
         pump = OutputPump(read_end, log_path, store_publisher(self.store), job_id=args.job_id, attempt=args.attempt,
                           rank=ref.rank, node=self.node, producer=self.producer)
         return RankProc(job_id=args.job_id, attempt=args.attempt, ref=ref, proc=proc, cause=args.grant_id,
-                        output=asyncio.create_task(pump.run()))
+                        restore=args.restore if restore is not None else None, output=asyncio.create_task(pump.run()))
 
     def speaks_for(self, beat: LocalBeat, pid: int) -> bool:
         """Whether process `pid` is the rank `beat` claims to be (a heartbeat relayed for anyone else is refused)."""
@@ -270,14 +271,14 @@ class Spawner:
                 return standby.proc
         return None
 
-    async def _rejected(self, args: SpawnArgs, checkpoint: Restore, why: str) -> None:
+    async def _rejected(self, job_id: str, attempt: int, checkpoint: Restore, why: str, causation_id: str) -> None:
         """Record a bad checkpoint before the exits it causes: the scheduler then restarts from an older one
-        without spending the job's restart budget, and a postmortem names it."""
-        log.error("checkpoint rejected", job_id=args.job_id, checkpoint_id=checkpoint.checkpoint_id, cause=why)
-        mid = f"{self.producer}:reject:{args.job_id}:{args.attempt}:{checkpoint.checkpoint_id}"
-        event = CheckpointRejected(job_id=args.job_id, checkpoint_id=checkpoint.checkpoint_id, step=checkpoint.step,
-                                   attempt=args.attempt, node=self.node, cause=why[-MAX_CAUSE:], event_id=mid,
-                                   occurred_at=time.time(), causation_id=args.grant_id, producer=self.producer)
+        without spending the job's restart budget, and a postmortem names it. Once per attempt and checkpoint."""
+        log.error("checkpoint rejected", job_id=job_id, checkpoint_id=checkpoint.checkpoint_id, cause=why)
+        mid = f"{self.producer}:reject:{job_id}:{attempt}:{checkpoint.checkpoint_id}"
+        event = CheckpointRejected(job_id=job_id, checkpoint_id=checkpoint.checkpoint_id, step=checkpoint.step,
+                                   attempt=attempt, node=self.node, cause=why[-MAX_CAUSE:], event_id=mid,
+                                   occurred_at=time.time(), causation_id=causation_id, producer=self.producer)
         await retrying("recording CheckpointRejected", lambda: append_to_job(self.store, event, msg_id=mid))
 
     async def _not_started(self, args: SpawnArgs, reason: str, *, unrunnable: bool = False) -> list[Emit]:
@@ -302,6 +303,9 @@ class Spawner:
         tail = ""
         if code != 0:
             tail = await asyncio.to_thread(last_lines, self.paths.log(p.job_id, p.attempt, p.ref.rank))
+        if code == nl.RESTORE_REFUSED_EXIT and p.restore is not None:
+            await self._rejected(p.job_id, p.attempt, p.restore, f"rank {p.ref.rank} refused it when loading: {tail}",
+                                 p.cause)
         await self.record_exit(p.job_id, p.attempt, p.ref.rank, code, p.cause, cause=tail)
         self.procs.pop((p.job_id, p.attempt, p.ref.rank), None)
 

@@ -22,19 +22,20 @@ from events import subjects
 from events.checkpoint import CheckpointCommitted, CheckpointDeleted, CheckpointRefused, CheckpointRejected
 from events.commands import RollbackRequested
 from events.job import AllocationReleased, JobCompleted, JobFailed, JobResumed, WorkersExited, WorkersStarted
-from events.spec import FaultSpec, JobSpec, ModelSpec, PolicySpec, TrainSpec
+from events.nodelocal import RESTORE_REFUSED_EXIT
+from events.spec import EntrypointSpec, FaultSpec, JobSpec, ModelSpec, PolicySpec, TrainSpec
 from events.training import RankStarted, RolledBack
 from services.agent.spawner import START_FAILED_EXIT
 from services.checkpoints.core import REJECTED, checkpoint_id
 from services.shell import broker as broker_mod
 from services.shell.objects import manifest as mf
 from services.tools.audit.settle import verify_live
-from tests.integration.lifecycle_harness import Objects, Platform, objects, open_platform
+from tests.integration.lifecycle_harness import Objects, Platform, local_objects, objects, open_platform
 from tests.integration.s3_fixture import moto_s3
-from tests.integration.test_lifecycle_services import kinds
+from tests.integration.test_lifecycle_services import ROOT, kinds
 from tests.integration.test_postmortem_cli import CLI
 
-__all__ = ["moto_s3", "objects"]  # fixtures
+__all__ = ["local_objects", "moto_s3", "objects"]  # fixtures
 
 SPEC = JobSpec(name="fallback", slots=2, model=ModelSpec(d_model=32),
                train=TrainSpec(steps=50, checkpoint_every=10, data="synthetic"),
@@ -263,5 +264,65 @@ async def test_a_rollback_whose_checkpoint_is_bad_rolls_back_further_without_a_r
         report = (out / "report.md").read_text()
         assert f"checkpoint {checkpoint_id(0, 20)} (step 20) refused by rank" in report, report[-3000:]
         assert f"roll back to {checkpoint_id(0, 10)} (step 10)" in report, report[-3000:]
+    finally:
+        await p.close()
+
+
+# An entrypoint that rots the node's copy of its restore checkpoint in attempt 1, after the agent checked it and
+# before the ranks load it (rank 0 damages it, rank 1 waits for that), then runs the built-in trainer.
+ROT_THEN_TRAIN = """
+import os, pathlib, runpy, time
+restore = os.environ.get("FLIGHTDECK_RESTORE")
+if restore and os.environ["FLIGHTDECK_ATTEMPT"] == "1":
+    done = pathlib.Path(restore).with_name("rotted")
+    if os.environ["RANK"] == "0":
+        shard = max(pathlib.Path(restore).glob("*.distcp"), key=lambda f: f.stat().st_size)
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+        done.touch()
+    while not done.exists():
+        time.sleep(0.05)
+runpy.run_module("trainer", run_name="__main__")
+"""
+
+
+@pytest.mark.timeout(240)
+async def test_a_checkpoint_a_rank_finds_bad_on_loading_is_rejected_by_its_agent_and_costs_no_restart(
+        nats_server: broker_mod.Broker, tmp_path: Path, local_objects: Objects) -> None:
+    """The rank refuses before loading anything (exit 65); its agent records CheckpointRejected with the rank's
+    reason before the exits, so the restart to the next good checkpoint is free."""
+    job = "fallback-000006"
+    script = tmp_path / "rot_then_train.py"
+    script.write_text(ROT_THEN_TRAIN)
+    spec = replace(SPEC, entrypoint=EntrypointSpec(command=["python", str(script)], cwd=str(ROOT)))
+    p = await open_platform(nats_server.url, tmp_path, local_objects)
+    try:
+        pids = await hold_after_three_commits(p, job, spec)
+        os.kill(pids[1], signal.SIGKILL)
+        await p.until(lambda: bool(p.seen(JobCompleted, job) or p.seen(JobFailed, job)), 150, "the end", job)
+        assert p.seen(JobCompleted, job), kinds(p.job(job))
+        (rejected,) = p.seen(CheckpointRejected, job)
+        assert (rejected.checkpoint_id, rejected.attempt) == (checkpoint_id(0, 30), 1)
+        assert "refused it when loading" in rejected.cause and "sha256" in rejected.cause, rejected.cause
+        history = p.job(job)
+        exits_1 = [i for i, e in enumerate(history) if isinstance(e, WorkersExited) and e.attempt == 1]
+        assert history.index(rejected) < exits_1[0]
+        assert {e.exit_code for e in p.seen(WorkersExited, job) if e.attempt == 1} == {RESTORE_REFUSED_EXIT}
+        started = {e.attempt: e.from_step for e in p.seen(RankStarted, job, stream=subjects.TELEMETRY)}
+        assert started == {0: 0, 2: 20}  # attempt 1 loaded nothing
+        releases = [e.reason for e in p.seen(AllocationReleased, job)]
+        assert sum("without spending the restart budget" in r for r in releases) == 1
+        assert not any("restart 2 of 3" in r for r in releases)
+
+        out = tmp_path / "pm"  # a postmortem names the bad checkpoint and the fallback
+        run = await asyncio.to_thread(subprocess.run, [*CLI, "postmortem", job, "--out", str(out), "--nats", p.url,
+                                                       "--data-dir", str(tmp_path / "none")],
+                                      capture_output=True, text=True, timeout=60)
+        assert run.returncode == 0, run.stderr
+        report = (out / "report.md").read_text()
+        assert f"checkpoint {checkpoint_id(0, 30)} (step 30) rejected by n1" in report, report[-3000:]
+        assert f"restarting from {checkpoint_id(0, 20)} (step 20), the newest good checkpoint" in report, \
+            report[-3000:]
     finally:
         await p.close()

@@ -15,7 +15,6 @@ from events.commands import CheckpointRequested, PauseRequested, ResumeRequested
 from events.streams import ensure_streams
 from services.shell import broker as broker_mod
 from tests.trainer import ranks
-from trainer.checkpointing import CorruptCheckpoint
 from trainer.session import PAUSE_POLL_S
 
 JOB = ranks.JOB
@@ -110,5 +109,11 @@ def test_rollback_takes_the_committed_checkpoint_from_the_node_cache_and_verifie
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
-    with pytest.raises(CorruptCheckpoint, match="sha256"):
-        ranks.run_loop(tmp_path / "third", {(3, 1): [rollback]}, steps=12, every=100, checkpoints=cache)
+    # Damaged: refused before anything is loaded, said in CheckpointRefused, and the rank trains on.
+    code, log, _, _ = ranks.run_loop(tmp_path / "third", {(3, 1): [rollback]}, steps=12, every=100,
+                                     checkpoints=cache)
+    assert code == 0 and ranks.events(log, "RolledBack") == []
+    (refused,) = ranks.events(log, "CheckpointRefused")
+    assert (refused["checkpoint_id"], refused["to_step"]) == (cid, 10)
+    assert "__0_0.distcp" in refused["cause"] and "sha256" in refused["cause"], refused
+    assert [s for s, _ in ranks.losses(log, 0)] == list(range(12))
