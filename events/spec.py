@@ -6,7 +6,8 @@ import msgspec
 from msgspec import Meta
 
 # safe in subjects, paths and object keys; \Z, not $, which would let a trailing newline through
-Name = Annotated[str, Meta(pattern=r"^[a-z0-9][a-z0-9-]{0,62}\Z")]
+NAME_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}\Z"
+Name = Annotated[str, Meta(pattern=NAME_PATTERN)]
 PositiveInt = Annotated[int, Meta(ge=1)]
 NonNegInt = Annotated[int, Meta(ge=0)]
 
@@ -72,8 +73,10 @@ class FaultSpec(Spec, frozen=True, kw_only=True):
     attempt: NonNegInt | None = None
 
 
-EnvName = Annotated[str, Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}\Z")]
-Arg = Annotated[str, Meta(max_length=4096, pattern=r"^[^\x00]*\Z")]  # execve cannot pass a NUL
+ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]{0,127}\Z"
+NO_NUL_PATTERN = r"^[^\x00]*\Z"
+EnvName = Annotated[str, Meta(pattern=ENV_NAME_PATTERN)]
+Arg = Annotated[str, Meta(max_length=4096, pattern=NO_NUL_PATTERN)]  # execve cannot pass a NUL
 # Set by the node agent for every rank: a job may not override how its ranks find each other or the platform.
 RESERVED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                 "TORCHELASTIC_RESTART_COUNT")
@@ -85,7 +88,7 @@ class EntrypointSpec(Spec, frozen=True, kw_only=True):
     (`import flightdeck`). "python" as the program is the node's Python (the one with torch and Flightdeck)."""
 
     command: Annotated[list[Arg], Meta(min_length=1, max_length=256)]
-    cwd: Annotated[str, Meta(max_length=4096, pattern=r"^[^\x00]*\Z")] = ""  # "": the agent's working directory
+    cwd: Annotated[str, Meta(max_length=4096, pattern=NO_NUL_PATTERN)] = ""  # "": the agent's working directory
     env: Annotated[dict[EnvName, Arg], Meta(max_length=256)] = {}
 
 
@@ -102,6 +105,21 @@ class JobSpec(Spec, frozen=True, kw_only=True):
 
 class InvalidSpec(ValueError):
     """A job spec a user must fix; the message names the field and what is allowed."""
+
+
+# What a pattern allows, as a person would say it (msgspec's message quotes the regex, its backslashes doubled).
+PATTERN_WORDS = {
+    NAME_PATTERN: "lowercase letters, digits and '-', starting with a letter or digit, at most 63 characters",
+    ENV_NAME_PATTERN: "letters, digits and '_', not starting with a digit, at most 128 characters",
+    NO_NUL_PATTERN: "text without a NUL character",
+}
+
+
+def in_words(message: str) -> str:
+    """A validation message with any regex it quotes said in words."""
+    for pattern, words in PATTERN_WORDS.items():
+        message = message.replace(f"`str` matching regex {pattern!r}", f"{words}")
+    return message
 
 
 def rank_memory_bytes(spec: JobSpec) -> int:
@@ -174,7 +192,7 @@ def parse_spec(text: str | bytes) -> JobSpec:
     try:
         spec = msgspec.toml.decode(text, type=JobSpec)
     except msgspec.ValidationError as exc:
-        raise InvalidSpec(f"invalid job spec: {exc}") from None
+        raise InvalidSpec(f"invalid job spec: {in_words(str(exc))}") from None
     except msgspec.DecodeError as exc:
         raise InvalidSpec(f"job spec is not valid TOML: {exc}") from None
     except UnicodeDecodeError as exc:

@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
+import nats
 import pytest
 
 from events import subjects
@@ -173,9 +174,21 @@ def test_status_shows_every_job_as_a_table_and_one_in_detail(nats_server: broker
     assert [v["job_id"] for v in every] == ["tiny-drill-aaaaaa", "other-bbbbbb"]
 
 
+async def publish_junk(url: str, subject: str) -> None:
+    nc = await nats.connect(url)
+    try:
+        await nc.jetstream().publish(subject, b"\x00 not an event")
+    finally:
+        await nc.close()
+
+
 def test_status_of_an_unknown_job_and_of_an_empty_store(nats_server: broker.Broker) -> None:
     empty = flightdeck("status", "--nats", nats_server.url)
     assert empty.returncode == 0 and empty.stdout.startswith("no jobs on ")
+    asyncio.run(publish_junk(nats_server.url, "fd.ctl.job.junk-000001.JobQueued"))  # no job was submitted there
+    junk = flightdeck("status", "--nats", nats_server.url)
+    assert junk.returncode == 0 and junk.stdout.startswith("no jobs on "), junk.stdout
+    assert "1 job subject(s) with no readable submission left out (junk-000001)" in junk.stderr
     unknown = flightdeck("status", "nope-123456", "--nats", nats_server.url)
     assert unknown.returncode == 2
     assert unknown.stderr.strip() == (f"flightdeck status: no job 'nope-123456' on {nats_server.url}: "

@@ -105,3 +105,14 @@ def test_a_spec_to_fix_is_refused_naming_the_field(text: str, names: str) -> Non
 def test_text_that_is_not_toml_is_refused_as_such() -> None:
     with pytest.raises(InvalidSpec, match="not valid TOML"):
         parse_spec("name = \n[model")
+
+
+@pytest.mark.parametrize(("text", "words"), [
+    ('name = "Bad Name!"', "lowercase letters, digits and '-', starting with a letter or digit, at most 63"),
+    ('name = "j"\n[entrypoint]\ncommand = ["python"]\nenv = {"1X" = "y"}', "letters, digits and '_', not starting"),
+    ('name = "j"\n[entrypoint]\ncommand = ["a\\u0000b"]', "text without a NUL character"),
+])
+def test_what_a_pattern_allows_is_said_in_words_not_as_a_regex(text: str, words: str) -> None:
+    with pytest.raises(InvalidSpec) as err:
+        parse_spec(text)
+    assert words in str(err.value) and "\\" not in str(err.value) and "regex" not in str(err.value), str(err.value)

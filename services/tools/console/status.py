@@ -16,6 +16,7 @@ import msgspec
 from events import codec, subjects
 from events.base import Event
 from events.history import HistoryGap, check_contiguous, read_job
+from events.job import JobSubmitted
 from events.store import EventStore, Stored
 from events.training import StepCompleted
 from services.shell.broker import nats_url
@@ -69,13 +70,21 @@ async def load_all(store: EventStore) -> list[JobView]:
             job_id = subjects.job_of(stored.subject)
             if job_id is not None:
                 per_job[job_id].append(stored)
-    views = []
+    views, junk = [], []
     for job_id, history in per_job.items():
+        events = _events(history)
+        if not any(isinstance(e, JobSubmitted) for e in events):
+            junk.append(job_id)  # e.g. messages that were dead-lettered: no job was ever submitted under it
+            continue
         try:
             check_contiguous(job_id, history)
         except HistoryGap as exc:
             print(f"flightdeck status: warning: {exc}", file=sys.stderr)
-        views.append(jobview.fold(job_id, _events(history), await newest_step(store, job_id)))
+        views.append(jobview.fold(job_id, events, await newest_step(store, job_id)))
+    if junk:
+        print(f"flightdeck status: {len(junk)} job subject(s) with no readable submission left out "
+              f"({', '.join(sorted(junk)[:5])}{', ...' if len(junk) > 5 else ''}); "
+              "`flightdeck events` shows what is there", file=sys.stderr)
     return sorted(views, key=lambda v: (v.submitted_at, v.job_id))
 
 
