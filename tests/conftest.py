@@ -2,6 +2,7 @@
 
 import asyncio
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +20,10 @@ STANDBY_ENV = "FLIGHTDECK_STANDBY"  # services.agent.main.STANDBY_ENV (not impor
 # Tests about standbys or restart speed (test_standby.py, the demo) ask explicitly; set it yourself to run every
 # test with standbys.
 os.environ.setdefault(STANDBY_ENV, "0")
+
+# Where `flightdeck up` notes its data dir for `down --nats`: the tests' ups go in an index of their own, not the
+# user's (~/.local/state/flightdeck/up).
+os.environ.setdefault("FLIGHTDECK_UP_INDEX", tempfile.mkdtemp(prefix="flightdeck-up-index-"))
 
 # A job's MASTER_PORT is a function of its id and attempt (services/resources/core.py), so two tests on different
 # xdist workers that run the same job id at once would have their ranks 0 listen on one port of this host

@@ -67,6 +67,10 @@ def test_the_demo_drill_heals_a_spike_a_crash_and_a_hang_and_completes(tmp_path:
              "resumed", "fault", "finding", "recovering", "running", "resumed", "completed"]
     it = iter(labels)
     assert all(label in it for label in story), labels
+    rows = [line for line in timeline.splitlines() if re.match(r"\s+[\d.]+s\s", line)]
+    times = [float(line.split()[0].removesuffix("s")) for line in rows]
+    assert times == sorted(times), rows  # the two streams' lines in time order
+    assert any(r.split()[1] == "pacing" and "not a fault" in r for r in rows), rows  # the slow "fault" explained
 
     summary = out.split("incidents (times from submission; + is time since the fault):")[1].split("$ flightdeck")[0]
     spike, crash, hang = (incident(summary, n) for n in (1, 2, 3))

@@ -29,7 +29,7 @@ from services.shell import broker
 from services.tools.console import up as up_mod
 from services.tools.console import upstate
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(240)  # a hang guard: `up` starts five services and a broker
 CLI = (sys.executable, "-m", "services.tools.console")
 
 
@@ -47,7 +47,7 @@ def flightdeck(*args: str, timeout: float = 45.0,
                           env={**os.environ, **(env or {})})
 
 
-def wait_for(predicate, timeout: float = 15.0) -> None:  # type: ignore[no-untyped-def]
+def wait_for(predicate, timeout: float = 60.0) -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, "condition not met in time"
@@ -58,7 +58,7 @@ def wait_for(predicate, timeout: float = 15.0) -> None:  # type: ignore[no-untyp
 def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     data_dir = tmp_path_factory.mktemp("fd") / "data"
     port = broker.free_port()
-    done = flightdeck("up", "--detach", "--data-dir", str(data_dir), "--port", str(port), timeout=60)
+    done = flightdeck("up", "--detach", "--data-dir", str(data_dir), "--port", str(port), timeout=180)
     assert done.returncode == 0, done.stderr + done.stdout
     yield Up(data_dir, port, f"nats://127.0.0.1:{port}", done.stdout)
     flightdeck("down", "--data-dir", str(data_dir))  # a no-op when the last test already did it
@@ -195,7 +195,7 @@ def test_a_killed_broker_is_restarted_on_the_same_port_and_store(up: Up) -> None
 def test_down_stops_every_process(up: Up) -> None:
     s = state(up)
     pids = [s.pid, s.broker_pid, *s.processes.values()]
-    done = flightdeck("down", "--data-dir", str(up.data_dir))
+    done = flightdeck("down", "--nats", up.url)  # found by its broker: no --data-dir needed
     assert done.returncode == 0, done.stderr
     assert f"flightdeck stopped: supervisor pid {s.pid}" in done.stdout
     assert [p for p in pids if p is not None and upstate.alive(p)] == []
@@ -204,11 +204,20 @@ def test_down_stops_every_process(up: Up) -> None:
     assert again.returncode == 0 and "nothing to stop" in again.stdout
 
 
+def test_down_for_a_broker_no_up_here_serves_says_what_to_pass(nats_server: broker.Broker) -> None:
+    done = flightdeck("down", "--nats", nats_server.url)
+    assert done.returncode == 2 and done.stdout == ""
+    assert f"a broker answers at {nats_server.url}, but no flightdeck up on this machine serves it" in done.stderr
+    assert "--data-dir" in done.stderr
+    nowhere = flightdeck("down", env={"FLIGHTDECK_NATS_URL": f"nats://127.0.0.1:{broker.free_port()}"})
+    assert nowhere.returncode == 0 and "nothing to stop" in nowhere.stdout
+
+
 def start_foreground(data_dir: Path, port: int) -> subprocess.Popen[str]:
     proc = subprocess.Popen([*CLI, "up", "--data-dir", str(data_dir), "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     wait_for(lambda: proc.poll() is not None or getattr(upstate.read_state(data_dir), "status", "") == "ready",
-             timeout=40)
+             timeout=180)
     assert proc.poll() is None, proc.communicate()[0]
     return proc
 
@@ -222,7 +231,7 @@ def test_foreground_up_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
     try:
         pids = our_pids(upstate.read_state(tmp_path / "fg"))  # type: ignore[arg-type]
         proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=30)
+        out, _ = proc.communicate(timeout=120)
         assert proc.returncode == 0, out
         assert "flightdeck: ready" in out and out.rstrip().endswith("flightdeck: stopped")
         assert [p for p in pids if upstate.alive(p)] == []
@@ -239,7 +248,7 @@ def test_up_and_down_clean_up_after_a_killed_supervisor(tmp_path: Path) -> None:
     proc.kill()  # SIGKILL: no chance to stop anything; its services go with it (PR_SET_PDEATHSIG)
     proc.wait()
     assert first.broker_pid is not None and upstate.alive(first.broker_pid)
-    again = flightdeck("up", "--detach", "--data-dir", str(data_dir), "--port", str(port), timeout=60)
+    again = flightdeck("up", "--detach", "--data-dir", str(data_dir), "--port", str(port), timeout=180)
     assert again.returncode == 0, again.stderr + again.stdout
     assert [p for p in our_pids(first) if upstate.alive(p)] == []
     second = state(Up(data_dir, port, "", ""))

@@ -11,6 +11,8 @@ of each incident (drill_summary.py), then `flightdeck status` and `flightdeck ch
 
 import argparse
 import asyncio
+import heapq
+import math
 import re
 import signal
 import subprocess
@@ -26,7 +28,7 @@ from events.checkpoint import CheckpointCommitted, CheckpointDeleted
 from events.commands import RollbackRequested, StopRequested
 from events.findings import Finding
 from events.job import JobCompleted, JobResumed, JobSubmitted, WorkersExited, WorkersStarted
-from events.spec import parse_spec
+from events.spec import JobSpec, parse_spec
 from events.store import EventStore, Stored
 from events.training import FaultInjected, Heartbeat, RankFault, RolledBack, StepCompleted
 from services.shell import broker
@@ -41,6 +43,7 @@ REPO = Path(__file__).resolve().parents[3]
 DEMO_ROOT = REPO / ".flightdeck-demo"
 CLI = (sys.executable, "-m", "services.tools.console")
 LABEL = 11
+HOLD_S = 1.0  # a line waits this long for lines of earlier events from the other stream
 SLACK_S = 180
 CANCEL_TRIES = 20
 RETENTION = CheckpointDeleted(job_id="", checkpoint_id="").reason  # routine deletions: not worth a line
@@ -68,19 +71,30 @@ class Timeline:
         self.every = every  # print a progress line every this many steps
         self.base = 0.0
         self.seen: list[Event] = []  # what the incident summary is made of (heartbeats left out)
+        self.spec: JobSpec | None = None
+        # The control and telemetry streams arrive on their own: lines wait HOLD_S for earlier ones, in time order.
+        self.held: list[tuple[float, int, str]] = []
+        self.newest = 0.0
 
     def show(self, stored: Stored) -> None:
         ev = stored.event
         if ev is None:
             return
         if isinstance(ev, JobSubmitted):
-            self.base = ev.occurred_at
+            self.base, self.spec = ev.occurred_at, ev.spec
         if not isinstance(ev, Heartbeat):
             self.seen.append(ev)
         line = self._control(ev) if stored.stream == subjects.CONTROL else self._telemetry(ev)
         if line:
             label, text = line
-            print(f"  {ev.occurred_at - self.base:>6.1f}s  {label:<{LABEL}} {text}".rstrip(), flush=True)
+            at = ev.occurred_at - self.base
+            heapq.heappush(self.held, (at, len(self.seen), f"  {at:>6.1f}s  {label:<{LABEL}} {text}".rstrip()))
+        self.newest = max(self.newest, ev.occurred_at - self.base)
+        self.flush(self.newest - HOLD_S)
+
+    def flush(self, upto: float = math.inf) -> None:
+        while self.held and self.held[0][0] <= upto:
+            print(heapq.heappop(self.held)[2], flush=True)
 
     def _control(self, ev: Event) -> tuple[str, str] | None:
         before, self.view = self.view, jobview.evolve(self.view, ev)
@@ -112,6 +126,11 @@ class Timeline:
 
     def _telemetry(self, ev: Event) -> tuple[str, str] | None:
         match ev:
+            case FaultInjected(kind="slow", rank=rank, step=step):
+                fault = self.spec.faults[ev.fault] if self.spec and 0 <= ev.fault < len(self.spec.faults) else None
+                pace = f"{fault.seconds:g} s" if fault else "a while"
+                return "pacing", (f"rank {rank} sleeps {pace} a step from step {step} (the drill's pacing, not a "
+                                  "fault: checkpoints commit before each fault)")
             case FaultInjected(kind=kind, rank=rank, step=step):
                 return "fault", f"{kind} injected on rank {rank} at step {step} (drill)"
             case RankFault(rank=rank, error_type=error, message=message):
@@ -184,6 +203,8 @@ def drill(spec: Path, data_dir: Path, timeout_s: float) -> JobView | None:
         view = asyncio.run(follow(url, job_id, timeline, timeout_s))
     except TimeoutError:
         view = timeline.view
+    finally:
+        timeline.flush()
         print(f"  the job did not end within {timeout_s:.0f}s (phase {view.phase}); logs: {data_dir / 'logs'}")
     print()
     print("\n".join(drill_summary.render(timeline.seen)), end="\n\n", flush=True)

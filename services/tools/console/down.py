@@ -1,28 +1,42 @@
 """`flightdeck down`: stop what `flightdeck up` started for a data dir (the supervisor stops its own
-processes; anything a killed supervisor left behind is stopped from the pids in its state file)."""
+processes; anything a killed supervisor left behind is stopped from the pids in its state file). Without
+`--data-dir`, the up serving `--nats` (or $FLIGHTDECK_NATS_URL) is found from the per-user index."""
 
 import argparse
 import os
 import signal
+import socket
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
-from services.tools.cli import Command, UserError
+from services.tools.cli import EXIT_NOT_FOUND, Command, UserError
 from services.tools.console import upstate
 from services.tools.console.up import DEFAULT_DATA_DIR
 
+NATS_URL_ENV = "FLIGHTDECK_NATS_URL"
 STOP_TIMEOUT_S = 30.0  # the supervisor gives each process 10 s, then the broker 10 s
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR, help="the data dir `up` used (default: ./.flightdeck)")
+    parser.add_argument("--data-dir", help="the data dir `up` used (default: the up serving --nats, else "
+                        "./.flightdeck)")
+    parser.add_argument("--nats", help="the broker URL of the up to stop (default: $FLIGHTDECK_NATS_URL)")
 
 
 def run(args: argparse.Namespace) -> int:
-    data_dir = Path(args.data_dir).resolve()
+    data_dir = Path(args.data_dir or DEFAULT_DATA_DIR).resolve()
     state = _state_of_running(data_dir)
+    url = args.nats or (os.environ.get(NATS_URL_ENV) if args.data_dir is None else None)
+    if state is None and not upstate.lock_held(data_dir) and url:
+        found = upstate.find_by_url(url)
+        if found is not None:
+            data_dir, state = found, _state_of_running(found)
+        elif _answers(url):
+            raise UserError(f"a broker answers at {url}, but no flightdeck up on this machine serves it: pass the "
+                            "--data-dir it was started with, or stop it where it was started", EXIT_NOT_FOUND)
     if state is None and not upstate.lock_held(data_dir):
-        print(f"nothing to stop: no flightdeck up is running for {data_dir}")
+        print(f"nothing to stop: no flightdeck up is running for {data_dir}" + (f" or serving {url}" if url else ""))
         return 0
     if upstate.lock_held(data_dir):
         if state is None:
@@ -34,6 +48,16 @@ def run(args: argparse.Namespace) -> int:
     if state is not None:
         print(f"flightdeck stopped: supervisor pid {state.pid}, {len(state.processes)} services, broker {state.url}")
     return 0
+
+
+def _answers(url: str) -> bool:
+    """Whether something accepts connections at the broker URL's address."""
+    parsed = urlsplit(url if "://" in url else f"nats://{url}")
+    try:
+        with socket.create_connection((parsed.hostname or "127.0.0.1", parsed.port or 4222), timeout=1.0):
+            return True
+    except OSError:
+        return False
 
 
 def _state_of_running(data_dir: Path) -> upstate.UpState | None:

@@ -1,17 +1,23 @@
 """What `flightdeck up` leaves in its data dir for `down` and for a second `up`: a lock held while
-it runs (`up.lock`) and a state file with its pids and broker URL (`up.json`)."""
+it runs (`up.lock`) and a state file with its pids and broker URL (`up.json`); and, in a per-user index
+($FLIGHTDECK_UP_INDEX, default ~/.local/state/flightdeck/up), where each running up's data dir is, so
+`down --nats URL` finds the up that serves a broker."""
 
+import contextlib
 import fcntl
+import hashlib
 import os
 import signal
 import time
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 import msgspec
 
 STATE_FILE = "up.json"
 LOCK_FILE = "up.lock"
+INDEX_ENV = "FLIGHTDECK_UP_INDEX"
 _PROC = Path("/proc/self/stat").exists()
 
 
@@ -26,10 +32,45 @@ class UpState(msgspec.Struct, kw_only=True):
     started_at: float
 
 
+def index_dir() -> Path:
+    if os.environ.get(INDEX_ENV):
+        return Path(os.environ[INDEX_ENV])
+    state_home = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state")
+    return state_home / "flightdeck" / "up"
+
+
+def _index_entry(data_dir: Path) -> Path:
+    return index_dir() / f"{hashlib.sha256(str(data_dir.resolve()).encode()).hexdigest()[:16]}.txt"
+
+
 def write_state(data_dir: Path, state: UpState) -> None:
     tmp = data_dir / f".{STATE_FILE}.tmp"
     tmp.write_bytes(msgspec.json.encode(state))
     os.replace(tmp, data_dir / STATE_FILE)  # readers never see half a file
+    with contextlib.suppress(OSError):  # without an index, `down --nats` says what to pass instead
+        entry = _index_entry(data_dir)
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        entry.write_text(str(data_dir.resolve()))
+
+
+def _endpoint(url: str) -> tuple[str, int | None]:
+    """(host, port) of a broker URL, with this machine's names for itself made one."""
+    parsed = urlsplit(url if "://" in url else f"nats://{url}")
+    host = parsed.hostname or ""
+    return ("local" if host in ("localhost", "127.0.0.1", "::1", "0.0.0.0") else host), parsed.port or 4222
+
+
+def find_by_url(url: str) -> Path | None:
+    """The data dir of a running up on this machine whose broker is `url`; stale index entries are dropped."""
+    root = index_dir()
+    for entry in sorted(root.glob("*.txt")) if root.is_dir() else []:
+        data_dir = Path(entry.read_text().strip())
+        state = read_state(data_dir)
+        if state is None:
+            entry.unlink(missing_ok=True)
+        elif _endpoint(state.url) == _endpoint(url):
+            return data_dir
+    return None
 
 
 def read_state(data_dir: Path) -> UpState | None:
@@ -41,6 +82,8 @@ def read_state(data_dir: Path) -> UpState | None:
 
 def remove_state(data_dir: Path) -> None:
     (data_dir / STATE_FILE).unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        _index_entry(data_dir).unlink(missing_ok=True)
 
 
 def take_lock(data_dir: Path) -> int | None:
