@@ -41,7 +41,7 @@ class Up:
     stdout: str
 
 
-def flightdeck(*args: str, timeout: float = 45.0,
+def flightdeck(*args: str, timeout: float = 120.0,
                env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})})
