@@ -22,6 +22,7 @@ from services.tools.console import (
     status,
     submit,
     up,
+    watch_cmd,
 )
 from services.tools.console.export_cmd import COMMAND as EXPORT
 from services.tools.console.import_cmd import COMMAND as IMPORT
@@ -34,7 +35,7 @@ COMMANDS: tuple[Command, ...] = (
     up.COMMAND,
     down.COMMAND,
     events_cmd.COMMAND, logs_cmd.COMMAND,
-    submit.COMMAND, status.COMMAND, cancel.COMMAND, checkpoints_cmd.COMMAND, agent_cmd.COMMAND,
+    submit.COMMAND, watch_cmd.COMMAND, status.COMMAND, cancel.COMMAND, checkpoints_cmd.COMMAND, agent_cmd.COMMAND,
     plan_cmd.COMMAND,
     REPLAY, EXPORT, IMPORT,
     VERIFY,

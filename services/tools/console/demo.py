@@ -20,7 +20,6 @@ import sys
 import time
 from pathlib import Path
 from types import FrameType
-from typing import Any
 
 from events import subjects
 from events.base import Event
@@ -29,12 +28,12 @@ from events.commands import RollbackRequested, StopRequested
 from events.findings import Finding
 from events.job import JobCompleted, JobResumed, JobSubmitted, WorkersExited, WorkersStarted
 from events.spec import JobSpec, parse_spec
-from events.store import EventStore, Stored
+from events.store import Stored
 from events.training import FaultInjected, Heartbeat, RankFault, RolledBack, StepCompleted
 from services.shell import broker
-from services.tools.connect import open_store
 from services.tools.console import drill_summary, upstate
 from services.tools.console.checkpoints_cmd import size
+from services.tools.console.following import follow
 from services.tools.console.status import duration
 from services.tools.history import jobview
 from services.tools.history.jobview import JobView
@@ -45,7 +44,6 @@ CLI = (sys.executable, "-m", "services.tools.console")
 LABEL = 11
 HOLD_S = 1.0  # a line waits this long for lines of earlier events from the other stream
 SLACK_S = 180
-CANCEL_TRIES = 20
 RETENTION = CheckpointDeleted(job_id="", checkpoint_id="").reason  # routine deletions: not worth a line
 SOURCE_PREFIX = re.compile(r"^\[[^]]*\]\s*")  # gloo's "[/path/pair.cc:553] ": no help in a timeline
 PROGRESS_LINES = 8  # progress lines a pass over the whole run prints, about
@@ -140,49 +138,6 @@ class Timeline:
             case StepCompleted(rank=0, step=step, loss=loss) if step % self.every == 0:
                 return "step", f"{step}/{self.view.steps} loss {loss:.3f} (attempt {ev.attempt})"
         return None
-
-
-async def follow(url: str, job_id: str, timeline: Timeline, timeout_s: float) -> JobView:
-    """Show the job's events as they happen until it ends; TimeoutError after `timeout_s`."""
-    ended = asyncio.Event()
-
-    def show(stored: Stored) -> None:
-        timeline.show(stored)
-        if timeline.view.ended:
-            ended.set()
-
-    async def pump(store: EventStore, stream: str, filters: list[str]) -> None:
-        async for stored in store.follow(stream, filters):
-            show(stored)
-
-    async with open_store(url) as store:
-        readers = [asyncio.create_task(pump(store, subjects.CONTROL, [subjects.job_all(job_id)])),
-                   asyncio.create_task(pump(store, subjects.TELEMETRY, [subjects.telemetry_job(job_id)]))]
-        waiter = asyncio.create_task(ended.wait())
-        try:
-            await asyncio.wait({*readers, waiter}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-            for reader in readers:
-                if reader.done():
-                    reader.result()  # a reader failed: say why
-            if not ended.is_set():
-                raise TimeoutError
-        finally:
-            await stop([*readers, waiter])
-    return timeline.view
-
-
-async def stop(tasks: list[asyncio.Task[Any]]) -> None:
-    """Cancel `tasks` until every one has stopped. Once is not always enough on Python 3.11: its
-    asyncio.wait_for, which the store's readers wait in, drops a cancel that lands just as the wait it
-    guards completes (gh-86296), and a reader of a busy stream then reads on forever."""
-    pending = {t for t in tasks if not t.done()}
-    for _ in range(CANCEL_TRIES):
-        if not pending:
-            return
-        for task in pending:
-            task.cancel()
-        _, pending = await asyncio.wait(pending, timeout=0.5)
-    raise RuntimeError(f"{len(pending)} event readers ignored {CANCEL_TRIES} cancels")
 
 
 def drill(spec: Path, data_dir: Path, timeout_s: float) -> JobView | None:

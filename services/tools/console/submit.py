@@ -27,6 +27,8 @@ ID_TRIES = 8
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("spec", metavar="SPEC.toml", help="the job spec (see examples/drill.toml)")
+    parser.add_argument("--wait", action="store_true", help="then follow it live until it ends, as `flightdeck "
+                        "watch` does (exit 0 only if it completed)")
     add_nats_argument(parser)
 
 
@@ -69,7 +71,12 @@ def run(args: argparse.Namespace) -> int:
         async with open_store(url) as store:
             return await submit(store, spec)
 
-    print(asyncio.run(go()))
+    job_id = asyncio.run(go())
+    print(job_id, flush=True)
+    if args.wait:
+        from services.tools.console.watch_cmd import watch  # rich loads only for a watch
+
+        return watch(url, job_id)
     return 0
 
 
