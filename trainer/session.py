@@ -34,11 +34,11 @@ from events.commands import (
     RollbackRequested,
     StopRequested,
 )
-from events.nodelocal import RESTORE_REFUSED_EXIT, UNAVAILABLE_SUFFIX
+from events.nodelocal import RESTORE_REFUSED_EXIT
 from events.plan import ParallelPlan
 from events.spec import JobSpec
 from events.training import FaultInjected, RankStarted, RolledBack
-from trainer import checkpointing, faults, plans
+from trainer import checkpointing, faults, plans, restore_points
 from trainer.config import RunConfig
 from trainer.cursor import BatchCursor
 from trainer.distributed import Dist
@@ -47,7 +47,6 @@ from trainer.state import Stateful, TrainState
 
 log = structlog.get_logger("trainer")
 PAUSE_POLL_S = 0.2
-ROLLBACK_WAIT_S = 30.0  # for the node agent's download of a rollback's checkpoint to land
 
 
 class CommandSource(Protocol):
@@ -326,7 +325,8 @@ class Run:
         self.ckpt.wait()
         problem, path = "", None
         try:
-            path = self._rollback_source(cmd.checkpoint_id, cmd.to_step)
+            path = restore_points.rollback_source(self.cfg, self.job_id, cmd.checkpoint_id, cmd.to_step,
+                                                  self.ckpt.staged_dirs(cmd.to_step))
         except checkpointing.CorruptCheckpoint as exc:
             problem = str(exc)
         (refused,), _ = self.dist.agree([int(bool(problem))], b"")  # DCP loads are collective: all or none
@@ -339,42 +339,13 @@ class Run:
             log.error("rollback refused: its checkpoint is bad; training on until the scheduler picks another",
                       checkpoint_id=cmd.checkpoint_id, error=problem or "(found by another rank)")
             return
-        self._load(path, None)  # verified by _rollback_source
+        self._load(path, None)  # verified by rollback_source
         self.cursor.skip(cmd.skip_from, cmd.skip_to)
         self.saved_at = self.step
         self.emitter.set_step(self.step - 1)
         self.emitter.emit(RolledBack(checkpoint_id=cmd.checkpoint_id, to_step=self.step, skip_from=cmd.skip_from,
                                      skip_to=cmd.skip_to, timeline=timeline, **self.emitter.envelope))
         log.warning("rolled back", checkpoint=str(path), to_step=self.step, skip=(cmd.skip_from, cmd.skip_to))
-
-    def _rollback_source(self, checkpoint_id: str, step: int) -> Path:
-        """Where a rollback's checkpoint is, verified against its manifest: the node's cache of committed
-        checkpoints (a copy appears whole or not at all; the node agent downloads one a rollback names, or leaves
-        a note saying why it could not), else what this node staged (same id, or step-<N> from this run)."""
-        staged = [self.cfg.staging / self.job_id / checkpoint_id, *self.ckpt.staged_dirs(step)]
-        cached = self.cfg.checkpoints / self.job_id / checkpoint_id if self.cfg.checkpoints else None
-        if cached is not None:
-            unavailable = cached.with_name(checkpoint_id + UNAVAILABLE_SUFFIX)
-            deadline = time.monotonic() + ROLLBACK_WAIT_S
-            while not cached.is_dir() and time.monotonic() < deadline:
-                if unavailable.is_file():
-                    raise checkpointing.CorruptCheckpoint(
-                        f"node {self.cfg.node or '?'} could not fetch checkpoint {checkpoint_id}: "
-                        f"{unavailable.read_text(errors='replace')[:2000]}")
-                time.sleep(0.2)
-            if cached.is_dir():
-                manifest = checkpointing.manifest_in(cached)
-                if manifest is None:
-                    raise checkpointing.CorruptCheckpoint(f"checkpoint {cached} has lost its manifest; restore "
-                                                          "another checkpoint")
-                checkpointing.verify(cached, checkpointing.read_manifest(manifest))
-                return cached
-        for path in staged:
-            if (path / ".metadata").exists():
-                log.warning("rolling back from local staging, not a committed checkpoint", path=str(path))
-                return path
-        raise checkpointing.CorruptCheckpoint(
-            f"checkpoint {checkpoint_id} (step {step}) is in none of {[str(p) for p in [cached, *staged] if p]}")
 
     def _newest_local(self) -> Path | None:
         """No-platform mode after a torchrun restart: the newest complete staged set, as rank 0 sees it."""

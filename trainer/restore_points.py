@@ -1,0 +1,44 @@
+"""Where a rollback's checkpoint is on this node, verified before any rank loads it: the node agent's cache of
+committed checkpoints, else what this node staged itself (no platform, or a commit that never came)."""
+
+import time
+from pathlib import Path
+
+import structlog
+
+from events.nodelocal import UNAVAILABLE_SUFFIX
+from trainer import checkpointing
+from trainer.config import RunConfig
+
+log = structlog.get_logger("trainer")
+ROLLBACK_WAIT_S = 30.0  # for the node agent's download of a rollback's checkpoint to land
+
+
+def rollback_source(cfg: RunConfig, job_id: str, checkpoint_id: str, step: int, staged_here: list[Path]) -> Path:
+    """The verified copy to load: the cache's (a copy appears whole or not at all; the agent downloads one a
+    rollback names, or leaves a note saying why it could not), else a staged set (same id, or `staged_here`).
+    CorruptCheckpoint says what is wrong with the copy, or that there is none."""
+    staged = [cfg.staging / job_id / checkpoint_id, *staged_here]
+    cached = cfg.checkpoints / job_id / checkpoint_id if cfg.checkpoints else None
+    if cached is not None:
+        unavailable = cached.with_name(checkpoint_id + UNAVAILABLE_SUFFIX)
+        deadline = time.monotonic() + ROLLBACK_WAIT_S
+        while not cached.is_dir() and time.monotonic() < deadline:
+            if unavailable.is_file():
+                raise checkpointing.CorruptCheckpoint(
+                    f"node {cfg.node or '?'} could not fetch checkpoint {checkpoint_id}: "
+                    f"{unavailable.read_text(errors='replace')[:2000]}")
+            time.sleep(0.2)
+        if cached.is_dir():
+            manifest = checkpointing.manifest_in(cached)
+            if manifest is None:
+                raise checkpointing.CorruptCheckpoint(f"checkpoint {cached} has lost its manifest; restore another "
+                                                      "checkpoint")
+            checkpointing.verify(cached, checkpointing.read_manifest(manifest))
+            return cached
+    for path in staged:
+        if (path / ".metadata").exists():
+            log.warning("rolling back from local staging, not a committed checkpoint", path=str(path))
+            return path
+    raise checkpointing.CorruptCheckpoint(
+        f"checkpoint {checkpoint_id} (step {step}) is in none of {[str(p) for p in [cached, *staged] if p]}")
