@@ -103,7 +103,8 @@ async def crash_after_damage(p: Platform, objects: Objects, job: str, steps: tup
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize(("objects", "cache"), [("local", "missing"), ("s3", "flipped")], indirect=["objects"])
+@pytest.mark.parametrize(("objects", "cache"), [("local", "missing"), ("local", "flipped"), ("s3", "flipped")],
+                         indirect=["objects"])
 async def test_a_bad_newest_checkpoint_is_rejected_and_the_restart_falls_back_for_free(
         nats_server: broker_mod.Broker, tmp_path: Path, objects: Objects, cache: str) -> None:
     """Bad in the store, and the node's copy gone or damaged the same way."""
