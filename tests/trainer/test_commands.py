@@ -103,7 +103,8 @@ def test_inbox_started_while_the_broker_is_down_gets_what_came_after_start(nats_
     inbox = CommandInbox(nats_server.url, JOB, 0, 0)
     t0 = time.perf_counter()
     inbox.start()
-    assert time.perf_counter() - t0 < 0.5
+    # Waiting for the broker would mean until the restart below, i.e. forever from here: a hang guard, not a speed.
+    assert time.perf_counter() - t0 < 10.0
     time.sleep(0.2)
     broker = broker_mod.start(nats_server.store_dir, nats_server.port)
     try:
