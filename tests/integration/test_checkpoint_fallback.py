@@ -57,6 +57,16 @@ async def hold_after_three_commits(p: Platform, job: str, spec: JobSpec = SPEC) 
     return list(started.pids)
 
 
+async def postmortem_report(p: Platform, job: str, tmp_path: Path) -> str:
+    """`flightdeck postmortem` of the job as a user runs it; its report.md."""
+    out = tmp_path / "pm"
+    run = await asyncio.to_thread(subprocess.run, [*CLI, "postmortem", job, "--out", str(out), "--nats", p.url,
+                                                   "--data-dir", str(tmp_path / "none")],
+                                  capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    return (out / "report.md").read_text()
+
+
 def largest_shard(folder: Path) -> Path:
     return max((f for f in folder.iterdir() if f.name != mf.MANIFEST), key=lambda f: f.stat().st_size)
 
@@ -257,12 +267,7 @@ async def test_a_rollback_whose_checkpoint_is_bad_rolls_back_further_without_a_r
         assert "rollback refused" in p.logs()
         assert (await verify_live(p.store, job)).ok  # `flightdeck verify` re-derives both rollbacks
 
-        out = tmp_path / "pm"  # a postmortem names the bad checkpoint and the rollback that went past it
-        run = await asyncio.to_thread(subprocess.run, [*CLI, "postmortem", job, "--out", str(out), "--nats", p.url,
-                                                       "--data-dir", str(tmp_path / "none")],
-                                      capture_output=True, text=True, timeout=60)
-        assert run.returncode == 0, run.stderr
-        report = (out / "report.md").read_text()
+        report = await postmortem_report(p, job, tmp_path)  # names the bad one and the rollback past it
         assert f"checkpoint {checkpoint_id(0, 20)} (step 20) refused by rank" in report, report[-3000:]
         assert f"roll back to {checkpoint_id(0, 10)} (step 10)" in report, report[-3000:]
     finally:
@@ -316,12 +321,7 @@ async def test_a_checkpoint_a_rank_finds_bad_on_loading_is_rejected_by_its_agent
         assert sum("without spending the restart budget" in r for r in releases) == 1
         assert not any("restart 2 of 3" in r for r in releases)
 
-        out = tmp_path / "pm"  # a postmortem names the bad checkpoint and the fallback
-        run = await asyncio.to_thread(subprocess.run, [*CLI, "postmortem", job, "--out", str(out), "--nats", p.url,
-                                                       "--data-dir", str(tmp_path / "none")],
-                                      capture_output=True, text=True, timeout=60)
-        assert run.returncode == 0, run.stderr
-        report = (out / "report.md").read_text()
+        report = await postmortem_report(p, job, tmp_path)  # names the bad checkpoint and the fallback
         assert f"checkpoint {checkpoint_id(0, 30)} (step 30) rejected by n1" in report, report[-3000:]
         assert f"restarting from {checkpoint_id(0, 20)} (step 20), the newest good checkpoint" in report, \
             report[-3000:]
