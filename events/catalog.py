@@ -18,7 +18,7 @@ ALL_TYPES: tuple[type[Event], ...] = (
     heartbeats.RankHeartbeats,  # a node's ranks' heartbeats, batched by its agent
     logs.RankOutput,  # what a rank printed, shipped by its agent
     # checkpoint
-    checkpoint.CheckpointStaged, checkpoint.CheckpointCommitted, checkpoint.CheckpointFailed,
+    checkpoint.CheckpointStaged, checkpoint.ShardsUploaded, checkpoint.CheckpointCommitted, checkpoint.CheckpointFailed,
     checkpoint.CheckpointDeleted,
     checkpoint.CheckpointRejected, checkpoint.CheckpointRefused, checkpoint.CheckpointScrubbed,
     # health findings

@@ -30,6 +30,28 @@ class CheckpointStaged(RankEvent, frozen=True, kw_only=True):
     timeline: int = 0
 
 
+class ShardsUploaded(RankEvent, frozen=True, kw_only=True):
+    """A node agent put its ranks' staged shards of one set into the object store (the ranks staged them on the
+    node's own disk: CheckpointStaged), checking each file's size and sha256 against what its rank announced.
+    One per node per set; `rank` is the lowest of `ranks`. `failed` "" means all of them are stored; else it
+    says which shard could not be stored and why, and the set is never committed. The checkpoint service
+    commits once every rank's shards are reported stored, after reading them back from the store."""
+
+    step: int
+    timeline: int = 0
+    world_size: int
+    ranks: list[int]  # the node's ranks this report covers
+    bytes: int  # stored
+    seconds: float  # from the first rank's announcement seen to the last shard stored
+    failed: str = ""
+
+
+def checkpoint_id(attempt: int, step: int, timeline: int = 0) -> str:
+    """A checkpoint's name, unique per job (the same step may be checkpointed again by a later attempt, or by the
+    same one after a rollback), that sorts by step. Its objects live under <job>/<checkpoint_id>/."""
+    return f"step{step:09d}-a{attempt}" + (f"-t{timeline}" if timeline else "")
+
+
 class CheckpointCommitted(JobEvent, frozen=True, kw_only=True):
     checkpoint_id: str
     step: int

@@ -69,3 +69,6 @@ class Service(Generic[S]):
     # What the core was built with, recorded as CoreConfigured when its shell starts; the core folds that event
     # back into its state, so live and replayed decisions use the same values.
     settings: Mapping[str, float | int | str] = field(default_factory=dict)
+    # What a history that recorded no settings replays with, where that differs from `settings`: its services ran
+    # before settings were recorded, with the behaviour these name (None: `settings`).
+    unrecorded: Mapping[str, float | int | str] | None = None

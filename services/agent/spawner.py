@@ -41,6 +41,7 @@ from services.agent.core import (
 )
 from services.agent.launch import REPO, Launch, Paths, detached, die_with_agent, exit_msg_id, rank_base_env
 from services.agent.output import OutputPump, store_publisher
+from services.agent.shipping import Shipper
 from services.agent.standbys import StandbyPool
 from services.core import EffectHandler, Emit
 from services.shell.connection import TRANSIENT
@@ -97,6 +98,7 @@ class Spawner:
         self.procs: dict[tuple[str, int, int], RankProc] = {}
         self.pids: dict[int, tuple[str, int, int]] = {}  # a live rank's pid -> (job, attempt, rank), from its start
         self.cache = CheckpointCache(node_paths=paths, objects=objects, producer=producer)
+        self.shipper = Shipper(node=node, producer=producer, store=store, objects=objects, staging=paths.staging)
         self.timers: set[asyncio.Task[None]] = set()
 
     def handlers(self) -> dict[str, EffectHandler]:
@@ -145,6 +147,7 @@ class Spawner:
             except Exception as exc:  # a checkpoint we cannot verify is never loaded, nor silently skipped
                 return await self._not_started(args, f"restore {args.restore.checkpoint_id} failed: {exc!r}")
         fired = await retrying("reading which drill faults fired", lambda: self.fired_faults(args))
+        ship_from = await retrying("reading where the telemetry stream ends", self.shipper.start_seq)
         started: list[RankProc] = []
         try:
             spec_file = await asyncio.to_thread(self._write_spec, args)
@@ -161,6 +164,7 @@ class Spawner:
                                event_id=f"{self.producer}:start:{args.job_id}:{args.attempt}",
                                occurred_at=time.time(), causation_id=args.grant_id, producer=self.producer)
         await retrying("recording WorkersStarted", lambda: append_to_job(self.store, event, msg_id=event.event_id))
+        self.shipper.watch(args.job_id, args.attempt, [p.ref.rank for p in started], ship_from)
         for p in started:
             self.procs[(p.job_id, p.attempt, p.ref.rank)] = p
             p.watcher = asyncio.create_task(self._watch(p))
@@ -308,6 +312,8 @@ class Spawner:
                                  p.cause)
         await self.record_exit(p.job_id, p.attempt, p.ref.rank, code, p.cause, cause=tail)
         self.procs.pop((p.job_id, p.attempt, p.ref.rank), None)
+        if not any((q.job_id, q.attempt) == (p.job_id, p.attempt) for q in self.procs.values()):
+            await self.shipper.finish(p.job_id, p.attempt)  # what the last of them staged on its way out
 
     async def record_exit(self, job_id: str, attempt: int, rank: int, code: int, causation_id: str, *,
                           cause: str = "", unrunnable: bool = False) -> None:
@@ -356,6 +362,7 @@ class Spawner:
                     watcher.cancel()
         for timer in list(self.timers):
             timer.cancel()
+        await self.shipper.close()
 
 
 def runnable_problem(cmd: list[str], cwd: Path, search_path: str) -> str | None:

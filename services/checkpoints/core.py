@@ -4,6 +4,7 @@ Why it works this way: docs/internals.md, "5. Checkpoints".
 """
 
 from collections.abc import Sequence
+from typing import Literal
 
 import msgspec
 from msgspec.structs import replace
@@ -13,12 +14,15 @@ from events.base import Event
 from events.checkpoint import (
     CheckpointCommitted,
     CheckpointDeleted,
+    CheckpointFailed,
     CheckpointRefused,
     CheckpointRejected,
     CheckpointScrubbed,
     CheckpointStaged,
     DataPosition,
     ShardInfo,
+    ShardsUploaded,
+    checkpoint_id,
 )
 from events.clock import ClockTick, CoreConfigured
 from events.commands import RollbackRequested
@@ -39,17 +43,15 @@ SCRUB_SLACK_S = 300.0  # a scrub with no outcome this long past its bytes' readi
 LINGER_S = 30.0  # after a completion, the longest the service keeps ticking for the final step's set
 
 
-def checkpoint_id(attempt: int, step: int, timeline: int = 0) -> str:
-    """Unique per job (the same step may be checkpointed again by a later attempt, or by the same one after a
-    rollback) and sorts by step."""
-    return f"step{step:09d}-a{attempt}" + (f"-t{timeline}" if timeline else "")
-
-
 class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """What the core decides with: recorded by the shell as CoreConfigured and folded from it."""
 
     scrub_every_s: float = 0.0  # re-verify each committed checkpoint in the store this often (0: never)
     scrub_mb_s: float = 64.0  # read back at most this fast (MB/s), beside the training's own traffic
+    # "agents": commit once every rank's agent reported its shards stored (ShardsUploaded), reading them back from
+    # the store. "staging": the protocol of histories recorded before agents stored shards (the service read the
+    # ranks' staging folders), kept so that they still verify.
+    shards_from: Literal["staging", "agents"] = "staging"
 
     def __post_init__(self) -> None:
         if not (self.scrub_every_s >= 0 and self.scrub_mb_s > 0):
@@ -76,13 +78,13 @@ class Scrub(msgspec.Struct, frozen=True, kw_only=True):
 
 class StagedRank(msgspec.Struct, frozen=True, kw_only=True):
     rank: int
-    node: str
-    staging_dir: str
-    shards: list[ShardInfo]
+    node: str  # whose agent stored its shards
+    shards: list[ShardInfo]  # as the rank announced them: what the store must hold
 
 
 class CommitArgs(msgspec.Struct, frozen=True, kw_only=True):
-    """What the "commit" effect needs: every rank's staged shards of one (job, attempt, step)."""
+    """What the "commit" effect needs: every rank's shards of one (job, attempt, timeline, step), which their
+    agents reported stored."""
 
     job_id: str
     checkpoint_id: str
@@ -103,6 +105,7 @@ class DeleteArgs(msgspec.Struct, frozen=True, kw_only=True):
 class Staging(msgspec.Struct, frozen=True, kw_only=True):
     world_size: int
     ranks: dict[int, CheckpointStaged]
+    stored: frozenset[int] = frozenset()  # ranks whose agents reported their announced shards stored
 
 
 class Committed(msgspec.Struct, frozen=True, kw_only=True):
@@ -146,6 +149,8 @@ class Due(msgspec.Struct, frozen=True, kw_only=True):
 
     commit: CommitArgs | None = None
     doomed: tuple[str, ...] = ()
+    failed: CheckpointFailed | None = None  # a set that can never commit (its shards could not be stored)
+    failed_id: str = ""  # ... and its checkpoint id, whose stored objects are removed
 
 
 NOTHING_DUE = Due()
@@ -174,31 +179,56 @@ def retention(job: JobState) -> tuple[JobState, tuple[str, ...]]:
     return replace(job, doomed=job.doomed | set(doomed)), doomed
 
 
-def _stage(job: JobState, ev: CheckpointStaged) -> tuple[JobState, CommitArgs | None]:
+def _open_set(job: JobState, ev: CheckpointStaged | ShardsUploaded) -> Staging | None:
+    """The set `ev` adds to, None when `ev` is stale or out of range (ended job, older attempt, a set already
+    handed on or thrown away by a rollback, a world size that disagrees)."""
     at = (ev.attempt, ev.timeline, ev.step)
     if (job.ended and not (job.completed and ev.attempt == job.attempt)) or ev.attempt < job.attempt \
             or at in job.handed or thrown_away(job.forks, *at):
-        return job, None
+        return None
     if ev.world_size < 1 or not 0 <= ev.rank < ev.world_size or ev.step < 0:
-        return job, None
+        return None
     current = job.staging.get(at) or Staging(world_size=ev.world_size, ranks={})
-    if current.world_size != ev.world_size:
-        return job, None
-    # a rank that stages the same set again rewrote its files, so its newest announcement is the one to check
-    current = replace(current, ranks={**current.ranks, ev.rank: ev})
+    return current if current.world_size == ev.world_size else None
+
+
+def _stage(job: JobState, ev: CheckpointStaged | ShardsUploaded, agents_store: bool) -> tuple[JobState, Due]:
+    """Fold a staging or an agent's report; `agents_store` False: the "staging" protocol (Settings.shards_from)."""
+    at = (ev.attempt, ev.timeline, ev.step)
+    cid = checkpoint_id(ev.attempt, ev.step, ev.timeline)
+    current = _open_set(job, ev)
+    if current is None:
+        return job, NOTHING_DUE
+    if isinstance(ev, CheckpointStaged):
+        # a rank that stages the same set again rewrote its files: its agent stores them again, and its
+        # newest announcement is the one the store must match
+        current = replace(current, ranks={**current.ranks, ev.rank: ev},
+                          stored=current.stored - {ev.rank} if agents_store else frozenset(current.ranks) | {ev.rank})
+    elif not agents_store:
+        return job, NOTHING_DUE
+    elif ev.failed:
+        staging = {k: v for k, v in job.staging.items() if k != at}
+        failed = CheckpointFailed(job_id=ev.job_id, step=ev.step,
+                                  reason=f"{cid}: node {ev.node or '?'} could not store its ranks' shards: {ev.failed}")
+        final = -1 if ev.step == job.final else job.final
+        return replace(job, staging=staging, handed=job.handed | {at}, final=final), Due(failed=failed, failed_id=cid)
+    else:
+        # agents store what they read staged, so a report follows its ranks' stagings in the stream; the commit
+        # reads the store back, so a report that raced a rank's second staging cannot commit a stale shard
+        current = replace(current, stored=current.stored | (set(ev.ranks) & set(current.ranks)))
     staging = {k: v for k, v in job.staging.items() if k[0] >= ev.attempt}  # a newer attempt drops older sets
     job = replace(job, attempt=ev.attempt)
-    if len(current.ranks) < current.world_size:
-        return replace(job, staging={**staging, at: current}), None
+    if len(current.ranks) < current.world_size or len(current.stored) < current.world_size:
+        return replace(job, staging={**staging, at: current}), NOTHING_DUE
     staging.pop(at, None)
     ranks = [current.ranks[r] for r in sorted(current.ranks)]
     args = CommitArgs(
-        job_id=ev.job_id, checkpoint_id=checkpoint_id(ev.attempt, ev.step, ev.timeline), attempt=ev.attempt,
+        job_id=ev.job_id, checkpoint_id=cid, attempt=ev.attempt,
         step=ev.step, world_size=ev.world_size, timeline=ev.timeline, created_at=ev.occurred_at, data=ranks[0].data,
-        ranks=[StagedRank(rank=s.rank, node=s.node, staging_dir=s.staging_dir, shards=s.shards) for s in ranks],
+        ranks=[StagedRank(rank=s.rank, node=s.node, shards=s.shards) for s in ranks],
     )
     final = -1 if ev.step == job.final else job.final
-    return replace(job, staging=staging, handed=job.handed | {at}, final=final), args
+    return replace(job, staging=staging, handed=job.handed | {at}, final=final), Due(commit=args)
 
 
 def _new_attempt(job: JobState, attempt: int) -> JobState:
@@ -224,11 +254,10 @@ def _world_size_of(job: JobState, cid: str) -> int:
     return next((c.world_size for c in job.committed if c.checkpoint_id == cid), 1)
 
 
-def _evolve_job(job: JobState, ev: Event) -> tuple[JobState, Due]:
+def _evolve_job(job: JobState, ev: Event, settings: Settings) -> tuple[JobState, Due]:
     match ev:
-        case CheckpointStaged():
-            job, args = _stage(job, ev)
-            return job, Due(commit=args)
+        case CheckpointStaged() | ShardsUploaded():
+            return _stage(job, ev, settings.shards_from == "agents")
         case CheckpointCommitted():
             if any(c.checkpoint_id == ev.checkpoint_id for c in job.committed) or ev.checkpoint_id in job.doomed:
                 return job, NOTHING_DUE
@@ -288,7 +317,7 @@ def transition(state: State, ev: Event) -> tuple[State, Sequence[Output]]:
     job_id = getattr(ev, "job_id", None)
     if not isinstance(job_id, str):
         return state, ()
-    job, due = _evolve_job(state.jobs.get(job_id, JobState()), ev)
+    job, due = _evolve_job(state.jobs.get(job_id, JobState()), ev, state.settings)
     state = replace(state, jobs={**state.jobs, job_id: job})
     if isinstance(ev, CheckpointScrubbed) and state.scrub is not None \
             and (state.scrub.job_id, state.scrub.checkpoint_id) == (job_id, ev.checkpoint_id):
@@ -323,6 +352,9 @@ def _outputs(job_id: str, job: JobState, due: Due) -> list[Output]:
     out: list[Output] = []
     if due.commit is not None:
         out.append(Effect(COMMIT, due.commit))
+    if due.failed is not None:  # and whatever of it was stored before the failure goes
+        out.append(Emit(subjects.job(job_id, "CheckpointFailed"), due.failed))
+        out.append(Effect(DELETE, DeleteArgs(job_id=job_id, checkpoint_ids=[due.failed_id])))
     if due.doomed:
         subject = subjects.job(job_id, "CheckpointDeleted")
         thrown = {c.checkpoint_id for c in job.committed if thrown_away(job.forks, c.attempt, c.timeline, c.step)}
@@ -352,14 +384,14 @@ CONTROL_TYPES = (
     "CheckpointCommitted", "CheckpointDeleted", "CheckpointRejected", "CheckpointScrubbed", "JobCompleted", "JobFailed",
     "JobCancelled",
 )
-TELEMETRY_TYPES = ("CheckpointStaged", "RolledBack", "RankStarted", "CheckpointRefused")
+TELEMETRY_TYPES = ("CheckpointStaged", "ShardsUploaded", "RolledBack", "RankStarted", "CheckpointRefused")
 
 
 def core_service(effects: dict[str, EffectHandler], *, scrub_every_s: float = 0.0,
                  scrub_mb_s: float = Settings().scrub_mb_s) -> Service[State]:
     """The checkpoint service's core wired to its effect handlers ("commit", "delete", and "scrub" when
     `scrub_every_s` > 0; see uploader.py and scrubber.py)."""
-    settings = Settings(scrub_every_s=scrub_every_s, scrub_mb_s=scrub_mb_s)
+    settings = Settings(scrub_every_s=scrub_every_s, scrub_mb_s=scrub_mb_s, shards_from="agents")
     missing = {COMMIT, DELETE, *([SCRUB] if scrub_every_s > 0 else [])} - set(effects)
     if missing:
         raise ValueError(f"the checkpoint service needs effect handlers for {sorted(missing)}")
@@ -374,4 +406,5 @@ def core_service(effects: dict[str, EffectHandler], *, scrub_every_s: float = 0.
         effects=effects,
         detached=frozenset({SCRUB}),
         settings=msgspec.structs.asdict(settings),
+        unrecorded=msgspec.structs.asdict(replace(settings, shards_from="staging")),
     )

@@ -15,7 +15,6 @@ from services.core import EffectHandler, Emit, Service
 from services.shell.objects.open import DATA_DIR_ENV, OBJECTS_ENV, open_store
 from services.shell.objects.store import ObjectStore
 
-STAGING_ENV = "FLIGHTDECK_STAGING_ROOTS"
 SCRUB_EVERY_ENV = "FLIGHTDECK_SCRUB_EVERY_S"  # re-verify each committed checkpoint this often; 0 turns scrubs off
 SCRUB_MB_S_ENV = "FLIGHTDECK_SCRUB_MB_S"  # the scrubber's read rate bound
 DEFAULT_SCRUB_EVERY_S = 86_400.0
@@ -26,24 +25,18 @@ def objects_url(env: Mapping[str, str] | None = None) -> str:
     return env.get(OBJECTS_ENV) or str(Path(env.get(DATA_DIR_ENV) or ".flightdeck") / "objects")
 
 
-def staging_roots(env: Mapping[str, str] | None = None) -> list[Path]:
-    env = os.environ if env is None else env
-    roots = [Path(p).absolute() for p in env.get(STAGING_ENV, "").split(os.pathsep) if p]
-    return roots or [(Path(env.get(DATA_DIR_ENV) or ".flightdeck") / "staging").absolute()]
-
-
 class _OpenOnFirstUse:
     """Effect handlers that open the object store the first time one of them runs."""
 
-    def __init__(self, url: str, roots: list[Path]) -> None:
-        self.url, self.roots = url, roots
+    def __init__(self, url: str) -> None:
+        self.url = url
         self._stack = contextlib.AsyncExitStack()
         self._handlers: dict[str, EffectHandler] | None = None
 
     async def _get(self) -> dict[str, EffectHandler]:
         if self._handlers is None:
             store: ObjectStore = await self._stack.enter_async_context(open_store(self.url))
-            self._handlers = uploader.handlers(store, staging_roots=self.roots)
+            self._handlers = uploader.handlers(store)
         return self._handlers
 
     def handler(self, kind: str) -> EffectHandler:
@@ -55,7 +48,7 @@ class _OpenOnFirstUse:
 
 def build(env: Mapping[str, str] | None = None) -> Service[State]:
     env = os.environ if env is None else env
-    lazy = _OpenOnFirstUse(objects_url(env), staging_roots(env))
+    lazy = _OpenOnFirstUse(objects_url(env))
     return core_service({kind: lazy.handler(kind) for kind in (COMMIT, DELETE, SCRUB)},
                         scrub_every_s=float(env.get(SCRUB_EVERY_ENV) or DEFAULT_SCRUB_EVERY_S),
                         scrub_mb_s=float(env.get(SCRUB_MB_S_ENV) or Settings().scrub_mb_s))

@@ -4,7 +4,6 @@ A restore (what the node agent runs before ranks start) refuses each with Corrup
 wrong, writes nothing where the checkpoint would land, and the previous checkpoint restores whole: nothing
 that should be kept is touched. Runs on the local store and on S3 (moto over HTTP)."""
 
-import hashlib
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -13,11 +12,12 @@ import msgspec
 import pytest
 
 from events.checkpoint import CheckpointCommitted, DataPosition, ShardInfo
-from services.checkpoints.core import CommitArgs, StagedRank
+from services.checkpoints.core import CommitArgs
 from services.checkpoints.uploader import commit
 from services.shell.objects import manifest as mf
 from services.shell.objects.store import ObjectStore
 from tests.integration.s3_fixture import moto_s3, store
+from tests.integration.shipping_helpers import fold, ship, staged_files
 
 __all__ = ["moto_s3", "store"]
 pytestmark = pytest.mark.timeout(60)
@@ -68,16 +68,9 @@ def test_shards_listed_twice_are_refused() -> None:
 
 
 async def _commit(store: ObjectStore, tmp: Path, step: int) -> tuple[CommitArgs, CheckpointCommitted]:
-    root = tmp / f"stage{step}"
-    root.mkdir()
-    shards = []
-    for name, size in (("r0.distcp", 70_000), (".metadata", 500)):
-        data = os.urandom(size)
-        (root / name).write_bytes(data)
-        shards.append(ShardInfo(path=name, size=size, sha256=hashlib.sha256(data).hexdigest()))
-    args = CommitArgs(job_id=JOB, checkpoint_id=f"step{step:09d}-a0", attempt=0, step=step, world_size=1,
-                      created_at=float(step), data=DataPosition(next_batch=step + 1),
-                      ranks=[StagedRank(rank=0, node="n0", staging_dir=str(root), shards=shards)])
+    staged = staged_files(tmp / "staging", JOB, step, {"r0.distcp": os.urandom(70_000), ".metadata": os.urandom(500)})
+    args, _ = await fold(store, [staged, await ship(store, staged, [tmp / "staging"])])
+    assert args is not None
     (out,) = await commit(store, args)
     assert isinstance(out.event, CheckpointCommitted), out.event
     return args, out.event

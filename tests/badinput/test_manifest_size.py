@@ -4,7 +4,6 @@ CorruptCheckpoint, writes nothing where the checkpoint would land, and the previ
 commit never writes one, and the trainer's own manifest read is capped the same. Local store (a sparse 8 GiB
 manifest: reading it would take 8 GiB) and S3 (moto over HTTP, the cap plus one byte)."""
 
-import hashlib
 import os
 import time
 import tracemalloc
@@ -20,6 +19,7 @@ from services.shell.objects import manifest as mf
 from services.shell.objects.local import LocalStore
 from services.shell.objects.store import ObjectStore, ObjectTooLarge
 from tests.integration.s3_fixture import moto_s3, store
+from tests.integration.shipping_helpers import ship_and_commit, staged_files
 from trainer import checkpointing
 
 __all__ = ["moto_s3", "store"]
@@ -30,17 +30,10 @@ HUGE = 8 << 30  # a sparse file: no disk used, but a reader without a cap would 
 
 
 async def _commit(store: ObjectStore, tmp: Path, step: int) -> CheckpointCommitted:
-    root = tmp / f"stage{step}"
-    root.mkdir()
-    data = os.urandom(4000)
-    (root / "r0.distcp").write_bytes(data)
-    args = CommitArgs(job_id=JOB, checkpoint_id=f"step{step:09d}-a0", attempt=0, step=step, world_size=1,
-                      created_at=float(step), data=DataPosition(next_batch=step + 1),
-                      ranks=[StagedRank(rank=0, node="n0", staging_dir=str(root), shards=[
-                          ShardInfo(path="r0.distcp", size=len(data), sha256=hashlib.sha256(data).hexdigest())])])
-    (out,) = await commit(store, args)
-    assert isinstance(out.event, CheckpointCommitted), out.event
-    return out.event
+    out = await ship_and_commit(store, [staged_files(tmp / "staging", JOB, step, {"r0.distcp": os.urandom(4000)})],
+                                [tmp / "staging"])
+    assert isinstance(out, CheckpointCommitted), out
+    return out
 
 
 async def _oversize(store: ObjectStore, key: str) -> int:
@@ -88,11 +81,9 @@ async def test_a_commit_over_an_oversized_foreign_manifest_fails_and_leaves_it(t
     first = await _commit(store, tmp_path, 10)
     key = mf.manifest_key(JOB, first.checkpoint_id)
     await _oversize(store, key)
-    root = tmp_path / "again"
-    root.mkdir()
     args = CommitArgs(job_id=JOB, checkpoint_id=first.checkpoint_id, attempt=0, step=10, world_size=1,
                       created_at=10.0, data=DataPosition(next_batch=11),
-                      ranks=[StagedRank(rank=0, node="n0", staging_dir=str(root), shards=[])])
+                      ranks=[StagedRank(rank=0, node="n0", shards=[])])
     (out,) = await commit(store, args)
     assert isinstance(out.event, CheckpointFailed) and "already holds a different manifest" in out.event.reason
     assert (store.root / key).stat().st_size == HUGE  # the prefix belongs to whoever wrote it: left alone
@@ -103,7 +94,7 @@ async def test_a_commit_never_writes_a_manifest_no_restore_would_read(tmp_path: 
     shards = [ShardInfo(path=f"{i:0200d}.distcp", size=1, sha256="ab" * 32) for i in range(MAX_SLOTS)]
     args = CommitArgs(job_id=JOB, checkpoint_id="step000000001-a0", attempt=0, step=1, world_size=1, created_at=1.0,
                       data=DataPosition(next_batch=2),
-                      ranks=[StagedRank(rank=0, node="n0", staging_dir=str(tmp_path), shards=shards)])
+                      ranks=[StagedRank(rank=0, node="n0", shards=shards)])
     (out,) = await commit(store, args)
     assert isinstance(out.event, CheckpointFailed), out.event
     assert f"shards), more than the {mf.MAX_MANIFEST_BYTES} a restore reads" in out.event.reason

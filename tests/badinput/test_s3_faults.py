@@ -1,24 +1,24 @@
 """Checkpoints through an S3 endpoint that fails (500), throttles (503 SlowDown), resets connections and
-stalls: a fault-injecting proxy (faultproxy.py) in front of moto over real TCP. Transient faults are retried
+stalls: a fault-injecting proxy (faultproxy.py) in front of moto over real TCP, for the agent that stores the
+shards and the checkpoint service that reads them back and writes the manifest. Transient faults are retried
 and the checkpoint commits; persistent ones end in CheckpointFailed with the reason, within a bounded time,
 with no manifest, no leftover objects or multipart uploads, and the previous checkpoint still whole."""
 
-import hashlib
 import os
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from events.checkpoint import CheckpointCommitted, CheckpointFailed, DataPosition, ShardInfo
-from services.checkpoints.core import CommitArgs, StagedRank
-from services.checkpoints.uploader import commit
+from events.checkpoint import CheckpointCommitted, CheckpointFailed, CheckpointStaged, checkpoint_id
 from services.shell.objects import manifest as mf
 from services.shell.objects.retry import RetryPolicy
 from services.shell.objects.s3 import MIN_PART_SIZE, S3Store
 from tests.badinput.faultproxy import FaultProxy
 from tests.integration.s3_fixture import MotoS3, moto_s3
+from tests.integration.shipping_helpers import ship_and_commit, staged_files
 
 __all__ = ["moto_s3"]
 pytestmark = pytest.mark.timeout(60)
@@ -60,36 +60,39 @@ async def s3(moto_s3: MotoS3, proxy: FaultProxy) -> AsyncIterator[S3Store]:
         yield store
 
 
-def staged(tmp: Path, step: int) -> CommitArgs:
+@dataclass(frozen=True)
+class Set:
+    """One checkpoint's stagings, as two ranks on one node leave them."""
+
+    checkpoint_id: str
+    step: int
+    root: Path
+    stagings: list[CheckpointStaged]
+
+
+def staged(tmp: Path, step: int) -> Set:
     """Two ranks' shards: a small one each, and one past the part size (a multipart upload)."""
-    ranks = []
-    for rank, sizes in ((0, (1000, MIN_PART_SIZE + 4096)), (1, (2000,))):
-        root = tmp / f"stage-{step}" / f"r{rank}"
-        root.mkdir(parents=True)
-        shards = []
-        for i, size in enumerate(sizes):
-            data = os.urandom(size)
-            (root / f"r{rank}-{i}.distcp").write_bytes(data)
-            shards.append(ShardInfo(path=f"r{rank}-{i}.distcp", size=size, sha256=hashlib.sha256(data).hexdigest()))
-        ranks.append(StagedRank(rank=rank, node="n0", staging_dir=str(root), shards=shards))
-    return CommitArgs(job_id=JOB, checkpoint_id=f"step{step:09d}-a0", attempt=0, step=step, world_size=2,
-                      created_at=1000.0 + step, data=DataPosition(next_batch=step + 1), ranks=ranks)
+    root = tmp / "staging"
+    stagings = [staged_files(root, JOB, step, {f"r{rank}-{i}.distcp": os.urandom(size) for i, size in enumerate(sizes)},
+                             rank=rank, world=2)
+                for rank, sizes in ((0, (1000, MIN_PART_SIZE + 4096)), (1, (2000,)))]
+    return Set(checkpoint_id=checkpoint_id(0, step), step=step, root=root, stagings=stagings)
 
 
-async def committed(store: S3Store, args: CommitArgs) -> tuple[CheckpointCommitted | CheckpointFailed, float]:
+async def committed(store: S3Store, args: Set) -> tuple[CheckpointCommitted | CheckpointFailed, float]:
+    """The node's agent stores the shards through the endpoint, then the checkpoint service commits."""
     began = time.monotonic()
-    (out,) = await commit(store, args)
-    assert isinstance(out.event, CheckpointCommitted | CheckpointFailed)
-    return out.event, time.monotonic() - began
+    event = await ship_and_commit(store, args.stagings, [args.root])
+    return event, time.monotonic() - began
 
 
-async def assert_whole(store: S3Store, args: CommitArgs, event: CheckpointCommitted, tmp: Path) -> None:
+async def assert_whole(store: S3Store, args: Set, event: CheckpointCommitted, tmp: Path) -> None:
     got = await mf.download(store, JOB, args.checkpoint_id, tmp / f"restore-{args.checkpoint_id}",
                             expected_sha256=event.manifest_sha256)
     assert got.step == args.step and len(got.shards) == 3
 
 
-async def assert_gone(store: S3Store, args: CommitArgs) -> None:
+async def assert_gone(store: S3Store, args: Set) -> None:
     assert await store.list(mf.prefix(JOB, args.checkpoint_id)) == [], "a failed checkpoint left objects"
     assert await store.multipart_uploads() == [], "a failed checkpoint left a multipart upload open"
 

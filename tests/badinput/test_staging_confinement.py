@@ -1,9 +1,9 @@
-"""A CheckpointStaged names the folder the checkpoint service uploads from, and anyone who may publish the job's
-telemetry can write one. The service (built as `python -m services checkpoints` builds it, its staging root
-from FLIGHTDECK_STAGING_ROOTS) uploads only a set of that job's inside the root, after symlinks: a folder
-outside it, `..` climbing out, a symlinked set or shard leading out, another job's set, a relative or missing
-path each end in CheckpointFailed naming the dir, with nothing written to the object store. Real files and
-symlinks; the pure core and the effect it asks for, and once through the live shell on a real broker."""
+"""A CheckpointStaged names the folder its node's agent uploads from, and anyone who may publish the job's
+telemetry can write one. The agent (services/agent/shipping.py, its staging root the one its ranks stage under)
+uploads only a set of that job's inside the root, after symlinks: a folder outside it, `..` climbing out, a
+symlinked set or shard leading out, another job's set, a relative or missing path each end in CheckpointFailed
+naming the dir, with nothing left in the object store. Real files and symlinks; the agent's store step, the pure
+core and the commit it asks for, and once through a live agent shipper and checkpoint service on a real broker."""
 
 import asyncio
 import hashlib
@@ -14,17 +14,25 @@ from pathlib import Path
 import pytest
 
 from events import subjects
-from events.checkpoint import CheckpointCommitted, CheckpointFailed, CheckpointStaged, DataPosition, ShardInfo
+from events.checkpoint import (
+    CheckpointCommitted,
+    CheckpointFailed,
+    CheckpointStaged,
+    DataPosition,
+    ShardInfo,
+    ShardsUploaded,
+)
 from events.history import append_to_job
 from events.jetstream import JetStreamStore
 from events.job import JobSubmitted
 from events.spec import JobSpec, TrainSpec
+from services.agent.shipping import Shipper
 from services.checkpoints import service as checkpoint_service
-from services.checkpoints.core import COMMIT, State
-from services.core import Effect, Service
 from services.shell import broker as broker_mod
+from services.shell.objects.local import LocalStore
 from services.shell.runtime import ConsumerPolicy, run_service
 from tests.integration.runtime_helpers import eventually, read_all
+from tests.integration.shipping_helpers import ship_and_commit
 
 pytestmark = pytest.mark.timeout(60)
 JOB, OTHER = "job-s", "job-o"
@@ -47,7 +55,6 @@ def staged(staging_dir: str, shards: list[ShardInfo], *, rank: int = 0, world: i
 @pytest.fixture
 def root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv(checkpoint_service.OBJECTS_ENV, str(tmp_path / "objects"))
-    monkeypatch.setenv(checkpoint_service.STAGING_ENV, str(tmp_path / "staging"))
     (tmp_path / "staging" / JOB).mkdir(parents=True)
     return tmp_path / "staging"
 
@@ -59,18 +66,10 @@ def secret(tmp_path: Path) -> tuple[Path, list[ShardInfo]]:
     return folder, write_set(folder, {"credentials": b"token=hunter2\n" * 100})
 
 
-async def run_commit(stagings: list[CheckpointStaged]) -> CheckpointCommitted | CheckpointFailed:
-    """Fold the stagings through the service's core and run the commit it asks for with the service's handlers."""
-    svc: Service[State] = checkpoint_service.build()
-    state = svc.initial
-    effects: list[Effect] = []
-    for ev in stagings:
-        state, outs = svc.transition(state, ev)
-        effects += [o for o in outs if isinstance(o, Effect) and o.kind == COMMIT]
-    (effect,) = effects
-    (emit,) = await svc.effects[COMMIT](effect.args)
-    assert isinstance(emit.event, CheckpointCommitted | CheckpointFailed)
-    return emit.event
+async def run_commit(stagings: list[CheckpointStaged], tmp_path: Path, roots: list[Path] | None = None
+                     ) -> CheckpointCommitted | CheckpointFailed:
+    """Each rank's agent stores its set from the staging root, then the checkpoint service commits."""
+    return await ship_and_commit(LocalStore(tmp_path / "objects"), stagings, roots or [tmp_path / "staging"])
 
 
 def objects(tmp_path: Path) -> list[str]:
@@ -80,17 +79,16 @@ def objects(tmp_path: Path) -> list[str]:
 
 async def test_a_set_of_the_jobs_inside_the_root_commits(root: Path, tmp_path: Path) -> None:
     shards = write_set(root / JOB / "step-5", {"__0_0.distcp": os.urandom(5000), ".metadata": b"m"})
-    out = await run_commit([staged(str(root / JOB / "step-5"), shards)])
+    out = await run_commit([staged(str(root / JOB / "step-5"), shards)], tmp_path)
     assert isinstance(out, CheckpointCommitted), out
     assert objects(tmp_path) == [f"{JOB}/step000000005-a0/{n}" for n in (".metadata", "MANIFEST.json", "__0_0.distcp")]
 
 
-async def test_a_root_reached_through_a_symlink_still_commits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                               root: Path) -> None:
+async def test_a_root_reached_through_a_symlink_still_commits(tmp_path: Path, root: Path) -> None:
     os.symlink(root, tmp_path / "staging-link")
-    monkeypatch.setenv(checkpoint_service.STAGING_ENV, str(tmp_path / "staging-link"))
     shards = write_set(root / JOB / "step-5", {"__0_0.distcp": b"x" * 100})
-    out = await run_commit([staged(str(tmp_path / "staging-link" / JOB / "step-5"), shards)])
+    out = await run_commit([staged(str(tmp_path / "staging-link" / JOB / "step-5"), shards)], tmp_path,
+                           [tmp_path / "staging-link"])
     assert isinstance(out, CheckpointCommitted), out
 
 
@@ -159,9 +157,10 @@ async def test_a_staging_dir_that_is_not_the_jobs_set_under_the_root_uploads_not
     # the honest rank 0 staged a good set; the hostile rank 1's announcement dooms the whole checkpoint
     good = write_set(root / JOB / "step-5-r0", {"__0_0.distcp": b"g" * 64})
     out = await run_commit([staged(str(root / JOB / "step-5-r0"), good, world=2),
-                            staged(announce(root, tmp_path, secret_dir), shards, rank=1, world=2)])
+                            staged(announce(root, tmp_path, secret_dir), shards, rank=1, world=2)], tmp_path)
     assert isinstance(out, CheckpointFailed), out
-    assert "rank 1 (node n0) announced the staging dir" in out.reason and says in out.reason, out.reason
+    assert "node n0 could not store its ranks' shards: rank 1 announced the staging dir" in out.reason, out.reason
+    assert says in out.reason, out.reason
     assert "nothing was uploaded" in out.reason
     assert objects(tmp_path) == []
     assert (secret_dir / "credentials").read_bytes() == b"token=hunter2\n" * 100  # and nothing was removed
@@ -177,43 +176,49 @@ async def test_a_shard_that_links_out_of_its_set_uploads_nothing(
     os.symlink(target, folder / "__0_0.distcp")
     assert (folder / "__0_0.distcp").read_bytes() == (secret_dir / "credentials").read_bytes()
     shard = ShardInfo(path="__0_0.distcp", size=info.size, sha256=info.sha256)
-    out = await run_commit([staged(str(folder), [*good, shard])])
+    out = await run_commit([staged(str(folder), [*good, shard])], tmp_path)
     assert isinstance(out, CheckpointFailed), out
     assert "__0_0.distcp" in out.reason and "outside" in out.reason, out.reason
     assert objects(tmp_path) == []
 
 
-def test_the_staging_root_defaults_to_the_data_dirs_and_takes_several(tmp_path: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(checkpoint_service.STAGING_ENV, raising=False)
-    monkeypatch.setenv(checkpoint_service.DATA_DIR_ENV, str(tmp_path / "data"))
-    assert checkpoint_service.staging_roots() == [tmp_path / "data" / "staging"]  # where `flightdeck up`'s agent stages
-    monkeypatch.setenv(checkpoint_service.STAGING_ENV, f"{tmp_path}/a{os.pathsep}{os.pathsep}{tmp_path}/b")
-    assert checkpoint_service.staging_roots() == [tmp_path / "a", tmp_path / "b"]
-
-
 @pytest.mark.timeout(60)
-async def test_through_the_live_service_a_hostile_staging_is_recorded_failed(
+async def test_through_a_live_agent_and_service_a_hostile_staging_fails_and_a_good_one_commits(
         nats_server: broker_mod.Broker, root: Path, tmp_path: Path, secret: tuple[Path, list[ShardInfo]]) -> None:
     secret_dir, shards = secret
     store = await JetStreamStore.connect(nats_server.url, name="staging-test")
     stop = asyncio.Event()
     task = asyncio.create_task(run_service(checkpoint_service.build(), nats_server.url, stop_event=stop,
                                            policy=ConsumerPolicy(fetch_s=0.2)))
+    shipper = Shipper(node="n0", producer="agent-n0", store=store, objects=LocalStore(tmp_path / "objects"),
+                      staging=root)
     try:
         spec = JobSpec(name="s", slots=1, train=TrainSpec(steps=100, checkpoint_every=5))
         await append_to_job(store, JobSubmitted(job_id=JOB, spec=spec, event_id="sub", occurred_at=1.0, producer="cli"))
+        shipper.watch(JOB, 0, [0], await shipper.start_seq())
         await store.append(subjects.telemetry(JOB, 0, "CheckpointStaged"), staged(str(secret_dir), shards))
+        good = write_set(root / JOB / "step-10", {"__0_0.distcp": os.urandom(3000), ".metadata": b"m"})
+        await store.append(subjects.telemetry(JOB, 0, "CheckpointStaged"),
+                           staged(str(root / JOB / "step-10"), good, step=10))
 
-        async def failed() -> bool:
+        async def decided() -> bool:
             assert not task.done(), task
-            return any(isinstance(s.event, CheckpointFailed) for s in await read_all(store, subjects.CONTROL))
-        await eventually(failed, 30, "the checkpoint service to record CheckpointFailed")
-        (fail,) = [s.event for s in await read_all(store, subjects.CONTROL) if isinstance(s.event, CheckpointFailed)]
+            return len([s for s in await read_all(store, subjects.CONTROL)
+                        if isinstance(s.event, CheckpointFailed | CheckpointCommitted)]) == 2
+        await eventually(decided, 30, "the checkpoint service to record both outcomes")
+        await shipper.finish(JOB, 0)
+        reports = [s.event for s in await read_all(store, subjects.TELEMETRY) if isinstance(s.event, ShardsUploaded)]
+        assert [(r.step, r.ranks, r.node, bool(r.failed)) for r in reports] == [(5, [0], "n0", True),
+                                                                                (10, [0], "n0", False)]
+        outcomes = [s.event for s in await read_all(store, subjects.CONTROL)
+                    if isinstance(s.event, CheckpointFailed | CheckpointCommitted)]
+        fail, done = outcomes
         assert isinstance(fail, CheckpointFailed) and "outside the staging roots" in fail.reason, fail
-        assert not any(isinstance(s.event, CheckpointCommitted) for s in await read_all(store, subjects.CONTROL))
-        assert objects(tmp_path) == []
+        assert isinstance(done, CheckpointCommitted) and done.step == 10, done
+        assert objects(tmp_path) == [f"{JOB}/step000000010-a0/{n}" for n in (".metadata", "MANIFEST.json",
+                                                                              "__0_0.distcp")]
     finally:
+        await shipper.close()
         stop.set()
         await asyncio.gather(task, return_exceptions=True)
         await store.close()

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from events.jetstream import JetStreamStore
-from services.checkpoints.service import OBJECTS_ENV, STAGING_ENV
+from services.checkpoints.service import OBJECTS_ENV
 from services.shell import broker as broker_mod
 from services.shell.objects import manifest as mf
 from services.shell.objects.open import open_store
@@ -74,9 +74,8 @@ class Platform(Cluster):
 
     def process_env(self, name: str) -> dict[str, str]:
         """The environment process `name` runs with (a subclass adds, e.g., its broker credentials)."""
-        # every agent's data dir is under root (data/, data-n2/ ...): the checkpoint service uploads their stagings
-        return {**os.environ, "PYTHONPATH": str(ROOT), "FLIGHTDECK_LOG_LEVEL": "INFO", STAGING_ENV: str(self.root),
-                **self.objects.env}
+        # nothing but the broker and the object store is shared: each agent stores its own ranks' stagings
+        return {**os.environ, "PYTHONPATH": str(ROOT), "FLIGHTDECK_LOG_LEVEL": "INFO", **self.objects.env}
 
     def _start(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
         env = self.process_env(name)

@@ -1,11 +1,13 @@
-"""A shard damaged between its rank staging it and the checkpoint service uploading it: the checkpoint
-fails naming the shard and its hashes, nothing of it stays in the object store, and the previous
-checkpoint stays the newest committed one.
+"""A shard damaged in the object store between its agent storing it and the checkpoint service committing
+it: the service reads every shard back, so the checkpoint fails naming the shard and its rank's announced
+hash, nothing of it stays in the object store, and the previous checkpoint stays the newest committed one.
+(A shard damaged on the node before its agent stores it is refused by the agent: test_objectstore_checkpoints.)
 
 Made deterministic rather than raced against the service's 1 Hz telemetry fold: the checkpoint service
-is not running while the ranks stage, the test damages a staged file, then starts the service, which
-folds both stagings from the stream. Rank 0 then sleeps inside step 20 (a `slow` drill fault), so no
-further checkpoint is taken and the job is still running when the service reads the stream."""
+is not running while the ranks stage and the agent stores their shards; the test damages a stored object,
+then starts the service, which folds the stagings and the agent's reports from the stream. Rank 0 then sleeps
+inside step 20 (a `slow` drill fault), so no further checkpoint is taken and the job is still running when the
+service reads the stream."""
 
 import asyncio
 import json
@@ -16,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from events import subjects
-from events.checkpoint import CheckpointCommitted, CheckpointFailed, CheckpointStaged
+from events.checkpoint import CheckpointCommitted, CheckpointFailed, CheckpointStaged, ShardsUploaded
 from events.job import WorkersExited
 from events.spec import FaultSpec, JobSpec, ModelSpec, PolicySpec, TrainSpec
 from services.checkpoints.core import checkpoint_id
@@ -53,11 +55,15 @@ async def test_a_corrupted_shard_fails_its_checkpoint_and_the_previous_one_stays
         def staged(step: int) -> dict[int, CheckpointStaged]:
             return {e.rank: e for e in c.seen(CheckpointStaged, JOB, stream=subjects.TELEMETRY) if e.step == step}
 
-        await c.until(lambda: len(staged(10)) == 2 and len(staged(20)) == 2, 60, "both ranks to stage steps 10 and 20",
-                      JOB)
+        def stored(step: int) -> set[int]:
+            return {r for e in c.seen(ShardsUploaded, JOB, stream=subjects.TELEMETRY)
+                    if e.step == step and not e.failed for r in e.ranks}
+
+        await c.until(lambda: len(staged(10)) == 2 and stored(20) == {0, 1}, 60,
+                      "both ranks to stage steps 10 and 20, and the agent to store them", JOB)
         victim = staged(20)[1]
         shard = max(victim.shards, key=lambda s: s.size)  # rank 1's DCP data file
-        flip(Path(victim.staging_dir) / shard.path)
+        flip(Path(local_objects.url) / "checkpoints" / JOB / checkpoint_id(0, 20) / shard.path)
 
         c.service("checkpoints")
         await c.until(lambda: bool(c.seen(CheckpointFailed, JOB)) and bool(c.seen(CheckpointCommitted, JOB)), 60,
@@ -66,7 +72,7 @@ async def test_a_corrupted_shard_fails_its_checkpoint_and_the_previous_one_stays
         (committed,) = c.seen(CheckpointCommitted, JOB)
         bad, good = checkpoint_id(0, 20), checkpoint_id(0, 10)
         assert failed.step == 20 and committed.step == 10 and committed.checkpoint_id == good
-        for words in (bad, repr(shard.path), "of rank 1", "corrupt", shard.sha256):
+        for words in (bad, repr(shard.path), "of rank 1", "does not match its rank's announcement", shard.sha256):
             assert words in failed.reason, (words, failed.reason)
         assert c.seen(WorkersExited, JOB) == []  # the job still runs: the failure was the checkpoint's alone
 

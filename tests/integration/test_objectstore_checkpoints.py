@@ -1,17 +1,26 @@
-"""Commit and restore through each object store: upload + verify + manifest last, failures that leave
-nothing committed, and restores that refuse tampered shards and manifests that point outside."""
+"""Commit and restore through each object store: each rank's agent stores its shards, checked against the
+rank's announcement; the checkpoint service reads them back and writes the manifest last. Failures leave nothing
+committed and nothing stored; restores refuse tampered shards and manifests that point outside."""
 
 import asyncio
 import hashlib
 import os
 import re
+import shutil
 from pathlib import Path
 
 import msgspec
 import pytest
 
 from events import subjects
-from events.checkpoint import CheckpointCommitted, CheckpointFailed, CheckpointStaged, DataPosition, ShardInfo
+from events.checkpoint import (
+    CheckpointCommitted,
+    CheckpointFailed,
+    CheckpointStaged,
+    DataPosition,
+    ShardInfo,
+    ShardsUploaded,
+)
 from services.checkpoints import core
 from services.checkpoints.core import CommitArgs, DeleteArgs
 from services.checkpoints.uploader import handlers
@@ -19,6 +28,7 @@ from services.core import Emit
 from services.shell.objects import manifest as mf
 from services.shell.objects.store import ObjectStore
 from tests.integration.s3_fixture import moto_s3, store
+from tests.integration.shipping_helpers import fold, ship, ship_and_commit
 
 __all__ = ["moto_s3", "store"]
 pytestmark = pytest.mark.timeout(90)
@@ -43,18 +53,18 @@ def stage(root: Path, step: int, world: int = 2, *, attempt: int = 0, big: int =
     return out
 
 
-def commit_args(stagings: list[CheckpointStaged]) -> CommitArgs:
-    """The effect the pure core asks for once every rank has staged."""
-    state, outputs = core.State(), []
+async def commit_args(store: ObjectStore, stagings: list[CheckpointStaged], root: Path) -> CommitArgs:
+    """Every rank's agent stored its shards: the commit the pure core then asks for."""
+    events: list[CheckpointStaged | ShardsUploaded] = []
     for ev in stagings:
-        state, outputs = core.transition(state, ev)
-    [effect] = outputs
-    assert isinstance(effect, core.Effect) and effect.kind == core.COMMIT
-    return effect.args
+        events += [ev, await ship(store, ev, [root])]
+    args, failed = await fold(store, events)
+    assert failed is None and args is not None, failed
+    return args
 
 
-async def commit(store: ObjectStore, args: CommitArgs, **kw: bool) -> CheckpointCommitted | CheckpointFailed:
-    [emit] = await handlers(store, **kw)["commit"](args)
+async def commit(store: ObjectStore, args: CommitArgs) -> CheckpointCommitted | CheckpointFailed:
+    [emit] = await handlers(store)["commit"](args)
     assert isinstance(emit, Emit) and emit.subject == subjects.job(JOB, type(emit.event).__name__)
     assert isinstance(emit.event, CheckpointCommitted | CheckpointFailed)
     return emit.event
@@ -62,7 +72,7 @@ async def commit(store: ObjectStore, args: CommitArgs, **kw: bool) -> Checkpoint
 
 async def test_commit_then_restore(store: ObjectStore, tmp_path: Path) -> None:
     stagings = stage(tmp_path / "staging", 100, big=6 * 1024 * 1024)  # multipart on the S3 store
-    args = commit_args(stagings)
+    args = await commit_args(store, stagings, tmp_path / "staging")
     ev = await commit(store, args)
     assert isinstance(ev, CheckpointCommitted), ev
     cid = args.checkpoint_id
@@ -89,10 +99,10 @@ async def test_a_corrupted_shard_fails_the_checkpoint_and_commits_nothing(store:
     data = bytearray(shard.read_bytes())
     data[100:104] = bytes(b ^ 0xFF for b in data[100:104])  # bit rot after the rank hashed it
     shard.write_bytes(bytes(data))
-    ev = await commit(store, commit_args(stagings))
+    ev = await ship_and_commit(store, stagings, [tmp_path / "staging"])
     assert isinstance(ev, CheckpointFailed) and ev.step == 50
-    assert "corrupt" in ev.reason and "rank 1" in ev.reason
-    assert await store.list("") == []
+    assert "node n0 could not store" in ev.reason and "corrupt" in ev.reason and "rank 1" in ev.reason
+    assert await store.list("") == []  # rank 0's shards, stored before, are removed with the failed set
     with pytest.raises(mf.CheckpointMissing):
         await mf.download(store, JOB, core.checkpoint_id(0, 50), tmp_path / "restore")
 
@@ -100,7 +110,7 @@ async def test_a_corrupted_shard_fails_the_checkpoint_and_commits_nothing(store:
 async def test_a_missing_shard_fails_the_checkpoint(store: ObjectStore, tmp_path: Path) -> None:
     stagings = stage(tmp_path / "staging", 50)
     (Path(stagings[0].staging_dir) / ".metadata").unlink()
-    ev = await commit(store, commit_args(stagings))
+    ev = await ship_and_commit(store, stagings, [tmp_path / "staging"])
     assert isinstance(ev, CheckpointFailed) and "'.metadata' of rank 0" in ev.reason and "missing" in ev.reason
     assert await store.list("") == []
 
@@ -111,17 +121,37 @@ async def test_announced_paths_outside_the_staging_folder_are_refused(store: Obj
     secret.write_bytes(b"not a checkpoint")
     info = ShardInfo(path="../../../secret", size=16, sha256=hashlib.sha256(b"not a checkpoint").hexdigest())
     escaping = msgspec.structs.replace(stagings[1], shards=[info])
-    ev = await commit(store, commit_args([stagings[0], escaping]))
+    ev = await ship_and_commit(store, [stagings[0], escaping], [tmp_path / "staging"])
     assert isinstance(ev, CheckpointFailed) and "'..'" in ev.reason
     os.symlink(secret, Path(stagings[1].staging_dir) / "link.distcp")  # a symlink that leads out is refused too
     linked = msgspec.structs.replace(stagings[1], shards=[msgspec.structs.replace(info, path="link.distcp")])
-    ev = await commit(store, commit_args([stagings[0], linked]))
+    ev = await ship_and_commit(store, [stagings[0], linked], [tmp_path / "staging"])
     assert isinstance(ev, CheckpointFailed) and "outside" in ev.reason
     assert await store.list("") == []
 
 
+async def test_the_commit_reads_the_store_back_and_refuses_what_differs_from_the_announcement(
+        store: ObjectStore, tmp_path: Path) -> None:
+    """An agent that reports a shard stored that is not what its rank announced (altered in the store after the
+    upload, or never uploaded): the commit names it, writes no manifest and leaves nothing stored."""
+    args = await commit_args(store, stage(tmp_path / "staging", 60), tmp_path / "staging")
+    key = mf.shard_key(JOB, args.checkpoint_id, "__1_0.distcp")
+    await store.put_bytes(key, b"something else")
+    ev = await commit(store, args)
+    assert isinstance(ev, CheckpointFailed)
+    assert "shard '__1_0.distcp' of rank 1 (stored by node n0) does not match its rank's announcement: the store " \
+           "holds 14 bytes" in ev.reason, ev.reason
+    assert await store.list("") == []
+    args = await commit_args(store, stage(tmp_path / "staging", 70), tmp_path / "staging")
+    await store.delete(mf.shard_key(JOB, args.checkpoint_id, ".metadata"))
+    ev = await commit(store, args)
+    assert isinstance(ev, CheckpointFailed) and "'.metadata' of rank 0 (stored by node n0) is not in the store" \
+        in ev.reason, ev.reason
+    assert await store.list("") == []
+
+
 async def test_a_rerun_commits_again_but_a_different_writer_is_refused(store: ObjectStore, tmp_path: Path) -> None:
-    args = commit_args(stage(tmp_path / "staging", 75))
+    args = await commit_args(store, stage(tmp_path / "staging", 75), tmp_path / "staging")
     first = await commit(store, args)
     again = await commit(store, args)  # the same effect after a crash: its own manifest is already there
     assert isinstance(first, CheckpointCommitted) and again == first
@@ -131,8 +161,7 @@ async def test_a_rerun_commits_again_but_a_different_writer_is_refused(store: Ob
 
 
 async def test_restore_refuses_a_tampered_shard(store: ObjectStore, tmp_path: Path) -> None:
-    stagings = stage(tmp_path / "staging", 20)
-    ev = await commit(store, commit_args(stagings))
+    ev = await ship_and_commit(store, stage(tmp_path / "staging", 20), [tmp_path / "staging"])
     assert isinstance(ev, CheckpointCommitted)
     await store.put_bytes(mf.shard_key(JOB, ev.checkpoint_id, "__1_0.distcp"), b"tampered")
     with pytest.raises(mf.CorruptCheckpoint, match=re.escape("__1_0.distcp")):
@@ -159,16 +188,20 @@ async def test_restore_refuses_a_manifest_pointing_outside_its_prefix(store: Obj
 
 
 async def test_delete_effect_removes_only_the_named_checkpoints(store: ObjectStore, tmp_path: Path) -> None:
-    one = await commit(store, commit_args(stage(tmp_path / "staging", 10)))
-    two = await commit(store, commit_args(stage(tmp_path / "staging", 20)))
+    one = await ship_and_commit(store, stage(tmp_path / "staging", 10), [tmp_path / "staging"])
+    two = await ship_and_commit(store, stage(tmp_path / "staging", 20), [tmp_path / "staging"])
     assert isinstance(one, CheckpointCommitted) and isinstance(two, CheckpointCommitted)
     assert await handlers(store)["delete"](DeleteArgs(job_id=JOB, checkpoint_ids=[one.checkpoint_id])) == []
     assert await store.list(mf.prefix(JOB, one.checkpoint_id)) == []
     assert len(await store.list(mf.prefix(JOB, two.checkpoint_id))) == 4
 
 
-async def test_staged_files_can_be_removed_after_a_commit(store: ObjectStore, tmp_path: Path) -> None:
+async def test_the_commit_needs_no_staging_folder_only_the_store(store: ObjectStore, tmp_path: Path) -> None:
+    """The checkpoint service reads no host's disk: with the staging gone once the agents stored the shards (as
+    on another machine), the commit still lands and restores whole."""
     stagings = stage(tmp_path / "staging", 30)
-    ev = await commit(store, commit_args(stagings), remove_staging=True)
-    assert isinstance(ev, CheckpointCommitted)
-    assert not await asyncio.to_thread(Path(stagings[0].staging_dir).exists)
+    args = await commit_args(store, stagings, tmp_path / "staging")
+    await asyncio.to_thread(shutil.rmtree, tmp_path / "staging")
+    ev = await commit(store, args)
+    assert isinstance(ev, CheckpointCommitted), ev
+    await mf.download(store, JOB, ev.checkpoint_id, tmp_path / "r", expected_sha256=ev.manifest_sha256)

@@ -32,7 +32,8 @@ from trainer import bus
 ROOT = Path(__file__).resolve().parents[2]
 HISTORY = ROOT / "tests" / "fixtures" / "histories" / "spike.fdh.jsonl"
 TELEMETRY_TYPES = {"StepCompleted", "Heartbeat", "RankFault", "FaultInjected", "RolledBack", "RankStarted",
-                   "CheckpointStaged", "CheckpointRefused", "RankHeartbeats", "RankOutput"}  # RankOutput: on FD_LOGS
+                   "CheckpointStaged", "CheckpointRefused", "RankHeartbeats", "ShardsUploaded",
+                   "RankOutput"}  # RankOutput: on FD_LOGS; RankHeartbeats and ShardsUploaded: from agents
 
 
 def producer_perms(producer: str) -> permissions.Permissions:

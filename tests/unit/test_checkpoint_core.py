@@ -1,4 +1,6 @@
-"""The checkpoint core: the all-ranks rule, stale and duplicate stagings, retention and rollback holds."""
+"""The checkpoint core: the all-ranks rule (every rank staged, and its agent reported its shards stored), stale and
+duplicate stagings, retention and rollback holds. `run` folds an agent's report after each staging, as a node with
+one rank sends it, so each test reads its outputs at the staging's index; the tests of the reports fold their own."""
 
 from collections.abc import Iterable, Sequence
 
@@ -10,10 +12,12 @@ from events.base import Event
 from events.checkpoint import (
     CheckpointCommitted,
     CheckpointDeleted,
+    CheckpointFailed,
     CheckpointRejected,
     CheckpointStaged,
     DataPosition,
     ShardInfo,
+    ShardsUploaded,
 )
 from events.clock import ClockTick
 from events.codec import encode
@@ -23,7 +27,7 @@ from events.spec import JobSpec, PolicySpec, TrainSpec
 from events.store import Stored
 from events.training import RankStarted, RolledBack
 from services.checkpoints import core
-from services.checkpoints.core import CommitArgs, DeleteArgs, State, checkpoint_id
+from services.checkpoints.core import CommitArgs, DeleteArgs, Settings, State, checkpoint_id
 from services.core import Effect, Emit, Output
 from services.shell.fold import Folder
 
@@ -50,12 +54,27 @@ def submitted(keep: int, job: str = JOB) -> JobSubmitted:
     return JobSubmitted(job_id=job, spec=JobSpec(name="llm", policy=PolicySpec(keep_checkpoints=keep)))
 
 
-def run(events: Iterable[Event], state: State | None = None) -> tuple[State, list[list[Output]]]:
-    state = state if state is not None else core.State()
+LIVE = State(settings=Settings(shards_from="agents"))  # as the running service starts
+
+
+def stored(ev: CheckpointStaged, *, ranks: list[int] | None = None, failed: str = "") -> ShardsUploaded:
+    """What the node agent of `ev`'s rank reports once it put the rank's shards into the store."""
+    return ShardsUploaded(job_id=ev.job_id, rank=ev.rank, attempt=ev.attempt, node=ev.node, step=ev.step,
+                          timeline=ev.timeline, world_size=ev.world_size, ranks=ranks or [ev.rank], bytes=10,
+                          seconds=0.1, failed=failed, occurred_at=ev.occurred_at)
+
+
+def run(events: Iterable[Event], state: State | None = None, *,
+        reports: bool = True) -> tuple[State, list[list[Output]]]:
+    state = state if state is not None else LIVE
     outs = []
     for ev in events:
         state, decided = core.transition(state, ev)
-        outs.append(list(decided))
+        decided = list(decided)
+        if reports and isinstance(ev, CheckpointStaged):
+            state, more = core.transition(state, stored(ev))
+            decided += more
+        outs.append(decided)
     return state, outs
 
 
@@ -77,7 +96,7 @@ def test_commit_is_asked_once_when_the_last_rank_stages() -> None:
     assert args.checkpoint_id == checkpoint_id(0, 50) and args.step == 50 and args.world_size == 3
     assert [r.rank for r in args.ranks] == [0, 1, 2]
     assert args.created_at == 3.0 and args.data == DataPosition(next_batch=500)
-    assert args.ranks[2].shards == staged(2, 50, 3).shards and args.ranks[2].staging_dir == "/stage/llm-abc123/step-50"
+    assert args.ranks[2].shards == staged(2, 50, 3).shards and args.ranks[2].node == "n2"
 
 
 def test_duplicates_and_late_copies_are_ignored() -> None:
@@ -270,19 +289,20 @@ def test_outputs_pass_the_shared_fold() -> None:
 
     folder = Folder(core.core_service({"commit": nothing, "delete": nothing}))
 
-    def stored(stream: str, seq: int, subject: str, ev: Event) -> Stored:
+    def as_stored(stream: str, seq: int, subject: str, ev: Event) -> Stored:
         return Stored(stream=stream, seq=seq, subject=subject, data=encode(ev), msg_id="", event=ev)
 
-    tel = [stored(subjects.TELEMETRY, i + 1, subjects.telemetry(JOB, r, "CheckpointStaged"), staged(r, 50, 2))
-           for i, r in enumerate((0, 1))]
-    tick = ClockTick(service=core.SERVICE, now=1.0, positions={subjects.TELEMETRY: 2})
-    steps = folder.apply(stored(subjects.CONTROL, 1, subjects.clock(core.SERVICE), tick), tel)
-    assert [s.error for s in steps] == ["", "", ""]
-    assert [len(s.effects) for s in steps] == [0, 1, 0]
+    sets = [staged(r, 50, 2) for r in (0, 1)]
+    tel = [as_stored(subjects.TELEMETRY, i + 1, subjects.telemetry(JOB, ev.rank, type(ev).__name__), ev)
+           for i, ev in enumerate([*sets, stored(sets[0], ranks=[0, 1])])]
+    tick = ClockTick(service=core.SERVICE, now=1.0, positions={subjects.TELEMETRY: 3})
+    steps = folder.apply(as_stored(subjects.CONTROL, 1, subjects.clock(core.SERVICE), tick), tel)
+    assert [s.error for s in steps] == ["", "", "", ""]
+    assert [len(s.effects) for s in steps] == [0, 0, 1, 0]
     seq = 1
     for ev in [submitted(keep=1), committed(10), committed(20)]:
         seq += 1
-        [step] = folder.apply(stored(subjects.CONTROL, seq, subjects.job(JOB, type(ev).__name__), ev))
+        [step] = folder.apply(as_stored(subjects.CONTROL, seq, subjects.job(JOB, type(ev).__name__), ev))
         assert step.error == ""
     assert [o.event.checkpoint_id for o in step.outputs] == [checkpoint_id(0, 10)]
     assert step.outputs[0].msg_id == f"{core.SERVICE}:{subjects.CONTROL}:{seq}:0"
@@ -300,3 +320,47 @@ def test_a_rejected_checkpoint_is_deleted_and_never_counts_among_the_kept_good_o
     assert deleted(outs) == []  # 10 and 30 are the two good ones kept
     state, outs = run([committed(40)], state)
     assert deleted(outs) == [checkpoint_id(0, 10)]
+
+
+def test_nothing_commits_until_every_ranks_agent_reports_its_shards_stored() -> None:
+    a, b = staged(0, 50, 2, at=1.0), staged(1, 50, 2, at=2.0)
+    _, outs = run([a, b, stored(a), stored(b, ranks=[1])], reports=False)
+    assert outs[:3] == [[], [], []]
+    assert [c.checkpoint_id for c in commits(outs)] == [checkpoint_id(0, 50)] and commits(outs[3:])
+
+
+def test_one_report_covers_a_nodes_ranks_and_counts_only_ranks_that_staged() -> None:
+    a, b, c = staged(0, 50, 3), staged(1, 50, 3), staged(2, 50, 3)
+    _, outs = run([a, b, stored(a, ranks=[0, 1, 2]), c], reports=False)  # rank 2's report came before it staged
+    assert commits(outs) == []
+    _, outs = run([a, b, stored(a, ranks=[0, 1]), c, stored(c)], reports=False)
+    assert [len(o) for o in outs] == [0, 0, 0, 0, 1] and commits(outs)[0].world_size == 3
+
+
+def test_a_rank_staging_again_waits_for_its_agent_to_store_the_new_files() -> None:
+    a, b = staged(0, 50, 2), staged(1, 50, 2)
+    again = msgspec.structs.replace(b, shards=[ShardInfo(path="__1_0.distcp", size=99, sha256="9" * 64)])
+    _, outs = run([a, stored(a), b, stored(b)], reports=False)
+    assert len(commits(outs)) == 1
+    _, outs = run([a, stored(a), b, again, stored(b)], reports=False)
+    [args] = commits(outs)
+    assert args.ranks[1].shards == again.shards  # the store must hold what the newest announcement says
+
+
+def test_a_node_that_could_not_store_its_shards_fails_the_checkpoint_and_removes_what_was_stored() -> None:
+    a, b = staged(0, 50, 2), staged(1, 50, 2)
+    state, outs = run([a, stored(a), b, stored(b, failed="shard '__1_0.distcp' of rank 1 is corrupt")],
+                      reports=False)
+    failed = [o.event for o in outs[3] if isinstance(o, Emit)]
+    assert len(failed) == 1 and isinstance(failed[0], CheckpointFailed) and failed[0].step == 50
+    assert failed[0].reason == (f"{checkpoint_id(0, 50)}: node n1 could not store its ranks' shards: "
+                                "shard '__1_0.distcp' of rank 1 is corrupt")
+    assert [o.args for o in outs[3] if isinstance(o, Effect)] == [DeleteArgs(job_id=JOB,
+                                                                            checkpoint_ids=[checkpoint_id(0, 50)])]
+    _, later = run([stored(b)], state)  # a late report of the set changes nothing: it is never committed
+    assert later == [[]] and commits(outs) == []
+
+
+def test_a_history_from_before_agents_stored_shards_commits_on_the_stagings_alone() -> None:
+    _, outs = run([staged(0, 50, 2), staged(1, 50, 2)], core.State(), reports=False)
+    assert [c.checkpoint_id for c in commits(outs)] == [checkpoint_id(0, 50)] and outs[0] == []

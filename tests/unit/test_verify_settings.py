@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from events import codec
 from events.clock import CoreConfigured
 from events.fleet import NodeRegistered
 from events.job import AllocationGranted, AllocationRequested
@@ -33,7 +34,7 @@ async def test_an_old_history_verifies_with_the_defaults_whatever_the_environmen
         "(stop_timeout_s=120.0, landing_timeout_s=120.0)",
         "resources: no settings recorded in this history: replayed with the defaults (base=29500, span=1000)",
         "checkpoints: no settings recorded in this history: replayed with the defaults "
-        "(scrub_every_s=86400.0, scrub_mb_s=64.0)",
+        "(scrub_every_s=86400.0, scrub_mb_s=64.0, shards_from=staging)",
         "health: no settings recorded in this history: replayed with the defaults (tick_s=1.0)",
     ]
     assert [s.settings for s in cores()][:2] == [{"stop_timeout_s": 120.0, "landing_timeout_s": 120.0},
@@ -61,3 +62,15 @@ def test_settings_a_core_cannot_run_with_are_refused() -> None:
     audit = registry.build("scheduler", env={})
     with pytest.raises(ValueError, match="must be positive"):
         audit.transition(audit.initial, CoreConfigured(service="scheduler", settings={"stop_timeout_s": -1.0}))
+
+
+@pytest.mark.parametrize("name", registry.BUILTIN)
+def test_every_cores_settings_travel_as_a_recorded_core_configured_and_fold_back(name: str) -> None:
+    """What a shell records at start must decode (else its CoreConfigured is dead-lettered and a replay folds the
+    defaults), and folding it back must be accepted by the core, for the live settings and the unrecorded ones."""
+    svc = registry.build(name, env={})
+    for settings in (svc.settings, svc.unrecorded or svc.settings):
+        recorded = CoreConfigured(service=svc.name, settings=dict(settings), event_id="c", occurred_at=1.0)
+        back = codec.admit(codec.encode(recorded))
+        assert back == recorded
+        svc.transition(svc.initial, back)

@@ -35,7 +35,7 @@ NODE_TYPES: dict[str, tuple[str, ...]] = {
 # Telemetry a producer other than the job's ranks publishes, for any job: a node agent relays its ranks'
 # heartbeats in one batch per node (events/heartbeats.py). It starts any job's ranks already, so this
 # trusts it with nothing new; it still cannot publish a rank's steps, faults or checkpoints.
-TELEMETRY_TYPES: dict[str, tuple[str, ...]] = {"agent": ("RankHeartbeats",)}
+TELEMETRY_TYPES: dict[str, tuple[str, ...]] = {"agent": ("RankHeartbeats", "ShardsUploaded")}
 SCHEDULER_DECISIONS = JOB_TYPES["scheduler"]
 
 ADMIN, CONSOLE, AGENT = "admin", "console", "agent"

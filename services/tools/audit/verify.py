@@ -8,6 +8,7 @@ for a commit) must belong to an effect the replay asks for on the same input, or
 dead-lettered live. Inputs the live shell dead-lettered must be the ones the replay refuses.
 """
 
+import dataclasses
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -113,7 +114,7 @@ async def verify(store: EventStore, job_id: str, services: Sequence[Service[Any]
     scope = cores.Scope(job_id, history.control)
     checks: list[ServiceCheck] = []
     found: list[Divergence] = []
-    chosen = list(services) if services is not None else cores.cores()
+    chosen = unrecorded_settings(list(services) if services is not None else cores.cores(), history.control)
     for service in chosen:
         steps = [s async for s in _positioned(replay(service, store, until=history.horizon))]
         check, divergences = _compare(service.name, steps, history, scope)
@@ -131,6 +132,19 @@ async def verify(store: EventStore, job_id: str, services: Sequence[Service[Any]
                      "a job's history does not keep")
     found.sort(key=lambda d: d.position)  # stable: within one input, the service order and output order stay
     return Verdict(job_id, history.horizon, checks, found, notes)
+
+
+def unrecorded_settings(services: list[Service[Any]], control: Sequence[Stored]) -> list[Service[Any]]:
+    """Each core whose settings the history never recorded (it was written before services recorded them) starts
+    from the settings its services then ran with, where those differ from today's defaults (`Service.unrecorded`)."""
+    recorded = {s.event.service for s in control if isinstance(s.event, CoreConfigured)}
+    out: list[Service[Any]] = []
+    for s in services:
+        if s.unrecorded is not None and s.name not in recorded:
+            initial, _ = s.transition(s.initial, CoreConfigured(service=s.name, settings=dict(s.unrecorded)))
+            s = dataclasses.replace(s, initial=initial, settings=s.unrecorded)
+        out.append(s)
+    return out
 
 
 def settings_notes(services: Sequence[Service[Any]], control: Sequence[Stored]) -> list[str]:

@@ -11,6 +11,7 @@ from events.checkpoint import (
     CheckpointRejected,
     CheckpointScrubbed,
     CheckpointStaged,
+    ShardsUploaded,
 )
 from events.commands import CheckpointRequested, PauseRequested, ResumeRequested, RollbackRequested, StopRequested
 from events.findings import LossSpikeDetected, NonFiniteLoss, RankHung, RankLost, StragglerDetected
@@ -52,6 +53,11 @@ def describe(ev: Event) -> str:
                    f"[{ev.skip_from}, {ev.skip_to})"
         case CheckpointStaged():
             return f"rank {ev.rank} staged step {ev.step} (stall {ev.stall_s * 1e3:.1f} ms)"
+        case ShardsUploaded(failed=failed) if failed:
+            return f"{ev.node} could not store step {ev.step} of ranks {_ranks(ev.ranks)}: {failed[:200]}"
+        case ShardsUploaded():
+            return f"{ev.node} stored step {ev.step} of ranks {_ranks(ev.ranks)} in the object store: {ev.bytes} " \
+                   f"bytes in {ev.seconds:.2f} s"
         case WorkersExited():
             return f"rank {ev.rank} (attempt {ev.attempt}) on {ev.node} exited with code {ev.exit_code}"
         case CheckpointRejected():
@@ -136,3 +142,14 @@ class Mark:
 
 def mark(ev: Event, at: float) -> Mark:
     return Mark(at=at, type=type(ev).__name__, event_id=ev.event_id, detail=describe(ev))
+
+
+def _ranks(ranks: list[int]) -> str:
+    """0-3, 8 rather than 0, 1, 2, 3, 8: a node's report may cover many ranks."""
+    runs: list[list[int]] = []
+    for r in sorted(set(ranks)):
+        if runs and runs[-1][1] == r - 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
