@@ -84,10 +84,11 @@ class Broker:
     log_path: Path
     config: Path = CONFIG
     extra_args: tuple[str, ...] = ()  # what `restart` starts it with again (a cluster member's name and routes)
+    host: str = "127.0.0.1"  # the address it listens on
 
     @property
     def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
+        return f"nats://{self.host}:{self.port}"
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.proc.poll() is None:
@@ -101,28 +102,28 @@ class Broker:
     def restart(self) -> "Broker":
         """The same server again (same port, store and arguments), once this one has exited."""
         return start(self.store_dir, self.port, config=self.config, log_path=self.log_path,
-                     extra_args=self.extra_args)
+                     extra_args=self.extra_args, host=self.host)
 
 
 def start(store_dir: Path, port: int = 0, *, config: Path = CONFIG, log_path: Path | None = None,
-          extra_args: tuple[str, ...] = (), timeout: float = 15.0) -> Broker:
-    """Start nats-server with JetStream; returns once it accepts connections."""
+          extra_args: tuple[str, ...] = (), timeout: float = 15.0, host: str = "127.0.0.1") -> Broker:
+    """Start nats-server with JetStream, listening on `host`; returns once it accepts connections."""
     path = binary()
     check_version(version(path))
     port = port or free_port()
     store_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_path or store_dir / "nats-server.log"
-    args = [path, "-c", str(config), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store_dir),
+    args = [path, "-c", str(config), "-a", host, "-p", str(port), "-js", "-sd", str(store_dir),
             "-l", str(log_path), *extra_args]
     proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             start_new_session=True)
     try:
-        wait_port("127.0.0.1", port, timeout)
+        wait_port(host, port, timeout)
     except BrokerError:
         proc.kill()
         err = proc.stderr.read().decode() if proc.stderr else ""
         raise BrokerError(f"nats-server failed to start: {err or log_path.read_text()[-2000:]}") from None
-    return Broker(proc, port, store_dir, log_path, config, extra_args)
+    return Broker(proc, port, store_dir, log_path, config, extra_args, host)
 
 
 @dataclass

@@ -8,6 +8,7 @@ Credentials go through the environment, the same standard chain production uses.
 
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,15 +29,16 @@ class MotoS3:
     region: str = "us-east-1"
 
 
-@pytest.fixture
-def moto_s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[MotoS3]:
+@contextmanager
+def moto_server(monkeypatch: pytest.MonkeyPatch, ip_address: str = "127.0.0.1") -> Iterator[MotoS3]:
+    """moto's S3 over HTTP on `ip_address`, with one fresh bucket; AWS credentials for it in the environment."""
     for name, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
                         ("AWS_DEFAULT_REGION", "us-east-1")):
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("AWS_PROFILE", raising=False)
     monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
     monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server = ThreadedMotoServer(ip_address=ip_address, port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
     endpoint = f"http://{host}:{port}"
@@ -47,6 +49,12 @@ def moto_s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[MotoS3]:
         yield MotoS3(endpoint=endpoint, bucket=bucket)
     finally:
         server.stop()
+
+
+@pytest.fixture
+def moto_s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[MotoS3]:
+    with moto_server(monkeypatch) as s3:
+        yield s3
 
 
 @pytest.fixture(params=["local", "s3"])
