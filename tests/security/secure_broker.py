@@ -30,6 +30,7 @@ class SecureBroker:
     root: Path
     jobs: tuple[str, ...] = ()
     nodes: tuple[str, ...] = NODES
+    gate: bool = False  # jobs admitted by the job gate (auth callout) instead of users in the config
     broker: broker_mod.Broker | None = None
     secrets: SecretsDir = field(init=False)
 
@@ -46,7 +47,7 @@ class SecureBroker:
         return self.root / "accounts.conf"
 
     def write_config(self) -> Path:
-        self.accounts.write_text(rendered(self.secrets, self.nodes, self.jobs, cost=4))
+        self.accounts.write_text(rendered(self.secrets, self.nodes, self.jobs, cost=4, gate=self.gate))
         conf = self.root / "server.conf"
         conf.write_text(broker_mod.CONFIG.read_text() + '\ninclude "accounts.conf"\n')
         return conf

@@ -17,8 +17,10 @@ import warnings
 from pathlib import Path
 
 from events import subjects
+from services.shell.security import natsjwt
 
 JOB_KEY = "job.key"
+ISSUER_SEED = "issuer.seed"  # the job gate's account nkey seed (gate.py)
 DEFAULT_COST = 11  # bcrypt work factor: the server checks it on every connect
 
 
@@ -50,6 +52,16 @@ class SecretsDir:
         if not path.exists():
             write_private(path, secrets.token_urlsafe(32) + "\n")
         return read_secret(path)
+
+    @property
+    def issuer_seed_file(self) -> Path:
+        return self.root / ISSUER_SEED
+
+    def issuer_seed(self) -> bytes:
+        """The account nkey seed the job gate signs jobs' identities with; the server trusts its public key."""
+        if not self.issuer_seed_file.exists():
+            write_private(self.issuer_seed_file, natsjwt.new_account_seed().decode() + "\n")
+        return read_secret(self.issuer_seed_file).encode()
 
     def password_file(self, user: str) -> Path:
         return self.root / f"{subjects.token(user)}.password"

@@ -39,6 +39,8 @@ TELEMETRY_TYPES: dict[str, tuple[str, ...]] = {"agent": ("RankHeartbeats", "Shar
 SCHEDULER_DECISIONS = JOB_TYPES["scheduler"]
 
 ADMIN, CONSOLE, AGENT = "admin", "console", "agent"
+GATE = "gate"  # the job gate: nats-server's auth callout for jobs' ranks (gate.py)
+AUTH_REQUESTS = "$SYS.REQ.USER.AUTH"
 JS = "$JS.API"
 
 
@@ -72,6 +74,7 @@ class Permissions:
     publish_deny: tuple[str, ...] = ()
     subscribe_deny: tuple[str, ...] = ()
     everything: bool = False  # admin: no permissions block at all
+    responses: bool = False  # may answer the requests it receives (allow_responses), whatever their reply subject
 
     def may_publish(self, subject: str) -> bool:
         return self.everything or _allowed(subject, self.publish, self.publish_deny)
@@ -145,6 +148,13 @@ def console(nodes: tuple[str, ...] = ()) -> Permissions:
                *_reader_api(CONSOLE)]
     return Permissions(user=CONSOLE, publish=tuple(publish), subscribe=(f"{inbox(CONSOLE)}.>",),
                        publish_deny=tuple(_others_durables("", nodes)))
+
+
+def gate() -> Permissions:
+    """The job gate: receives the server's authorization requests and answers them; reads the control stream to
+    know which jobs run. Nothing else."""
+    return Permissions(user=GATE, publish=tuple(_reader_api(GATE)), subscribe=(AUTH_REQUESTS, f"{inbox(GATE)}.>"),
+                       responses=True)
 
 
 def admin() -> Permissions:

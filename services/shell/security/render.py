@@ -40,19 +40,27 @@ def user_block(perms: Permissions, password: str) -> str:
     head = f"    {{user: {json.dumps(perms.user)}, password: {password}"
     if perms.everything:
         return head + "}"
+    responses = "        allow_responses: true\n" if perms.responses else ""
     return (f"{head},\n      permissions: {{\n"
             f"        publish: {_direction(perms.publish, perms.publish_deny)}\n"
             f"        subscribe: {_direction(perms.subscribe, perms.subscribe_deny)}\n"
+            f"{responses}"
             f"      }}}}")
 
 
-def render(users: Sequence[Permissions], password: Callable[[str], str]) -> str:
-    """The authorization block; `password(user)` gives each user's config value."""
+def render(users: Sequence[Permissions], password: Callable[[str], str], *, issuer: str = "") -> str:
+    """The authorization block; `password(user)` gives each user's config value. With `issuer` (an account public
+    nkey, or `$VARIABLE`), every other connection is handed to the job gate (auth callout): the users listed here
+    bypass it, a job's ranks get a short-lived identity from the gate (gate.py)."""
     names = [u.user for u in users]
     if len(set(names)) != len(names):
         raise ValueError(f"a user appears twice: {sorted(n for n in names if names.count(n) > 1)}")
     body = "\n".join(user_block(u, password(u.user)) for u in users)
-    return f"{HEADER}authorization {{\n  users = [\n{body}\n  ]\n}}\n"
+    callout = ""
+    if issuer:
+        value = issuer if issuer.startswith("$") else json.dumps(issuer)
+        callout = f"  auth_callout {{\n    issuer: {value}\n    auth_users: {_list(names)}\n  }}\n"
+    return f"{HEADER}authorization {{\n  users = [\n{body}\n  ]\n{callout}}}\n"
 
 
 def hashed(hashes: Callable[[str], str]) -> Callable[[str], str]:
