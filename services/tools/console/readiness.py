@@ -9,6 +9,7 @@ from nats.js.errors import NotFoundError
 from events.jsreader import is_unavailable
 from events.subjects import CONTROL
 from services.shell.runtime import consumer_name
+from services.shell.security.credentials import client_options
 
 
 async def listening(url: str, names: Iterable[str]) -> set[str]:
@@ -19,7 +20,7 @@ async def listening(url: str, names: Iterable[str]) -> set[str]:
 
     try:
         nc = await nats.connect(url, connect_timeout=2, allow_reconnect=False, max_reconnect_attempts=0,
-                                error_cb=quiet)
+                                error_cb=quiet, **client_options())
     except Exception as exc:
         if is_unavailable(exc):
             return set()

@@ -6,6 +6,7 @@ with `--detach` it starts the same thing in a new session and returns once every
 
 import argparse
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -21,6 +22,10 @@ import structlog
 
 from services import registry
 from services.shell import broker as broker_mod
+from services.shell.security import permissions
+from services.shell.security.__main__ import rendered
+from services.shell.security.credentials import JOB_KEY_FILE, PASSWORD_FILE, USER
+from services.shell.security.passwords import SecretsDir, write_private
 from services.tools.cli import Command, UserError, add_nats_argument
 from services.tools.connect import connect
 from services.tools.console import upstate
@@ -35,6 +40,7 @@ OTHER_PROCESSES: tuple[tuple[str, tuple[str, ...]], ...] = (("agent", ("-m", "se
 READY_AFTER_S = 1.0  # every process alive this long, and every service reading (readiness.py): ready
 DETACH_TIMEOUT_S = 60.0
 DEFAULT_DATA_DIR = ".flightdeck"
+LOOPBACK = "127.0.0.1"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,22 +49,61 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where the broker's store, logs and state live (default: ./.flightdeck)")
     parser.add_argument("--port", type=int, default=4222, help="port for the embedded broker (default: 4222)")
     parser.add_argument("--detach", action="store_true", help="run in the background; `flightdeck down` stops it")
+    parser.add_argument("--listen", default=LOOPBACK, metavar="ADDR",
+                        help="the address the embedded broker listens on, so other hosts' agents can join "
+                             f"(default: {LOOPBACK}); any other needs --secrets")
+    parser.add_argument("--secrets", default=None, metavar="DIR",
+                        help="users, passwords and keys (created if missing): every connection then needs "
+                             "credentials, and jobs get theirs from the job gate")
 
 
-def process_specs(url: str, data_dir: Path) -> list[ProcessSpec]:
+def process_specs(url: str, data_dir: Path, secrets: Path | None = None) -> list[ProcessSpec]:
+    """Every service, the node agent and, with `secrets`, the job gate: each as its own broker user."""
     table = [*((name, ("-m", "services", name)) for name in registry.names()), *OTHER_PROCESSES]
     env = {"FLIGHTDECK_NATS_URL": url, "FLIGHTDECK_DATA_DIR": str(data_dir)}
-    return [ProcessSpec(name, (sys.executable, *args, "--nats", url), env) for name, args in table]
+    if secrets is None:
+        return [ProcessSpec(name, (sys.executable, *args, "--nats", url), env) for name, args in table]
+    vault = SecretsDir(secrets)
+
+    def user(name: str) -> dict[str, str]:
+        who = permissions.AGENT if name == "agent" else name
+        vault.password(who)
+        extra = {JOB_KEY_FILE: str(vault.job_key_file)} if name == "agent" else {}
+        return {**env, USER: who, PASSWORD_FILE: str(vault.password_file(who)), **extra}
+
+    specs = [ProcessSpec(name, (sys.executable, *args, "--nats", url), user(name)) for name, args in table]
+    gate = ("-m", "services.shell.security", "gate", "--secrets", str(secrets), "--nats", url)
+    return [*specs, ProcessSpec("gate", (sys.executable, *gate), env)]
+
+
+def secured(data_dir: Path, secrets: Path) -> Path:
+    """The broker config for a broker on the network: Flightdeck's users (hashed) and the job gate's callout."""
+    vault = SecretsDir(secrets)
+    vault.job_key()
+    accounts = data_dir / "nats-accounts.conf"
+    write_private(accounts, rendered(vault, (), (), gate=True))
+    conf = data_dir / "nats-server.conf"
+    conf.write_text(broker_mod.CONFIG.read_text() + f"\ninclude {json.dumps(accounts.name)}\n")
+    return conf
+
+
+def check_listen(args: argparse.Namespace) -> None:
+    """Never an open broker on the network: listening anywhere but loopback takes credentials."""
+    if args.nats is None and args.listen not in (LOOPBACK, "localhost") and args.secrets is None:
+        raise UserError(f"--listen {args.listen} puts the broker on the network: pass --secrets DIR too, so that "
+                        "every connection needs credentials (flightdeck never runs an open broker there)")
 
 
 def run(args: argparse.Namespace) -> int:
     data_dir = Path(args.data_dir).resolve()
+    check_listen(args)
+    secrets = Path(args.secrets).resolve() if args.secrets else None
     if args.detach:
         return detach(args, data_dir)
     lock = _lock(data_dir)
     _clean_leftovers(data_dir)
     if args.nats is None:
-        check_port(args.port)
+        check_port(args.port, args.listen)
     try:
         registry.names()
     except registry.UnknownService as exc:
@@ -67,8 +112,13 @@ def run(args: argparse.Namespace) -> int:
     stopping.install()
     (data_dir / "logs").mkdir(parents=True, exist_ok=True)
     broker = None
+    if secrets is not None:  # this process provisions the streams and checks readiness as `admin`
+        vault = SecretsDir(secrets)
+        vault.password(permissions.ADMIN)
+        os.environ[USER], os.environ[PASSWORD_FILE] = permissions.ADMIN, str(vault.password_file(permissions.ADMIN))
     if args.nats is None:
-        broker = _start_broker(data_dir, args.port)
+        config = secured(data_dir, secrets) if secrets is not None else broker_mod.CONFIG
+        broker = _start_broker(data_dir, args.port, args.listen, config)
     url = broker.url if broker else args.nats
     try:
         asyncio.run(_provision(url))
@@ -76,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
         if broker:
             broker.stop()
         raise
-    up = _Up(data_dir, url, broker)
+    up = _Up(data_dir, url, broker, secrets)
     try:
         up.run(stopping)
     finally:
@@ -111,11 +161,12 @@ class _Up:
     data_dir: Path
     url: str
     broker: broker_mod.Broker | None
+    secrets: Path | None = None
 
     def __post_init__(self) -> None:
         self.started_at = time.time()
         self.status: Literal["starting", "ready", "stopping"] = "starting"
-        self.supervisor = Supervisor(process_specs(self.url, self.data_dir), self.data_dir / "logs",
+        self.supervisor = Supervisor(process_specs(self.url, self.data_dir, self.secrets), self.data_dir / "logs",
                                      on_change=self.save)
         self._broker_backoff = Backoff()
         self._broker_failures = 0
@@ -137,6 +188,14 @@ class _Up:
               flush=True)
         for child in self.supervisor.children:
             print(f"flightdeck: {child.spec.name} pid {child.pid}, log {child.log_path}", flush=True)
+        if self.secrets is not None:
+            vault = SecretsDir(self.secrets)
+            print(f"flightdeck: credentials in {self.secrets}; another host's agent joins with\n"
+                  f"  {USER}=agent {PASSWORD_FILE}=<copy of {vault.password_file(permissions.AGENT)}> "
+                  f"{JOB_KEY_FILE}=<copy of {vault.job_key_file}> flightdeck agent --nats {self.url} "
+                  "--address <its address>\n"
+                  f"  and the CLI with {USER}=console {PASSWORD_FILE}={vault.password_file(permissions.CONSOLE)}",
+                  flush=True)
         while not stopping:
             self.supervisor.step()
             self._watch_broker()
@@ -180,7 +239,7 @@ class _Up:
         if now < self._broker_due:
             return
         try:
-            self.broker = broker_mod.start(self.broker.store_dir, self.broker.port, log_path=self.broker.log_path)
+            self.broker = self.broker.restart()  # same port, store, config and address
         except broker_mod.BrokerError as exc:
             log.error("broker did not restart", error=str(exc))
             self._broker_due = None  # counts as another failure: the next try waits longer
@@ -192,7 +251,7 @@ class _Up:
         self.save()
 
 
-def check_port(port: int) -> None:
+def check_port(port: int, host: str = "127.0.0.1") -> None:
     """Refuse early when the port is taken, rather than let nats-server fail in its log."""
     if port == 0:
         return
@@ -200,7 +259,7 @@ def check_port(port: int) -> None:
         # nats-server sets SO_REUSEADDR too: a port in TIME_WAIT is free for it, a listener is not.
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind(("127.0.0.1", port))
+            s.bind((host, port))
         except OSError:
             raise UserError(f"port {port} is taken (another nats-server or flightdeck up?): pass --port N, "
                             "or --nats URL to use a broker that is already running") from None
@@ -227,9 +286,11 @@ def _clean_leftovers(data_dir: Path) -> None:
         upstate.remove_state(data_dir)
 
 
-def _start_broker(data_dir: Path, port: int) -> broker_mod.Broker:
+def _start_broker(data_dir: Path, port: int, host: str = LOOPBACK, config: Path = broker_mod.CONFIG
+                  ) -> broker_mod.Broker:
     try:
-        return broker_mod.start(data_dir / "nats", port, log_path=data_dir / "logs" / "nats-server.log")
+        return broker_mod.start(data_dir / "nats", port, log_path=data_dir / "logs" / "nats-server.log", host=host,
+                                config=config)
     except broker_mod.BrokerError as exc:
         raise UserError(str(exc)) from None
 
@@ -240,7 +301,7 @@ def detach(args: argparse.Namespace, data_dir: Path) -> int:
     try:
         _clean_leftovers(data_dir)
         if args.nats is None:
-            check_port(args.port)
+            check_port(args.port, args.listen)
     finally:
         os.close(lock)
     logs = data_dir / "logs"
@@ -248,6 +309,7 @@ def detach(args: argparse.Namespace, data_dir: Path) -> int:
     argv = [sys.executable, "-m", "services.tools.console", "up", "--data-dir", str(data_dir), "--port", str(args.port)]
     if args.nats is not None:
         argv += ["--nats", args.nats]
+    argv += ["--listen", args.listen] + (["--secrets", str(Path(args.secrets).resolve())] if args.secrets else [])
     with open(logs / "up.log", "ab") as out:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)

@@ -1,0 +1,59 @@
+"""`flightdeck up --listen ADDR`: a broker other hosts can reach is never open. Without `--secrets` it refuses to
+start; with it, every process runs as its own broker user, an anonymous connection is refused, and a job runs to
+completion with its ranks admitted by the job gate (no per-job step). Listens on 127.0.0.2 (loopback, but not the
+default address)."""
+
+import asyncio
+import os
+from pathlib import Path
+
+import nats
+import pytest
+
+from events.spec import JobSpec, ModelSpec, TrainSpec, spec_toml
+from services.shell import broker
+from services.tools.console import upstate
+from tests.integration.test_console import flightdeck
+
+pytestmark = pytest.mark.timeout(300)
+ADDR = "127.0.0.2"
+
+
+def test_listening_beyond_loopback_without_credentials_is_refused(tmp_path: Path) -> None:
+    done = flightdeck("up", "--listen", ADDR, "--data-dir", str(tmp_path / "d"), "--port", str(broker.free_port()))
+    assert done.returncode != 0
+    assert f"--listen {ADDR} puts the broker on the network: pass --secrets DIR too" in done.stderr, done.stderr
+    assert upstate.read_state(tmp_path / "d") is None  # nothing was started
+
+
+def test_a_secured_up_refuses_strangers_and_runs_a_job_through_the_gate(tmp_path: Path) -> None:
+    data_dir, secrets, port = tmp_path / "d", tmp_path / "secrets", broker.free_port()
+    url = f"nats://{ADDR}:{port}"
+    done = flightdeck("up", "--detach", "--listen", ADDR, "--secrets", str(secrets), "--data-dir", str(data_dir),
+                      "--port", str(port), timeout=180)
+    try:
+        assert done.returncode == 0, done.stderr + done.stdout
+        state = upstate.read_state(data_dir)
+        assert state is not None and state.url == url and "gate" in state.processes
+
+        async def anonymous() -> None:
+            nc = await nats.connect(url, allow_reconnect=False)
+            await nc.close()
+
+        with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+            asyncio.run(anonymous())
+        console = {"FLIGHTDECK_NATS_USER": "console",
+                   "FLIGHTDECK_NATS_PASSWORD_FILE": str(secrets / "console.password")}
+        spec = tmp_path / "gated.toml"
+        spec.write_bytes(spec_toml(JobSpec(name="gated", slots=1, model=ModelSpec(d_model=32),
+                                          train=TrainSpec(steps=20, checkpoint_every=10, data="synthetic"))))
+        submitted = flightdeck("submit", str(spec), "--wait", "--nats", url, env=console, timeout=240)
+        assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+        assert "completed" in submitted.stdout, submitted.stdout
+        gate_log = (data_dir / "logs" / "gate.log").read_text()
+        assert "job identity issued" in gate_log and '"user": "job-gated-' in gate_log, gate_log[-2000:]
+        refused = flightdeck("status", "--nats", url, env={"FLIGHTDECK_NATS_USER": "console",
+                                                          "FLIGHTDECK_NATS_PASSWORD_FILE": os.devnull})
+        assert refused.returncode != 0  # a wrong (empty) password: the CLI is refused too
+    finally:
+        flightdeck("down", "--data-dir", str(data_dir))
