@@ -46,7 +46,7 @@ from events.fleet import NodeLost  # noqa: E402
 from events.job import AllocationGranted, JobCompleted, JobFailed, JobResumed, WorkersExited, WorkersStarted  # noqa: E402
 from events.spec import FaultSpec, JobSpec  # noqa: E402
 from events.training import FaultInjected, RankStarted, StepCompleted  # noqa: E402
-from services import broker  # noqa: E402
+from services.shell import broker  # noqa: E402
 from tests.e2e.drill_harness import drill_spec, kill_agent_mid_run, lost_node_spec, start_drill, start_two_nodes  # noqa: E402
 from tests.integration.lifecycle_harness import Platform  # noqa: E402
 
@@ -114,7 +114,7 @@ def arrival(p: Platform, kind: type, job_id: str, pick: Any = lambda e: True) ->
                 and subjects.job_of(s.stored.subject) == job_id and pick(s.stored.event))
 
 
-async def one_run(fault: str, n: int) -> dict[str, float]:
+async def one_run(fault: str, n: int, standby: int | None = None) -> dict[str, float]:
     spec = spec_for(fault)
     job = f"{spec.name}-{n:06x}"
     offset = time.time() - time.monotonic()  # rank clocks (wall) onto the bench's monotonic timeline
@@ -123,10 +123,11 @@ async def one_run(fault: str, n: int) -> dict[str, float]:
         b = broker.start(root / "nats")
         p = await start_drill(b.url, root)
         try:
+            extra = ("--standby", str(standby)) if standby is not None else ()
             if fault == "lost_node":
-                await start_two_nodes(p)
+                await start_two_nodes(p, *extra)
             else:
-                p.agent("n1", "--grace-s", "2")
+                p.agent("n1", "--grace-s", "2", *extra)
                 await p.ready("n1", within=120)
             await p.submit(spec, job)
             keeper = asyncio.create_task(keep_restore_points(p, job, root / "kept"))
@@ -166,11 +167,11 @@ async def one_run(fault: str, n: int) -> dict[str, float]:
     return out
 
 
-async def bench(faults: list[str], runs: int) -> dict[str, list[dict[str, float]]]:
+async def bench(faults: list[str], runs: int, standby: int | None = None) -> dict[str, list[dict[str, float]]]:
     results: dict[str, list[dict[str, float]]] = {f: [] for f in faults}
     for n in range(1, runs + 1):  # interleaved, so a busy spell of the box does not land on one fault only
         for fault in faults:
-            results[fault].append(await one_run(fault, n))
+            results[fault].append(await one_run(fault, n, standby))
             print(f"{fault} run {n}: " + json.dumps({k: round(v, 3) for k, v in results[fault][-1].items()}),
                   flush=True)
     return results
@@ -181,12 +182,14 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated, of {', '.join(FAULTS)}")
     ap.add_argument("--out", type=Path, default=None, help="write the runs and medians here as JSON")
+    ap.add_argument("--standby", type=int, default=None,
+                    help="warm standby ranks per agent (default: the agent's, one per slot)")
     args = ap.parse_args()
     faults = [f for f in args.faults.split(",") if f]
     if args.runs < 1 or not faults or set(faults) - set(FAULTS):
         ap.error(f"--runs must be at least 1 and --faults a list of {', '.join(FAULTS)}")
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
-    results = asyncio.run(bench(faults, args.runs))
+    results = asyncio.run(bench(faults, args.runs, args.standby))
     median = {f: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for f, rs in results.items()}
     report = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                           "platform": platform.platform()},

@@ -44,6 +44,7 @@ class _Group:
     sent_at: float = float("-inf")  # monotonic
     heard_at: float = 0.0  # monotonic
     n: int = 0
+    held: bool = False  # the agent runs this attempt's ranks: a batch goes out every interval, empty or not
 
 
 class Batches:
@@ -67,15 +68,28 @@ class Batches:
                                             step_time_s=step_time)
         return was_idle
 
+    def hold(self, job_id: str, attempt: int, interval_s: float, low: int, now: float) -> None:
+        """The agent started ranks of this attempt: send its batch every interval until `release`, empty when no
+        rank beat, so the health monitor hears the agent itself (its silence means the node is lost)."""
+        g = self.groups.get((job_id, attempt))
+        if g is None:
+            g = self.groups[(job_id, attempt)] = _Group(interval_s=interval_s, low=low, heard_at=now)
+        g.held, g.low = True, min(g.low, low)
+
+    def release(self, job_id: str, attempt: int) -> None:
+        g = self.groups.get((job_id, attempt))
+        if g is not None:
+            g.held = False
+
     def due_at(self) -> float | None:
-        """When the next group with pending beats is due (monotonic), None when nothing is pending."""
-        times = [g.sent_at + g.interval_s for g in self.groups.values() if g.pending]
+        """When the next group with pending beats (or held) is due (monotonic), None when none is."""
+        times = [g.sent_at + g.interval_s for g in self.groups.values() if g.pending or g.held]
         return min(times) if times else None
 
     def take_due(self, now: float, wall: float) -> list[RankHeartbeats]:
         out: list[RankHeartbeats] = []
         for (job_id, attempt), g in list(self.groups.items()):
-            if not g.pending:
+            if not g.pending and not g.held:
                 if now - g.heard_at > IDLE_GROUPS_AFTER * g.interval_s:
                     del self.groups[(job_id, attempt)]  # the attempt ended here
                 continue
@@ -121,6 +135,13 @@ class BeatRelay:
         self._sock = sock
         asyncio.get_running_loop().add_reader(sock.fileno(), self._readable)
         self._task = asyncio.create_task(self._flush_forever())
+
+    def hold(self, job_id: str, attempt: int, interval_s: float, low: int) -> None:
+        self.batches.hold(job_id, attempt, interval_s, low, time.monotonic())
+        self._wake.set()
+
+    def release(self, job_id: str, attempt: int) -> None:
+        self.batches.release(job_id, attempt)
 
     async def close(self) -> None:
         if self._sock is not None:

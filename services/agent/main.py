@@ -160,6 +160,7 @@ async def run_agent(options: AgentOptions, stop_event: asyncio.Event | None = No
                 relay = BeatRelay(node=node, producer=producer, publish=store_publisher(store),
                                   admit=spawner.speaks_for, address=beats)
                 relay.start()
+                spawner.relay = relay
             # Warming while the self-check runs: on a host with cores to spare the first ranks find them ready.
             pool.start()
             service = agentcore.core_service(node, spawner.handlers())

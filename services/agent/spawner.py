@@ -27,6 +27,7 @@ from events.job import SlotRef, WorkersExited, WorkersStarted
 from events.spec import spec_toml
 from events.store import EventStore
 from events.training import FaultInjected
+from services.agent.beats import BeatRelay
 from services.agent.cache import CheckpointCache
 from services.agent.core import (
     EVICT,
@@ -99,6 +100,7 @@ class Spawner:
         self.pids: dict[int, tuple[str, int, int]] = {}  # a live rank's pid -> (job, attempt, rank), from its start
         self.cache = CheckpointCache(node_paths=paths, objects=objects, producer=producer)
         self.shipper = Shipper(node=node, producer=producer, store=store, objects=objects, staging=paths.staging)
+        self.relay: BeatRelay | None = None  # the heartbeat relay (node heartbeats): it beats for live attempts
         self.timers: set[asyncio.Task[None]] = set()
 
     def handlers(self) -> dict[str, EffectHandler]:
@@ -165,6 +167,9 @@ class Spawner:
                                occurred_at=time.time(), causation_id=args.grant_id, producer=self.producer)
         await retrying("recording WorkersStarted", lambda: append_to_job(self.store, event, msg_id=event.event_id))
         self.shipper.watch(args.job_id, args.attempt, [p.ref.rank for p in started], ship_from)
+        if self.relay is not None:
+            self.relay.hold(args.job_id, args.attempt, args.spec.policy.heartbeat_interval_s,
+                            min(p.ref.rank for p in started))
         for p in started:
             self.procs[(p.job_id, p.attempt, p.ref.rank)] = p
             p.watcher = asyncio.create_task(self._watch(p))
@@ -313,6 +318,8 @@ class Spawner:
         await self.record_exit(p.job_id, p.attempt, p.ref.rank, code, p.cause, cause=tail)
         self.procs.pop((p.job_id, p.attempt, p.ref.rank), None)
         if not any((q.job_id, q.attempt) == (p.job_id, p.attempt) for q in self.procs.values()):
+            if self.relay is not None:
+                self.relay.release(p.job_id, p.attempt)
             await self.shipper.finish(p.job_id, p.attempt)  # what the last of them staged on its way out
 
     async def record_exit(self, job_id: str, attempt: int, rank: int, code: int, causation_id: str, *,

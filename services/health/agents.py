@@ -1,4 +1,4 @@
-"""Lost node agents, told by the exits they fail to record.
+"""Lost node agents, told by the heartbeat batches they stop sending, or by the exits they fail to record.
 
 Why it works this way: docs/internals.md, "6. The health monitor".
 """
@@ -33,6 +33,27 @@ class Unrecorded:
     @property
     def evidence(self) -> tuple[str, ...]:
         return tuple(i for i in (self.started_id, self.seen_id, self.grant_id) if i)
+
+
+def silent(batches: dict[str, tuple[float, float]], suspects: dict[str, tuple[float, float]], policy: PolicySpec,
+           now: float, recovered_at: float) -> list[str]:
+    """The `suspects` (node -> since when it runs a job's ranks: (occurred_at, folded)) whose agent has sent no
+    heartbeat batch for the lost deadline, counted from that time and from a broker outage's end at the earliest.
+    Only nodes whose agent batched before: an agent relays its ranks' beats and, while it runs ranks, sends a
+    batch every interval even when none beat; one that stops is gone with its ranks."""
+    deadline = lost_deadline(policy)
+    out = []
+    for node in sorted(suspects.keys() & batches.keys()):
+        (b_at, b_folded), (s_at, s_folded) = batches[node], suspects[node]
+        if age(now, max(b_at, s_at, recovered_at), max(b_folded, s_folded, recovered_at)) > deadline:
+            out.append(node)
+    return out
+
+
+def silent_node(node: str, job_id: str, last_at: float, policy: PolicySpec) -> Emit:
+    reason = (f"its agent, which ran ranks of {job_id}, has sent no heartbeat batch for {lost_deadline(policy):g}s "
+              f"(last at {last_at:.3f})")
+    return Emit(subjects.node(node, "NodeLost"), NodeLost(node=node, reason=reason))
 
 
 def exit_deadline(policy: PolicySpec) -> float:

@@ -57,6 +57,7 @@ class JobWatch:
     reported: set[tuple[int, int, str, int]] = field(default_factory=set)
     unrecorded: dict[tuple[int, int], agents.Unrecorded] = field(default_factory=dict)  # (attempt, rank)
     recording: dict[str, tuple[float, float]] = field(default_factory=dict)  # node -> its agent's newest exit record
+    silent: set[tuple[int, str]] = field(default_factory=set)  # (attempt, node) whose agent fell silent, reported
 
     @property
     def quiet(self) -> bool:
@@ -67,7 +68,8 @@ class JobWatch:
                         attempt=self.attempt, ranks={rank: r.clone() for rank, r in self.ranks.items()},
                         stopping=self.stopping, cancelling=self.cancelling, paused=self.paused,
                         nonfinite=self.nonfinite.clone(), stragglers=self.stragglers.clone(),
-                        reported=set(self.reported), unrecorded=dict(self.unrecorded), recording=dict(self.recording))
+                        reported=set(self.reported), unrecorded=dict(self.unrecorded), recording=dict(self.recording),
+                        silent=set(self.silent))
 
     def gone(self, r: RankWatch) -> None:
         if not r.gone:
@@ -90,6 +92,9 @@ class State:
     now: float = 0.0  # the newest ClockTick's time
     recovered_at: float = 0.0  # the newest end of a broker outage a tick reported: silence counts from then on
     sealed: bool = False
+    # node -> (occurred_at, folded) of its agent's newest heartbeat batch, any job: an agent that relays its ranks'
+    # beats sends one every interval while it runs ranks, so its silence means the node is lost (agents.silent)
+    batches: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 INITIAL = State(sealed=True)
@@ -98,7 +103,7 @@ INITIAL = State(sealed=True)
 def snapshot(state: State) -> State:
     """A sealed copy of `state`: later folds of the original do not change it (nor it them)."""
     return State(jobs={job_id: job.clone() for job_id, job in state.jobs.items()}, ended=set(state.ended),
-                 now=state.now, recovered_at=state.recovered_at, sealed=True)
+                 now=state.now, recovered_at=state.recovered_at, sealed=True, batches=dict(state.batches))
 
 
 def _emit(out: list[Output], finding: Finding) -> None:
@@ -229,6 +234,8 @@ def _beats(state: State, ev: RankHeartbeats, out: list[Output]) -> None:
     """A node agent's batch: each entry is the rank's own heartbeat, and a step time is that step reported.
     Ranks that publish only through their agent have no StepCompleted but rank 0's, so a new step in a beat
     arms the hang clock and feeds the straggler watch as a StepCompleted would."""
+    if ev.node and ev.occurred_at >= state.batches.get(ev.node, (0.0, 0.0))[0]:
+        state.batches[ev.node] = (ev.occurred_at, state.now)
     job = state.jobs.get(ev.job_id)
     if job is None:
         return
@@ -282,7 +289,25 @@ def _worst_first(verdict: Lost | Hung) -> tuple[int, float, int]:
 def _tick(state: State, tick: ClockTick, out: list[Output]) -> None:
     state.now = now = max(state.now, tick.now)
     state.recovered_at = max(state.recovered_at, tick.recovered_at)
+    lost_now: set[str] = set()
     for job in state.jobs.values():
+        # A node whose agent fell silent is lost at the lost deadline: its ranks of this attempt, or of a replaced
+        # one that it never recorded as exited, died with it. First, so the recovery never places ranks there.
+        # node -> when it last had to be running ranks (their start): silence counts from then at the earliest
+        suspects: dict[str, tuple[float, float]] = {}
+        for node, at, folded in [*((r.node, r.started_at, r.started_folded) for r in job.ranks.values()
+                                   if r.node and r.started_id and not r.exited and not job.quiet),
+                                 *((u.node, u.seen_at, u.seen_folded) for u in job.unrecorded.values())]:
+            was = suspects.get(node, (0.0, 0.0))
+            suspects[node] = (max(was[0], at), max(was[1], folded))
+        for node in agents.silent(state.batches, suspects, job.policy, now, state.recovered_at):
+            for key in [k for k, u in job.unrecorded.items() if u.node == node]:
+                del job.unrecorded[key]  # concluded now: not again when its exit deadline passes
+            if (job.attempt, node) not in job.silent:
+                job.silent.add((job.attempt, node))
+                if node not in lost_now:
+                    lost_now.add(node)
+                    out.append(agents.silent_node(node, job.job_id, state.batches[node][0], job.policy))
         if job.unrecorded:
             alive = {r.node for r in job.ranks.values() if r.started_id}
             out.extend(agents.overdue(job.unrecorded, job.policy, now, alive, job.recording))

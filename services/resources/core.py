@@ -11,7 +11,14 @@ import msgspec
 from events import subjects
 from events.base import Event
 from events.clock import CoreConfigured
-from events.fleet import NodeCordoned, NodeLost, NodeRegistered, NodeUncordoned, SelfCheckFailed
+from events.fleet import (
+    NodeCordoned,
+    NodeLost,
+    NodeRegistered,
+    NodeUncordoned,
+    SelfCheckFailed,
+    SelfCheckPassed,
+)
 from events.job import (
     AllocationDenied,
     AllocationGranted,
@@ -105,6 +112,21 @@ def _cordon(state: State, name: str, reason: str, *, lost: bool = False) -> Tran
     return after, (_node_emit(NodeCordoned(node=name, reason=reason), name),)
 
 
+LOST_CORDON = "lost: "  # the reason prefix of the cordon a NodeLost puts on
+
+
+def _back(state: State, name: str) -> Transition:
+    """A node found lost whose agent registered again and passed its self-check is usable again: the loss cordon
+    (and only that one: an operator's or a failed self-check's stays) is lifted, recorded as NodeUncordoned. An
+    agent restarted on a healthy host (an upgrade, a crash) thus costs its ranks, never the node."""
+    node = state.nodes.get(name)
+    if node is None or not node.cordoned or not node.cordon_reason.startswith(LOST_CORDON):
+        return state, ()
+    reason = f"registered again after it was {node.cordon_reason[:200]}; its self-check passed"
+    after = _with_node(state, name, cordoned=False, cordon_reason="")
+    return after, (_node_emit(NodeUncordoned(node=name, reason=reason), name),)
+
+
 def _allocate(state: State, ev: AllocationRequested) -> Transition:
     ports = state.ports
     held = state.ledger.allocations.get(ev.job_id)
@@ -147,10 +169,12 @@ def transition(state: State, event: Event) -> Transition:
             return _with_node(state, name, cordoned=True, cordon_reason=reason), ()
         case NodeUncordoned(node=name):
             return _with_node(state, name, cordoned=False, cordon_reason=""), ()
+        case SelfCheckPassed(node=name):
+            return _back(state, name)
         case SelfCheckFailed(node=name, reason=reason):
             return _cordon(state, name, f"self-check failed: {reason}")
         case NodeLost(node=name, reason=reason):
-            return _cordon(state, name, f"lost: {reason}", lost=True)
+            return _cordon(state, name, f"{LOST_CORDON}{reason}", lost=True)
         case AllocationRequested():
             return _allocate(state, event)
         case AllocationReleased(job_id=job_id, attempt=attempt):
@@ -162,7 +186,7 @@ def transition(state: State, event: Event) -> Transition:
 
 
 CONTROL_TYPES = ("AllocationRequested", "AllocationReleased", "JobCompleted", "JobFailed", "JobCancelled")
-FLEET_TYPES = ("NodeRegistered", "NodeCordoned", "NodeUncordoned", "SelfCheckFailed", "NodeLost")
+FLEET_TYPES = ("NodeRegistered", "NodeCordoned", "NodeUncordoned", "SelfCheckPassed", "SelfCheckFailed", "NodeLost")
 
 
 def core_service(*, ports: Ports | None = None) -> Service[State]:

@@ -77,3 +77,21 @@ def test_every_rank_that_beat_is_in_the_next_batch_once_with_its_newest_beat(
     if due is not None:
         (last,) = b.take_due(due, wall)
         assert {x.rank for x in last.beats} == set(newest)
+
+
+def test_a_held_attempt_is_batched_every_interval_even_with_no_beat_until_released() -> None:
+    """The agent's own liveness: while it runs an attempt's ranks it sends that group's batch every interval, empty
+    when no rank beat (a hung rank, a rank still importing torch), and stops once their last rank exits."""
+    b = Batches("n1", "agent-n1", "boot")
+    b.hold("j-000001", 0, 0.5, low=4, now=10.0)
+    assert b.due_at() is not None and b.due_at() <= 10.0
+    (first,) = b.take_due(10.0, 100.0)
+    assert (first.beats, first.rank, first.interval_s, first.attempt) == ([], 4, 0.5, 0)
+    b.add(beat(5, 100.2, interval=0.5), now=10.2)
+    (second,) = b.take_due(10.5, 100.5)
+    assert [x.rank for x in second.beats] == [5] and second.rank == 4
+    sent = [len(b.take_due(10.5 + k * 0.5, 100.5 + k * 0.5)) for k in range(1, 5)]
+    assert sent == [1, 1, 1, 1]  # nothing beat: one empty batch per interval all the same
+    b.release("j-000001", 0)
+    assert b.take_due(13.0, 103.0) == [] and b.due_at() is None
+    assert b.take_due(13.0 + IDLE_GROUPS_AFTER * 0.5 + 1, 110.0) == [] and b.groups == {}  # then forgotten

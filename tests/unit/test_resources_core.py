@@ -136,3 +136,31 @@ def test_two_live_jobs_with_rank_zero_on_one_node_never_share_a_port() -> None:
     assert again.master_port != granted["j2"]
     state, outs = step(svc, state, AllocationRequested(job_id="j1", slots=1, attempt=1))  # asked again
     assert events_of(outs, AllocationGranted)[0].master_port == again.master_port
+
+
+def test_a_lost_node_that_registers_again_and_passes_its_self_check_is_uncordoned_an_operators_cordon_stays() -> None:
+    from events.fleet import NodeCordoned, NodeLost, NodeRegistered, NodeUncordoned, SelfCheckPassed
+    from services.resources import core as rcore
+
+    state = rcore.State()
+    for ev in (NodeRegistered(node="n1", kind="cpu", slots=2), NodeRegistered(node="n2", kind="cpu", slots=2)):
+        state, _ = rcore.transition(state, ev)
+    state, outs = rcore.transition(state, NodeLost(node="n1", reason="its agent fell silent"))
+    assert [type(o.event).__name__ for o in outs] == ["NodeCordoned"]
+    state, _ = rcore.transition(state, NodeCordoned(node="n2", reason="maintenance", producer="cli"))
+    state, outs = rcore.transition(state, NodeLost(node="n2", reason="its agent fell silent"))
+    assert outs == ()  # already cordoned by the operator: that cordon is the one kept
+    for node in ("n1", "n2"):
+        state, _ = rcore.transition(state, NodeRegistered(node=node, kind="cpu", slots=2))
+        state, outs = rcore.transition(state, SelfCheckPassed(node=node, seconds=1.0))
+        if node == "n1":
+            [emit] = outs
+            assert isinstance(emit.event, NodeUncordoned) and emit.subject == "fd.ctl.node.n1.NodeUncordoned"
+            assert emit.event.reason == ("registered again after it was lost: its agent fell silent; "
+                                         "its self-check passed")
+        else:
+            assert outs == ()
+    assert not state.nodes["n1"].cordoned and not state.nodes["n1"].lost
+    assert state.nodes["n2"].cordoned and state.nodes["n2"].cordon_reason == "maintenance"
+    _, again = rcore.transition(state, SelfCheckPassed(node="n1", seconds=1.0))
+    assert again == ()  # nothing to lift twice

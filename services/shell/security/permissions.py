@@ -27,7 +27,7 @@ JOB_TYPES: dict[str, tuple[str, ...]] = {
     "console": ("JobSubmitted", "CancelRequested", "CheckpointRequested", "PauseRequested", "ResumeRequested"),
 }
 NODE_TYPES: dict[str, tuple[str, ...]] = {
-    "resources": ("NodeCordoned",),
+    "resources": ("NodeCordoned", "NodeUncordoned"),  # a loss cordon lifted when the node is back (resources core)
     "health": ("NodeLost",),
     "agent": ("NodeRegistered", "NodeHeartbeat", "SelfCheckPassed", "SelfCheckFailed"),
     "console": ("NodeCordoned", "NodeUncordoned"),  # an operator cordons by hand too

@@ -1,0 +1,112 @@
+"""A node agent that relays its ranks' heartbeats sends a batch every interval while it runs them, empty when none
+beat; when its batches stop, the node is lost at the ranks' lost deadline, in the same tick as (and before) the
+RankLost of its rank, so the restart never lands on it again (services/health/agents.silent). A live agent
+whose ranks hang or crash keeps batching: no NodeLost."""
+
+from typing import Any
+
+from events.base import Event
+from events.clock import ClockTick
+from events.findings import RankLost
+from events.fleet import NodeLost
+from events.heartbeats import RankBeat, RankHeartbeats
+from events.job import JobSubmitted, WorkersExited
+from events.spec import JobSpec, TrainSpec
+from services.core import Emit
+from tests.unit.health_synth import SERVICE
+from tests.unit.test_health_lost_agent import POLICY, grant, started, tick
+
+KILLED_AT = 10.0
+
+
+def batch(node: str, rank: int, at: float, beating: bool = True) -> RankHeartbeats:
+    beats = [RankBeat(rank=rank, step=int(at * 2), occurred_at=at)] if beating else []
+    return RankHeartbeats(job_id="j", rank=rank, attempt=0, node=node, interval_s=0.5, beats=beats,
+                          event_id=f"b-{node}-{at:.2f}", occurred_at=at, producer=f"agent-{node}")
+
+
+def run(*, n2_agent_dies: bool = False, n2_rank_hangs: bool = False, n2_rank_exits: bool = False,
+        until: float = 16.0) -> list[Event]:
+    spec = JobSpec(name="j", slots=2, policy=POLICY, train=TrainSpec(steps=1000))
+    events: list[Event] = [JobSubmitted(job_id="j", spec=spec, event_id="sub", occurred_at=0.0),
+                           grant(0, ["n1", "n2"], 0.0), started(0, 0, "n1", 0.1), started(0, 1, "n2", 0.1)]
+    timed: list[tuple[float, Event]] = []
+    for k in range(1, int(until * 2)):
+        t = k / 2
+        timed.append((t, batch("n1", 0, t)))
+        if n2_agent_dies and t >= KILLED_AT:
+            continue
+        hung = n2_rank_hangs and t >= KILLED_AT
+        timed.append((t, batch("n2", 1, t, beating=not hung)))
+    if n2_rank_exits:
+        timed.append((KILLED_AT, WorkersExited(job_id="j", node="n2", attempt=0, rank=1, exit_code=-9,
+                                               event_id="exit-1", occurred_at=KILLED_AT)))
+    timed += [(k / 2 + 0.25, tick(k / 2 + 0.25)) for k in range(0, int(until * 2))]
+    return events + [ev for _, ev in sorted(timed, key=lambda p: p[0])]
+
+
+def fold(events: list[Event]) -> list[tuple[Event, Emit]]:
+    state: Any = SERVICE.initial
+    out = []
+    for ev in events:
+        state, outs = SERVICE.transition(state, ev)
+        out += [(ev, o) for o in outs if isinstance(o, Emit) and isinstance(o.event, NodeLost | RankLost)]
+    return out
+
+
+def test_a_silent_agent_loses_its_node_at_the_lost_deadline_before_its_rank() -> None:
+    found = fold(run(n2_agent_dies=True))
+    kinds = [(type(e.event).__name__, getattr(e.event, "node", getattr(e.event, "rank", None))) for _, e in found]
+    assert kinds == [("NodeLost", "n2"), ("RankLost", 1)]  # the node first: the recovery avoids it
+    (at, lost), (at2, _) = found
+    assert at is at2 and isinstance(at, ClockTick)
+    last = KILLED_AT - 0.5  # n2's last batch
+    deadline = POLICY.heartbeat_interval_s * POLICY.heartbeat_misses
+    assert last + deadline < at.now <= last + deadline + 0.5  # the first tick past the deadline
+    assert lost.subject == "fd.ctl.node.n2.NodeLost"
+    assert "its agent, which ran ranks of j, has sent no heartbeat batch for 2s" in lost.event.reason
+
+
+def test_a_live_agent_whose_rank_hangs_keeps_its_node() -> None:
+    assert [type(e.event).__name__ for _, e in fold(run(n2_rank_hangs=True))] == ["RankLost"]
+
+
+def test_a_rank_that_exits_is_lost_and_its_node_is_not() -> None:
+    found = fold(run(n2_agent_dies=True, n2_rank_exits=True))
+    assert [type(e.event).__name__ for _, e in found] == ["RankLost"]
+
+
+def test_the_same_history_folds_to_the_same_findings() -> None:
+    assert [e.event for _, e in fold(run(n2_agent_dies=True))] == [e.event for _, e in fold(run(n2_agent_dies=True))]
+
+
+def test_the_lost_node_drill_with_relayed_beats_is_concluded_at_the_lost_deadline_not_the_exit_deadline() -> None:
+    """The peer rank fails first (its exit is recorded at once), the restart is granted on both nodes, and the dead
+    node's agent neither records the old rank's exit nor starts the new one: with batches, NodeLost comes once n2's
+    agent has been silent for the lost deadline, not EXIT_RECORD_S after the grant."""
+    spec = JobSpec(name="j", slots=2, policy=POLICY, train=TrainSpec(steps=1000))
+    events: list[Event] = [JobSubmitted(job_id="j", spec=spec, event_id="sub", occurred_at=0.0),
+                           grant(0, ["n1", "n2"], 0.0), started(0, 0, "n1", 0.1), started(0, 1, "n2", 0.1)]
+    timed: list[tuple[float, Event]] = []
+    for k in range(1, 40):
+        t = k / 2
+        timed.append((t, batch("n1", 0, t)))  # n1's agent batches on (for attempt 0, then 1)
+        if t < KILLED_AT:
+            timed.append((t, batch("n2", 1, t)))
+    timed += [(10.1, WorkersExited(job_id="j", node="n1", attempt=0, rank=0, exit_code=1, event_id="exit-0-0",
+                                   occurred_at=10.1)),
+              (10.2, grant(1, ["n1", "n2"], 10.2)), (10.3, started(1, 0, "n1", 10.3))]
+    timed += [(k / 2 + 0.25, tick(k / 2 + 0.25)) for k in range(0, 40)]
+    found = fold(events + [ev for _, ev in sorted(timed, key=lambda p: p[0])])
+    [(at, lost)] = [(at, e) for at, e in found if isinstance(e.event, NodeLost)]
+    assert lost.event.node == "n2" and isinstance(at, ClockTick)
+    assert KILLED_AT - 0.5 + 2.0 < at.now <= KILLED_AT - 0.5 + 2.5  # n2's last batch + the lost deadline
+
+
+def test_an_idle_agent_given_new_ranks_is_not_lost_before_its_first_batch_is_due() -> None:
+    """Silence counts from the ranks' start: an agent idle for a minute is not lost the moment it starts ranks."""
+    events: list[Event] = [*run(until=5.0)[:4]]  # submitted, granted, both started at 0.1
+    events += [batch("n2", 1, 0.5), tick(1.0)]
+    later = [started(0, 1, "n2", 60.0)]  # the same attempt's rank started again much later (a standby hand-off)
+    found = fold(events + later + [tick(60.5), tick(61.0), batch("n2", 1, 61.2), tick(62.0), tick(63.0)])
+    assert [e for _, e in found if isinstance(e.event, NodeLost)] == []
