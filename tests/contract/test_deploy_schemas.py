@@ -23,6 +23,7 @@ import yaml
 
 from services import registry
 from services.agent import bootstrap
+from services.shell.security.__main__ import build_parser
 from services.tools.console.__main__ import COMMANDS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -128,6 +129,8 @@ def test_every_command_is_an_entry_point_that_takes_its_flags() -> None:
     verbs = {c.name for c in COMMANDS}
     agent_parser = argparse.ArgumentParser(prog="python -m services.agent", exit_on_error=False)
     bootstrap.add_arguments(agent_parser)
+    security_parser = build_parser()
+    security_parser.exit_on_error = False
     problems: list[str] = []
     seen: set[str] = set()
     for where, argv in commands():
@@ -148,12 +151,15 @@ def test_every_command_is_an_entry_point_that_takes_its_flags() -> None:
             elif module == "services.agent":
                 if (problem := _parses(agent_parser, rest)) is not None:
                     problems.append(f"{where}: {problem}")
+            elif module == "services.shell.security":
+                if (problem := _parses(security_parser, rest)) is not None:
+                    problems.append(f"{where}: {problem}")
             else:
                 problems.append(f"{where}: unknown module {module}")
         else:
             problems.append(f"{where}: not a command we ship: {argv}")
     assert problems == []
-    assert {"services", "services.agent", "flightdeck"} <= seen, seen  # the checks above ran on each kind
+    assert {"services", "services.agent", "services.shell.security", "flightdeck"} <= seen, seen  # each kind checked
 
 
 def _set_variables() -> Iterator[tuple[str, str, str]]:

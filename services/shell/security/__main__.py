@@ -39,7 +39,7 @@ def shipped() -> str:
     return render.render(permissions.fleet(), render.from_environment)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m services.shell.security", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     verbs = p.add_subparsers(dest="verb", required=True)
@@ -60,7 +60,11 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"an identity's life; an ended job's stops working within it (default {DEFAULT_TTL_S:g})")
     s = verbs.add_parser("shipped", help="the repository's config: passwords from the server's environment")
     s.add_argument("--out", type=Path, default=SHIPPED)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.verb == "gate":
         return run_gate(args)
     try:
