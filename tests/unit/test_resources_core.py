@@ -2,7 +2,7 @@
 
 import zlib
 
-from events.fleet import NodeCordoned, NodeLost, NodeRegistered, NodeUncordoned, SelfCheckFailed
+from events.fleet import NodeCordoned, NodeLost, NodeRegistered, NodeUncordoned, SelfCheckFailed, SelfCheckPassed
 from events.job import (
     AllocationDenied,
     AllocationGranted,
@@ -10,6 +10,7 @@ from events.job import (
     AllocationRequested,
     JobCompleted,
 )
+from services.resources import core as rcore
 from services.resources.core import Ports, State, core_service, master_port
 from tests.unit.helpers import events_of, fold, step
 
@@ -139,9 +140,6 @@ def test_two_live_jobs_with_rank_zero_on_one_node_never_share_a_port() -> None:
 
 
 def test_a_lost_node_that_registers_again_and_passes_its_self_check_is_uncordoned_an_operators_cordon_stays() -> None:
-    from events.fleet import NodeCordoned, NodeLost, NodeRegistered, NodeUncordoned, SelfCheckPassed
-    from services.resources import core as rcore
-
     state = rcore.State()
     for ev in (NodeRegistered(node="n1", kind="cpu", slots=2), NodeRegistered(node="n2", kind="cpu", slots=2)):
         state, _ = rcore.transition(state, ev)
