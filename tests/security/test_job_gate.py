@@ -69,24 +69,10 @@ async def refused(b: SecureBroker, user: str) -> None:
         await nc.close()
 
 
-async def admitted(b: SecureBroker, user: str, within: float = 15.0) -> None:
-    """The gate folds the grant asynchronously: the user gets in shortly after it is recorded."""
-    deadline = time.monotonic() + within
-    while True:
-        try:
-            nc = await b.raw(user)
-            await nc.close()
-            return
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(0.1)
-
-
 async def test_a_granted_job_connects_and_publishes_only_its_own_telemetry(gated: SecureBroker) -> None:
     await refused(gated, permissions.job_user(JOB))  # not granted yet: no identity
     await record(gated, granted(JOB))
-    await admitted(gated, permissions.job_user(JOB))
+    await gated.wait_user(permissions.job_user(JOB), within=15)  # the gate folds the grant shortly
     errors: list[str] = []
     nc = await gated.raw(permissions.job_user(JOB), errors)
     try:
@@ -107,7 +93,7 @@ async def test_a_granted_job_connects_and_publishes_only_its_own_telemetry(gated
 
 async def test_a_wrong_password_or_a_made_up_user_is_refused(gated: SecureBroker) -> None:
     await record(gated, granted(JOB))
-    await admitted(gated, permissions.job_user(JOB))
+    await gated.wait_user(permissions.job_user(JOB), within=15)  # the gate folds the grant shortly
     wrong = {**gated.env(permissions.job_user(JOB))}
     await asyncio.to_thread(Path(wrong["FLIGHTDECK_NATS_PASSWORD_FILE"]).write_text, "not-the-password\n")
     for user in (permissions.job_user(JOB), "mallory", "job-"):
@@ -139,7 +125,7 @@ def test_the_gates_decisions_say_why() -> None:
 
 async def test_a_jobs_identity_stops_working_after_the_job_ends(gated: SecureBroker) -> None:
     await record(gated, granted(JOB))
-    await admitted(gated, permissions.job_user(JOB))
+    await gated.wait_user(permissions.job_user(JOB), within=15)  # the gate folds the grant shortly
     closed = asyncio.Event()
 
     async def on_closed() -> None:

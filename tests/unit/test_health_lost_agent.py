@@ -64,12 +64,13 @@ def drill(*, old_exit_recorded: bool = False, n2_starts_new: bool = False, old_r
     return events + [ev for _, ev in sorted(timed, key=lambda p: p[0])]
 
 
-def fold(events: list[Event]) -> list[tuple[Event, Emit]]:
+def fold(events: list[Event], kinds: tuple[type, ...] = (NodeLost,)) -> list[tuple[Event, Emit]]:
+    """(input, output) for each output of one of `kinds` the health core decides over `events`."""
     state: Any = SERVICE.initial
     out = []
     for ev in events:
         state, outs = SERVICE.transition(state, ev)
-        out += [(ev, o) for o in outs if isinstance(o, Emit) and isinstance(o.event, NodeLost)]
+        out += [(ev, o) for o in outs if isinstance(o, Emit) and isinstance(o.event, kinds)]
     return out
 
 

@@ -3,7 +3,6 @@ beat; when its batches stop, the node is lost at the ranks' lost deadline, in th
 RankLost of its rank, so the restart never lands on it again (services/health/agents.silent). A live agent
 whose ranks hang or crash keeps batching: no NodeLost."""
 
-from typing import Any
 
 from events.base import Event
 from events.clock import ClockTick
@@ -13,7 +12,7 @@ from events.heartbeats import RankBeat, RankHeartbeats
 from events.job import JobSubmitted, WorkersExited
 from events.spec import JobSpec, TrainSpec
 from services.core import Emit
-from tests.unit.health_synth import SERVICE
+from tests.unit import test_health_lost_agent as lost_agent
 from tests.unit.test_health_lost_agent import POLICY, grant, started, tick
 
 KILLED_AT = 10.0
@@ -46,12 +45,7 @@ def run(*, n2_agent_dies: bool = False, n2_rank_hangs: bool = False, n2_rank_exi
 
 
 def fold(events: list[Event]) -> list[tuple[Event, Emit]]:
-    state: Any = SERVICE.initial
-    out = []
-    for ev in events:
-        state, outs = SERVICE.transition(state, ev)
-        out += [(ev, o) for o in outs if isinstance(o, Emit) and isinstance(o.event, NodeLost | RankLost)]
-    return out
+    return lost_agent.fold(events, (NodeLost, RankLost))
 
 
 def test_a_silent_agent_loses_its_node_at_the_lost_deadline_before_its_rank() -> None:
