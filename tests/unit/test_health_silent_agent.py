@@ -57,7 +57,7 @@ def test_a_silent_agent_loses_its_node_at_the_lost_deadline_before_its_rank() ->
     last = KILLED_AT - 0.5  # n2's last batch
     deadline = POLICY.heartbeat_interval_s * POLICY.heartbeat_misses
     assert last + deadline < at.now <= last + deadline + 0.5  # the first tick past the deadline
-    assert lost.subject == "fd.ctl.node.n2.NodeLost"
+    assert lost.subject == "fd.ctl.node.n2.NodeLost" and isinstance(lost.event, NodeLost)
     assert "its agent, which ran ranks of j, has sent no heartbeat batch for 2s" in lost.event.reason
 
 
@@ -93,7 +93,7 @@ def test_the_lost_node_drill_with_relayed_beats_is_concluded_at_the_lost_deadlin
     timed += [(k / 2 + 0.25, tick(k / 2 + 0.25)) for k in range(0, 40)]
     found = fold(events + [ev for _, ev in sorted(timed, key=lambda p: p[0])])
     [(at, lost)] = [(at, e) for at, e in found if isinstance(e.event, NodeLost)]
-    assert lost.event.node == "n2" and isinstance(at, ClockTick)
+    assert isinstance(lost.event, NodeLost) and lost.event.node == "n2" and isinstance(at, ClockTick)
     assert KILLED_AT - 0.5 + 2.0 < at.now <= KILLED_AT - 0.5 + 2.5  # n2's last batch + the lost deadline
 
 
