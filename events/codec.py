@@ -80,7 +80,7 @@ BOUNDS: dict[str, Any] = {
     "lines": Annotated[list[Annotated[str, Meta(max_length=MAX_LINE + 64)]], Meta(max_length=MAX_LINES)],
 }
 # Field name -> the most items a list of nested structs may hold (its items keep their own BOUNDS).
-LENGTHS: dict[str, int] = {"beats": MAX_SLOTS}  # a node agent's batch: at most one entry per rank
+LENGTHS: dict[str, int] = {"beats": MAX_SLOTS, "others": MAX_SLOTS}  # a node agent's batch: one entry per rank at most
 _OPTIONAL = {Token: OptionalToken}  # a field whose default is "" may stay empty ("no checkpoint", "no node")
 
 

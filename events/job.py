@@ -55,7 +55,22 @@ class WorkersStarted(JobEvent, frozen=True, kw_only=True):
     pids: list[int]
 
 
+class RankExit(msgspec.Struct, frozen=True, kw_only=True):
+    """How one rank ended: its exit code (negative: killed by that signal) and, for a failed rank, why."""
+
+    rank: int
+    exit_code: int
+    cause: str = ""
+    unrunnable: bool = False
+
+
 class WorkersExited(JobEvent, frozen=True, kw_only=True):
+    """Ranks of one attempt that ended on one node. An agent records the ranks it stops together, so a restart
+    appends one of these per node, not per rank. `rank` and the fields after it are the record's first failed
+    rank (or its first rank when none failed); `others` are the rest, by rank."""
+
+    SCHEMA = 2  # 2 added `others`; a record of one rank is still written as version 1
+
     node: str
     attempt: int
     rank: int
@@ -64,6 +79,23 @@ class WorkersExited(JobEvent, frozen=True, kw_only=True):
     # (a traceback), so status and postmortems show it without the node's disk.
     cause: str = ""
     unrunnable: bool = False  # the command cannot be found or executed: no restart can help
+    others: list[RankExit] = []
+
+    def exits(self) -> list[RankExit]:
+        """Every rank this record covers, its headline rank first."""
+        first = RankExit(rank=self.rank, exit_code=self.exit_code, cause=self.cause, unrunnable=self.unrunnable)
+        return [first, *self.others]
+
+
+def exits_record(exits: list[RankExit], *, job_id: str, node: str, attempt: int, event_id: str, occurred_at: float,
+                 causation_id: str = "", producer: str = "") -> WorkersExited:
+    """One node's exits as one record: the first failed one (in the order given) heads it, the rest by rank."""
+    head = next((x for x in exits if x.exit_code != 0), exits[0])
+    others = sorted((x for x in exits if x is not head), key=lambda x: x.rank)
+    return WorkersExited(job_id=job_id, node=node, attempt=attempt, rank=head.rank, exit_code=head.exit_code,
+                         cause=head.cause, unrunnable=head.unrunnable, others=others, event_id=event_id,
+                         occurred_at=occurred_at, causation_id=causation_id, producer=producer,
+                         schema_version=2 if others else 1)
 
 
 class JobResumed(JobEvent, frozen=True, kw_only=True):

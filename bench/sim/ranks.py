@@ -23,11 +23,12 @@ from bench.sim.publisher import Publisher
 from events import subjects
 from events.heartbeats import LocalBeat, RankHeartbeats
 from events.history import append_to_job
-from events.job import WorkersExited, WorkersStarted
+from events.job import RankExit, WorkersExited, WorkersStarted, exits_record
 from events.nodelocal import BeatChannel
 from events.store import EventStore
 from events.training import Heartbeat, RankStarted, StepCompleted
 from services.agent.beats import BeatRelay
+from services.agent.launch import exit_msg_id
 
 Mode = Literal["rank", "node"]
 
@@ -132,8 +133,8 @@ class SimNode:
         r.alive = False
         return r.beat_at
 
-    async def halt(self, exit_code: int) -> list[WorkersExited]:
-        """The attempt's ranks are gone: stop them; returns the exits to record (one WorkersExited per rank)."""
+    async def halt(self, exit_code: int) -> WorkersExited | None:
+        """The attempt's ranks are gone: stop them; returns their exits to record (one record, as the agent's)."""
         for r in self.ranks.values():
             r.alive = False
         for task in self._tasks:
@@ -147,11 +148,13 @@ class SimNode:
             self.channel.close()
         self.relay = self.channel = None
         producer = f"agent-{self.name}"
-        exits = [WorkersExited(job_id=self.job_id, node=self.name, attempt=self.attempt, rank=rank, exit_code=exit_code,
-                               event_id=f"{producer}:exit:{self.job_id}:{self.attempt}:{rank}", occurred_at=time.time(),
-                               producer=producer) for rank in sorted(self.ranks)]
+        ranks = sorted(self.ranks)
         self.ranks, self._tasks = {}, []
-        return exits
+        if not ranks:
+            return None
+        return exits_record([RankExit(rank=r, exit_code=exit_code) for r in ranks], job_id=self.job_id,
+                            node=self.name, attempt=self.attempt, occurred_at=time.time(), producer=producer,
+                            event_id=exit_msg_id(producer, self.job_id, self.attempt, ranks[0]))
 
     async def _publish_batch(self, batch: RankHeartbeats) -> None:
         subject = subjects.telemetry(batch.job_id, batch.rank, "RankHeartbeats")

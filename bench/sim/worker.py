@@ -8,7 +8,6 @@ last_beat_at, killed_at); ("quit",) ends the process. Every STATS_S it sends ("s
 
 import asyncio
 import contextlib
-import itertools
 import random
 import time
 from collections import defaultdict
@@ -86,14 +85,13 @@ class Worker:
                 await self._stop([n for n in self.nodes.values() if n.attempt == ev.attempt and n.ranks], STOPPED_EXIT)
 
     async def _stop(self, nodes: list[SimNode], exit_code: int) -> None:
-        """Stop the nodes' ranks and record their exits, one node's after another's in turn: independent agents
-        record at once, so each node's first exit lands early (one appender here stands for all of them)."""
+        """Stop the nodes' ranks and record their exits, one record per node as the agent does (one appender
+        here stands for all of the nodes' agents)."""
         assert self.store is not None
-        exits = [await node.halt(exit_code) for node in nodes]
-        for row in itertools.zip_longest(*exits):
-            for ev in row:
-                if ev is not None:
-                    await append_to_job(self.store, ev, msg_id=ev.event_id)
+        for node in nodes:
+            ev = await node.halt(exit_code)
+            if ev is not None:
+                await append_to_job(self.store, ev, msg_id=ev.event_id)
 
     async def _granted(self, ev: AllocationGranted) -> None:
         mine: dict[str, list[int]] = defaultdict(list)

@@ -213,7 +213,8 @@ def _workers(state: State, ev: WorkersStarted | WorkersExited) -> Transition:
             live[live_key(ev.job_id, ev.attempt, rank)] = LiveRank(job_id=ev.job_id, attempt=ev.attempt, rank=rank,
                                                                    pid=pid)
     else:
-        live.pop(live_key(ev.job_id, ev.attempt, ev.rank), None)
+        for x in ev.exits():
+            live.pop(live_key(ev.job_id, ev.attempt, x.rank), None)
     return msgspec.structs.replace(state, live=live), ()
 
 

@@ -22,6 +22,7 @@ import structlog
 from events import subjects
 from events.base import NodeEvent
 from events.fleet import NodeRegistered, SelfCheckFailed, SelfCheckPassed
+from events.job import RankExit
 from events.nodelocal import STEP_REPORTS, STEP_REPORTS_ENV
 from events.store import EventStore
 from events.streams import ServerTooOld
@@ -69,11 +70,14 @@ async def reconcile(service: Any, store: EventStore, spawner: Spawner) -> int:
     """Record the ranks an earlier agent on this node started and never saw exit: they died with it."""
     folder = await rebuild(service, store, until=await store.last_seq(subjects.CONTROL))
     state: agentcore.State = folder.state
+    lost: dict[tuple[str, int], list[RankExit]] = {}
     for rank in state.live.values():
         kill_if_rank(rank.pid, rank.job_id)
         log.warning("rank lost with an earlier agent", job_id=rank.job_id, attempt=rank.attempt, rank=rank.rank,
                     pid=rank.pid)
-        await spawner.record_exit(rank.job_id, rank.attempt, rank.rank, ORPHAN_EXIT, "")
+        lost.setdefault((rank.job_id, rank.attempt), []).append(RankExit(rank=rank.rank, exit_code=ORPHAN_EXIT))
+    for (job_id, attempt), exits in lost.items():  # one record per attempt, as for ranks this agent stops
+        await spawner.exits.record(job_id, attempt, exits, "")
     return len(state.live)
 
 

@@ -1,5 +1,5 @@
 """The node agent's effects: start a job's ranks, stop them, keep the node's checkpoint cache (cache.py), and
-watch every rank until it exits (recorded as WorkersExited).
+watch every rank until it exits (recorded as WorkersExited, one record per node and attempt: exits.py).
 
 Why it works this way: docs/internals.md, "7. The node agent and the ranks it runs".
 """
@@ -23,7 +23,7 @@ from events.checkpoint import CheckpointRejected
 from events.codec import MAX_CAUSE
 from events.heartbeats import LocalBeat
 from events.history import append_to_job
-from events.job import SlotRef, WorkersExited, WorkersStarted
+from events.job import RankExit, SlotRef, WorkersStarted
 from events.spec import spec_toml
 from events.store import EventStore
 from events.training import FaultInjected
@@ -40,7 +40,8 @@ from services.agent.core import (
     SpawnArgs,
     StopArgs,
 )
-from services.agent.launch import REPO, Launch, Paths, detached, die_with_agent, exit_msg_id, rank_base_env
+from services.agent.exits import ExitRecorder
+from services.agent.launch import REPO, Launch, Paths, detached, die_with_agent, rank_base_env
 from services.agent.output import OutputPump, store_publisher
 from services.agent.shipping import Shipper
 from services.agent.standbys import StandbyPool
@@ -102,6 +103,11 @@ class Spawner:
         self.shipper = Shipper(node=node, producer=producer, store=store, objects=objects, staging=paths.staging)
         self.relay: BeatRelay | None = None  # the heartbeat relay (node heartbeats): it beats for live attempts
         self.timers: set[asyncio.Task[None]] = set()
+        self.exits = ExitRecorder(store, node, producer, self.watched, retrying)
+
+    def watched(self, job_id: str, attempt: int) -> set[int]:
+        """The attempt's ranks here whose exits are not recorded yet."""
+        return {rank for (j, a, rank) in self.procs if (j, a) == (job_id, attempt)}
 
     def handlers(self) -> dict[str, EffectHandler]:
         async def spawn(args: Any) -> list[Emit]:
@@ -182,6 +188,7 @@ class Spawner:
         doomed = [p for p in self.procs.values() if p.alive and (
             p.ref.slot in slots or (p.job_id == args.job_id and p.attempt != args.attempt))]
         for p in doomed:
+            self.exits.stopping(p.job_id, p.attempt)
             log.warning("killing a rank whose slot was granted again", job_id=p.job_id, attempt=p.attempt,
                         rank=p.ref.rank, slot=p.ref.slot)
             signal_rank(p, signal.SIGKILL)
@@ -292,9 +299,9 @@ class Spawner:
 
     async def _not_started(self, args: SpawnArgs, reason: str, *, unrunnable: bool = False) -> list[Emit]:
         log.error("ranks not started", job_id=args.job_id, attempt=args.attempt, reason=reason)
-        for ref in args.ranks:
-            await self.record_exit(args.job_id, args.attempt, ref.rank, START_FAILED_EXIT, args.grant_id,
-                                   cause=reason, unrunnable=unrunnable)
+        exits = [RankExit(rank=ref.rank, exit_code=START_FAILED_EXIT, cause=reason, unrunnable=unrunnable)
+                 for ref in args.ranks]
+        await self.exits.record(args.job_id, args.attempt, exits, args.grant_id)
         return []
 
     # -- watching and stopping -----------------------------------------------------------------------
@@ -315,24 +322,19 @@ class Spawner:
         if code == nl.RESTORE_REFUSED_EXIT and p.restore is not None:
             await self._rejected(p.job_id, p.attempt, p.restore, f"rank {p.ref.rank} refused it when loading: {tail}",
                                  p.cause)
-        await self.record_exit(p.job_id, p.attempt, p.ref.rank, code, p.cause, cause=tail)
+        await self.exits.record(p.job_id, p.attempt, [RankExit(rank=p.ref.rank, exit_code=code, cause=tail)], p.cause)
         self.procs.pop((p.job_id, p.attempt, p.ref.rank), None)
         if not any((q.job_id, q.attempt) == (p.job_id, p.attempt) for q in self.procs.values()):
+            self.exits.forget(p.job_id, p.attempt)
             if self.relay is not None:
                 self.relay.release(p.job_id, p.attempt)
             await self.shipper.finish(p.job_id, p.attempt)  # what the last of them staged on its way out
 
-    async def record_exit(self, job_id: str, attempt: int, rank: int, code: int, causation_id: str, *,
-                          cause: str = "", unrunnable: bool = False) -> None:
-        mid = exit_msg_id(self.producer, job_id, attempt, rank)
-        event = WorkersExited(job_id=job_id, node=self.node, attempt=attempt, rank=rank, exit_code=code,
-                              cause=cause[-MAX_CAUSE:], unrunnable=unrunnable, event_id=mid, occurred_at=time.time(),
-                              causation_id=causation_id, producer=self.producer)
-        await retrying("recording WorkersExited", lambda: append_to_job(self.store, event, msg_id=mid))
-
     def stop(self, job_id: str, attempt: int, reason: str, *, immediate: bool = False, shutdown: bool = False) -> None:
         """SIGTERM the attempt's ranks here (they checkpoint and exit), SIGKILL whatever outlives the grace."""
         targets = [p for p in self.procs.values() if p.job_id == job_id and p.attempt == attempt and p.alive]
+        if targets:
+            self.exits.stopping(job_id, attempt)
         for p in targets:
             p.shutdown = p.shutdown or shutdown
             signal_rank(p, signal.SIGKILL if immediate else signal.SIGTERM)
@@ -369,6 +371,7 @@ class Spawner:
                     watcher.cancel()
         for timer in list(self.timers):
             timer.cancel()
+        await self.exits.close()
         await self.shipper.close()
 
 

@@ -190,20 +190,21 @@ def _exited(state: State, ev: WorkersExited, out: list[Output]) -> None:
     job = state.jobs.get(ev.job_id)
     if job is None:
         return
-    if job.unrecorded.pop((ev.attempt, ev.rank), None) is not None:
-        job.recording[ev.node] = (ev.occurred_at, state.now)  # its agent is alive, working through the exits
-    r = job.ranks.get(ev.rank) if ev.attempt == job.attempt else None
-    if r is None:
-        return
-    r.exited = True
-    if r.gone:
-        return
-    job.gone(r)
-    if ev.exit_code == 0 or job.quiet or not job.first(r.rank, "RankLost"):
-        return
-    evidence = list(dict.fromkeys(i for i in (ev.event_id, r.fault_id, r.seen_id) if i))
-    _emit(out, RankLost(job_id=job.job_id, rank=r.rank, attempt=job.attempt, evidence=evidence,
-                          reason=f"exited with code {ev.exit_code}", last_seen=r.seen_at or r.started_at))
+    for x in ev.exits():
+        if job.unrecorded.pop((ev.attempt, x.rank), None) is not None:
+            job.recording[ev.node] = (ev.occurred_at, state.now)  # its agent is alive, working through the exits
+        r = job.ranks.get(x.rank) if ev.attempt == job.attempt else None
+        if r is None:
+            continue
+        r.exited = True
+        if r.gone:
+            continue
+        job.gone(r)
+        if x.exit_code == 0 or job.quiet or not job.first(r.rank, "RankLost"):
+            continue
+        evidence = list(dict.fromkeys(i for i in (ev.event_id, r.fault_id, r.seen_id) if i))
+        _emit(out, RankLost(job_id=job.job_id, rank=r.rank, attempt=job.attempt, evidence=evidence,
+                              reason=f"exited with code {x.exit_code}", last_seen=r.seen_at or r.started_at))
 
 
 def _step(state: State, job: JobWatch, r: RankWatch, ev: StepCompleted, out: list[Output]) -> None:

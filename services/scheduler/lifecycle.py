@@ -84,18 +84,24 @@ def started(tx: Tx, ev: WorkersStarted) -> None:
 
 
 def exited(tx: Tx, ev: WorkersExited) -> None:
+    """Ranks of one node ended (one record per node: the first failed rank heads it, and decides)."""
     job = _current(tx, ev.job_id, ev.attempt)
-    if job is None or ev.rank not in job.ranks or ev.rank in job.exited:
+    if job is None:
         return
+    exits = [x for x in ev.exits() if x.rank in job.ranks and x.rank not in job.exited]
+    if not exits:
+        return
+    ranks = {x.rank for x in exits}
+    failed = next((x for x in exits if x.exit_code != 0), None)
     if job.stop:
-        ranks_gone(tx, job, {ev.rank})
-    elif ev.exit_code != 0 and ev.unrunnable:  # the same command fails the same way on any slot: no restart
-        job = tx.update(job, exited=job.exited | {ev.rank}, faults=(*job.faults, ev.event_id))
+        ranks_gone(tx, job, ranks)
+    elif failed is not None and failed.unrunnable:  # the same command fails the same way on any slot: no restart
+        job = tx.update(job, exited=job.exited | ranks, faults=(*job.faults, ev.event_id))
         fail(tx, job, f"{fault_reason(ev)}; not restarted: the job's command cannot run", job.faults)
-    elif ev.exit_code != 0:
-        fault(tx, job, ev.event_id, fault_reason(ev), {ev.rank})
+    elif failed is not None:
+        fault(tx, job, ev.event_id, fault_reason(ev), ranks)
     else:
-        job = tx.update(job, exited=job.exited | {ev.rank})
+        job = tx.update(job, exited=job.exited | ranks)
         if job.ranks <= job.exited:  # every rank finished with 0, and nobody asked it to stop
             tx.emit(JobCompleted(job_id=job.job_id, steps=job.spec.train.steps))
             tx.release(job, "completed")

@@ -28,11 +28,14 @@ Recovery = Restart | Fail
 def fault_reason(event: WorkersExited | RankLost | RankHung | StragglerDetected) -> str:
     """Why an input counts as a fault, in words for the record ("" if it is not one)."""
     match event:
-        case WorkersExited(rank=rank, exit_code=code, cause=cause, unrunnable=unrunnable) if code != 0:
+        case WorkersExited(rank=rank, exit_code=code, cause=cause, unrunnable=unrunnable, others=others) if code != 0:
             how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
             if unrunnable:
                 how = "could not be started"
-            return f"rank {rank} {how}" + (f": {quoted(cause)}" if cause else "")
+            also = [x.rank for x in others if x.exit_code != 0]
+            which = f"rank {also[0]}" if len(also) == 1 else f"ranks {', '.join(map(str, also))}"
+            with_them = f" (with {which} on {event.node})" if also else ""
+            return f"rank {rank} {how}{with_them}" + (f": {quoted(cause)}" if cause else "")
         case RankLost(rank=rank, reason=why):
             return f"rank {rank} lost: {why}"
         case RankHung(rank=rank, step=step, stalled_s=stalled, deadline_s=deadline):

@@ -80,16 +80,22 @@ async def read_all(store: EventStore, stream: str, filters: Iterable[str] = ()) 
     raise AssertionError("unreachable")
 
 
+def identities(event: Event) -> list[tuple[Any, ...]]:
+    """What makes a control event one decision (or several: a node's exit record holds each of its ranks' exits):
+    two recorded events sharing one are a decision taken twice (each restart is resumed once, each finding rolled
+    back once, each attempt granted and released once, each rank's exit recorded once)."""
+    if isinstance(event, WorkersExited):
+        return [("WorkersExited", event.job_id, event.attempt, event.node, x.rank) for x in event.exits()]
+    key = identity(event)
+    return [] if key is None else [key]
+
+
 def identity(event: Event) -> tuple[Any, ...] | None:
-    """What makes a control event one decision: two recorded events with one identity are a decision taken twice
-    (each restart is resumed once, each finding rolled back once, each attempt granted and released once)."""
     match event:
         case JobResumed() | AllocationRequested() | AllocationGranted() | AllocationReleased():
             return type(event).__name__, event.job_id, event.attempt
         case WorkersStarted():
             return "WorkersStarted", event.job_id, event.attempt, event.node
-        case WorkersExited():
-            return "WorkersExited", event.job_id, event.attempt, event.node, event.rank
         case JobCompleted() | JobFailed() | JobCancelled():
             return "JobEnded", event.job_id
         case RollbackRequested():
@@ -105,7 +111,7 @@ def repeated_decisions(control: list[Stored]) -> list[str]:
     events = [s.event for s in control if s.event is not None]
     ids = Counter(e.event_id for e in events)
     found = [f"event id {i} stored {n} times" for i, n in ids.items() if n > 1]
-    keys = Counter(k for e in events if (k := identity(e)) is not None)
+    keys = Counter(k for e in events for k in identities(e))
     return found + [f"{k} decided {n} times" for k, n in keys.items() if n > 1]
 
 

@@ -42,7 +42,7 @@ async def test_a_crashed_rank_is_restarted_from_the_newest_checkpoint(drill: Pla
     await p.submit(crash_spec(), job)
     await run_to_end(p, job)
     assert p.seen(JobCompleted, job), kinds(p.job(job))
-    exits = {(e.attempt, e.rank): e.exit_code for e in p.seen(WorkersExited, job)}
+    exits = {(e.attempt, e.rank): e.exit_code for e in p.rank_exits(job)}
     assert exits[(0, 1)] == 3 and exits[(1, 0)] == exits[(1, 1)] == 0
     (resumed,) = p.seen(JobResumed, job)
     assert (resumed.attempt, (resumed.from_step, resumed.checkpoint_id)) == (1, restore_point(p, job, 1))
@@ -72,7 +72,7 @@ async def test_a_hung_rank_is_found_by_its_frozen_step_and_the_job_restarts(dril
     assert len(beats) >= 3 and {b.step for b in beats} == {17}, beats
     assert not [e for e in p.seen(Heartbeat, job, stream=subjects.TELEMETRY) if e.attempt == 0]  # none of its own
     assert all(e.step == 17 and e.stalled_s > e.deadline_s >= 3.0 for e in hung), hung
-    assert {e.rank for e in p.seen(WorkersExited, job) if e.attempt == 0} == {0, 1}
+    assert {e.rank for e in p.rank_exits(job) if e.attempt == 0} == {0, 1}
     (resumed,) = p.seen(JobResumed, job)
     assert resumed.attempt == 1 and (resumed.from_step, resumed.checkpoint_id) == restore_point(p, job, 1)
     assert await wait_lineage(p, job, 40) == []

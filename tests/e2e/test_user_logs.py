@@ -12,7 +12,7 @@ import msgspec
 import pytest
 
 from events import subjects
-from events.job import JobCompleted, JobFailed, WorkersExited
+from events.job import JobCompleted, JobFailed
 from events.logs import RankOutput
 from events.spec import EntrypointSpec, JobSpec, TrainSpec
 from events.training import StepCompleted
@@ -101,7 +101,7 @@ async def test_flightdeck_logs_shows_each_ranks_lines_in_order_by_rank_and_attem
         assert any(ln.startswith("[a0 r1] ") and ln.endswith("RuntimeError: rank 1 fails at the end of attempt 0")
                    for ln in failed), failed
         assert any(ln.startswith("[a0 r1] ") and ln.endswith("Traceback (most recent call last):") for ln in failed)
-        (exit_,) = [e for e in p.seen(WorkersExited, job) if (e.attempt, e.rank) == (0, 1)]
+        (exit_,) = [e for e in p.rank_exits(job) if (e.attempt, e.rank) == (0, 1)]
         assert exit_.exit_code == 1 and exit_.cause.endswith("RuntimeError: rank 1 fails at the end of attempt 0")
         assert "rank 1 step 4" in exit_.cause  # the last lines it printed, not only the traceback
         everything = logs(p, job, "--json")

@@ -14,7 +14,7 @@ from events import subjects
 from events.checkpoint import CheckpointCommitted, CheckpointStaged
 from events.commands import RollbackRequested, StopRequested
 from events.findings import LossSpikeDetected, RankHung
-from events.job import JobCompleted, JobFailed, JobPreempted, JobResumed, WorkersExited
+from events.job import JobCompleted, JobFailed, JobPreempted, JobResumed
 from events.plan import ReshardPlanned
 from events.spec import FaultSpec, JobSpec, ModelSpec, TrainSpec, parse_spec
 from events.training import FaultInjected, RolledBack
@@ -60,7 +60,7 @@ async def survives_every_drill_fault(drill: Platform, example: str) -> None:
                   "rank 0's RolledBack (telemetry trails the history)", job)
     (rolled,) = [e for e in p.seen(RolledBack, job, stream=subjects.TELEMETRY) if e.rank == 0]
     assert rolled.to_step == rollback.to_step and spike.attempt == 0
-    assert {(e.attempt, e.rank): e.exit_code for e in p.seen(WorkersExited, job)}[(0, 1)] == 3
+    assert {(e.attempt, e.rank): e.exit_code for e in p.rank_exits(job)}[(0, 1)] == 3
     if example == "fsdp2":  # its device mesh came from the plan the resharder recorded, not the fallback
         assert p.seen(ReshardPlanned, job)
         first = (p.data / "logs" / f"{job}-a0-r0.log").read_text()
@@ -81,7 +81,7 @@ async def survives_every_drill_fault(drill: Platform, example: str) -> None:
     final = max(e.step for e in p.seen(CheckpointStaged, job, stream=subjects.TELEMETRY) if e.attempt == 2)
     resumed = p.seen(JobResumed, job)[-1]
     assert (resumed.attempt, resumed.from_step) == (3, final)
-    assert {e.exit_code for e in p.seen(WorkersExited, job) if e.attempt == 2} == {0}
+    assert {e.exit_code for e in p.rank_exits(job) if e.attempt == 2} == {0}
     assert await wait_lineage(p, job, STEPS) == []
     # one rollback in all: the poisoned batches were skipped, so the redone steps never spiked again
     assert len(p.seen(RollbackRequested, job)) == 1

@@ -58,6 +58,9 @@ def describe(ev: Event) -> str:
         case ShardsUploaded():
             return f"{ev.node} stored step {ev.step} of ranks {_ranks(ev.ranks)} in the object store: {ev.bytes} " \
                    f"bytes in {ev.seconds:.2f} s"
+        case WorkersExited(others=others) if others:
+            return f"rank {ev.rank} (attempt {ev.attempt}) on {ev.node} exited with code {ev.exit_code}, and " \
+                   f"ranks {_ranks([x.rank for x in others])} with it"
         case WorkersExited():
             return f"rank {ev.rank} (attempt {ev.attempt}) on {ev.node} exited with code {ev.exit_code}"
         case CheckpointRejected():

@@ -1,0 +1,118 @@
+"""The node agent's exit records: one WorkersExited per node and attempt where it can be.
+
+Ranks the agent stops (a release, a newer grant, its own shutdown) are recorded together once the last of them
+has exited, so a restart appends one event per node to the job's history instead of one per rank (each append
+is fenced: at 4,096 ranks the per-rank records alone took longer than the restart they reported). A rank that
+exits by itself is recorded at once, since the scheduler acts on it; exits that come while a record of their
+attempt is in flight join the next one.
+"""
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import structlog
+
+from events.codec import MAX_CAUSE
+from events.history import append_to_job
+from events.job import RankExit, exits_record
+from events.store import EventStore
+from services.agent.launch import exit_msg_id
+
+log = structlog.get_logger("flightdeck.agent.exits")
+
+STOPPED_WAIT_S = 5.0  # the most a stopped rank's exit waits for its node's others (one that will not die)
+
+Key = tuple[str, int]  # (job, attempt)
+Retrying = Callable[[str, Callable[[], Awaitable[object]]], Awaitable[object]]
+
+
+@dataclass
+class _Batch:
+    exits: list[RankExit] = field(default_factory=list)
+    causation_id: str = ""
+    landed: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    timer: asyncio.TimerHandle | None = None
+
+
+class ExitRecorder:
+    """Batches a node's exits by attempt. `running(job, attempt)`: the ranks of that attempt still watched here
+    (their exits not yet handed over); `retrying` appends until the broker takes it."""
+
+    def __init__(self, store: EventStore, node: str, producer: str, running: Callable[[str, int], set[int]],
+                 retrying: Retrying) -> None:
+        self.store, self.node, self.producer = store, node, producer
+        self.running, self.retrying = running, retrying
+        self.stopped: set[Key] = set()  # attempts this agent is stopping: their ranks' exits wait for each other
+        self.handed: dict[Key, set[int]] = {}  # ranks whose exits were handed over, recorded or on their way
+        self.pending: dict[Key, _Batch] = {}
+        self.inflight: dict[Key, asyncio.Task[None]] = {}
+
+    def stopping(self, job_id: str, attempt: int) -> None:
+        self.stopped.add((job_id, attempt))
+
+    async def record(self, job_id: str, attempt: int, exits: list[RankExit], causation_id: str) -> None:
+        """Record `exits` (ranks of one attempt that ended here); returns once the record holding them landed."""
+        key = (job_id, attempt)
+        exits = [RankExit(rank=x.rank, exit_code=x.exit_code, cause=x.cause[-MAX_CAUSE:], unrunnable=x.unrunnable)
+                 for x in exits]
+        batch = self.pending.get(key)
+        if batch is None:
+            batch = self.pending[key] = _Batch(causation_id=causation_id)
+            if key in self.stopped:  # a rank that will not die does not hold the others' record forever
+                batch.timer = asyncio.get_running_loop().call_later(STOPPED_WAIT_S, self._flush, key, True)
+        batch.exits.extend(exits)
+        self.handed.setdefault(key, set()).update(x.rank for x in exits)
+        landed = batch.landed
+        self._flush(key)
+        await asyncio.shield(landed)
+
+    def forget(self, job_id: str, attempt: int) -> None:
+        """The attempt has no rank left here and nothing to record."""
+        key = (job_id, attempt)
+        if key not in self.pending and key not in self.inflight:
+            self.stopped.discard(key)
+            self.handed.pop(key, None)
+
+    def _flush(self, key: Key, force: bool = False) -> None:
+        batch = self.pending.get(key)
+        if batch is None or key in self.inflight:
+            return
+        waiting = self.running(*key) - self.handed.get(key, set())
+        if key in self.stopped and waiting and not force:
+            return  # the others were signalled too: their exits are on their way
+        del self.pending[key]
+        if batch.timer is not None:
+            batch.timer.cancel()
+        task = self.inflight[key] = asyncio.create_task(self._append(key, batch))
+        task.add_done_callback(lambda _: self._landed(key))
+
+    def _landed(self, key: Key) -> None:
+        self.inflight.pop(key, None)
+        self._flush(key)
+
+    async def _append(self, key: Key, batch: _Batch) -> None:
+        job_id, attempt = key
+        try:
+            mid = exit_msg_id(self.producer, job_id, attempt, min(x.rank for x in batch.exits))
+            event = exits_record(batch.exits, job_id=job_id, node=self.node, attempt=attempt, event_id=mid,
+                                 occurred_at=time.time(), causation_id=batch.causation_id, producer=self.producer)
+            await self.retrying("recording WorkersExited", lambda: append_to_job(self.store, event, msg_id=mid))
+            log.info("exits recorded", job_id=job_id, attempt=attempt, ranks=sorted(x.rank for x in batch.exits))
+        except BaseException as exc:
+            if not batch.landed.done():
+                batch.landed.set_exception(exc if isinstance(exc, Exception) else asyncio.CancelledError())
+            raise
+        else:
+            batch.landed.set_result(None)
+
+    async def close(self) -> None:
+        for batch in self.pending.values():
+            if batch.timer is not None:
+                batch.timer.cancel()
+        for task in list(self.inflight.values()):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
