@@ -19,6 +19,7 @@ ALL_TYPES: tuple[type[Event], ...] = (
     logs.RankOutput,  # what a rank printed, shipped by its agent
     # checkpoint
     checkpoint.CheckpointStaged, checkpoint.ShardsUploaded, checkpoint.CheckpointCommitted, checkpoint.CheckpointFailed,
+    checkpoint.CheckpointPending,
     checkpoint.CheckpointDeleted,
     checkpoint.CheckpointRejected, checkpoint.CheckpointRefused, checkpoint.CheckpointScrubbed,
     # health findings

@@ -64,9 +64,22 @@ class CheckpointCommitted(JobEvent, frozen=True, kw_only=True):
     timeline: int = 0  # rollbacks that attempt had applied when it staged (events/lineage.py)
 
 
+class CheckpointPending(JobEvent, frozen=True, kw_only=True):
+    """Every rank of a set has staged its shards: only storing them and verifying the store remain before its
+    commit. A restart decided meanwhile may wait for that commit rather than redo the steps it holds."""
+
+    checkpoint_id: str
+    attempt: int
+    step: int
+    timeline: int = 0
+    world_size: int
+    nodes: list[str]  # whose agents store its shards: a lost one may never store them
+
+
 class CheckpointFailed(JobEvent, frozen=True, kw_only=True):
     step: int
     reason: str
+    checkpoint_id: str = ""  # "" in histories recorded before it was given
 
 
 class CheckpointRejected(JobEvent, frozen=True, kw_only=True):

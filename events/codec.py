@@ -69,6 +69,7 @@ BOUNDS: dict[str, Any] = {
     "next_batch": Count, "bytes": Count, "size": Count, "priority": Count, "timeline": Count,
     "ranks": Annotated[list[Rank], Meta(max_length=MAX_SLOTS)],
     "pids": Annotated[list[Count], Meta(max_length=MAX_SLOTS)],
+    "nodes": Annotated[list[Token], Meta(max_length=MAX_SLOTS)],
     "skipped": list[tuple[Count, Count]], "positions": dict[Token, Count],
     "occurred_at": UnixTime, "now": UnixTime, "recovered_at": UnixTime,
     "interval_s": Annotated[float, Meta(gt=0.0, le=86_400.0)], "step_time_s": Seconds, "stall_s": Seconds,

@@ -52,6 +52,9 @@ class PolicySpec(Spec, frozen=True, kw_only=True):
     rollback_steps_back: Annotated[int, Meta(ge=0, le=100_000_000)] = 100
     rollback_skip_batches: Annotated[int, Meta(ge=0, le=100_000_000)] = 200
     keep_checkpoints: Annotated[int, Meta(ge=1, le=100_000)] = 3  # committed checkpoints kept (plus rollback targets)
+    # a restart waits at most this long for a checkpoint every rank has staged to commit (and never longer than
+    # the work it holds took), rather than redo its steps from an older one; 0: never waits
+    commit_wait_s: Annotated[float, Meta(ge=0.0, le=3600.0)] = 30.0
 
 
 MAX_FAULTS = 256  # drill faults in one spec

@@ -15,6 +15,7 @@ from events.checkpoint import (
     CheckpointCommitted,
     CheckpointDeleted,
     CheckpointFailed,
+    CheckpointPending,
     CheckpointRefused,
     CheckpointRejected,
     CheckpointScrubbed,
@@ -52,6 +53,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # the store. "staging": the protocol of histories recorded before agents stored shards (the service read the
     # ranks' staging folders), kept so that they still verify.
     shards_from: Literal["staging", "agents"] = "staging"
+    # "yes": say CheckpointPending once a set has fully staged, so a restart can wait for its commit. "no" for
+    # histories recorded before the event existed, so that they still verify.
+    announce_pending: Literal["no", "yes"] = "no"
 
     def __post_init__(self) -> None:
         if not (self.scrub_every_s >= 0 and self.scrub_mb_s > 0):
@@ -151,6 +155,7 @@ class Due(msgspec.Struct, frozen=True, kw_only=True):
     doomed: tuple[str, ...] = ()
     failed: CheckpointFailed | None = None  # a set that can never commit (its shards could not be stored)
     failed_id: str = ""  # ... and its checkpoint id, whose stored objects are removed
+    pending: CheckpointPending | None = None  # a set every rank has staged: its commit is on its way
 
 
 NOTHING_DUE = Due()
@@ -192,14 +197,21 @@ def _open_set(job: JobState, ev: CheckpointStaged | ShardsUploaded) -> Staging |
     return current if current.world_size == ev.world_size else None
 
 
-def _stage(job: JobState, ev: CheckpointStaged | ShardsUploaded, agents_store: bool) -> tuple[JobState, Due]:
-    """Fold a staging or an agent's report; `agents_store` False: the "staging" protocol (Settings.shards_from)."""
+def _stage(job: JobState, ev: CheckpointStaged | ShardsUploaded, agents_store: bool,
+           announce: bool = False) -> tuple[JobState, Due]:
+    """Fold a staging or an agent's report; `agents_store` False: the "staging" protocol (Settings.shards_from);
+    `announce`: say CheckpointPending when the last rank stages (Settings.announce_pending)."""
     at = (ev.attempt, ev.timeline, ev.step)
     cid = checkpoint_id(ev.attempt, ev.step, ev.timeline)
     current = _open_set(job, ev)
     if current is None:
         return job, NOTHING_DUE
+    pending: CheckpointPending | None = None
     if isinstance(ev, CheckpointStaged):
+        if announce and agents_store and ev.rank not in current.ranks and len(current.ranks) + 1 == current.world_size:
+            nodes = sorted({s.node for s in current.ranks.values()} | {ev.node})
+            pending = CheckpointPending(job_id=ev.job_id, checkpoint_id=cid, attempt=ev.attempt, step=ev.step,
+                                        timeline=ev.timeline, world_size=ev.world_size, nodes=nodes)
         # a rank that stages the same set again rewrote its files: its agent stores them again, and its
         # newest announcement is the one the store must match
         current = replace(current, ranks={**current.ranks, ev.rank: ev},
@@ -208,7 +220,7 @@ def _stage(job: JobState, ev: CheckpointStaged | ShardsUploaded, agents_store: b
         return job, NOTHING_DUE
     elif ev.failed:
         staging = {k: v for k, v in job.staging.items() if k != at}
-        failed = CheckpointFailed(job_id=ev.job_id, step=ev.step,
+        failed = CheckpointFailed(job_id=ev.job_id, step=ev.step, checkpoint_id=cid,
                                   reason=f"{cid}: node {ev.node or '?'} could not store its ranks' shards: {ev.failed}")
         final = -1 if ev.step == job.final else job.final
         return replace(job, staging=staging, handed=job.handed | {at}, final=final), Due(failed=failed, failed_id=cid)
@@ -219,7 +231,7 @@ def _stage(job: JobState, ev: CheckpointStaged | ShardsUploaded, agents_store: b
     staging = {k: v for k, v in job.staging.items() if k[0] >= ev.attempt}  # a newer attempt drops older sets
     job = replace(job, attempt=ev.attempt)
     if len(current.ranks) < current.world_size or len(current.stored) < current.world_size:
-        return replace(job, staging={**staging, at: current}), NOTHING_DUE
+        return replace(job, staging={**staging, at: current}), NOTHING_DUE if pending is None else Due(pending=pending)
     staging.pop(at, None)
     ranks = [current.ranks[r] for r in sorted(current.ranks)]
     args = CommitArgs(
@@ -257,7 +269,7 @@ def _world_size_of(job: JobState, cid: str) -> int:
 def _evolve_job(job: JobState, ev: Event, settings: Settings) -> tuple[JobState, Due]:
     match ev:
         case CheckpointStaged() | ShardsUploaded():
-            return _stage(job, ev, settings.shards_from == "agents")
+            return _stage(job, ev, settings.shards_from == "agents", settings.announce_pending == "yes")
         case CheckpointCommitted():
             if any(c.checkpoint_id == ev.checkpoint_id for c in job.committed) or ev.checkpoint_id in job.doomed:
                 return job, NOTHING_DUE
@@ -350,6 +362,8 @@ def next_scrub(state: State, now: float) -> tuple[State, Sequence[Output]]:
 
 def _outputs(job_id: str, job: JobState, due: Due) -> list[Output]:
     out: list[Output] = []
+    if due.pending is not None:
+        out.append(Emit(subjects.job(job_id, "CheckpointPending"), due.pending))
     if due.commit is not None:
         out.append(Effect(COMMIT, due.commit))
     if due.failed is not None:  # and whatever of it was stored before the failure goes
@@ -391,7 +405,8 @@ def core_service(effects: dict[str, EffectHandler], *, scrub_every_s: float = 0.
                  scrub_mb_s: float = Settings().scrub_mb_s) -> Service[State]:
     """The checkpoint service's core wired to its effect handlers ("commit", "delete", and "scrub" when
     `scrub_every_s` > 0; see uploader.py and scrubber.py)."""
-    settings = Settings(scrub_every_s=scrub_every_s, scrub_mb_s=scrub_mb_s, shards_from="agents")
+    settings = Settings(scrub_every_s=scrub_every_s, scrub_mb_s=scrub_mb_s, shards_from="agents",
+                        announce_pending="yes")
     missing = {COMMIT, DELETE, *([SCRUB] if scrub_every_s > 0 else [])} - set(effects)
     if missing:
         raise ValueError(f"the checkpoint service needs effect handlers for {sorted(missing)}")
@@ -406,5 +421,5 @@ def core_service(effects: dict[str, EffectHandler], *, scrub_every_s: float = 0.
         effects=effects,
         detached=frozenset({SCRUB}),
         settings=msgspec.structs.asdict(settings),
-        unrecorded=msgspec.structs.asdict(replace(settings, shards_from="staging")),
+        unrecorded=msgspec.structs.asdict(replace(settings, shards_from="staging", announce_pending="no")),
     )

@@ -127,7 +127,8 @@ async def _failed(store: ObjectStore, args: CommitArgs, reason: str, *, cleanup:
             await store.delete_prefix(mf.prefix(args.job_id, args.checkpoint_id))
         except Exception:  # orphans without a manifest are harmless; the failure is what must be recorded
             log.error("could not remove a failed checkpoint's shards", checkpoint_id=args.checkpoint_id, exc_info=True)
-    event = CheckpointFailed(job_id=args.job_id, step=args.step, reason=f"{args.checkpoint_id}: {reason}")
+    event = CheckpointFailed(job_id=args.job_id, step=args.step, reason=f"{args.checkpoint_id}: {reason}",
+                             checkpoint_id=args.checkpoint_id)
     return [Emit(subjects.job(args.job_id, "CheckpointFailed"), event)]
 
 

@@ -6,7 +6,14 @@ Why it works this way: docs/internals.md, "3. The scheduler and its recovery rec
 import msgspec
 
 from events.base import Event
-from events.checkpoint import CheckpointCommitted, CheckpointDeleted, CheckpointRefused, CheckpointRejected
+from events.checkpoint import (
+    CheckpointCommitted,
+    CheckpointDeleted,
+    CheckpointFailed,
+    CheckpointPending,
+    CheckpointRefused,
+    CheckpointRejected,
+)
 from events.clock import ClockTick, CoreConfigured
 from events.findings import LossSpikeDetected, NonFiniteLoss, RankHung, RankLost, StragglerDetected
 from events.fleet import NodeCordoned, NodeLost, NodeRegistered, NodeUncordoned, SelfCheckFailed
@@ -20,14 +27,15 @@ from events.job import (
 )
 from events.training import RolledBack
 from services.core import Output, Service
-from services.scheduler import lifecycle, queue, recovery
+from services.scheduler import commit_wait, lifecycle, queue, recovery
 from services.scheduler.state import Settings, State
 from services.scheduler.tx import Tx
 
 NAME = "scheduler"
 
 CONTROL_TYPES = ("JobSubmitted", "CancelRequested", "AllocationGranted", "AllocationDenied", "WorkersStarted",
-                 "WorkersExited", "CheckpointCommitted", "CheckpointDeleted", "CheckpointRejected", "RankLost",
+                 "WorkersExited", "CheckpointCommitted", "CheckpointDeleted", "CheckpointRejected", "CheckpointPending",
+                 "CheckpointFailed", "RankLost",
                  "RankHung", "StragglerDetected", "NonFiniteLoss", "LossSpikeDetected")
 TELEMETRY_TYPES = ("RolledBack", "CheckpointRefused")
 FLEET_TYPES = ("NodeRegistered", "NodeCordoned", "NodeUncordoned", "SelfCheckFailed", "NodeLost")
@@ -66,6 +74,11 @@ def transition(state: State, event: Event) -> tuple[State, tuple[Output, ...]]:
             recovery.rolled_back(tx, event)
         case CheckpointCommitted():
             recovery.checkpoint_committed(tx, event, landing_timeout_s)
+            commit_wait.settled(tx, event)
+        case CheckpointPending():
+            commit_wait.pending(tx, event)
+        case CheckpointFailed():
+            commit_wait.settled(tx, event)
         case CheckpointDeleted():
             lifecycle.checkpoint_deleted(tx, event)
         case CheckpointRejected():
@@ -84,6 +97,7 @@ def transition(state: State, event: Event) -> tuple[State, tuple[Output, ...]]:
             lifecycle.node_lost(tx, name, reason, event.event_id)
         case ClockTick():
             lifecycle.stop_deadlines(tx, stop_timeout_s)
+            commit_wait.deadlines(tx)
         case _:
             return state, ()
     queue.admit(tx)
@@ -92,7 +106,8 @@ def transition(state: State, event: Event) -> tuple[State, tuple[Output, ...]]:
 
 def wants_tick(state: State, now: float) -> bool:
     landing_timeout_s = state.settings.landing_timeout_s
-    return any(job.stop or recovery.in_flight(job, now, landing_timeout_s) for job in state.jobs.values())
+    return any(job.stop or job.waits_for or recovery.in_flight(job, now, landing_timeout_s)
+               for job in state.jobs.values())
 
 
 def core_service(*, stop_timeout_s: float = 120.0, landing_timeout_s: float = 120.0) -> Service[State]:

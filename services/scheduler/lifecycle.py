@@ -22,6 +22,7 @@ from events.job import (
     WorkersExited,
     WorkersStarted,
 )
+from services.scheduler import commit_wait
 from services.scheduler.policy import Fail, Restart, after_bad_checkpoint, after_fault, fault_reason
 from services.scheduler.state import Job
 from services.scheduler.tx import Tx
@@ -131,13 +132,14 @@ def node_lost(tx: Tx, node: str, reason: str, cause_id: str) -> None:
         if job.stop:
             ranks_gone(tx, job, gone)
         else:
-            fault(tx, job, cause_id, f"node {node} lost: {reason}", gone)
+            fault(tx, job, cause_id, f"node {node} lost: {reason}", gone, lost_node=node)
 
 
-def fault(tx: Tx, job: Job, cause_id: str, reason: str, gone: Iterable[int]) -> None:
+def fault(tx: Tx, job: Job, cause_id: str, reason: str, gone: Iterable[int], *, lost_node: str = "") -> None:
     """Restart the job on fresh slots, or fail it once the restart budget is spent. Surviving ranks are
-    told to stop first (no checkpoint: the newest committed one is the restore point); releasing the
-    allocation makes the node agents kill whatever does not stop."""
+    told to stop first (no checkpoint: the newest committed one is the restore point, or the one on its way
+    when waiting for it loses less: commit_wait.py); releasing the allocation makes the node agents kill
+    whatever does not stop."""
     job = tx.update(job, exited=job.exited | frozenset(gone), faults=(*job.faults, cause_id))
     free = bool(job.bad_restore)
     recovery = after_bad_checkpoint(job, reason) if free else after_fault(job, reason)
@@ -145,17 +147,18 @@ def fault(tx: Tx, job: Job, cause_id: str, reason: str, gone: Iterable[int]) -> 
         tx.emit(StopRequested(job_id=job.job_id, checkpoint=False, reason=recovery.reason))
     match recovery:
         case Restart(reason=why):
+            pending, since = job.pending, job.running_since
             job = tx.release(job, why)
             job = tx.update(job, phase="recovering", attempt=job.attempt + 1,
                             restarts=job.restarts + (0 if free else 1), use_spares=True, restore=None,
                             running_since=0.0, **NEW_ATTEMPT)
-            tx.enqueue(job)
+            tx.enqueue(commit_wait.hold(tx, job, pending, since, lost_node))
         case Fail(reason=why):
             fail(tx, job, why, job.faults, stopped=True)
 
 
 # What a new attempt starts without: the full gang is asked for first, and no rollback of its own yet.
-NEW_ATTEMPT: dict[str, object] = {"world": 0, "rollback": None, "skips": (), "bad_restore": ""}
+NEW_ATTEMPT: dict[str, object] = {"world": 0, "rollback": None, "skips": (), "bad_restore": "", "pending": None}
 
 
 def fail(tx: Tx, job: Job, reason: str, causes: Iterable[str], *, stopped: bool = False) -> None:

@@ -5,7 +5,7 @@ Why it works this way: docs/internals.md, "3. The scheduler and its recovery rec
 
 from events.commands import StopRequested
 from events.job import AllocationRequested, JobPreempted
-from services.scheduler import recipes
+from services.scheduler import commit_wait, recipes
 from services.scheduler.policy import Victim, choose_victims, work_lost_s
 from services.scheduler.state import Job
 from services.scheduler.tx import Tx
@@ -35,6 +35,8 @@ def admit(tx: Tx) -> None:
     room: dict[bool, int] = {}  # free slots without / with spares, counted once per pass
     for job_id in list(tx.queue):
         job = tx.jobs[job_id]
+        if commit_wait.waiting(job, tx.at):  # its restart waits for a commit: nothing behind it jumps ahead
+            break
         full, lo, fleet = job.spec.slots, recipes.smallest(job), capacity(tx, job.use_spares)
         if lo > fleet:
             continue
@@ -59,7 +61,8 @@ def request(tx: Tx, job: Job, world: int, reason: str) -> None:
     tx.dequeue(job.job_id)
     why = reason or job.ask_reason
     tx.update(job, phase="recovering" if job.phase == "recovering" else "placing", requested=True,
-              asked_epoch=tx.epoch, world=0 if world == job.spec.slots else world, ask_reason="")
+              asked_epoch=tx.epoch, world=0 if world == job.spec.slots else world, ask_reason="", waits_for="",
+              wait_until=0.0)
     tx.emit(AllocationRequested(job_id=job.job_id, slots=world, attempt=job.attempt, use_spares=job.use_spares,
                                 reason=why))
 

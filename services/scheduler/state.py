@@ -24,6 +24,15 @@ class Checkpoint(msgspec.Struct, frozen=True, kw_only=True):
     timeline: int = 0  # rollbacks that attempt had applied then (events/lineage.py)
 
 
+class Pending(msgspec.Struct, frozen=True, kw_only=True):
+    """A checkpoint of the current attempt that every rank has staged (CheckpointPending): its commit is on its way."""
+
+    checkpoint_id: str
+    step: int
+    at: float  # when it was announced
+    nodes: tuple[str, ...]  # whose agents store its shards
+
+
 class Rollback(msgspec.Struct, frozen=True, kw_only=True):
     """A RollbackRequested decided for the job's current attempt; in flight until a rank reports RolledBack."""
 
@@ -80,6 +89,9 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     abandoned: frozenset[str] = frozenset()  # checkpoints of steps a rollback threw away: never a rollback target
     forks: tuple[lineage.Fork, ...] = ()  # timelines rollbacks started, every attempt's: never restored across
     bad_restore: str = ""  # why `attempt`'s checkpoint was rejected (CheckpointRejected): its restart is free
+    pending: Pending | None = None  # the newest fully staged checkpoint of `attempt` not yet committed or failed
+    waits_for: str = ""  # a queued restart waits for this checkpoint's commit (commit_wait.py) ...
+    wait_until: float = 0.0  # ... until then at most
 
     @property
     def ranks(self) -> frozenset[int]:

@@ -5,6 +5,7 @@ the settings a live service ran with are in the log (CoreConfigured, recorded at
 folds them as it replays. Their effects are never run: replays read the recorded outcomes.
 """
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -57,3 +58,25 @@ def is_decision(stored: Stored, service: str) -> bool:
     ev: Event | None = stored.event
     return (ev is not None and ev.producer == service and stored.stream == subjects.CONTROL
             and not isinstance(ev, ClockTick | CoreConfigured))
+
+
+def unrecorded_settings(services: list[Service[Any]], control: Sequence[Stored]) -> list[Service[Any]]:
+    """Each core whose settings the history never recorded (it was written before services recorded them) starts
+    from the settings its services then ran with, where those differ from today's defaults (`Service.unrecorded`)."""
+    recorded = {s.event.service for s in control if isinstance(s.event, CoreConfigured)}
+    out: list[Service[Any]] = []
+    for s in services:
+        if s.unrecorded is not None and s.name not in recorded:
+            initial, _ = s.transition(s.initial, CoreConfigured(service=s.name, settings=dict(s.unrecorded)))
+            s = dataclasses.replace(s, initial=initial, settings=s.unrecorded)
+        out.append(s)
+    return out
+
+
+def settings_notes(services: Sequence[Service[Any]], control: Sequence[Stored]) -> list[str]:
+    """Which cores replayed with the settings they started from, for want of a recorded CoreConfigured (a history
+    written before services recorded them): their defaults, not this machine's environment."""
+    recorded = {s.event.service for s in control if isinstance(s.event, CoreConfigured)}
+    return [f"{s.name}: no settings recorded in this history: replayed with the defaults "
+            f"({', '.join(f'{k}={v}' for k, v in s.settings.items())})"
+            for s in services if s.settings and s.name not in recorded]

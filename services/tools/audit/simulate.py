@@ -63,9 +63,11 @@ class Simulation:
     def __init__(self, job_id: str, rows: Sequence[Stored], spec: JobSpec | None,
                  services: Sequence[Service[Any]] | None = None) -> None:
         self.job_id = job_id
-        self.services = list(services) if services is not None else cores.cores()
-        self.folders = {s.name: Folder(s) for s in self.services}
         self.control = [s for s in rows if s.stream == subjects.CONTROL]
+        # a history written before its services recorded their settings replays with the settings they ran with
+        self.services = list(services) if services is not None else cores.unrecorded_settings(cores.cores(),
+                                                                                               self.control)
+        self.folders = {s.name: Folder(s) for s in self.services}
         last = max((s.seq for s in self.control if subjects.job_of(s.subject) == job_id), default=0)
         self.horizon = last
         self.telemetry = [s for s in rows if s.stream == subjects.TELEMETRY]

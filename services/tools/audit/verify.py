@@ -8,7 +8,6 @@ for a commit) must belong to an effect the replay asks for on the same input, or
 dead-lettered live. Inputs the live shell dead-lettered must be the ones the replay refuses.
 """
 
-import dataclasses
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -17,13 +16,14 @@ from typing import Any
 from events import subjects
 from events.base import Event
 from events.checkpoint import CheckpointCommitted, CheckpointFailed, CheckpointScrubbed
-from events.clock import CoreConfigured, DeadLettered
+from events.clock import DeadLettered
 from events.store import EventStore, Stored
 from services.checkpoints.core import COMMIT, SCRUB, CommitArgs, ScrubArgs
 from services.core import Effect, Service
 from services.shell.deadletter import FOLDED_ANYWAY, GIVEN_UP
 from services.shell.fold import Step, comparable, replay
 from services.tools.audit import cores
+from services.tools.audit.cores import settings_notes, unrecorded_settings
 from services.tools.audit.diff import field_diff
 
 # a service's live dead letters: (input stream, input seq, cause) -> the input's subject
@@ -132,28 +132,6 @@ async def verify(store: EventStore, job_id: str, services: Sequence[Service[Any]
                      "a job's history does not keep")
     found.sort(key=lambda d: d.position)  # stable: within one input, the service order and output order stay
     return Verdict(job_id, history.horizon, checks, found, notes)
-
-
-def unrecorded_settings(services: list[Service[Any]], control: Sequence[Stored]) -> list[Service[Any]]:
-    """Each core whose settings the history never recorded (it was written before services recorded them) starts
-    from the settings its services then ran with, where those differ from today's defaults (`Service.unrecorded`)."""
-    recorded = {s.event.service for s in control if isinstance(s.event, CoreConfigured)}
-    out: list[Service[Any]] = []
-    for s in services:
-        if s.unrecorded is not None and s.name not in recorded:
-            initial, _ = s.transition(s.initial, CoreConfigured(service=s.name, settings=dict(s.unrecorded)))
-            s = dataclasses.replace(s, initial=initial, settings=s.unrecorded)
-        out.append(s)
-    return out
-
-
-def settings_notes(services: Sequence[Service[Any]], control: Sequence[Stored]) -> list[str]:
-    """Which cores replayed with the settings they started from, for want of a recorded CoreConfigured (a history
-    written before services recorded them): their defaults, not this machine's environment."""
-    recorded = {s.event.service for s in control if isinstance(s.event, CoreConfigured)}
-    return [f"{s.name}: no settings recorded in this history: replayed with the defaults "
-            f"({', '.join(f'{k}={v}' for k, v in s.settings.items())})"
-            for s in services if s.settings and s.name not in recorded]
 
 
 async def _positioned(steps: Any) -> Any:

@@ -18,10 +18,9 @@ from events.findings import LossSpikeDetected, NonFiniteLoss
 from events.job import AllocationRequested, JobCompleted, JobFailed
 from events.store import Stored
 from services.tools.audit import settings as setting
-from services.tools.audit.cores import cores
+from services.tools.audit.cores import cores, settings_notes
 from services.tools.audit.measured import Measured, measure
 from services.tools.audit.simulate import Change, Outcome, simulate, submitted_spec
-from services.tools.audit.verify import settings_notes
 
 CAVEATS = (
     "Decisions up to the first change are exact: every input before it happened as recorded.",

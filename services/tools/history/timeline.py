@@ -11,7 +11,7 @@ import msgspec
 
 from events import codec, subjects
 from events.base import Event
-from events.checkpoint import CheckpointCommitted, CheckpointFailed
+from events.checkpoint import CheckpointCommitted, CheckpointFailed, CheckpointPending
 from events.commands import CheckpointRequested, PauseRequested, ResumeRequested, RollbackRequested, StopRequested
 from events.findings import Finding
 from events.fleet import NodeCordoned, NodeLost, NodeUncordoned, SelfCheckFailed
@@ -43,7 +43,7 @@ _KINDS: dict[type[Event], str] = {
     StopRequested: "decision", CheckpointRequested: "decision", PauseRequested: "decision",
     ResumeRequested: "decision", CancelRequested: "decision",
     JobCompleted: "end", JobFailed: "end", JobCancelled: "end",
-    CheckpointCommitted: "checkpoint", CheckpointFailed: "checkpoint",
+    CheckpointCommitted: "checkpoint", CheckpointFailed: "checkpoint", CheckpointPending: "checkpoint",
     ReshardPlanned: "reshard", RollbackRequested: "rollback", RolledBack: "rollback",
     RankFault: "fault", FaultInjected: "fault", WorkersExited: "fault",
     NodeLost: "finding", NodeCordoned: "node", NodeUncordoned: "node", SelfCheckFailed: "node",

@@ -7,6 +7,7 @@ from events.checkpoint import (
     CheckpointCommitted,
     CheckpointDeleted,
     CheckpointFailed,
+    CheckpointPending,
     CheckpointRefused,
     CheckpointRejected,
     CheckpointScrubbed,
@@ -124,6 +125,8 @@ def describe(ev: Event) -> str:
             return f"{ev.checkpoint_id} (step {ev.step}, {ev.bytes / 1e6:.1f} MB)"
         case CheckpointFailed():
             return f"step {ev.step}: {ev.reason}"
+        case CheckpointPending():
+            return f"{ev.checkpoint_id} (step {ev.step}) staged by all {ev.world_size} ranks: its commit is on its way"
         case CheckpointDeleted():
             return f"{ev.checkpoint_id} ({ev.reason})"
         case NodeLost() | NodeCordoned() | SelfCheckFailed():

@@ -1,0 +1,172 @@
+"""Lose less work on a restart (issue 17, item 7): the checkpoint service says when every rank has staged a set
+(CheckpointPending), and a restart decided before that set commits waits for it (bounded by the policy and by the
+work it saves) instead of restoring the older checkpoint and redoing the steps in between."""
+
+from typing import TypeVar
+
+import msgspec
+
+from events.base import Event
+from events.checkpoint import CheckpointCommitted, CheckpointFailed, CheckpointPending, DataPosition
+from events.clock import ClockTick
+from events.fleet import NodeLost
+from events.job import (
+    AllocationGranted,
+    AllocationRequested,
+    JobQueued,
+    JobResumed,
+    JobSubmitted,
+    SlotRef,
+    WorkersExited,
+    WorkersStarted,
+)
+from events.spec import JobSpec, PolicySpec, TrainSpec
+from services.checkpoints import core as checkpoints
+from services.checkpoints.core import Settings
+from services.checkpoints.core import State as CheckpointState
+from services.core import Emit
+from services.scheduler.core import core_service
+from services.scheduler.state import State
+from tests.unit.helpers import events_of, fold, register, submit
+from tests.unit.test_checkpoint_core import staged, stored
+
+SCHEDULER = core_service(stop_timeout_s=30.0)
+E = TypeVar("E", bound=Event)
+JOB = "llm-abc123"
+
+
+def spec(commit_wait_s: float = 30.0) -> JobSpec:
+    return JobSpec(name="llm", slots=2, train=TrainSpec(steps=1000, batch_size=8, checkpoint_every=50),
+                   policy=PolicySpec(commit_wait_s=commit_wait_s))
+
+
+def at(ev: E, t: float) -> E:
+    """`ev` as recorded at time `t` (the scheduler's clock is its inputs' times)."""
+    return msgspec.structs.replace(ev, occurred_at=t)
+
+
+def committed(step: int, t: float, attempt: int = 0) -> CheckpointCommitted:
+    return at(CheckpointCommitted(job_id=JOB, checkpoint_id=checkpoints.checkpoint_id(attempt, step), step=step,
+                                  world_size=2, uri="s3://x", bytes=1, data=DataPosition(next_batch=step),
+                                  attempt=attempt), t)
+
+
+def pending(step: int, t: float, nodes: tuple[str, ...] = ("a", "b")) -> CheckpointPending:
+    return at(CheckpointPending(job_id=JOB, checkpoint_id=checkpoints.checkpoint_id(0, step), attempt=0, step=step,
+                                world_size=2, nodes=list(nodes)), t)
+
+
+def running(commit_wait_s: float = 30.0) -> State:
+    """Two ranks on nodes a and b running attempt 0 since t=10, with step 50 committed at t=20."""
+    grant = AllocationGranted(job_id=JOB, attempt=0, assignments=[SlotRef(node="a", slot=0, rank=0),
+                                                                  SlotRef(node="b", slot=0, rank=1)])
+    state, _ = fold(SCHEDULER, [register("a", 1), register("b", 1), register("c", 1),
+                                at(JobSubmitted(job_id=JOB, spec=spec(commit_wait_s)), 1.0), at(grant, 2.0),
+                                at(WorkersStarted(job_id=JOB, node="a", attempt=0, ranks=[0], pids=[1]), 10.0),
+                                at(WorkersStarted(job_id=JOB, node="b", attempt=0, ranks=[1], pids=[2]), 10.0),
+                                committed(50, 20.0)])
+    assert state.jobs[JOB].phase == "running"
+    return state
+
+
+def crash(t: float) -> WorkersExited:
+    return at(WorkersExited(job_id=JOB, node="b", attempt=0, rank=1, exit_code=3), t)
+
+
+def requests(outs: list[Emit]) -> list[AllocationRequested]:
+    return events_of(outs, AllocationRequested)
+
+
+def test_a_restart_waits_for_the_pending_commit_and_restores_it() -> None:
+    state, outs = fold(SCHEDULER, [pending(100, 40.0), crash(40.5)], running())
+    assert requests(outs) == []
+    (queued,) = events_of(outs, JobQueued)
+    assert "waits up to 20.00s for checkpoint step000000100-a0 (step 100)" in queued.reason
+    assert "restoring step 50 would redo 50 steps that took 20.00s" in queued.reason
+    state, outs = fold(SCHEDULER, [ClockTick(service="scheduler", now=41.0, positions={})], state)
+    assert requests(outs) == []  # still within the wait
+    state, outs = fold(SCHEDULER, [committed(100, 41.2)], state)
+    (asked,) = requests(outs)
+    assert asked.attempt == 1 and "restore checkpoint step000000100-a0, which committed" in asked.reason
+    grant = AllocationGranted(job_id=JOB, attempt=1, assignments=[SlotRef(node="a", slot=0, rank=0),
+                                                                  SlotRef(node="c", slot=0, rank=1)])
+    state, outs = fold(SCHEDULER, [at(grant, 41.5),
+                                   at(WorkersStarted(job_id=JOB, node="a", attempt=1, ranks=[0], pids=[3]), 42.0),
+                                   at(WorkersStarted(job_id=JOB, node="c", attempt=1, ranks=[1], pids=[4]), 42.0)],
+                       state)
+    (resumed,) = events_of(outs, JobResumed)
+    assert (resumed.from_step, resumed.checkpoint_id) == (100, "step000000100-a0")
+
+
+def test_the_wait_ends_at_its_deadline_and_the_restart_restores_the_newest_committed() -> None:
+    state, outs = fold(SCHEDULER, [pending(100, 40.0), crash(40.5)], running(commit_wait_s=2.0))
+    assert requests(outs) == [] and "waits up to 2.00s" in events_of(outs, JobQueued)[0].reason
+    state, outs = fold(SCHEDULER, [ClockTick(service="scheduler", now=42.0, positions={})], state)
+    assert requests(outs) == []
+    state, outs = fold(SCHEDULER, [ClockTick(service="scheduler", now=42.6, positions={})], state)
+    (asked,) = requests(outs)
+    assert "step000000100-a0 did not commit in time" in asked.reason
+
+
+def test_a_failed_pending_checkpoint_ends_the_wait() -> None:
+    state, outs = fold(SCHEDULER, [pending(100, 40.0), crash(40.5)], running())
+    failed = at(CheckpointFailed(job_id=JOB, step=100, checkpoint_id="step000000100-a0", reason="upload cut"), 41.0)
+    state, outs = fold(SCHEDULER, [failed], state)
+    (asked,) = requests(outs)
+    assert "failed while the restart waited" in asked.reason
+
+
+def test_no_wait_when_nothing_is_pending_or_the_policy_says_never() -> None:
+    _, outs = fold(SCHEDULER, [crash(40.5)], running())
+    assert len(requests(outs)) == 1
+    _, outs = fold(SCHEDULER, [pending(100, 40.0), crash(40.5)], running(commit_wait_s=0.0))
+    assert len(requests(outs)) == 1
+    _, outs = fold(SCHEDULER, [pending(100, 40.0), committed(100, 40.2), crash(40.5)], running())
+    assert len(requests(outs)) == 1  # already committed: the restart restores it without waiting
+
+
+def test_no_wait_for_a_set_whose_shards_were_on_the_lost_node() -> None:
+    lost = at(NodeLost(node="b", reason="its agent went silent"), 40.5)
+    _, outs = fold(SCHEDULER, [pending(100, 40.0), lost], running())
+    assert len(requests(outs)) == 1
+    _, outs = fold(SCHEDULER, [pending(100, 40.0, nodes=("a",)), lost], running())
+    assert requests(outs) == []  # b held none of its shards: the commit can still land
+
+
+def test_the_wait_is_never_longer_than_the_work_it_saves() -> None:
+    # the pending set was staged 3 s after the last commit: waiting more than 3 s would cost more than redoing it
+    _, outs = fold(SCHEDULER, [pending(100, 23.0), crash(40.5)], running())
+    assert "waits up to 3.00s" in events_of(outs, JobQueued)[0].reason
+
+
+def test_a_waiting_restart_keeps_its_place_in_the_queue() -> None:
+    state, outs = fold(SCHEDULER, [pending(100, 40.0), crash(40.5), at(submit("other-1", slots=1), 40.6)], running())
+    assert requests(outs) == []  # the free slots wait for the restart, not the job behind it
+    state, outs = fold(SCHEDULER, [committed(100, 41.0)], state)
+    assert [r.job_id for r in requests(outs)] == [JOB, "other-1"]
+
+
+# -- the checkpoint service's side ------------------------------------------------------------------------------
+
+def test_the_checkpoint_service_says_pending_once_when_the_last_rank_stages() -> None:
+    state = CheckpointState(settings=Settings(shards_from="agents", announce_pending="yes"))
+    outs = []
+    for ev in [staged(1, 100, 2, at=1.0), staged(1, 100, 2, at=1.5), staged(0, 100, 2, at=2.0)]:
+        state, decided = checkpoints.transition(state, ev)
+        outs.append(list(decided))
+    assert outs[0] == [] and outs[1] == []
+    (emit,) = outs[2]
+    assert isinstance(emit, Emit) and isinstance(emit.event, CheckpointPending)
+    assert (emit.event.checkpoint_id, emit.event.step, emit.event.nodes) == ("step000000100-a0", 100, ["n0", "n1"])
+    state, again = checkpoints.transition(state, staged(0, 100, 2, at=2.5))  # a rank rewriting its files
+    assert list(again) == []
+    for ev in (stored(staged(0, 100, 2)), stored(staged(1, 100, 2))):
+        state, decided = checkpoints.transition(state, ev)
+    assert [type(o).__name__ for o in decided] == ["Effect"]  # then the commit, as before
+
+
+def test_histories_recorded_before_the_event_replay_without_it() -> None:
+    state = CheckpointState(settings=Settings(shards_from="agents"))  # no announce_pending recorded
+    for ev in [staged(1, 100, 2, at=1.0), staged(0, 100, 2, at=2.0)]:
+        state, decided = checkpoints.transition(state, ev)
+        assert list(decided) == []
