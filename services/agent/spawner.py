@@ -192,9 +192,8 @@ class Spawner:
             log.warning("killing a rank whose slot was granted again", job_id=p.job_id, attempt=p.attempt,
                         rank=p.ref.rank, slot=p.ref.slot)
             signal_rank(p, signal.SIGKILL)
-        watchers = [p.watcher for p in doomed if p.watcher is not None]
-        if watchers:
-            await asyncio.wait(watchers)  # their exits are recorded before the new ranks' start
+        if doomed:  # the slots are free once the processes are gone; their watchers record the exits meanwhile
+            await asyncio.wait([asyncio.ensure_future(p.proc.wait()) for p in doomed])
 
     async def fired_faults(self, args: SpawnArgs) -> frozenset[int]:
         """The spec's unpinned drill faults that an earlier attempt fired, by index (trainer/faults.py): read
