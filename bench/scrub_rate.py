@@ -18,8 +18,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from events.checkpoint import DataPosition, ShardInfo
-from services.checkpoints.core import ScrubArgs
 from services.checkpoints.scrubber import scrub
+from services.checkpoints.state import ScrubArgs
 from services.shell.objects import manifest as mf
 from services.shell.objects.open import open_store
 from services.shell.objects.store import hash_file

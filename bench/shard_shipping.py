@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from events.checkpoint import CheckpointStaged, DataPosition, ShardInfo, ShardsUploaded, checkpoint_id
 from services.agent.shipping import store_rank
 from services.checkpoints import core
-from services.checkpoints.core import CommitArgs, Settings
+from services.checkpoints.state import CommitArgs, Settings
 from services.checkpoints.uploader import commit
 from services.shell.objects.local import LocalStore
 from services.shell.objects.store import hash_file

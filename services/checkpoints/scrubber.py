@@ -11,7 +11,7 @@ import structlog
 
 from events import subjects
 from events.checkpoint import CheckpointScrubbed
-from services.checkpoints.core import ScrubArgs
+from services.checkpoints.state import ScrubArgs
 from services.core import Emit
 from services.shell.objects import manifest as mf
 from services.shell.objects.store import ObjectNotFound, ObjectStore

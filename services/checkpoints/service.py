@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from services.checkpoints import uploader
-from services.checkpoints.core import COMMIT, DELETE, SCRUB, Settings, State, core_service
+from services.checkpoints.core import COMMIT, DELETE, SCRUB, core_service
+from services.checkpoints.state import Settings, State
 from services.core import EffectHandler, Emit, Service
 from services.shell.objects.open import DATA_DIR_ENV, OBJECTS_ENV, open_store
 from services.shell.objects.store import ObjectStore

@@ -12,7 +12,7 @@ import structlog
 from events import subjects
 from events.checkpoint import CheckpointCommitted, CheckpointFailed, ShardInfo
 from services.checkpoints import scrubber
-from services.checkpoints.core import CommitArgs, DeleteArgs, StagedRank
+from services.checkpoints.state import CommitArgs, DeleteArgs, StagedRank
 from services.core import EffectHandler, Emit
 from services.shell.objects import manifest as mf
 from services.shell.objects.store import (

@@ -12,7 +12,7 @@ import msgspec
 import pytest
 
 from events.checkpoint import CheckpointCommitted, DataPosition, ShardInfo
-from services.checkpoints.core import CommitArgs
+from services.checkpoints.state import CommitArgs
 from services.checkpoints.uploader import commit
 from services.shell.objects import manifest as mf
 from services.shell.objects.store import ObjectStore

@@ -13,7 +13,7 @@ import pytest
 
 from events.checkpoint import CheckpointCommitted, CheckpointFailed, DataPosition, ShardInfo
 from events.codec import MAX_SLOTS
-from services.checkpoints.core import CommitArgs, StagedRank
+from services.checkpoints.state import CommitArgs, StagedRank
 from services.checkpoints.uploader import commit
 from services.shell.objects import manifest as mf
 from services.shell.objects.local import LocalStore

@@ -17,7 +17,7 @@ from events.checkpoint import (
 )
 from services.agent.shipping import NotStored, store_rank
 from services.checkpoints import core, uploader
-from services.checkpoints.core import CommitArgs, DeleteArgs, Settings
+from services.checkpoints.state import CommitArgs, DeleteArgs, Settings
 from services.core import Effect, Emit
 from services.shell.objects.store import ObjectStore
 

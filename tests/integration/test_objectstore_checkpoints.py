@@ -22,7 +22,7 @@ from events.checkpoint import (
     ShardsUploaded,
 )
 from services.checkpoints import core
-from services.checkpoints.core import CommitArgs, DeleteArgs
+from services.checkpoints.state import CommitArgs, DeleteArgs
 from services.checkpoints.uploader import handlers
 from services.core import Emit
 from services.shell.objects import manifest as mf

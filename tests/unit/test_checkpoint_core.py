@@ -27,7 +27,8 @@ from events.spec import JobSpec, PolicySpec, TrainSpec
 from events.store import Stored
 from events.training import RankStarted, RolledBack
 from services.checkpoints import core
-from services.checkpoints.core import CommitArgs, DeleteArgs, Settings, State, checkpoint_id
+from services.checkpoints.core import checkpoint_id
+from services.checkpoints.state import CommitArgs, DeleteArgs, Settings, State
 from services.core import Effect, Emit, Output
 from services.shell.fold import Folder
 

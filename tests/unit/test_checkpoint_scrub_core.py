@@ -10,7 +10,8 @@ from events.clock import ClockTick, CoreConfigured
 from events.job import JobCancelled, JobFailed, JobSubmitted
 from events.spec import JobSpec, TrainSpec
 from services.checkpoints import core
-from services.checkpoints.core import SCRUB, SCRUB_SLACK_S, SCRUBBED_BAD, ScrubArgs, Settings
+from services.checkpoints.core import SCRUB, SCRUB_SLACK_S, SCRUBBED_BAD
+from services.checkpoints.state import ScrubArgs, Settings
 from services.core import Effect, Emit, Output
 
 EVERY = 100.0

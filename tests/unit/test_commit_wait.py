@@ -22,8 +22,8 @@ from events.job import (
 )
 from events.spec import JobSpec, PolicySpec, TrainSpec
 from services.checkpoints import core as checkpoints
-from services.checkpoints.core import Settings
-from services.checkpoints.core import State as CheckpointState
+from services.checkpoints.state import Settings
+from services.checkpoints.state import State as CheckpointState
 from services.core import Emit
 from services.scheduler.core import core_service
 from services.scheduler.state import State

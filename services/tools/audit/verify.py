@@ -18,7 +18,8 @@ from events.base import Event
 from events.checkpoint import CheckpointCommitted, CheckpointFailed, CheckpointScrubbed
 from events.clock import DeadLettered
 from events.store import EventStore, Stored
-from services.checkpoints.core import COMMIT, SCRUB, CommitArgs, ScrubArgs
+from services.checkpoints.core import COMMIT, SCRUB
+from services.checkpoints.state import CommitArgs, ScrubArgs
 from services.core import Effect, Service
 from services.shell.deadletter import FOLDED_ANYWAY, GIVEN_UP
 from services.shell.fold import Step, comparable, replay

@@ -1,0 +1,134 @@
+"""What the checkpoint service's core knows: its settings, each job's sets in flight, commits and holds, and
+what one input made due. Frozen values only."""
+
+from typing import Literal
+
+import msgspec
+
+from events.checkpoint import CheckpointFailed, CheckpointPending, CheckpointStaged, DataPosition, ShardInfo
+from events.lineage import Fork
+
+DEFAULT_KEEP = 3
+
+
+class Settings(msgspec.Struct, frozen=True, kw_only=True):
+    """What the core decides with: recorded by the shell as CoreConfigured and folded from it."""
+
+    scrub_every_s: float = 0.0  # re-verify each committed checkpoint in the store this often (0: never)
+    scrub_mb_s: float = 64.0  # read back at most this fast (MB/s), beside the training's own traffic
+    # "agents": commit once every rank's agent reported its shards stored (ShardsUploaded), reading them back from
+    # the store. "staging": the protocol of histories recorded before agents stored shards (the service read the
+    # ranks' staging folders), kept so that they still verify.
+    shards_from: Literal["staging", "agents"] = "staging"
+    # "yes": say CheckpointPending once a set has fully staged, so a restart can wait for its commit. "no" for
+    # histories recorded before the event existed, so that they still verify.
+    announce_pending: Literal["no", "yes"] = "no"
+
+    def __post_init__(self) -> None:
+        if not (self.scrub_every_s >= 0 and self.scrub_mb_s > 0):
+            raise ValueError(f"checkpoint service settings out of range: {self}")
+
+
+class ScrubArgs(msgspec.Struct, frozen=True, kw_only=True):
+    """What the "scrub" effect needs: one committed checkpoint to read back, and how fast it may read."""
+
+    job_id: str
+    checkpoint_id: str
+    step: int
+    manifest_sha256: str
+    bytes_per_s: float
+
+
+class Scrub(msgspec.Struct, frozen=True, kw_only=True):
+    """The scrub in flight (one at a time, for the whole store): expected back by `deadline`."""
+
+    job_id: str
+    checkpoint_id: str
+    deadline: float
+
+
+class StagedRank(msgspec.Struct, frozen=True, kw_only=True):
+    rank: int
+    node: str  # whose agent stored its shards
+    shards: list[ShardInfo]  # as the rank announced them: what the store must hold
+
+
+class CommitArgs(msgspec.Struct, frozen=True, kw_only=True):
+    """What the "commit" effect needs: every rank's shards of one (job, attempt, timeline, step), which their
+    agents reported stored."""
+
+    job_id: str
+    checkpoint_id: str
+    attempt: int
+    step: int
+    world_size: int
+    timeline: int = 0
+    created_at: float  # the completing staging's recorded time, so a re-run writes the same manifest
+    data: DataPosition
+    ranks: list[StagedRank]
+
+
+class DeleteArgs(msgspec.Struct, frozen=True, kw_only=True):
+    job_id: str
+    checkpoint_ids: list[str]
+
+
+class Staging(msgspec.Struct, frozen=True, kw_only=True):
+    world_size: int
+    ranks: dict[int, CheckpointStaged]
+    stored: frozenset[int] = frozenset()  # ranks whose agents reported their announced shards stored
+
+
+class Committed(msgspec.Struct, frozen=True, kw_only=True):
+    checkpoint_id: str
+    step: int
+    world_size: int
+    attempt: int = 0
+    timeline: int = 0
+    bytes: int = 0
+    manifest_sha256: str = ""
+    verified_at: float = 0.0  # when its stored bytes last matched their manifest (its commit, then scrubs)
+
+
+class Hold(msgspec.Struct, frozen=True, kw_only=True):
+    """A checkpoint ranks are about to load: kept until `world_size` ranks report they have."""
+
+    world_size: int
+    attempt: int = -1  # a restart's attempt (its ranks report RankStarted); -1: an in-process rollback
+    ranks: frozenset[int] = frozenset()
+
+
+class JobState(msgspec.Struct, frozen=True, kw_only=True):
+    keep: int = DEFAULT_KEEP
+    attempt: int = 0  # newest attempt whose ranks run; stagings from older ones are stale
+    staging: dict[tuple[int, int, int], Staging] = {}  # (attempt, timeline, step) -> ranks staged so far
+    handed: frozenset[tuple[int, int, int]] = frozenset()  # (attempt, timeline, step) given to the uploader
+    committed: tuple[Committed, ...] = ()  # commit order; deleted ones leave when CheckpointDeleted returns
+    doomed: frozenset[str] = frozenset()  # deletion decided
+    holds: dict[str, Hold] = {}
+    ended: bool = False
+    completed: bool = False  # ended by JobCompleted: sets of its last attempt may still arrive
+    every: int = 0  # the spec's checkpoint_every (0: not known)
+    final: int = -1  # a completed job's last step while the set staged there is due, else -1
+    ended_at: float = 0.0
+    forks: tuple[Fork, ...] = ()  # the timelines rollbacks started
+    bad: dict[str, str] = {}  # found bad (on restore, or by a scrub) -> why it is deleted: never one of the `keep`
+
+
+class Due(msgspec.Struct, frozen=True, kw_only=True):
+    """What one input made due: the transition turns it into outputs."""
+
+    commit: CommitArgs | None = None
+    doomed: tuple[str, ...] = ()
+    failed: CheckpointFailed | None = None  # a set that can never commit (its shards could not be stored)
+    failed_id: str = ""  # ... and its checkpoint id, whose stored objects are removed
+    pending: CheckpointPending | None = None  # a set every rank has staged: its commit is on its way
+
+
+NOTHING_DUE = Due()
+
+
+class State(msgspec.Struct, frozen=True, kw_only=True):
+    jobs: dict[str, JobState] = {}
+    settings: Settings = Settings()
+    scrub: Scrub | None = None
