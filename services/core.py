@@ -59,6 +59,9 @@ class Service(Generic[S]):
     control_subjects: tuple[str, ...]  # filters on FD_CONTROL (its own clock subject is added)
     telemetry_subjects: tuple[str, ...] = ()  # filters on FD_TELEMETRY, folded at ticks
     tick_s: float = 1.0
+    # Telemetry types whose arrival brings the next tick forward (to PROMPT_S after it), so that what they
+    # start is decided within a fraction of `tick_s` without ticking that often when nothing comes.
+    prompt_types: frozenset[str] = frozenset()
     wants_tick: Callable[[S, float], bool] = field(default=lambda state, now: True)
     effects: Mapping[str, EffectHandler] = field(default_factory=dict)
     # Effect kinds too long to hold the inputs up for (a scrub reads a whole checkpoint back at a bounded rate):

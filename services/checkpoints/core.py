@@ -305,6 +305,7 @@ def core_service(effects: dict[str, EffectHandler], *, scrub_every_s: float = 0.
         control_subjects=tuple(f"fd.ctl.job.*.{t}" for t in CONTROL_TYPES),
         telemetry_subjects=tuple(f"fd.tel.*.*.{t}" for t in TELEMETRY_TYPES),
         tick_s=1.0,
+        prompt_types=frozenset({"CheckpointStaged", "ShardsUploaded"}),  # a set's pending and commit, at once
         wants_tick=wants_tick,
         effects=effects,
         detached=frozenset({SCRUB}),

@@ -39,6 +39,7 @@ from services.shell.tap import TelemetryTap
 
 log = structlog.get_logger("flightdeck.shell")
 T = TypeVar("T")
+PROMPT_S = 0.05  # from a prompting telemetry message (Service.prompt_types) to the tick that folds it
 DETACHED_INDEX = 1000  # a detached effect's outcome is stamped from output index 1000 x (its position + 1) on
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ class Shell:
         self.store: EventStore = store
         self.consumer = consumer_name(service.name)
         self.folder: Folder[Any] = Folder(service)
-        self.tap = TelemetryTap(self.store, service.telemetry_subjects)
+        self.tap = TelemetryTap(self.store, service.telemetry_subjects, prompt_types=service.prompt_types)
         self.tick_in_flight = 0  # FD_CONTROL sequence of the last tick appended and not yet folded
         # Broker outages this process saw, for its ticks (ClockTick.recovered_at): while the broker is away ranks
         # cannot publish, so a monitor must not read their silence then as death.
@@ -324,12 +325,18 @@ class Shell:
             log.error("max-deliveries advisory not recorded", error=failure(exc))
 
     async def _ticker(self) -> None:
-        """Record time for the core: a ClockTick every `tick_s` while the core wants one, at most one in flight."""
+        """Record time for the core: a ClockTick every `tick_s` while the core wants one, at most one in flight;
+        sooner (PROMPT_S after it) when telemetry of one of the core's `prompt_types` arrives."""
         while not self.stop.is_set():
-            await asyncio.sleep(self.service.tick_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.tap.prompted.wait(), self.service.tick_s)
+                await asyncio.sleep(PROMPT_S)  # the rest of what came together (every rank's staging) comes along
             now = time.time()
             self._reconnected(now)
-            if self.tick_in_flight or not self.service.wants_tick(self.folder.state, now):
+            if self.tick_in_flight:
+                continue  # a prompt stays set: the next tick follows this one's fold
+            self.tap.prompted.clear()
+            if not self.service.wants_tick(self.folder.state, now):
                 continue
             positions = {subjects.CONTROL: self.folder.control_seq}
             if self.service.telemetry_subjects:

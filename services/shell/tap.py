@@ -21,8 +21,10 @@ STALL_S = 1.0  # a healthy feed delivers within milliseconds; one that lags the 
 
 class TelemetryTap:
     def __init__(self, store: EventStore, patterns: Sequence[str], *, limit: int = 100_000,
-                 stall_s: float = STALL_S) -> None:
+                 stall_s: float = STALL_S, prompt_types: frozenset[str] = frozenset()) -> None:
         self.store, self.patterns, self.limit, self.stall_s = store, tuple(patterns), limit, stall_s
+        self.prompt_types = prompt_types
+        self.prompted = asyncio.Event()  # set when a message of one of `prompt_types` arrives
         self.items: deque[Stored] = deque()
         self.seen = 0  # highest sequence received (or read from the store): a position never goes below it
         self.complete = 0  # every matching message up to here is buffered or already folded
@@ -75,6 +77,8 @@ class TelemetryTap:
             self.items.append(stored)
             self.complete = stored.seq
         self.seen = stored.seq
+        if self.prompt_types and stored.subject.rsplit(".", 1)[-1] in self.prompt_types:
+            self.prompted.set()
 
     async def take(self, after: int, upto: int) -> list[Stored]:
         """The matching messages with `after < seq <= upto`, in order; the buffer forgets them. If reading

@@ -82,6 +82,12 @@ def build_telemetry() -> Service[Tally]:
                    telemetry_subjects=("fd.tel.*.*.StepCompleted",), tick_s=0.1)
 
 
+def build_prompted() -> Service[Tally]:
+    """Ticks once a minute, but a StepCompleted brings the next tick forward."""
+    return replace(build_telemetry(), name="toyprompt", tick_s=60.0,
+                   prompt_types=frozenset({"StepCompleted"}))
+
+
 async def _stamp(job_id: str) -> list[Emit]:
     """An effect: I/O the shell runs live (never in a replay) and whose outcome it records."""
     await asyncio.sleep(0.05)
