@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--selfcheck-timeout-s", type=float, default=300.0, help="a self-check still running then fails")
     p.add_argument("--standby", type=int, default=None, metavar="N",
                    help=f"warm standby ranks (torch imported) for fast restarts; 0: none "
-                        f"(default: ${STANDBY_ENV}, else one per slot)")
+                        f"(default: ${STANDBY_ENV}, else one per slot and one more)")
     p.add_argument("--heartbeats", choices=HEARTBEATS, default=None,
                    help=f"node: relay the ranks' heartbeats in one batch per job per interval; rank: each rank "
                         f"publishes its own (default: ${HEARTBEATS_ENV}, else node)")

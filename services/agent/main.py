@@ -48,7 +48,7 @@ from services.shell.runtime import ConsumerPolicy, PublishDenied, run_service
 
 log = structlog.get_logger("flightdeck.agent")
 
-STANDBY_ENV = "FLIGHTDECK_STANDBY"  # the default for --standby (unset: one per slot)
+STANDBY_ENV = "FLIGHTDECK_STANDBY"  # the default for --standby (unset: one per slot and one more)
 HEARTBEATS_ENV = "FLIGHTDECK_HEARTBEATS"  # the default for --heartbeats
 HEARTBEATS = ("node", "rank")
 ORPHAN_EXIT = -signal.SIGKILL  # a rank that died with its agent (PR_SET_PDEATHSIG)
@@ -112,7 +112,7 @@ class AgentOptions:
     address: str = "127.0.0.1"  # where other nodes reach this node's rank 0
     grace_s: float = 30.0  # SIGTERM to SIGKILL when ranks are stopped
     selfcheck_timeout_s: float = 300.0
-    standby: int | None = None  # warm standby ranks (None: $FLIGHTDECK_STANDBY, else one per slot)
+    standby: int | None = None  # warm standby ranks (None: $FLIGHTDECK_STANDBY, else one per slot and one more)
     heartbeats: str | None = None  # "node" relays beats in one batch per job per interval; "rank": each its own
     step_reports: str | None = None  # "all" or "rank0"; None for both: the environment, else node and all
 
@@ -139,7 +139,9 @@ async def run_agent(options: AgentOptions, stop_event: asyncio.Event | None = No
     root = Path.cwd() / data_dir  # absolute: ranks run with the repository as their working directory
     inv = await asyncio.to_thread(detect, device, slots)
     wanted = standby if standby is not None else standby_default()
-    standbys = inv.slots if wanted is None else wanted
+    # One more than the slots: a restart replaced at once (a lost node's first restart is granted before the node
+    # is known lost) leaves a warm one for the next while the replacements still import torch.
+    standbys = inv.slots + 1 if wanted is None else wanted
     python = sys.executable
     verdict_task = asyncio.create_task(selfcheck(python, inv, selfcheck_timeout_s))
     conn = Connection(producer)
@@ -211,7 +213,7 @@ async def run_agent(options: AgentOptions, stop_event: asyncio.Event | None = No
 
 
 def standby_default() -> int | None:
-    """$FLIGHTDECK_STANDBY as a count (unset or empty: None, one per slot)."""
+    """$FLIGHTDECK_STANDBY as a count (unset or empty: None, one per slot and one more)."""
     raw = os.environ.get(STANDBY_ENV, "").strip()
     if not raw:
         return None
