@@ -5,13 +5,9 @@ Why it works this way: docs/internals.md, "7. The node agent and the ranks it ru
 """
 
 import asyncio
-import contextlib
 import os
-import shutil
 import signal
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,10 +39,10 @@ from services.agent.core import (
 from services.agent.exits import ExitRecorder
 from services.agent.launch import REPO, Launch, Paths, detached, die_with_agent, rank_base_env
 from services.agent.output import OutputPump, store_publisher
+from services.agent.rankproc import RankProc, last_lines, retrying, runnable_problem, signal_rank
 from services.agent.shipping import Shipper
 from services.agent.standbys import StandbyPool
 from services.core import EffectHandler, Emit
-from services.shell.connection import TRANSIENT
 from services.shell.objects import manifest
 from services.shell.objects.store import ObjectStore
 from services.shell.security.credentials import rank_env
@@ -55,41 +51,6 @@ log = structlog.get_logger("flightdeck.agent")
 
 OUTPUT_DRAIN_S = 3.0  # after a rank exits, for what it printed last (a child it left may hold the pipe longer)
 START_FAILED_EXIT = 125  # recorded for ranks that could not be started (no checkpoint, no executable)
-
-
-@dataclass(eq=False)
-class RankProc:
-    job_id: str
-    attempt: int
-    ref: SlotRef
-    proc: asyncio.subprocess.Process
-    cause: str  # the grant's event id
-    restore: Restore | None = None  # the checkpoint it was started to load
-    shutdown: bool = False  # stopped because the agent is going away, not because the job let it go
-    watcher: asyncio.Task[None] | None = None
-    output: asyncio.Task[None] | None = None  # its OutputPump: the log file and FD_LOGS
-
-    @property
-    def alive(self) -> bool:
-        return self.proc.returncode is None
-
-
-def signal_rank(p: RankProc, sig: int) -> None:
-    if p.alive:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(p.proc.pid, sig)  # its own session: whatever it started goes too
-
-
-async def retrying(what: str, fn: Callable[[], Any]) -> Any:
-    """Await `fn()` until the broker takes it (it may be restarting)."""
-    delay = 0.1
-    while True:
-        try:
-            return await fn()
-        except TRANSIENT as exc:
-            log.warning(f"{what} failed; retrying", error=repr(exc), retry_in_s=delay)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 5.0)
 
 
 class Spawner:
@@ -372,37 +333,3 @@ class Spawner:
             timer.cancel()
         await self.exits.close()
         await self.shipper.close()
-
-
-def runnable_problem(cmd: list[str], cwd: Path, search_path: str) -> str | None:
-    """Why `cmd` cannot be started in `cwd` (the program or the directory is missing, or not executable),
-    or None. Checked before anything starts, so the job's history says so in words instead of a bare code."""
-    shown = " ".join(cmd)[:300]
-    if not cwd.is_dir():
-        return f"cannot run {shown!r}: its working directory {cwd} does not exist on node"
-    program = cmd[0]
-    if "/" in program:
-        path = program if os.path.isabs(program) else str(cwd / program)
-        found = path if os.path.isfile(path) and os.access(path, os.X_OK) else None
-    else:
-        found = shutil.which(program, path=search_path or os.defpath)
-    if found is None:
-        return f"cannot run {shown!r}: {program!r} is not an executable file (not found in the working directory " \
-               f"{cwd} or on PATH)"
-    if len(cmd) > 1 and os.path.basename(found).startswith("python") and not cmd[1].startswith("-"):
-        script = cmd[1] if os.path.isabs(cmd[1]) else str(cwd / cmd[1])
-        if not os.path.isfile(script):
-            return f"cannot run {shown!r}: the script {cmd[1]!r} does not exist (working directory {cwd})"
-    return None
-
-
-def last_lines(path: Path, max_bytes: int = 2048, max_lines: int = 20) -> str:
-    """The end of a rank's output: what a failed rank said last (usually its traceback)."""
-    try:
-        with path.open("rb") as f:
-            f.seek(max(f.seek(0, os.SEEK_END) - max_bytes, 0))
-            data = f.read()
-    except OSError:
-        return ""
-    lines = data.decode(errors="replace").splitlines()[-max_lines:]
-    return "\n".join(lines).strip()
