@@ -1,6 +1,18 @@
 """`import flightdeck`: the trainer API a training script uses (implemented in trainer/api.py, documented there
-and in README's "Bring your own training code")."""
+and in README's "Bring your own training code"); `flightdeck.client` is the platform's Python client for
+automation (services/tools/client.py). The trainer API loads on first use, so a client never imports torch."""
 
-from trainer.api import CorruptCheckpoint, Run, Stateful, Step, init
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from trainer.api import CorruptCheckpoint, Run, Stateful, Step, init
 
 __all__ = ["CorruptCheckpoint", "Run", "Stateful", "Step", "init"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from trainer import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'flightdeck' has no attribute {name!r}")

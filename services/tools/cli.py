@@ -8,6 +8,7 @@ from services.shell import broker
 
 EXIT_ERROR = 1  # something the user can fix in the environment: broker unreachable, port taken
 EXIT_NOT_FOUND = 2  # the thing named does not exist: an unknown job
+EXIT_INVALID = 2  # a spec the user must fix, like an unknown job: nothing was appended
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ Layers, lowest first: events/ (the catalog and the node-local protocol); service
 and services/shell/ (the I/O every process shares); the five services and the node agent, side by side;
 services/registry.py and services/__main__.py (which wire the services); services/tools/ (the operator's
 tools: tools/cli.py and tools/connect.py, then history/, postmortem/ (goodput's one definition), audit/
-(verify, whatif), then console/, the CLI).
+(verify, whatif), then client.py (the Python client, also `flightdeck.client`), then console/, the CLI built on it).
 trainer/ (with flightdeck/, the trainer API's import path) stands beside the control plane and shares only
 events/ with it.
 """
@@ -18,7 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ("scheduler", "resources", "checkpoints", "health", "resharder")
-TOOLS = ("history", "postmortem", "audit", "console")  # lowest first; cli.py and connect.py sit below them
+TOOLS = ("history", "postmortem", "audit", "client", "console")  # lowest first; cli.py and connect.py sit below
 TORCH = ("torch",)
 
 
@@ -49,6 +49,8 @@ def place(name: str) -> tuple[str, ...]:
     top = parts[0]
     if top in ("events", "trainer"):
         return (top,)
+    if top == "flightdeck" and parts[1:2] == ["client"]:  # the client's import path (services/tools/client.py)
+        return ("tools", str(TOOLS.index("client") + 1), "client")
     if top == "flightdeck":  # the trainer API's import path (trainer/api.py), part of the trainer
         return ("trainer",)
     if top in TORCH:

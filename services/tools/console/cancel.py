@@ -3,15 +3,10 @@ records JobCancelled. A job that has already ended is left as it is (exit 0, say
 
 import argparse
 import asyncio
-import time
-import uuid
 
-from events.history import append_to_job
-from events.job import CancelRequested
 from services.shell.broker import nats_url
 from services.tools.cli import Command, add_nats_argument
-from services.tools.connect import open_store
-from services.tools.console.status import load_view
+from services.tools.client import Client
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,14 +17,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 async def cancel(url: str, job_id: str, reason: str) -> str:
     """What happened, in one line for the user."""
-    async with open_store(url) as store:
-        view = await load_view(store, job_id, url)
-        if view.ended:
-            return f"{job_id} has already ended ({view.phase}): nothing to cancel"
-        if view.cancel_requested:
-            return f"{job_id}: a cancel is already requested (phase {view.phase})"
-        await append_to_job(store, CancelRequested(event_id=uuid.uuid4().hex, job_id=job_id, occurred_at=time.time(),
-                                                   producer="cli", reason=reason or "cancelled by the user"))
+    async with await Client.connect(url) as fd:
+        view = await fd.cancel(job_id, reason)
+    if view.ended:
+        return f"{job_id} has already ended ({view.phase}): nothing to cancel"
+    if view.cancel_requested:
+        return f"{job_id}: a cancel is already requested (phase {view.phase})"
     return f"{job_id}: cancel requested (phase {view.phase}); `flightdeck status {job_id}` shows when it has ended"
 
 

@@ -1,28 +1,23 @@
 """`flightdeck status [JOB]`: every job as a table, or one job in detail (`--json` for scripts).
 
 What a job's status is comes from its control history alone (jobview.py), plus the newest step its ranks
-reported on telemetry; the same loaders serve `cancel` and `checkpoints`.
+reported on telemetry, as the client reads them (services/tools/client.py, which `cancel` and `checkpoints` use too).
 """
 
 import argparse
 import asyncio
 import sys
 import time
-from collections import defaultdict
 from typing import Any
 
 import msgspec
 
-from events import codec, subjects
-from events.base import Event
-from events.history import HistoryGap, check_contiguous, read_job
-from events.job import JobSubmitted
-from events.store import EventStore, Stored
-from events.training import StepCompleted
+from events import codec
+from events.store import EventStore
 from services.shell.broker import nats_url
-from services.tools.cli import EXIT_ERROR, EXIT_NOT_FOUND, Command, UserError, add_nats_argument
+from services.tools.cli import Command, add_nats_argument
+from services.tools.client import Client
 from services.tools.connect import open_store
-from services.tools.history import jobview
 from services.tools.history.jobview import JobView
 
 
@@ -32,60 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_nats_argument(parser)
 
 
-def check_job_id(job_id: str) -> None:
-    try:
-        subjects.token(job_id)
-    except subjects.InvalidSubjectToken as exc:
-        raise UserError(str(exc), EXIT_NOT_FOUND) from None
-
-
-async def newest_step(store: EventStore, job_id: str) -> StepCompleted | None:
-    last = await store.last(subjects.TELEMETRY, f"fd.tel.{subjects.token(job_id)}.*.StepCompleted")
-    return last.event if last is not None and isinstance(last.event, StepCompleted) else None
-
-
-def _events(history: list[Stored]) -> list[Event]:
-    # An event this version cannot decode (a newer schema) is skipped: the rest still says where the job is.
-    return [s.event for s in history if s.event is not None]
-
-
 async def load_view(store: EventStore, job_id: str, url: str = "") -> JobView:
     """One job's view; UserError (exit 2) when no such job exists."""
-    check_job_id(job_id)
-    try:
-        history = await read_job(store, job_id)
-    except HistoryGap as exc:
-        raise UserError(str(exc), EXIT_ERROR) from None
-    if not history:
-        where = f" on {url}" if url else ""
-        raise UserError(f"no job {job_id!r}{where}: `flightdeck status` lists every job", EXIT_NOT_FOUND)
-    return jobview.fold(job_id, _events(history), await newest_step(store, job_id))
-
-
-async def load_all(store: EventStore) -> list[JobView]:
-    """Every job's view, oldest submission first."""
-    per_job: dict[str, list[Stored]] = defaultdict(list)
-    async for batch in store.read(subjects.CONTROL, ["fd.ctl.job.>"]):
-        for stored in batch:
-            job_id = subjects.job_of(stored.subject)
-            if job_id is not None:
-                per_job[job_id].append(stored)
-    views, junk = [], []
-    for job_id, history in per_job.items():
-        events = _events(history)
-        if not any(isinstance(e, JobSubmitted) for e in events):
-            junk.append(job_id)  # e.g. messages that were dead-lettered: no job was ever submitted under it
-            continue
-        try:
-            check_contiguous(job_id, history)
-        except HistoryGap as exc:
-            print(f"flightdeck status: warning: {exc}", file=sys.stderr)
-        views.append(jobview.fold(job_id, events, await newest_step(store, job_id)))
-    if junk:
-        print(f"flightdeck status: {len(junk)} job subject(s) with no readable submission left out "
-              f"({', '.join(sorted(junk)[:5])}{', ...' if len(junk) > 5 else ''}); "
-              "`flightdeck events` shows what is there", file=sys.stderr)
-    return sorted(views, key=lambda v: (v.submitted_at, v.job_id))
+    return await Client(store, url).status(job_id)
 
 
 def duration(seconds: float) -> str:
@@ -168,7 +112,8 @@ def run(args: argparse.Namespace) -> int:
 
     async def go() -> JobView | list[JobView]:
         async with open_store(url) as store:
-            return await load_view(store, args.job, url) if args.job else await load_all(store)
+            fd = Client(store, url)
+            return await fd.status(args.job) if args.job else await fd.jobs()
 
     found = asyncio.run(go())
     now = time.time()

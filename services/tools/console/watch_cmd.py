@@ -19,8 +19,9 @@ from events.store import Stored
 from events.training import FaultInjected, RolledBack, StepCompleted
 from services.shell.broker import nats_url
 from services.tools.cli import EXIT_ERROR, Command, add_nats_argument
+from services.tools.client import check_job_id
 from services.tools.console.following import follow
-from services.tools.console.status import check_job_id, duration
+from services.tools.console.status import duration
 from services.tools.history import jobview
 from services.tools.history.jobview import JobView
 

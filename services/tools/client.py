@@ -1,0 +1,262 @@
+"""The Python client of a Flightdeck platform, for automation (also `flightdeck.client`). The CLI's verbs are
+built on it: what `flightdeck submit|status|cancel|pause|resume|checkpoint|watch` do, a script does with it.
+
+    async with await Client.connect("nats://127.0.0.1:4222") as fd:
+        job = await fd.submit(spec)                       # a JobSpec, or a TOML spec file's path
+        async for event in fd.events(job):                # typed catalog events (events/), as they happen
+            ...                                           # until the job ends
+        view = await fd.wait(job)                         # or just wait: a JobView (phase, step, restarts, ...)
+
+Every method is a coroutine; errors a person can act on (no broker, no such job, a job not in a phase that takes
+the command) raise `ClientError` with a one-line message. Nothing here imports torch.
+"""
+
+import asyncio
+import contextlib
+import secrets
+import sys
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import AsyncGenerator, Callable, Collection
+from pathlib import Path
+from types import TracebackType
+from typing import TypeVar
+
+import msgspec
+
+from events import subjects
+from events.base import Event, JobEvent
+from events.commands import CheckpointRequested, PauseRequested, ResumeRequested
+from events.history import HistoryGap, append_to_job, check_contiguous, read_job
+from events.jetstream import JetStreamStore
+from events.job import CancelRequested, JobSubmitted
+from events.spec import MAX_SPEC_BYTES, InvalidSpec, JobSpec, check, parse_spec
+from events.store import EventStore, Stored
+from events.training import StepCompleted
+from services.shell.broker import nats_url
+from services.tools.cli import EXIT_ERROR, EXIT_INVALID, EXIT_NOT_FOUND, UserError
+from services.tools.connect import connect
+from services.tools.history import jobview
+from services.tools.history.jobview import ENDED, JobView
+
+ClientError = UserError  # one message, and the exit code the CLI would use
+ID_TRIES = 8
+Command = CheckpointRequested | PauseRequested | ResumeRequested
+E = TypeVar("E", bound=Event)
+
+
+class Client:
+    """A connection to one platform's broker. `Client.connect(url)` (default: $FLIGHTDECK_NATS_URL, else the
+    local default); use it as an async context manager, or call `close()`."""
+
+    def __init__(self, store: EventStore, url: str, *, producer: str = "cli") -> None:
+        self.store, self.url, self.producer = store, url, producer
+
+    @classmethod
+    async def connect(cls, url: str | None = None, *, producer: str = "cli") -> "Client":
+        resolved = nats_url(url)
+        return cls(await connect(resolved), resolved, producer=producer)
+
+    async def close(self) -> None:
+        if isinstance(self.store, JetStreamStore):
+            await self.store.close()
+
+    async def __aenter__(self) -> "Client":
+        return self
+
+    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.close()
+
+    # -- jobs ------------------------------------------------------------------------------------------------
+
+    async def submit(self, spec: JobSpec | str | Path, *, now: float | None = None) -> str:
+        """Append JobSubmitted under a job id no history uses yet (`<name>-<6 hex>`); returns that id."""
+        if not isinstance(spec, JobSpec):
+            spec = read_spec(Path(spec))
+        try:
+            spec = check(spec)  # what every reader checks: a spec no rank could run would be dead-lettered
+        except InvalidSpec as exc:
+            raise ClientError(f"job spec {spec.name!r}: {exc}", EXIT_INVALID) from None
+        for _ in range(ID_TRIES):
+            job_id = f"{spec.name}-{secrets.token_hex(3)}"
+            if await self.store.last(subjects.CONTROL, subjects.job_all(job_id)) is None:
+                break
+        else:
+            raise ClientError(f"no unused job id for {spec.name!r} after {ID_TRIES} tries: is the store full of them?")
+        await append_to_job(self.store, self._stamped(JobSubmitted(job_id=job_id, spec=spec), now))
+        return job_id
+
+    async def status(self, job_id: str) -> JobView:
+        """The job as its history says now (phase, step and loss, restarts, checkpoints, why it waits or ended)."""
+        check_job_id(job_id)
+        history = await self.history_stored(job_id)
+        if not history:
+            raise ClientError(f"no job {job_id!r} on {self.url}: `flightdeck status` lists every job", EXIT_NOT_FOUND)
+        return jobview.fold(job_id, _events(history), await self._newest_step(job_id))
+
+    async def jobs(self, *, warn: Callable[[str], object] = lambda line: print(line, file=sys.stderr)
+                   ) -> list[JobView]:
+        """Every job, oldest submission first. Subjects that hold no readable submission (dead-lettered junk)
+        are left out, and `warn` is told so."""
+        per_job: dict[str, list[Stored]] = defaultdict(list)
+        async for batch in self.store.read(subjects.CONTROL, ["fd.ctl.job.>"]):
+            for stored in batch:
+                job_id = subjects.job_of(stored.subject)
+                if job_id is not None:
+                    per_job[job_id].append(stored)
+        views, junk = [], []
+        for job_id, history in per_job.items():
+            events = _events(history)
+            if not any(isinstance(e, JobSubmitted) for e in events):
+                junk.append(job_id)
+                continue
+            try:
+                check_contiguous(job_id, history)
+            except HistoryGap as exc:
+                warn(f"flightdeck status: warning: {exc}")
+            views.append(jobview.fold(job_id, events, await self._newest_step(job_id)))
+        if junk:
+            warn(f"flightdeck status: {len(junk)} job subject(s) with no readable submission left out "
+                 f"({', '.join(sorted(junk)[:5])}{', ...' if len(junk) > 5 else ''}); "
+                 "`flightdeck events` shows what is there")
+        return sorted(views, key=lambda v: (v.submitted_at, v.job_id))
+
+    async def cancel(self, job_id: str, reason: str = "") -> JobView:
+        """Ask for the job to be cancelled (its ranks are stopped, it ends as cancelled); a job that has ended, or
+        whose cancel is already asked for, is left as it is. Returns the view it was sent against."""
+        view = await self.status(job_id)
+        if not view.ended and not view.cancel_requested:
+            cancel = CancelRequested(job_id=job_id, reason=reason or "cancelled by the user")
+            await append_to_job(self.store, self._stamped(cancel))
+        return view
+
+    async def pause(self, job_id: str, reason: str = "") -> None:
+        """The job's ranks stop stepping at their next step boundary (hang detection pauses too)."""
+        await self._command(job_id, PauseRequested(job_id=job_id, reason=reason or "pause"))
+
+    async def resume(self, job_id: str, reason: str = "") -> None:
+        await self._command(job_id, ResumeRequested(job_id=job_id, reason=reason or "resume"))
+
+    async def checkpoint(self, job_id: str, reason: str = "") -> None:
+        """The job's ranks checkpoint at their next step boundary, all at the same step."""
+        await self._command(job_id, CheckpointRequested(job_id=job_id, reason=reason or "checkpoint"))
+
+    # -- history and live events ----------------------------------------------------------------------------
+
+    async def history(self, job_id: str) -> list[Event]:
+        """The job's control history as typed events, in order (an event too new for this code is left out)."""
+        return _events(await self.history_stored(job_id))
+
+    async def history_stored(self, job_id: str) -> list[Stored]:
+        check_job_id(job_id)
+        try:
+            return await read_job(self.store, job_id)
+        except HistoryGap as exc:
+            raise ClientError(str(exc), EXIT_ERROR) from None
+
+    async def events(self, job_id: str, *, telemetry: bool = True) -> AsyncGenerator[Event, None]:
+        """The job's events from its submission on, as typed catalog objects, live: its control history and
+        (with `telemetry`) what its ranks publish, each in its stream's order, until the job ends."""
+        async with contextlib.aclosing(self.events_stored(job_id, telemetry=telemetry)) as stored_events:
+            async for stored in stored_events:
+                if stored.event is not None:
+                    yield stored.event
+
+    async def events_stored(self, job_id: str, *, telemetry: bool = True) -> AsyncGenerator[Stored, None]:
+        """As `events`, with where each was stored (stream, sequence, subject); undecodable ones too."""
+        await self.status(job_id)  # no such job: say so rather than wait forever
+        queue: asyncio.Queue[Stored | BaseException] = asyncio.Queue()
+
+        async def pump(stream: str, pattern: str) -> None:
+            try:
+                async for stored in self.store.follow(stream, [pattern]):
+                    queue.put_nowait(stored)
+            except Exception as exc:  # the reader failed: the consumer hears why
+                queue.put_nowait(exc)
+
+        readers = [asyncio.create_task(pump(subjects.CONTROL, subjects.job_all(job_id)))]
+        if telemetry:
+            readers.append(asyncio.create_task(pump(subjects.TELEMETRY, subjects.telemetry_job(job_id))))
+        view = JobView(job_id=job_id)
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.stream == subjects.CONTROL and isinstance(item.event, JobEvent):
+                    view = jobview.evolve(view, item.event)
+                    if view.ended:
+                        return
+        finally:
+            await stop_readers(readers)
+
+    async def wait(self, job_id: str, phases: Collection[str] = ENDED, *, timeout_s: float | None = None) -> JobView:
+        """Until the job is in one of `phases` (default: any end); TimeoutError after `timeout_s`."""
+        async def until() -> JobView:
+            view = await self.status(job_id)
+            if view.phase in phases:
+                return view
+            async with contextlib.aclosing(self.events(job_id, telemetry=False)) as events:
+                async for event in events:
+                    if isinstance(event, JobEvent):
+                        view = jobview.evolve(view, event)
+                        if view.phase in phases:
+                            return view
+            return await self.status(job_id)  # it ended in another phase
+        return await asyncio.wait_for(until(), timeout_s)
+
+    # -- internals -------------------------------------------------------------------------------------------
+
+    async def _command(self, job_id: str, command: Command) -> None:
+        view = await self.status(job_id)
+        if view.phase != "running":
+            raise ClientError(f"{job_id} is {view.phase}: only a running job's ranks take commands; nothing sent",
+                              EXIT_ERROR)
+        await append_to_job(self.store, self._stamped(command))
+
+    def _stamped(self, event: E, now: float | None = None) -> E:
+        return msgspec.structs.replace(event, event_id=uuid.uuid4().hex,
+                                       occurred_at=time.time() if now is None else now, producer=self.producer)
+
+    async def _newest_step(self, job_id: str) -> StepCompleted | None:
+        last = await self.store.last(subjects.TELEMETRY, f"fd.tel.{subjects.token(job_id)}.*.StepCompleted")
+        return last.event if last is not None and isinstance(last.event, StepCompleted) else None
+
+
+def read_spec(path: Path) -> JobSpec:
+    try:
+        with open(path, "rb") as f:
+            text = f.read(MAX_SPEC_BYTES + 1)  # never more: `submit /dev/zero` must not fill memory
+    except OSError as exc:
+        raise ClientError(f"cannot read {path}: {exc.strerror or exc}", EXIT_NOT_FOUND) from None
+    try:
+        return parse_spec(text)
+    except InvalidSpec as exc:
+        raise ClientError(f"{path}: {exc}", EXIT_INVALID) from None
+
+
+def check_job_id(job_id: str) -> None:
+    try:
+        subjects.token(job_id)
+    except subjects.InvalidSubjectToken as exc:
+        raise ClientError(str(exc), EXIT_NOT_FOUND) from None
+
+
+def _events(history: list[Stored]) -> list[Event]:
+    # An event this version cannot decode (a newer schema) is skipped: the rest still says where the job is.
+    return [s.event for s in history if s.event is not None]
+
+
+async def stop_readers(tasks: list[asyncio.Task[None]], tries: int = 20) -> None:
+    """Cancel `tasks` until every one has stopped (Python 3.11's wait_for can drop a cancel: gh-86296)."""
+    pending = {t for t in tasks if not t.done()}
+    for _ in range(tries):
+        if not pending:
+            return
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=0.5)
+    raise RuntimeError(f"{len(pending)} event readers ignored {tries} cancels")
