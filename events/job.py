@@ -123,5 +123,15 @@ class CancelRequested(JobEvent, frozen=True, kw_only=True):
     reason: str = ""
 
 
+class RollbackAsked(JobEvent, frozen=True, kw_only=True):
+    """An operator asks for a running job to roll back to its newest checkpoint at or before `to_step`, skipping the
+    batch window [skip_from, skip_to) after it (empty: none). The scheduler decides the RollbackRequested."""
+
+    to_step: int
+    skip_from: int = 0
+    skip_to: int = 0
+    reason: str = ""
+
+
 class JobCancelled(JobEvent, frozen=True, kw_only=True):
     reason: str = ""

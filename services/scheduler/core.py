@@ -22,6 +22,7 @@ from events.job import (
     AllocationGranted,
     CancelRequested,
     JobSubmitted,
+    RollbackAsked,
     WorkersExited,
     WorkersStarted,
 )
@@ -35,7 +36,7 @@ NAME = "scheduler"
 
 CONTROL_TYPES = ("JobSubmitted", "CancelRequested", "AllocationGranted", "AllocationDenied", "WorkersStarted",
                  "WorkersExited", "CheckpointCommitted", "CheckpointDeleted", "CheckpointRejected", "CheckpointPending",
-                 "CheckpointFailed", "RankLost",
+                 "CheckpointFailed", "RollbackAsked", "RankLost",
                  "RankHung", "StragglerDetected", "NonFiniteLoss", "LossSpikeDetected")
 TELEMETRY_TYPES = ("RolledBack", "CheckpointRefused")
 FLEET_TYPES = ("NodeRegistered", "NodeCordoned", "NodeUncordoned", "SelfCheckFailed", "NodeLost")
@@ -70,6 +71,8 @@ def transition(state: State, event: Event) -> tuple[State, tuple[Output, ...]]:
             lifecycle.finding(tx, event)
         case LossSpikeDetected() | NonFiniteLoss():
             recovery.loss_finding(tx, event, landing_timeout_s)
+        case RollbackAsked():
+            recovery.asked(tx, event, landing_timeout_s)
         case RolledBack():
             recovery.rolled_back(tx, event)
         case CheckpointCommitted():

@@ -21,7 +21,7 @@ class RollTo:
     skip_from: int
     skip_to: int
     reason: str
-    incident: Incident
+    incident: Incident | None  # the loss incident it answers; None: an operator's rollback, which starts none
 
 
 # -- shrink ------------------------------------------------------------------------------------------------
@@ -86,6 +86,13 @@ def rollback_target(job: Job, step: int) -> tuple[Checkpoint | None, bool]:
     if old:
         return max(old, key=lambda c: (c.step, c.at)), True
     return (min(usable, key=lambda c: (c.step, c.at)) if usable else None), False
+
+
+def newest_at_or_before(job: Job, step: int) -> Checkpoint | None:
+    """The newest committed checkpoint at or before `step` that no rollback threw away (an operator's target)."""
+    usable = [c for c in job.checkpoints if c.checkpoint_id not in job.abandoned and c.step <= step
+              and not lineage.thrown_away(job.forks, c.attempt, c.timeline, c.step)]
+    return max(usable, key=lambda c: (c.step, c.at)) if usable else None
 
 
 def symptom(ev: LossFinding) -> str:

@@ -8,6 +8,7 @@ import msgspec
 from events import lineage
 from events.checkpoint import CheckpointCommitted, CheckpointRefused
 from events.commands import RollbackRequested, StopRequested
+from events.job import RollbackAsked
 from events.training import RolledBack
 from services.scheduler import queue, recipes
 from services.scheduler.lifecycle import fail
@@ -36,7 +37,7 @@ def loss_finding(tx: Tx, ev: recipes.LossFinding, landing_timeout_s: float) -> N
             fail(tx, job, why, causes)
 
 
-def roll(tx: Tx, job: Job, plan: recipes.RollTo, trigger_id: str) -> None:
+def roll(tx: Tx, job: Job, plan: recipes.RollTo, trigger_id: str, *, asked: str = "") -> None:
     target = plan.checkpoint
     command = RollbackRequested(job_id=job.job_id, checkpoint_id=target.checkpoint_id, to_step=target.step,
                                 skip_from=plan.skip_from, skip_to=plan.skip_to, reason=plan.reason,
@@ -44,10 +45,29 @@ def roll(tx: Tx, job: Job, plan: recipes.RollTo, trigger_id: str) -> None:
     tx.emit(command)
     thrown = {c.checkpoint_id for c in job.checkpoints if c.step > target.step}
     skips = job.skips if (plan.skip_from, plan.skip_to) in job.skips else (*job.skips, (plan.skip_from, plan.skip_to))
-    tx.update(job, incident=plan.incident, abandoned=job.abandoned | thrown, forks=lineage.forked(job.forks, command),
+    tx.update(job, incident=plan.incident or job.incident, abandoned=job.abandoned | thrown,
+              forks=lineage.forked(job.forks, command),
               skips=skips, rollback=Rollback(attempt=job.attempt, checkpoint_id=target.checkpoint_id,
                                              to_step=target.step, skip_from=plan.skip_from, skip_to=plan.skip_to,
-                                             at=tx.at))
+                                             at=tx.at, asked=asked))
+
+
+def asked(tx: Tx, ev: RollbackAsked, landing_timeout_s: float) -> None:
+    """An operator's rollback of a running job: to its newest checkpoint at or before `to_step` that no rollback
+    threw away, skipping the window asked for. Nothing is decided for a job that is not running, is stopping, has
+    a rollback in flight, or has no such checkpoint (the client says so before it asks)."""
+    job = tx.jobs.get(ev.job_id)
+    if job is None or job.phase != "running" or job.stop or in_flight(job, tx.at, landing_timeout_s):
+        return
+    target = recipes.newest_at_or_before(job, ev.to_step)
+    if target is None:
+        return
+    skip = (ev.skip_from, ev.skip_to) if ev.skip_to > ev.skip_from else (0, 0)
+    reason = (f"asked by {ev.producer or 'an operator'}: roll back to {target.checkpoint_id} (step {target.step})"
+              + (f" and skip batches [{skip[0]}, {skip[1]})" if skip != (0, 0) else "")
+              + (f": {ev.reason}" if ev.reason else ""))
+    roll(tx, job, recipes.RollTo(checkpoint=target, skip_from=skip[0], skip_to=skip[1], reason=reason, incident=None),
+         ev.event_id, asked=ev.event_id)
 
 
 def refused(tx: Tx, ev: CheckpointRefused) -> None:
@@ -63,6 +83,13 @@ def refused(tx: Tx, ev: CheckpointRefused) -> None:
         return
     why = (f"checkpoint {ev.checkpoint_id} (step {ev.to_step}) is bad on {ev.node or 'its node'} (rank {ev.rank}): "
            f"{ev.cause[:300]}")
+    if rb.asked:  # an operator's: the next older checkpoint, the same window; none left, and the ranks train on
+        older = recipes.newest_at_or_before(job, rb.to_step)
+        if older is not None:
+            reason = f"{why}; the operator's rollback goes to {older.checkpoint_id} (step {older.step}) instead"
+            roll(tx, job, recipes.RollTo(checkpoint=older, skip_from=rb.skip_from, skip_to=rb.skip_to, reason=reason,
+                                         incident=None), rb.asked, asked=rb.asked)
+        return
     match recipes.reroll(job, why):
         case recipes.RollTo() as plan:
             roll(tx, job, plan, job.incident.triggers[-1] if job.incident else "")

@@ -43,6 +43,7 @@ class Rollback(msgspec.Struct, frozen=True, kw_only=True):
     skip_to: int
     at: float  # when it was decided
     landed: bool = False  # a rank of the attempt reported RolledBack for it
+    asked: str = ""  # an operator's (RollbackAsked): its event id; "" for a loss incident's
 
 
 class Incident(msgspec.Struct, frozen=True, kw_only=True):

@@ -30,7 +30,7 @@ from events.base import Event, JobEvent
 from events.commands import CheckpointRequested, PauseRequested, ResumeRequested
 from events.history import HistoryGap, append_to_job, check_contiguous, read_job
 from events.jetstream import JetStreamStore
-from events.job import CancelRequested, JobSubmitted
+from events.job import CancelRequested, JobSubmitted, RollbackAsked
 from events.spec import MAX_SPEC_BYTES, InvalidSpec, JobSpec, check, parse_spec
 from events.store import EventStore, Stored
 from events.training import StepCompleted
@@ -142,6 +142,28 @@ class Client:
     async def checkpoint(self, job_id: str, reason: str = "") -> None:
         """The job's ranks checkpoint at their next step boundary, all at the same step."""
         await self._command(job_id, CheckpointRequested(job_id=job_id, reason=reason or "checkpoint"))
+
+    async def rollback(self, job_id: str, to_step: int, *, skip: tuple[int, int] | None = None,
+                       reason: str = "") -> str:
+        """Ask the scheduler to roll the running job back to its newest checkpoint at or before `to_step`, its
+        ranks then skipping the batch window `skip` = (from, to); returns that checkpoint's id. The scheduler
+        records the RollbackRequested (in flight until the ranks report RolledBack)."""
+        skip_from, skip_to = skip if skip is not None else (0, 0)
+        if skip is not None and not 0 <= skip_from < skip_to:
+            raise ClientError(f"a skip window is FROM:TO batch indices with 0 <= FROM < TO, not {skip_from}:{skip_to}",
+                              EXIT_INVALID)
+        view = await self.status(job_id)
+        if view.phase != "running":
+            raise ClientError(f"{job_id} is {view.phase}: only a running job rolls back; nothing sent", EXIT_ERROR)
+        good = [c for c in view.checkpoints if not c.deleted and not c.bad and c.step <= to_step]
+        if not good:
+            have = ", ".join(str(c.step) for c in view.checkpoints if not c.deleted and not c.bad) or "none"
+            raise ClientError(f"{job_id} has no committed checkpoint at or before step {to_step} (steps: {have}); "
+                              "nothing sent", EXIT_ERROR)
+        await append_to_job(self.store, self._stamped(RollbackAsked(job_id=job_id, to_step=to_step,
+                                                                    skip_from=skip_from, skip_to=skip_to,
+                                                                    reason=reason)))
+        return max(good, key=lambda c: (c.step, c.committed_at)).checkpoint_id
 
     # -- history and live events ----------------------------------------------------------------------------
 

@@ -10,10 +10,10 @@ import pytest
 
 from events import subjects
 from events.checkpoint import CheckpointCommitted
-from events.commands import CheckpointRequested, PauseRequested, ResumeRequested
-from events.job import JobCompleted
+from events.commands import CheckpointRequested, PauseRequested, ResumeRequested, RollbackRequested
+from events.job import JobCompleted, RollbackAsked
 from events.spec import FaultSpec, JobSpec, ModelSpec, TrainSpec
-from events.training import StepCompleted
+from events.training import RolledBack, StepCompleted
 from services.shell import broker as broker_mod
 from tests.integration.lifecycle_harness import Objects, local_objects, open_platform
 from tests.integration.test_postmortem_cli import CLI
@@ -53,6 +53,19 @@ async def test_pause_checkpoint_resume_are_obeyed_in_order(
 
         done = await cli("resume", job, "--nats", p.url)
         assert done.returncode == 0, done.stderr
+        # an operator's rollback to that checkpoint, skipping a window of batches: the scheduler decides it
+        back = await cli("rollback", job, "--to-step", str(commit.step + 1000), "--skip", "1000:1003", "--nats", p.url)
+        assert back.returncode == 0 and f"rollback to {commit.checkpoint_id} asked" in back.stdout, back.stderr
+        await p.until(lambda: bool(p.seen(RolledBack, job, stream=subjects.TELEMETRY)), 60, "the ranks to roll back",
+                      job)
+        (asked,) = p.seen(RollbackAsked, job)
+        (decided,) = p.seen(RollbackRequested, job)
+        assert (decided.checkpoint_id, decided.to_step, decided.skip_from, decided.skip_to, decided.trigger_id) == \
+               (commit.checkpoint_id, commit.step, 1000, 1003, asked.event_id)
+        assert decided.reason.startswith(f"asked by cli: roll back to {commit.checkpoint_id} (step {commit.step}) "
+                                         "and skip batches [1000, 1003)")
+        assert {(e.checkpoint_id, e.skip_from, e.skip_to) for e in p.seen(RolledBack, job, stream=subjects.TELEMETRY)} \
+               == {(commit.checkpoint_id, 1000, 1003)}
         await p.until(lambda: bool(p.seen(JobCompleted, job)), 90, "the job to complete", job)
         kinds = [type(e).__name__ for e in p.job(job) if isinstance(e, PauseRequested | CheckpointRequested
                                                                     | ResumeRequested)]
@@ -62,5 +75,10 @@ async def test_pause_checkpoint_resume_are_obeyed_in_order(
         late = await cli("pause", job, "--nats", p.url)
         assert late.returncode == 1 and "is completed: only a running job's ranks take commands" in late.stderr
         assert len(p.seen(PauseRequested, job)) == 1
+        late = await cli("rollback", job, "--to-step", "5", "--nats", p.url)
+        assert late.returncode == 1 and "is completed: only a running job rolls back" in late.stderr
+        bad = await cli("rollback", job, "--to-step", "5", "--skip", "9:3", "--nats", p.url)
+        assert bad.returncode == 2 and "is not FROM:TO" not in bad.stderr and "0 <= FROM < TO" in bad.stderr
+        assert len(p.seen(RollbackAsked, job)) == 1
     finally:
         await p.close()

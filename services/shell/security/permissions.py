@@ -25,7 +25,8 @@ JOB_TYPES: dict[str, tuple[str, ...]] = {
     "resharder": ("ReshardPlanned",),
     "agent": ("WorkersStarted", "WorkersExited", "CheckpointRejected"),
     # A person's requests: submit and cancel jobs, ask ranks to checkpoint, pause or resume.
-    "console": ("JobSubmitted", "CancelRequested", "CheckpointRequested", "PauseRequested", "ResumeRequested"),
+    "console": ("JobSubmitted", "CancelRequested", "CheckpointRequested", "PauseRequested", "ResumeRequested",
+                "RollbackAsked"),
 }
 NODE_TYPES: dict[str, tuple[str, ...]] = {
     "resources": ("NodeCordoned", "NodeUncordoned"),  # a loss cordon lifted when the node is back (resources core)

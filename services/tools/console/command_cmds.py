@@ -37,3 +37,33 @@ PAUSE = _command("pause", Client.pause, "PauseRequested",
 RESUME = _command("resume", Client.resume, "ResumeRequested", "resume a paused job")
 CHECKPOINT = _command("checkpoint", Client.checkpoint, "CheckpointRequested",
                       "checkpoint a running job now, beside its checkpoint_every")
+
+
+def _rollback_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("job", help="the job id (as `flightdeck submit` printed it)")
+    parser.add_argument("--to-step", type=int, required=True, help="roll back to the newest checkpoint at or before "
+                        "this step (`flightdeck checkpoints JOB` lists them)")
+    parser.add_argument("--skip", type=_window, default=None, metavar="FROM:TO",
+                        help="then skip the batches FROM..TO-1 (batch indices, as a loss-spike rollback does)")
+    parser.add_argument("--reason", default="", help="why, for the record")
+    add_nats_argument(parser)
+
+
+def _window(text: str) -> tuple[int, int]:
+    a, sep, b = text.partition(":")
+    if not sep or not a.isdigit() or not b.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not FROM:TO (two batch indices)")
+    return int(a), int(b)
+
+
+def _rollback(args: argparse.Namespace) -> int:
+    async def go() -> str:
+        async with await Client.connect(nats_url(args.nats)) as fd:
+            return await fd.rollback(args.job, args.to_step, skip=args.skip, reason=args.reason or "asked by the user")
+    target = asyncio.run(go())
+    print(f"{args.job}: rollback to {target} asked; the scheduler decides it and the ranks report RolledBack")
+    return 0
+
+
+ROLLBACK = Command("rollback", "roll a running job back to a checkpoint, optionally skipping a batch window",
+                   _rollback_arguments, _rollback)
