@@ -2,6 +2,7 @@
 one record per rank, and the agent's recorder writes ranks it stopped as one record."""
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import pytest
 
@@ -158,3 +159,23 @@ async def test_a_stopped_rank_that_never_exits_does_not_hold_the_others_record(
     await asyncio.wait_for(recorder.record("j", 0, [RankExit(rank=0, exit_code=-15)], "g0"), 30)
     assert [(e.rank, e.others) for e in await recorded(store)] == [(0, [])]
     await recorder.close()
+
+
+async def test_a_wait_that_runs_out_while_a_record_is_in_flight_is_recorded_after_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(exits_mod, "STOPPED_WAIT_S", 0.05)
+    store, gate = MemoryStore(), asyncio.Event()
+
+    async def held(what: str, fn: Callable[[], Awaitable[object]]) -> object:
+        await gate.wait()  # the broker is slow: the first record stays in flight
+        return await retrying(what, fn)
+
+    recorder = ExitRecorder(store, "a", "agent-a", lambda job, attempt: {0, 1, 2}, held)
+    first = asyncio.create_task(recorder.record("j", 0, [RankExit(rank=1, exit_code=3)], "g0"))  # by itself
+    await asyncio.sleep(0.01)
+    recorder.stopping("j", 0)  # the restart stops the others; rank 2 will not die
+    second = asyncio.create_task(recorder.record("j", 0, [RankExit(rank=0, exit_code=-15)], "g0"))
+    await asyncio.sleep(0.2)  # rank 0's wait for rank 2 runs out while rank 1's record is still in flight
+    gate.set()
+    await asyncio.wait_for(asyncio.gather(first, second), 30)
+    assert [(e.rank, e.others) for e in await recorded(store)] == [(1, []), (0, [])]
