@@ -12,8 +12,8 @@ import msgspec
 from events import codec
 from services.shell.broker import nats_url
 from services.tools.cli import Command, add_nats_argument
+from services.tools.client import Client
 from services.tools.connect import open_store
-from services.tools.console.status import load_view
 from services.tools.history.jobview import CheckpointEntry
 
 
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
 
     async def go() -> tuple[CheckpointEntry, ...]:
         async with open_store(url) as store:
-            return (await load_view(store, args.job, url)).checkpoints
+            return (await Client(store, url).status(args.job)).checkpoints
 
     entries = asyncio.run(go())
     if args.json:

@@ -13,7 +13,6 @@ from typing import Any
 import msgspec
 
 from events import codec
-from events.store import EventStore
 from services.shell.broker import nats_url
 from services.tools.cli import Command, add_nats_argument
 from services.tools.client import Client
@@ -25,11 +24,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("job", nargs="?", help="one job's details (default: a table of every job)")
     parser.add_argument("--json", action="store_true", help="JSON: one object for a job, a list for the table")
     add_nats_argument(parser)
-
-
-async def load_view(store: EventStore, job_id: str, url: str = "") -> JobView:
-    """One job's view; UserError (exit 2) when no such job exists."""
-    return await Client(store, url).status(job_id)
 
 
 def duration(seconds: float) -> str:
