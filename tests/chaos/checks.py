@@ -148,9 +148,14 @@ async def check(store: JetStreamStore, job_id: str, *, steps: int, drill: str, f
         missing_steps=missing[:20], repeated_steps=repeated[:20],
         repeated_decisions=repeated_decisions(control),
         attempts=len({e.attempt for e in events if isinstance(e, AllocationGranted)}),
-        findings=[f"{type(e).__name__} attempt {e.attempt} rank {e.rank}" for e in events
-                  if isinstance(e, RankLost | RankHung)],
+        findings=[finding(e) for e in events if isinstance(e, RankLost | RankHung)],
     )
+
+
+def finding(e: RankLost | RankHung) -> str:
+    """One finding for the record, with why it was raised, so a failed drill says what it saw."""
+    why = e.reason if isinstance(e, RankLost) else f"stalled {e.stalled_s:.1f} s at step {e.step}"
+    return f"{type(e).__name__} attempt {e.attempt} rank {e.rank} ({why})"
 
 
 def record(outcome: Outcome) -> None:
