@@ -6,6 +6,8 @@ built on it: what `flightdeck submit|status|cancel|pause|resume|checkpoint|watch
         async for event in fd.events(job):                # typed catalog events (events/), as they happen
             ...                                           # until the job ends
         view = await fd.wait(job)                         # or just wait: a JobView (phase, step, restarts, ...)
+        async for stored in fd.follow([JobFailed]):       # every job's, live (examples/webhook_notifier)
+            ...
 
 Every method is a coroutine; errors a person can act on (no broker, no such job, a job not in a phase that takes
 the command) raise `ClientError` with a one-line message. Nothing here imports torch.
@@ -26,7 +28,7 @@ from typing import TypeVar
 import msgspec
 
 from events import subjects
-from events.base import Event, JobEvent
+from events.base import Event, JobEvent, NodeEvent, RankEvent
 from events.commands import CheckpointRequested, PauseRequested, ResumeRequested
 from events.history import HistoryGap, append_to_job, check_contiguous, read_job
 from events.jetstream import JetStreamStore
@@ -215,6 +217,21 @@ class Client:
         finally:
             await stop_readers(readers)
 
+    async def follow(self, types: Collection[type[Event]] = (), *, after_seq: int | None = None
+                     ) -> AsyncGenerator[Stored, None]:
+        """Every job's and node's control events of `types` (default: all of them), live and forever, for automation
+        that reacts to any job (examples/webhook_notifier). From the control stream's sequence `after_seq` on (None:
+        only events stored from now): keep the `seq` of the last one handled and pass it back after a restart, and
+        nothing between is missed or seen twice. Telemetry types are refused: they are the ranks' firehose."""
+        patterns = [_control_pattern(t) for t in types] or ["fd.ctl.job.>", "fd.ctl.node.>"]
+        start = await self.last_seq() if after_seq is None else after_seq
+        async for stored in self.store.follow(subjects.CONTROL, patterns, from_seq=start + 1):
+            yield stored
+
+    async def last_seq(self) -> int:
+        """The control stream's last sequence: where `follow(after_seq=...)` starts to see only what comes next."""
+        return await self.store.last_seq(subjects.CONTROL)
+
     async def wait(self, job_id: str, phases: Collection[str] = ENDED, *, timeout_s: float | None = None) -> JobView:
         """Until the job is in one of `phases` (default: any end); TimeoutError after `timeout_s`."""
         async def until() -> JobView:
@@ -258,6 +275,16 @@ def read_spec(path: Path) -> JobSpec:
         return parse_spec(text)
     except InvalidSpec as exc:
         raise ClientError(f"{path}: {exc}", EXIT_INVALID) from None
+
+
+def _control_pattern(t: type[Event]) -> str:
+    """The control subjects every event of type `t` goes under (events/subjects.py's grammar)."""
+    if issubclass(t, JobEvent) and not issubclass(t, RankEvent):
+        return f"fd.ctl.job.*.{t.__name__}"
+    if issubclass(t, NodeEvent):
+        return f"fd.ctl.node.*.{t.__name__}"
+    raise ValueError(f"{t.__name__} is not a job's or a node's control event: follow one job's telemetry with "
+                     "`events(job_id)`")
 
 
 def check_job_id(job_id: str) -> None:
