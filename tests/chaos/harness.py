@@ -16,8 +16,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-import msgspec
 import pytest
 
 from events import subjects
@@ -33,11 +33,12 @@ PACE_S = 0.1  # attempt 0 steps about 10 times a second: the faults land while i
 CHECKPOINT_EVERY = 10
 
 
-def chaos_spec(name: str, steps: int, *, paced_attempts: int = 1) -> JobSpec:
-    """A tiny 2-rank job, paced in its first `paced_attempts` attempts, a checkpoint every 10 steps."""
+def chaos_spec(name: str, steps: int, *, paced_attempts: int = 1, **policy: Any) -> JobSpec:
+    """A tiny 2-rank job, paced in its first `paced_attempts` attempts, a checkpoint every 10 steps; the drill
+    policy (tests/e2e/drill_harness.py) with 5 restarts, changed by `policy`."""
     pace = [FaultSpec(kind="slow", step=0, rank=0, seconds=PACE_S, attempt=a) for a in range(paced_attempts)]
-    spec = drill_spec(name, slots=2, steps=steps, checkpoint_every=CHECKPOINT_EVERY, faults=pace)
-    return msgspec.structs.replace(spec, policy=msgspec.structs.replace(spec.policy, max_restarts=5))
+    return drill_spec(name, slots=2, steps=steps, checkpoint_every=CHECKPOINT_EVERY, faults=pace,
+                      **{"max_restarts": 5, **policy})
 
 
 @dataclass
