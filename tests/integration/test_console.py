@@ -15,7 +15,11 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import jsonschema
+import msgspec
+import nats
 import pytest
 
 from events import subjects
@@ -31,6 +35,7 @@ from services.tools.console import upstate
 
 pytestmark = pytest.mark.timeout(240)  # a hang guard: `up` starts five services and a broker
 CLI = (sys.executable, "-m", "services.tools.console")
+CONTRACT = Path(__file__).resolve().parents[2] / "docs" / "contract"
 
 
 @dataclass
@@ -169,6 +174,56 @@ def test_events_follow_prints_new_events_until_interrupted(up: Up) -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+async def raw_submit_and_follow(url: str, job_id: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """What a client in another language does, from docs/contract alone: no `events` code, only nats-py, a generic
+    msgpack codec and the documents (the subjects from the AsyncAPI channels, the fields from the JSON Schema, the
+    append headers from the AsyncAPI description). Returns the job's control history and its ranks' steps."""
+    schema = json.loads((CONTRACT / "events.schema.json").read_text())
+    doc = json.loads((CONTRACT / "asyncapi.json").read_text())
+    channels = doc["channels"]
+
+    def valid(message: dict[str, Any]) -> dict[str, Any]:
+        jsonschema.validate(message, {"$ref": f"#/$defs/{message['type']}", "$defs": schema["$defs"]})
+        return message
+
+    submitted = valid({"type": "JobSubmitted", "event_id": uuid.uuid4().hex, "occurred_at": time.time(),
+                       "producer": "raw-client", "job_id": job_id, "job_version": 1,
+                       "spec": {"name": "raw", "slots": 1, "model": {"d_model": 32},
+                                "train": {"steps": 6, "checkpoint_every": 3, "data": "synthetic", "seed": 1}}})
+    nc = await nats.connect(url)
+    try:
+        js = nc.jetstream()
+        everything = channels["job.JobSubmitted"]["address"].replace("{job_id}", job_id).rsplit(".", 1)[0] + ".>"
+        await js.publish(channels["job.JobSubmitted"]["address"].replace("{job_id}", job_id),
+                         msgspec.msgpack.encode(submitted),
+                         headers={"Nats-Msg-Id": submitted["event_id"], "Nats-Expected-Last-Subject-Sequence": "0",
+                                  "Nats-Expected-Last-Subject-Sequence-Subject": everything})
+        steps_at = channels["telemetry.StepCompleted"]["address"].replace("{job_id}", job_id).replace("{rank}", "*")
+        steps = await js.subscribe(steps_at, ordered_consumer=True)
+        control = await js.subscribe(everything, ordered_consumer=True)
+        history: list[dict[str, Any]] = []
+        while not history or history[-1]["type"] not in ("JobCompleted", "JobFailed", "JobCancelled"):
+            history.append(valid(msgspec.msgpack.decode((await control.next_msg(timeout=200)).data)))
+        seen = []
+        while len(seen) < 6:
+            seen.append(valid(msgspec.msgpack.decode((await steps.next_msg(timeout=30)).data)))
+        return history, seen
+    finally:
+        await nc.close()
+
+
+def test_a_raw_nats_client_submits_and_follows_a_job_by_the_published_contract(up: Up) -> None:
+    history, steps = asyncio.run(raw_submit_and_follow(up.url, "raw-c0ffee"))
+    types = [m["type"] for m in history]
+    assert types[0] == "JobSubmitted" and history[0]["producer"] == "raw-client"
+    assert types[-1] == "JobCompleted" and history[-1]["steps"] == 6, types
+    assert [m["job_version"] for m in history] == list(range(1, len(history) + 1))
+    assert {"JobQueued", "AllocationGranted", "WorkersStarted", "CheckpointCommitted"} <= set(types)
+    assert [m["step"] for m in steps] == list(range(6)) and all(m["job_id"] == "raw-c0ffee" for m in steps)
+    shown = flightdeck("status", "raw-c0ffee", "--nats", up.url)  # and the platform's own tools agree
+    assert shown.returncode == 0 and "completed" in shown.stdout, shown.stdout + shown.stderr
 
 
 def test_a_killed_service_is_restarted(up: Up) -> None:

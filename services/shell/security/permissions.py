@@ -11,33 +11,9 @@ a job's ranks may publish only under `fd.tel.<job>.>` and read only their own jo
 from dataclasses import dataclass
 
 from events import subjects
+from events.authors import JOB_TYPES, NODE_TYPES, TELEMETRY_TYPES
 from events.subjects import CONTROL
 
-# The event types each producer authors: a type listed under one producer is a decision no one else may
-# publish. Scheduling decisions are the scheduler's alone (services/scheduler/tx.py emits them).
-JOB_TYPES: dict[str, tuple[str, ...]] = {
-    "scheduler": ("JobQueued", "AllocationRequested", "AllocationReleased", "JobResumed", "JobPreempted",
-                  "JobCompleted", "JobFailed", "JobCancelled", "StopRequested", "RollbackRequested"),
-    "resources": ("AllocationGranted", "AllocationDenied"),
-    "checkpoints": ("CheckpointCommitted", "CheckpointFailed", "CheckpointPending", "CheckpointDeleted",
-                    "CheckpointScrubbed"),
-    "health": ("RankLost", "RankHung", "StragglerDetected", "NonFiniteLoss", "LossSpikeDetected"),
-    "resharder": ("ReshardPlanned",),
-    "agent": ("WorkersStarted", "WorkersExited", "CheckpointRejected"),
-    # A person's requests: submit and cancel jobs, ask ranks to checkpoint, pause or resume.
-    "console": ("JobSubmitted", "CancelRequested", "CheckpointRequested", "PauseRequested", "ResumeRequested",
-                "RollbackAsked"),
-}
-NODE_TYPES: dict[str, tuple[str, ...]] = {
-    "resources": ("NodeCordoned", "NodeUncordoned"),  # a loss cordon lifted when the node is back (resources core)
-    "health": ("NodeLost",),
-    "agent": ("NodeRegistered", "NodeHeartbeat", "SelfCheckPassed", "SelfCheckFailed"),
-    "console": ("NodeCordoned", "NodeUncordoned"),  # an operator cordons by hand too
-}
-# Telemetry a producer other than the job's ranks publishes, for any job: a node agent relays its ranks'
-# heartbeats in one batch per node (events/heartbeats.py). It starts any job's ranks already, so this
-# trusts it with nothing new; it still cannot publish a rank's steps, faults or checkpoints.
-TELEMETRY_TYPES: dict[str, tuple[str, ...]] = {"agent": ("RankHeartbeats", "ShardsUploaded")}
 SCHEDULER_DECISIONS = JOB_TYPES["scheduler"]
 
 ADMIN, CONSOLE, AGENT = "admin", "console", "agent"
