@@ -25,6 +25,10 @@ os.environ.setdefault(STANDBY_ENV, "0")
 # user's (~/.local/state/flightdeck/up).
 os.environ.setdefault("FLIGHTDECK_UP_INDEX", tempfile.mkdtemp(prefix="flightdeck-up-index-"))
 
+# `flightdeck up` serves /metrics on port 8321 unless told otherwise; the suite runs many ups at once, so theirs
+# serve none unless a test asks (`--ui-port`). The demo picks a free port when 8321 is taken.
+os.environ.setdefault("FLIGHTDECK_UI_PORT", "0")
+
 # A job's MASTER_PORT is a function of its id and attempt (services/resources/core.py), so two tests on different
 # xdist workers that run the same job id at once would have their ranks 0 listen on one port of this host
 # (EADDRINUSE: the ranks exit 1). Each worker's platforms take ports from a range of their own, below the

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ class Up:
     port: int
     url: str
     stdout: str
+    ui: str = ""  # where its web server serves /metrics
 
 
 def flightdeck(*args: str, timeout: float = 120.0,
@@ -62,10 +64,11 @@ def wait_for(predicate, timeout: float = 60.0) -> None:  # type: ignore[no-untyp
 @pytest.fixture(scope="module")
 def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     data_dir = tmp_path_factory.mktemp("fd") / "data"
-    port = broker.free_port()
-    done = flightdeck("up", "--detach", "--data-dir", str(data_dir), "--port", str(port), timeout=180)
+    port, ui_port = broker.free_port(), broker.free_port()
+    done = flightdeck("up", "--detach", "--data-dir", str(data_dir), "--port", str(port), "--ui-port", str(ui_port),
+                      timeout=180)
     assert done.returncode == 0, done.stderr + done.stdout
-    yield Up(data_dir, port, f"nats://127.0.0.1:{port}", done.stdout)
+    yield Up(data_dir, port, f"nats://127.0.0.1:{port}", done.stdout, f"http://127.0.0.1:{ui_port}")
     flightdeck("down", "--data-dir", str(data_dir))  # a no-op when the last test already did it
 
 
@@ -93,10 +96,11 @@ async def seed_job(url: str, job_id: str) -> None:
 def test_up_detach_starts_the_broker_and_every_service(up: Up) -> None:
     s = state(up)
     assert s.status == "ready" and s.url == up.url and s.port == up.port
-    assert sorted(s.processes) == sorted([*registry.names(), *(name for name, _ in up_mod.OTHER_PROCESSES)])
+    assert sorted(s.processes) == sorted([*registry.names(), *(name for name, _ in up_mod.OTHER_PROCESSES), "ui"])
     assert all(pid is not None and upstate.alive(pid) for pid in s.processes.values())
     assert s.broker_pid is not None and upstate.alive(s.broker_pid) and upstate.alive(s.pid)
     assert f"flightdeck is up: broker {up.url}" in up.stdout
+    assert f"metrics (Prometheus) at {up.ui}/metrics" in up.stdout
     for name in s.processes:
         assert (up.data_dir / "logs" / f"{name}.log").exists()
 
@@ -224,6 +228,18 @@ def test_a_raw_nats_client_submits_and_follows_a_job_by_the_published_contract(u
     assert [m["step"] for m in steps] == list(range(6)) and all(m["job_id"] == "raw-c0ffee" for m in steps)
     shown = flightdeck("status", "raw-c0ffee", "--nats", up.url)  # and the platform's own tools agree
     assert shown.returncode == 0 and "completed" in shown.stdout, shown.stdout + shown.stderr
+    # up's web server: the job's figures on /metrics, as a Prometheus scrape reads them
+    wanted = {('flightdeck_job_phase{job_id="raw-c0ffee",phase="completed"}', 1.0),
+              ('flightdeck_job_steps_total{job_id="raw-c0ffee"}', 6.0),
+              ('flightdeck_job_steps_planned{job_id="raw-c0ffee"}', 6.0)}
+    wait_for(lambda: wanted <= scraped(up.ui), timeout=60)
+
+
+def scraped(ui: str) -> set[tuple[str, float]]:
+    with urllib.request.urlopen(ui + "/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    return {(line.rsplit(" ", 1)[0], float(line.rsplit(" ", 1)[1])) for line in text.splitlines()
+            if line and not line.startswith("#")}
 
 
 def test_a_killed_service_is_restarted(up: Up) -> None:

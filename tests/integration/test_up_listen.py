@@ -13,7 +13,7 @@ import pytest
 from events.spec import JobSpec, ModelSpec, TrainSpec, spec_toml
 from services.shell import broker
 from services.tools.console import upstate
-from tests.integration.test_console import flightdeck
+from tests.integration.test_console import flightdeck, scraped, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 ADDR = "127.0.0.2"
@@ -27,10 +27,10 @@ def test_listening_beyond_loopback_without_credentials_is_refused(tmp_path: Path
 
 
 def test_a_secured_up_refuses_strangers_and_runs_a_job_through_the_gate(tmp_path: Path) -> None:
-    data_dir, secrets, port = tmp_path / "d", tmp_path / "secrets", broker.free_port()
+    data_dir, secrets, port, ui_port = tmp_path / "d", tmp_path / "secrets", broker.free_port(), broker.free_port()
     url = f"nats://{ADDR}:{port}"
     done = flightdeck("up", "--detach", "--listen", ADDR, "--secrets", str(secrets), "--data-dir", str(data_dir),
-                      "--port", str(port), timeout=180)
+                      "--port", str(port), "--ui-port", str(ui_port), timeout=180)
     try:
         assert done.returncode == 0, done.stderr + done.stdout
         state = upstate.read_state(data_dir)
@@ -52,6 +52,17 @@ def test_a_secured_up_refuses_strangers_and_runs_a_job_through_the_gate(tmp_path
         assert "completed" in submitted.stdout, submitted.stdout
         gate_log = (data_dir / "logs" / "gate.log").read_text()
         assert "job identity issued" in gate_log and '"user": "job-gated-' in gate_log, gate_log[-2000:]
+        # The web server reads as `console`: the job's figures and the services' consumer lag are there.
+        ui = f"http://127.0.0.1:{ui_port}"
+
+        def served() -> bool:
+            got = dict(scraped(ui))
+            done = [k for k, v in got.items() if v == 1.0 and k.startswith('flightdeck_job_phase{job_id="gated-')
+                    and k.endswith('phase="completed"}')]
+            lags = [f'flightdeck_service_consumer_lag{{service="{n}"}}' for n in ("scheduler", "health")]
+            return len(done) == 1 and got.get("flightdeck_broker_up") == 1.0 and all(k in got for k in lags)
+
+        wait_for(served, timeout=60)
         refused = flightdeck("status", "--nats", url, env={"FLIGHTDECK_NATS_USER": "console",
                                                           "FLIGHTDECK_NATS_PASSWORD_FILE": os.devnull})
         assert refused.returncode != 0  # a wrong (empty) password: the CLI is refused too

@@ -22,6 +22,7 @@ from services.tools.console import (
     plan_cmd,
     status,
     submit,
+    ui_cmd,
     up,
     watch_cmd,
 )
@@ -44,6 +45,7 @@ COMMANDS: tuple[Command, ...] = (
     VERIFY,
     WHATIF,
     POSTMORTEM,
+    ui_cmd.COMMAND,
 )
 
 

@@ -31,7 +31,8 @@ from events.spec import JobSpec, parse_spec
 from events.store import Stored
 from events.training import FaultInjected, Heartbeat, RankFault, RolledBack, StepCompleted
 from services.shell import broker
-from services.tools.console import drill_summary, upstate
+from services.tools.cli import UserError
+from services.tools.console import drill_summary, ui_cmd, up, upstate
 from services.tools.console.checkpoints_cmd import size
 from services.tools.console.following import follow
 from services.tools.console.status import duration
@@ -140,11 +141,21 @@ class Timeline:
         return None
 
 
+def ui_port() -> int:
+    """/metrics on the usual port, or on a free one while another platform holds it."""
+    try:
+        up.check_ui_port(ui_cmd.DEFAULT_PORT)
+        return ui_cmd.DEFAULT_PORT
+    except UserError:
+        return broker.free_port()
+
+
 def drill(spec: Path, data_dir: Path, timeout_s: float) -> JobView | None:
     """Everything between `up` and `down`; None when the job could not even be submitted."""
     port = broker.free_port()
     url = f"nats://127.0.0.1:{port}"
-    if flightdeck("up", "--detach", "--data-dir", str(data_dir), "--port", str(port)).returncode != 0:
+    if flightdeck("up", "--detach", "--data-dir", str(data_dir), "--port", str(port),
+                  "--ui-port", str(ui_port())).returncode != 0:
         return None
     submitted = flightdeck("submit", str(spec), "--nats", url)
     if submitted.returncode != 0:

@@ -31,6 +31,7 @@ from services.tools.connect import connect
 from services.tools.console import upstate
 from services.tools.console.readiness import listening
 from services.tools.console.supervisor import Backoff, ProcessSpec, Supervisor
+from services.tools.console.ui_cmd import DEFAULT_PORT as DEFAULT_UI_PORT
 
 log = structlog.get_logger("flightdeck.up")
 
@@ -41,6 +42,7 @@ READY_AFTER_S = 1.0  # every process alive this long, and every service reading 
 DETACH_TIMEOUT_S = 60.0
 DEFAULT_DATA_DIR = ".flightdeck"
 LOOPBACK = "127.0.0.1"
+UI_PORT_ENV = "FLIGHTDECK_UI_PORT"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,21 +54,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen", default=LOOPBACK, metavar="ADDR",
                         help="the address the embedded broker listens on, so other hosts' agents can join "
                              f"(default: {LOOPBACK}); any other needs --secrets")
+    parser.add_argument("--ui-port", type=int, default=int(os.environ.get(UI_PORT_ENV) or DEFAULT_UI_PORT),
+                        metavar="PORT", help="serve `flightdeck ui` (/metrics) on this localhost port (default: "
+                        f"${UI_PORT_ENV}, else {DEFAULT_UI_PORT}; 0: no web server)")
     parser.add_argument("--secrets", default=None, metavar="DIR",
                         help="users, passwords and keys (created if missing): every connection then needs "
                              "credentials, and jobs get theirs from the job gate")
 
 
-def process_specs(url: str, data_dir: Path, secrets: Path | None = None) -> list[ProcessSpec]:
-    """Every service, the node agent and, with `secrets`, the job gate: each as its own broker user."""
-    table = [*((name, ("-m", "services", name)) for name in registry.names()), *OTHER_PROCESSES]
+def process_specs(url: str, data_dir: Path, secrets: Path | None = None, ui_port: int = 0) -> list[ProcessSpec]:
+    """Every service, the node agent, the web server on `ui_port` (0: none) and, with `secrets`, the job gate: each
+    as its own broker user (the web server as `console`: it only reads)."""
+    ui = [("ui", ("-m", "services.tools.console", "ui", "--port", str(ui_port)))] if ui_port else []
+    table = [*((name, ("-m", "services", name)) for name in registry.names()), *OTHER_PROCESSES, *ui]
     env = {"FLIGHTDECK_NATS_URL": url, "FLIGHTDECK_DATA_DIR": str(data_dir)}
     if secrets is None:
         return [ProcessSpec(name, (sys.executable, *args, "--nats", url), env) for name, args in table]
     vault = SecretsDir(secrets)
 
     def user(name: str) -> dict[str, str]:
-        who = permissions.AGENT if name == "agent" else name
+        who = permissions.AGENT if name == "agent" else permissions.CONSOLE if name == "ui" else name
         vault.password(who)
         extra = {JOB_KEY_FILE: str(vault.job_key_file)} if name == "agent" else {}
         return {**env, USER: who, PASSWORD_FILE: str(vault.password_file(who)), **extra}
@@ -104,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
     _clean_leftovers(data_dir)
     if args.nats is None:
         check_port(args.port, args.listen)
+    check_ui_port(args.ui_port)
     try:
         registry.names()
     except registry.UnknownService as exc:
@@ -126,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
         if broker:
             broker.stop()
         raise
-    up = _Up(data_dir, url, broker, secrets)
+    up = _Up(data_dir, url, broker, secrets, args.ui_port)
     try:
         up.run(stopping)
     finally:
@@ -162,11 +170,13 @@ class _Up:
     url: str
     broker: broker_mod.Broker | None
     secrets: Path | None = None
+    ui_port: int = 0
 
     def __post_init__(self) -> None:
         self.started_at = time.time()
         self.status: Literal["starting", "ready", "stopping"] = "starting"
-        self.supervisor = Supervisor(process_specs(self.url, self.data_dir, self.secrets), self.data_dir / "logs",
+        self.supervisor = Supervisor(process_specs(self.url, self.data_dir, self.secrets, self.ui_port),
+                                     self.data_dir / "logs",
                                      on_change=self.save)
         self._broker_backoff = Backoff()
         self._broker_failures = 0
@@ -202,6 +212,8 @@ class _Up:
             if self.status == "starting" and self.supervisor.running_for(READY_AFTER_S) and self._services_reading():
                 self.status = "ready"
                 self.save()
+                if self.ui_port:
+                    print(f"flightdeck: metrics at {ui_url(self.ui_port)}/metrics", flush=True)
                 print("flightdeck: ready; Ctrl-C (or `flightdeck down`) stops everything", flush=True)
             time.sleep(0.1)
         print(f"flightdeck: stopping (signal {signal.Signals(stopping.signum).name})", flush=True)
@@ -249,6 +261,23 @@ class _Up:
         self._broker_due = None
         self._broker_started = time.monotonic()
         self.save()
+
+
+def ui_url(port: int) -> str:
+    return f"http://{LOOPBACK}:{port}"
+
+
+def check_ui_port(port: int) -> None:
+    if not 0 <= port <= 65535:
+        raise UserError(f"--ui-port {port}: choose 1-65535, or 0 for no web server")
+    if port == 0:
+        return
+    with socket.socket() as s:
+        try:
+            s.bind((LOOPBACK, port))
+        except OSError:
+            raise UserError(f"port {port} for the web server is taken (another flightdeck up?): pass --ui-port N, "
+                            "or --ui-port 0 for none") from None
 
 
 def check_port(port: int, host: str = "127.0.0.1") -> None:
@@ -302,6 +331,7 @@ def detach(args: argparse.Namespace, data_dir: Path) -> int:
         _clean_leftovers(data_dir)
         if args.nats is None:
             check_port(args.port, args.listen)
+        check_ui_port(args.ui_port)
     finally:
         os.close(lock)
     logs = data_dir / "logs"
@@ -309,7 +339,8 @@ def detach(args: argparse.Namespace, data_dir: Path) -> int:
     argv = [sys.executable, "-m", "services.tools.console", "up", "--data-dir", str(data_dir), "--port", str(args.port)]
     if args.nats is not None:
         argv += ["--nats", args.nats]
-    argv += ["--listen", args.listen] + (["--secrets", str(Path(args.secrets).resolve())] if args.secrets else [])
+    argv += ["--listen", args.listen, "--ui-port", str(args.ui_port)]
+    argv += ["--secrets", str(Path(args.secrets).resolve())] if args.secrets else []
     with open(logs / "up.log", "ab") as out:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -323,6 +354,8 @@ def detach(args: argparse.Namespace, data_dir: Path) -> int:
         time.sleep(0.1)
     print(f"flightdeck is up: broker {state.url}, supervisor pid {state.pid}")
     print(f"  {len(state.processes)} services: {', '.join(state.processes)}; logs in {logs}")
+    if args.ui_port:
+        print(f"  metrics (Prometheus) at {ui_url(args.ui_port)}/metrics")
     if state.url != broker_mod.DEFAULT_URL:
         print(f"  other commands find it with --nats {state.url} or: export FLIGHTDECK_NATS_URL={state.url}")
     same_dir = data_dir == Path(DEFAULT_DATA_DIR).resolve()

@@ -1,0 +1,1 @@
+"""The read-only web server: /metrics from the event log (`flightdeck ui`)."""

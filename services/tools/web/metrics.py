@@ -1,0 +1,154 @@
+"""The Prometheus exposition of `Figures` (figures.py) with prometheus-client: a custom collector, so every scrape
+renders what the event log says now, and nothing is counted twice or kept in a second set of books.
+
+The metric names are the contract of infra/prometheus/alerts.yml and infra/grafana/flightdeck.json (a test holds
+every name they use to one this exports). A job is labelled `job_id`: Prometheus gives `job` to the scrape target."""
+
+import math
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from services.tools.history.jobview import ENDED
+from services.tools.web.figures import Figures
+
+PHASES = ("submitted", "queued", "running", "recovering", "stopping", "preempted", *sorted(ENDED))
+DETECT_BUCKETS = (0.5, 1, 2, 5, 10, 30, 60, 120, 300)
+RECOVER_BUCKETS = (1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
+CHECKPOINT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+@dataclass
+class Live:
+    """What the server knows besides the event log: whether it reaches the broker, and each service's consumer
+    lag (messages of FD_CONTROL its durable consumer has yet to take)."""
+
+    broker_up: bool = False
+    lag: dict[str, int] = field(default_factory=dict)
+
+
+def histogram(name: str, doc: str, labels: Sequence[str], buckets: Sequence[float],
+              series: Iterable[tuple[Sequence[str], Sequence[float]]]) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(name, doc, labels=list(labels))
+    for values, samples in series:
+        finite = [s for s in samples if math.isfinite(s)]
+        counts = [sum(1 for s in finite if s <= b) for b in buckets]
+        family.add_metric(list(values), [*((repr(float(b)), c) for b, c in zip(buckets, counts, strict=True)),
+                                         ("+Inf", len(finite))], sum(finite))
+    return family
+
+
+class FiguresCollector(Collector):
+    def __init__(self, figures: Figures, live: Live) -> None:
+        self.figures, self.live = figures, live
+
+    def collect(self) -> Iterator[Metric]:
+        f, live = self.figures, self.live
+        up = GaugeMetricFamily("flightdeck_broker_up", "1 while the server reaches the broker")
+        up.add_metric([], 1.0 if live.broker_up else 0.0)
+        yield up
+        yield from self._jobs(f)
+        yield from self._incidents(f)
+        yield from self._services(f, live)
+        yield from self._nodes(f)
+
+    @staticmethod
+    def _jobs(f: Figures) -> Iterator[Metric]:
+        phase = GaugeMetricFamily("flightdeck_job_phase", "1 for the phase the job is in", labels=["job_id", "phase"])
+        step = GaugeMetricFamily("flightdeck_job_step", "steps done, as its ranks report", labels=["job_id"])
+        planned = GaugeMetricFamily("flightdeck_job_steps_planned", "the spec's steps", labels=["job_id"])
+        world = GaugeMetricFamily("flightdeck_job_world_size", "ranks granted to its attempt", labels=["job_id"])
+        steps = CounterMetricFamily("flightdeck_job_steps", "rank 0's step completions, redone ones too",
+                                    labels=["job_id"])
+        rate = GaugeMetricFamily("flightdeck_job_steps_per_second", "1 / rank 0's newest step time", labels=["job_id"])
+        tokens = CounterMetricFamily("flightdeck_job_tokens", "tokens rank 0 trained on", labels=["job_id"])
+        tps = GaugeMetricFamily("flightdeck_job_tokens_per_second", "rank 0's newest throughput", labels=["job_id"])
+        loss = GaugeMetricFamily("flightdeck_job_loss", "rank 0's newest loss (NaN: none, or not finite)",
+                                 labels=["job_id"])
+        restarts = CounterMetricFamily("flightdeck_job_restarts", "restarts after faults", labels=["job_id"])
+        budget = GaugeMetricFamily("flightdeck_job_max_restarts", "the spec's restart budget", labels=["job_id"])
+        rollbacks = CounterMetricFamily("flightdeck_job_rollbacks", "rollbacks decided", labels=["job_id"])
+        goodput = GaugeMetricFamily("flightdeck_job_goodput_ratio", "useful training / wall time, as postmortem "
+                                    "computes it", labels=["job_id"])
+        for job_id, j in f.jobs.items():
+            v = j.view
+            for p in PHASES:
+                phase.add_metric([job_id, p], 1.0 if v.phase == p else 0.0)
+            step.add_metric([job_id], float(v.steps_done or 0))
+            planned.add_metric([job_id], float(v.steps))
+            world.add_metric([job_id], float(v.world_size))
+            steps.add_metric([job_id], float(j.steps))
+            rate.add_metric([job_id], 1.0 / j.step_time_s if j.step_time_s > 0 else 0.0)
+            tokens.add_metric([job_id], j.tokens)
+            tps.add_metric([job_id], j.tokens_per_s)
+            loss.add_metric([job_id], j.loss)
+            restarts.add_metric([job_id], float(v.restarts))
+            budget.add_metric([job_id], float(v.max_restarts))
+            rollbacks.add_metric([job_id], float(v.rollbacks))
+            if j.analysis is not None:
+                goodput.add_metric([job_id], j.analysis.goodput)
+        yield from (phase, step, planned, world, steps, rate, tokens, tps, loss, restarts, budget, rollbacks, goodput)
+        yield histogram("flightdeck_checkpoint_stall_seconds", "rank 0's step loop blocked per checkpoint", ["job_id"],
+                        CHECKPOINT_BUCKETS, (([k], j.stalls) for k, j in f.jobs.items()))
+        yield histogram("flightdeck_checkpoint_write_seconds", "rank 0's staging write per checkpoint", ["job_id"],
+                        CHECKPOINT_BUCKETS, (([k], j.writes) for k, j in f.jobs.items()))
+        yield histogram("flightdeck_checkpoint_upload_seconds", "a node's shards of a checkpoint into the store",
+                        ["job_id"], CHECKPOINT_BUCKETS, (([k], j.uploads) for k, j in f.jobs.items()))
+
+    @staticmethod
+    def _incidents(f: Figures) -> Iterator[Metric]:
+        count = CounterMetricFamily("flightdeck_job_incidents", "incidents by kind, as postmortem finds them",
+                                    labels=["job_id", "kind"])
+        detect: dict[str, list[float]] = {}
+        recover: dict[str, list[float]] = {}
+        for job_id, j in f.jobs.items():
+            if j.analysis is None:
+                continue
+            kinds: dict[str, int] = {}
+            for kind, ttd, ttr in j.analysis.incidents:
+                kinds[kind] = kinds.get(kind, 0) + 1
+                detect.setdefault(kind, []).append(ttd)
+                if ttr is not None:
+                    recover.setdefault(kind, []).append(ttr)
+            for kind, n in sorted(kinds.items()):
+                count.add_metric([job_id, kind], float(n))
+        yield count
+        yield histogram("flightdeck_incident_detect_seconds", "fault to finding", ["kind"], DETECT_BUCKETS,
+                        (([k], v) for k, v in sorted(detect.items())))
+        yield histogram("flightdeck_incident_recover_seconds", "fault to the first step after resuming", ["kind"],
+                        RECOVER_BUCKETS, (([k], v) for k, v in sorted(recover.items())))
+
+    @staticmethod
+    def _services(f: Figures, live: Live) -> Iterator[Metric]:
+        decisions = CounterMetricFamily("flightdeck_service_decisions", "events a service stored", labels=["service"])
+        dead = CounterMetricFamily("flightdeck_service_dead_letters", "messages a service could not use",
+                                   labels=["service"])
+        lag = GaugeMetricFamily("flightdeck_service_consumer_lag", "control messages a service has yet to take",
+                                labels=["service"])
+        for name in sorted({*f.decisions, *f.dead_letters, *live.lag}):
+            decisions.add_metric([name], float(f.decisions.get(name, 0)))
+            dead.add_metric([name], float(f.dead_letters.get(name, 0)))
+            if name in live.lag:
+                lag.add_metric([name], float(live.lag[name]))
+        yield from (decisions, dead, lag)
+
+    @staticmethod
+    def _nodes(f: Figures) -> Iterator[Metric]:
+        slots = GaugeMetricFamily("flightdeck_node_slots", "slots the node registered", labels=["node", "kind"])
+        up = GaugeMetricFamily("flightdeck_node_up", "0 once found lost, until it registers again", labels=["node"])
+        cordoned = GaugeMetricFamily("flightdeck_node_cordoned", "1 while no new ranks go there", labels=["node"])
+        for name, n in sorted(f.nodes.items()):
+            slots.add_metric([name, n.kind], float(n.slots))
+            up.add_metric([name], 1.0 if n.up else 0.0)
+            cordoned.add_metric([name], 1.0 if n.cordoned else 0.0)
+        yield from (slots, up, cordoned)
+
+
+def exposition(figures: Figures, live: Live) -> bytes:
+    """The text a scrape of /metrics gets."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(FiguresCollector(figures, live))
+    return generate_latest(registry)

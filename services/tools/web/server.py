@@ -1,0 +1,143 @@
+"""The web server behind `flightdeck ui`: it follows the event log and serves `/metrics` (Prometheus) and `/healthz`.
+Read-only: it appends nothing and takes no command; it binds to localhost unless told otherwise.
+
+Three loops feed it: one follow per stream (FD_CONTROL, FD_TELEMETRY, FD_DEAD) folds every message into `Figures`,
+resuming after its last sequence when the broker comes back; one reads each service's consumer lag; one re-runs
+`postmortem`'s analysis of each job whose history moved (at most every ANALYSE_S per job), so incidents and goodput
+are what `flightdeck postmortem` would say.
+"""
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import structlog
+from aiohttp import web
+
+from events import subjects
+from events.jetstream import JetStreamStore
+from services.shell.connection import TRANSIENT
+from services.shell.security.credentials import client_options
+from services.tools.history.read import JobNotFound, job_rows
+from services.tools.postmortem import analyse
+from services.tools.web.figures import Figures, JobAnalysis
+from services.tools.web.metrics import Live, exposition
+
+log = structlog.get_logger("flightdeck.web")
+STREAMS = (subjects.CONTROL, subjects.TELEMETRY, subjects.DEAD)
+LAG_S = 2.0
+ANALYSE_S = 5.0  # a running job's postmortem figures are at most this much (plus one analysis) behind
+RETRY_S = 1.0
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+@dataclass
+class Board:
+    """Everything the server shows, and when each job was last analysed (monotonic seconds)."""
+
+    figures: Figures = field(default_factory=Figures)
+    live: Live = field(default_factory=Live)
+    analysed_at: dict[str, float] = field(default_factory=dict)
+
+
+class WebServer:
+    def __init__(self, store: JetStreamStore) -> None:
+        self.store, self.board = store, Board()
+        self.tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        self.tasks = [*(asyncio.create_task(self._follow(s)) for s in STREAMS),
+                      asyncio.create_task(self._lag()), asyncio.create_task(self._analyse())]
+
+    async def stop(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        for task in self.tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/healthz", self.healthz)
+        return app
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        body = exposition(self.board.figures, self.board.live)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        up = self.board.live.broker_up
+        return web.Response(status=200 if up else 503, text="ok\n" if up else "the broker is unreachable\n")
+
+    async def _follow(self, stream: str) -> None:
+        figures = self.board.figures
+        while True:
+            try:
+                async for stored in self.store.follow(stream, from_seq=figures.positions.get(stream, 0) + 1):
+                    figures.fold(stored)
+            except TRANSIENT as exc:
+                log.warning("web.follow_failed", stream=stream, error=repr(exc), retry_in_s=RETRY_S)
+                await asyncio.sleep(RETRY_S)
+
+    async def _lag(self) -> None:
+        live = self.board.live
+        while True:
+            live.broker_up = self.store.nc.is_connected
+            for name in subjects.SERVICES:
+                try:
+                    info = await self.store.js.consumer_info(subjects.CONTROL, f"service-{name}")
+                    live.lag[name] = int(info.num_pending or 0) + int(info.num_ack_pending or 0)
+                except TRANSIENT:
+                    live.broker_up = False
+                    break
+                except Exception:  # no such consumer: that service never started on this broker
+                    live.lag.pop(name, None)
+            await asyncio.sleep(LAG_S)
+
+    async def _analyse(self) -> None:
+        board = self.board
+        while True:
+            now = time.monotonic()
+            due = [(job_id, j) for job_id, j in list(board.figures.jobs.items())
+                   if j.stale and now - board.analysed_at.get(job_id, -ANALYSE_S) >= ANALYSE_S]
+            for job_id, job in due:
+                seqs = (job.control_seq, job.telemetry_seq)  # what the rows read next hold at least
+                try:
+                    rows = await job_rows(self.store, job_id)
+                    pm = await asyncio.to_thread(analyse, rows, job_id)
+                except TRANSIENT as exc:
+                    log.warning("web.analysis_failed", job=job_id, error=repr(exc))
+                    break
+                except (JobNotFound, LookupError):
+                    board.analysed_at[job_id] = now
+                    continue
+                job.analysis = JobAnalysis(
+                    incidents=tuple((i.kind, i.time_to_detect, i.time_to_recover) for i in pm.incidents),
+                    goodput=pm.goodput.goodput, parts=dict(pm.goodput.parts),
+                    control_seq=seqs[0], telemetry_seq=seqs[1])
+                board.analysed_at[job_id] = now
+            await asyncio.sleep(0.5)
+
+
+async def serve(url: str, host: str, port: int, stop: asyncio.Event, *,
+                ready: "asyncio.Future[int] | None" = None) -> None:
+    """Run the server until `stop` is set. `ready` gets the port it listens on (useful with port 0)."""
+    store = await JetStreamStore.connect(url, name="flightdeck-ui", provision=False, **client_options())
+    server = WebServer(store)
+    server.start()
+    runner = web.AppRunner(server.app(), access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        bound = runner.addresses[0][1]
+        log.info("web.listening", url=f"http://{host}:{bound}", nats=url)
+        if ready is not None:
+            ready.set_result(bound)
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+        await server.stop()
+        await store.close()

@@ -1,0 +1,192 @@
+"""`/metrics` on a broker holding a real recorded run (the crash drill's history, stored as it was): every figure
+equals what the history says — postmortem's incidents, detect and recover times and goodput, the job view's
+restarts, each service's decisions and dead letters, the node's slots — and a broker outage shows as such, then
+heals without counting anything twice."""
+
+import asyncio
+import json
+import math
+import re
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from events import subjects
+from events.base import JobEvent
+from events.clock import DeadLettered
+from events.fleet import NodeRegistered
+from events.jetstream import JetStreamStore
+from events.job import JobSubmitted
+from events.store import Stored
+from events.training import StepCompleted
+from services.shell import broker as broker_mod
+from services.tools.history import fdh, jobview
+from services.tools.postmortem import analyse
+from services.tools.web.figures import Figures, JobAnalysis
+from services.tools.web.metrics import Live, exposition
+from services.tools.web.server import serve
+from tests.conftest import ensure_streams_at
+
+ROOT = Path(__file__).resolve().parents[2]
+CRASH = ROOT / "tests" / "fixtures" / "histories" / "crash.fdh.jsonl"
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+@dataclass
+class Ui:
+    url: str
+    broker: broker_mod.Broker
+    rows: list[Stored]
+    job_id: str
+
+
+async def scrape(url: str) -> tuple[int, Samples]:
+    async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as answer:
+        text = await answer.text()
+    samples: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return answer.status, samples
+
+
+async def healthz(url: str) -> int:
+    async with aiohttp.ClientSession() as http, http.get(url + "/healthz") as answer:
+        return answer.status
+
+
+async def until(what: str, check, within: float = 90.0):  # type: ignore[no-untyped-def]
+    for _ in range(int(within / 0.1)):
+        got = await check()
+        if got:
+            return got
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+async def ui(tmp_path: Path) -> AsyncIterator[Ui]:
+    broker = broker_mod.start(tmp_path / "nats")
+    await asyncio.to_thread(ensure_streams_at, broker.url)
+    rows = fdh.load(CRASH)
+    store = await JetStreamStore.connect(broker.url)
+    try:
+        for row in rows:  # in file order, on a fresh broker: the same sequences as when it was recorded
+            await store.append_bytes(row.subject, row.data, msg_id=row.msg_id)
+        await store.append(subjects.dead("scheduler"), DeadLettered(
+            service="scheduler", stream=subjects.CONTROL, seq=1, subject="fd.ctl.job.x.Junk", reason="undecodable",
+            payload=b"\x00", event_id="dead-1", occurred_at=1.0, producer="scheduler"))
+    finally:
+        await store.close()
+    job_id = next(r.event.job_id for r in rows if isinstance(r.event, JobSubmitted))
+    stop = asyncio.Event()
+    ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(serve(broker.url, "127.0.0.1", 0, stop, ready=ready))
+    try:
+        port = await asyncio.wait_for(ready, 60)
+        yield Ui(f"http://127.0.0.1:{port}", broker, rows, job_id)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+        broker.stop()
+
+
+def analysed(samples: Samples, job_id: str) -> bool:
+    return (("flightdeck_job_goodput_ratio", (("job_id", job_id),)) in samples
+            and samples.get(("flightdeck_service_decisions_total", (("service", "scheduler"),)), 0) > 0)
+
+
+async def test_every_figure_is_what_the_recorded_history_says(ui: Ui) -> None:
+    job = ui.job_id
+
+    async def ready() -> Samples | None:
+        status, samples = await scrape(ui.url)
+        return samples if status == 200 and analysed(samples, job) else None
+
+    got = await until("the job's analysis", ready)
+    pm = analyse(ui.rows, job)
+    assert pm.incidents, "the crash drill's history has an incident"
+
+    def value(name: str, **labels: str) -> float:
+        return got[(name, tuple(sorted(labels.items())))]
+
+    assert value("flightdeck_job_goodput_ratio", job_id=job) == pytest.approx(pm.goodput.goodput, abs=1e-12)
+    kinds = {i.kind for i in pm.incidents}
+    for kind in kinds:
+        mine = [i for i in pm.incidents if i.kind == kind]
+        assert value("flightdeck_job_incidents_total", job_id=job, kind=kind) == len(mine)
+        assert value("flightdeck_incident_detect_seconds_count", kind=kind) == len(mine)
+        assert value("flightdeck_incident_detect_seconds_sum", kind=kind) == pytest.approx(
+            sum(i.time_to_detect for i in mine))
+        recovered = [i.time_to_recover for i in mine if i.time_to_recover is not None]
+        assert value("flightdeck_incident_recover_seconds_sum", kind=kind) == pytest.approx(sum(recovered))
+
+    control = [r.event for r in ui.rows if r.stream == subjects.CONTROL and r.event is not None]
+    view = jobview.fold(job, [e for e in control if isinstance(e, JobEvent) and e.job_id == job])
+    assert value("flightdeck_job_restarts_total", job_id=job) == view.restarts >= 1
+    assert value("flightdeck_job_phase", job_id=job, phase=view.phase) == 1.0
+    assert sum(v for (name, labels), v in got.items() if name == "flightdeck_job_phase") == 1.0  # one phase
+    lead = [r.event for r in ui.rows if isinstance(r.event, StepCompleted) and r.event.rank == 0]
+    assert value("flightdeck_job_steps_total", job_id=job) == len(lead)
+    assert math.isclose(value("flightdeck_job_loss", job_id=job), lead[-1].loss)
+    for service in subjects.SERVICES:
+        authored = sum(1 for r in ui.rows if r.stream == subjects.CONTROL and r.event is not None
+                       and r.event.producer == service and not r.subject.startswith("fd.ctl.clock."))
+        assert value("flightdeck_service_decisions_total", service=service) == authored, service
+    assert value("flightdeck_service_dead_letters_total", service="scheduler") == 1
+    (node,) = {e.node: e for e in control if isinstance(e, NodeRegistered)}.values()
+    assert value("flightdeck_node_slots", node=node.node, kind=node.kind) == node.slots
+    assert value("flightdeck_node_up", node=node.node) == 1.0
+    assert value("flightdeck_broker_up") == 1.0 and await healthz(ui.url) == 200
+
+    # The broker goes away: the page says so; it comes back: the figures are the same, nothing counted twice.
+    ui.broker.stop()
+    await until("the outage to show", lambda: _broker_up_is(ui.url, 0.0))
+    assert await healthz(ui.url) == 503
+    ui.broker = await asyncio.to_thread(ui.broker.restart)
+    await until("the broker to be back", lambda: _broker_up_is(ui.url, 1.0))
+    _, after = await scrape(ui.url)
+    for key in [k for k in got if k[0] != "flightdeck_service_consumer_lag"]:
+        assert after[key] == got[key] or (math.isnan(after[key]) and math.isnan(got[key])), key
+
+
+async def _broker_up_is(url: str, want: float) -> bool:
+    _, samples = await scrape(url)
+    return samples.get(("flightdeck_broker_up", ()), -1.0) == want
+
+
+def test_the_cli_refuses_a_bad_port_and_an_unreachable_broker(tmp_path: Path) -> None:
+    cli = [sys.executable, "-m", "services.tools.console", "ui"]
+    bad = subprocess.run([*cli, "--port", "70000"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "--port 70000: choose 0-65535" in bad.stderr
+    gone = subprocess.run([*cli, "--nats", "nats://127.0.0.1:9", "--port", "0"], capture_output=True, text=True,
+                          timeout=60)
+    assert gone.returncode != 0 and "cannot reach the broker at nats://127.0.0.1:9" in gone.stderr, gone.stderr
+
+
+def test_the_shipped_alerts_and_dashboard_use_only_exported_metrics() -> None:
+    figures = Figures()
+    for row in fdh.load(CRASH):
+        figures.fold(row)
+    for j in figures.jobs.values():  # as the server sets it: every family then has samples
+        j.analysis = JobAnalysis(incidents=(("crash", 1.0, 5.0),), goodput=0.5, parts={}, control_seq=0,
+                                 telemetry_seq=0)
+    text = exposition(figures, Live(broker_up=True, lag={"scheduler": 0})).decode()
+    exported = {s.name for family in text_string_to_metric_families(text) for s in family.samples}
+    rules = yaml.safe_load((ROOT / "infra" / "prometheus" / "alerts.yml").read_text())["groups"][0]["rules"]
+    dashboard = json.loads((ROOT / "infra" / "grafana" / "flightdeck.json").read_text())
+    exprs = {r["alert"]: r["expr"] for r in rules}
+    exprs |= {f"{p['title']} {t['refId']}": t["expr"] for p in dashboard["panels"] for t in p["targets"]}
+    assert {"FlightdeckJobFailed", "FlightdeckRestartBudgetNearlySpent", "FlightdeckGoodputLow",
+            "FlightdeckConsumerLag"} <= exprs.keys()
+    for where, expr in exprs.items():
+        names = set(re.findall(r"flightdeck_[a-z_]+", expr))
+        assert names and names <= exported, (where, names - exported)
+        assert re.search(r"\bjob\s*[=!~]", expr) is None, where  # `job` is Prometheus' scrape label: ours is job_id
