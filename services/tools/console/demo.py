@@ -43,7 +43,8 @@ REPO = Path(__file__).resolve().parents[3]
 DEMO_ROOT = REPO / ".flightdeck-demo"
 CLI = (sys.executable, "-m", "services.tools.console")
 LABEL = 11
-HOLD_S = 1.0  # a line waits this long for lines of earlier events from the other stream
+HOLD_S = 1.0  # a line waits until both streams are this far past it: a late, earlier line still goes first
+WALL_HOLD_S = 5.0  # ... or this long on the clock, when one stream is quiet
 SLACK_S = 180
 RETENTION = CheckpointDeleted(job_id="", checkpoint_id="").reason  # routine deletions: not worth a line
 SOURCE_PREFIX = re.compile(r"^\[[^]]*\]\s*")  # gloo's "[/path/pair.cc:553] ": no help in a timeline
@@ -71,9 +72,10 @@ class Timeline:
         self.base = 0.0
         self.seen: list[Event] = []  # what the incident summary is made of (heartbeats left out)
         self.spec: JobSpec | None = None
-        # The control and telemetry streams arrive on their own: lines wait HOLD_S for earlier ones, in time order.
+        # The control and telemetry streams arrive on their own, and a decision bears its input's time: a line waits
+        # until both streams have passed its time by HOLD_S (or the clock by WALL_HOLD_S), then prints in time order.
         self.held: list[tuple[float, int, str]] = []
-        self.newest = 0.0
+        self.newest: dict[str, float] = {}
 
     def show(self, stored: Stored) -> None:
         ev = stored.event
@@ -88,8 +90,9 @@ class Timeline:
             label, text = line
             at = ev.occurred_at - self.base
             heapq.heappush(self.held, (at, len(self.seen), f"  {at:>6.1f}s  {label:<{LABEL}} {text}".rstrip()))
-        self.newest = max(self.newest, ev.occurred_at - self.base)
-        self.flush(self.newest - HOLD_S)
+        self.newest[stored.stream] = max(self.newest.get(stored.stream, 0.0), ev.occurred_at - self.base)
+        both = min(self.newest.get(stream, 0.0) for stream in (subjects.CONTROL, subjects.TELEMETRY))
+        self.flush(max(both - HOLD_S, time.time() - self.base - WALL_HOLD_S))
 
     def flush(self, upto: float = math.inf) -> None:
         while self.held and self.held[0][0] <= upto:
@@ -152,10 +155,10 @@ def ui_port() -> int:
 
 def drill(spec: Path, data_dir: Path, timeout_s: float) -> JobView | None:
     """Everything between `up` and `down`; None when the job could not even be submitted."""
-    port = broker.free_port()
+    port, web = broker.free_port(), ui_port()
     url = f"nats://127.0.0.1:{port}"
     if flightdeck("up", "--detach", "--data-dir", str(data_dir), "--port", str(port),
-                  "--ui-port", str(ui_port())).returncode != 0:
+                  "--ui-port", str(web)).returncode != 0:
         return None
     submitted = flightdeck("submit", str(spec), "--nats", url)
     if submitted.returncode != 0:
@@ -163,6 +166,7 @@ def drill(spec: Path, data_dir: Path, timeout_s: float) -> JobView | None:
     job_id = submitted.stdout.strip()
     train = parse_spec(spec.read_bytes()).train  # submit accepted it: it parses
     every = max(1, train.steps // PROGRESS_LINES // train.checkpoint_every) * train.checkpoint_every
+    print(f"\nthe dashboard shows it live: {up.ui_url(web)}/?job={job_id}", flush=True)
     print(f"\njob {job_id}, live (times from submission):", flush=True)
     timeline = Timeline(job_id, every)
     try:

@@ -1,0 +1,34 @@
+"""The demo's live timeline prints in time order even when a decision, which bears its input's time, is stored after
+telemetry from a second later was already read (CI saw 12.7 s printed before three 12.4 s lines)."""
+
+import time
+
+import pytest
+
+from events import subjects
+from events.findings import RankLost
+from events.job import JobSubmitted
+from events.spec import JobSpec
+from events.store import Stored
+from events.training import StepCompleted
+from services.tools.console.demo import Timeline
+
+
+def stored(stream: str, seq: int, event: object) -> Stored:
+    return Stored(stream=stream, seq=seq, subject="", data=b"", msg_id="", event=event)  # type: ignore[arg-type]
+
+
+def test_a_late_decision_still_prints_before_the_later_telemetry(capsys: pytest.CaptureFixture[str]) -> None:
+    t0 = time.time()
+    tl = Timeline("j-000001", every=1)
+    tl.show(stored(subjects.CONTROL, 1, JobSubmitted(job_id="j-000001", spec=JobSpec(name="j"), occurred_at=t0)))
+    for n, at in enumerate((1.0, 2.0, 3.0)):  # telemetry runs ahead: steps at 1, 2 and 3 s
+        tl.show(stored(subjects.TELEMETRY, n + 1, StepCompleted(job_id="j-000001", rank=0, step=n, loss=1.0,
+                                                               grad_norm=1.0, lr=0.1, tokens_per_s=1.0,
+                                                               step_time_s=1.0, occurred_at=t0 + at)))
+    # stored now, stamped with its input's time: 1.5 s, before the step at 2 s that was already read
+    tl.show(stored(subjects.CONTROL, 2, RankLost(job_id="j-000001", rank=1, attempt=0, reason="exited with code 3",
+                                                 last_seen=t0, occurred_at=t0 + 1.5)))
+    tl.flush()
+    times = [float(line.split()[0].removesuffix("s")) for line in capsys.readouterr().out.splitlines()]
+    assert times == [0.0, 1.0, 1.5, 2.0, 3.0]
