@@ -4,7 +4,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-unit test-integration lint chaos clean
+.PHONY: install demo test test-unit test-integration lint chaos clean chromium
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -20,7 +21,15 @@ demo: $(STAMP)
 # Whole files go to one of 3 workers (--dist loadfile): a file's tests may share a module-scoped platform.
 TEST_WORKERS ?= 3
 
-test: $(STAMP)
+# The dashboard's browser test drives Debian's chromium through Playwright (Playwright's own browser download needs
+# the internet); installed once, from apt, when missing.
+chromium:
+	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || { \
+	  echo "installing chromium (apt) for the dashboard's browser test"; \
+	  $(SUDO) apt-get install -y -q chromium >/dev/null 2>&1 || \
+	  { $(SUDO) apt-get update -q >/dev/null && $(SUDO) apt-get install -y -q chromium >/dev/null; }; }
+
+test: $(STAMP) chromium
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
 
 test-unit: $(STAMP)

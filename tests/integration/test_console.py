@@ -100,7 +100,7 @@ def test_up_detach_starts_the_broker_and_every_service(up: Up) -> None:
     assert all(pid is not None and upstate.alive(pid) for pid in s.processes.values())
     assert s.broker_pid is not None and upstate.alive(s.broker_pid) and upstate.alive(s.pid)
     assert f"flightdeck is up: broker {up.url}" in up.stdout
-    assert f"metrics (Prometheus) at {up.ui}/metrics" in up.stdout
+    assert f"dashboard {up.ui}/ ; metrics (Prometheus) at {up.ui}/metrics" in up.stdout
     for name in s.processes:
         assert (up.data_dir / "logs" / f"{name}.log").exists()
 

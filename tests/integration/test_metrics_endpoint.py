@@ -146,6 +146,17 @@ async def test_every_figure_is_what_the_recorded_history_says(ui: Ui) -> None:
     assert value("flightdeck_node_up", node=node.node) == 1.0
     assert value("flightdeck_broker_up") == 1.0 and await healthz(ui.url) == 200
 
+    # The dashboard's push for the job: the same incidents, at postmortem's times.
+    async with aiohttp.ClientSession() as http, http.get(f"{ui.url}/events?job={job}") as stream:
+        assert stream.headers["Content-Type"] == "text/event-stream"
+        async for line in stream.content:
+            if line.startswith(b"data: "):
+                board = json.loads(line[len(b"data: "):])
+                break
+    assert [(i["kind"], i["fault_s"], i["detect_s"]) for i in board["job"]["incidents"]] == [
+        (i.kind, i.fault_at, i.time_to_detect) for i in pm.incidents]
+    assert board["job"]["phase"] == view.phase and board["broker_up"] is True
+
     # The broker goes away: the page says so; it comes back: the figures are the same, nothing counted twice.
     ui.broker.stop()
     await until("the outage to show", lambda: _broker_up_is(ui.url, 0.0))

@@ -1,5 +1,6 @@
-"""`flightdeck ui [--nats URL] [--host 127.0.0.1] [--port 8321]`: the read-only web server on any broker:
-`/metrics` for Prometheus (figures from the event log, agreeing with `postmortem`) and `/healthz`."""
+"""`flightdeck ui [--nats URL] [--host 127.0.0.1] [--port 8321]`: the read-only web server on any broker: the live
+dashboard at `/` (jobs, one job's curves, incidents, checkpoints, decisions and output, the fleet), `/metrics` for
+Prometheus (figures from the event log, agreeing with `postmortem`) and `/healthz`."""
 
 import argparse
 import asyncio
@@ -31,7 +32,8 @@ def run(args: argparse.Namespace) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        ready.add_done_callback(lambda f: print(f"flightdeck ui: http://{args.host}:{f.result()}/metrics", flush=True))
+        ready.add_done_callback(lambda f: print(f"flightdeck ui: dashboard http://{args.host}:{f.result()}/, metrics "
+                                                f"http://{args.host}:{f.result()}/metrics", flush=True))
         await serve(url, args.host, args.port, stop, ready=ready)
 
     try:
@@ -43,4 +45,5 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMAND = Command("ui", "serve /metrics (Prometheus) for a platform, read-only", add_arguments, run)
+COMMAND = Command("ui", "serve the live dashboard and /metrics (Prometheus) for a platform, read-only", add_arguments,
+                  run)

@@ -55,8 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the address the embedded broker listens on, so other hosts' agents can join "
                              f"(default: {LOOPBACK}); any other needs --secrets")
     parser.add_argument("--ui-port", type=int, default=int(os.environ.get(UI_PORT_ENV) or DEFAULT_UI_PORT),
-                        metavar="PORT", help="serve `flightdeck ui` (/metrics) on this localhost port (default: "
-                        f"${UI_PORT_ENV}, else {DEFAULT_UI_PORT}; 0: no web server)")
+                        metavar="PORT", help="serve `flightdeck ui` (dashboard, /metrics) on this localhost port "
+                        f"(default: ${UI_PORT_ENV}, else {DEFAULT_UI_PORT}; 0: no web server)")
     parser.add_argument("--secrets", default=None, metavar="DIR",
                         help="users, passwords and keys (created if missing): every connection then needs "
                              "credentials, and jobs get theirs from the job gate")
@@ -213,7 +213,8 @@ class _Up:
                 self.status = "ready"
                 self.save()
                 if self.ui_port:
-                    print(f"flightdeck: metrics at {ui_url(self.ui_port)}/metrics", flush=True)
+                    print(f"flightdeck: dashboard {ui_url(self.ui_port)}/, metrics {ui_url(self.ui_port)}/metrics",
+                          flush=True)
                 print("flightdeck: ready; Ctrl-C (or `flightdeck down`) stops everything", flush=True)
             time.sleep(0.1)
         print(f"flightdeck: stopping (signal {signal.Signals(stopping.signum).name})", flush=True)
@@ -355,7 +356,7 @@ def detach(args: argparse.Namespace, data_dir: Path) -> int:
     print(f"flightdeck is up: broker {state.url}, supervisor pid {state.pid}")
     print(f"  {len(state.processes)} services: {', '.join(state.processes)}; logs in {logs}")
     if args.ui_port:
-        print(f"  metrics (Prometheus) at {ui_url(args.ui_port)}/metrics")
+        print(f"  dashboard {ui_url(args.ui_port)}/ ; metrics (Prometheus) at {ui_url(args.ui_port)}/metrics")
     if state.url != broker_mod.DEFAULT_URL:
         print(f"  other commands find it with --nats {state.url} or: export FLIGHTDECK_NATS_URL={state.url}")
     same_dir = data_dir == Path(DEFAULT_DATA_DIR).resolve()

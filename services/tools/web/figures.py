@@ -8,20 +8,67 @@ Per service: decisions stored and messages dead-lettered. Per node: slots, and w
 """
 
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from events import subjects
 from events.base import JobEvent, NodeEvent
 from events.checkpoint import CheckpointStaged, ShardsUploaded
 from events.clock import DeadLettered
-from events.fleet import NodeCordoned, NodeLost, NodeRegistered, NodeUncordoned
+from events.fleet import NodeCordoned, NodeHeartbeat, NodeLost, NodeRegistered, NodeUncordoned
+from events.heartbeats import RankHeartbeats
+from events.logs import RankOutput
 from events.store import Stored
 from events.training import StepCompleted
 from services.tools.history import jobview
 from services.tools.history.jobview import JobView
+from services.tools.postmortem.describe import describe
 
 KEEP_ENDED = 500  # ended jobs whose series stay exported (the oldest go first): a scrape stays bounded
+CURVE_POINTS = 1024  # a job's loss and step-time curve is thinned to at most twice this many points
+DECISIONS_KEPT = 200  # a job's newest control events the page lists
+LOG_LINES_KEPT = 200  # a job's newest output lines the page shows
+
+
+class Curve:
+    """Rank 0's (step, loss, step time) as it arrives, thinned on the server so a page's update stays small at any
+    length or world size: every `stride`-th point is kept, and the stride doubles whenever twice CURVE_POINTS are
+    held. The newest point is always shown."""
+
+    def __init__(self) -> None:
+        self.points: list[tuple[int, float, float]] = []
+        self.stride, self.seen = 1, 0
+        self.last: tuple[int, float, float] | None = None
+
+    def add(self, step: int, loss: float, step_time_s: float) -> None:
+        point = (step, loss, step_time_s)
+        self.last = point
+        if self.seen % self.stride == 0:
+            self.points.append(point)
+            if len(self.points) >= 2 * CURVE_POINTS:
+                self.points = self.points[::2]
+                self.stride *= 2
+        self.seen += 1
+
+    def shown(self) -> list[tuple[int, float, float]]:
+        if self.last is not None and (not self.points or self.points[-1] != self.last):
+            return [*self.points, self.last]
+        return list(self.points)
+
+
+@dataclass(frozen=True)
+class IncidentRow:
+    """One incident as the page lists it (postmortem's Incident; its times are seconds from the job's start)."""
+
+    number: int
+    kind: str
+    trigger: str
+    attempt: int
+    fault_s: float
+    detect_s: float  # fault to finding
+    recover_s: float | None  # fault to the first step after resuming; None: not (yet)
+    decision: str
+    resolution: str
 
 
 @dataclass(frozen=True)
@@ -33,6 +80,7 @@ class JobAnalysis:
     parts: dict[str, float]  # the wall time split: useful, detection, restart, ... (seconds)
     control_seq: int
     telemetry_seq: int
+    rows: tuple[IncidentRow, ...] = ()
 
 
 @dataclass
@@ -46,6 +94,9 @@ class JobFigures:
     stalls: list[float] = field(default_factory=list)  # rank 0's checkpoint stalls: the step loop blocked
     writes: list[float] = field(default_factory=list)  # rank 0's staging writes
     uploads: list[float] = field(default_factory=list)  # per node and set: announcement to the last shard stored
+    curve: Curve = field(default_factory=Curve)
+    decisions: deque[tuple[float, str, str, str]] = field(default_factory=lambda: deque(maxlen=DECISIONS_KEPT))
+    logs: deque[tuple[int, int, str]] = field(default_factory=lambda: deque(maxlen=LOG_LINES_KEPT))
     control_seq: int = 0  # the newest message of this job in each stream
     telemetry_seq: int = 0
     analysis: JobAnalysis | None = None
@@ -61,8 +112,11 @@ class JobFigures:
 class NodeFigures:
     kind: str = ""
     slots: int = 0
+    spare: bool = False
     up: bool = True
     cordoned: bool = False
+    free_slots: int | None = None
+    seen_at: float = 0.0  # its agent's newest sign of life (registration, heartbeat, a batch of its ranks' beats)
 
 
 @dataclass
@@ -73,9 +127,11 @@ class Figures:
     dead_letters: dict[str, int] = field(default_factory=dict)  # by service
     positions: dict[str, int] = field(default_factory=dict)  # stream -> the newest sequence folded
     forgotten: set[str] = field(default_factory=set)
+    version: int = 0  # bumped by every fold: the page is pushed an update when it moved
 
     def fold(self, stored: Stored) -> None:
         self.positions[stored.stream] = max(self.positions.get(stored.stream, 0), stored.seq)
+        self.version += 1
         ev = stored.event
         if ev is None:
             return
@@ -89,6 +145,7 @@ class Figures:
                 ended = job.view.ended
                 job.view = jobview.evolve(job.view, ev)
                 job.control_seq = stored.seq
+                job.decisions.append((ev.occurred_at, type(ev).__name__, ev.producer, describe(ev)))
                 if job.view.ended and not ended:
                     self._forget_old()
             elif isinstance(ev, NodeEvent):
@@ -97,6 +154,10 @@ class Figures:
             job = self._job(ev.job_id)
             job.telemetry_seq = stored.seq
             self._telemetry(job, ev)
+            if isinstance(ev, RankHeartbeats) and ev.node in self.nodes:
+                self.nodes[ev.node].seen_at = max(self.nodes[ev.node].seen_at, ev.occurred_at)
+        elif stored.stream == subjects.LOGS and isinstance(ev, RankOutput) and ev.job_id in self.jobs:
+            self.jobs[ev.job_id].logs.extend((ev.attempt, ev.rank, line) for line in ev.lines)
 
     def _job(self, job_id: str) -> JobFigures:
         job = self.jobs.get(job_id)
@@ -106,9 +167,13 @@ class Figures:
 
     def _node(self, ev: NodeEvent) -> None:
         node = self.nodes.setdefault(ev.node, NodeFigures())
+        if not isinstance(ev, NodeLost | NodeCordoned | NodeUncordoned):  # what its own agent says: it is alive
+            node.seen_at = max(node.seen_at, ev.occurred_at)
         match ev:
-            case NodeRegistered(kind=kind, slots=slots):
-                node.kind, node.slots, node.up = kind, slots, True
+            case NodeRegistered(kind=kind, slots=slots, spare=spare):
+                node.kind, node.slots, node.spare, node.up, node.free_slots = kind, slots, spare, True, None
+            case NodeHeartbeat(free_slots=free):
+                node.free_slots = free
             case NodeLost():
                 node.up = False
             case NodeCordoned():
@@ -123,6 +188,7 @@ class Figures:
                 job.view = jobview.with_step(job.view, ev)
                 job.steps += 1
                 job.step_time_s, job.tokens_per_s, job.loss = ev.step_time_s, ev.tokens_per_s, ev.loss
+                job.curve.add(ev.step, ev.loss, ev.step_time_s)
                 if math.isfinite(ev.tokens_per_s) and math.isfinite(ev.step_time_s):
                     job.tokens += max(ev.tokens_per_s * ev.step_time_s, 0.0)
             case CheckpointStaged(rank=0):

@@ -1,7 +1,8 @@
-"""The web server behind `flightdeck ui`: it follows the event log and serves `/metrics` (Prometheus) and `/healthz`.
-Read-only: it appends nothing and takes no command; it binds to localhost unless told otherwise.
+"""The web server behind `flightdeck ui`: it follows the event log and serves the live dashboard (`/`, pushed
+updates on `/events` as server-sent events), `/metrics` (Prometheus) and `/healthz`. Read-only: it appends nothing
+and takes no command; it binds to localhost unless told otherwise.
 
-Three loops feed it: one follow per stream (FD_CONTROL, FD_TELEMETRY, FD_DEAD) folds every message into `Figures`,
+Three loops feed it: one follow per stream (control, telemetry, logs, dead letters) folds every message into `Figures`,
 resuming after its last sequence when the broker comes back; one reads each service's consumer lag; one re-runs
 `postmortem`'s analysis of each job whose history moved (at most every ANALYSE_S per job), so incidents and goodput
 are what `flightdeck postmortem` would say.
@@ -11,7 +12,9 @@ import asyncio
 import contextlib
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import msgspec
 import structlog
 from aiohttp import web
 
@@ -21,11 +24,15 @@ from services.shell.connection import TRANSIENT
 from services.shell.security.credentials import client_options
 from services.tools.history.read import JobNotFound, job_rows
 from services.tools.postmortem import analyse
-from services.tools.web.figures import Figures, JobAnalysis
+from services.tools.web.figures import Figures, IncidentRow, JobAnalysis
 from services.tools.web.metrics import Live, exposition
+from services.tools.web.page import snapshot
 
 log = structlog.get_logger("flightdeck.web")
-STREAMS = (subjects.CONTROL, subjects.TELEMETRY, subjects.DEAD)
+STREAMS = (subjects.CONTROL, subjects.TELEMETRY, subjects.LOGS, subjects.DEAD)
+STATIC = Path(__file__).resolve().parent / "static"
+PUSH_EVERY_S = 0.25  # a page gets at most this many updates a second, however fast events come
+PING_S = 15.0  # an idle stream sends a comment this often, so proxies and the browser keep it open
 LAG_S = 2.0
 ANALYSE_S = 5.0  # a running job's postmortem figures are at most this much (plus one analysis) behind
 RETRY_S = 1.0
@@ -45,6 +52,12 @@ class WebServer:
     def __init__(self, store: JetStreamStore) -> None:
         self.store, self.board = store, Board()
         self.tasks: list[asyncio.Task[None]] = []
+        self.moved = asyncio.Event()  # replaced and set whenever what a page shows may have changed
+        self.analyses = 0
+
+    def touch(self) -> None:
+        moved, self.moved = self.moved, asyncio.Event()
+        moved.set()
 
     def start(self) -> None:
         self.tasks = [*(asyncio.create_task(self._follow(s)) for s in STREAMS),
@@ -59,9 +72,40 @@ class WebServer:
 
     def app(self) -> web.Application:
         app = web.Application()
+        app.router.add_get("/", self.index)
+        app.router.add_get("/events", self.events)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/healthz", self.healthz)
+        app.router.add_static("/static", STATIC, follow_symlinks=False)
         return app
+
+    async def index(self, request: web.Request) -> web.FileResponse:
+        return web.FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
+
+    async def events(self, request: web.Request) -> web.StreamResponse:
+        """Server-sent events: a `board` snapshot now and after every change (at most every PUSH_EVERY_S), for the
+        job named by `?job=` if any. The page never polls; the browser's EventSource reconnects by itself."""
+        job_id = request.query.get("job") or None
+        stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                             "X-Accel-Buffering": "no"})
+        await stream.prepare(request)
+        board, sent = self.board, None
+        try:
+            while True:
+                moved = self.moved
+                key = (board.figures.version, board.live.broker_up, self.analyses)
+                if key != sent:
+                    data = msgspec.json.encode(snapshot(board.figures, board.live, job_id, time.time()))
+                    await stream.write(b"event: board\ndata: " + data + b"\n\n")
+                    sent = key
+                try:
+                    await asyncio.wait_for(moved.wait(), PING_S)
+                except TimeoutError:
+                    await stream.write(b": ping\n\n")
+                await asyncio.sleep(PUSH_EVERY_S)
+        except (ConnectionResetError, asyncio.CancelledError):
+            pass
+        return stream
 
     async def metrics(self, request: web.Request) -> web.Response:
         body = exposition(self.board.figures, self.board.live)
@@ -77,6 +121,8 @@ class WebServer:
             try:
                 async for stored in self.store.follow(stream, from_seq=figures.positions.get(stream, 0) + 1):
                     figures.fold(stored)
+                    if not self.moved.is_set():
+                        self.touch()
             except TRANSIENT as exc:
                 log.warning("web.follow_failed", stream=stream, error=repr(exc), retry_in_s=RETRY_S)
                 await asyncio.sleep(RETRY_S)
@@ -84,7 +130,7 @@ class WebServer:
     async def _lag(self) -> None:
         live = self.board.live
         while True:
-            live.broker_up = self.store.nc.is_connected
+            was, live.broker_up = live.broker_up, self.store.nc.is_connected
             for name in subjects.SERVICES:
                 try:
                     info = await self.store.js.consumer_info(subjects.CONTROL, f"service-{name}")
@@ -94,6 +140,8 @@ class WebServer:
                     break
                 except Exception:  # no such consumer: that service never started on this broker
                     live.lag.pop(name, None)
+            if live.broker_up != was:
+                self.touch()
             await asyncio.sleep(LAG_S)
 
     async def _analyse(self) -> None:
@@ -116,8 +164,14 @@ class WebServer:
                 job.analysis = JobAnalysis(
                     incidents=tuple((i.kind, i.time_to_detect, i.time_to_recover) for i in pm.incidents),
                     goodput=pm.goodput.goodput, parts=dict(pm.goodput.parts),
-                    control_seq=seqs[0], telemetry_seq=seqs[1])
+                    control_seq=seqs[0], telemetry_seq=seqs[1],
+                    rows=tuple(IncidentRow(number=i.number, kind=i.kind, trigger=i.trigger, attempt=i.attempt,
+                                           fault_s=i.fault_at, detect_s=i.time_to_detect,
+                                           recover_s=i.time_to_recover, decision=i.decision,
+                                           resolution=i.resolution) for i in pm.incidents))
                 board.analysed_at[job_id] = now
+                self.analyses += 1
+                self.touch()
             await asyncio.sleep(0.5)
 
 

@@ -1,0 +1,94 @@
+"""The dashboard in a real headless browser (Debian's chromium, driven by Playwright): the page is opened before the
+job exists; a crash drill then runs, and its loss curve and the crash incident appear on the page without a reload,
+pushed by the server; a hostile string stays text; a broker outage shows as a banner and goes when the broker is back.
+The browser comes from `make test`'s install step (`apt-get install chromium`)."""
+
+import asyncio
+import shutil
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from playwright.async_api import Page, async_playwright
+
+from events.history import append_to_job
+from events.jetstream import JetStreamStore
+from events.job import CancelRequested
+from services.shell import broker as broker_mod
+from services.tools.web.server import serve
+from tests.e2e.drill_harness import crash_spec
+from tests.integration.lifecycle_harness import Platform
+
+pytestmark = [pytest.mark.slow]
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+ROOT = Path(__file__).resolve().parents[2]
+WAIT_MS = 150_000
+
+
+@pytest.fixture
+async def ui(drill: Platform) -> AsyncIterator[str]:
+    stop = asyncio.Event()
+    ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(serve(drill.url, "127.0.0.1", 0, stop, ready=ready))
+    try:
+        yield f"http://127.0.0.1:{await asyncio.wait_for(ready, 60)}"
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+
+
+@pytest.fixture
+async def page() -> AsyncIterator[Page]:
+    assert CHROMIUM, "no chromium on PATH: `make test` installs it (apt-get install chromium)"
+    async with async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+        try:
+            yield await browser.new_page(viewport={"width": 1280, "height": 1600})
+        finally:
+            await browser.close()
+
+
+@pytest.mark.timeout(300)
+async def test_a_running_jobs_curve_and_crash_incident_appear_without_a_reload(
+        drill: Platform, ui: str, page: Page, nats_server: broker_mod.Broker, tmp_path: Path) -> None:
+    p, job = drill, "crash-000001"
+    p.agent("n1", "--grace-s", "2")
+    await p.ready("n1")
+    await page.goto(f"{ui}/?job={job}")
+    await page.wait_for_function("document.getElementById('job-title').textContent.includes('no such job yet')")
+    await page.evaluate("window.loadedOnce = true")  # a reload would lose it
+
+    await p.submit(crash_spec(), job)
+    await page.wait_for_function("Number(document.getElementById('loss').dataset.points) >= 10", timeout=WAIT_MS)
+    crash = page.locator('#incidents tr[data-kind="crash"]')
+    await crash.wait_for(timeout=WAIT_MS)
+    assert "exited with code 3" in await crash.inner_text()
+    await page.wait_for_function(f"""document.querySelector('#jobs tr[data-job="{job}"]')
+                                     ?.textContent.includes('completed')""", timeout=WAIT_MS)
+    assert await page.evaluate("window.loadedOnce") is True
+    assert await page.locator('#checkpoints tr[data-state="kept"]').count() >= 1
+    assert await page.locator('#fleet tr[data-node="n1"]').inner_text() != ""
+    await page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
+
+    # A hostile string in the event log (a request's reason: anyone with the CLI writes one) is shown as text, never
+    # run as markup.
+    hostile = "<img src=x onerror=window.pwned=1>"
+    store = await JetStreamStore.connect(p.url)
+    try:
+        await append_to_job(store, CancelRequested(job_id=job, event_id="evil-1", occurred_at=time.time(),
+                                                   producer="cli", reason=hostile))
+    finally:
+        await store.close()
+    await page.wait_for_function(f"document.getElementById('decisions').textContent.includes({hostile!r})",
+                                 timeout=WAIT_MS)
+    assert await page.evaluate("window.pwned === undefined")
+    assert await page.locator("#decisions img").count() == 0
+
+    # The broker goes away: the page says so; it comes back: the banner goes, by itself.
+    nats_server.stop()
+    await page.locator("#outage").wait_for(state="visible", timeout=WAIT_MS)
+    back = await asyncio.to_thread(nats_server.restart)
+    nats_server.proc = back.proc  # the fixture stops this one at the end
+    await page.locator("#outage").wait_for(state="hidden", timeout=WAIT_MS)
+    assert await page.evaluate("window.loadedOnce") is True

@@ -1,0 +1,66 @@
+"""What the dashboard is pushed stays bounded and exact whatever the event log holds: a curve of any length is
+thinned to a fixed size keeping its first and newest points, strings are cut, NaN is null, jobs are newest first."""
+
+import itertools
+import math
+from pathlib import Path
+
+import msgspec
+
+from events.job import JobFailed, JobSubmitted
+from events.spec import JobSpec
+from events.store import Stored
+from services.tools.history import fdh
+from services.tools.web import page
+from services.tools.web.figures import CURVE_POINTS, Curve, Figures
+from services.tools.web.metrics import Live
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_curve_of_any_length_keeps_a_bounded_evenly_thinned_set_and_its_newest_point() -> None:
+    c = Curve()
+    for step in range(100_003):
+        c.add(step, 1.0 / (step + 1), 0.1)
+    shown = c.shown()
+    assert len(shown) <= 2 * CURVE_POINTS + 1
+    assert shown[0][0] == 0 and shown[-1][0] == 100_002
+    steps = [p[0] for p in shown[:-1]]
+    assert len({b - a for a, b in itertools.pairwise(steps)}) == 1  # one stride: evenly spaced
+    short = Curve()
+    for step in range(10):
+        short.add(step, 1.0, 0.1)
+    assert [p[0] for p in short.shown()] == list(range(10))  # nothing thinned below the bound
+
+
+def row(seq: int, event: JobSubmitted | JobFailed) -> Stored:
+    return Stored(stream="FD_CONTROL", seq=seq, subject=f"fd.ctl.job.{event.job_id}.{type(event).__name__}",
+                  data=b"", msg_id=event.event_id, event=event)
+
+
+def test_strings_are_cut_nan_is_null_and_jobs_are_newest_first() -> None:
+    f = Figures()
+    for n in range(page.JOBS_SHOWN + 5):
+        f.fold(row(n + 1, JobSubmitted(job_id=f"j-{n:06d}", event_id=f"s{n}", occurred_at=float(n),
+                                        spec=JobSpec(name="x"))))
+    f.fold(row(10_000, JobFailed(job_id="j-000000", event_id="f", occurred_at=1.0, reason="<b>" + "x" * 10_000)))
+    snap = page.snapshot(f, Live(broker_up=False), "j-000000", now=2.0)
+    assert len(snap["jobs"]) == page.JOBS_SHOWN and snap["jobs"][0]["id"] == f"j-{page.JOBS_SHOWN + 4:06d}"
+    job = snap["job"]
+    assert job["phase"] == "failed" and job["reason"].startswith("<b>xx") and len(job["reason"]) == page.TEXT_MAX
+    assert job["loss"] is None and snap["broker_up"] is False  # no step yet: NaN goes out as null
+    assert all(len(d["text"]) <= page.TEXT_MAX for d in job["decisions"])
+    msgspec.json.encode(snap)  # JSON as it is pushed
+
+
+def test_a_recorded_runs_page_shows_its_curve_decisions_and_fleet() -> None:
+    f = Figures()
+    for stored in fdh.load(ROOT / "tests" / "fixtures" / "histories" / "crash.fdh.jsonl"):
+        f.fold(stored)
+    snap = page.snapshot(f, Live(broker_up=True), "crash-000001", now=0.0)
+    job = snap["job"]
+    assert job["phase"] == "completed" and job["step"] == job["steps"] == 40
+    steps = job["curve"]["step"]
+    assert steps[-1] == 39 and all(math.isfinite(x) for x in job["curve"]["loss"])
+    assert [d["type"] for d in job["decisions"]][:2] == ["JobSubmitted", "JobQueued"]
+    assert [n["node"] for n in snap["fleet"]] == ["n1"] and snap["fleet"][0]["up"] is True
