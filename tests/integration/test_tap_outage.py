@@ -161,9 +161,12 @@ async def test_telemetry_is_folded_exactly_once_and_ticks_stay_fresh_across_a_br
     assert delays and max(delays) < FRESH_S, f"slowest report after the restart folded {max(delays):.2f} s late"
     print(f"\nafter the restart: {len(delays)} reports, slowest folded {max(delays):.2f} s after it was published")
 
-    # The ticks report the outage the service saw (health counts silence from its end): none before the kill, the
-    # broker answering again after the restart from the first tick taken once it was back.
-    assert all(t.recovered_at == 0.0 for _, t in ticks if t.now < run.down)
+    # The ticks report the outage the service saw (health counts silence from its end): before the kill, only a call
+    # that really went unanswered (a loaded box can time one out: CI saw it), logged as such; the broker answering
+    # again after the restart from the first tick taken once it was back.
+    early = {t.recovered_at for _, t in ticks if t.now < run.down} - {0.0}
+    answered = {e.get("recovered_at") for e in run.logs if e["event"] == "broker answering again"}
+    assert early <= answered, (early, answered)
     recovered = {t.recovered_at for _, t in ticks if t.now > run.back + 1.0}
     assert len(recovered) == 1 and run.back <= recovered.pop() <= run.back + FRESH_S, recovered
 
