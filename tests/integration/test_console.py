@@ -315,6 +315,15 @@ def test_foreground_up_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
 def test_up_and_down_clean_up_after_a_killed_supervisor(tmp_path: Path) -> None:
     data_dir, port = tmp_path / "k", broker.free_port()
     proc = start_foreground(data_dir, port)
+    try:
+        killed_supervisor(data_dir, port, proc)
+    finally:  # whatever failed, nothing of it is left running
+        proc.kill()
+        proc.wait()
+        flightdeck("down", "--data-dir", str(data_dir))
+
+
+def killed_supervisor(data_dir: Path, port: int, proc: subprocess.Popen[str]) -> None:
     first = state(Up(data_dir, port, "", ""))
     proc.kill()  # SIGKILL: no chance to stop anything; its services go with it (PR_SET_PDEATHSIG)
     proc.wait()

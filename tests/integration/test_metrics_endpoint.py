@@ -20,7 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from events import subjects
 from events.base import JobEvent
-from events.clock import DeadLettered
+from events.checkpoint import CheckpointCommitted, CheckpointStaged
+from events.clock import ClockTick, DeadLettered
 from events.fleet import NodeRegistered
 from events.jetstream import JetStreamStore
 from events.job import JobSubmitted
@@ -89,13 +90,14 @@ async def ui(tmp_path: Path) -> AsyncIterator[Ui]:
     stop = asyncio.Event()
     ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
     task = asyncio.create_task(serve(broker.url, "127.0.0.1", 0, stop, ready=ready))
+    ui = Ui("", broker, rows, job_id)
     try:
-        port = await asyncio.wait_for(ready, 60)
-        yield Ui(f"http://127.0.0.1:{port}", broker, rows, job_id)
+        ui.url = f"http://127.0.0.1:{await asyncio.wait_for(ready, 60)}"
+        yield ui
     finally:
         stop.set()
         await asyncio.wait_for(task, 30)
-        broker.stop()
+        ui.broker.stop()  # the one running now: a test may have restarted it
 
 
 def analysed(samples: Samples, job_id: str) -> bool:
@@ -127,6 +129,23 @@ async def test_every_figure_is_what_the_recorded_history_says(ui: Ui) -> None:
             sum(i.time_to_detect for i in mine))
         recovered = [i.time_to_recover for i in mine if i.time_to_recover is not None]
         assert value("flightdeck_incident_recover_seconds_sum", kind=kind) == pytest.approx(sum(recovered))
+
+    # Commit times: the last rank's staging to the commit, dated as postmortem dates control events.
+    staged: dict[tuple[int, int, int], float] = {}
+    for r in ui.rows:
+        if isinstance(r.event, CheckpointStaged):
+            key = (r.event.attempt, r.event.step, r.event.timeline)
+            staged[key] = max(staged.get(key, 0.0), r.event.occurred_at)
+    tick, commits = 0.0, []
+    for r in ui.rows:  # the control stream in order: a commit is stored after every tick before it
+        match r.event:
+            case ClockTick(now=now):
+                tick = max(tick, now)
+            case CheckpointCommitted(attempt=a, step=s, timeline=t, occurred_at=at) if (a, s, t) in staged:
+                commits.append(max(at, tick) - staged[(a, s, t)])  # (the fixture keeps the newest telemetry only)
+    assert len(commits) >= 3
+    assert value("flightdeck_checkpoint_commit_seconds_count", job_id=job) == len(commits)
+    assert value("flightdeck_checkpoint_commit_seconds_sum", job_id=job) == pytest.approx(sum(commits))
 
     control = [r.event for r in ui.rows if r.stream == subjects.CONTROL and r.event is not None]
     view = jobview.fold(job, [e for e in control if isinstance(e, JobEvent) and e.job_id == job])
@@ -186,6 +205,8 @@ def test_the_shipped_alerts_and_dashboard_use_only_exported_metrics() -> None:
     figures = Figures()
     for row in fdh.load(CRASH):
         figures.fold(row)
+    for n in figures.nodes.values():  # as an agent with a standby pool reports it
+        n.free_slots, n.standbys = 0, 2
     for j in figures.jobs.values():  # as the server sets it: every family then has samples
         j.analysis = JobAnalysis(incidents=(("crash", 1.0, 5.0),), goodput=0.5, parts={}, control_seq=0,
                                  telemetry_seq=0)

@@ -106,10 +106,12 @@ async def test_posts_signed_webhooks_retries_skips_refusals_and_resumes_after_a_
         nats_server: broker_mod.Broker, hook: Hook, tmp_path: Path) -> None:
     await asyncio.to_thread(ensure_streams_at, nats_server.url)
     store = await JetStreamStore.connect(nats_server.url)
+    started: list[subprocess.Popen[bytes]] = []
     try:
         # Before the notifier's first start: not posted (a first start follows from then on).
         await append_to_job(store, event(JobFailed, "before-000001", 1, reason="long ago"))
         proc = start(nats_server.url, hook.url, tmp_path)
+        started.append(proc)
         await until("the notifier's first state", (tmp_path / "state.json").exists, tmp_path)
 
         first = spike("run-000001", 2)
@@ -143,6 +145,7 @@ async def test_posts_signed_webhooks_retries_skips_refusals_and_resumes_after_a_
         for e in later:
             await append_to_job(store, e)
         proc = start(nats_server.url, hook.url, tmp_path)
+        started.append(proc)
         await until("the events from while it was down", lambda: later[-1].event_id in hook.ids(), tmp_path)
         assert hook.ids()[4:] == [e.event_id for e in later]
         assert json.loads(hook.got[4][1])["event"]["loss"] is None  # NaN has no JSON: null, as the contract says
@@ -150,6 +153,9 @@ async def test_posts_signed_webhooks_retries_skips_refusals_and_resumes_after_a_
         assert len(hook.got) == 6
     finally:
         await store.close()
+        for p in started:  # a failed assertion must not leave a notifier behind
+            p.kill()
+            p.wait()
 
 
 @pytest.mark.parametrize(("args", "says"), [
@@ -178,5 +184,9 @@ def test_an_empty_secret_is_refused(tmp_path: Path) -> None:
 async def test_a_telemetry_type_is_refused_not_followed(nats_server: broker_mod.Broker, tmp_path: Path) -> None:
     await asyncio.to_thread(ensure_streams_at, nats_server.url)
     proc = start(nats_server.url, "http://127.0.0.1:9/hook", tmp_path, "--on", "JobFailed,StepCompleted")
-    assert await asyncio.to_thread(proc.wait, 60) == 2
+    try:
+        assert await asyncio.to_thread(proc.wait, 60) == 2
+    finally:
+        proc.kill()
+        proc.wait()
     assert "StepCompleted is not a job's or a node's control event" in (tmp_path / "notifier.log").read_text()
