@@ -15,9 +15,13 @@ class NodeRegistered(NodeEvent, frozen=True, kw_only=True):
 
 
 class NodeHeartbeat(NodeEvent, frozen=True, kw_only=True):
-    """An agent's liveness; only emitted when the fleet view changes, never at a fixed rate."""
+    """What an agent holds ready: its free slots and warm standby ranks; emitted when they change (a standby
+    warmed, taken or lost), never at a fixed rate."""
+
+    SCHEMA = 2  # 2 added `standbys`
 
     free_slots: int
+    standbys: int = 0  # warm standby ranks ready to become a rank now (services/agent/standbys.py)
 
 
 class SelfCheckPassed(NodeEvent, frozen=True, kw_only=True):

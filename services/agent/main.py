@@ -38,6 +38,7 @@ from services.agent.inventory import (
     selfcheck,
 )
 from services.agent.launch import REPO, Launch, Paths, die_with_agent, standby_env
+from services.agent.nodeview import NodeView
 from services.agent.spawner import Spawner, retrying
 from services.agent.standbys import StandbyPool
 from services.shell.broker import nats_url
@@ -151,6 +152,7 @@ async def run_agent(options: AgentOptions, stop_event: asyncio.Event | None = No
         return 0
     code = 0
     pool: StandbyPool | None = None
+    view: NodeView | None = None
     relay: BeatRelay | None = None
     try:
         async with open_store(objects or str(root / "objects")) as objs:
@@ -184,6 +186,11 @@ async def run_agent(options: AgentOptions, stop_event: asyncio.Event | None = No
             if not verdict.ok:  # cordoned: it gets no ranks
                 await pool.close()
                 spawner.standbys = None
+            elif pool.size > 0:  # the fleet sees its warm standbys (the dashboard's fleet view)
+                view = NodeView(store, node, producer, inv.slots, busy=lambda: len(spawner.pids),
+                                standbys=lambda: pool.ready if pool is not None else 0)
+                pool.on_change = view.changed
+                view.changed()  # as it stands at registration
             shell_stop = asyncio.Event()
             shell = asyncio.create_task(run_service(service, url, stop_event=shell_stop,
                                                     policy=ConsumerPolicy.from_env()))
@@ -202,7 +209,10 @@ async def run_agent(options: AgentOptions, stop_event: asyncio.Event | None = No
         if not verdict_task.done():
             verdict_task.cancel()
         if pool is not None:
+            pool.on_change = lambda: None  # closing: nothing more to tell
             await pool.close()
+        if view is not None:
+            await view.close()
         if relay is not None:
             await relay.close()
         conn.closing = True

@@ -43,6 +43,12 @@ class StandbyPool:
         self.failures = 0  # standbys in a row that died while waiting
         self.refill: asyncio.Task[None] | None = None
         self.closed = False
+        self.on_change: Callable[[], None] = lambda: None  # the ready count may have moved (main.py reports it)
+
+    @property
+    def ready(self) -> int:
+        """Standbys that could become a rank now."""
+        return sum(1 for s in self.idle if s.ready and s.proc.returncode is None)
 
     def start(self) -> None:
         """Fill the pool now (in the background)."""
@@ -57,6 +63,7 @@ class StandbyPool:
         self.idle.remove(best)
         best.taken = True
         self._schedule(self.refill_delay_s)
+        self.on_change()
         return best
 
     def assign(self, standby: Standby, argv: list[str], env: dict[str, str], cwd: Path, log_fd: int) -> bool:
@@ -87,6 +94,7 @@ class StandbyPool:
             s.sock.close()
         await asyncio.gather(*(s.proc.wait() for s in self.idle), return_exceptions=True)
         self.idle.clear()
+        self.on_change()
 
     # -- filling -------------------------------------------------------------------------------------------
 
@@ -139,6 +147,7 @@ class StandbyPool:
             s.ready = True
             self.failures = 0
             log.info("standby ready", pid=s.proc.pid, warmup_s=round(time.monotonic() - s.started, 2))
+            self.on_change()
 
     async def _watch(self, s: Standby) -> None:
         code = await s.proc.wait()
@@ -151,6 +160,7 @@ class StandbyPool:
             self.failures += 1
         log.warning("standby died while waiting; replacing it", pid=s.proc.pid, exit_code=code,
                     ready=s.ready, log=str(self.log_file))
+        self.on_change()
         self._schedule(self._backoff() if self.failures else 0.0)
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from events import subjects
+from events.fleet import NodeHeartbeat
 from events.job import JobCompleted, WorkersStarted
 from events.spec import FaultSpec, JobSpec
 from events.training import RankStarted, StepCompleted
@@ -136,12 +137,18 @@ def rank_steps(c: Cluster, job_id: str, attempt: int, rank: int) -> set[int]:
 
 
 @pytest.mark.timeout(240)
+def standbys_reported(c: Cluster) -> list[int]:
+    """n1's warm standbys, as its agent told the fleet each time they changed (NodeHeartbeat)."""
+    return [e.standbys for e in c.seen(NodeHeartbeat) if e.node == "n1"]
+
+
 async def test_a_rank_from_a_standby_is_recorded_like_a_cold_one_and_dies_with_its_agent(cluster: Cluster) -> None:
     """One standby, two ranks: rank 0 starts warm, rank 1 cold, side by side in each attempt."""
     c = cluster
     agent = c.agent("n1", "--standby", "1")
     await c.ready()
     await c.until(lambda: any(r["event"] == "standby ready" for r in agent_log(c)), 90, "the standby to be ready")
+    await c.until(lambda: standbys_reported(c)[-1:] == [1], 30, "the agent to tell the fleet of its warm standby")
     spec = JobSpec(name="warm", slots=2, model=TINY.model, train=TINY.train,
                    faults=[FaultSpec(kind="crash", step=12, rank=0)])
     job = "warm-000001"
@@ -163,6 +170,8 @@ async def test_a_rank_from_a_standby_is_recorded_like_a_cold_one_and_dies_with_i
     await c.until(lambda: rank_steps(c, job, 1, 0) == rank_steps(c, job, 1, 1) == set(range(resumed, 20)), 10,
                   "attempt 1's steps", job)
     assert exits(c, job, 1) == {0: 0, 1: 0}
+    reported = standbys_reported(c)
+    assert 0 in reported[reported.index(1):]  # ready, then taken by a rank (and refilled since, perhaps)
     for rank in (0, 1):
         text = (c.data / "logs" / f"{job}-a1-r{rank}.log").read_text()
         assert "training finished" in text and "rank exiting" in text, text

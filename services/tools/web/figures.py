@@ -81,6 +81,7 @@ class JobAnalysis:
     control_seq: int
     telemetry_seq: int
     rows: tuple[IncidentRow, ...] = ()
+    commits: tuple[float, ...] = ()  # per committed checkpoint: its last rank's staging to the commit, stored
 
 
 @dataclass
@@ -115,7 +116,8 @@ class NodeFigures:
     spare: bool = False
     up: bool = True
     cordoned: bool = False
-    free_slots: int | None = None
+    free_slots: int | None = None  # as its agent last said (with `standbys`), when it runs a standby pool
+    standbys: int | None = None  # warm standby ranks ready
     seen_at: float = 0.0  # its agent's newest sign of life (registration, heartbeat, a batch of its ranks' beats)
 
 
@@ -171,9 +173,10 @@ class Figures:
             node.seen_at = max(node.seen_at, ev.occurred_at)
         match ev:
             case NodeRegistered(kind=kind, slots=slots, spare=spare):
-                node.kind, node.slots, node.spare, node.up, node.free_slots = kind, slots, spare, True, None
-            case NodeHeartbeat(free_slots=free):
-                node.free_slots = free
+                node.kind, node.slots, node.spare, node.up = kind, slots, spare, True
+                node.free_slots = node.standbys = None
+            case NodeHeartbeat(free_slots=free, standbys=standbys):
+                node.free_slots, node.standbys = free, standbys
             case NodeLost():
                 node.up = False
             case NodeCordoned():

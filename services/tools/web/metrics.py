@@ -97,6 +97,9 @@ class FiguresCollector(Collector):
                         CHECKPOINT_BUCKETS, (([k], j.writes) for k, j in f.jobs.items()))
         yield histogram("flightdeck_checkpoint_upload_seconds", "a node's shards of a checkpoint into the store",
                         ["job_id"], CHECKPOINT_BUCKETS, (([k], j.uploads) for k, j in f.jobs.items()))
+        yield histogram("flightdeck_checkpoint_commit_seconds", "the last rank's staging to the commit, stored",
+                        ["job_id"], CHECKPOINT_BUCKETS,
+                        (([k], j.analysis.commits) for k, j in f.jobs.items() if j.analysis is not None))
 
     @staticmethod
     def _incidents(f: Figures) -> Iterator[Metric]:
@@ -140,11 +143,15 @@ class FiguresCollector(Collector):
         slots = GaugeMetricFamily("flightdeck_node_slots", "slots the node registered", labels=["node", "kind"])
         up = GaugeMetricFamily("flightdeck_node_up", "0 once found lost, until it registers again", labels=["node"])
         cordoned = GaugeMetricFamily("flightdeck_node_cordoned", "1 while no new ranks go there", labels=["node"])
+        standbys = GaugeMetricFamily("flightdeck_node_standbys", "warm standby ranks ready, as its agent last said",
+                                     labels=["node"])
         for name, n in sorted(f.nodes.items()):
             slots.add_metric([name, n.kind], float(n.slots))
+            if n.standbys is not None:
+                standbys.add_metric([name], float(n.standbys))
             up.add_metric([name], 1.0 if n.up else 0.0)
             cordoned.add_metric([name], 1.0 if n.cordoned else 0.0)
-        yield from (slots, up, cordoned)
+        yield from (slots, up, cordoned, standbys)
 
 
 def exposition(figures: Figures, live: Live) -> bytes:

@@ -57,7 +57,8 @@ def job_detail(j: JobFigures) -> dict[str, Any]:
 
 def snapshot(figures: Figures, live: Live, job_id: str | None, now: float) -> dict[str, Any]:
     jobs = list(figures.jobs.values())[-JOBS_SHOWN:][::-1]  # newest first
-    fleet = [{"node": name, "kind": n.kind, "slots": n.slots, "free": n.free_slots, "spare": n.spare, "up": n.up,
+    fleet = [{"node": name, "kind": n.kind, "slots": n.slots, "free": n.free_slots, "standbys": n.standbys,
+              "spare": n.spare, "up": n.up,
               "cordoned": n.cordoned, "seen_s_ago": max(now - n.seen_at, 0.0) if n.seen_at else None}
              for name, n in sorted(figures.nodes.items())[:NODES_SHOWN]]
     chosen = figures.jobs.get(job_id) if job_id else None

@@ -19,11 +19,12 @@ import structlog
 from aiohttp import web
 
 from events import subjects
+from events.checkpoint import CheckpointCommitted
 from events.jetstream import JetStreamStore
 from services.shell.connection import TRANSIENT
 from services.shell.security.credentials import client_options
 from services.tools.history.read import JobNotFound, job_rows
-from services.tools.postmortem import analyse
+from services.tools.postmortem import Postmortem, analyse
 from services.tools.web.figures import Figures, IncidentRow, JobAnalysis
 from services.tools.web.metrics import Live, exposition
 from services.tools.web.page import snapshot
@@ -168,11 +169,23 @@ class WebServer:
                     rows=tuple(IncidentRow(number=i.number, kind=i.kind, trigger=i.trigger, attempt=i.attempt,
                                            fault_s=i.fault_at, detect_s=i.time_to_detect,
                                            recover_s=i.time_to_recover, decision=i.decision,
-                                           resolution=i.resolution) for i in pm.incidents))
+                                           resolution=i.resolution) for i in pm.incidents),
+                    commits=commit_seconds(pm))
                 board.analysed_at[job_id] = now
                 self.analyses += 1
                 self.touch()
             await asyncio.sleep(0.5)
+
+
+def commit_seconds(pm: Postmortem) -> tuple[float, ...]:
+    """Per committed checkpoint, from its last rank's CheckpointStaged (the rank's clock) to the commit's time as
+    postmortem dates control events (stored no earlier than the newest clock tick before it)."""
+    staged: dict[tuple[int, int, int], float] = {}
+    for ev in pm.scan.staged:
+        key = (ev.attempt, ev.step, ev.timeline)
+        staged[key] = max(staged.get(key, 0.0), ev.occurred_at)
+    return tuple(c.known - staged[key] for c in pm.scan.control if isinstance(c.event, CheckpointCommitted)
+                 and (key := (c.event.attempt, c.event.step, c.event.timeline)) in staged)
 
 
 async def serve(url: str, host: str, port: int, stop: asyncio.Event, *,

@@ -55,7 +55,7 @@ function fleet(list) {
   fill(document.getElementById("fleet"), list, (tr, n) => {
     const state = !n.up ? "lost" : n.cordoned ? "cordoned" : n.spare ? "spare" : "up";
     tr.dataset.node = n.node;
-    cells(tr, [n.node, n.kind, n.slots, n.free === null ? "—" : n.free, state,
+    cells(tr, [n.node, n.kind, n.slots, n.free === null ? "—" : n.free, n.standbys === null ? "—" : n.standbys, state,
       n.seen_s_ago === null ? "—" : `${seconds(n.seen_s_ago)} ago`]);
   });
 }

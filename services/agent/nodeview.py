@@ -1,0 +1,56 @@
+"""What the agent tells the fleet it holds ready: a NodeHeartbeat with its free slots and warm standby ranks, each
+time the standby pool changes. Coalesced, so a burst (a restart taking every standby at once) is one event; an
+append that fails is left to the next change, since only the newest view matters."""
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import Callable
+
+import structlog
+
+from events import subjects
+from events.fleet import NodeHeartbeat
+from events.store import EventStore
+from services.shell.connection import TRANSIENT
+
+log = structlog.get_logger("flightdeck.agent")
+REPORT_AFTER_S = 0.2  # changes within this window make one event
+
+
+class NodeView:
+    def __init__(self, store: EventStore, node: str, producer: str, slots: int, busy: Callable[[], int],
+                 standbys: Callable[[], int]) -> None:
+        self.store, self.node, self.producer, self.slots = store, node, producer, slots
+        self.busy, self.standbys = busy, standbys
+        self.sent: tuple[int, int] | None = None
+        self.dirty = False
+        self.task: asyncio.Task[None] | None = None
+
+    def changed(self) -> None:
+        self.dirty = True
+        if self.task is None or self.task.done():
+            self.task = asyncio.create_task(self._report())
+
+    async def close(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.task
+
+    async def _report(self) -> None:
+        while self.dirty:  # a change while the last one was being appended is reported too
+            self.dirty = False
+            await asyncio.sleep(REPORT_AFTER_S)
+            view = (max(self.slots - self.busy(), 0), self.standbys())
+            if view == self.sent:
+                continue
+            ev = NodeHeartbeat(node=self.node, free_slots=view[0], standbys=view[1], occurred_at=time.time(),
+                               producer=self.producer, event_id=f"{self.producer}:view:{uuid.uuid4().hex[:12]}")
+            try:
+                await self.store.append(subjects.node(self.node, "NodeHeartbeat"), ev, msg_id=ev.event_id)
+            except TRANSIENT as exc:
+                log.warning("node view not recorded; the next change reports it", error=repr(exc))
+                continue
+            self.sent = view
