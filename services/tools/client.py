@@ -7,7 +7,7 @@ built on it: what `flightdeck submit|status|cancel|pause|resume|checkpoint|watch
             ...                                           # until the job ends
         view = await fd.wait(job)                         # or just wait: a JobView (phase, step, restarts, ...)
         async for stored in fd.follow([JobFailed]):       # every job's, live (examples/webhook_notifier)
-            ...
+            page_someone(stored.event)                    # keep stored.seq to resume there after a restart
 
 Every method is a coroutine; errors a person can act on (no broker, no such job, a job not in a phase that takes
 the command) raise `ClientError` with a one-line message. Nothing here imports torch.
