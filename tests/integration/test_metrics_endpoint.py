@@ -30,7 +30,7 @@ from events.training import StepCompleted
 from services.shell import broker as broker_mod
 from services.tools.history import fdh, jobview
 from services.tools.postmortem import analyse
-from services.tools.web.figures import Figures, JobAnalysis
+from services.tools.web.figures import Figures, IncidentRow, JobAnalysis
 from services.tools.web.metrics import Live, exposition
 from services.tools.web.server import serve
 from tests.conftest import ensure_streams_at
@@ -208,7 +208,9 @@ def test_the_shipped_alerts_and_dashboard_use_only_exported_metrics() -> None:
     for n in figures.nodes.values():  # as an agent with a standby pool reports it
         n.free_slots, n.standbys = 0, 2
     for j in figures.jobs.values():  # as the server sets it: every family then has samples
-        j.analysis = JobAnalysis(incidents=(("crash", 1.0, 5.0),), goodput=0.5, parts={}, control_seq=0,
+        j.analysis = JobAnalysis(rows=(IncidentRow(number=1, kind="crash", trigger="", attempt=0, fault_s=0.0,
+                                                   detect_s=1.0, recover_s=5.0, decision="", resolution=""),),
+                                 goodput=0.5, parts={}, control_seq=0,
                                  telemetry_seq=0)
     text = exposition(figures, Live(broker_up=True, lag={"scheduler": 0})).decode()
     exported = {s.name for family in text_string_to_metric_families(text) for s in family.samples}

@@ -75,12 +75,11 @@ class IncidentRow:
 class JobAnalysis:
     """The figures `flightdeck postmortem` computes for a job, as of its history's `control_seq`/`telemetry_seq`."""
 
-    incidents: tuple[tuple[str, float, float | None], ...]  # (kind, seconds to detect, seconds to recover or None)
     goodput: float  # useful training over wall time, 0..1
     parts: dict[str, float]  # the wall time split: useful, detection, restart, ... (seconds)
     control_seq: int
     telemetry_seq: int
-    rows: tuple[IncidentRow, ...] = ()
+    rows: tuple[IncidentRow, ...] = ()  # postmortem's incidents, in order
     commits: tuple[float, ...] = ()  # per committed checkpoint: its last rank's staging to the commit, stored
 
 

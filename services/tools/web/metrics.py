@@ -111,7 +111,8 @@ class FiguresCollector(Collector):
             if j.analysis is None:
                 continue
             kinds: dict[str, int] = {}
-            for kind, ttd, ttr in j.analysis.incidents:
+            for row in j.analysis.rows:
+                kind, ttd, ttr = row.kind, row.detect_s, row.recover_s
                 kinds[kind] = kinds.get(kind, 0) + 1
                 detect.setdefault(kind, []).append(ttd)
                 if ttr is not None:

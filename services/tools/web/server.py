@@ -163,7 +163,6 @@ class WebServer:
                     board.analysed_at[job_id] = now
                     continue
                 job.analysis = JobAnalysis(
-                    incidents=tuple((i.kind, i.time_to_detect, i.time_to_recover) for i in pm.incidents),
                     goodput=pm.goodput.goodput, parts=dict(pm.goodput.parts),
                     control_seq=seqs[0], telemetry_seq=seqs[1],
                     rows=tuple(IncidentRow(number=i.number, kind=i.kind, trigger=i.trigger, attempt=i.attempt,
