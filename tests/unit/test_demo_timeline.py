@@ -32,3 +32,25 @@ def test_a_late_decision_still_prints_before_the_later_telemetry(capsys: pytest.
     tl.flush()
     times = [float(line.split()[0].removesuffix("s")) for line in capsys.readouterr().out.splitlines()]
     assert times == [0.0, 1.0, 1.5, 2.0, 3.0]
+
+
+def test_a_follower_running_a_minute_behind_still_waits_for_the_other_stream(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """On a busy box the follower reads everything late: a line's own time is long past, yet the other stream's
+    earlier lines are still on their way. Only the time a line has waited since it arrived lets it go alone."""
+    t0, now = time.time() - 60, [0.0]
+    tl = Timeline("j-000001", every=1, clock=lambda: now[0])
+    tl.show(stored(subjects.CONTROL, 1, JobSubmitted(job_id="j-000001", spec=JobSpec(name="j"), occurred_at=t0)))
+    tl.show(stored(subjects.CONTROL, 2, RankLost(job_id="j-000001", rank=1, attempt=0, reason="exited with code 3",
+                                                 last_seen=t0, occurred_at=t0 + 5.0)))
+    now[0] = 1.0  # a second later (of the follower's clock) the telemetry from before the decision arrives
+    tl.show(stored(subjects.TELEMETRY, 1, StepCompleted(job_id="j-000001", rank=0, step=0, loss=1.0, grad_norm=1.0,
+                                                        lr=0.1, tokens_per_s=1.0, step_time_s=1.0,
+                                                        occurred_at=t0 + 4.0)))
+    assert [line.split()[0] for line in capsys.readouterr().out.splitlines()] == ["0.0s"]  # the rest still held
+    now[0] = 7.0  # the telemetry went quiet: the decision has waited long enough, and prints after the step
+    tl.show(stored(subjects.CONTROL, 3, RankLost(job_id="j-000001", rank=0, attempt=0, reason="exited with code 1",
+                                                 last_seen=t0, occurred_at=t0 + 5.1)))
+    assert [line.split()[0] for line in capsys.readouterr().out.splitlines()] == ["4.0s", "5.0s"]
+    tl.flush()
+    assert [line.split()[0] for line in capsys.readouterr().out.splitlines()] == ["5.1s"]

@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
@@ -38,13 +39,14 @@ from services.tools.console.following import follow
 from services.tools.console.status import duration
 from services.tools.history import jobview
 from services.tools.history.jobview import JobView
+from services.tools.history.reasons import headline
 
 REPO = Path(__file__).resolve().parents[3]
 DEMO_ROOT = REPO / ".flightdeck-demo"
 CLI = (sys.executable, "-m", "services.tools.console")
 LABEL = 11
 HOLD_S = 1.0  # a line waits until both streams are this far past it: a late, earlier line still goes first
-WALL_HOLD_S = 5.0  # ... or this long on the clock, when one stream is quiet
+WALL_HOLD_S = 5.0  # ... or has waited this long, when one stream is quiet
 SLACK_S = 180
 RETENTION = CheckpointDeleted(job_id="", checkpoint_id="").reason  # routine deletions: not worth a line
 SOURCE_PREFIX = re.compile(r"^\[[^]]*\]\s*")  # gloo's "[/path/pair.cc:553] ": no help in a timeline
@@ -66,16 +68,18 @@ def flightdeck(*args: str, timeout_s: float = 120.0, show: bool = True) -> subpr
 class Timeline:
     """Prints one compact line per event worth seeing, folding the control history into a JobView as it goes."""
 
-    def __init__(self, job_id: str, every: int) -> None:
+    def __init__(self, job_id: str, every: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.view = JobView(job_id=job_id)
         self.every = every  # print a progress line every this many steps
         self.base = 0.0
         self.seen: list[Event] = []  # what the incident summary is made of (heartbeats left out)
         self.spec: JobSpec | None = None
         # The control and telemetry streams arrive on their own, and a decision bears its input's time: a line waits
-        # until both streams have passed its time by HOLD_S (or the clock by WALL_HOLD_S), then prints in time order.
-        self.held: list[tuple[float, int, str]] = []
+        # until both streams have passed its time by HOLD_S, or until it has waited WALL_HOLD_S since it arrived
+        # (not since its own time: a follower running behind on a busy box would then print in arrival order).
+        self.held: list[tuple[float, int, str, float]] = []  # time, arrival order, line, arrived on `clock`
         self.newest: dict[str, float] = {}
+        self.clock = clock
 
     def show(self, stored: Stored) -> None:
         ev = stored.event
@@ -89,10 +93,12 @@ class Timeline:
         if line:
             label, text = line
             at = ev.occurred_at - self.base
-            heapq.heappush(self.held, (at, len(self.seen), f"  {at:>6.1f}s  {label:<{LABEL}} {text}".rstrip()))
+            heapq.heappush(self.held, (at, len(self.seen), f"  {at:>6.1f}s  {label:<{LABEL}} {text}".rstrip(),
+                                       self.clock()))
         self.newest[stored.stream] = max(self.newest.get(stored.stream, 0.0), ev.occurred_at - self.base)
         both = min(self.newest.get(stream, 0.0) for stream in (subjects.CONTROL, subjects.TELEMETRY))
-        self.flush(max(both - HOLD_S, time.time() - self.base - WALL_HOLD_S))
+        waited = self.clock() - WALL_HOLD_S
+        self.flush(max([both - HOLD_S, *(at for at, _, _, arrived in self.held if arrived <= waited)]))
 
     def flush(self, upto: float = math.inf) -> None:
         while self.held and self.held[0][0] <= upto:
@@ -123,7 +129,7 @@ class Timeline:
             case Finding(rank=rank):
                 return "finding", f"{type(ev).__name__} on rank {rank}"
         if v.phase != before.phase and v.phase != "running":
-            return v.phase, v.reason or (f"attempt {v.attempt}" if v.phase == "placing" else "")
+            return v.phase, headline(v.reason) or (f"attempt {v.attempt}" if v.phase == "placing" else "")
         return None
 
     def _telemetry(self, ev: Event) -> tuple[str, str] | None:
@@ -169,12 +175,15 @@ def drill(spec: Path, data_dir: Path, timeout_s: float) -> JobView | None:
     print(f"\nthe dashboard shows it live: {up.ui_url(web)}/?job={job_id}", flush=True)
     print(f"\njob {job_id}, live (times from submission):", flush=True)
     timeline = Timeline(job_id, every)
+    ended = False
     try:
         view = asyncio.run(follow(url, job_id, timeline, timeout_s))
+        ended = True
     except TimeoutError:
         view = timeline.view
     finally:
-        timeline.flush()
+        timeline.flush()  # what was held for ordering prints on every path, an interrupt's too
+    if not ended:
         print(f"  the job did not end within {timeout_s:.0f}s (phase {view.phase}); logs: {data_dir / 'logs'}")
     print()
     print("\n".join(drill_summary.render(timeline.seen)), end="\n\n", flush=True)

@@ -18,6 +18,7 @@ from services.tools.cli import Command, add_nats_argument
 from services.tools.client import Client
 from services.tools.connect import open_store
 from services.tools.history.jobview import JobView
+from services.tools.history.reasons import headline
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,7 +68,7 @@ def details(v: JobView, now: float) -> str:
     deleted = sum(c.deleted for c in v.checkpoints)
     lines = [
         ("job", f"{v.job_id} ({v.name})"),
-        ("phase", v.phase + (f" ({v.reason})" if v.reason else "")),
+        ("phase", v.phase + (f" ({headline(v.reason)})" if v.reason else "")),
         ("priority", str(v.priority)),
         ("slots", f"{v.slots} asked, {v.world_size} granted (attempt {v.attempt})"),
         ("steps", f"{_steps(v)} done" + ("" if v.loss is None else f" (loss {v.loss:.4g})")),
@@ -77,7 +78,7 @@ def details(v: JobView, now: float) -> str:
         ("restarts", f"{v.restarts} of {v.max_restarts}"
          + (f", resumed from step {v.resumed_from_step}" if v.resumed_from_step is not None else "")),
         ("rollbacks", str(v.rollbacks)),
-        *([("last fault", v.last_fault)] if v.last_fault else []),
+        *([("last fault", headline(v.last_fault))] if v.last_fault else []),
         ("submitted", f"{duration(now - v.submitted_at)} ago"),
     ]
     if v.preempted_by:

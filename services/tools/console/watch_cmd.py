@@ -24,6 +24,7 @@ from services.tools.console.following import follow
 from services.tools.console.status import duration
 from services.tools.history import jobview
 from services.tools.history.jobview import JobView
+from services.tools.history.reasons import headline
 
 SHORT = 160  # characters of a reason on one line
 PLAIN_LINES = 10  # progress lines a whole run prints without a terminal, about
@@ -112,8 +113,7 @@ class Watch:
             before, self.view = self.view, jobview.evolve(self.view, ev)
             line = incident(ev)
             if line is None and self.view.phase != before.phase and not self.view.ended:
-                # the reason's head: what happened, without the rank output a restart decision quotes
-                line = self.view.phase + (f": {short(self.view.reason.split(': ', 1)[0])}" if self.view.reason else "")
+                line = self.view.phase + (f": {short(headline(self.view.reason))}" if self.view.reason else "")
             if line:
                 self.display.note(ev.occurred_at - self.base, line)
         elif isinstance(ev, StepCompleted) and ev.rank == 0:
