@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-unit test-integration lint chaos clean chromium
+.PHONY: install demo test test-unit test-integration lint chaos clean chromium bench-peers
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 $(STAMP): pyproject.toml
@@ -45,5 +45,19 @@ lint: $(STAMP)
 chaos: $(STAMP)
 	$(BIN)/python -m pytest -q tests/chaos
 
+# bench/vs_peers.py: Flightdeck against torchrun, DLRover and torchft on the same script and faults, in a venv of
+# its own (the peers' dependencies stay out of the tested install). About 40 minutes on 2 cores.
+PEERS := .venv-peers
+PEERS_RUNS ?= 5
+
+$(PEERS)/.installed: pyproject.toml
+	@test -x $(PEERS)/bin/python || $(PY) -m venv $(PEERS) || python3 -m venv $(PEERS)
+	$(PEERS)/bin/python -m pip install -q --upgrade pip
+	$(PEERS)/bin/python -m pip install -q "torch==2.13.0" -e ".[dev,trainer,peers]"
+	@touch $@
+
+bench-peers: $(PEERS)/.installed
+	$(PEERS)/bin/python bench/vs_peers.py --runs $(PEERS_RUNS) --out bench/results/cpu-vs-peers.json
+
 clean:
-	rm -rf $(VENV) .flightdeck
+	rm -rf $(VENV) $(PEERS) .flightdeck
