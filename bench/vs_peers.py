@@ -29,7 +29,7 @@ fault to the first step past the fault's own step by any process (new work: a re
 there later, a survivor that trains on sooner); `lost_steps` the steps done before the fault that were done
 again; `steps_meanwhile` the steps the surviving processes still committed between the fault and the first
 restarted step (torchft trains on; the others stop); `stall_s` per save, the slowest rank's hold of the loop,
-median over the saves before the fault. A run ends AFTER_STEPS steps after recovery, or at the cap.
+median over the saves before the fault. A run ends AFTER_STEPS steps past the fault, or at the cap.
 """
 
 import argparse
@@ -98,8 +98,8 @@ def rows(workdir: Path) -> list[dict[str, Any]]:
 
 
 def finished(workdir: Path, cap_s: float, began: float, limit_s: float) -> bool:
-    """Whether the run has shown what it can: AFTER_STEPS steps done by processes started after the fault, or
-    the cap past the fault, or the whole run's limit."""
+    """Whether the run has shown what it can: AFTER_STEPS steps past the fault's step done by processes started
+    after it, or the cap past the fault, or the whole run's limit."""
     now = time.time()
     events = rows(workdir)
     fault = next((r["t"] for r in events if r["kind"] == "fault"), None)
@@ -108,7 +108,7 @@ def finished(workdir: Path, cap_s: float, began: float, limit_s: float) -> bool:
     if fault is None:
         return False
     before = {r["pid"] for r in events if r["t"] <= fault}
-    return sum(r["kind"] == "step" and r["pid"] not in before for r in events) >= AFTER_STEPS
+    return sum(r["kind"] == "step" and r["pid"] not in before and r["step"] >= FAULT_AT for r in events) >= AFTER_STEPS
 
 
 def wait(workdir: Path, cap_s: float, alive: Callable[[], bool], limit_s: float = 300.0) -> None:

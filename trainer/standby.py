@@ -1,5 +1,6 @@
 """A warm standby rank: a process that has already imported torch and the trainer, waiting for one assignment
-from its node agent; it then becomes that rank exactly as `python -m trainer ...` would have run it.
+from its node agent; it then becomes that rank exactly as `python -m trainer ...` (or an entrypoint job's
+`python train.py ...`) would have run it.
 
 Why it works this way: docs/internals.md, "7. The node agent and the ranks it runs".
 """
@@ -25,15 +26,21 @@ WARM_MODULES = ("torch", "torch._dynamo", "torch.distributed", "torch.distribute
                 "trainer.model", "trainer.data")
 
 
-def warm_module(a: Assignment, baseline: dict[str, str]) -> str | None:
-    """The module to run in this warm interpreter, or None when `a` needs a cold start (see the docstring)."""
-    if len(a.argv) < 3 or a.argv[1] != "-m" or a.argv[0] != sys.executable:
+def warm_target(a: Assignment, baseline: dict[str, str]) -> tuple[str, str] | None:
+    """What to run in this warm interpreter: ("module", name) for `python -m name ...`, ("path", file) for
+    `python file.py ...` (an entrypoint job's script), or None when `a` needs a cold start (see the docstring)."""
+    if len(a.argv) < 2 or a.argv[0] != sys.executable:
         return None
-    if os.path.realpath(a.cwd) != os.path.realpath(os.getcwd()):
-        return None  # sys.path[0] is the directory the standby started in
     changed = {k for k in a.env.keys() | baseline.keys() if a.env.get(k) != baseline.get(k)}
-    early = {k for k in changed - LATE_ENV if not k.startswith(OWN_ENV_PREFIX)}
-    return None if early else a.argv[2]
+    if {k for k in changed - LATE_ENV if not k.startswith(OWN_ENV_PREFIX)}:
+        return None
+    if a.argv[1] == "-m" and len(a.argv) >= 3:
+        if os.path.realpath(a.cwd) != os.path.realpath(os.getcwd()):
+            return None  # sys.path[0] is the directory the standby started in
+        return "module", a.argv[2]
+    if a.argv[1].endswith(".py") and not a.argv[1].startswith("-"):
+        return "path", a.argv[1]  # interpreter options (-u, -X ...) start cold: they act before any import
+    return None
 
 
 def become(a: Assignment, log_fd: int, baseline: dict[str, str], warm: bool) -> int:
@@ -43,15 +50,22 @@ def become(a: Assignment, log_fd: int, baseline: dict[str, str], warm: bool) -> 
     os.dup2(log_fd, 1)
     os.dup2(log_fd, 2)
     os.close(log_fd)
-    module = warm_module(a, baseline) if warm else None
+    target = warm_target(a, baseline) if warm else None
     os.chdir(a.cwd)
-    if module is None:
+    if target is None:
         os.execve(a.argv[0], a.argv, a.env)
     os.environ.clear()
     os.environ.update(a.env)
-    sys.argv = [a.argv[0], *a.argv[3:]]  # runpy puts the module's file in sys.argv[0], as `python -m` does
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
-    return 0  # a module that returns without sys.exit() ends like `python -m` would: 0
+    kind, name = target
+    if kind == "module":
+        sys.argv = [a.argv[0], *a.argv[3:]]  # runpy puts the module's file in sys.argv[0], as `python -m` does
+        runpy.run_module(name, run_name="__main__", alter_sys=True)
+    else:
+        # As `python file.py`: argv from the script on, and the script's own directory first on sys.path.
+        sys.argv = a.argv[1:]
+        sys.path[0] = os.path.dirname(os.path.realpath(name))
+        runpy.run_path(name, run_name="__main__")
+    return 0  # a script that returns without sys.exit() ends like `python` would: 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -99,12 +99,13 @@ def run_flightdeck(args: argparse.Namespace) -> None:
         model = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     run.register(model, opt)
-    log("start", step=run.restore())
+    start = run.restore()
+    log("start", step=start)
     every = run.spec.train.checkpoint_every
     steps, began = iter(run.steps(args.steps)), time.perf_counter()
     for step in steps:  # a checkpoint's snapshot is taken inside the iterator, before the step it is due at
         held = time.perf_counter() - began
-        if step % every == 0 and step != run.spec.train.steps:
+        if step % every == 0 and step != start:
             log("save", step=int(step), stall_s=held)
         fault.maybe(run.rank, step)
         x, y = batch(step.batch, run.rank, run.world_size, label)

@@ -51,6 +51,7 @@ log = structlog.get_logger("flightdeck.agent")
 
 OUTPUT_DRAIN_S = 3.0  # after a rank exits, for what it printed last (a child it left may hold the pipe longer)
 START_FAILED_EXIT = 125  # recorded for ranks that could not be started (no checkpoint, no executable)
+REFILL_HOLD_S = 30.0  # standbys are refilled once the ranks handed out are stepping, or this long after
 
 
 class Spawner:
@@ -65,6 +66,7 @@ class Spawner:
         self.relay: BeatRelay | None = None  # the heartbeat relay (node heartbeats): it beats for live attempts
         self.timers: set[asyncio.Task[None]] = set()
         self.exits = ExitRecorder(store, node, producer, self.watched, retrying)
+        self.going: dict[int, asyncio.Future[None]] = {}  # a rank from a standby -> set once its beats show a step
 
     def watched(self, job_id: str, attempt: int) -> set[int]:
         """The attempt's ranks here whose exits are not recorded yet."""
@@ -127,6 +129,7 @@ class Spawner:
                 signal_rank(p, signal.SIGKILL)
                 await p.proc.wait()
                 self.pids.pop(p.proc.pid, None)
+                self._got_going(p.proc.pid)
             return await self._not_started(args, f"could not start a rank: {exc!r}")
         event = WorkersStarted(job_id=args.job_id, node=self.node, attempt=args.attempt,
                                ranks=[p.ref.rank for p in started], pids=[p.proc.pid for p in started],
@@ -140,6 +143,9 @@ class Spawner:
         for p in started:
             self.procs[(p.job_id, p.attempt, p.ref.rank)] = p
             p.watcher = asyncio.create_task(self._watch(p))
+        going = [self.going[p.proc.pid] for p in started if p.proc.pid in self.going]
+        if going and self.standbys is not None:
+            self.standbys.refill_after(asyncio.gather(*going), REFILL_HOLD_S)
         bound.info("ranks started", pids=event.pids, restore=str(restore or ""), master_port=args.master_port)
         return []
 
@@ -219,7 +225,9 @@ class Spawner:
         read_end, out = os.pipe()  # the rank's stdout and stderr, read by its OutputPump
         try:
             proc = self._hand_to_standby(cmd, env, cwd, out, ref.rank)
-            if proc is None:
+            if proc is not None:
+                self.going[proc.pid] = asyncio.get_running_loop().create_future()
+            else:
                 proc = await asyncio.create_subprocess_exec(
                     *cmd, cwd=cwd, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=out,
                     stderr=asyncio.subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_agent(os.getpid()))
@@ -236,7 +244,14 @@ class Spawner:
 
     def speaks_for(self, beat: LocalBeat, pid: int) -> bool:
         """Whether process `pid` is the rank `beat` claims to be (a heartbeat relayed for anyone else is refused)."""
-        return self.pids.get(pid) == (beat.job_id, beat.attempt, beat.rank)
+        ok = self.pids.get(pid) == (beat.job_id, beat.attempt, beat.rank)
+        if ok and beat.step >= 0:  # past its restore (a resumed rank's step) or its first step: the start is done
+            self._got_going(pid)
+        return ok
+
+    def _got_going(self, pid: int) -> None:
+        if (going := self.going.pop(pid, None)) is not None and not going.done():
+            going.set_result(None)
 
     def _hand_to_standby(self, cmd: list[str], env: dict[str, str], cwd: Path, log_fd: int,
                          rank: int) -> asyncio.subprocess.Process | None:
@@ -270,6 +285,7 @@ class Spawner:
         detached(self.producer, job_id=p.job_id, attempt=p.attempt, rank=p.ref.rank)
         code = await p.proc.wait()
         self.pids.pop(p.proc.pid, None)
+        self._got_going(p.proc.pid)  # gone before it got going: the refill waits no longer for it
         if p.output is not None:  # its last lines: in the log file and on their way to FD_LOGS
             await asyncio.wait({p.output}, timeout=OUTPUT_DRAIN_S)
         if p.shutdown and code == 0:

@@ -114,6 +114,58 @@ async def test_a_standby_runs_its_assignment_warm_or_cold_in_place_and_a_dead_on
     assert gone(fifth.proc.pid)
 
 
+@pytest.mark.timeout(240)
+async def test_an_entrypoint_script_runs_warm_as_python_would_run_it_and_its_exit_code_stands(
+        pool: StandbyPool, tmp_path: Path) -> None:
+    """`python train.py ...` (an entrypoint job) gets the head start too: torch already imported, the script as
+    __main__ with its own argv, its directory first on sys.path (its sibling modules import), in the same pid."""
+    pool.start()
+    jobs = tmp_path / "jobs"
+    jobs.mkdir()
+    (jobs / "helper.py").write_text("VALUE = 7\n")
+    script = jobs / "train.py"
+    script.write_text("import os, sys\nimport helper\nassert 'torch' in sys.modules\n"
+                      f"assert sys.argv == [{str(script)!r}, '--lr', '3e-4'], sys.argv\n"
+                      "print('script ran', helper.VALUE, os.getpid(), os.getcwd(), flush=True)\n"
+                      "sys.exit(int(os.environ['RANK']))\n")
+    for rank in (0, 3):  # RANK is read late (LATE_ENV): a different one still runs warm; it is the exit code here
+        standby = await ready_one(pool)
+        assert pool.take() is standby
+        log = tmp_path / f"rank-{rank}.log"
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            argv = [sys.executable, str(script), "--lr", "3e-4"]
+            assert pool.assign(standby, argv, {**pool.env, "RANK": str(rank)}, tmp_path, fd)
+        finally:
+            os.close(fd)
+        async with asyncio.timeout(60):
+            code = await standby.proc.wait()
+        text = log.read_text()
+        assert code == rank and f"script ran 7 {standby.proc.pid} {tmp_path}" in text, text
+
+
+@pytest.mark.timeout(240)
+async def test_the_pool_refills_only_once_the_ranks_handed_out_got_going_or_after_the_cap(
+        pool: StandbyPool, tmp_path: Path) -> None:
+    """New standbys importing torch beside a restarting rank slow it on a node with few cores: the spawner holds the
+    refill until its ranks' beats show a step (spawner.py), or for REFILL_HOLD_S at most."""
+    pool.start()
+    first = await ready_one(pool)
+    hand(pool, tmp_path / "r0.log", pool.env, "import time; time.sleep(60)")
+    going: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    pool.refill_after(going, max_s=600)
+    await asyncio.sleep(2)  # the pool's refill delay is 0: unheld, a standby would be starting by now
+    assert pool.idle == [] and not pool.filling
+    going.set_result(None)
+    second = await ready_one(pool, besides=(first,))
+    # A rank that never gets going holds the refill no longer than the cap.
+    hand(pool, tmp_path / "r1.log", pool.env, "import time; time.sleep(60)")
+    pool.refill_after(asyncio.get_running_loop().create_future(), max_s=0.5)
+    await ready_one(pool, besides=(first, second))
+    for s in (first, second):
+        os.killpg(s.proc.pid, signal.SIGKILL)
+
+
 def agent_log(c: Cluster, node: str = "n1") -> list[dict[str, object]]:
     rows = []
     for line in (c.root / f"agent-{node}.log").read_text().splitlines():
@@ -136,12 +188,12 @@ def rank_steps(c: Cluster, job_id: str, attempt: int, rank: int) -> set[int]:
             if e.attempt == attempt and e.rank == rank}
 
 
-@pytest.mark.timeout(240)
 def standbys_reported(c: Cluster) -> list[int]:
     """n1's warm standbys, as its agent told the fleet each time they changed (NodeHeartbeat)."""
     return [e.standbys for e in c.seen(NodeHeartbeat) if e.node == "n1"]
 
 
+@pytest.mark.timeout(240)
 async def test_a_rank_from_a_standby_is_recorded_like_a_cold_one_and_dies_with_its_agent(cluster: Cluster) -> None:
     """One standby, two ranks: rank 0 starts warm, rank 1 cold, side by side in each attempt."""
     c = cluster

@@ -66,12 +66,12 @@ def test_no_recovery_within_the_cap_is_null_and_the_run_ends_at_the_cap(tmp_path
     assert finished(tmp_path, cap_s=40, began=0.0, limit_s=1e12)  # the fault is far in the past (t=100)
 
 
-def test_a_run_is_finished_once_restarted_processes_did_ten_steps(tmp_path: Path) -> None:
+def test_a_run_is_finished_once_restarted_processes_did_ten_steps_past_the_fault(tmp_path: Path) -> None:
     import time
 
     now = time.time()
     old = [*steps(1, 0, 0, 70, now - 5, 0.0), {"t": now - 4, "kind": "fault", "rank": 0, "pid": 1, "step": 60}]
-    write(tmp_path, [*old, *steps(1, 0, 71, 200, now - 3, 0.0), *steps(2, 0, 60, 68, now - 3, 0.0)])
-    assert not finished(tmp_path, cap_s=40, began=now, limit_s=300)  # the old process's steps never count
-    write(tmp_path, [*old, *steps(2, 0, 60, 69, now - 3, 0.0)])
+    write(tmp_path, [*old, *steps(1, 0, 71, 200, now - 3, 0.0), *steps(2, 0, 50, 68, now - 3, 0.0)])
+    assert not finished(tmp_path, cap_s=40, began=now, limit_s=300)  # old processes, and steps redone, never count
+    write(tmp_path, [*old, *steps(2, 0, 50, 69, now - 3, 0.0)])
     assert finished(tmp_path, cap_s=40, began=now, limit_s=300)
