@@ -81,6 +81,8 @@ class StandbyPool:
         """Hand the rank to `standby`; False if it is gone (start the rank another way)."""
         for task in standby.tasks:
             task.cancel()
+        with contextlib.suppress(OSError):  # its READY, if sent and unread: closing over it resets the standby's read
+            standby.sock.recv(len(READY))
         message = ASSIGNMENT_ENCODER.encode(Assignment(argv=argv, env=env, cwd=str(cwd)))
         try:
             # Non-blocking, but the socket is empty and the message small: it goes whole or not at all.
