@@ -69,9 +69,13 @@ BIN = Path(sys.executable).parent
 DLROVER_LAUNCH_ERROR = ("dlrover-run --standalone on torch 2.13.0: TypeError: SubprocessHandler.__init__() missing 1 "
                         "required positional argument: 'numa_options' (dlrover/trainer/torch/elastic_run.py:326, "
                         "_launch_dlrover_local_master)")
-NO_HANG_DETECTION = {
-    "torchrun": "no hang detection: the other rank waits in gloo's all-reduce (timeout 30 min by default)",
-    "dlrover": "no hang detection on CPU in standalone mode: the other rank waits in gloo's all-reduce",
+NO_HANG_DETECTION = {  # what each run's logs showed when nothing recovered from a hang within the cap
+    "torchrun": "torchrun watches only for exits: the other rank waits in gloo's all-reduce (30 min by default)",
+    "dlrover": "nothing acted on the stalled rank: DLRover 0.6.1's diagnosis reads xpu_timer metrics (collected "
+               "every 60 s, for GPUs), and the other rank waits in gloo's all-reduce",
+    "torchft": "the hung replica's manager keeps heartbeating, and its lighthouse forms no quorum for the survivor "
+               "alone: 'New quorum not ready, only have 1 participants, need at least half of 2 healthy workers' "
+               "(with 2 replica groups; none in 150 s in a longer run either)",
 }
 
 
