@@ -174,6 +174,17 @@ def base_env() -> dict[str, str]:
     return {**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
 
+def kill_ranks(workdir: Path) -> None:
+    """Every process still running this run's script: the launchers start their workers in sessions of their
+    own, so killing a launcher's group left hung and restarted ranks behind."""
+    mark = str(workdir).encode()
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            with contextlib.suppress(OSError, ValueError):
+                if str(SCRIPT).encode() in (cmd := (proc / "cmdline").read_bytes()) and mark in cmd:
+                    os.kill(int(proc.name), signal.SIGKILL)
+
+
 def run_launchers(procs: list[subprocess.Popen[bytes]], workdir: Path, cap_s: float) -> dict[str, Any]:
     try:
         wait(workdir, cap_s, lambda: all(p.poll() is None for p in procs))
@@ -181,6 +192,7 @@ def run_launchers(procs: list[subprocess.Popen[bytes]], workdir: Path, cap_s: fl
     finally:
         for p in procs:
             kill_group(p)
+        kill_ranks(workdir)
 
 
 def torchrun_once(workdir: Path, fault: str, cap_s: float) -> dict[str, Any]:
