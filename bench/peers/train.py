@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -115,22 +116,19 @@ def run_flightdeck(args: argparse.Namespace) -> None:
         began = time.perf_counter()
 
 
-def newest_saved(folder: Path) -> Path | None:
-    done = sorted(folder.glob("step-*.pt"), key=lambda p: int(p.stem.removeprefix("step-")))
-    return done[-1] if done else None
+Saver = Callable[[int, int, dict[str, Any]], dict[str, str]]  # (rank, step, state) -> fields for the "save" line
 
 
-def run_torchrun(args: argparse.Namespace) -> None:
-    dist.init_process_group("gloo")
+def ddp_loop(args: argparse.Namespace, load: Callable[[], dict[str, Any] | None], save: Saver) -> None:
+    """The loop torchrun and DLRover run: plain DDP on gloo, the state from `load` (None: from scratch), `save`
+    every --every steps (its hold of the loop is the stall)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     log, label = Log(args.workdir, rank), teacher()
     fault = Fault(args, log)
     model = nn.parallel.DistributedDataParallel(student(args.width, args.layers))
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    folder, start = args.workdir / "torchrun-ckpt", 0
-    folder.mkdir(exist_ok=True)
-    if (path := newest_saved(folder)) is not None:
-        state = torch.load(path, weights_only=True)
+    start = 0
+    if state := load():
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optim"])
         start = state["step"]
@@ -138,16 +136,32 @@ def run_torchrun(args: argparse.Namespace) -> None:
     for step in range(start, args.steps):
         if step % args.every == 0 and step != start:
             began = time.perf_counter()
-            if rank == 0:
-                tmp = folder / f".step-{step}.tmp"
-                torch.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": step}, tmp)
-                os.replace(tmp, folder / f"step-{step}.pt")
-            log("save", step=step, stall_s=time.perf_counter() - began)
+            fields = save(rank, step, {"model": model.state_dict(), "optim": opt.state_dict(), "step": step})
+            log("save", step=step, stall_s=time.perf_counter() - began, **fields)
         fault.maybe(rank, step)
         train_step(model, opt, *batch(step, rank, world, label))
         time.sleep(args.pace_s)
         log("step", step=step)
     dist.destroy_process_group()
+
+
+def run_torchrun(args: argparse.Namespace) -> None:
+    dist.init_process_group("gloo")
+    folder = args.workdir / "torchrun-ckpt"
+    folder.mkdir(exist_ok=True)
+
+    def load() -> dict[str, Any] | None:
+        done = sorted(folder.glob("step-*.pt"), key=lambda p: int(p.stem.removeprefix("step-")))
+        return torch.load(done[-1], weights_only=True) if done else None
+
+    def save(rank: int, step: int, state: dict[str, Any]) -> dict[str, str]:
+        if rank == 0:
+            tmp = folder / f".step-{step}.tmp"
+            torch.save(state, tmp)
+            os.replace(tmp, folder / f"step-{step}.pt")
+        return {}
+
+    ddp_loop(args, load, save)
 
 
 def run_dlrover(args: argparse.Namespace) -> None:
@@ -155,32 +169,14 @@ def run_dlrover(args: argparse.Namespace) -> None:
     from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer
 
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    log, label = Log(args.workdir, rank), teacher()
-    fault = Fault(args, log)
-    model = nn.parallel.DistributedDataParallel(student(args.width, args.layers))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    checkpointer = DdpCheckpointer(str(args.workdir / "dlrover-ckpt"))
-    state = checkpointer.load_checkpoint()
-    start = 0
-    if state:
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optim"])
-        start = state["step"]
-    log("start", step=start)
-    for step in range(start, args.steps):
-        if step % args.every == 0 and step != start:
-            began = time.perf_counter()
-            to = StorageType.DISK if step % (4 * args.every) == 0 else StorageType.MEMORY
-            checkpointer.save_checkpoint(step, {"model": model.state_dict(), "optim": opt.state_dict(),
-                                                "step": step}, storage_type=to)
-            log("save", step=step, stall_s=time.perf_counter() - began, storage=str(to))
-        fault.maybe(rank, step)
-        train_step(model, opt, *batch(step, rank, world, label))
-        time.sleep(args.pace_s)
-        log("step", step=step)
-    checkpointer.wait_latest_checkpoint(timeout=60)
-    dist.destroy_process_group()
+    checkpointer = DdpCheckpointer(str(args.workdir / "dlrover-ckpt"))  # after init: it asks dist for the rank
+
+    def save(rank: int, step: int, state: dict[str, Any]) -> dict[str, str]:
+        to = StorageType.DISK if step % (4 * args.every) == 0 else StorageType.MEMORY
+        checkpointer.save_checkpoint(step, state, storage_type=to)
+        return {"storage": str(to)}
+
+    ddp_loop(args, lambda: checkpointer.load_checkpoint() or None, save)
 
 
 def run_torchft(args: argparse.Namespace) -> None:
