@@ -25,13 +25,13 @@ def test_a_restart_from_an_older_save_counts_the_steps_done_again(tmp_path: Path
         {"t": 5.0, "kind": "save", "rank": 1, "pid": 2, "step": 50, "stall_s": 0.01},
         {"t": 1.0, "kind": "save", "rank": 0, "pid": 1, "step": 10, "stall_s": 0.25},
         *steps(1, 0, 0, 59, 0.05), *steps(2, 1, 0, 59, 0.05),
-        {"t": 6.1, "kind": "fault", "rank": 1, "pid": 2, "step": 60},
+        {"t": 6.25, "kind": "fault", "rank": 1, "pid": 2, "step": 60},
         {"t": 9.0, "kind": "start", "rank": 0, "pid": 3, "step": 50},
-        *steps(3, 0, 50, 89, 9.5),
+        *steps(3, 0, 50, 89, 9.5, 0.125),  # binary fractions: the differences are exact
     ])
     m = measure(tmp_path, cap_s=40)
-    assert m["recover_s"] == 9.5 - 6.1
-    assert abs(m["progress_s"] - (10.5 - 6.1)) < 1e-9  # new work only once steps 50-59 are redone
+    assert m["recover_s"] == 3.25
+    assert m["progress_s"] == 4.5  # new work only once steps 50-59 are redone
     assert (m["resumed_from_step"], m["last_step_before"], m["lost_steps"]) == (50, 59, 10)
     assert m["steps_meanwhile"] == 0
     assert (m["saves"], m["stall_s"], m["stall_max_s"]) == (2, 0.375, 0.5)  # the slowest rank's hold, per save
@@ -45,15 +45,15 @@ def test_a_survivor_that_trains_on_loses_nothing_and_its_steps_meanwhile_count(t
         {"t": 0.0, "kind": "start", "rank": 0, "pid": 1, "step": 0},
         *steps(1, 0, 0, 59, 0.0), *steps(2, 1, 0, 59, 0.0),
         {"t": 6.0, "kind": "fault", "rank": 1, "pid": 2, "step": 60},
-        *steps(1, 0, 60, 89, 6.01),
-        {"t": 7.5, "kind": "start", "rank": 1, "pid": 4, "step": 0},  # torchft's step before it heals
-        {"t": 7.6, "kind": "step", "rank": 1, "pid": 4, "step": 0, "participants": 1},  # alone: not rejoined yet
-        *steps(4, 1, 80, 89, 7.99),
+        *steps(1, 0, 60, 89, 6.25, 0.125),
+        {"t": 8.0, "kind": "start", "rank": 1, "pid": 4, "step": 0},  # torchft's step before it heals
+        {"t": 8.25, "kind": "step", "rank": 1, "pid": 4, "step": 0, "participants": 1},  # alone: not rejoined yet
+        *steps(4, 1, 80, 89, 8.6875, 0.125),  # between the survivor's steps 79 and 80
     ])
     m = measure(tmp_path, cap_s=40)
     assert m["lost_steps"] == 0 and m["resumed_from_step"] == 80
-    assert abs(m["recover_s"] - 1.99) < 1e-9
-    assert abs(m["progress_s"] - 0.01) < 1e-9  # the survivor's step 60
+    assert m["recover_s"] == 2.6875
+    assert m["progress_s"] == 0.25  # the survivor's step 60
     assert m["steps_meanwhile"] == 20  # steps 60..79 by the survivor before the restarted replica's first step
     assert m["stall_s"] is None and m["saves"] == 0
 
