@@ -101,6 +101,22 @@ def test_the_demo_drill_heals_a_spike_a_crash_and_a_hang_and_completes(tmp_path:
     assert re.search(r"restarts: +2 of 3, resumed from step 1[12]0\n", out)
     assert re.search(r"steps: +160/160 done", out)
     assert re.search(r"step000000160-a2 +160 ", out)  # the final checkpoint, from attempt 2, listed by `checkpoints`
+
+    # `curl /metrics` on the URL the demo printed shows the job's figures, agreeing with the summary above
+    job = re.search(r"the dashboard shows it live: (http://\S+)/\?job=(\S+)\n", out)
+    assert job, out
+    scraped = out.split(f"$ curl -s {job[1]}/metrics")[1].split("\n$ ")[0].split("\n\n")[0]
+    metrics = dict(line.strip().rsplit(" ", 1) for line in scraped.splitlines()[1:])
+    j = f'job_id="{job[2]}"'
+    assert metrics.pop(f'flightdeck_job_phase{{{j},phase="completed"}}') == "1", scraped
+    assert metrics.pop(f"flightdeck_job_step{{{j}}}") == "160", scraped
+    assert metrics.pop(f"flightdeck_job_restarts_total{{{j}}}") == "2", scraped
+    assert metrics.pop(f"flightdeck_job_rollbacks_total{{{j}}}") == "1", scraped
+    for kind in ("loss_spike", "crash", "hang"):
+        assert metrics.pop(f'flightdeck_job_incidents_total{{{j},kind="{kind}"}}') == "1", scraped
+    assert 0 < float(metrics.pop(f"flightdeck_job_goodput_ratio{{{j}}}")) <= 1, scraped
+    assert int(metrics.pop(f"flightdeck_checkpoint_commit_seconds_count{{{j}}}")) >= 1, scraped
+    assert metrics == {}, scraped  # no other incident kind, nothing unparsed
     assert "flightdeck stopped: supervisor pid" in out and "demo done in" in out
     assert not (data_dir / "up.json").exists() and not upstate.lock_held(data_dir)  # nothing is left running
     assert time.monotonic() - started < TIMEOUT_S

@@ -33,7 +33,7 @@ from events.store import Stored
 from events.training import FaultInjected, Heartbeat, RankFault, RolledBack, StepCompleted
 from services.shell import broker
 from services.tools.cli import UserError
-from services.tools.console import drill_summary, ui_cmd, up, upstate
+from services.tools.console import drill_summary, metrics_peek, ui_cmd, up, upstate
 from services.tools.console.checkpoints_cmd import size
 from services.tools.console.following import follow
 from services.tools.console.status import duration
@@ -50,6 +50,7 @@ WALL_HOLD_S = 5.0  # ... or has waited this long, when one stream is quiet
 SLACK_S = 180
 RETENTION = CheckpointDeleted(job_id="", checkpoint_id="").reason  # routine deletions: not worth a line
 SOURCE_PREFIX = re.compile(r"^\[[^]]*\]\s*")  # gloo's "[/path/pair.cc:553] ": no help in a timeline
+METRICS_WAIT_S = 60.0  # for the web server to fold the job's end and its analysis, on a busy box
 PROGRESS_LINES = 8  # progress lines a pass over the whole run prints, about
 
 
@@ -189,7 +190,15 @@ def drill(spec: Path, data_dir: Path, timeout_s: float) -> JobView | None:
     print("\n".join(drill_summary.render(timeline.seen)), end="\n\n", flush=True)
     flightdeck("status", job_id, "--nats", url)
     flightdeck("checkpoints", job_id, "--nats", url)
+    show_metrics(f"{up.ui_url(web)}/metrics", job_id)
     return view
+
+
+def show_metrics(url: str, job_id: str) -> None:
+    """What Prometheus would scrape of this job, from the same event log as the lines above."""
+    print(f"$ curl -s {url} | grep 'job_id=\"{job_id}\"'   # a few of them", flush=True)
+    lines, why = metrics_peek.scrape(url, job_id, METRICS_WAIT_S)
+    print("  " + "\n  ".join(lines or [f"none yet: {why or 'the web server has not folded this job'}"]), flush=True)
 
 
 class PastDeadline(Exception):
