@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from events.base import RankEvent
 from events.checkpoint import CheckpointStaged, DataPosition, ShardInfo
 from trainer.distributed import Dist
+from trainer.hostcopy import HostCopier
 from trainer.state import TrainState, keys
 
 log = structlog.get_logger(__name__)
@@ -92,6 +93,7 @@ class Checkpointer:
         self.timeline = 0  # rollbacks applied: what CheckpointStaged tells the checkpoint service
         self._copy_stream: torch.cuda.Stream | None = None
         self._copied: torch.cuda.Event | None = None  # the last snapshot's copies, until before_update
+        self._copier: HostCopier | None = None  # CPU: the copy over a few threads, made on the first snapshot
 
     def prepare(self, live: dict[str, Any]) -> None:
         """Allocate the host buffers (again only when the state's layout changed); pinned on CUDA so
@@ -117,7 +119,8 @@ class Checkpointer:
         out: dict[str, Any] = {k: (v if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for k, v in live.items()}
         tensors = {k: v for k, v in live.items() if isinstance(v, torch.Tensor)}
         if self.dist.device.type != "cuda":
-            _copy_state_dict(tensors, self.buffers)
+            self._copier = self._copier or HostCopier()
+            self._copier.copy(tensors, self.buffers)
         else:
             if self._copy_stream is None:
                 self._copy_stream = torch.cuda.Stream(self.dist.device)
