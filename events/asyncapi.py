@@ -38,12 +38,16 @@ with no gap. To append to it (JobSubmitted starts one; CancelRequested, PauseReq
 CheckpointRequested and RollbackAsked are a person's requests to a running job), publish to the event's channel
 through JetStream with these headers:
   Nats-Msg-Id: the event's event_id (a retry is then stored once);
-  Nats-Expected-Last-Subject-Sequence: the stream sequence of the job's last message (0 for a new job);
-  Nats-Expected-Last-Subject-Sequence-Subject: fd.ctl.job.<job_id>.>
+  Nats-Expected-Last-Subject-Sequence: the stream sequence of the job's last message on fd.ctl.job.<job_id>.*
+  (0 for a new job);
+  Nats-Expected-Last-Subject-Sequence-Subject: fd.ctl.job.<job_id>.*
 and job_version one above that last message's (1 for a new job). A "wrong last sequence" error means someone
-appended first: read the last message again and retry. A new job's id is <spec name>-<6 hex digits>, and
-occurred_at is unix seconds. Follow a job by reading fd.ctl.job.<job_id>.> (its decisions: JobQueued ... JobCompleted,
-JobFailed or JobCancelled) and fd.tel.<job_id>.> (its ranks' steps) from the start of each stream."""
+appended first: read the last message again and retry. A node agent's records of its ranks (WorkersStarted,
+WorkersExited) stand outside that numbering, under fd.ctl.job.<job_id>.node.<node>.<type>, with job_version 0 and no
+expected-sequence headers; histories written before that hold them numbered, directly under the job. A new job's id
+is <spec name>-<6 hex digits>, and occurred_at is unix seconds. Follow a job by reading fd.ctl.job.<job_id>.> (its
+decisions: JobQueued ... JobCompleted, JobFailed or JobCancelled) and fd.tel.<job_id>.> (its ranks' steps) from the
+start of each stream."""
 
 
 def channel_of(t: type[Event]) -> tuple[str, str, dict[str, str]]:
@@ -55,6 +59,9 @@ def channel_of(t: type[Event]) -> tuple[str, str, dict[str, str]]:
     if issubclass(t, RankEvent):
         return f"telemetry.{name}", f"fd.tel.{{job_id}}.{{rank}}.{name}", {"job_id": "the job",
                                                                           "rank": "the rank it is about"}
+    if issubclass(t, JobEvent) and name in subjects.NODE_RECORDS:
+        return f"job.{name}", f"fd.ctl.job.{{job_id}}.node.{{node}}.{name}", {
+            "job_id": "the job whose history it is in", "node": "the node whose agent records it"}
     if issubclass(t, JobEvent):
         return f"job.{name}", f"fd.ctl.job.{{job_id}}.{name}", {"job_id": "the job whose history it is in"}
     if issubclass(t, NodeEvent):

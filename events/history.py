@@ -1,8 +1,13 @@
 """Job histories: every event on `fd.ctl.job.<job>.*` carries its contiguous position, `job_version`.
 
-Appends are fenced on the whole job (`fd.ctl.job.<job>.>`), so two writers can never give two events
-the same version; a writer that loses the race re-reads and tries again. A replay checks that versions
+Appends are fenced on the job's versioned events (`fd.ctl.job.<job>.*`), so two writers can never give two
+events the same version; a writer that loses the race re-reads and tries again. A replay checks that versions
 run 1, 2, 3, ... : a quietly truncated store file shows up as a gap instead of a shorter history.
+
+A node agent's records of its ranks (`subjects.NODE_RECORDS`) are the exception: they go under
+`fd.ctl.job.<job>.node.<node>.<type>`, unfenced and unnumbered (de-duplicated on their msg id), so a restart's
+hundreds of node records do not queue behind one fence. Readers of the history (`fd.ctl.job.<job>.>`) get
+them in stream order among the rest.
 """
 
 import msgspec
@@ -54,9 +59,13 @@ async def append_to_job(store: EventStore, event: JobEvent, msg_id: str = "") ->
     A retry of an append that already landed returns that append with `duplicate=True`: recognised by
     the msg id of the job's last message, or (when others appended since) by the store's de-duplication.
     """
-    fence = subjects.job_all(event.job_id)
-    subject = subjects.job(event.job_id, type_name(event))
     msg_id = msg_id or event.event_id
+    node = getattr(event, "node", "")
+    if type_name(event) in subjects.NODE_RECORDS and node:
+        return await store.append(subjects.job_node(event.job_id, node, type_name(event)),
+                                  msgspec.structs.replace(event, job_version=0), msg_id=msg_id)
+    fence = subjects.job_versioned(event.job_id)
+    subject = subjects.job(event.job_id, type_name(event))
     bound = log.bind(job_id=event.job_id, type=type_name(event), msg_id=msg_id)
     conflict: ConcurrencyConflict | None = None
     for attempt in range(1, MAX_ATTEMPTS + 1):
@@ -85,7 +94,17 @@ def junk(stored: Stored) -> bool:
     ev = stored.event
     if ev is None:
         return not _from_newer_code(stored.data) or version_of(stored) < 1
-    return not isinstance(ev, JobEvent) or stored.subject != f"fd.ctl.job.{ev.job_id}.{type_name(ev)}"
+    if not isinstance(ev, JobEvent):
+        return True
+    return stored.subject != f"fd.ctl.job.{ev.job_id}.{type_name(ev)}" and not node_record(stored)
+
+
+def node_record(stored: Stored) -> bool:
+    """A node agent's unversioned record, under its node's subject (subjects.job_node)."""
+    ev = stored.event
+    name = type_name(ev) if ev is not None else ""
+    return (name in subjects.NODE_RECORDS and isinstance(ev, JobEvent)
+            and stored.subject == subjects.job_node(ev.job_id, getattr(ev, "node", "") or "-", name))
 
 
 def _from_newer_code(data: bytes) -> bool:
@@ -101,7 +120,9 @@ def _from_newer_code(data: bytes) -> bool:
 def _counts(stored: Stored, expected: int) -> bool:
     """Whether `stored` is part of the history, `expected` being the next version. A newer writer's event
     (undecodable here) always comes in sequence; one off the sequence is forged and passed over too."""
-    return not junk(stored) and (stored.event is not None or version_of(stored) == expected)
+    if junk(stored) or node_record(stored):
+        return False
+    return stored.event is not None or version_of(stored) == expected
 
 
 async def _newest_version(store: EventStore, job_id: str) -> int:

@@ -34,7 +34,35 @@ def job(job_id: str, type_name: str) -> str:
 
 
 def job_all(job_id: str) -> str:
+    """Everything of one job's history: its versioned events and its node agents' records."""
     return f"fd.ctl.job.{token(job_id)}.>"
+
+
+# A node agent's records of its own ranks (started, exited). They stand under their node's token, outside the
+# fence that numbers a job's history: at a restart every node records at once, and 512 writers racing one fence
+# made a 4,096-rank restart take 8-10 s. They carry no job_version; stream order still places them in the history.
+NODE_RECORDS = frozenset({"WorkersStarted", "WorkersExited"})
+
+
+def job_node(job_id: str, node_id: str, type_name: str) -> str:
+    """Where a node agent's record of one job stands: fd.ctl.job.<job>.node.<node>.<type>."""
+    return f"fd.ctl.job.{token(job_id)}.node.{token(node_id)}.{token(type_name)}"
+
+
+def job_versioned(job_id: str) -> str:
+    """The fence of a job's history: its versioned events, one token after the job (node records have three)."""
+    return f"fd.ctl.job.{token(job_id)}.*"
+
+
+def job_types(*type_names: str) -> tuple[str, ...]:
+    """Filters for these types in every job; a node record's both ways (histories from before NODE_RECORDS hold
+    them versioned, directly under the job)."""
+    out: list[str] = []
+    for t in type_names:
+        out.append(f"fd.ctl.job.*.{token(t)}")
+        if t in NODE_RECORDS:
+            out.append(f"fd.ctl.job.*.node.*.{t}")
+    return tuple(out)
 
 
 def node(node_id: str, type_name: str) -> str:

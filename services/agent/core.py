@@ -260,7 +260,7 @@ def core_service(node: str, effects: dict[str, EffectHandler]) -> Service[State]
         name=service_name(node),
         initial=State(node=node),
         transition=transition,
-        control_subjects=tuple(f"fd.ctl.job.*.{t}" for t in CONTROL_TYPES),
+        control_subjects=subjects.job_types(*CONTROL_TYPES),
         wants_tick=lambda state, now: False,  # nothing here waits on time: grace periods are the spawner's
         effects=effects,
     )

@@ -1,8 +1,9 @@
 """The node agent's exit records: one WorkersExited per node and attempt where it can be.
 
 Ranks the agent stops (a release, a newer grant, its own shutdown) are recorded together once the last of them
-has exited, so a restart appends one event per node to the job's history instead of one per rank (each append
-is fenced: at 4,096 ranks one record per rank made most of a 16-21 s restart). A rank that
+has exited, so a restart appends one event per node to the job's history instead of one per rank (at 4,096
+ranks one fenced record per rank made most of a 16-21 s restart; node records are now unfenced too, events/
+history.py). A rank that
 exits by itself is recorded at once, since the scheduler acts on it; exits that come while a record of their
 attempt is in flight join the next one.
 """

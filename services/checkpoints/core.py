@@ -302,7 +302,7 @@ def core_service(effects: dict[str, EffectHandler], *, scrub_every_s: float = 0.
         name=SERVICE,
         initial=State(settings=settings),
         transition=transition,
-        control_subjects=tuple(f"fd.ctl.job.*.{t}" for t in CONTROL_TYPES),
+        control_subjects=subjects.job_types(*CONTROL_TYPES),
         telemetry_subjects=tuple(f"fd.tel.*.*.{t}" for t in TELEMETRY_TYPES),
         tick_s=1.0,
         prompt_types=frozenset({"CheckpointStaged", "ShardsUploaded"}),  # a set's pending and commit, at once

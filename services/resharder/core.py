@@ -116,7 +116,7 @@ def core_service() -> Service[State]:
         name=NAME,
         initial=State(),
         transition=transition,
-        control_subjects=(*(f"fd.ctl.job.*.{t}" for t in CONTROL_TYPES),
+        control_subjects=(*subjects.job_types(*CONTROL_TYPES),
                           *(f"fd.ctl.node.*.{t}" for t in FLEET_TYPES)),
         wants_tick=lambda state, now: False,
     )

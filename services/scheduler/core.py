@@ -5,6 +5,7 @@ Why it works this way: docs/internals.md, "3. The scheduler and its recovery rec
 
 import msgspec
 
+from events import subjects
 from events.base import Event
 from events.checkpoint import (
     CheckpointCommitted,
@@ -121,7 +122,7 @@ def core_service(*, stop_timeout_s: float = 120.0, landing_timeout_s: float = 12
         name=NAME,
         initial=State(settings=settings),
         transition=transition,
-        control_subjects=(*(f"fd.ctl.job.*.{t}" for t in CONTROL_TYPES),
+        control_subjects=(*subjects.job_types(*CONTROL_TYPES),
                           *(f"fd.ctl.node.*.{t}" for t in FLEET_TYPES)),
         telemetry_subjects=tuple(f"fd.tel.*.*.{t}" for t in TELEMETRY_TYPES),
         wants_tick=wants_tick,

@@ -71,6 +71,9 @@ def mismatch(subject: str, event: Event) -> str:
     name = type_name(event)
     if parts[:3] == ["fd", "ctl", "job"] and len(parts) == 5:
         ok = isinstance(event, JobEvent) and event.job_id == parts[3] and name == parts[4]
+    elif parts[:3] == ["fd", "ctl", "job"] and len(parts) == 7 and parts[4] == "node":  # subjects.job_node
+        ok = (isinstance(event, JobEvent) and event.job_id == parts[3] and name in subjects.NODE_RECORDS
+              and getattr(event, "node", None) == parts[5] and name == parts[6])
     elif parts[:3] == ["fd", "ctl", "node"] and len(parts) == 5:
         ok = isinstance(event, NodeEvent) and event.node == parts[3] and name == parts[4]
     elif parts[:3] == ["fd", "ctl", "clock"] and len(parts) == 4:

@@ -223,7 +223,7 @@ class Client:
         that reacts to any job (examples/webhook_notifier). From the control stream's sequence `after_seq` on (None:
         only events stored from now): keep the `seq` of the last one handled and pass it back after a restart, and
         nothing between is missed or seen twice. Telemetry types are refused: they are the ranks' firehose."""
-        patterns = [_control_pattern(t) for t in types] or ["fd.ctl.job.>", "fd.ctl.node.>"]
+        patterns = [p for t in types for p in _control_patterns(t)] or ["fd.ctl.job.>", "fd.ctl.node.>"]
         start = await self.last_seq() if after_seq is None else after_seq
         async for stored in self.store.follow(subjects.CONTROL, patterns, from_seq=start + 1):
             yield stored
@@ -277,12 +277,12 @@ def read_spec(path: Path) -> JobSpec:
         raise ClientError(f"{path}: {exc}", EXIT_INVALID) from None
 
 
-def _control_pattern(t: type[Event]) -> str:
+def _control_patterns(t: type[Event]) -> tuple[str, ...]:
     """The control subjects every event of type `t` goes under (events/subjects.py's grammar)."""
     if issubclass(t, JobEvent) and not issubclass(t, RankEvent):
-        return f"fd.ctl.job.*.{t.__name__}"
+        return subjects.job_types(t.__name__)
     if issubclass(t, NodeEvent):
-        return f"fd.ctl.node.*.{t.__name__}"
+        return (f"fd.ctl.node.*.{t.__name__}",)
     raise ValueError(f"{t.__name__} is not a job's or a node's control event: follow one job's telemetry with "
                      "`events(job_id)`")
 

@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from events import asyncapi
+from events import asyncapi, subjects
 from events.catalog import ALL_TYPES
 from services.shell.security import permissions
 
@@ -69,8 +69,13 @@ def test_every_message_of_a_recorded_run_stood_under_its_types_channel(history: 
     seen = set()
     for line in history.read_text().splitlines():
         row = json.loads(line)
-        name = msgspec.msgpack.decode(base64.b64decode(row["data"]))["type"]
-        assert by_type[name].match(row["subject"]), (name, row["subject"])
+        event = msgspec.msgpack.decode(base64.b64decode(row["data"]))
+        name = event["type"]
+        # The shipped fixtures were recorded before node records left the version fence: those stand numbered,
+        # directly under the job, as the document's description says older histories hold them.
+        legacy = name in subjects.NODE_RECORDS and event["job_version"] >= 1 and re.fullmatch(
+            rf"fd\.ctl\.job\.[A-Za-z0-9_-]+\.{name}", row["subject"])
+        assert legacy or by_type[name].match(row["subject"]), (name, row["subject"])
         seen.add(name)
     assert len(seen) > 20  # a real run's history: decisions, telemetry, clocks, checkpoints
 

@@ -6,8 +6,8 @@ import msgspec
 import pytest
 
 from events import subjects
-from events.history import HistoryGap, append_to_job, read_job, version_of
-from events.job import JobCompleted, JobQueued
+from events.history import HistoryGap, append_to_job, junk, node_record, read_job, version_of
+from events.job import JobCompleted, JobQueued, WorkersStarted
 from tests.contract.store_fixtures import AnyStore, queued, store
 
 __all__ = ["store"]
@@ -76,3 +76,34 @@ async def test_concurrent_writers_never_share_a_version(store: AnyStore) -> None
     history = await read_job(store, "race")
     assert [version_of(s) for s in history] == list(range(1, writers * each + 1))
     assert len({s.msg_id for s in history}) == writers * each
+
+
+def started(node: str, attempt: int = 0) -> WorkersStarted:
+    return WorkersStarted(job_id="j", node=node, attempt=attempt, ranks=[0], pids=[1],
+                          event_id=f"agent-{node}:start:j:{attempt}")
+
+
+async def test_node_records_stand_outside_the_numbering_under_their_node(store: AnyStore) -> None:
+    await append_to_job(store, queued("j", 1, "a"))
+    # A restart's node records, all at once: no fence to race, so none is retried or refused.
+    landed = await asyncio.gather(*(append_to_job(store, started(f"n{i}")) for i in range(16)))
+    again = await append_to_job(store, started("n3"))  # an agent's retry of a record that landed
+    await append_to_job(store, JobCompleted(job_id="j", steps=10, event_id="b"))
+    history = await read_job(store, "j")  # checks versions 1, 2 over the versioned events
+    assert [type(s.event).__name__ for s in history] == ["JobQueued", *["WorkersStarted"] * 16, "JobCompleted"]
+    assert [version_of(s) for s in history] == [1, *[0] * 16, 2]
+    assert {s.subject for s in history[1:17]} == {subjects.job_node("j", f"n{i}", "WorkersStarted") for i in range(16)}
+    assert again.duplicate and again.seq == landed[3].seq
+    assert not any(junk(s) for s in history) and [node_record(s) for s in history] == [False, *[True] * 16, False]
+
+
+async def test_a_numbered_node_record_of_an_older_history_still_counts(store: AnyStore) -> None:
+    await append_to_job(store, queued("j", 1, "a"))
+    await store.append(subjects.job("j", "WorkersStarted"), msgspec.structs.replace(started("n1"), job_version=2),
+                       msg_id="old")  # as histories recorded before node subjects hold it
+    await append_to_job(store, queued("j", 3, "c"))
+    assert [version_of(s) for s in await read_job(store, "j")] == [1, 2, 3]
+    # ... and a node record under another node's subject is junk: it does not stand where its event says
+    await store.append(subjects.job_node("j", "n2", "WorkersStarted"), started("n1", 1), msg_id="forged")
+    history = await read_job(store, "j")
+    assert junk(history[-1]) and not node_record(history[-1])

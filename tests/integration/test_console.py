@@ -131,8 +131,9 @@ def test_events_prints_a_job_history_in_order(up: Up) -> None:
     assert as_json.returncode == 0, as_json.stderr
     rows = [json.loads(line) for line in as_json.stdout.splitlines()]
     assert all({"seq", "type", "occurred_at", "job_id", "stream", "subject"} <= r.keys() for r in rows)
-    control = [r for r in rows if r["stream"] == "FD_CONTROL"]
+    control = [r for r in rows if r["stream"] == "FD_CONTROL" and ".node." not in r["subject"]]  # node records: 0
     assert [r["job_version"] for r in control] == list(range(1, len(control) + 1))
+    assert all(r["job_version"] == 0 for r in rows if r["stream"] == "FD_CONTROL" and ".node." in r["subject"])
     assert control[0]["type"] == "JobSubmitted" and control[0]["spec"]["name"] == "demo"
     # ours (the running services may have started real ranks for the seeded job by now: their steps have losses)
     (step,) = [r for r in rows if r["stream"] == "FD_TELEMETRY" and r.get("loss") == "nan"]
@@ -199,11 +200,12 @@ async def raw_submit_and_follow(url: str, job_id: str) -> tuple[list[dict[str, A
     nc = await nats.connect(url)
     try:
         js = nc.jetstream()
-        everything = channels["job.JobSubmitted"]["address"].replace("{job_id}", job_id).rsplit(".", 1)[0] + ".>"
+        job_prefix = channels["job.JobSubmitted"]["address"].replace("{job_id}", job_id).rsplit(".", 1)[0]
+        everything, fence = job_prefix + ".>", job_prefix + ".*"
         await js.publish(channels["job.JobSubmitted"]["address"].replace("{job_id}", job_id),
                          msgspec.msgpack.encode(submitted),
                          headers={"Nats-Msg-Id": submitted["event_id"], "Nats-Expected-Last-Subject-Sequence": "0",
-                                  "Nats-Expected-Last-Subject-Sequence-Subject": everything})
+                                  "Nats-Expected-Last-Subject-Sequence-Subject": fence})
         steps_at = channels["telemetry.StepCompleted"]["address"].replace("{job_id}", job_id).replace("{rank}", "*")
         steps = await js.subscribe(steps_at, ordered_consumer=True)
         control = await js.subscribe(everything, ordered_consumer=True)
@@ -223,7 +225,14 @@ def test_a_raw_nats_client_submits_and_follows_a_job_by_the_published_contract(u
     types = [m["type"] for m in history]
     assert types[0] == "JobSubmitted" and history[0]["producer"] == "raw-client"
     assert types[-1] == "JobCompleted" and history[-1]["steps"] == 6, types
-    assert [m["job_version"] for m in history] == list(range(1, len(history) + 1))
+    # node agents' records stand under their node (the channel says so) and are not numbered; the rest run 1, 2, ...
+    node_records = {name for ch in json.loads((CONTRACT / "asyncapi.json").read_text())["channels"].values()
+                    if ch["address"].startswith("fd.ctl.job.") and ".node.{node}." in ch["address"]
+                    for name in ch["messages"]}
+    assert node_records == {"WorkersStarted", "WorkersExited"}
+    numbered = [m["job_version"] for m in history if m["type"] not in node_records]
+    assert numbered == list(range(1, len(numbered) + 1))
+    assert all(m["job_version"] == 0 for m in history if m["type"] in node_records)
     assert {"JobQueued", "AllocationGranted", "WorkersStarted", "CheckpointCommitted"} <= set(types)
     assert [m["step"] for m in steps] == list(range(6)) and all(m["job_id"] == "raw-c0ffee" for m in steps)
     shown = flightdeck("status", "raw-c0ffee", "--nats", up.url)  # and the platform's own tools agree

@@ -70,6 +70,7 @@ async def test_a_job_publishes_its_own_telemetry_and_nothing_else(broker: Secure
         # a scheduler decision in its own job's history, or any control subject at all
         assert await denied(nc, errors, subjects.job(JOB, "StopRequested"), codec.encode(stop(JOB)))
         for subject in (subjects.job(JOB, "JobCompleted"), subjects.job(JOB, "WorkersExited"),
+                        subjects.job_node(JOB, "n1", "WorkersExited"),
                         subjects.node("n1", "NodeCordoned"), subjects.clock("scheduler"), subjects.dead("scheduler")):
             assert await denied(nc, errors, subject), subject
         # nor administer the streams
@@ -158,7 +159,9 @@ async def test_an_agent_acts_only_for_its_node_and_a_wrong_password_is_refused(b
     nc = await broker.raw(permissions.agent_user("n1"), errors)
     try:
         assert await accepted(nc, subjects.node("n1", "NodeHeartbeat"))
+        assert await accepted(nc, subjects.job_node(JOB, "n1", "WorkersStarted"))  # its node's records of any job
         assert await denied(nc, errors, subjects.node("n2", "NodeRegistered"))
+        assert await denied(nc, errors, subjects.job_node(JOB, "n2", "WorkersExited"))  # never another node's
         assert await denied(nc, errors, subjects.clock("agent-n2"))
     finally:
         await nc.close()

@@ -89,7 +89,9 @@ def _others_durables(own: str, nodes: tuple[str, ...]) -> list[str]:
 def _producer(user: str, role: str, name: str, node_token: str, nodes: tuple[str, ...],
               wildcard_name: bool = False) -> Permissions:
     consumer = durable(name) if not wildcard_name else "*"
-    publish = [*(f"fd.ctl.job.*.{t}" for t in JOB_TYPES.get(role, ())),
+    jobs = JOB_TYPES.get(role, ())
+    publish = [*(f"fd.ctl.job.*.{t}" for t in jobs if t not in subjects.NODE_RECORDS),
+               *(f"fd.ctl.job.*.node.{node_token}.{t}" for t in jobs if t in subjects.NODE_RECORDS),
                *(f"fd.ctl.node.{node_token}.{t}" for t in NODE_TYPES.get(role, ())),
                *(f"fd.tel.*.*.{t}" for t in TELEMETRY_TYPES.get(role, ())),
                *(["fd.log.*.*.*"] if role == AGENT else []),  # what the ranks it runs print (events/logs.py)

@@ -128,7 +128,7 @@ def _checkpoints(view: JobView, event: Event, at: float) -> JobView:
 def evolve(view: JobView, event: Event) -> JobView:
     """`view` after one event of its job's control history."""
     at = event.occurred_at
-    view = _replace(view, updated_at=max(view.updated_at, at), version=getattr(event, "job_version", view.version))
+    view = _replace(view, updated_at=max(view.updated_at, at), version=getattr(event, "job_version", 0) or view.version)
     if isinstance(event, CheckpointCommitted | CheckpointDeleted | CheckpointScrubbed | CheckpointRejected):
         return _checkpoints(view, event, at)  # a job's checkpoints outlive it: kept, scrubbed, deleted later
     if view.ended:
