@@ -30,6 +30,20 @@ from events.spec import PolicySpec
 log = structlog.get_logger("flightdeck.sim")
 SERVICES = ("health", "scheduler", "resources")
 FINDINGS = ("RankLost", "RankHung", "StragglerDetected", "NonFiniteLoss", "LossSpikeDetected")
+RESTART_RECORDS = ("AllocationRequested", "AllocationGranted", "WorkersExited", "WorkersStarted", "JobResumed")
+
+
+def breakdown(arrivals: list[tuple[float, str, int]], since: float, attempt: int) -> dict[str, float]:
+    """Seconds from the RankLost being seen to the first and last of each of the restart's records (the old
+    attempt's exits, the new attempt's request, grant, starts and JobResumed), as the harness saw them stored."""
+    out: dict[str, float] = {}
+    for at, name, a in arrivals:
+        if at < since or a != (attempt if name == "WorkersExited" else attempt + 1):
+            continue
+        first, last = f"{name}_first_s", f"{name}_last_s"
+        out.setdefault(first, round(at - since, 3))
+        out[last] = round(at - since, 3)
+    return out
 
 
 @dataclass(frozen=True)
@@ -135,8 +149,8 @@ def _round(x: float, digits: int = 0) -> float | None:
 
 
 async def caught_up(store: JetStreamStore, deadline: float) -> float:
-    """Wait until the health monitor has folded everything in FD_CONTROL (a restart appends one WorkersExited
-    per rank, which every service folds one at a time); returns how long that took."""
+    """Wait until the health monitor has folded everything in FD_CONTROL (a restart appends two records per
+    node, which every service folds one at a time); returns how long that took."""
     began = time.time()
     while time.time() < deadline:
         info = await store.js.consumer_info(subjects.CONTROL, "service-health")
@@ -173,6 +187,7 @@ async def run(config: RunConfig, root: Path) -> dict[str, Any]:
         hub = Hub(conns)
         hub.attach()
         findings: list[tuple[float, Finding]] = []
+        arrivals: list[tuple[float, str, int]] = []  # (seen at, type, attempt) of a restart's records
 
         async def follow_findings() -> None:
             # Only what FD_CONTROL stored: a core subscription would also see appends the fence refused.
@@ -180,11 +195,15 @@ async def run(config: RunConfig, root: Path) -> dict[str, Any]:
             seq = 1
             while True:
                 try:
-                    async for stored in store.follow(subjects.CONTROL, [f"fd.ctl.job.{job_id}.{t}" for t in FINDINGS],
-                                                     from_seq=seq):
+                    patterns = [*(f"fd.ctl.job.{job_id}.{t}" for t in (*FINDINGS, *RESTART_RECORDS)),
+                                *(f"fd.ctl.job.{job_id}.node.*.{t}" for t in sorted(subjects.NODE_RECORDS))]
+                    async for stored in store.follow(subjects.CONTROL, patterns, from_seq=seq):
                         seq = stored.seq + 1
                         if isinstance(stored.event, Finding):
                             findings.append((time.time(), stored.event))
+                        elif stored.event is not None:
+                            arrivals.append((time.time(), type(stored.event).__name__,
+                                             getattr(stored.event, "attempt", -1)))
                 except Exception as exc:
                     log.warning("following findings failed; again", error=repr(exc), from_seq=seq)
                     await asyncio.sleep(0.2)
@@ -225,7 +244,7 @@ async def run(config: RunConfig, root: Path) -> dict[str, Any]:
         # Kills: one rank per attempt; the scheduler restarts the job on each RankLost. A restart nobody
         # killed for (a false finding, when telemetry falls behind) moves on to the newest running attempt.
         rng = random.Random(c.seed)
-        samples: list[dict[str, float]] = []
+        samples: list[dict[str, Any]] = []
         kill_cpu = Cpu(pids)
         error = ""
         unanswered: list[int] = []
@@ -256,6 +275,7 @@ async def run(config: RunConfig, root: Path) -> dict[str, Any]:
                                 "detect_from_last_seen_s": round(seen_at - finding.last_seen, 3),
                                 "restart_s": round(time.time() - seen_at, 2), "load_1m": round(os.getloadavg()[0], 2)})
                 samples[-1]["health_caught_up_s"] = round(await caught_up(store, time.time() + 300), 2)
+                samples[-1]["records"] = breakdown(arrivals, seen_at, attempt)
                 await asyncio.sleep(c.settle_s)
         except TimeoutError as exc:
             error = f"{exc} (killed: {sorted(hub.killed)[-3:]}, started: {dict(hub.started)})"

@@ -85,13 +85,17 @@ class Worker:
                 await self._stop([n for n in self.nodes.values() if n.attempt == ev.attempt and n.ranks], STOPPED_EXIT)
 
     async def _stop(self, nodes: list[SimNode], exit_code: int) -> None:
-        """Stop the nodes' ranks and record their exits, one record per node as the agent does (one appender
-        here stands for all of the nodes' agents)."""
-        assert self.store is not None
-        for node in nodes:
+        """Stop the nodes' ranks and record their exits, one record per node as the agent does; each node on its
+        own, as separate agents would."""
+        store = self.store
+        assert store is not None
+
+        async def one(node: SimNode) -> None:
             ev = await node.halt(exit_code)
             if ev is not None:
-                await append_to_job(self.store, ev, msg_id=ev.event_id)
+                await append_to_job(store, ev, msg_id=ev.event_id)
+
+        await asyncio.gather(*(one(n) for n in nodes))
 
     async def _granted(self, ev: AllocationGranted) -> None:
         mine: dict[str, list[int]] = defaultdict(list)
@@ -99,15 +103,12 @@ class Worker:
             if ref.node in self.nodes:
                 mine[ref.node].append(ref.rank)
         await self._stop([n for n in self.nodes.values() if n.ranks and n.attempt < ev.attempt], KILLED_EXIT)
-        started = 0
-        for name, ranks in mine.items():
-            node = self.nodes[name]
-            if node.attempt >= ev.attempt:
-                continue  # the same grant read again
-            await node.start(ev.attempt, ranks, len(ev.assignments))
+        starting = [(self.nodes[name], ranks) for name, ranks in mine.items()
+                    if self.nodes[name].attempt < ev.attempt]  # else the same grant read again
+        for node, ranks in starting:
             self.where.update(dict.fromkeys(ranks, node))
-            started += 1
-        self.conn.send(("started", ev.attempt, started))
+        await asyncio.gather(*(node.start(ev.attempt, ranks, len(ev.assignments)) for node, ranks in starting))
+        self.conn.send(("started", ev.attempt, len(starting)))
 
     def _command(self) -> None:
         while self.conn.poll():
