@@ -103,8 +103,9 @@ def node_record(stored: Stored) -> bool:
     """A node agent's unversioned record, under its node's subject (subjects.job_node)."""
     ev = stored.event
     name = type_name(ev) if ev is not None else ""
+    # compared as text, not built with subjects.job_node: a hostile node field must make junk, not raise
     return (name in subjects.NODE_RECORDS and isinstance(ev, JobEvent)
-            and stored.subject == subjects.job_node(ev.job_id, getattr(ev, "node", "") or "-", name))
+            and stored.subject == f"fd.ctl.job.{ev.job_id}.node.{getattr(ev, 'node', '')}.{name}")
 
 
 def _from_newer_code(data: bytes) -> bool:
