@@ -54,3 +54,24 @@ def test_a_follower_running_a_minute_behind_still_waits_for_the_other_stream(
     assert [line.split()[0] for line in capsys.readouterr().out.splitlines()] == ["4.0s", "5.0s"]
     tl.flush()
     assert [line.split()[0] for line in capsys.readouterr().out.splitlines()] == ["5.1s"]
+
+
+def test_telemetry_read_before_the_submission_waits_for_its_time(capsys: pytest.CaptureFixture[str]) -> None:
+    """The control follower ran behind: a rank's first step was read before JobSubmitted. It must print seconds
+    after the submission, in order, not seconds since 1970 (CI saw that, and its flush carried a later line out
+    ahead of earlier ones)."""
+    t0, now = time.time(), [0.0]
+    tl = Timeline("j-000001", every=1, clock=lambda: now[0])
+    tl.show(stored(subjects.TELEMETRY, 1, StepCompleted(job_id="j-000001", rank=0, step=0, loss=1.0, grad_norm=1.0,
+                                                        lr=0.1, tokens_per_s=1.0, step_time_s=1.0,
+                                                        occurred_at=t0 + 2.0)))
+    now[0] = 10.0  # long past the wall hold: it must not go out alone with an unknown time
+    tl.show(stored(subjects.TELEMETRY, 2, StepCompleted(job_id="j-000001", rank=0, step=1, loss=1.0, grad_norm=1.0,
+                                                        lr=0.1, tokens_per_s=1.0, step_time_s=1.0,
+                                                        occurred_at=t0 + 3.0)))
+    assert capsys.readouterr().out == ""
+    tl.show(stored(subjects.CONTROL, 1, JobSubmitted(job_id="j-000001", spec=JobSpec(name="j"), occurred_at=t0)))
+    tl.show(stored(subjects.CONTROL, 2, RankLost(job_id="j-000001", rank=1, attempt=0, reason="exited with code 3",
+                                                 last_seen=t0, occurred_at=t0 + 2.5)))
+    tl.flush()
+    assert [line.split()[0] for line in capsys.readouterr().out.splitlines()] == ["0.0s", "2.0s", "2.5s", "3.0s"]

@@ -81,10 +81,16 @@ class Timeline:
         self.held: list[tuple[float, int, str, float]] = []  # time, arrival order, line, arrived on `clock`
         self.newest: dict[str, float] = {}
         self.clock = clock
+        # Telemetry read before the job's JobSubmitted (the control follower ran behind): its times are only
+        # known once the submission's is, so it waits for it (CI saw such lines print as seconds since 1970).
+        self.early: list[Stored] = []
 
     def show(self, stored: Stored) -> None:
         ev = stored.event
         if ev is None:
+            return
+        if self.spec is None and not isinstance(ev, JobSubmitted):
+            self.early.append(stored)
             return
         if isinstance(ev, JobSubmitted):
             self.base, self.spec = ev.occurred_at, ev.spec
@@ -100,6 +106,9 @@ class Timeline:
         both = min(self.newest.get(stream, 0.0) for stream in (subjects.CONTROL, subjects.TELEMETRY))
         waited = self.clock() - WALL_HOLD_S
         self.flush(max([both - HOLD_S, *(at for at, _, _, arrived in self.held if arrived <= waited)]))
+        early, self.early = self.early, []
+        for held in early:  # the submission is known now: what came before it takes its place
+            self.show(held)
 
     def flush(self, upto: float = math.inf) -> None:
         while self.held and self.held[0][0] <= upto:
