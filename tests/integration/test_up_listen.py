@@ -14,6 +14,7 @@ from events.spec import JobSpec, ModelSpec, TrainSpec, spec_toml
 from services.shell import broker
 from services.tools.console import upstate
 from tests.integration.test_console import flightdeck, scraped, wait_for
+from tests.security.secure_broker import CONNECT_TIMEOUT_S
 
 pytestmark = pytest.mark.timeout(600)  # up (up to 180 s), a job (240 s), /metrics (180 s) on a loaded box
 ADDR = "127.0.0.2"
@@ -37,7 +38,7 @@ def test_a_secured_up_refuses_strangers_and_runs_a_job_through_the_gate(tmp_path
         assert state is not None and state.url == url and "gate" in state.processes
 
         async def anonymous() -> None:
-            nc = await nats.connect(url, allow_reconnect=False)
+            nc = await nats.connect(url, allow_reconnect=False, connect_timeout=CONNECT_TIMEOUT_S)
             await nc.close()
 
         with pytest.raises(nats.errors.Error, match="Authorization Violation"):

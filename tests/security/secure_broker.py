@@ -23,6 +23,9 @@ from services.shell.security.credentials import PASSWORD_FILE, USER, client_opti
 from services.shell.security.passwords import SecretsDir, job_password, write_private
 
 NODES = ("n1",)
+# nats-py waits 2 s for the server's answer to CONNECT by default; a loaded CI box (bcrypt, the gate's
+# callout) has taken longer, and a refused connection must fail as refused, not as a timeout.
+CONNECT_TIMEOUT_S = 60
 
 
 @dataclass
@@ -94,7 +97,8 @@ class SecureBroker:
         async def on_error(exc: Exception) -> None:
             if errors is not None:
                 errors.append(str(exc))
-        return await nats.connect(self.url, error_cb=on_error, allow_reconnect=False, **self.options(user))
+        return await nats.connect(self.url, error_cb=on_error, allow_reconnect=False, connect_timeout=CONNECT_TIMEOUT_S,
+                                  **self.options(user))
 
     async def wait_user(self, user: str, within: float = 10.0) -> None:
         deadline = time.monotonic() + within

@@ -16,7 +16,7 @@ from events.history import append_to_job
 from events.job import JobQueued
 from events.training import Heartbeat
 from services.shell.security import permissions
-from tests.security.secure_broker import SecureBroker, secure_broker  # noqa: F401 (the fixture)
+from tests.security.secure_broker import CONNECT_TIMEOUT_S, SecureBroker, secure_broker  # noqa: F401 (the fixture)
 from trainer import bus
 
 JOB, OTHER = "alpha-000001", "beta-000002"
@@ -167,7 +167,7 @@ async def test_an_agent_acts_only_for_its_node_and_a_wrong_password_is_refused(b
         await nc.close()
     with pytest.raises(Exception, match=r"(?i)authorization"):
         await nats.connect(broker.url, user="scheduler", password="guess", allow_reconnect=False,
-                           max_reconnect_attempts=0, connect_timeout=2)
+                           max_reconnect_attempts=0, connect_timeout=CONNECT_TIMEOUT_S)
 
 
 async def test_a_rank_started_before_its_jobs_user_exists_connects_after_the_reload(

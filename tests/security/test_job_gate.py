@@ -19,7 +19,7 @@ from services.shell.security import natsjwt, permissions
 from services.shell.security.credentials import client_options
 from services.shell.security.gate import Gate
 from services.shell.security.passwords import job_password
-from tests.security.secure_broker import SecureBroker, provision
+from tests.security.secure_broker import CONNECT_TIMEOUT_S, SecureBroker, provision
 from tests.security.test_broker_permissions import accepted, denied, heartbeat, stop
 
 JOB, OTHER = "alpha-000001", "beta-000002"
@@ -99,7 +99,8 @@ async def test_a_wrong_password_or_a_made_up_user_is_refused(gated: SecureBroker
     for user in (permissions.job_user(JOB), "mallory", "job-"):
         env = {**wrong, "FLIGHTDECK_NATS_USER": user}
         with pytest.raises(nats.errors.Error, match="Authorization Violation"):
-            await nats.connect(gated.url, allow_reconnect=False, **client_options(env))
+            await nats.connect(gated.url, allow_reconnect=False, connect_timeout=CONNECT_TIMEOUT_S,
+                                   **client_options(env))
 
 
 def test_the_gates_decisions_say_why() -> None:
