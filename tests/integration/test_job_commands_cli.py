@@ -1,6 +1,6 @@
-"""`flightdeck pause`, `checkpoint` and `resume` against a real platform: the ranks stop stepping on a pause,
-checkpoint on request at the step they stand at, go on after a resume and complete; a job that is not running is
-told so, and nothing is appended."""
+"""`flightdeck pause`, `checkpoint`, `rollback` and `resume` against a real platform: the ranks stop stepping on a
+pause, checkpoint on request at the step they stand at, roll back while paused, go on after a resume and complete;
+a job that is not running is told so, and nothing is appended."""
 
 import asyncio
 import subprocess
@@ -20,12 +20,12 @@ from tests.integration.test_postmortem_cli import CLI
 
 __all__ = ["local_objects"]  # fixture
 
-# No checkpoint of its own (every 1000 steps of 60): the only commit is the one asked for. Paced at 1 s a step,
-# so the run outlasts the CLI calls between the resume and the rollback (a fresh interpreter each, 2-10 s on a
-# loaded CI box; at 0.5 s a step a CI run under a CPU hog saw the job complete before its rollback was sent).
+# No checkpoint of its own (every 1000 steps of 40): the only commit is the one asked for. Paced at 0.5 s a step so
+# the pause lands mid-run (one CLI call, a fresh interpreter: 2-10 s on a loaded CI box); every later command is
+# sent while the ranks are paused, so no pace can race them.
 SPEC = JobSpec(name="commanded", slots=2, model=ModelSpec(d_model=32),
-               train=TrainSpec(steps=60, checkpoint_every=1000, data="synthetic"),
-               faults=[FaultSpec(kind="slow", step=0, rank=0, seconds=1.0)])
+               train=TrainSpec(steps=40, checkpoint_every=1000, data="synthetic"),
+               faults=[FaultSpec(kind="slow", step=0, rank=0, seconds=0.5)])
 
 
 async def cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -53,13 +53,15 @@ async def test_pause_checkpoint_resume_are_obeyed_in_order(
         (commit,) = p.seen(CheckpointCommitted, job)
         assert commit.step == max(steps()) + 1 < SPEC.train.steps  # taken where the paused ranks stand
 
-        done = await cli("resume", job, "--nats", p.url)
-        assert done.returncode == 0, done.stderr
-        # an operator's rollback to that checkpoint, skipping a window of batches: the scheduler decides it
+        # an operator's rollback to that checkpoint, skipping a window of batches: the scheduler decides it, and the
+        # paused ranks obey it
         back = await cli("rollback", job, "--to-step", str(commit.step + 1000), "--skip", "1000:1003", "--nats", p.url)
         assert back.returncode == 0 and f"rollback to {commit.checkpoint_id} asked" in back.stdout, back.stderr
         await p.until(lambda: bool(p.seen(RolledBack, job, stream=subjects.TELEMETRY)), 60, "the ranks to roll back",
                       job)
+        assert max(steps()) + 1 == commit.step  # still paused: not a step since the pause
+        done = await cli("resume", job, "--nats", p.url)
+        assert done.returncode == 0, done.stderr
         (asked,) = p.seen(RollbackAsked, job)
         (decided,) = p.seen(RollbackRequested, job)
         assert (decided.checkpoint_id, decided.to_step, decided.skip_from, decided.skip_to, decided.trigger_id) == \
