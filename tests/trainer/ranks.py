@@ -95,7 +95,11 @@ def wait(procs: list[subprocess.Popen[bytes]], timeout: float) -> list[int]:
     return codes
 
 
-def run(tmp: Path, spec: Path, *, world: int, timeout: float = 50, **kw: Any) -> list[int]:
+# A hang guard, not a speed check: on CI's loaded 2-core box one rank's interpreter and torch import alone took 16 s.
+RUN_TIMEOUT_S = 180.0
+
+
+def run(tmp: Path, spec: Path, *, world: int, timeout: float = RUN_TIMEOUT_S, **kw: Any) -> list[int]:
     return wait(start(tmp, spec, world=world, **kw), timeout)
 
 

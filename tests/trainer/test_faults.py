@@ -18,7 +18,7 @@ from services.shell import broker as broker_mod
 from tests.trainer import ranks
 from trainer.faults import CRASH_EXIT_CODE, HANG_EXIT_CODE, SPIKE_BATCHES
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(300)  # hang guards: each test starts ranks (torch) on a loaded box
 
 
 def injected(log: Path) -> list[tuple[str, int, int]]:

@@ -7,7 +7,7 @@ import pytest
 
 from tests.trainer import ranks
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(300)  # hang guards: each test starts ranks (torch) on a loaded box
 
 
 def test_sigterm_saves_then_exits_zero(tmp_path: Path) -> None:

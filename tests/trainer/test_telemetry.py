@@ -191,10 +191,10 @@ os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(180)
 def test_a_dead_process_stops_heartbeating(nats_server: broker_mod.Broker) -> None:
     ensure_streams_at(nats_server.url)
-    proc = subprocess.run([sys.executable, "-c", DYING_RANK, nats_server.url], timeout=20,
+    proc = subprocess.run([sys.executable, "-c", DYING_RANK, nats_server.url], timeout=120,
                           cwd=Path(__file__).resolve().parents[2])
     assert proc.returncode == -9
     n = len(_read(nats_server.url, f"fd.tel.{JOB}.3.Heartbeat"))

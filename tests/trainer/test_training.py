@@ -24,7 +24,7 @@ def baseline(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An uninterrupted 2-rank run that checkpoints at step 15 (and 30)."""
     tmp = tmp_path_factory.mktemp("baseline")
     spec = ranks.write_spec(tmp / "job.toml", slots=2, train={"steps": STEPS, "checkpoint_every": SAVE_AT})
-    codes = ranks.run(tmp, spec, world=2, timeout=60)
+    codes = ranks.run(tmp, spec, world=2)
     assert codes == [0, 0], ranks.log_tail(tmp, 2)
     return tmp
 
@@ -55,7 +55,7 @@ def test_two_ranks_train_and_the_loss_falls(baseline: Path) -> None:
 def test_restore_continues_bitwise(baseline: Path, tmp_path: Path) -> None:
     spec = ranks.write_spec(tmp_path / "job.toml", slots=2, train={"steps": STEPS, "checkpoint_every": 1000})
     ckpt = baseline / "staging" / "job-1" / f"step-{SAVE_AT}"
-    codes = ranks.run(tmp_path, spec, world=2, job_id="job-2", args=("--restore", str(ckpt)), timeout=60)
+    codes = ranks.run(tmp_path, spec, world=2, job_id="job-2", args=("--restore", str(ckpt)))
     assert codes == [0, 0], ranks.log_tail(tmp_path, 2)
     for rank in (0, 1):
         expected = [(s, loss) for s, loss in ranks.losses(baseline / "events.jsonl", rank) if s >= SAVE_AT]
@@ -66,7 +66,7 @@ def test_restore_continues_bitwise(baseline: Path, tmp_path: Path) -> None:
 def test_reshard_two_ranks_to_one_continues_the_same_stream(baseline: Path, tmp_path: Path) -> None:
     spec = ranks.write_spec(tmp_path / "job.toml", slots=1, train={"steps": STEPS, "checkpoint_every": 1000})
     ckpt = baseline / "staging" / "job-1" / f"step-{SAVE_AT}"
-    codes = ranks.run(tmp_path, spec, world=1, job_id="job-3", args=("--restore", str(ckpt)), timeout=60)
+    codes = ranks.run(tmp_path, spec, world=1, job_id="job-3", args=("--restore", str(ckpt)))
     assert codes == [0], ranks.log_tail(tmp_path, 1)
     # The one rank sees the whole global batch: its loss is the mean of the two ranks' slice losses.
     expected = {s: v for s, v in mean_by_step(baseline / "events.jsonl", 2).items() if s >= SAVE_AT}
@@ -83,7 +83,7 @@ def test_plain_torchrun_starts_two_ranks(tmp_path: Path) -> None:
     cmd = [str(torchrun), "--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "trainer",
            "--job-id", "tr-1", "--spec", str(spec), "--device", "cpu", "--staging", str(tmp_path / "staging"),
            "--events-log", str(tmp_path / "events.jsonl")]
-    proc = subprocess.run(cmd, cwd=ranks.REPO, capture_output=True, text=True, timeout=60,
+    proc = subprocess.run(cmd, cwd=ranks.REPO, capture_output=True, text=True, timeout=ranks.RUN_TIMEOUT_S,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for rank in (0, 1):
