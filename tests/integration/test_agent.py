@@ -47,7 +47,7 @@ async def test_ranks_die_with_a_killed_agent_and_its_successor_records_them(clus
     pids = await running(c, "endless-000002")
     killed = time.monotonic()
     agent.send_signal(signal.SIGKILL)
-    await c.until(lambda: all(gone(pid) for pid in pids), 5, "the ranks to die with their agent")
+    await c.until(lambda: all(gone(pid) for pid in pids), 60, "the ranks to die with their agent")
     died_s = time.monotonic() - killed
     assert exits(c, "endless-000002", 0) == {}  # nobody was left to see them go
     c.agent()  # the same node comes back
@@ -74,7 +74,7 @@ async def test_a_terminated_agent_stops_its_ranks_and_records_their_exits_first(
     agent.send_signal(signal.SIGTERM)
     await c.until(lambda: agent.poll() is not None, 120, "the agent to stop")
     assert agent.returncode == 0
-    await c.until(lambda: len(exits(c, "endless-000003", 0)) == 2, 5, "the recorder to read the exits")
+    await c.until(lambda: len(exits(c, "endless-000003", 0)) == 2, 60, "the recorder to read the exits")
     # Recorded as killed by SIGTERM (they checkpoint and exit 0 on it): not as having finished the job.
     assert exits(c, "endless-000003", 0) == {0: -signal.SIGTERM, 1: -signal.SIGTERM}
     assert all(gone(pid) for pid in pids)
@@ -91,7 +91,7 @@ async def test_a_node_whose_self_check_fails_is_cordoned_and_gets_no_work(cluste
     kinds = [type(s.event).__name__ for s in c.control if s.stored.subject.startswith("fd.ctl.node.n2.")]
     assert kinds == ["NodeRegistered", "SelfCheckFailed", "NodeCordoned"]
     await c.submit(TINY, "tiny-000002")
-    await c.until(lambda: bool(c.seen(JobQueued, "tiny-000002")), 10, "the job to queue")
+    await c.until(lambda: bool(c.seen(JobQueued, "tiny-000002")), 60, "the job to queue")
     await asyncio.sleep(1.0)  # give the scheduler time to (wrongly) ask for slots
     assert c.seen(AllocationRequested, "tiny-000002") == [] and c.seen(AllocationGranted, "tiny-000002") == []
     assert c.seen(WorkersExited, "tiny-000002") == []
@@ -120,14 +120,14 @@ async def test_a_checkpoint_that_cannot_be_verified_is_never_loaded(cluster: Clu
     c = cluster
     spec = JobSpec(name="lost", slots=2, model=TINY.model, train=TINY.train, policy=PolicySpec(max_restarts=1))
     await c.submit(spec, "lost-000001")
-    await c.until(lambda: bool(c.seen(JobQueued, "lost-000001")), 10, "the job to queue")
+    await c.until(lambda: bool(c.seen(JobQueued, "lost-000001")), 60, "the job to queue")
     await append_to_job(c.store, CheckpointCommitted(
         job_id="lost-000001", checkpoint_id="step000000010-a0", step=10, world_size=2, uri="file:///nowhere", bytes=1,
         data=DataPosition(next_batch=10), event_id="test-commit", producer="test"))
     c.agent()
     await c.until(lambda: bool(c.seen(JobFailed, "lost-000001")), 60, "the job to fail", "lost-000001")
     # the job fails at attempt 0's first exit; the agent records the other right after it
-    await c.until(lambda: len(exits(c, "lost-000001", 0)) == 2, 10, "attempt 0's second exit", "lost-000001")
+    await c.until(lambda: len(exits(c, "lost-000001", 0)) == 2, 60, "attempt 0's second exit", "lost-000001")
     assert exits(c, "lost-000001", 0) == {0: START_FAILED_EXIT, 1: START_FAILED_EXIT}
     assert exits(c, "lost-000001", 1) == {}
     (rejected,) = c.seen(CheckpointRejected, "lost-000001")

@@ -116,7 +116,7 @@ async def test_heartbeats_stopping_is_rank_lost_and_frozen_steps_are_rank_hung(n
             async def both() -> bool:
                 return {type(f) for f in await findings(bus.store, "hm-1")} == {RankLost, RankHung}
 
-            await eventually(both, 15, "RankLost for rank 1 and RankHung for rank 2")
+            await eventually(both, 60, "RankLost for rank 1 and RankHung for rank 2")
             found = await findings(bus.store, "hm-1")
         finally:
             publisher.cancel()

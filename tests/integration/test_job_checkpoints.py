@@ -55,7 +55,7 @@ async def test_every_checkpoint_is_committed_and_retention_keeps_k(platform: Pla
     async def only_kept_in_store() -> bool:  # deletion runs after CheckpointDeleted is recorded
         return {k.split("/")[2] for k in await objects.keys(job)} == set(kept)
 
-    await c.eventually(only_kept_in_store, 15, f"the store to hold only {kept}")
+    await c.eventually(only_kept_in_store, 60, f"the store to hold only {kept}")
     assert await objects.manifests(job) == kept
     for cid in kept:
         body = await objects.manifest_bytes(job, cid)

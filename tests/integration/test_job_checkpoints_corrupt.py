@@ -79,7 +79,7 @@ async def test_a_corrupted_shard_fails_its_checkpoint_and_the_previous_one_stays
         async def nothing_of_the_failed_one() -> bool:  # its uploaded shards are removed after the failure
             return await local_objects.keys(JOB, bad) == []
 
-        await c.eventually(nothing_of_the_failed_one, 15, f"the store to hold nothing of {bad}")
+        await c.eventually(nothing_of_the_failed_one, 60, f"the store to hold nothing of {bad}")
         assert await local_objects.manifests(JOB) == [good]
         assert (Path(local_objects.url) / "checkpoints" / JOB / good / "MANIFEST.json").is_file()
 

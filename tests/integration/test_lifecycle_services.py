@@ -241,7 +241,7 @@ async def test_a_job_runs_to_completion_and_gives_its_slots_back(cluster: Cluste
     assert exits(c, "tiny-000001", 0) == {0: 0, 1: 0}
     def steps() -> list[int]:
         return sorted({e.step for e in c.seen(StepCompleted, "tiny-000001", stream=subjects.TELEMETRY)})
-    await c.until(lambda: steps() == list(range(20)), 10, "every step's telemetry")
+    await c.until(lambda: steps() == list(range(20)), 60, "every step's telemetry")
     assert all(gone(pid) for pid in c.pids("tiny-000001"))
     spec_file = c.data / "jobs" / "tiny-000001" / "spec.toml"
     assert spec_file.exists() and (c.data / "logs" / "tiny-000001-a0-r1.log").exists()
@@ -307,7 +307,7 @@ async def test_a_cancel_stops_the_ranks_and_the_job_is_cancelled(cluster: Cluste
                   60, "the cancel and the release", "endless-000001")
     assert exits(c, "endless-000001", 0) == {0: 0, 1: 0}  # they obeyed StopRequested
     assert kinds(c.job("endless-000001"))[-2:] == ["JobCancelled", "AllocationReleased"]
-    await c.until(lambda: all(gone(pid) for pid in c.pids("endless-000001")), 10, "the ranks to be gone")
+    await c.until(lambda: all(gone(pid) for pid in c.pids("endless-000001")), 60, "the ranks to be gone")
 
 
 @pytest.mark.timeout(150)
@@ -335,7 +335,7 @@ async def test_a_restart_restores_the_newest_committed_checkpoint(cluster: Clust
         assert sorted(e.rank for e in started) == [0, 1]
         assert {e.from_step for e in started} == {resumed.from_step}  # the agent restored what the scheduler chose
         cache = c.data / "cache" / "restore-000001"
-        await c.until(lambda: not cache.exists(), 10, "the agent to evict the job's cached checkpoints")
+        await c.until(lambda: not cache.exists(), 60, "the agent to evict the job's cached checkpoints")
         assert exits(c, "restore-000001", 1) == {0: 0, 1: 0}
         print("\nWorkersStarted -> RankStarted, seconds:",
               {a: round(starts(c, "restore-000001", a), 3) for a in (0, 1)})

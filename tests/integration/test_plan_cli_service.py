@@ -59,5 +59,5 @@ async def test_the_running_service_plans_a_first_grant_and_a_shrink_once_each(na
         assert found[1].new.micro_batch_size * found[1].new.grad_accum == 8  # the global batch, on one rank
     finally:
         stop.set()
-        await asyncio.wait_for(task, 15)
+        await asyncio.wait_for(task, 60)
         await store.close()

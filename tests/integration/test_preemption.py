@@ -88,7 +88,7 @@ async def test_a_preempted_job_checkpoints_yields_and_resumes_from_that_checkpoi
         return sorted({e.step for e in c.seen(StepCompleted, LOW, stream=subjects.TELEMETRY) if e.attempt == 1})
 
     # no step before the checkpoint is trained again, and none after it is skipped
-    await c.until(lambda: resumed_steps() == list(range(final, LOW_SPEC.train.steps)), 10, "attempt 1's steps")
+    await c.until(lambda: resumed_steps() == list(range(final, LOW_SPEC.train.steps)), 60, "attempt 1's steps")
     high_submitted = c.first_at(JobSubmitted, HIGH)
     at = {"low_released": c.first_at(AllocationReleased, LOW),
           "high_first_step": c.first_at(StepCompleted, HIGH, subjects.TELEMETRY),

@@ -54,7 +54,7 @@ def start(factory: Callable[[], Service[Any]], url: str, policy: ConsumerPolicy 
 
 async def stop_service(task: asyncio.Task[None], stop: asyncio.Event) -> None:
     stop.set()
-    await asyncio.wait_for(task, 15)
+    await asyncio.wait_for(task, 60)
 
 
 async def test_under_load_every_input_is_answered_exactly_once(nats_server: broker_mod.Broker) -> None:
@@ -144,7 +144,7 @@ async def test_an_input_that_kills_the_process_is_given_up_dead_lettered_and_ski
             async def recorded() -> bool:
                 return any(isinstance(d.event, DeadLettered) and d.event.seq == die.seq and "given up" in d.event.reason
                            for d in await read_all(bus.store, subjects.DEAD))
-            await eventually(recorded, 10, "the dead letter for the input the server gave up on")
+            await eventually(recorded, 60, "the dead letter for the input the server gave up on")
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(15) == 0
         finally:

@@ -219,7 +219,7 @@ async def test_a_rank_from_a_standby_is_recorded_like_a_cold_one_and_dies_with_i
     ranks = {e.rank: e for e in c.seen(RankStarted, job, stream=subjects.TELEMETRY) if e.attempt == 1}
     resumed = ranks[0].from_step
     assert ranks[1].from_step == resumed and ranks[0].world_size == ranks[1].world_size == 2
-    await c.until(lambda: rank_steps(c, job, 1, 0) == rank_steps(c, job, 1, 1) == set(range(resumed, 20)), 10,
+    await c.until(lambda: rank_steps(c, job, 1, 0) == rank_steps(c, job, 1, 1) == set(range(resumed, 20)), 60,
                   "attempt 1's steps", job)
     assert exits(c, job, 1) == {0: 0, 1: 0}
     reported = standbys_reported(c)
@@ -237,7 +237,7 @@ async def test_a_rank_from_a_standby_is_recorded_like_a_cold_one_and_dies_with_i
     assert handed(c).get(ev.pids[ev.ranks.index(0)]) == 0
     idle = standbys_started(c)[-1]
     agent.send_signal(signal.SIGKILL)
-    await c.until(lambda: all(gone(pid) for pid in [*ev.pids, idle]), 5, "ranks and standbys to die with the agent")
+    await c.until(lambda: all(gone(pid) for pid in [*ev.pids, idle]), 60, "ranks and standbys to die with the agent")
     c.agent("n1", "--standby", "0")  # the same node comes back and records them as lost, cold or warm alike
     await c.until(lambda: len(exits(c, "endless-000001", 0)) == 2, 60, "the lost ranks to be recorded")
     assert exits(c, "endless-000001", 0) == {0: -signal.SIGKILL, 1: -signal.SIGKILL}

@@ -115,7 +115,7 @@ async def fold_through_a_restart(nats_server: broker_mod.Broker) -> Run:
                 await eventually(folded(bus, len(rank.published)), 20, "every report folded")
                 await asyncio.sleep(0.3)  # a tick more: nothing is folded twice
                 stop.set()
-                await asyncio.wait_for(service, 15)
+                await asyncio.wait_for(service, 60)
                 return Run(rank, down, back, await read_all(bus.store, subjects.CONTROL),
                            await read_all(bus.store, subjects.TELEMETRY),
                            outputs_of([s async for s in replay(toy_service.build_telemetry(), bus.store)]), logs)
