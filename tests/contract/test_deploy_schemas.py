@@ -24,7 +24,7 @@ import yaml
 from services import registry
 from services.agent import bootstrap
 from services.shell.security.__main__ import build_parser
-from services.tools.console.__main__ import COMMANDS
+from services.tools.console.__main__ import commands as cli_commands
 
 ROOT = Path(__file__).resolve().parents[2]
 INFRA = ROOT / "infra"
@@ -126,7 +126,7 @@ def manifests_of_kind(kind: str) -> Iterator[tuple[str, dict[str, Any]]]:
 
 def test_every_command_is_an_entry_point_that_takes_its_flags() -> None:
     services = set(registry.names())
-    verbs = {c.name for c in COMMANDS}
+    verbs = {c.name for c in cli_commands()}
     agent_parser = argparse.ArgumentParser(prog="python -m services.agent", exit_on_error=False)
     bootstrap.add_arguments(agent_parser)
     security_parser = build_parser()

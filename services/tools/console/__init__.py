@@ -1,1 +1,1 @@
-"""The `flightdeck` command line: one module per verb, registered in __main__.COMMANDS."""
+"""The `flightdeck` command line: one module per verb, registered in __main__.VERBS."""

@@ -1,6 +1,7 @@
-"""The `flightdeck` entry point. A verb is one module exposing `COMMAND`, plus one line in COMMANDS."""
+"""The `flightdeck` entry point. A verb is one module exposing `COMMAND`, plus one line in VERBS."""
 
 import argparse
+import importlib
 import logging
 import os
 import sys
@@ -11,52 +12,48 @@ from events.store import StoreUnavailable
 from services.shell.broker import BrokerError
 from services.shell.logging import CurrentStderr
 from services.tools.cli import EXIT_ERROR, Command, UserError
-from services.tools.console import (
-    agent_cmd,
-    cancel,
-    checkpoints_cmd,
-    command_cmds,
-    down,
-    events_cmd,
-    logs_cmd,
-    plan_cmd,
-    status,
-    submit,
-    ui_cmd,
-    up,
-    watch_cmd,
-)
-from services.tools.console.export_cmd import COMMAND as EXPORT
-from services.tools.console.import_cmd import COMMAND as IMPORT
-from services.tools.console.postmortem_cmd import COMMAND as POSTMORTEM
-from services.tools.console.replay_cmd import COMMAND as REPLAY
-from services.tools.console.verify_cmd import COMMAND as VERIFY
-from services.tools.console.whatif_cmd import COMMAND as WHATIF
 
-COMMANDS: tuple[Command, ...] = (
-    up.COMMAND,
-    down.COMMAND,
-    events_cmd.COMMAND, logs_cmd.COMMAND,
-    submit.COMMAND, watch_cmd.COMMAND, status.COMMAND, cancel.COMMAND,
-    command_cmds.PAUSE, command_cmds.RESUME, command_cmds.CHECKPOINT, command_cmds.ROLLBACK, checkpoints_cmd.COMMAND,
-    agent_cmd.COMMAND,
-    plan_cmd.COMMAND,
-    REPLAY, EXPORT, IMPORT,
-    VERIFY,
-    WHATIF,
-    POSTMORTEM,
-    ui_cmd.COMMAND,
-)
+# Verb -> (module under services.tools.console, attribute), in the order `--help` lists them. Only the verb that runs
+# is imported (`flightdeck --help` imports them all): `status` need not load the dashboard's server, the node agent
+# or the postmortem's plotting, which made every command's start cost four times what its own module does.
+VERBS: dict[str, tuple[str, str]] = {
+    "up": ("up", "COMMAND"), "down": ("down", "COMMAND"),
+    "events": ("events_cmd", "COMMAND"), "logs": ("logs_cmd", "COMMAND"),
+    "submit": ("submit", "COMMAND"), "watch": ("watch_cmd", "COMMAND"), "status": ("status", "COMMAND"),
+    "cancel": ("cancel", "COMMAND"),
+    "pause": ("command_cmds", "PAUSE"), "resume": ("command_cmds", "RESUME"),
+    "checkpoint": ("command_cmds", "CHECKPOINT"), "rollback": ("command_cmds", "ROLLBACK"),
+    "checkpoints": ("checkpoints_cmd", "COMMAND"),
+    "agent": ("agent_cmd", "COMMAND"),
+    "plan": ("plan_cmd", "COMMAND"),
+    "replay": ("replay_cmd", "COMMAND"), "export": ("export_cmd", "COMMAND"), "import": ("import_cmd", "COMMAND"),
+    "verify": ("verify_cmd", "COMMAND"),
+    "whatif": ("whatif_cmd", "COMMAND"),
+    "postmortem": ("postmortem_cmd", "COMMAND"),
+    "ui": ("ui_cmd", "COMMAND"),
+}
 
 
-def parser() -> argparse.ArgumentParser:
+def command(verb: str) -> Command:
+    module, attribute = VERBS[verb]
+    found: Command = getattr(importlib.import_module(f"services.tools.console.{module}"), attribute)
+    return found
+
+
+def commands() -> tuple[Command, ...]:
+    """Every verb's command (imports them all)."""
+    return tuple(command(verb) for verb in VERBS)
+
+
+def parser(verb: str | None = None) -> argparse.ArgumentParser:
+    """The command line; with `verb` (a known one), that verb alone: the others are never imported."""
     top = argparse.ArgumentParser(prog="flightdeck", description="Flightdeck: an event-sourced control plane "
                                   "for distributed PyTorch training on NATS JetStream")
     verbs = top.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for command in COMMANDS:
-        sub = verbs.add_parser(command.name, help=command.help, description=command.help)
-        command.add_arguments(sub)
-        sub.set_defaults(run=command.run)
+    for found in (command(verb),) if verb in VERBS else commands():
+        sub = verbs.add_parser(found.name, help=found.help, description=found.help)
+        found.add_arguments(sub)
+        sub.set_defaults(run=found.run)
     return top
 
 
@@ -71,7 +68,8 @@ def configure_logging() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser(argv[0] if argv else None).parse_args(argv)
     configure_logging()
     try:
         code: int = args.run(args)
