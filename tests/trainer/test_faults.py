@@ -74,7 +74,7 @@ def test_hang_freezes_the_step_while_heartbeats_go_on(nats_server: broker_mod.Br
                             faults=[{"kind": "hang", "step": 5}])
     with ranks.started(tmp_path, spec, world=1, args=("--nats", nats_server.url)) as (proc,):
         log = tmp_path / "events.jsonl"
-        ranks.wait_for(lambda: injected(log) == [("hang", 5, 0)], 40, "the hang to start")
+        ranks.wait_for(lambda: injected(log) == [("hang", 5, 0)], ranks.RUN_TIMEOUT_S, "the hang to start")
         time.sleep(1.5)
         assert proc.poll() is None
         beats = _telemetry(nats_server.url, subjects.telemetry("job-1", 0, "Heartbeat"))

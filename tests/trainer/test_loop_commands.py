@@ -77,9 +77,9 @@ def test_commands_arrive_through_the_broker(nats_server: broker_mod.Broker, tmp_
     spec = ranks.write_spec(tmp_path / "job.toml", slots=2, train={"steps": 100_000, "checkpoint_every": 100_000})
     log = tmp_path / "events.jsonl"
     with ranks.started(tmp_path, spec, world=2, job_id=JOB, args=("--nats", ranks_url, "--sync-every", "5")) as procs:
-        ranks.wait_for(lambda: len(ranks.events(log, "StepCompleted", 1)) >= 3, 40, "steps")
+        ranks.wait_for(lambda: len(ranks.events(log, "StepCompleted", 1)) >= 3, ranks.RUN_TIMEOUT_S, "steps")
         asyncio.run(setup_and_publish("commands"))
-        assert ranks.wait(procs, 30) == [0, 0], ranks.log_tail(tmp_path, 2)
+        assert ranks.wait(procs, ranks.RUN_TIMEOUT_S) == [0, 0], ranks.log_tail(tmp_path, 2)
     staged = ranks.events(log, "CheckpointStaged")
     assert sorted(e["rank"] for e in staged) == [0, 1] and len({e["step"] for e in staged}) == 1
     stopped = {ranks.events(log, "StepCompleted", r)[-1]["step"] + 1 for r in (0, 1)}

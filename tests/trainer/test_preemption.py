@@ -14,9 +14,9 @@ def test_sigterm_saves_then_exits_zero(tmp_path: Path) -> None:
     spec = ranks.write_spec(tmp_path / "job.toml", slots=2, train={"steps": 100_000, "checkpoint_every": 100_000})
     log = tmp_path / "events.jsonl"
     with ranks.started(tmp_path, spec, world=2, args=("--sync-every", "4")) as procs:
-        ranks.wait_for(lambda: len(ranks.events(log, "StepCompleted", 1)) >= 3, 40, "steps")
+        ranks.wait_for(lambda: len(ranks.events(log, "StepCompleted", 1)) >= 3, ranks.RUN_TIMEOUT_S, "steps")
         procs[1].send_signal(signal.SIGTERM)  # one rank told is enough: the flag is agreed like a command
-        assert ranks.wait(procs, 30) == [0, 0], ranks.log_tail(tmp_path, 2)
+        assert ranks.wait(procs, ranks.RUN_TIMEOUT_S) == [0, 0], ranks.log_tail(tmp_path, 2)
     staged = ranks.events(log, "CheckpointStaged")
     assert sorted(e["rank"] for e in staged) == [0, 1]
     (step,) = {e["step"] for e in staged}
