@@ -1,6 +1,7 @@
 """One rank per process: the torch.distributed groups, and the small collective that makes every rank act on
 the same command at the same step."""
 
+import gc
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -35,7 +36,8 @@ class Dist:
         if size == 0:
             return agreed, b""
         if self.rank == 0:
-            buf = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+            # a tensor owning its bytes: one over a Python buffer needs the GIL wherever gloo frees it
+            buf = torch.frombuffer(bytearray(mine), dtype=torch.uint8).clone()
         else:
             buf = torch.empty(size, dtype=torch.uint8)
         dist.broadcast(buf, src=0, group=self.ctl_group)
@@ -48,6 +50,11 @@ class Dist:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+        # A rank that had closed cleanly once died after its exit log with SIGABRT ("terminate called without an
+        # active exception"), the mark of a C++ thread meeting a finalizing interpreter. Drop our handles too, so
+        # the gloo groups are torn down, their threads joined, while the interpreter is whole.
+        self.ctl_group = self.ckpt_group = None
+        gc.collect()
 
 
 def init(rank: int, world_size: int, local_rank: int, device: str) -> Dist:
