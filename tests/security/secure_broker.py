@@ -1,4 +1,4 @@
-"""A real nats-server running Flightdeck's generated users config (bcrypt cost 4 to keep connects cheap),
+"""A real nats-server running Flightdeck's generated users config (bcrypt at the shipped cost, 4),
 on a free port with a temp store, its streams provisioned by `admin`.
 
     from tests.security.secure_broker import SecureBroker, secure_broker   # the fixture
@@ -50,7 +50,7 @@ class SecureBroker:
         return self.root / "accounts.conf"
 
     def write_config(self) -> Path:
-        self.accounts.write_text(rendered(self.secrets, self.nodes, self.jobs, cost=4, gate=self.gate))
+        self.accounts.write_text(rendered(self.secrets, self.nodes, self.jobs, gate=self.gate))
         conf = self.root / "server.conf"
         conf.write_text(broker_mod.CONFIG.read_text() + '\ninclude "accounts.conf"\n')
         return conf

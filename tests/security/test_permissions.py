@@ -6,6 +6,7 @@ import json
 import os
 import stat
 import subprocess
+import warnings
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from events.clock import ClockTick, CoreConfigured, DeadLettered
 from services.registry import BUILTIN
 from services.shell import broker as broker_mod
 from services.shell.security import permissions, render
-from services.shell.security.__main__ import SHIPPED, shipped
+from services.shell.security.__main__ import SHIPPED, rendered, shipped
 from services.shell.security.credentials import (
     JOB_KEY_FILE,
     PASSWORD_FILE,
@@ -163,3 +164,20 @@ def test_an_agent_relays_heartbeat_batches_for_any_job_and_no_other_telemetry() 
         assert agent.may_publish(subjects.telemetry("b-000002", 8, "RankHeartbeats"))
         for forged in ("Heartbeat", "StepCompleted", "RankFault", "CheckpointStaged", "RankStarted"):
             assert not agent.may_publish(subjects.telemetry("a-000001", 0, forged)), forged
+
+
+def test_generated_passwords_are_256_random_bits_hashed_at_the_cheapest_bcrypt_cost(tmp_path: Path) -> None:
+    """The server runs bcrypt on every connect; for a 256-bit random secret the work factor buys nothing, so the
+    config holds cost-4 hashes that still verify the password (crypt(3) re-derives the same hash)."""
+    with warnings.catch_warnings():  # deprecated module (gone in 3.13): imported where used, as passwords.bcrypt does
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import crypt
+
+    secrets = SecretsDir(tmp_path / "s")
+    password = secrets.password("scheduler")
+    assert len(base64.urlsafe_b64decode(password + "=" * (-len(password) % 4))) == 32
+    text = rendered(secrets, (), ())
+    hashes = [line.split('password: "')[1].split('"')[0] for line in text.splitlines() if "$2b$" in line]
+    assert hashes and all(h.startswith("$2b$04$") for h in hashes)
+    assert any(crypt.crypt(password, h) == h for h in hashes)
+    assert not any(crypt.crypt(password + "x", h) == h for h in hashes)

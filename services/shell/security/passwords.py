@@ -21,7 +21,11 @@ from services.shell.security import natsjwt
 
 JOB_KEY = "job.key"
 ISSUER_SEED = "issuer.seed"  # the job gate's account nkey seed (gate.py)
-DEFAULT_COST = 11  # bcrypt work factor: the server checks it on every connect
+# bcrypt work factor. The server checks it on every connect and reconnect; the secrets made here are 256 random
+# bits, which no work factor makes harder to guess, while cost 11 (130 ms of CPU each) took the broker over the
+# clients' connect timeout on a loaded 2-core box: `up --listen` then failed to start. Raise it (--cost) for a
+# password a person chose.
+DEFAULT_COST = 4
 
 
 def write_private(path: Path, text: str) -> None:
