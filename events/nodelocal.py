@@ -59,6 +59,44 @@ class Assignment(msgspec.Struct, frozen=True, kw_only=True):
 
 ASSIGNMENT_ENCODER = msgspec.msgpack.Encoder()
 ASSIGNMENT_DECODER = msgspec.msgpack.Decoder(Assignment)
+
+
+# The fork server (trainer/forkserver.py) and its agent (services/agent/forkserver.py), over a SOCK_SEQPACKET pair.
+class ForkRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """Fork a child. `assignment` None: a standby (descriptors: its log, its end of a standby socket pair), which
+    then waits for an Assignment as trainer/standby.py does; else the child becomes `assignment` at once
+    (descriptor: its stdout and stderr)."""
+
+    assignment: Assignment | None = None
+
+
+class ServerReady(msgspec.Struct, frozen=True, kw_only=True, tag="ready"):
+    warmup_s: float  # the imports took this long
+
+
+class Forked(msgspec.Struct, frozen=True, kw_only=True, tag="forked"):
+    """The answer to one ForkRequest, in the order they came."""
+
+    pid: int
+
+
+class ForkRefused(msgspec.Struct, frozen=True, kw_only=True, tag="refused"):
+    """The answer to a ForkRequest the server could not read or carry out."""
+
+    reason: str
+
+
+class ChildExited(msgspec.Struct, frozen=True, kw_only=True, tag="exited"):
+    """A child ended; `code` as asyncio's returncode: the exit code, or -N for signal N. Only the fork server, its
+    parent, can read it, so the agent learns it here."""
+
+    pid: int
+    code: int
+
+
+ForkServerMessage = ServerReady | Forked | ForkRefused | ChildExited
+FORK_REQUEST_DECODER = msgspec.msgpack.Decoder(ForkRequest)
+FORK_SERVER_DECODER = msgspec.msgpack.Decoder(ForkServerMessage)
 _beat_encoder = msgspec.msgpack.Encoder()
 
 

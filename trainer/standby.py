@@ -79,23 +79,21 @@ def receive(sock: socket.socket) -> tuple[bytes, list[int], int]:
     return message, fds, flags
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m trainer.standby", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--fd", type=int, required=True, help="this end of the agent's SOCK_SEQPACKET socket pair")
-    args = p.parse_args(argv)
-    sock = socket.socket(fileno=args.fd)
-    sock.setblocking(True)
-    baseline = dict(os.environ)
+def warm_up(who: str) -> bool:
+    """Import everything a rank imports; False if that failed (the rank then starts cold and shows why)."""
     started = time.perf_counter()
     try:
         for name in WARM_MODULES:
             importlib.import_module(name)
-        warm = True
-        print(f"standby {os.getpid()} ready: imports took {time.perf_counter() - started:.2f}s", flush=True)
-    except Exception:  # the rank starts cold instead, and shows the failure in its own log if it is real
+    except Exception:
         traceback.print_exc()
-        warm = False
+        return False
+    print(f"{who} {os.getpid()} ready: imports took {time.perf_counter() - started:.2f}s", flush=True)
+    return True
+
+
+def wait_and_become(sock: socket.socket, baseline: dict[str, str], warm: bool) -> int:
+    """Say READY on `sock`, wait for the one assignment, and become that rank (the code it exits with)."""
     with contextlib.suppress(OSError):  # an assignment sent before we were ready closed the agent's end already
         sock.sendall(READY)
     try:
@@ -110,6 +108,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"standby {os.getpid()}: assignment truncated or with {len(fds)} descriptors, not 1", file=sys.stderr)
         return 2
     return become(ASSIGNMENT_DECODER.decode(message), fds[0], baseline, warm)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m trainer.standby", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--fd", type=int, required=True, help="this end of the agent's SOCK_SEQPACKET socket pair")
+    args = p.parse_args(argv)
+    sock = socket.socket(fileno=args.fd)
+    sock.setblocking(True)
+    baseline = dict(os.environ)
+    return wait_and_become(sock, baseline, warm_up("standby"))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from events.nodelocal import Assignment
+from services.agent.forkserver import ForkServer, ForkServerGone
 from services.agent.launch import REPO
 
 DEFAULT_CPU_SLOTS = 2
@@ -89,16 +91,23 @@ class Verdict:
     detail: str  # devices when it passed, the reason when it failed
 
 
-async def selfcheck(python: str, inv: Inventory, timeout_s: float) -> Verdict:
-    """`python -m trainer.selfcheck` (matmul with a known answer, all-reduce across the slots) in its own session."""
+async def selfcheck(python: str, inv: Inventory, timeout_s: float, forks: ForkServer | None = None) -> Verdict:
+    """`python -m trainer.selfcheck` (matmul with a known answer, all-reduce across the slots) in its own session:
+    forked from the node's fork server when it has one (torch imported once), else started cold."""
     started = time.perf_counter()
-    proc = await asyncio.create_subprocess_exec(
-        python, "-m", "trainer.selfcheck", "--slots", str(inv.slots),
-        "--device", "cuda" if inv.kind == "gpu" else "cpu",
-        cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True)
+    argv = [python, "-m", "trainer.selfcheck", "--slots", str(inv.slots), "--device",
+            "cuda" if inv.kind == "gpu" else "cpu"]
     try:
-        out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
+        if forks is not None and await asyncio.wait_for(forks.wait_ready(), timeout_s):
+            with contextlib.suppress(ForkServerGone):  # then cold
+                return await _forked_selfcheck(forks, argv, started, timeout_s)
+        proc = await asyncio.create_subprocess_exec(
+            *argv, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True)
+    except TimeoutError:
+        return Verdict(False, time.perf_counter() - started, f"self-check did not finish in {timeout_s:g}s")
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), max(timeout_s - (time.perf_counter() - started), 0))
     except (TimeoutError, asyncio.CancelledError) as exc:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)  # the check's own worker processes too
@@ -106,15 +115,59 @@ async def selfcheck(python: str, inv: Inventory, timeout_s: float) -> Verdict:
         if isinstance(exc, asyncio.CancelledError):
             raise
         return Verdict(False, time.perf_counter() - started, f"self-check did not finish in {timeout_s:g}s")
-    seconds = time.perf_counter() - started
+    return _verdict(proc.returncode, out, err, time.perf_counter() - started)
+
+
+async def _forked_selfcheck(forks: ForkServer, argv: list[str], started: float, timeout_s: float) -> Verdict:
+    """The self-check as a child of the fork server, its output (stdout and stderr together) through a pipe."""
+    read_end, write_end = os.pipe()
+    try:
+        proc = await forks.run(Assignment(argv=argv, env=forks.env, cwd=str(forks.cwd)), write_end)
+    except BaseException:
+        os.close(read_end)
+        raise
+    finally:
+        os.close(write_end)
+
+    async def collect() -> bytes:
+        out = await asyncio.to_thread(_read_all, read_end)  # EOF once the check and its workers are gone
+        await proc.wait()
+        return out
+
+    try:
+        out = await asyncio.wait_for(collect(), max(timeout_s - (time.perf_counter() - started), 0))
+    except (TimeoutError, asyncio.CancelledError) as exc:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the check's own worker processes too
+        await proc.wait()
+        if isinstance(exc, asyncio.CancelledError):
+            raise
+        return Verdict(False, time.perf_counter() - started, f"self-check did not finish in {timeout_s:g}s")
+    return _verdict(proc.returncode, out, out, time.perf_counter() - started)
+
+
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    try:
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+    return b"".join(chunks)
+
+
+def _verdict(code: int | None, out: bytes, err: bytes, seconds: float) -> Verdict:
+    """The check's last line is its JSON verdict; without one, the end of what it printed says why."""
     lines = out.decode(errors="replace").strip().splitlines()
     try:
         result: dict[str, Any] = json.loads(lines[-1]) if lines else {}
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, TypeError):
         result = {}
-    if proc.returncode == 0 and result.get("ok") is True:
+    if not isinstance(result, dict):
+        result = {}
+    if code == 0 and result.get("ok") is True:
         # seconds: the whole check as the node waited for it (interpreter and torch start included)
         devices = ", ".join(result.get("devices", []))
         return Verdict(True, seconds, f"devices: {devices}; checks took {result.get('seconds', '?')}s")
     reason = str(result.get("reason") or err.decode(errors="replace").strip()[-2000:] or "no verdict printed")
-    return Verdict(False, seconds, f"exit code {proc.returncode}: {reason}")
+    return Verdict(False, seconds, f"exit code {code}: {reason}")

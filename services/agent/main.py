@@ -28,6 +28,7 @@ from events.store import EventStore
 from events.streams import ServerTooOld
 from services.agent import core as agentcore
 from services.agent.beats import BeatRelay, new_address, store_publisher
+from services.agent.forkserver import ForkServer
 from services.agent.inventory import (
     AgentError,
     Device,
@@ -60,8 +61,10 @@ def kill_if_rank(pid: int, job_id: str) -> None:
     with contextlib.suppress(OSError):
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         cold = b"trainer" in cmdline and job_id.encode() in cmdline
-        # A rank started by a standby keeps the standby's command line; its stdout is the rank's log.
-        log_name = Path(os.readlink(f"/proc/{pid}/fd/1")).name if b"trainer.standby" in cmdline else ""
+        # A rank started by a standby keeps the standby's command line (or the fork server's, which forked it); its
+        # stdout is the rank's log.
+        standby = b"trainer.standby" in cmdline or b"trainer.forkserver" in cmdline
+        log_name = Path(os.readlink(f"/proc/{pid}/fd/1")).name if standby else ""
         warm = re.fullmatch(rf"{re.escape(job_id)}-a\d+-r\d+\.log", log_name) is not None
         if cold or warm:
             os.kill(pid, signal.SIGKILL)
@@ -144,11 +147,16 @@ async def run_agent(options: AgentOptions, stop_event: asyncio.Event | None = No
     # is known lost) leaves a warm one for the next while the replacements still import torch.
     standbys = inv.slots + 1 if wanted is None else wanted
     python = sys.executable
-    verdict_task = asyncio.create_task(selfcheck(python, inv, selfcheck_timeout_s))
+    # The standbys and the self-check are forked from one warm process: torch is imported once on this node.
+    forks = ForkServer(python=python, env=standby_env(), cwd=REPO, log_file=Paths(root).standby_log,
+                       preexec=die_with_agent(os.getpid())) if standbys > 0 else None
+    verdict_task = asyncio.create_task(selfcheck(python, inv, selfcheck_timeout_s, forks))
     conn = Connection(producer)
     store = await conn.open(url, stop)
     if store is None:
         verdict_task.cancel()
+        if forks is not None:
+            await forks.close()
         return 0
     code = 0
     pool: StandbyPool | None = None
@@ -161,7 +169,8 @@ async def run_agent(options: AgentOptions, stop_event: asyncio.Event | None = No
                             beats=beats,
                             step_reports=step_reports)
             pool = StandbyPool(size=standbys, python=python, env=standby_env(), cwd=REPO,
-                               log_file=Paths(root).standby_log, preexec=die_with_agent(os.getpid()), producer=producer)
+                               log_file=Paths(root).standby_log, preexec=die_with_agent(os.getpid()), producer=producer,
+                               forks=forks)
             spawner = Spawner(node=node, producer=producer, store=store, objects=objs, paths=Paths(root), launch=launch,
                               standbys=pool if pool.size > 0 else None)
             if beats:
@@ -211,6 +220,8 @@ async def run_agent(options: AgentOptions, stop_event: asyncio.Event | None = No
         if pool is not None:
             pool.on_change = lambda: None  # closing: nothing more to tell
             await pool.close()
+        if forks is not None:
+            await forks.close()  # the pool closed it, unless it was never made
         if view is not None:
             await view.close()
         if relay is not None:

@@ -8,7 +8,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
@@ -19,12 +19,24 @@ from services.shell.connection import TRANSIENT
 log = structlog.get_logger("flightdeck.agent")
 
 
+class Proc(Protocol):
+    """What the agent uses of a process it runs: an asyncio subprocess, or one its fork server forked."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    async def wait(self) -> int: ...
+
+
 @dataclass(eq=False)
 class RankProc:
     job_id: str
     attempt: int
     ref: SlotRef
-    proc: asyncio.subprocess.Process
+    proc: Proc
     cause: str  # the grant's event id
     restore: Restore | None = None  # the checkpoint it was started to load
     shutdown: bool = False  # stopped because the agent is going away, not because the job let it go

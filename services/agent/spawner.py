@@ -39,7 +39,7 @@ from services.agent.core import (
 from services.agent.exits import ExitRecorder
 from services.agent.launch import REPO, Launch, Paths, detached, die_with_agent, rank_base_env
 from services.agent.output import OutputPump, store_publisher
-from services.agent.rankproc import RankProc, last_lines, retrying, runnable_problem, signal_rank
+from services.agent.rankproc import Proc, RankProc, last_lines, retrying, runnable_problem, signal_rank
 from services.agent.shipping import Shipper
 from services.agent.standbys import StandbyPool
 from services.core import EffectHandler, Emit
@@ -254,7 +254,7 @@ class Spawner:
             going.set_result(None)
 
     def _hand_to_standby(self, cmd: list[str], env: dict[str, str], cwd: Path, log_fd: int,
-                         rank: int) -> asyncio.subprocess.Process | None:
+                         rank: int) -> Proc | None:
         """The rank started by a warm standby (standbys.py), or None: start it cold."""
         while self.standbys is not None and (standby := self.standbys.take()) is not None:
             if self.standbys.assign(standby, cmd, env, cwd, log_fd):

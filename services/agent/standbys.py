@@ -17,6 +17,8 @@ from pathlib import Path
 import structlog
 
 from events.nodelocal import ASSIGNMENT_ENCODER, READY, Assignment
+from services.agent.forkserver import ForkedProc, ForkServer, ForkServerGone
+from services.agent.rankproc import Proc
 
 log = structlog.get_logger("flightdeck.agent")
 
@@ -25,7 +27,7 @@ MAX_BACKOFF_S = 60.0
 
 @dataclass(eq=False)
 class Standby:
-    proc: asyncio.subprocess.Process
+    proc: Proc  # forked by the fork server, or started cold
     sock: socket.socket  # the agent's end of the pair
     started: float  # time.monotonic()
     ready: bool = False
@@ -35,8 +37,10 @@ class Standby:
 
 class StandbyPool:
     def __init__(self, *, size: int, python: str, env: dict[str, str], cwd: Path, log_file: Path,
-                 preexec: Callable[[], None], producer: str, refill_delay_s: float = 1.0) -> None:
+                 preexec: Callable[[], None], producer: str, refill_delay_s: float = 1.0,
+                 forks: ForkServer | None = None) -> None:
         self.size, self.python, self.env, self.cwd, self.log_file = size, python, env, cwd, log_file
+        self.forks = forks  # standbys are forked from it once it is warm; started cold without it
         self.producer = producer
         self.preexec, self.refill_delay_s = preexec, refill_delay_s
         self.idle: list[Standby] = []
@@ -53,6 +57,8 @@ class StandbyPool:
 
     def start(self) -> None:
         """Fill the pool now (in the background)."""
+        if self.forks is not None:
+            self.forks.start()
         self._schedule(0.0)
 
     def take(self) -> Standby | None:
@@ -107,6 +113,8 @@ class StandbyPool:
             s.sock.close()
         await asyncio.gather(*(s.proc.wait() for s in self.idle), return_exceptions=True)
         self.idle.clear()
+        if self.forks is not None:
+            await self.forks.close()
         self.on_change()
 
     # -- filling -------------------------------------------------------------------------------------------
@@ -139,15 +147,21 @@ class StandbyPool:
         return min(MAX_BACKOFF_S, max(1.0, self.refill_delay_s) * 2 ** min(self.failures, 6))
 
     async def _start_one(self) -> Standby:
+        forked = self.forks is not None and await self.forks.wait_ready()
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self.log_file.parent.mkdir(parents=True, exist_ok=True)
             out = os.open(self.log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             try:
-                proc = await asyncio.create_subprocess_exec(
-                    self.python, "-m", "trainer.standby", "--fd", str(theirs.fileno()), cwd=self.cwd, env=self.env,
-                    stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT,
-                    start_new_session=True, preexec_fn=self.preexec, pass_fds=(theirs.fileno(),))
+                proc: Proc | None = None
+                if forked and self.forks is not None:
+                    with contextlib.suppress(ForkServerGone):  # then cold, as without a fork server
+                        proc = await self.forks.standby(out, theirs.fileno())
+                if proc is None:
+                    proc = await asyncio.create_subprocess_exec(
+                        self.python, "-m", "trainer.standby", "--fd", str(theirs.fileno()), cwd=self.cwd,
+                        env=self.env, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT,
+                        start_new_session=True, preexec_fn=self.preexec, pass_fds=(theirs.fileno(),))
             finally:
                 os.close(out)
         except BaseException:
@@ -158,7 +172,8 @@ class StandbyPool:
         mine.setblocking(False)
         s = Standby(proc=proc, sock=mine, started=time.monotonic())
         s.tasks = [asyncio.create_task(self._await_ready(s)), asyncio.create_task(self._watch(s))]
-        log.info("standby started", pid=proc.pid, pool=len(self.idle) + 1, size=self.size)
+        log.info("standby started", pid=proc.pid, pool=len(self.idle) + 1, size=self.size,
+                 forked=isinstance(proc, ForkedProc))
         return s
 
     async def _await_ready(self, s: Standby) -> None:

@@ -21,6 +21,7 @@ from events.fleet import NodeHeartbeat
 from events.job import JobCompleted, WorkersStarted
 from events.spec import FaultSpec, JobSpec
 from events.training import RankStarted, StepCompleted
+from services.agent.forkserver import ForkedProc, ForkServer
 from services.agent.launch import REPO, die_with_agent, standby_env
 from services.agent.main import STANDBY_ENV, kill_if_rank
 from services.agent.standbys import Standby, StandbyPool
@@ -30,10 +31,14 @@ __all__ = ["cluster"]  # the fixture, shared with the lifecycle tests
 CRASH_EXIT_CODE = 3  # trainer/faults.py (the test does not import the trainer: it would import torch)
 
 
-@pytest.fixture
-async def pool(tmp_path: Path) -> AsyncIterator[StandbyPool]:
-    p = StandbyPool(size=1, python=sys.executable, env=standby_env(), cwd=REPO, log_file=tmp_path / "standby.log",
-                    preexec=die_with_agent(os.getpid()), producer="test", refill_delay_s=0.0)
+@pytest.fixture(params=["cold", "forked"])
+async def pool(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[StandbyPool]:
+    """Standbys started as processes of their own, or forked by a fork server (what an agent with standbys runs)."""
+    env, log = standby_env(), tmp_path / "standby.log"
+    forks = ForkServer(python=sys.executable, env=env, cwd=REPO, log_file=log, preexec=die_with_agent(os.getpid())) \
+        if request.param == "forked" else None
+    p = StandbyPool(size=1, python=sys.executable, env=env, cwd=REPO, log_file=log,
+                    preexec=die_with_agent(os.getpid()), producer="test", refill_delay_s=0.0, forks=forks)
     try:
         yield p
     finally:
@@ -41,11 +46,13 @@ async def pool(tmp_path: Path) -> AsyncIterator[StandbyPool]:
 
 
 async def ready_one(p: StandbyPool, *, besides: tuple[Standby, ...] = (), within: float = 90.0) -> Standby:
-    """The pool's idle standby once it is ready, waiting past those in `besides` (taken, or killed)."""
+    """The pool's idle standby once it is ready, waiting past those in `besides` (taken, or killed); forked when
+    the pool has a fork server."""
     deadline = time.monotonic() + within
     while not (p.idle and p.idle[0].ready and p.idle[0] not in besides):
         assert time.monotonic() < deadline, "no standby became ready"
         await asyncio.sleep(0.1)
+    assert isinstance(p.idle[0].proc, ForkedProc) == (p.forks is not None)
     return p.idle[0]
 
 
@@ -104,7 +111,7 @@ async def test_a_standby_runs_its_assignment_warm_or_cold_in_place_and_a_dead_on
     kill_if_rank(fourth.proc.pid, "orphan-000001")
     async with asyncio.timeout(10):
         assert await fourth.proc.wait() == -signal.SIGKILL
-    # Closing the pool kills the idle standby (here still warming up).
+    # Closing the pool kills the idle standby (a cold one still warming up, perhaps).
     deadline = time.monotonic() + 10
     while not pool.idle:
         assert time.monotonic() < deadline, "the pool did not refill"
@@ -236,8 +243,10 @@ async def test_a_rank_from_a_standby_is_recorded_like_a_cold_one_and_dies_with_i
     (ev,) = c.seen(WorkersStarted, "endless-000001")
     assert handed(c).get(ev.pids[ev.ranks.index(0)]) == 0
     idle = standbys_started(c)[-1]
+    (server,) = [int(str(r["pid"])) for r in agent_log(c) if r["event"] == "fork server started"]
     agent.send_signal(signal.SIGKILL)
-    await c.until(lambda: all(gone(pid) for pid in [*ev.pids, idle]), 60, "ranks and standbys to die with the agent")
+    await c.until(lambda: all(gone(pid) for pid in [*ev.pids, idle, server]), 60,
+                  "ranks, standbys and the fork server to die with the agent")
     c.agent("n1", "--standby", "0")  # the same node comes back and records them as lost, cold or warm alike
     await c.until(lambda: len(exits(c, "endless-000001", 0)) == 2, 60, "the lost ranks to be recorded")
     assert exits(c, "endless-000001", 0) == {0: -signal.SIGKILL, 1: -signal.SIGKILL}
