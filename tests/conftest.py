@@ -12,14 +12,9 @@ import pytest
 from events.streams import ensure_streams
 from services.shell import broker as broker_mod
 
-STANDBY_ENV = "FLIGHTDECK_STANDBY"  # services.agent.main.STANDBY_ENV (not imported: it pulls in the agent)
-
-# Node agents the tests start (as processes, which inherit this, or in-process) keep no warm standby ranks unless a
-# test asks for them (`--standby N`, or this variable in the agent's environment): each standby imports torch, about
-# 10 CPU-seconds on a 2-core box at every start and refill, which most tests never use and all of them wait behind.
-# Tests about standbys or restart speed (test_standby.py, the demo) ask explicitly; set it yourself to run every
-# test with standbys.
-os.environ.setdefault(STANDBY_ENV, "0")
+# Node agents the tests start keep the product's default of warm standby ranks (one per slot and one more), forked
+# from the node's fork server: torch is imported once per agent, not once per rank and self-check, which was most
+# of the suite's CPU on a 2-core box. FLIGHTDECK_STANDBY=0 runs every test with cold ranks instead.
 
 # Where `flightdeck up` notes its data dir for `down --nats`: the tests' ups go in an index of their own, not the
 # user's (~/.local/state/flightdeck/up).

@@ -134,7 +134,7 @@ async def assert_verified(p: Platform, job_id: str) -> None:
 
 async def start_two_nodes(p: Platform, *extra: str) -> None:
     """Agents n1 and n2, one CPU slot each, each with its own data dir as on two hosts; `extra` agent flags (e.g.
-    `--standby 1`: the tests keep no standbys unless asked, tests/conftest.py)."""
+    `--standby 1`)."""
     p.agent("n1", "--slots", "1", "--grace-s", "2", *extra)
     p.agent("n2", "--slots", "1", "--grace-s", "2", "--data-dir", str(p.root / "data-n2"), *extra)
     await p.ready("n1")

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from services.tools.console import upstate
-from tests.conftest import STANDBY_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
+STANDBY_ENV = "FLIGHTDECK_STANDBY"  # services.agent.main's (not imported: it pulls in the agent)
 TIMEOUT_S = 300  # the job takes about a minute on an idle 2-core box; the rest is slack for a busy one
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(TIMEOUT_S + 150)]
@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(TIMEOUT_S + 150)]
 def run_demo(data_dir: Path, log: Path) -> tuple[int, str]:
     """The demo's exit code and output. On a timeout it is terminated (it then stops what it started), and
     `down` runs in any case, so no broker or rank outlives the test."""
-    # As `make demo` runs: one warm standby per slot (the tests' default of none, tests/conftest.py, is dropped).
+    # As `make demo` runs: the agents' default of warm standbys, whatever the suite was told (tests/conftest.py).
     env = {k: v for k, v in os.environ.items() if k != STANDBY_ENV}
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "services.tools.console.demo", "--data-dir", str(data_dir),

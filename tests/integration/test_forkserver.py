@@ -8,7 +8,8 @@ import asyncio
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -46,7 +47,8 @@ async def run(forks: ForkServer, argv: list[str], log: Path, cwd: Path = REPO, *
 
 
 async def test_the_self_check_is_forked_from_the_fork_server_and_its_verdict_stands(forks: ForkServer) -> None:
-    ok = await selfcheck(sys.executable, Inventory(kind="cpu", slots=2, devices=["cpu", "cpu"], memory_gb=0.0), 120, forks)
+    cpu = Inventory(kind="cpu", slots=2, devices=["cpu", "cpu"], memory_gb=0.0)
+    ok = await selfcheck(sys.executable, cpu, 120, forks)
     assert ok.ok and ok.detail.startswith("devices: cpu, cpu;"), ok
     assert forks.forked == 1
     # A GPU node without the GPUs it claims (this box has none): the check fails and says why, forked all the same.
@@ -105,9 +107,7 @@ async def test_the_children_of_a_killed_fork_server_die_with_it_and_the_pool_goe
         pool.start()
         assert await asyncio.wait_for(forks.wait_ready(), 120), log.read_text()
         sleeper = await asyncio.wait_for(_sleeper(forks, tmp_path), 60)
-        async with asyncio.timeout(60):
-            while not (pool.idle and pool.idle[0].ready):
-                await asyncio.sleep(0.05)
+        await until(lambda: bool(pool.idle and pool.idle[0].ready), 60, "a forked standby")
         idle = pool.idle[0]
         assert isinstance(idle.proc, ForkedProc)
         assert forks.proc is not None
@@ -119,12 +119,17 @@ async def test_the_children_of_a_killed_fork_server_die_with_it_and_the_pool_goe
         with pytest.raises(ForkServerGone):
             await forks.run(Assignment(argv=[sys.executable, "-c", "pass"], env=forks.env, cwd=str(REPO)), 1)
         # The pool replaces its dead standby with one started cold (the agent's own child).
-        async with asyncio.timeout(120):
-            while not (pool.idle and pool.idle[0].ready and pool.idle[0] is not idle):
-                await asyncio.sleep(0.1)
+        await until(lambda: bool(pool.idle and pool.idle[0].ready and pool.idle[0] is not idle), 120, "a cold one")
         assert isinstance(pool.idle[0].proc, asyncio.subprocess.Process)
     finally:
         await pool.close()
+
+
+async def until(done: Callable[[], bool], within: float, what: str) -> None:
+    deadline = time.monotonic() + within
+    while not done():
+        assert time.monotonic() < deadline, f"no {what} in {within:g}s"
+        await asyncio.sleep(0.05)
 
 
 async def _sleeper(forks: ForkServer, tmp_path: Path) -> ForkedProc:
