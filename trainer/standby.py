@@ -14,6 +14,8 @@ import socket
 import sys
 import time
 import traceback
+from collections.abc import Callable
+from types import TracebackType
 
 from events.nodelocal import ASSIGNMENT_DECODER, LATE_ENV, MAX_MESSAGE, OWN_ENV_PREFIX, READY, Assignment
 
@@ -56,6 +58,7 @@ def become(a: Assignment, log_fd: int, baseline: dict[str, str], warm: bool) -> 
         os.execve(a.argv[0], a.argv, a.env)
     os.environ.clear()
     os.environ.update(a.env)
+    sys.excepthook = from_the_script(sys.excepthook)
     kind, name = target
     if kind == "module":
         sys.argv = [a.argv[0], *a.argv[3:]]  # runpy puts the module's file in sys.argv[0], as `python -m` does
@@ -66,6 +69,28 @@ def become(a: Assignment, log_fd: int, baseline: dict[str, str], warm: bool) -> 
         sys.path[0] = os.path.dirname(os.path.realpath(name))
         runpy.run_path(name, run_name="__main__")
     return 0  # a script that returns without sys.exit() ends like `python` would: 0
+
+
+# The frames above a warm rank's own code: its traceback starts at its code, as a cold start's does.
+_LAUNCHERS = frozenset({"<frozen runpy>", os.path.realpath(runpy.__file__), os.path.realpath(__file__),
+                        os.path.join(os.path.dirname(os.path.realpath(__file__)), "forkserver.py")})
+
+
+def from_the_script(hook: Callable[[type[BaseException], BaseException, TracebackType | None], object]) \
+        -> Callable[[type[BaseException], BaseException, TracebackType | None], None]:
+    """`hook` shown only the frames from the rank's code on: without the standby's and runpy's frames, which a
+    cold `python train.py` never had (they pushed the rank's last printed lines out of its exit's cause)."""
+    def excepthook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+        start = tb
+        while start is not None and _launcher(start.tb_frame.f_code.co_filename):
+            start = start.tb_next
+        start = start if start is not None else tb
+        hook(kind, value.with_traceback(start), start)  # the default hook shows the exception's own traceback
+    return excepthook
+
+
+def _launcher(filename: str) -> bool:
+    return filename in _LAUNCHERS or os.path.realpath(filename) in _LAUNCHERS
 
 
 def receive(sock: socket.socket) -> tuple[bytes, list[int], int]:

@@ -147,9 +147,11 @@ async def run_agent(options: AgentOptions, stop_event: asyncio.Event | None = No
     # is known lost) leaves a warm one for the next while the replacements still import torch.
     standbys = inv.slots + 1 if wanted is None else wanted
     python = sys.executable
-    # The standbys and the self-check are forked from one warm process: torch is imported once on this node.
+    # The standbys and the self-check are forked from one warm process: torch is imported once on this node. Not on
+    # GPU nodes yet: a child forked after anything initialised the CUDA driver has no CUDA, and no GPU has shown
+    # that the imports never do; their standbys start cold, as before.
     forks = ForkServer(python=python, env=standby_env(), cwd=REPO, log_file=Paths(root).standby_log,
-                       preexec=die_with_agent(os.getpid())) if standbys > 0 else None
+                       preexec=die_with_agent(os.getpid())) if standbys > 0 and inv.kind == "cpu" else None
     verdict_task = asyncio.create_task(selfcheck(python, inv, selfcheck_timeout_s, forks))
     conn = Connection(producer)
     store = await conn.open(url, stop)
@@ -195,6 +197,8 @@ async def run_agent(options: AgentOptions, stop_event: asyncio.Event | None = No
             if not verdict.ok:  # cordoned: it gets no ranks
                 await pool.close()
                 spawner.standbys = None
+                if forks is not None:
+                    await forks.close()
             elif pool.size > 0:  # the fleet sees its warm standbys (the dashboard's fleet view)
                 view = NodeView(store, node, producer, inv.slots, busy=lambda: len(spawner.pids),
                                 standbys=lambda: pool.ready if pool is not None else 0)
@@ -221,7 +225,7 @@ async def run_agent(options: AgentOptions, stop_event: asyncio.Event | None = No
             pool.on_change = lambda: None  # closing: nothing more to tell
             await pool.close()
         if forks is not None:
-            await forks.close()  # the pool closed it, unless it was never made
+            await forks.close()  # last: the ranks it forked are stopped (spawner.shutdown) or die with it
         if view is not None:
             await view.close()
         if relay is not None:

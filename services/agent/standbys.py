@@ -102,7 +102,7 @@ class StandbyPool:
         return True
 
     async def close(self) -> None:
-        """Kill the idle standbys (they hold nothing) and stop refilling."""
+        """Kill the idle standbys (they hold nothing) and stop refilling; the fork server is left to its owner."""
         self.closed = True
         if self.refill is not None:
             self.refill.cancel()
@@ -113,9 +113,7 @@ class StandbyPool:
             s.sock.close()
         await asyncio.gather(*(s.proc.wait() for s in self.idle), return_exceptions=True)
         self.idle.clear()
-        if self.forks is not None:
-            await self.forks.close()
-        self.on_change()
+        self.on_change()  # the fork server stays: ranks it forked may still be stopping (its owner closes it last)
 
     # -- filling -------------------------------------------------------------------------------------------
 

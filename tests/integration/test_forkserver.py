@@ -79,6 +79,16 @@ async def test_a_forked_child_ends_as_python_would_end_it(forks: ForkServer, tmp
     draws = [line for log in ("r0.log", "r1.log") for line in (tmp_path / log).read_text().splitlines()
              if line.startswith("random ")]
     assert len(draws) == 2 and draws[0] != draws[1], draws
+    # An uncaught exception: exit 1, and its traceback starts at the script, as a cold `python train.py` prints it
+    # (the fork server's, the standby's and runpy's frames above it are not shown).
+    failing = tmp_path / "fail.py"
+    failing.write_text("def boom():\n    raise RuntimeError('boom')\n\nboom()\n")
+    _, code = await run(forks, [sys.executable, str(failing)], tmp_path / "fail.log", cwd=tmp_path)
+    shown = (tmp_path / "fail.log").read_text().splitlines()
+    assert code == 1 and shown == ["Traceback (most recent call last):",
+                                   f'  File "{failing}", line 4, in <module>', "    boom()",
+                                   f'  File "{failing}", line 2, in boom', "    raise RuntimeError('boom')",
+                                   "RuntimeError: boom"], shown
     # Killed by a signal: -N, as asyncio reports a process it started.
     _, code = await run(forks, [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"],
                         tmp_path / "term.log")
@@ -123,6 +133,7 @@ async def test_the_children_of_a_killed_fork_server_die_with_it_and_the_pool_goe
         assert isinstance(pool.idle[0].proc, asyncio.subprocess.Process)
     finally:
         await pool.close()
+        await forks.close()
 
 
 async def until(done: Callable[[], bool], within: float, what: str) -> None:

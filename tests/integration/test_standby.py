@@ -43,6 +43,8 @@ async def pool(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[
         yield p
     finally:
         await p.close()
+        if forks is not None:
+            await forks.close()
 
 
 async def ready_one(p: StandbyPool, *, besides: tuple[Standby, ...] = (), within: float = 90.0) -> Standby:
