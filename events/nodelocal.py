@@ -71,7 +71,11 @@ class ForkRequest(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ServerReady(msgspec.Struct, frozen=True, kw_only=True, tag="ready"):
-    warmup_s: float  # the imports took this long
+    """Sent twice: once torch is in (`complete` false: a self-check can be forked), then once all a rank imports
+    is in (standbys can be forked)."""
+
+    warmup_s: float  # the imports so far took this long
+    complete: bool
 
 
 class Forked(msgspec.Struct, frozen=True, kw_only=True, tag="forked"):

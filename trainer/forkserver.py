@@ -15,6 +15,7 @@ Why it works this way: docs/internals.md, "7. The node agent and the ranks it ru
 import argparse
 import contextlib
 import ctypes
+import importlib
 import os
 import select
 import signal
@@ -36,9 +37,12 @@ from events.nodelocal import (
     ForkServerMessage,
     ServerReady,
 )
-from trainer.standby import become, wait_and_become, warm_up
+from trainer.standby import WARM_MODULES, become, wait_and_become, warm_up
 
 PR_SET_PDEATHSIG = 1
+# What the node's self-check needs (trainer/selfcheck.py): the server says so once these are in, and forks the
+# check while it imports the rest, so the node registers as soon as it did with a check started cold.
+BASE_MODULES = ("torch", "torch.distributed", "torch.multiprocessing")
 _encoder = msgspec.msgpack.Encoder()
 
 
@@ -54,24 +58,35 @@ def send(sock: socket.socket, message: ForkServerMessage) -> None:
     sock.sendall(_encoder.encode(message))
 
 
-def serve(sock: socket.socket, baseline: dict[str, str]) -> int | Child:
-    """Fork on request until the agent closes its end; returns 0 then, or in a child the Child to run."""
-    children: dict[int, int] = {}  # a child's pidfd -> its pid
-    server = os.getpid()
-    poll = select.poll()
-    poll.register(sock, select.POLLIN)
-    while True:
-        readable = {fd for fd, _ in poll.poll()}
-        for fd in readable & children.keys():  # a child ended: reap it, and tell the agent how
-            pid = children.pop(fd)
-            poll.unregister(fd)
+class Server:
+    """The loop: fork on request, reap and report children."""
+
+    def __init__(self, sock: socket.socket, baseline: dict[str, str]) -> None:
+        self.sock, self.baseline = sock, baseline
+        self.children: dict[int, int] = {}  # a child's pidfd -> its pid
+        self.pid = os.getpid()
+        self.poll = select.poll()
+        self.poll.register(sock, select.POLLIN)
+
+    def serve(self) -> int | Child:
+        """Until the agent closes its end: 0 then, or in a forked child the Child to run."""
+        while (result := self.step(None)) is None:
+            pass
+        return result
+
+    def step(self, timeout_ms: int | None) -> int | Child | None:
+        """Handle what is ready within `timeout_ms` (None: wait); None to go on, else what `serve` returns."""
+        readable = {fd for fd, _ in self.poll.poll(timeout_ms)}
+        for fd in readable & self.children.keys():  # a child ended: reap it, and tell the agent how
+            pid = self.children.pop(fd)
+            self.poll.unregister(fd)
             os.close(fd)
             _, status = os.waitpid(pid, 0)
-            send(sock, ChildExited(pid=pid, code=os.waitstatus_to_exitcode(status)))
-        if sock.fileno() not in readable:
-            continue
+            send(self.sock, ChildExited(pid=pid, code=os.waitstatus_to_exitcode(status)))
+        if self.sock.fileno() not in readable:
+            return None
         try:
-            message, fds, flags, _ = socket.recv_fds(sock, MAX_MESSAGE, 2)
+            message, fds, flags, _ = socket.recv_fds(self.sock, MAX_MESSAGE, 2)
         except ConnectionResetError:
             return 0
         if not message:
@@ -86,17 +101,18 @@ def serve(sock: socket.socket, baseline: dict[str, str]) -> int | Child:
         except (ValueError, msgspec.DecodeError) as exc:
             for fd in fds:
                 os.close(fd)
-            send(sock, ForkRefused(reason=str(exc)))
-            continue
+            send(self.sock, ForkRefused(reason=str(exc)))
+            return None
         pid = os.fork()
         if pid == 0:
-            return child(request, fds, sock, list(children), server, baseline)
+            return child(request, fds, self.sock, list(self.children), self.pid, self.baseline)
         for fd in fds:
             os.close(fd)
         pidfd = os.pidfd_open(pid)
-        children[pidfd] = pid
-        poll.register(pidfd, select.POLLIN)
-        send(sock, Forked(pid=pid))
+        self.children[pidfd] = pid
+        self.poll.register(pidfd, select.POLLIN)
+        send(self.sock, Forked(pid=pid))
+        return None
 
 
 def child(request: ForkRequest, fds: list[int], sock: socket.socket, pidfds: list[int], server: int,
@@ -146,13 +162,26 @@ def main(argv: list[str] | None = None) -> int | Child:
     sock.setblocking(True)
     baseline = dict(os.environ)
     started = time.perf_counter()
-    if not warm_up("fork server"):
+    if not warm_up("fork server (torch)", BASE_MODULES):
         return 1  # the agent starts its processes cold; their logs show the same failure
     try:
-        send(sock, ServerReady(warmup_s=round(time.perf_counter() - started, 3)))
+        send(sock, ServerReady(warmup_s=round(time.perf_counter() - started, 3), complete=False))
+        server = Server(sock, baseline)
+        # The rest between requests: the node's self-check, asked for as the agent starts, runs meanwhile.
+        for name in (m for m in WARM_MODULES if m not in BASE_MODULES):
+            try:
+                importlib.import_module(name)
+            except Exception:  # the ranks import it themselves and show the failure in their own logs
+                traceback.print_exc()
+                break
+            if (result := server.step(0)) is not None:
+                return result
+        warmup_s = round(time.perf_counter() - started, 3)
+        print(f"fork server {os.getpid()} ready: imports took {warmup_s:.2f}s", flush=True)
+        send(sock, ServerReady(warmup_s=warmup_s, complete=True))
     except OSError:
         return 0  # the agent went away while we warmed up
-    return serve(sock, baseline)
+    return server.serve()
 
 
 if __name__ == "__main__":

@@ -104,11 +104,11 @@ def receive(sock: socket.socket) -> tuple[bytes, list[int], int]:
     return message, fds, flags
 
 
-def warm_up(who: str) -> bool:
+def warm_up(who: str, modules: tuple[str, ...] = WARM_MODULES) -> bool:
     """Import everything a rank imports; False if that failed (the rank then starts cold and shows why)."""
     started = time.perf_counter()
     try:
-        for name in WARM_MODULES:
+        for name in modules:
             importlib.import_module(name)
     except Exception:
         traceback.print_exc()

@@ -61,9 +61,11 @@ class ForkServer:
         self.python, self.env, self.cwd, self.log_file, self.preexec = python, env, cwd, log_file, preexec
         self.proc: asyncio.subprocess.Process | None = None
         self.sock: socket.socket | None = None
-        self.ready = False
+        self.ready = False  # all a rank imports is in: standbys can be forked
+        self.base_ready = False  # torch is in: the self-check can be forked, while the server imports the rest
         self.gone = False
         self.settled = asyncio.Event()  # ready, or gone for good
+        self.base_settled = asyncio.Event()  # base ready, or gone for good
         self.children: dict[int, ForkedProc] = {}  # forked and not yet reported exited
         self.forked = 0  # children forked so far
         self.pending: collections.deque[asyncio.Future[ForkedProc]] = collections.deque()
@@ -73,22 +75,24 @@ class ForkServer:
         if self.task is None:
             self.task = asyncio.create_task(self._run())
 
-    async def wait_ready(self) -> bool:
-        """True once the server can fork; False if it never will (the caller starts its process cold)."""
+    async def wait_ready(self, *, complete: bool = True) -> bool:
+        """True once the server can fork (`complete` false: with torch in, not yet all a rank imports); False if it
+        never will (the caller starts its process cold)."""
         self.start()
-        await self.settled.wait()
-        return self.ready and not self.gone
+        await (self.settled if complete else self.base_settled).wait()
+        return (self.ready if complete else self.base_ready) and not self.gone
 
     async def standby(self, log_fd: int, standby_fd: int) -> ForkedProc:
         """A standby (trainer/standby.py's wait) with `log_fd` as its output and `standby_fd` as its socket."""
-        return await self._fork(ForkRequest(), [log_fd, standby_fd])
+        return await self._fork(ForkRequest(), [log_fd, standby_fd], complete=True)
 
     async def run(self, assignment: Assignment, out_fd: int) -> ForkedProc:
-        """A child that becomes `assignment` at once, its stdout and stderr on `out_fd`."""
-        return await self._fork(ForkRequest(assignment=assignment), [out_fd])
+        """A child that becomes `assignment` at once, its stdout and stderr on `out_fd`; forked as soon as torch is
+        in (what it imports beyond that, it imports itself)."""
+        return await self._fork(ForkRequest(assignment=assignment), [out_fd], complete=False)
 
-    async def _fork(self, request: ForkRequest, fds: list[int]) -> ForkedProc:
-        if not await self.wait_ready() or self.sock is None:
+    async def _fork(self, request: ForkRequest, fds: list[int], *, complete: bool) -> ForkedProc:
+        if not await self.wait_ready(complete=complete) or self.sock is None:
             raise ForkServerGone("the fork server is not running")
         answer: asyncio.Future[ForkedProc] = asyncio.get_running_loop().create_future()
         try:
@@ -109,6 +113,7 @@ class ForkServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self.task
         self.settled.set()
+        self.base_settled.set()
 
     # -- the server's side of the pair ---------------------------------------------------------------------
 
@@ -160,9 +165,13 @@ class ForkServer:
 
     def _on(self, message: object, started: float) -> None:
         if isinstance(message, ServerReady):
-            self.ready = True
-            self.settled.set()
-            log.info("fork server ready", warmup_s=round(time.monotonic() - started, 2), imports_s=message.warmup_s)
+            self.base_ready = True
+            self.base_settled.set()
+            if message.complete:
+                self.ready = True
+                self.settled.set()
+            log.info("fork server ready" if message.complete else "fork server has torch",
+                     warmup_s=round(time.monotonic() - started, 2), imports_s=message.warmup_s)
         elif isinstance(message, Forked):
             proc = ForkedProc(message.pid)
             self.children[message.pid] = proc
@@ -187,8 +196,9 @@ class ForkServer:
             answer.set_result(result)
 
     def _lost(self) -> None:
-        self.ready = False
+        self.ready = self.base_ready = False
         self.settled.set()
+        self.base_settled.set()
         while self.pending:
             answer = self.pending.popleft()
             if not answer.done():

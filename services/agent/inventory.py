@@ -98,7 +98,7 @@ async def selfcheck(python: str, inv: Inventory, timeout_s: float, forks: ForkSe
     argv = [python, "-m", "trainer.selfcheck", "--slots", str(inv.slots), "--device",
             "cuda" if inv.kind == "gpu" else "cpu"]
     try:
-        if forks is not None and await asyncio.wait_for(forks.wait_ready(), timeout_s):
+        if forks is not None and await asyncio.wait_for(forks.wait_ready(complete=False), timeout_s):
             with contextlib.suppress(ForkServerGone):  # then cold
                 return await _forked_selfcheck(forks, argv, started, timeout_s)
         proc = await asyncio.create_subprocess_exec(

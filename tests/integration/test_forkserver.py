@@ -100,7 +100,7 @@ async def test_a_bad_request_is_refused_and_the_server_serves_on(forks: ForkServ
     fd = os.open(tmp_path / "x.log", os.O_WRONLY | os.O_CREAT, 0o644)
     try:
         with pytest.raises(ForkServerGone, match="1 descriptors attached, 2 expected"):
-            await forks._fork(ForkRequest(), [fd])  # a standby needs its log and its socket
+            await forks._fork(ForkRequest(), [fd], complete=True)  # a standby needs its log and its socket
     finally:
         os.close(fd)
     _, code = await run(forks, [sys.executable, "-c", "pass"], tmp_path / "ok.log")
