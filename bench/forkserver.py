@@ -9,6 +9,8 @@ Per round and way:
     selfcheck_s   the self-check's verdict, from asking (forked: the fork server's own start and imports included,
                   as an agent waits for them)
     ready_s       then the pool's standbys, all started at once as an agent's pool fills: each one's start to READY
+                  (forked: once the server has imported all a rank imports)
+    all_ready_s   from asking for the self-check until every standby is ready: a new node's warm-up
     cpu_s         CPU time (user + sys) of every process involved, the fork server's imports included, read from
                   RUSAGE_CHILDREN once all of them have been reaped
 """
@@ -63,11 +65,13 @@ async def one(way: str, standbys: int, tmp: Path) -> dict[str, Any]:
                 if s.ready and s.proc.pid not in ready:
                     ready[s.proc.pid] = time.monotonic() - s.started
             await asyncio.sleep(0.01)
+        all_ready_s = time.perf_counter() - asked
     finally:
         await pool.close()
         if forks is not None:
             await forks.close()
     return {"way": way, "selfcheck_s": round(selfcheck_s, 3), "ready_s": sorted(round(v, 3) for v in ready.values()),
+            "all_ready_s": round(all_ready_s, 3),
             "cpu_s": round(children_cpu() - cpu0, 2), "load": round(os.getloadavg()[0], 2)}
 
 
@@ -92,7 +96,7 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
         return round(statistics.median(values), 3)
 
     out: dict[str, Any] = {}
-    for key in ("selfcheck_s", "ready_s", "cpu_s"):
+    for key in ("selfcheck_s", "ready_s", "all_ready_s", "cpu_s"):
         cold, forked = med("cold", key), med("forked", key)
         out[key] = {"cold": cold, "forked": forked, "forked_over_cold": round(forked / cold, 3)}
     return out

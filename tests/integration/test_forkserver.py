@@ -89,6 +89,11 @@ async def test_a_forked_child_ends_as_python_would_end_it(forks: ForkServer, tmp
                                    f'  File "{failing}", line 4, in <module>', "    boom()",
                                    f'  File "{failing}", line 2, in boom', "    raise RuntimeError('boom')",
                                    "RuntimeError: boom"], shown
+    # An uncaught KeyboardInterrupt: dead of SIGINT after its traceback, as Python 3.8+ ends then.
+    interrupted = tmp_path / "interrupted.py"
+    interrupted.write_text("raise KeyboardInterrupt\n")
+    _, code = await run(forks, [sys.executable, str(interrupted)], tmp_path / "int.log", cwd=tmp_path)
+    assert code == -signal.SIGINT and "KeyboardInterrupt" in (tmp_path / "int.log").read_text()
     # Killed by a signal: -N, as asyncio reports a process it started.
     _, code = await run(forks, [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"],
                         tmp_path / "term.log")
