@@ -315,7 +315,10 @@ async def test_a_checkpoint_a_rank_finds_bad_on_loading_is_rejected_by_its_agent
         history = p.job(job)
         exits_1 = [i for i, e in enumerate(history) if isinstance(e, WorkersExited) and e.attempt == 1]
         assert history.index(rejected) < exits_1[0]
-        assert {e.exit_code for e in p.rank_exits(job) if e.attempt == 1} == {RESTORE_REFUSED_EXIT}
+        # Each rank checks the checkpoint before it loads anything: the first to refuse ends the attempt, and its peer
+        # refused too or was stopped by the restart before it got that far (warm ranks get there at any moment).
+        codes = [e.exit_code for e in p.rank_exits(job) if e.attempt == 1]
+        assert RESTORE_REFUSED_EXIT in codes and set(codes) <= {RESTORE_REFUSED_EXIT, -signal.SIGKILL}, codes
         started = {e.attempt: e.from_step for e in p.seen(RankStarted, job, stream=subjects.TELEMETRY)}
         assert started == {0: 0, 2: 20}  # attempt 1 loaded nothing
         releases = [e.reason for e in p.seen(AllocationReleased, job)]

@@ -210,8 +210,8 @@ def test_the_shipped_alerts_and_dashboard_use_only_exported_metrics() -> None:
     for j in figures.jobs.values():  # as the server sets it: every family then has samples
         j.analysis = JobAnalysis(rows=(IncidentRow(number=1, kind="crash", trigger="", attempt=0, fault_s=0.0,
                                                    detect_s=1.0, recover_s=5.0, decision="", resolution=""),),
-                                 goodput=0.5, parts={}, control_seq=0,
-                                 telemetry_seq=0)
+                                 goodput=0.5, parts={}, control_seq=j.control_seq,
+                                 telemetry_seq=j.telemetry_seq)  # of its whole history
     text = exposition(figures, Live(broker_up=True, lag={"scheduler": 0})).decode()
     exported = {s.name for family in text_string_to_metric_families(text) for s in family.samples}
     rules = yaml.safe_load((ROOT / "infra" / "prometheus" / "alerts.yml").read_text())["groups"][0]["rules"]

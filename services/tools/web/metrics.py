@@ -13,7 +13,17 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from services.tools.history.jobview import ENDED
-from services.tools.web.figures import Figures
+from services.tools.web.figures import Figures, JobAnalysis, JobFigures
+
+
+def covering(j: JobFigures) -> JobAnalysis | None:
+    """The job's postmortem analysis; for an ended job only one that covers its whole history: one taken before the
+    end lacks its last commits and incidents, and a scraper that sees the end would read it as final (the demo's
+    commit count did). A running job keeps its last one, at most ANALYSE_S behind."""
+    if j.analysis is None or (j.view.phase in ENDED and j.stale):
+        return None
+    return j.analysis
+
 
 PHASES = ("submitted", "queued", "running", "recovering", "stopping", "preempted", *sorted(ENDED))
 DETECT_BUCKETS = (0.5, 1, 2, 5, 10, 30, 60, 120, 300)
@@ -88,8 +98,8 @@ class FiguresCollector(Collector):
             restarts.add_metric([job_id], float(v.restarts))
             budget.add_metric([job_id], float(v.max_restarts))
             rollbacks.add_metric([job_id], float(v.rollbacks))
-            if j.analysis is not None:
-                goodput.add_metric([job_id], j.analysis.goodput)
+            if (a := covering(j)) is not None:
+                goodput.add_metric([job_id], a.goodput)
         yield from (phase, step, planned, world, steps, rate, tokens, tps, loss, restarts, budget, rollbacks, goodput)
         yield histogram("flightdeck_checkpoint_stall_seconds", "rank 0's step loop blocked per checkpoint", ["job_id"],
                         CHECKPOINT_BUCKETS, (([k], j.stalls) for k, j in f.jobs.items()))
@@ -99,7 +109,7 @@ class FiguresCollector(Collector):
                         ["job_id"], CHECKPOINT_BUCKETS, (([k], j.uploads) for k, j in f.jobs.items()))
         yield histogram("flightdeck_checkpoint_commit_seconds", "the last rank's staging to the commit, stored",
                         ["job_id"], CHECKPOINT_BUCKETS,
-                        (([k], j.analysis.commits) for k, j in f.jobs.items() if j.analysis is not None))
+                        (([k], a.commits) for k, j in f.jobs.items() if (a := covering(j)) is not None))
 
     @staticmethod
     def _incidents(f: Figures) -> Iterator[Metric]:
@@ -108,10 +118,10 @@ class FiguresCollector(Collector):
         detect: dict[str, list[float]] = {}
         recover: dict[str, list[float]] = {}
         for job_id, j in f.jobs.items():
-            if j.analysis is None:
+            if (a := covering(j)) is None:
                 continue
             kinds: dict[str, int] = {}
-            for row in j.analysis.rows:
+            for row in a.rows:
                 kind, ttd, ttr = row.kind, row.detect_s, row.recover_s
                 kinds[kind] = kinds.get(kind, 0) + 1
                 detect.setdefault(kind, []).append(ttd)
