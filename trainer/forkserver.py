@@ -12,7 +12,6 @@ die with the agent; it then runs as trainer/standby.py would, or becomes its ass
 Why it works this way: docs/internals.md, "7. The node agent and the ranks it runs".
 """
 
-import argparse
 import atexit
 import contextlib
 import ctypes
@@ -41,7 +40,7 @@ from events.nodelocal import (
     ForkServerMessage,
     ServerReady,
 )
-from trainer.standby import WARM_MODULES, become, wait_and_become, warm_up
+from trainer.standby import WARM_MODULES, agent_socket, become, wait_and_become, warm_up
 
 PR_SET_PDEATHSIG = 1
 # What the node's self-check needs (trainer/selfcheck.py): the server says so once these are in, and forks the
@@ -204,12 +203,7 @@ def _reseed() -> None:
 
 
 def main(argv: list[str] | None = None) -> int | Child:
-    p = argparse.ArgumentParser(prog="python -m trainer.forkserver", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--fd", type=int, required=True, help="this end of the agent's SOCK_SEQPACKET socket pair")
-    args = p.parse_args(argv)
-    sock = socket.socket(fileno=args.fd)
-    sock.setblocking(True)
+    sock = agent_socket("python -m trainer.forkserver", __doc__, argv)
     baseline = dict(os.environ)
     started = time.perf_counter()
     if not warm_up("fork server (torch)", BASE_MODULES):

@@ -135,13 +135,17 @@ def wait_and_become(sock: socket.socket, baseline: dict[str, str], warm: bool) -
     return become(ASSIGNMENT_DECODER.decode(message), fds[0], baseline, warm)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m trainer.standby", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def agent_socket(prog: str, doc: str | None, argv: list[str] | None) -> socket.socket:
+    """The command line's `--fd`: this end of the agent's SOCK_SEQPACKET pair, blocking."""
+    p = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--fd", type=int, required=True, help="this end of the agent's SOCK_SEQPACKET socket pair")
-    args = p.parse_args(argv)
-    sock = socket.socket(fileno=args.fd)
+    sock = socket.socket(fileno=p.parse_args(argv).fd)
     sock.setblocking(True)
+    return sock
+
+
+def main(argv: list[str] | None = None) -> int:
+    sock = agent_socket("python -m trainer.standby", __doc__, argv)
     baseline = dict(os.environ)
     return wait_and_become(sock, baseline, warm_up("standby"))
 

@@ -11,15 +11,17 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from events.nodelocal import Assignment
-from services.agent.forkserver import ForkServer, ForkServerGone
+from services.agent.forkserver import ForkedProc, ForkServer, ForkServerGone
 from services.agent.launch import REPO
 
 DEFAULT_CPU_SLOTS = 2
+T = TypeVar("T")
 Device = Literal["auto", "cpu", "cuda"]
 
 
@@ -106,15 +108,10 @@ async def selfcheck(python: str, inv: Inventory, timeout_s: float, forks: ForkSe
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True)
     except TimeoutError:
         return Verdict(False, time.perf_counter() - started, f"self-check did not finish in {timeout_s:g}s")
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), max(timeout_s - (time.perf_counter() - started), 0))
-    except (TimeoutError, asyncio.CancelledError) as exc:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # the check's own worker processes too
-        await proc.wait()
-        if isinstance(exc, asyncio.CancelledError):
-            raise
+    got = await _within(proc, proc.communicate(), started, timeout_s)
+    if got is None:
         return Verdict(False, time.perf_counter() - started, f"self-check did not finish in {timeout_s:g}s")
+    out, err = got
     return _verdict(proc.returncode, out, err, time.perf_counter() - started)
 
 
@@ -134,16 +131,25 @@ async def _forked_selfcheck(forks: ForkServer, argv: list[str], started: float, 
         await proc.wait()
         return out
 
+    out = await _within(proc, collect(), started, timeout_s)
+    if out is None:
+        return Verdict(False, time.perf_counter() - started, f"self-check did not finish in {timeout_s:g}s")
+    return _verdict(proc.returncode, out, out, time.perf_counter() - started)
+
+
+async def _within(proc: asyncio.subprocess.Process | ForkedProc, work: Awaitable[T], started: float,
+                  timeout_s: float) -> T | None:
+    """`work` (the check's output), or None if the check is still running `timeout_s` after `started`; it is then
+    killed with its session (its own worker processes too), as it is when we are cancelled."""
     try:
-        out = await asyncio.wait_for(collect(), max(timeout_s - (time.perf_counter() - started), 0))
+        return await asyncio.wait_for(work, max(timeout_s - (time.perf_counter() - started), 0))
     except (TimeoutError, asyncio.CancelledError) as exc:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # the check's own worker processes too
+            os.killpg(proc.pid, signal.SIGKILL)
         await proc.wait()
         if isinstance(exc, asyncio.CancelledError):
             raise
-        return Verdict(False, time.perf_counter() - started, f"self-check did not finish in {timeout_s:g}s")
-    return _verdict(proc.returncode, out, out, time.perf_counter() - started)
+        return None
 
 
 def _read_all(fd: int) -> bytes:
