@@ -147,11 +147,10 @@ async def run_agent(options: AgentOptions, stop_event: asyncio.Event | None = No
     # is known lost) leaves a warm one for the next while the replacements still import torch.
     standbys = inv.slots + 1 if wanted is None else wanted
     python = sys.executable
-    # The standbys and the self-check are forked from one warm process: torch is imported once on this node. Not on
-    # GPU nodes yet: a child forked after anything initialised the CUDA driver has no CUDA, and no GPU has shown
-    # that the imports never do; their standbys start cold, as before.
+    # The standbys and the self-check are forked from one warm process: torch is imported once on this node. On GPU
+    # nodes too: the server's imports never initialise the CUDA driver (tests/gpu), so its children still get CUDA.
     forks = ForkServer(python=python, env=standby_env(), cwd=REPO, log_file=Paths(root).standby_log,
-                       preexec=die_with_agent(os.getpid())) if standbys > 0 and inv.kind == "cpu" else None
+                       preexec=die_with_agent(os.getpid())) if standbys > 0 else None
     verdict_task = asyncio.create_task(selfcheck(python, inv, selfcheck_timeout_s, forks))
     conn = Connection(producer)
     store = await conn.open(url, stop)

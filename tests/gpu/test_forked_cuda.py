@@ -1,0 +1,62 @@
+"""On a GPU node the fork server's children get CUDA: nothing the server imports initialises the CUDA driver, so
+the self-check forked from it passes on the node's GPU and a rank forked from it trains there. A child forked
+after the driver was initialised could not (CUDA does not survive fork). Runs where nvidia-smi lists a GPU (the
+device machine); skipped on the CPU boxes CI runs on."""
+
+import asyncio
+import os
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from services.agent.forkserver import ForkServer
+from services.agent.inventory import Inventory, _nvidia_gpus, selfcheck
+from services.agent.launch import REPO, die_with_agent, standby_env
+from tests.integration.test_forkserver import run
+
+GPUS = _nvidia_gpus()
+pytestmark = [pytest.mark.skipif(not GPUS, reason="nvidia-smi lists no GPU"), pytest.mark.timeout(240)]
+
+RANK = """\
+import sys, torch
+assert 'torch._dynamo' in sys.modules  # forked warm, after the server's whole warm-up
+print('initialised before', torch.cuda.is_initialized(), flush=True)
+torch.manual_seed(0)
+model = torch.nn.Linear(256, 256).cuda()
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+for _ in range(5):
+    loss = model(torch.randn(64, 256, device='cuda')).square().mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+print('trained on', torch.cuda.get_device_name(), 'loss', round(loss.item(), 4), flush=True)
+"""
+
+
+@pytest.fixture
+async def forks(tmp_path: Path) -> AsyncIterator[ForkServer]:
+    f = ForkServer(python=sys.executable, env=standby_env(), cwd=REPO, log_file=tmp_path / "standby.log",
+                   preexec=die_with_agent(os.getpid()))
+    try:
+        assert await asyncio.wait_for(f.wait_ready(), 180), (tmp_path / "standby.log").read_text()
+        yield f
+    finally:
+        await f.close()
+
+
+async def test_the_self_check_and_a_rank_forked_on_a_gpu_node_use_the_gpu(forks: ForkServer, tmp_path: Path) -> None:
+    name, memory_gb = GPUS[0]
+    verdict = await selfcheck(sys.executable, Inventory(kind="gpu", slots=1, devices=[name], memory_gb=memory_gb),
+                              120, forks)
+    assert verdict.ok, verdict
+    assert forks.forked == 1
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    log = tmp_path / "rank.log"
+    _, code = await run(forks, [sys.executable, str(script)], log)
+    out = log.read_text()
+    assert code == 0, out
+    assert "initialised before False" in out and "trained on" in out, out
+    assert forks.forked == 2
