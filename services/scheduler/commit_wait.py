@@ -12,12 +12,24 @@ from events.job import JobQueued
 from services.scheduler.state import Job, Pending
 from services.scheduler.tx import Tx
 
+# Announced sets remembered until they settle; more than this many unsettled means commits have stopped.
+MAX_STAGED = 8
+
 
 def pending(tx: Tx, ev: CheckpointPending) -> None:
     job = tx.jobs.get(ev.job_id)
-    if job is None or ev.attempt != job.attempt or (job.pending is not None and job.pending.step >= ev.step):
+    if job is None or ev.attempt != job.attempt:
+        return
+    if all(cid != ev.checkpoint_id for cid, _ in job.staged):
+        job = tx.update(job, staged=(*job.staged, (ev.checkpoint_id, tx.at))[-MAX_STAGED:])
+    if job.pending is not None and job.pending.step >= ev.step:
         return
     tx.update(job, pending=Pending(checkpoint_id=ev.checkpoint_id, step=ev.step, at=tx.at, nodes=tuple(ev.nodes)))
+
+
+def staged_at(job: Job, checkpoint_id: str) -> float:
+    """When every rank had staged `checkpoint_id` (0.0 if its CheckpointPending was not seen)."""
+    return next((at for cid, at in job.staged if cid == checkpoint_id), 0.0)
 
 
 def settled(tx: Tx, ev: CheckpointCommitted | CheckpointFailed) -> None:
@@ -27,6 +39,8 @@ def settled(tx: Tx, ev: CheckpointCommitted | CheckpointFailed) -> None:
     if job is None:
         return
     cid = ev.checkpoint_id
+    if any(c == cid for c, _ in job.staged):
+        job = tx.update(job, staged=tuple((c, at) for c, at in job.staged if c != cid))
     if job.pending is not None and (job.pending.checkpoint_id == cid or (not cid and job.pending.step == ev.step)):
         job = tx.update(job, pending=None)
     if job.waits_for and (job.waits_for == cid or not cid):
@@ -44,7 +58,9 @@ def hold(tx: Tx, job: Job, p: Pending | None, running_since: float, lost_node: s
         return job
     if lost_node in p.nodes:  # the lost node's agent may never store its ranks' shards
         return job
-    redo_s = p.at - max(newest.at if newest is not None else 0.0, running_since)
+    # The steps a restore of `newest` redoes were trained between its staging and p's (its commit may have come
+    # later than p's staging: uploads slower than training).
+    redo_s = p.at - max((newest.staged_at or newest.at) if newest is not None else 0.0, running_since)
     wait_s = min(job.spec.policy.commit_wait_s, redo_s)
     if wait_s <= 0:
         return job

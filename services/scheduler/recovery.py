@@ -10,7 +10,7 @@ from events.checkpoint import CheckpointCommitted, CheckpointRefused
 from events.commands import RollbackRequested, StopRequested
 from events.job import RollbackAsked
 from events.training import RolledBack
-from services.scheduler import queue, recipes
+from services.scheduler import commit_wait, queue, recipes
 from services.scheduler.lifecycle import fail
 from services.scheduler.policy import Fail
 from services.scheduler.state import Checkpoint, Job, Rollback
@@ -111,7 +111,8 @@ def checkpoint_committed(tx: Tx, ev: CheckpointCommitted, landing_timeout_s: flo
     if job is None or any(c.checkpoint_id == ev.checkpoint_id for c in job.checkpoints):
         return
     entry = Checkpoint(checkpoint_id=ev.checkpoint_id, step=ev.step, at=ev.occurred_at or tx.at, data=ev.data,
-                       attempt=ev.attempt, timeline=ev.timeline)
+                       attempt=ev.attempt, timeline=ev.timeline,
+                       staged_at=commit_wait.staged_at(job, ev.checkpoint_id))
     job = tx.update(job, checkpoints=(*job.checkpoints, entry),
                     abandoned=job.abandoned | {ev.checkpoint_id} if thrown_away(job, ev) else job.abandoned)
     grow_at_commit(tx, job, ev, landing_timeout_s)

@@ -19,6 +19,9 @@ class Checkpoint(msgspec.Struct, frozen=True, kw_only=True):
     checkpoint_id: str
     step: int
     at: float  # when it was committed (its event's occurred_at)
+    # When every rank had staged it (its CheckpointPending; 0: not seen). Its steps were trained by then: a commit
+    # can land well after, when uploads are slower than the steps between two checkpoints.
+    staged_at: float = 0.0
     data: DataPosition | None = None  # where its token stream stood (None: not known, read as step, no skips)
     attempt: int = 0  # the attempt that staged it
     timeline: int = 0  # rollbacks that attempt had applied then (events/lineage.py)
@@ -91,6 +94,7 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     forks: tuple[lineage.Fork, ...] = ()  # timelines rollbacks started, every attempt's: never restored across
     bad_restore: str = ""  # why `attempt`'s checkpoint was rejected (CheckpointRejected): its restart is free
     pending: Pending | None = None  # the newest fully staged checkpoint of `attempt` not yet committed or failed
+    staged: tuple[tuple[str, float], ...] = ()  # every such checkpoint (id, when announced): Checkpoint.staged_at
     waits_for: str = ""  # a queued restart waits for this checkpoint's commit (commit_wait.py) ...
     wait_until: float = 0.0  # ... until then at most
 

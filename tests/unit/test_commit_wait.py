@@ -56,17 +56,21 @@ def pending(step: int, t: float, nodes: tuple[str, ...] = ("a", "b")) -> Checkpo
                                 world_size=2, nodes=list(nodes)), t)
 
 
-def running(commit_wait_s: float = 30.0) -> State:
-    """Two ranks on nodes a and b running attempt 0 since t=10, with step 50 committed at t=20."""
+def started(commit_wait_s: float = 30.0) -> State:
+    """Two ranks on nodes a and b running attempt 0 since t=10, nothing committed yet."""
     grant = AllocationGranted(job_id=JOB, attempt=0, assignments=[SlotRef(node="a", slot=0, rank=0),
                                                                   SlotRef(node="b", slot=0, rank=1)])
     state, _ = fold(SCHEDULER, [register("a", 1), register("b", 1), register("c", 1),
                                 at(JobSubmitted(job_id=JOB, spec=spec(commit_wait_s)), 1.0), at(grant, 2.0),
                                 at(WorkersStarted(job_id=JOB, node="a", attempt=0, ranks=[0], pids=[1]), 10.0),
-                                at(WorkersStarted(job_id=JOB, node="b", attempt=0, ranks=[1], pids=[2]), 10.0),
-                                committed(50, 20.0)])
+                                at(WorkersStarted(job_id=JOB, node="b", attempt=0, ranks=[1], pids=[2]), 10.0)])
     assert state.jobs[JOB].phase == "running"
     return state
+
+
+def running(commit_wait_s: float = 30.0) -> State:
+    """started(), with step 50 committed at t=20 (no CheckpointPending of it seen)."""
+    return fold(SCHEDULER, [committed(50, 20.0)], started(commit_wait_s))[0]
 
 
 def crash(t: float) -> WorkersExited:
@@ -137,6 +141,21 @@ def test_the_wait_is_never_longer_than_the_work_it_saves() -> None:
     # the pending set was staged 3 s after the last commit: waiting more than 3 s would cost more than redoing it
     _, outs = fold(SCHEDULER, [pending(100, 23.0), crash(40.5)], running())
     assert "waits up to 3.00s" in events_of(outs, JobQueued)[0].reason
+
+
+def test_the_work_a_restore_redoes_counts_from_when_its_checkpoint_was_staged_not_committed() -> None:
+    # Uploads slower than training (an H100 drill: 50 steps in 0.7 s, a commit 1.2 s after its staging): step 50
+    # committed at 20.0, after step 100 was already staged at 19.0. Restoring 50 redoes what ran from 12.0 to 19.0.
+    state, outs = fold(SCHEDULER, [pending(50, 12.0), pending(100, 19.0), committed(50, 20.0), crash(20.2)],
+                       started())
+    assert state.jobs[JOB].checkpoints[-1].staged_at == 12.0
+    assert requests(outs) == []
+    (queued,) = events_of(outs, JobQueued)
+    assert "waits up to 7.00s for checkpoint step000000100-a0" in queued.reason
+    state, outs = fold(SCHEDULER, [committed(100, 20.6)], state)
+    (asked,) = requests(outs)
+    assert "restore checkpoint step000000100-a0, which committed" in asked.reason
+    assert state.jobs[JOB].staged == ()  # settled sets are forgotten
 
 
 def test_a_waiting_restart_keeps_its_place_in_the_queue() -> None:
