@@ -182,7 +182,8 @@ class Client:
 
     async def events(self, job_id: str, *, telemetry: bool = True) -> AsyncGenerator[Event, None]:
         """The job's events from its submission on, as typed catalog objects, live: its control history and
-        (with `telemetry`) what its ranks publish, each in its stream's order, until the job ends."""
+        (with `telemetry`) what its ranks publish, each in its stream's order, until the job ends. Its submission
+        comes first."""
         async with contextlib.aclosing(self.events_stored(job_id, telemetry=telemetry)) as stored_events:
             async for stored in stored_events:
                 if stored.event is not None:
@@ -201,14 +202,16 @@ class Client:
                 queue.put_nowait(exc)
 
         readers = [asyncio.create_task(pump(subjects.CONTROL, subjects.job_all(job_id)))]
-        if telemetry:
-            readers.append(asyncio.create_task(pump(subjects.TELEMETRY, subjects.telemetry_job(job_id))))
         view = JobView(job_id=job_id)
         try:
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                if telemetry and len(readers) == 1:
+                    # Its telemetry from the start, read once its submission is in hand: that comes first (a rank
+                    # reports only after it), even when the control reader's first fetch is the slower one.
+                    readers.append(asyncio.create_task(pump(subjects.TELEMETRY, subjects.telemetry_job(job_id))))
                 yield item
                 if item.stream == subjects.CONTROL and isinstance(item.event, JobEvent):
                     view = jobview.evolve(view, item.event)
