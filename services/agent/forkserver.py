@@ -86,10 +86,10 @@ class ForkServer:
         """A standby (trainer/standby.py's wait) with `log_fd` as its output and `standby_fd` as its socket."""
         return await self._fork(ForkRequest(), [log_fd, standby_fd], complete=True)
 
-    async def run(self, assignment: Assignment, out_fd: int) -> ForkedProc:
+    async def run(self, assignment: Assignment, out_fd: int, *, complete: bool = False) -> ForkedProc:
         """A child that becomes `assignment` at once, its stdout and stderr on `out_fd`; forked as soon as torch is
-        in (what it imports beyond that, it imports itself)."""
-        return await self._fork(ForkRequest(assignment=assignment), [out_fd], complete=False)
+        in (what it imports beyond that, it imports itself), or with `complete` once all a rank imports is in."""
+        return await self._fork(ForkRequest(assignment=assignment), [out_fd], complete=complete)
 
     async def _fork(self, request: ForkRequest, fds: list[int], *, complete: bool) -> ForkedProc:
         if not await self.wait_ready(complete=complete) or self.sock is None:

@@ -1,8 +1,8 @@
 """Warm standby ranks (services/agent/standbys.py, trainer/standby.py) as real processes: a standby becomes
 the command it is handed, warm when it can and cold in place when its environment cannot be changed after
 import; one that dies idle is replaced; the next agent finds one that outlived its agent by its log. Through a
-node agent, a rank started from a standby trains, crashes, restarts and is recorded exactly like the cold rank
-beside it, and standbys and ranks die with a killed agent."""
+node agent, a rank started from a standby trains, crashes, restarts and is recorded exactly like the rank
+forked beside it when the pool ran dry, and standbys and ranks die with a killed agent."""
 
 import asyncio
 import json
@@ -188,6 +188,11 @@ def handed(c: Cluster) -> dict[int, int]:
     return {int(str(r["pid"])): int(str(r["rank"])) for r in agent_log(c) if r["event"] == "rank handed to a standby"}
 
 
+def forked(c: Cluster) -> dict[int, int]:
+    """pid -> rank for every rank the agent forked from its fork server at once (no standby at hand)."""
+    return {int(str(r["pid"])): int(str(r["rank"])) for r in agent_log(c) if r["event"] == "rank forked"}
+
+
 def standbys_started(c: Cluster) -> list[int]:
     return [int(str(r["pid"])) for r in agent_log(c) if r["event"] == "standby started"]
 
@@ -203,8 +208,9 @@ def standbys_reported(c: Cluster) -> list[int]:
 
 
 @pytest.mark.timeout(240)
-async def test_a_rank_from_a_standby_is_recorded_like_a_cold_one_and_dies_with_its_agent(cluster: Cluster) -> None:
-    """One standby, two ranks: rank 0 starts warm, rank 1 cold, side by side in each attempt."""
+async def test_ranks_from_a_standby_and_the_fork_server_are_recorded_alike(cluster: Cluster) -> None:
+    """One standby, two ranks: rank 0 starts from the standby; rank 1 finds none at hand and is forked from the
+    node's fork server at once (never started cold while the server runs), side by side."""
     c = cluster
     agent = c.agent("n1", "--standby", "1")
     await c.ready()
@@ -217,11 +223,14 @@ async def test_a_rank_from_a_standby_is_recorded_like_a_cold_one_and_dies_with_i
     await c.until(lambda: bool(c.seen(JobCompleted, job)), 150, "the job to complete", job)
     started = {e.attempt: e for e in c.seen(WorkersStarted, job)}
     assert sorted(started) == [0, 1]
-    for attempt, ev in started.items():
-        pids = dict(zip(ev.ranks, ev.pids, strict=True))
-        assert handed(c).get(pids[0]) == 0, f"attempt {attempt}: rank 0 did not come from the standby"
-        assert pids[1] not in handed(c), f"attempt {attempt}: rank 1 should have started cold (one standby)"
-    # Attempt 0: the warm rank trained, then crashed with the drill's code (the cold one was killed with it).
+    pids = dict(zip(started[0].ranks, started[0].pids, strict=True))
+    assert handed(c).get(pids[0]) == 0, "attempt 0: rank 0 did not come from the standby"
+    assert forked(c).get(pids[1]) == 1, "attempt 0: rank 1 was not forked from the fork server (one standby)"
+    # The restart comes before the pool's refill (held until the ranks handed out get going): from the standby
+    # if it is back by then, else forked. Never cold.
+    pids = dict(zip(started[1].ranks, started[1].pids, strict=True))
+    assert all({**handed(c), **forked(c)}.get(pid) == rank for rank, pid in pids.items()), (pids, agent_log(c))
+    # Attempt 0: the standby's rank trained, then crashed with the drill's code (the forked one was killed with it).
     assert rank_steps(c, job, 0, 0) == set(range(12)) and rank_steps(c, job, 0, 1) <= set(range(12))
     assert exits(c, job, 0)[0] == CRASH_EXIT_CODE
     # Attempt 1: both resumed from the same step, trained the same steps and exited 0.
