@@ -111,6 +111,10 @@ async def test_two_hosts_sharing_nothing_lose_one_and_the_job_restores_from_s3_o
                if (e.attempt, e.step, e.timeline) == (restored.attempt, restored.step, restored.timeline)]
     assert sorted((e.node, tuple(e.ranks), e.failed) for e in reports) == [("n1", (0,), ""), ("n2", (1,), "")]
     kept = await p.objects.manifests(JOB)  # what retention left, in S3: the later checkpoints of n1 alone
+    # The last one can commit after JobCompleted (its manifest is written before its CheckpointCommitted is stored)
+    await p.until(lambda: set(kept) <= {e.checkpoint_id for e in p.seen(CheckpointCommitted, JOB)}, 60,
+                  f"the commits of {sorted(kept)} to be recorded", JOB)
+    commits = {e.checkpoint_id: e for e in p.seen(CheckpointCommitted, JOB)}
     assert kept and all(commits[c].world_size == 1 for c in kept), kept
     # each host staged only its own rank's files, on its own disk
     for node, rank in (("n1", 0), ("n2", 1)):
