@@ -40,6 +40,8 @@ async def test_the_scrubber_finds_a_shard_flipped_in_the_store_and_the_checkpoin
         await p.ready("n1")
         await p.submit(SPEC, job)
         await p.until(lambda: bool(p.seen(JobCompleted, job)), 120, "the job to complete", job)
+        # A commit can be stored after JobCompleted (the ranks are done once they have staged it)
+        await p.until(lambda: len(p.seen(CheckpointCommitted, job)) >= len(ids), 60, "its three commits", job)
         assert [e.checkpoint_id for e in p.seen(CheckpointCommitted, job)] == ids
         assert p.stop("checkpoints") == 0  # it ran with the default (a day): nothing was due yet
         monkeypatch.setenv(SCRUB_EVERY_ENV, "2")  # its settings are recorded again when it comes back
