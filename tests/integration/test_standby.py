@@ -247,6 +247,8 @@ async def test_ranks_from_a_standby_and_the_fork_server_are_recorded_alike(clust
         assert "training finished" in text and "rank exiting" in text, text
 
     # SIGKILL the agent while a rank from a standby runs and the pool holds a fresh standby: all of them go.
+    # The pool refills once the last job's ranks are gone; without a standby the rank would be forked instead.
+    await c.until(lambda: standbys_reported(c)[-1:] == [1], 60, "the pool to refill after the first job")
     before = len(standbys_started(c))
     await c.submit(ENDLESS, "endless-000001")
     await c.until(lambda: len(rank_steps(c, "endless-000001", 0, 0)) >= 4, 90, "the endless job to train")
