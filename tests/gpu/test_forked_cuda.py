@@ -3,18 +3,16 @@ the self-check forked from it passes on the node's GPU and a rank forked from it
 after the driver was initialised could not (CUDA does not survive fork). Runs where nvidia-smi lists a GPU (the
 device machine); skipped on the CPU boxes CI runs on."""
 
-import asyncio
-import os
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from services.agent.forkserver import ForkServer
 from services.agent.inventory import Inventory, _nvidia_gpus, selfcheck
-from services.agent.launch import REPO, die_with_agent, standby_env
-from tests.integration.test_forkserver import run
+from tests.integration.test_forkserver import forks, run
+
+__all__ = ["forks"]  # the fixture: a warm fork server, as the CPU tests use it
 
 GPUS = _nvidia_gpus()
 pytestmark = [pytest.mark.skipif(not GPUS, reason="nvidia-smi lists no GPU"), pytest.mark.timeout(240)]
@@ -33,17 +31,6 @@ for _ in range(5):
     opt.step()
 print('trained on', torch.cuda.get_device_name(), 'loss', round(loss.item(), 4), flush=True)
 """
-
-
-@pytest.fixture
-async def forks(tmp_path: Path) -> AsyncIterator[ForkServer]:
-    f = ForkServer(python=sys.executable, env=standby_env(), cwd=REPO, log_file=tmp_path / "standby.log",
-                   preexec=die_with_agent(os.getpid()))
-    try:
-        assert await asyncio.wait_for(f.wait_ready(), 180), (tmp_path / "standby.log").read_text()
-        yield f
-    finally:
-        await f.close()
 
 
 async def test_the_self_check_and_a_rank_forked_on_a_gpu_node_use_the_gpu(forks: ForkServer, tmp_path: Path) -> None:
