@@ -46,7 +46,7 @@ chaos: $(STAMP)
 	$(BIN)/python -m pytest -q tests/chaos
 
 # bench/vs_peers.py: Flightdeck against torchrun, DLRover and torchft on the same script and faults, in a venv of
-# its own (the peers' dependencies stay out of the tested install). About 30 minutes on 2 cores.
+# its own (the peers' dependencies stay out of the tested install). About 40 minutes on 2 cores.
 PEERS := .venv-peers
 PEERS_RUNS ?= 5
 

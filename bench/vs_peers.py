@@ -7,7 +7,10 @@ while it recovered, and the loop's stall per checkpoint save. Medians of interle
 
 The script is bench/peers/train.py on 2 CPU ranks (gloo): a 3-layer MLP 1024 wide (13 MB of weights, as much
 momentum), paced at 0.05 s a step, a save every 10 steps; the fault at step 60: `crash` (rank 1 exits
-with code 3) or `hang` (rank 0 stops stepping, its process alive). Each side saves and recovers its own way:
+with code 3), `hang` (rank 0 stops stepping, its process alive) or `lost_node`: each rank on a node of its own
+(two launchers or agents on this box, sharing only its disk), and the rank on node 2 SIGKILLs that node's whole
+process tree, its launcher or agent included; what is left may go on with one rank. Each side saves and recovers
+its own way:
 
     flightdeck-warm  every service and one node agent on a fresh nats-server, the drills' policy (hung after 3 s
                      without progress; tests/e2e/drill_harness.py); the script uses the Flightdeck API; the
@@ -22,6 +25,12 @@ with code 3) or `hang` (rank 0 stops stepping, its process alive). Each side sav
     torchft          torchft 0.2.0: `torchft_lighthouse --min_replicas 1 --join_timeout_ms 10000` (its README's
                      example) and each rank its own replica group under `torchrun --max-restarts 1`; Manager,
                      DistributedDataParallel and Optimizer on gloo (Manager timeout 10 s); no disk checkpoint
+
+For `lost_node`: Flightdeck runs two single-slot agents and a job that may shrink to one slot (policy.min_slots
+1); torchrun two agents of one c10d rendezvous (`--nnodes 1:2`), node 1 hosting its store, with keep-alives that
+find a dead node in 2 s as Flightdeck's drill policy does (TORCHRUN_KEEP_ALIVE); DLRover two `dlrover-run --nnodes
+1:2` agents (NODE_RANK 0 and 1) of one local master started for 2 nodes, its last call 1 s (DLROVER_LAST_CALL);
+torchft loses a replica group's node.
 
 Measured from the script's own event lines (one machine, one clock): `recover_s` from the fault to the first
 step by a process started after it (none within --cap-s: recorded as null, with why); `progress_s` from the
@@ -58,13 +67,18 @@ sys.path.insert(0, str(ROOT))
 
 from events.spec import EntrypointSpec, TrainSpec  # noqa: E402
 from services.shell import broker  # noqa: E402
-from tests.e2e.drill_harness import drill_spec, start_drill  # noqa: E402
+from tests.e2e.drill_harness import drill_spec, start_drill, start_two_nodes  # noqa: E402
 
 SIDES = ("flightdeck-warm", "flightdeck-cold", "torchrun", "dlrover", "torchft")
-FAULTS = ("crash", "hang")
+FAULTS = ("crash", "hang", "lost_node")
 STEPS, FAULT_AT, EVERY, PACE_S = 1000, 60, 10, 0.05  # runs end AFTER_STEPS after recovery, not at STEPS
 AFTER_STEPS = 10
 SCRIPT = ROOT / "bench" / "peers" / "train.py"
+# torchrun's rendezvous set to find a dead node as soon as Flightdeck's drill policy does (2 s without a beat);
+# its defaults are 5 s x 3 keep-alives and a 30 s last call before a shrunk round closes
+TORCHRUN_KEEP_ALIVE = "keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=1"
+# DLRover's master closes a rendezvous short of its nodes after this last call (60 s by default; its agent's flag)
+DLROVER_LAST_CALL = "lastcall_timeout=1"
 BIN = Path(sys.executable).parent
 DLROVER_LAUNCH_ERROR = ("dlrover-run --standalone on torch 2.13.0: TypeError: SubprocessHandler.__init__() missing 1 "
                         "required positional argument: 'numa_options' (dlrover/trainer/torch/elastic_run.py:326, "
@@ -76,6 +90,11 @@ NO_HANG_DETECTION = {  # what each run's logs showed when nothing recovered from
     "torchft": "the hung replica's manager keeps heartbeating, and its lighthouse forms no quorum for the survivor "
                "alone: 'New quorum not ready, only have 1 participants, need at least half of 2 healthy workers' "
                "(with 2 replica groups; none in 150 s in a longer run either)",
+}
+
+NO_RESTART_ON_LOST_NODE = {
+    "torchft": "nothing restarts: the lost replica group's node is gone, and the survivor trains on alone "
+               "(progress_s is its first step past the fault)",
 }
 
 
@@ -103,7 +122,8 @@ def rows(workdir: Path) -> list[dict[str, Any]]:
 
 def finished(workdir: Path, cap_s: float, began: float, limit_s: float) -> bool:
     """Whether the run has shown what it can: AFTER_STEPS steps past the fault's step done by processes started
-    after it, or the cap past the fault, or the whole run's limit."""
+    after it (after a lost node, by any process: a survivor that trains on may be all there is), or the cap past
+    the fault, or the whole run's limit."""
     now = time.time()
     events = rows(workdir)
     fault = next((r["t"] for r in events if r["kind"] == "fault"), None)
@@ -111,8 +131,10 @@ def finished(workdir: Path, cap_s: float, began: float, limit_s: float) -> bool:
         return True
     if fault is None:
         return False
-    before = {r["pid"] for r in events if r["t"] <= fault}
-    return sum(r["kind"] == "step" and r["pid"] not in before and r["step"] >= FAULT_AT for r in events) >= AFTER_STEPS
+    lost_node = any(r["kind"] == "fault" and r.get("fault") == "lost_node" for r in events)
+    before = set() if lost_node else {r["pid"] for r in events if r["t"] <= fault}
+    return sum(r["kind"] == "step" and r["pid"] not in before and r["step"] >= FAULT_AT and r["t"] > fault
+               for r in events) >= AFTER_STEPS
 
 
 def wait(workdir: Path, cap_s: float, alive: Callable[[], bool], limit_s: float = 300.0) -> None:
@@ -185,9 +207,18 @@ def kill_ranks(workdir: Path) -> None:
                     os.kill(int(proc.name), signal.SIGKILL)
 
 
-def run_launchers(procs: list[subprocess.Popen[bytes]], workdir: Path, cap_s: float) -> dict[str, Any]:
+def lose(workdir: Path, node: subprocess.Popen[bytes]) -> None:
+    """Name the process whose tree is the node a `lost_node` fault takes away (bench/peers/train.py kills it)."""
+    (workdir / "lost-node.pid").write_text(str(node.pid))
+
+
+def run_launchers(procs: list[subprocess.Popen[bytes]], workdir: Path, cap_s: float,
+                  lost: subprocess.Popen[bytes] | None = None) -> dict[str, Any]:
+    """Wait while every launcher runs (but the lost node's, which the fault kills), then measure."""
+    if lost is not None:
+        lose(workdir, lost)
     try:
-        wait(workdir, cap_s, lambda: all(p.poll() is None for p in procs))
+        wait(workdir, cap_s, lambda: all(p.poll() is None for p in procs if p is not lost))
         return measure(workdir, cap_s)
     finally:
         for p in procs:
@@ -199,19 +230,45 @@ def torchrun_once(workdir: Path, fault: str, cap_s: float) -> dict[str, Any]:
     # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: without it the restarted group reads the first one's gloo addresses
     # (pytorch/pytorch#135712; bench/vs_torchrun.py)
     env = {**base_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    if fault == "lost_node":
+        return torchrun_two_nodes(workdir, cap_s, env)
     cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
            *script_args("torchrun", workdir, fault)]
     return run_launchers([launch(cmd, workdir / "torchrun.log", env)], workdir, cap_s)
 
 
+def torchrun_two_nodes(workdir: Path, cap_s: float, env: dict[str, str]) -> dict[str, Any]:
+    """Two torchrun agents (one rank each) in one c10d rendezvous that may shrink to one node; node 1 hosts its
+    store, as the host named in --rdzv-endpoint does. A node is dead after TORCHRUN_KEEP_ALIVE."""
+    port = free_port()
+    nodes = []
+    for n in (1, 2):
+        conf = f"is_host={int(n == 1)},{TORCHRUN_KEEP_ALIVE}"
+        cmd = [str(BIN / "torchrun"), "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "1",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", workdir.name,
+               "--rdzv-conf", conf, *script_args("torchrun", workdir, "lost_node")]
+        nodes.append(launch(cmd, workdir / f"torchrun-node{n}.log", env))
+    return run_launchers(nodes, workdir, cap_s, lost=nodes[1])
+
+
 def dlrover_once(workdir: Path, fault: str, cap_s: float) -> dict[str, Any]:
+    nodes = 2 if fault == "lost_node" else 1
     port, job = free_port(), f"peers-{workdir.name}"
-    master = launch([sys.executable, "-u", "-m", "dlrover.python.master.main", "--port", str(port), "--node_num", "1",
-                     "--job_name", job, "--platform", "local"], workdir / "dlrover-master.log", base_env())
+    master = launch([sys.executable, "-u", "-m", "dlrover.python.master.main", "--port", str(port), "--node_num",
+                     str(nodes), "--job_name", job, "--platform", "local"], workdir / "dlrover-master.log",
+                    base_env())
     env = {**base_env(), "DLROVER_MASTER_ADDR": f"127.0.0.1:{port}", "JOB_NAME": job}
-    cmd = [str(BIN / "dlrover-run"), "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
-           *script_args("dlrover", workdir, fault)]
-    return run_launchers([master, launch(cmd, workdir / "dlrover.log", env)], workdir, cap_s)
+    if nodes == 1:
+        cmd = [str(BIN / "dlrover-run"), "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+               *script_args("dlrover", workdir, fault)]
+        return run_launchers([master, launch(cmd, workdir / "dlrover.log", env)], workdir, cap_s)
+    # two agents of one job on the master, one rank each, that may shrink to one node
+    agents = []
+    for n in range(2):
+        cmd = [str(BIN / "dlrover-run"), "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "1",
+               "--rdzv-conf", DLROVER_LAST_CALL, *script_args("dlrover", workdir, fault)]
+        agents.append(launch(cmd, workdir / f"dlrover-node{n}.log", {**env, "NODE_RANK": str(n), "NODE_ID": str(n)}))
+    return run_launchers([master, *agents], workdir, cap_s, lost=agents[1])
 
 
 def torchft_once(workdir: Path, fault: str, cap_s: float) -> dict[str, Any]:
@@ -226,7 +283,8 @@ def torchft_once(workdir: Path, fault: str, cap_s: float) -> dict[str, Any]:
         cmd = [str(BIN / "torchrun"), "--nnodes", "1", "--nproc-per-node", "1", "--max-restarts", "1",
                "--master-port", str(free_port()), *script_args("torchft", workdir, fault)]
         groups.append(launch(cmd, workdir / f"group{g}.log", env))
-    return run_launchers([lighthouse, *groups], workdir, cap_s)
+    # a lost node is a replica group gone with its torchrun: nothing restarts it, the survivor trains on
+    return run_launchers([lighthouse, *groups], workdir, cap_s, lost=groups[1] if fault == "lost_node" else None)
 
 
 async def flightdeck_once(workdir: Path, fault: str, cap_s: float, standby: int) -> dict[str, Any]:
@@ -234,10 +292,15 @@ async def flightdeck_once(workdir: Path, fault: str, cap_s: float, standby: int)
     (workdir / "platform").mkdir()
     p = await start_drill(b.url, workdir / "platform")
     try:
-        p.agent("n1", "--grace-s", "2", "--standby", str(standby))
-        await p.ready("n1", within=120)
+        if fault == "lost_node":  # two single-slot nodes; the job may shrink to one (the lost-node drill)
+            await start_two_nodes(p, "--standby", str(standby))
+            lose(workdir, p.procs["agent-n2"])
+        else:
+            p.agent("n1", "--grace-s", "2", "--standby", str(standby))
+            await p.ready("n1", within=120)
         spec = msgspec.structs.replace(
-            drill_spec("peers", steps=STEPS), train=TrainSpec(steps=STEPS, checkpoint_every=EVERY),
+            drill_spec("peers", steps=STEPS, **({"min_slots": 1} if fault == "lost_node" else {})),
+            train=TrainSpec(steps=STEPS, checkpoint_every=EVERY),
             entrypoint=EntrypointSpec(command=["python", *script_args("flightdeck", workdir, fault)], cwd=str(ROOT)))
         await p.submit(spec, f"peers-{uuid.uuid4().hex[:6]}")
         await asyncio.to_thread(wait, workdir, cap_s, lambda: True)
@@ -264,8 +327,8 @@ def once(side: str, fault: str, cap_s: float, keep: Path | None = None) -> dict[
         else:
             out = asyncio.run(flightdeck_once(workdir, fault, cap_s, standby=0 if side == "flightdeck-cold" else 2))
         if out["recover_s"] is None:
-            out["why"] = (NO_HANG_DETECTION.get(side) if fault == "hang" else None) or \
-                f"no step by a restarted process within {cap_s:.0f} s of the fault"
+            out["why"] = {"hang": NO_HANG_DETECTION, "lost_node": NO_RESTART_ON_LOST_NODE}.get(fault, {}).get(side) \
+                or f"no step by a restarted process within {cap_s:.0f} s of the fault"
         return {**out, "load_1m": load, "run_s": time.monotonic() - began}
 
 

@@ -11,13 +11,18 @@ timing) on 2 CPU ranks, one drill fault, and each platform's own way to save and
                 the live state from it at its first quorum: no checkpoint on disk
 
 The fault fires once (a marker file in --workdir): `crash` exits rank 1 with code 3 at --fault-step, `hang` stops
-rank 0 there for good (the process stays alive). Each rank appends JSON lines to <--workdir>/events.jsonl: "start"
-(once its state is loaded), "step" (each step done), "fault", and "save" (how long the loop was held by a save).
+rank 0 there for good (the process stays alive), `lost_node` takes a whole node away at once: the rank running
+under the node whose root process id the bench wrote to <--workdir>/lost-node.pid SIGKILLs every process of that
+node (the launcher or agent, its helpers, the rank itself), as a host losing power would. Each rank appends JSON
+lines to <--workdir>/events.jsonl: "start" (once its state is loaded), "step" (each step done), "fault", and "save"
+(how long the loop was held by a save).
 """
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -77,16 +82,54 @@ class Fault:
         self.kind, self.step, self.log = args.fault, args.fault_step, log
         self.marker = args.workdir / f"fired-{args.fault}"
         self.rank = 1 if args.fault == "crash" else 0
+        self.node_file = args.workdir / "lost-node.pid"
+
+    def mine(self, rank: int) -> bool:
+        if self.kind == "lost_node":  # whichever rank the launcher placed on the lost node
+            return int(self.node_file.read_text()) in ancestors(os.getpid())
+        return rank == self.rank
 
     def maybe(self, rank: int, step: int) -> None:
-        if self.kind == "none" or rank != self.rank or step != self.step or self.marker.exists():
+        if self.kind == "none" or step != self.step or self.marker.exists() or not self.mine(rank):
             return
         self.marker.touch()
         self.log("fault", step=step, fault=self.kind)
         if self.kind == "crash":
             os._exit(3)
+        if self.kind == "lost_node":
+            kill_tree(int(self.node_file.read_text()))
         while True:  # hung: alive, silent, never stepping again
             time.sleep(3600)
+
+
+def parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def ancestors(pid: int) -> set[int]:
+    out = set()
+    while pid > 1:
+        out.add(pid)
+        pid = parent(pid)
+    return out
+
+
+def kill_tree(root: int) -> None:
+    """SIGKILL `root` and every process below it, this one last: the whole node at once, none left to notice."""
+    tree, children = {root}, dict[int, list[int]]()
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):  # gone meanwhile
+                children.setdefault(parent(int(proc.name)), []).append(int(proc.name))
+    todo = [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            tree.add(child)
+            todo.append(child)
+    for pid in sorted(tree - {os.getpid()}):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def run_flightdeck(args: argparse.Namespace) -> None:
@@ -216,7 +259,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--peer", choices=("flightdeck", "torchrun", "dlrover", "torchft"), required=True)
     ap.add_argument("--workdir", type=Path, required=True, help="a folder for the events and the fault's marker")
-    ap.add_argument("--fault", choices=("none", "crash", "hang"), default="crash")
+    ap.add_argument("--fault", choices=("none", "crash", "hang", "lost_node"), default="crash")
     ap.add_argument("--fault-step", type=int, default=100)
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--every", type=int, default=10, help="steps between saves (flightdeck: the spec's)")
