@@ -19,9 +19,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
 
-import aioboto3
 import structlog
-from aiobotocore.config import AioConfig
 
 from services.shell.objects.retry import RetryPolicy, error_code
 from services.shell.objects.store import (
@@ -99,6 +97,11 @@ class S3Store:
         """A store with one client for its lifetime (connections are pooled per client). An endpoint that
         stops answering costs at most `try_timeout_s` per call (default: both timeouts plus a part's transfer
         at MIN_THROUGHPUT); RetryPolicy bounds the tries and their total time."""
+        # Imported here, not at the top: aioboto3 and botocore cost every process that opens the store module
+        # about 0.2 CPU-s, and most never open an S3 store (the local one is the default).
+        import aioboto3
+        from aiobotocore.config import AioConfig
+
         config = AioConfig(max_pool_connections=max(10, 2 * max_concurrency),
                            connect_timeout=connect_timeout_s, read_timeout=read_timeout_s,
                            retries={"total_max_attempts": 1})  # RetryPolicy is the one retry layer
