@@ -128,14 +128,14 @@ class Run:
         if self.restored:
             return self.step
         self.restored = True
-        path, shards = self.cfg.restore, None
-        if path is not None and self.cfg.manifest is not None:
-            shards = checkpointing.read_manifest(self.cfg.manifest)
-        elif path is None and self.cfg.resume_local:
+        path = self.cfg.restore
+        if path is None and self.cfg.resume_local:
             path = self._newest_local()
         if path is not None:
             try:
-                self._load(path, shards)
+                # Its manifest too: once a peer refused the checkpoint, the agent may have deleted the node's copy.
+                manifest = self.cfg.manifest if path == self.cfg.restore else None
+                self._load(path, checkpointing.read_manifest(manifest) if manifest is not None else None)
             except checkpointing.CorruptCheckpoint as exc:
                 if not (self.cfg.platform and path == self.cfg.restore):
                     raise

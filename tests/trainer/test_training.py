@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from events.nodelocal import RESTORE_REFUSED_EXIT
 from services.shell.broker import free_port
 from tests.trainer import ranks
 
@@ -75,6 +76,17 @@ def test_reshard_two_ranks_to_one_continues_the_same_stream(baseline: Path, tmp_
     worst = max(abs(got[s] - expected[s]) / expected[s] for s in expected)
     assert worst < RESHARD_RTOL, worst
     assert all(math.isfinite(v) for v in got.values())
+
+
+def test_a_restore_whose_manifest_is_gone_is_refused_as_a_bad_checkpoint(baseline: Path, tmp_path: Path) -> None:
+    """The node's copy can vanish between the agent's check and a rank's load: its agent deletes a checkpoint a
+    peer refused. The rank refuses it as well (RESTORE_REFUSED_EXIT), not a crash (exit 1) that costs a restart."""
+    spec = ranks.write_spec(tmp_path / "job.toml", slots=1)
+    ckpt = baseline / "staging" / "job-1" / f"step-{SAVE_AT}"
+    gone = tmp_path / "deleted" / "MANIFEST.json"
+    codes = ranks.run(tmp_path, spec, world=1, job_id="job-4", args=("--restore", str(ckpt), "--manifest", str(gone)))
+    assert codes == [RESTORE_REFUSED_EXIT], ranks.log_tail(tmp_path, 1)
+    assert "restore refused: its checkpoint is bad; nothing was loaded" in ranks.log_tail(tmp_path, 1)
 
 
 def test_plain_torchrun_starts_two_ranks(tmp_path: Path) -> None:
