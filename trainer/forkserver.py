@@ -2,7 +2,7 @@
 and its self-check from itself. Each then costs a fork (milliseconds) instead of an interpreter start and
 `import torch` (about 3 CPU-seconds on CPU, most of a restart's CPU on a small node).
 
-    python -m trainer.forkserver --fd K      (started by the node agent: services/agent/forkserver.py)
+    python -m trainer.forkserver --fd K [--preload M1,M2]    (started by the node agent: services/agent/forkserver.py)
 
 Over the agent's SOCK_SEQPACKET pair (messages: events/nodelocal.py) we say ServerReady once warm, answer each
 ForkRequest with Forked(pid) (or ForkRefused) in order, and send ChildExited when a child ends: we are its parent,
@@ -12,6 +12,7 @@ die with the agent; it then runs as trainer/standby.py would, or becomes its ass
 Why it works this way: docs/internals.md, "7. The node agent and the ranks it runs".
 """
 
+import argparse
 import atexit
 import contextlib
 import ctypes
@@ -25,7 +26,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 import msgspec
@@ -109,6 +110,7 @@ class Server:
         self.pid = os.getpid()
         self.poll = select.poll()
         self.poll.register(sock, select.POLLIN)
+        self.refusal: str | None = None  # why every request is refused, once forking is unsafe
 
     def reap(self, *_: object) -> None:
         """Report the children that have ended (SIGCHLD's handler while we import: an import holds the loop)."""
@@ -147,6 +149,8 @@ class Server:
             wanted = 1 if request.assignment is not None else 2
             if len(fds) != wanted:
                 raise ValueError(f"{len(fds)} descriptors attached, {wanted} expected")
+            if self.refusal is not None:
+                raise ValueError(self.refusal)
         except (ValueError, msgspec.DecodeError) as exc:
             for fd in fds:
                 os.close(fd)
@@ -202,8 +206,37 @@ def _reseed() -> None:
         np_random.seed()
 
 
+def _preload_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preload", default="", metavar="MODULES",
+                   help="comma-separated modules to import after the trainer's: the jobs' own libraries")
+
+
+def import_between_requests(server: Server, names: Sequence[str], *, stop_at_failure: bool) -> int | Child | None:
+    """Import `names` one by one, serving requests between them (an import holds the loop for up to a second); a
+    failed import is printed, and ends the imports if `stop_at_failure`. None, or what `Server.step` returned."""
+    for name in names:
+        signal.signal(signal.SIGCHLD, server.reap)  # the self-check's exit is its verdict: tell it at once
+        try:
+            importlib.import_module(name)
+        except Exception:  # the ranks import it themselves and show the failure in their own logs
+            traceback.print_exc()
+            if stop_at_failure:
+                break
+        finally:
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # children are forked without it
+        if (result := server.step(0)) is not None:
+            return result
+    return None
+
+
+def cuda_initialised() -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and bool(torch.cuda.is_initialized())
+
+
 def main(argv: list[str] | None = None) -> int | Child:
-    sock = agent_socket("python -m trainer.forkserver", __doc__, argv)
+    sock, args = agent_socket("python -m trainer.forkserver", __doc__, argv, _preload_option)
+    preload = [name for name in args.preload.split(",") if name]
     baseline = dict(os.environ)
     started = time.perf_counter()
     if not warm_up("fork server (torch)", BASE_MODULES):
@@ -216,17 +249,16 @@ def main(argv: list[str] | None = None) -> int | Child:
         if (result := server.step(SELFCHECK_WAIT_MS)) is not None:
             return result
         # The rest between requests: the self-check runs meanwhile.
-        for name in (m for m in WARM_MODULES if m not in BASE_MODULES):
-            signal.signal(signal.SIGCHLD, server.reap)  # the self-check's exit is its verdict: tell it at once
-            try:
-                importlib.import_module(name)
-            except Exception:  # the ranks import it themselves and show the failure in their own logs
-                traceback.print_exc()
-                break
-            finally:
-                signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # children are forked without it
-            if (result := server.step(0)) is not None:
-                return result
+        rest = [m for m in WARM_MODULES if m not in BASE_MODULES]
+        if (result := import_between_requests(server, rest, stop_at_failure=True)) is not None:
+            return result
+        if (result := import_between_requests(server, preload, stop_at_failure=False)) is not None:
+            return result
+        if cuda_initialised():  # a child of ours could not use the GPU: every fork is refused, ranks start cold
+            preloaded = ", ".join(preload) or "none"
+            server.refusal = (f"an import initialised CUDA in the fork server (preloaded: {preloaded}); its children "
+                              f"could not use the GPU")
+            print(f"fork server {os.getpid()}: {server.refusal}; refusing to fork", flush=True)
         gc.freeze()
         warmup_s = round(time.perf_counter() - started, 3)
         print(f"fork server {os.getpid()} ready: imports took {warmup_s:.2f}s", flush=True)

@@ -135,17 +135,22 @@ def wait_and_become(sock: socket.socket, baseline: dict[str, str], warm: bool) -
     return become(ASSIGNMENT_DECODER.decode(message), fds[0], baseline, warm)
 
 
-def agent_socket(prog: str, doc: str | None, argv: list[str] | None) -> socket.socket:
-    """The command line's `--fd`: this end of the agent's SOCK_SEQPACKET pair, blocking."""
+def agent_socket(prog: str, doc: str | None, argv: list[str] | None,
+                 options: Callable[[argparse.ArgumentParser], object] | None = None,
+                 ) -> tuple[socket.socket, argparse.Namespace]:
+    """The command line's `--fd`: this end of the agent's SOCK_SEQPACKET pair, blocking; and the other `options`."""
     p = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--fd", type=int, required=True, help="this end of the agent's SOCK_SEQPACKET socket pair")
-    sock = socket.socket(fileno=p.parse_args(argv).fd)
+    if options is not None:
+        options(p)
+    args = p.parse_args(argv)
+    sock = socket.socket(fileno=args.fd)
     sock.setblocking(True)
-    return sock
+    return sock, args
 
 
 def main(argv: list[str] | None = None) -> int:
-    sock = agent_socket("python -m trainer.standby", __doc__, argv)
+    sock, _ = agent_socket("python -m trainer.standby", __doc__, argv)
     baseline = dict(os.environ)
     return wait_and_become(sock, baseline, warm_up("standby"))
 

@@ -10,7 +10,7 @@ import sys
 from events import subjects
 from events.nodelocal import STEP_REPORTS, STEP_REPORTS_ENV
 from services.agent.inventory import DEFAULT_CPU_SLOTS, AgentError
-from services.agent.main import HEARTBEATS, HEARTBEATS_ENV, STANDBY_ENV, AgentOptions, run_agent
+from services.agent.main import HEARTBEATS, HEARTBEATS_ENV, PRELOAD_ENV, STANDBY_ENV, AgentOptions, run_agent
 from services.shell.logging import configure
 from services.shell.objects.open import DATA_DIR_ENV, OBJECTS_ENV
 
@@ -30,6 +30,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--standby", type=int, default=None, metavar="N",
                    help=f"warm standby ranks (torch imported) for fast restarts; 0: none "
                         f"(default: ${STANDBY_ENV}, else one per slot and one more)")
+    p.add_argument("--preload", default=None, metavar="MODULES",
+                   help=f"comma-separated modules the node's fork server imports besides torch and the trainer, so "
+                        f"ranks of jobs that use them start with them imported, e.g. "
+                        f"transformers.models.gpt2.modeling_gpt2 (default: ${PRELOAD_ENV})")
     p.add_argument("--heartbeats", choices=HEARTBEATS, default=None,
                    help=f"node: relay the ranks' heartbeats in one batch per job per interval; rank: each rank "
                         f"publishes its own (default: ${HEARTBEATS_ENV}, else node)")
@@ -56,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
                                data_dir=args.data_dir or os.environ.get(DATA_DIR_ENV) or ".flightdeck",
                                objects=args.objects or os.environ.get(OBJECTS_ENV) or None, address=args.address,
                                grace_s=args.grace_s, selfcheck_timeout_s=args.selfcheck_timeout_s,
-                               standby=args.standby, heartbeats=args.heartbeats, step_reports=args.step_reports)
+                               standby=args.standby, heartbeats=args.heartbeats, step_reports=args.step_reports,
+                               preload=args.preload)
         return await run_agent(options, stop)
 
     try:

@@ -57,8 +57,9 @@ class ForkedProc:
 
 class ForkServer:
     def __init__(self, *, python: str, env: dict[str, str], cwd: Path, log_file: Path,
-                 preexec: Callable[[], None]) -> None:
+                 preexec: Callable[[], None], preload: tuple[str, ...] = ()) -> None:
         self.python, self.env, self.cwd, self.log_file, self.preexec = python, env, cwd, log_file, preexec
+        self.preload = preload  # the jobs' own modules, imported after the trainer's (the agent's --preload)
         self.proc: asyncio.subprocess.Process | None = None
         self.sock: socket.socket | None = None
         self.ready = False  # all a rank imports is in: standbys can be forked
@@ -124,8 +125,9 @@ class ForkServer:
             self.log_file.parent.mkdir(parents=True, exist_ok=True)
             out = os.open(self.log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             try:
+                preload = ["--preload", ",".join(self.preload)] if self.preload else []
                 self.proc = await asyncio.create_subprocess_exec(
-                    self.python, "-m", "trainer.forkserver", "--fd", str(theirs.fileno()), cwd=self.cwd,
+                    self.python, "-m", "trainer.forkserver", "--fd", str(theirs.fileno()), *preload, cwd=self.cwd,
                     env=self.env, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT,
                     start_new_session=True, preexec_fn=self.preexec, pass_fds=(theirs.fileno(),))
             finally:
@@ -138,7 +140,7 @@ class ForkServer:
             return
         mine.setblocking(False)
         self.sock = mine
-        log.info("fork server started", pid=self.proc.pid)
+        log.info("fork server started", pid=self.proc.pid, preload=list(self.preload))
         loop = asyncio.get_running_loop()
         try:
             while not self.gone:

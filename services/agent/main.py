@@ -51,6 +51,8 @@ from services.shell.runtime import ConsumerPolicy, PublishDenied, run_service
 log = structlog.get_logger("flightdeck.agent")
 
 STANDBY_ENV = "FLIGHTDECK_STANDBY"  # the default for --standby (unset: one per slot and one more)
+PRELOAD_ENV = "FLIGHTDECK_PRELOAD"  # the default for --preload
+MODULE_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 HEARTBEATS_ENV = "FLIGHTDECK_HEARTBEATS"  # the default for --heartbeats
 HEARTBEATS = ("node", "rank")
 ORPHAN_EXIT = -signal.SIGKILL  # a rank that died with its agent (PR_SET_PDEATHSIG)
@@ -119,6 +121,7 @@ class AgentOptions:
     standby: int | None = None  # warm standby ranks (None: $FLIGHTDECK_STANDBY, else one per slot and one more)
     heartbeats: str | None = None  # "node" relays beats in one batch per job per interval; "rank": each its own
     step_reports: str | None = None  # "all" or "rank0"; None for both: the environment, else node and all
+    preload: str | None = None  # modules the fork server imports for the jobs' code; None: $FLIGHTDECK_PRELOAD
 
 
 async def run_agent(options: AgentOptions, stop_event: asyncio.Event | None = None) -> int:
@@ -127,6 +130,7 @@ async def run_agent(options: AgentOptions, stop_event: asyncio.Event | None = No
     nats, node, slots, device, data_dir, objects = o.nats, o.node, o.slots, o.device, o.data_dir, o.objects
     address, grace_s, selfcheck_timeout_s, standby = o.address, o.grace_s, o.selfcheck_timeout_s, o.standby
     heartbeats, step_reports = o.heartbeats, o.step_reports
+    preload = preload_modules(o.preload if o.preload is not None else os.environ.get(PRELOAD_ENV, ""))
     heartbeats = heartbeats or env_choice(HEARTBEATS_ENV, HEARTBEATS, "node")
     step_reports = step_reports or env_choice(STEP_REPORTS_ENV, STEP_REPORTS, "all")
     if heartbeats not in HEARTBEATS:
@@ -150,7 +154,7 @@ async def run_agent(options: AgentOptions, stop_event: asyncio.Event | None = No
     # The standbys and the self-check are forked from one warm process: torch is imported once on this node. On GPU
     # nodes too: the server's imports never initialise the CUDA driver (tests/gpu), so its children still get CUDA.
     forks = ForkServer(python=python, env=standby_env(), cwd=REPO, log_file=Paths(root).standby_log,
-                       preexec=die_with_agent(os.getpid())) if standbys > 0 else None
+                       preexec=die_with_agent(os.getpid()), preload=preload) if standbys > 0 else None
     verdict_task = asyncio.create_task(selfcheck(python, inv, selfcheck_timeout_s, forks))
     conn = Connection(producer)
     store = await conn.open(url, stop)
@@ -234,6 +238,16 @@ async def run_agent(options: AgentOptions, stop_event: asyncio.Event | None = No
             await store.nc.close()
     log.info("agent stopped", exit_code=code)
     return code
+
+
+def preload_modules(raw: str) -> tuple[str, ...]:
+    """--preload's comma-separated module names, each checked: a typo is an error at start, not a cold node."""
+    names = tuple(name.strip() for name in raw.split(",") if name.strip())
+    for name in names:
+        if not MODULE_NAME.fullmatch(name):
+            raise AgentError(f"--preload {name!r} is not a module name: give dotted names separated by commas, "
+                             f"e.g. transformers.models.gpt2.modeling_gpt2")
+    return names
 
 
 def standby_default() -> int | None:

@@ -110,6 +110,10 @@ async def test_an_agent_set_up_wrong_says_what_to_change(cluster: Cluster) -> No
     proc.wait(60)
     assert proc.returncode == 2
     assert "'bad.name' cannot be a subject token" in (cluster.root / "agent-bad.name.log").read_text()
+    proc = cluster.agent("n5", "--preload", "transformers,not a module")
+    proc.wait(60)
+    assert proc.returncode == 2
+    assert "--preload 'not a module' is not a module name" in (cluster.root / "agent-n5.log").read_text()
 
 
 @pytest.mark.timeout(90)

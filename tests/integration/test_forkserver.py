@@ -112,6 +112,29 @@ async def test_a_bad_request_is_refused_and_the_server_serves_on(forks: ForkServ
     assert code == 0 and forks.forked == 1
 
 
+PROBE = "tests.fixtures.preload_probe"
+
+
+async def test_preloaded_modules_are_imported_once_for_every_child_and_a_missing_one_costs_only_itself(
+        tmp_path: Path) -> None:
+    f = ForkServer(python=sys.executable, env=standby_env(), cwd=REPO, log_file=tmp_path / "standby.log",
+                   preexec=die_with_agent(os.getpid()), preload=(PROBE, "no_such_module_for_flightdeck"))
+    try:
+        assert await asyncio.wait_for(f.wait_ready(), 120), (tmp_path / "standby.log").read_text()
+        check = tmp_path / "check.py"  # a script runs warm (`python -c` would be started cold)
+        check.write_text(f"import sys\nsys.exit(0 if {PROBE!r} in sys.modules else 3)\n")
+        for n in range(2):
+            _, code = await run(f, [sys.executable, str(check)], tmp_path / f"r{n}.log")
+            assert code == 0, (tmp_path / f"r{n}.log").read_text()
+            assert "preload probe imported" not in (tmp_path / f"r{n}.log").read_text()  # found, not imported again
+        server_log = (tmp_path / "standby.log").read_text()
+        assert server_log.count("preload probe imported") == 1, server_log
+        assert "No module named 'no_such_module_for_flightdeck'" in server_log  # said, and the server went on
+        assert f.forked == 2
+    finally:
+        await f.close()
+
+
 async def test_the_children_of_a_killed_fork_server_die_with_it_and_the_pool_goes_on_cold(tmp_path: Path) -> None:
     log = tmp_path / "standby.log"
     forks = ForkServer(python=sys.executable, env=standby_env(), cwd=REPO, log_file=log,
