@@ -42,7 +42,9 @@ async def test_the_scrubber_finds_a_shard_flipped_in_the_store_and_the_checkpoin
         await p.until(lambda: bool(p.seen(JobCompleted, job)), 120, "the job to complete", job)
         # A commit can be stored after JobCompleted (the ranks are done once they have staged it)
         await p.until(lambda: len(p.seen(CheckpointCommitted, job)) >= len(ids), 60, "its three commits", job)
-        assert [e.checkpoint_id for e in p.seen(CheckpointCommitted, job)] == ids
+        # The three sets may commit in any order: staged together, each is read back and committed on its own.
+        committed = [e.checkpoint_id for e in p.seen(CheckpointCommitted, job)]
+        assert sorted(committed) == ids
         assert p.stop("checkpoints") == 0  # it ran with the default (a day): nothing was due yet
         monkeypatch.setenv(SCRUB_EVERY_ENV, "2")  # its settings are recorded again when it comes back
         monkeypatch.setenv(SCRUB_MB_S_ENV, str(MB_S))
@@ -53,7 +55,7 @@ async def test_the_scrubber_finds_a_shard_flipped_in_the_store_and_the_checkpoin
 
         await p.until(lambda: len(scrubbed()) >= 3, 60, "a first round of scrubs", job)
         first = scrubbed()[:3]
-        assert [e.checkpoint_id for e in first] == ids  # oldest verified (here: committed) first
+        assert [e.checkpoint_id for e in first] == committed  # oldest verified (here: committed) first
         assert all(e.cause == "" for e in first), [e.cause for e in first]
         for e in first:  # read back whole, never faster than the bound (the manifest itself is not paced)
             assert e.bytes > 500_000 and e.seconds >= 0.9 * e.bytes / (MB_S * 1e6), (e.bytes, e.seconds)
