@@ -3,9 +3,7 @@ the self-check forked from it passes on the node's GPU and a rank forked from it
 after the driver was initialised could not (CUDA does not survive fork). Runs where nvidia-smi lists a GPU (the
 device machine); skipped on the CPU boxes CI runs on."""
 
-import asyncio
 import importlib.util
-import os
 import sys
 from pathlib import Path
 
@@ -13,8 +11,7 @@ import pytest
 
 from services.agent.forkserver import ForkServer, ForkServerGone
 from services.agent.inventory import Inventory, _nvidia_gpus, selfcheck
-from services.agent.launch import REPO, die_with_agent, standby_env
-from tests.integration.test_forkserver import forks, run
+from tests.integration.test_forkserver import forks, run, warm_server
 
 __all__ = ["forks"]  # the fixture: a warm fork server, as the CPU tests use it
 
@@ -53,31 +50,18 @@ async def test_the_self_check_and_a_rank_forked_on_a_gpu_node_use_the_gpu(forks:
     assert forks.forked == 2
 
 
-def preloading(tmp_path: Path, *modules: str) -> ForkServer:
-    return ForkServer(python=sys.executable, env=standby_env(), cwd=REPO, log_file=tmp_path / "standby.log",
-                      preexec=die_with_agent(os.getpid()), preload=modules)
-
-
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")
 async def test_a_rank_forked_after_a_transformers_preload_still_trains_on_the_gpu(tmp_path: Path) -> None:
-    f = preloading(tmp_path, "transformers.models.gpt2.modeling_gpt2")
-    try:
-        assert await asyncio.wait_for(f.wait_ready(), 180), (tmp_path / "standby.log").read_text()
+    async with warm_server(tmp_path, "transformers.models.gpt2.modeling_gpt2") as f:
         script = tmp_path / "rank.py"
         script.write_text("import sys\nassert 'transformers.models.gpt2.modeling_gpt2' in sys.modules\n" + RANK)
         _, code = await run(f, [sys.executable, str(script)], tmp_path / "rank.log")
         out = (tmp_path / "rank.log").read_text()
         assert code == 0 and "initialised before False" in out and "trained on" in out, out
-    finally:
-        await f.close()
 
 
 async def test_a_preload_that_initialises_cuda_makes_the_server_refuse_every_fork(tmp_path: Path) -> None:
-    f = preloading(tmp_path, "tests.fixtures.cuda_init_probe")
-    try:
-        assert await asyncio.wait_for(f.wait_ready(), 180), (tmp_path / "standby.log").read_text()
+    async with warm_server(tmp_path, "tests.fixtures.cuda_init_probe") as f:
         with pytest.raises(ForkServerGone, match="an import initialised CUDA in the fork server"):
             await run(f, [sys.executable, "-c", "pass"], tmp_path / "rank.log")  # the agent starts it cold instead
         assert f.forked == 0
-    finally:
-        await f.close()

@@ -5,6 +5,7 @@ server serves on; and the children of a killed server die with it, are recorded 
 goes on with cold standbys."""
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
@@ -24,15 +25,22 @@ from tests.integration.test_lifecycle_services import gone
 pytestmark = pytest.mark.timeout(240)
 
 
-@pytest.fixture
-async def forks(tmp_path: Path) -> AsyncIterator[ForkServer]:
+@contextlib.asynccontextmanager
+async def warm_server(tmp_path: Path, *preload: str) -> AsyncIterator[ForkServer]:
+    """A fork server as an agent starts one (its log: tmp_path/standby.log), once all its imports are in."""
     f = ForkServer(python=sys.executable, env=standby_env(), cwd=REPO, log_file=tmp_path / "standby.log",
-                   preexec=die_with_agent(os.getpid()))
+                   preexec=die_with_agent(os.getpid()), preload=preload)
     try:
         assert await asyncio.wait_for(f.wait_ready(), 120), (tmp_path / "standby.log").read_text()
         yield f
     finally:
         await f.close()
+
+
+@pytest.fixture
+async def forks(tmp_path: Path) -> AsyncIterator[ForkServer]:
+    async with warm_server(tmp_path) as f:
+        yield f
 
 
 async def run(forks: ForkServer, argv: list[str], log: Path, cwd: Path = REPO, **env: str) -> tuple[ForkedProc, int]:
@@ -117,10 +125,7 @@ PROBE = "tests.fixtures.preload_probe"
 
 async def test_preloaded_modules_are_imported_once_for_every_child_and_a_missing_one_costs_only_itself(
         tmp_path: Path) -> None:
-    f = ForkServer(python=sys.executable, env=standby_env(), cwd=REPO, log_file=tmp_path / "standby.log",
-                   preexec=die_with_agent(os.getpid()), preload=(PROBE, "no_such_module_for_flightdeck"))
-    try:
-        assert await asyncio.wait_for(f.wait_ready(), 120), (tmp_path / "standby.log").read_text()
+    async with warm_server(tmp_path, PROBE, "no_such_module_for_flightdeck") as f:
         check = tmp_path / "check.py"  # a script runs warm (`python -c` would be started cold)
         check.write_text(f"import sys\nsys.exit(0 if {PROBE!r} in sys.modules else 3)\n")
         for n in range(2):
@@ -131,8 +136,6 @@ async def test_preloaded_modules_are_imported_once_for_every_child_and_a_missing
         assert server_log.count("preload probe imported") == 1, server_log
         assert "No module named 'no_such_module_for_flightdeck'" in server_log  # said, and the server went on
         assert f.forked == 2
-    finally:
-        await f.close()
 
 
 async def test_the_children_of_a_killed_fork_server_die_with_it_and_the_pool_goes_on_cold(tmp_path: Path) -> None:
