@@ -28,6 +28,7 @@ from events.store import EventStore
 from events.streams import ServerTooOld
 from services.agent import core as agentcore
 from services.agent.beats import BeatRelay, new_address, store_publisher
+from services.agent.closing import close_within
 from services.agent.forkserver import ForkServer
 from services.agent.inventory import (
     AgentError,
@@ -226,13 +227,13 @@ async def run_agent(options: AgentOptions, stop_event: asyncio.Event | None = No
             verdict_task.cancel()
         if pool is not None:
             pool.on_change = lambda: None  # closing: nothing more to tell
-            await pool.close()
-        if forks is not None:
-            await forks.close()  # last: the ranks it forked are stopped (spawner.shutdown) or die with it
+            await close_within("standby pool", pool.close())
+        if forks is not None:  # last: the ranks it forked are stopped (spawner.shutdown) or die with it
+            await close_within("fork server", forks.close())
         if view is not None:
-            await view.close()
+            await close_within("node view", view.close())
         if relay is not None:
-            await relay.close()
+            await close_within("heartbeat relay", relay.close())
         conn.closing = True
         with contextlib.suppress(Exception):
             await store.nc.close()

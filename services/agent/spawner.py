@@ -25,6 +25,7 @@ from events.store import EventStore
 from events.training import FaultInjected
 from services.agent.beats import BeatRelay
 from services.agent.cache import CheckpointCache
+from services.agent.closing import close_within
 from services.agent.core import (
     EVICT,
     PREFETCH,
@@ -358,7 +359,7 @@ class Spawner:
             self.stop(job_id, attempt, "the agent is stopping", shutdown=True)
         self.cache.cancel_all()
         if self.standbys is not None:
-            await self.standbys.close()
+            await close_within("standby pool", self.standbys.close())
         watchers = [p.watcher for p in self.procs.values() if p.watcher is not None]
         if watchers:
             _, pending = await asyncio.wait(watchers, timeout=wait_s)
