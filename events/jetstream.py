@@ -125,7 +125,8 @@ class JetStreamStore:
                 headers = {"Nats-Msg-Id": event.event_id} if event.event_id else None
                 futures.append(await self.js.publish_async(subject, codec.encode(event), headers=headers))
             # nats-py never times these futures out: a dropped connection would leave them waiting forever
-            return await asyncio.wait_for(asyncio.gather(*futures), self._timeout + 0.01 * len(futures))
+            async with asyncio.timeout(self._timeout + 0.01 * len(futures)):
+                return await asyncio.gather(*futures)
 
         acks = await self._call(run)
         return [AppendResult(a.stream, a.seq, bool(a.duplicate)) for a in acks]

@@ -6,6 +6,7 @@ ordered consumer: that one restarts from stream sequence 1 when it resets before
 which would replay a previous attempt's StopRequested into this one."""
 
 import asyncio
+import contextlib
 import threading
 import time
 import uuid
@@ -103,11 +104,10 @@ class CommandInbox:
         """Return when the subscription must be replaced: a reconnect, a gap, or the consumer gone."""
         assert self._resubscribe is not None
         while True:
-            try:
-                await asyncio.wait_for(self._resubscribe.wait(), CHECK_S)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(CHECK_S):  # not wait_for: on 3.11 it can swallow a cancel
+                    await self._resubscribe.wait()
                 return
-            except TimeoutError:
-                pass
             try:
                 await sub.consumer_info()
             except nats.js.errors.NotFoundError:

@@ -9,6 +9,7 @@ With a node agent's heartbeat socket (events/nodelocal.py) the heartbeat thread 
 which publishes one batch per node; if the agent stops listening the rank heartbeats through the broker."""
 
 import asyncio
+import contextlib
 import os
 import threading
 import time
@@ -254,10 +255,9 @@ class Telemetry:
                 self._wake.clear()
                 self._sleeping = True
                 if not len(self._backlog):  # an emit racing the flag above has either queued or will wake us
-                    try:
-                        await asyncio.wait_for(self._wake.wait(), IDLE_WAKE_S)
-                    except TimeoutError:
-                        pass
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(IDLE_WAKE_S):  # not wait_for: on 3.11 it can swallow a cancel
+                            await self._wake.wait()
                 self._sleeping = False
                 continue
             self._inflight = await self._publish(js, self._inflight)

@@ -198,7 +198,8 @@ class BeatRelay:
             if wait is None or wait > 0:
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), wait)
+                    async with asyncio.timeout(wait):  # not wait_for: on 3.11 it can swallow close's cancel
+                        await self._wake.wait()
             for batch in self.batches.take_due(time.monotonic(), time.time()):
                 await self.publish(batch)
 
@@ -212,7 +213,8 @@ def store_publisher(store: EventStore) -> Publish:
         nonlocal dropped, logged_at
         subject = subjects.telemetry(batch.job_id, batch.rank, "RankHeartbeats")
         try:
-            await asyncio.wait_for(store.append(subject, batch, msg_id=batch.event_id), batch.interval_s)
+            async with asyncio.timeout(batch.interval_s):
+                await store.append(subject, batch, msg_id=batch.event_id)
         except TRANSIENT as exc:
             dropped += 1
             if time.monotonic() - logged_at >= 10.0:

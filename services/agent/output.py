@@ -103,7 +103,8 @@ class OutputPump:
             with self.log_path.open("ab", buffering=0) as out:
                 while True:
                     try:
-                        chunk = await asyncio.wait_for(reader.read(READ_CHUNK), FLUSH_S)
+                        async with asyncio.timeout(FLUSH_S):  # not wait_for: on 3.11 it can swallow a cancel
+                            chunk = await reader.read(READ_CHUNK)
                     except TimeoutError:
                         self._flush_if_due(force=bool(self.batch) or bool(self.dropped))
                         continue
@@ -161,8 +162,9 @@ class OutputPump:
             while self.pending:
                 event = self.pending[0]
                 try:
-                    await asyncio.wait_for(self.publish(event), PUBLISH_TIMEOUT_S)
-                except TRANSIENT as exc:  # asyncio.TimeoutError (wait_for) included
+                    async with asyncio.timeout(PUBLISH_TIMEOUT_S):
+                        await self.publish(event)
+                except TRANSIENT as exc:  # TimeoutError (the timeout's) included
                     if self._eof:
                         log.warning("rank output not shipped: the broker did not take it", job_id=self.job_id,
                                     rank=self.rank, batches=len(self.pending), error=repr(exc))

@@ -127,7 +127,8 @@ class StandbyPool:
         structlog.contextvars.bind_contextvars(service=self.producer)
         if going is not None:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(going), max_s)  # shielded: the spawner's own to resolve
+                async with asyncio.timeout(max_s):  # not wait_for: on 3.11 it can swallow the cancel of a refill
+                    await asyncio.shield(going)  # shielded: the spawner's own to resolve
         await asyncio.sleep(delay_s)
         self.filling = True
         try:

@@ -329,7 +329,8 @@ class Shell:
         sooner (PROMPT_S after it) when telemetry of one of the core's `prompt_types` arrives."""
         while not self.stop.is_set():
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.tap.prompted.wait(), self.service.tick_s)
+                async with asyncio.timeout(self.service.tick_s):  # not wait_for: on 3.11 it can swallow a cancel
+                    await self.tap.prompted.wait()
                 await asyncio.sleep(PROMPT_S)  # the rest of what came together (every rank's staging) comes along
             now = time.time()
             self._reconnected(now)

@@ -100,7 +100,8 @@ class WebServer:
                     await stream.write(b"event: board\ndata: " + data + b"\n\n")
                     sent = key
                 try:
-                    await asyncio.wait_for(moved.wait(), PING_S)
+                    async with asyncio.timeout(PING_S):  # not wait_for: on 3.11 it can swallow a cancel
+                        await moved.wait()
                 except TimeoutError:
                     await stream.write(b": ping\n\n")
                 await asyncio.sleep(PUSH_EVERY_S)
