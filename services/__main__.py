@@ -14,6 +14,7 @@ from services.core import Service
 from services.shell.broker import nats_url
 from services.shell.logging import configure
 from services.shell.runtime import ConsumerPolicy, PublishDenied, run_service
+from services.shell.stacks import dump_on_signal
 
 log = structlog.get_logger("flightdeck.service")
 
@@ -23,6 +24,7 @@ async def _run(service: Service[Any], url: str) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    dump_on_signal(loop)
     log.info("starting", service=service.name, nats=url)
     try:
         await run_service(service, url, stop_event=stop, policy=ConsumerPolicy.from_env())

@@ -13,6 +13,7 @@ from services.agent.inventory import DEFAULT_CPU_SLOTS, AgentError
 from services.agent.main import HEARTBEATS, HEARTBEATS_ENV, PRELOAD_ENV, STANDBY_ENV, AgentOptions, run_agent
 from services.shell.logging import configure
 from services.shell.objects.open import DATA_DIR_ENV, OBJECTS_ENV
+from services.shell.stacks import dump_on_signal
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -56,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        dump_on_signal(loop)
         options = AgentOptions(nats=args.nats, node=args.node, slots=args.slots, device=args.device,
                                data_dir=args.data_dir or os.environ.get(DATA_DIR_ENV) or ".flightdeck",
                                objects=args.objects or os.environ.get(OBJECTS_ENV) or None, address=args.address,

@@ -2,12 +2,15 @@
 die with the process, so the agent still stops (its exit is what `flightdeck down`, systemd or a test waits for).
 
 Why: a suite run once saw an agent record its ranks' exits and then never exit, with nothing in its log to say
-which part it was waiting for. The bound makes that a logged error instead of a hung node."""
+which part it was waiting for. The bound makes that a logged error instead of a hung node, and the log says
+where the part was waiting (`awaiting`), so the next one can be fixed."""
 
 import asyncio
 from collections.abc import Awaitable
 
 import structlog
+
+from services.shell.stacks import awaiting_chain
 
 log = structlog.get_logger("flightdeck.agent")
 
@@ -20,7 +23,10 @@ async def close_within(part: str, closing: Awaitable[object], within_s: float = 
     task = asyncio.ensure_future(closing)
     done, _ = await asyncio.wait({task}, timeout=within_s)
     if not done:
+        awaiting = awaiting_chain(task)
         task.cancel()
-        log.error("a part did not close in time; the agent stops without it", part=part, within_s=within_s)
+        log.error("a part did not close in time; the agent stops without it", part=part, within_s=within_s,
+                  awaiting=awaiting)
         return
     task.result()
+

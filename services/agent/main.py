@@ -236,7 +236,7 @@ async def run_agent(options: AgentOptions, stop_event: asyncio.Event | None = No
             await close_within("heartbeat relay", relay.close())
         conn.closing = True
         with contextlib.suppress(Exception):
-            await store.nc.close()
+            await close_within("broker connection", store.nc.close())
     log.info("agent stopped", exit_code=code)
     return code
 

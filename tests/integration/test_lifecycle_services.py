@@ -43,6 +43,9 @@ from services.shell.objects.local import LocalStore
 from services.shell.runtime import run_service
 
 ROOT = Path(__file__).resolve().parents[2]
+LOG_TAIL = 3000  # characters of each log shown with a failure
+DUMP_SHOWN = 8000  # characters of a stack dump shown after them (dump_stacks)
+DUMP_MARK = "(most recent call first):"  # faulthandler's first line: the dump starts on it
 TINY = JobSpec(name="tiny", slots=2, model=ModelSpec(d_model=32),
                train=TrainSpec(steps=20, checkpoint_every=10, data="synthetic"))
 ENDLESS = JobSpec(name="endless", slots=2, model=ModelSpec(d_model=32),
@@ -145,14 +148,28 @@ class Cluster:
     def logs(self) -> str:
         parts = []
         for path in sorted([*self.root.glob("*.log"), *self.data.glob("logs/*.log")]):
-            parts.append(f"--- {path.name} ---\n{path.read_text(errors='replace')[-3000:]}")
+            text = path.read_text(errors="replace")
+            dump = text.find(DUMP_MARK)
+            dump = text.rfind("\n", 0, dump) + 1 if dump >= 0 else len(text)
+            # The log's tail before a stack dump (dump_stacks), then the dump's start: threads, then tasks.
+            parts.append(f"--- {path.name} ---\n{text[:dump][-LOG_TAIL:]}{text[dump:][:DUMP_SHOWN]}")
         return "\n".join(parts)
+
+    async def dump_stacks(self) -> None:
+        """Ask every process still running to write where it waits into its log (services/shell/stacks.py)."""
+        live = [p for p in self.procs.values() if p.poll() is None]
+        for proc in live:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGUSR1)
+        if live:
+            await asyncio.sleep(1.0)  # the tasks are logged from each process's loop, when it next runs
 
     async def until(self, check: Callable[[], bool], within: float, what: str, job_id: str = "") -> None:
         deadline = time.monotonic() + within
         while not check():
             if time.monotonic() > deadline:
                 history = [type(e).__name__ for e in self.job(job_id)] if job_id else []
+                await self.dump_stacks()
                 raise AssertionError(f"timed out after {within}s waiting for {what}; job history {history}\n"
                                      f"{self.logs()}")
             await asyncio.sleep(0.1)

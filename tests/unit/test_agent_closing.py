@@ -41,3 +41,21 @@ async def test_a_part_that_closes_is_awaited_and_one_that_fails_raises() -> None
         with pytest.raises(RuntimeError, match="broken socket"):
             await close_within("heartbeat relay", fails())
     assert done == ["closed"] and logs == []
+
+
+async def test_a_part_left_behind_is_logged_with_where_it_waits() -> None:
+    parked = asyncio.Event()
+
+    async def inner_wait() -> None:
+        await parked.wait()
+
+    async def outer_close() -> None:
+        await inner_wait()
+
+    with capture_logs() as logs:
+        await close_within("fork server", outer_close(), within_s=0.05)
+    [entry] = logs
+    names = [where.rsplit(" ", 1)[-1] for where in entry["awaiting"][:-1]]
+    # Every coroutine down the chain, outermost first, then what the innermost one waits on: a future.
+    assert names == ["outer_close", "inner_wait", "wait"]
+    assert entry["awaiting"][-1] == "FutureIter"
