@@ -29,4 +29,3 @@ async def close_within(part: str, closing: Awaitable[object], within_s: float = 
                   awaiting=awaiting)
         return
     task.result()
-
