@@ -182,8 +182,9 @@ class Client:
 
     async def events(self, job_id: str, *, telemetry: bool = True) -> AsyncGenerator[Event, None]:
         """The job's events from its submission on, as typed catalog objects, live: its control history and
-        (with `telemetry`) what its ranks publish, each in its stream's order, until the job ends. Its submission
-        comes first."""
+        (with `telemetry`) what its ranks publish, each in its stream's order, until the job ends (a completed job:
+        with its final checkpoint's commit, which may come just after JobCompleted, or `jobview.FINAL_WAIT_S` later
+        without it). Its submission comes first."""
         async with contextlib.aclosing(self.events_stored(job_id, telemetry=telemetry)) as stored_events:
             async for stored in stored_events:
                 if stored.event is not None:
@@ -203,9 +204,14 @@ class Client:
 
         readers = [asyncio.create_task(pump(subjects.CONTROL, subjects.job_all(job_id)))]
         view = JobView(job_id=job_id)
+        final_by: float | None = None  # the loop's time, once the job completed with its final checkpoint to come
         try:
             while True:
-                item = await queue.get()
+                try:
+                    async with asyncio.timeout_at(final_by):
+                        item = await queue.get()
+                except TimeoutError:
+                    return  # completed; its final checkpoint did not come (the service stopped looking for it)
                 if isinstance(item, BaseException):
                     raise item
                 if telemetry and len(readers) == 1:
@@ -215,8 +221,10 @@ class Client:
                 yield item
                 if item.stream == subjects.CONTROL and isinstance(item.event, JobEvent):
                     view = jobview.evolve(view, item.event)
-                    if view.ended:
+                    if view.ended and not view.final_checkpoint_pending:
                         return
+                    if view.ended and final_by is None:
+                        final_by = asyncio.get_running_loop().time() + jobview.FINAL_WAIT_S
         finally:
             await stop_readers(readers)
 
@@ -236,16 +244,20 @@ class Client:
         return await self.store.last_seq(subjects.CONTROL)
 
     async def wait(self, job_id: str, phases: Collection[str] = ENDED, *, timeout_s: float | None = None) -> JobView:
-        """Until the job is in one of `phases` (default: any end); TimeoutError after `timeout_s`."""
+        """Until the job is in one of `phases` (default: any end); TimeoutError after `timeout_s`. A completed job
+        comes with its final checkpoint, which may be committed just after JobCompleted (as in `events`)."""
+        def done(view: JobView) -> bool:
+            return view.phase in phases and not view.final_checkpoint_pending
+
         async def until() -> JobView:
             view = await self.status(job_id)
-            if view.phase in phases:
+            if done(view):
                 return view
             async with contextlib.aclosing(self.events(job_id, telemetry=False)) as events:
                 async for event in events:
                     if isinstance(event, JobEvent):
                         view = jobview.evolve(view, event)
-                        if view.phase in phases:
+                        if done(view):
                             return view
             return await self.status(job_id)  # it ended in another phase
         return await asyncio.wait_for(until(), timeout_s)

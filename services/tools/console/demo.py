@@ -199,14 +199,15 @@ def drill(spec: Path, data_dir: Path, timeout_s: float) -> JobView | None:
     print("\n".join(drill_summary.render(timeline.seen)), end="\n\n", flush=True)
     flightdeck("status", job_id, "--nats", url)
     flightdeck("checkpoints", job_id, "--nats", url)
-    show_metrics(f"{up.ui_url(web)}/metrics", job_id)
+    show_metrics(f"{up.ui_url(web)}/metrics", job_id, len(view.checkpoints))
     return view
 
 
-def show_metrics(url: str, job_id: str) -> None:
-    """What Prometheus would scrape of this job, from the same event log as the lines above."""
+def show_metrics(url: str, job_id: str, commits: int) -> None:
+    """What Prometheus would scrape of this job, from the same event log as the lines above (as far as they
+    read it: `commits` checkpoints committed)."""
     print(f"$ curl -s {url} | grep 'job_id=\"{job_id}\"'   # a few of them", flush=True)
-    lines, why = metrics_peek.scrape(url, job_id, METRICS_WAIT_S)
+    lines, why = metrics_peek.scrape(url, job_id, METRICS_WAIT_S, commits)
     print("  " + "\n  ".join(lines or [f"none yet: {why or 'the web server has not folded this job'}"]), flush=True)
 
 

@@ -1,5 +1,6 @@
 """Following one job live: its control history and its telemetry, each message handed to a sink as it arrives,
-until the job ends (`flightdeck watch`, `submit --wait`, the demo)."""
+until the job ends (`flightdeck watch`, `submit --wait`, the demo). A completed job's end includes its final
+checkpoint, which may be committed just after JobCompleted (`Client.events_stored` waits for it, bounded)."""
 
 import asyncio
 import contextlib
@@ -22,7 +23,7 @@ async def follow(url: str, job_id: str, sink: Sink, timeout_s: float | None) -> 
         async with await Client.connect(url) as fd, contextlib.aclosing(fd.events_stored(job_id)) as events:
             async for stored in events:  # closed on a timeout too: its readers stop with it
                 sink.show(stored)
-                if sink.view.ended:
+                if sink.view.ended and not sink.view.final_checkpoint_pending:
                     return
     await asyncio.wait_for(pump(), timeout_s)
     return sink.view

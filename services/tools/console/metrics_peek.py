@@ -29,15 +29,19 @@ def job_lines(exposition: str, job_id: str) -> list[str]:
     return lines
 
 
-def settled(lines: list[str]) -> bool:
-    """The server has folded the job's end and postmortem's analysis of it (goodput comes from that analysis)."""
+def settled(lines: list[str], commits: int | None = None) -> bool:
+    """The server has folded the job's end and postmortem's analysis of it (goodput comes from that analysis), and
+    `commits` checkpoint commits if given (a completed job's final one may be committed after its end)."""
     ended = any(line.startswith("flightdeck_job_phase{") and f'phase="{p}"' in line for line in lines for p in ENDED)
-    return ended and any(line.startswith("flightdeck_job_goodput_ratio{") for line in lines)
+    counted = commits is None or any(line.startswith("flightdeck_checkpoint_commit_seconds_count{")
+                                     and line.rsplit(" ", 1)[-1] == str(commits) for line in lines)
+    return ended and counted and any(line.startswith("flightdeck_job_goodput_ratio{") for line in lines)
 
 
-def scrape(url: str, job_id: str, wait_s: float) -> tuple[list[str], str]:
-    """The job's lines from `url`, waiting up to `wait_s` for the server to fold the job's end; and why none, if so.
-    The wait is a bound on a live server catching up with a log it follows, not a measure of anything."""
+def scrape(url: str, job_id: str, wait_s: float, commits: int | None = None) -> tuple[list[str], str]:
+    """The job's lines from `url`, waiting up to `wait_s` for the server to fold the job's end (and `commits`
+    checkpoint commits, when given: the caller has read that many from the log); and why none, if so. The wait is
+    a bound on a live server catching up with a log it follows, not a measure of anything."""
     deadline, lines, why = time.monotonic() + wait_s, [], ""
     while True:
         try:
@@ -45,6 +49,6 @@ def scrape(url: str, job_id: str, wait_s: float) -> tuple[list[str], str]:
                 lines, why = job_lines(resp.read().decode(), job_id), ""
         except (urllib.error.URLError, OSError) as exc:
             why = f"{url}: {exc}"
-        if (lines and settled(lines)) or time.monotonic() > deadline:
+        if (lines and settled(lines, commits)) or time.monotonic() > deadline:
             return lines, why
         time.sleep(0.5)

@@ -38,6 +38,9 @@ from services.scheduler.state import Phase
 ViewPhase = Phase | Literal["submitted"]
 ENDED: frozenset[str] = frozenset({"completed", "failed", "cancelled"})
 STALE_GRANT = "stale grant"  # the scheduler's reason for giving back slots nobody waits for
+# How long past JobCompleted a follower waits for the final checkpoint: the checkpoint service stops ticking for
+# it 30 s after the completion (services/checkpoints/core.py LINGER_S), so it never comes later than that.
+FINAL_WAIT_S = 60.0
 
 
 class CheckpointEntry(msgspec.Struct, frozen=True, kw_only=True):
@@ -61,6 +64,7 @@ class JobView(msgspec.Struct, frozen=True, kw_only=True):
     slots: int = 0  # what the spec asks for
     world_size: int = 0  # ranks granted to the current attempt (0 while none are)
     steps: int = 0  # the spec's total
+    checkpoint_every: int = 0  # the spec's; a checkpoint is due at the last step when it divides `steps`
     step: int | None = None  # the newest step a rank reported (from telemetry), numbered from 0
     loss: float | None = None
     attempt: int = 0
@@ -68,6 +72,7 @@ class JobView(msgspec.Struct, frozen=True, kw_only=True):
     max_restarts: int = 0
     rollbacks: int = 0
     checkpoint_failures: int = 0
+    final_failed: bool = False  # a checkpoint of the last step failed
     reason: str = ""  # why the job is in its phase (waiting, recovering, stopping or ended); "" while it runs
     last_fault: str = ""  # the scheduler's words for the newest restart after a fault
     preempted_by: str = ""
@@ -85,6 +90,15 @@ class JobView(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def ended(self) -> bool:
         return self.phase in ENDED
+
+    @property
+    def final_checkpoint_pending(self) -> bool:
+        """Completed, with a checkpoint due at the last step that is neither committed nor failed yet. It can land
+        after JobCompleted: the checkpoint service folds the ranks' stagings at its ticks (docs/internals.md, 5),
+        so a follower that wants the job's end with its final checkpoint waits for it (`FINAL_WAIT_S`)."""
+        if self.phase != "completed" or self.checkpoint_every <= 0 or self.steps % self.checkpoint_every:
+            return False
+        return not self.final_failed and not any(c.step == self.steps for c in self.checkpoints)
 
     @property
     def steps_done(self) -> int | None:
@@ -122,6 +136,9 @@ def _checkpoints(view: JobView, event: Event, at: float) -> JobView:
             return _replace(view, checkpoints=tuple(
                 msgspec.structs.replace(c, bad=f"rejected on restore by {event.node}: {cause}")
                 if c.checkpoint_id == cid else c for c in view.checkpoints))
+        case CheckpointFailed(step=step):
+            return _replace(view, checkpoint_failures=view.checkpoint_failures + 1,
+                            final_failed=view.final_failed or step == view.steps)
     return view
 
 
@@ -129,14 +146,16 @@ def evolve(view: JobView, event: Event) -> JobView:
     """`view` after one event of its job's control history."""
     at = event.occurred_at
     view = _replace(view, updated_at=max(view.updated_at, at), version=getattr(event, "job_version", 0) or view.version)
-    if isinstance(event, CheckpointCommitted | CheckpointDeleted | CheckpointScrubbed | CheckpointRejected):
-        return _checkpoints(view, event, at)  # a job's checkpoints outlive it: kept, scrubbed, deleted later
+    if isinstance(event, CheckpointCommitted | CheckpointDeleted | CheckpointScrubbed | CheckpointRejected
+                  | CheckpointFailed):
+        return _checkpoints(view, event, at)  # a job's checkpoints outlive it: kept, scrubbed, deleted, its last failed
     if view.ended:
         return view  # the scheduler changes nothing once a job has ended; neither do we
     match event:
         case JobSubmitted(spec=spec):
             return _replace(view, name=spec.name, priority=spec.priority, slots=spec.slots, steps=spec.train.steps,
-                            max_restarts=spec.policy.max_restarts, submitted_at=at)
+                            checkpoint_every=spec.train.checkpoint_every, max_restarts=spec.policy.max_restarts,
+                            submitted_at=at)
         case JobQueued(reason=reason):
             phase: ViewPhase = "preempted" if reason == "preempted" else (
                 "recovering" if view.phase == "recovering" else "queued")
@@ -167,8 +186,6 @@ def evolve(view: JobView, event: Event) -> JobView:
             return _replace(view, resumed_from_step=from_step)
         case RollbackRequested():
             return _replace(view, rollbacks=view.rollbacks + 1)
-        case CheckpointFailed():
-            return _replace(view, checkpoint_failures=view.checkpoint_failures + 1)
         case JobCompleted():
             return _end(view, "completed", "", at)
         case JobFailed(reason=reason):
