@@ -180,17 +180,20 @@ class Client:
         except HistoryGap as exc:
             raise ClientError(str(exc), EXIT_ERROR) from None
 
-    async def events(self, job_id: str, *, telemetry: bool = True) -> AsyncGenerator[Event, None]:
+    async def events(self, job_id: str, *, telemetry: bool = True, final_wait_s: float = jobview.FINAL_WAIT_S
+                     ) -> AsyncGenerator[Event, None]:
         """The job's events from its submission on, as typed catalog objects, live: its control history and
         (with `telemetry`) what its ranks publish, each in its stream's order, until the job ends (a completed job:
-        with its final checkpoint's commit, which may come just after JobCompleted, or `jobview.FINAL_WAIT_S` later
-        without it). Its submission comes first."""
-        async with contextlib.aclosing(self.events_stored(job_id, telemetry=telemetry)) as stored_events:
+        with its final checkpoint's commit, which may come just after JobCompleted, or `final_wait_s` later without
+        it). Its submission comes first."""
+        following = self.events_stored(job_id, telemetry=telemetry, final_wait_s=final_wait_s)
+        async with contextlib.aclosing(following) as stored_events:
             async for stored in stored_events:
                 if stored.event is not None:
                     yield stored.event
 
-    async def events_stored(self, job_id: str, *, telemetry: bool = True) -> AsyncGenerator[Stored, None]:
+    async def events_stored(self, job_id: str, *, telemetry: bool = True, final_wait_s: float = jobview.FINAL_WAIT_S
+                            ) -> AsyncGenerator[Stored, None]:
         """As `events`, with where each was stored (stream, sequence, subject); undecodable ones too."""
         await self.status(job_id)  # no such job: say so rather than wait forever
         queue: asyncio.Queue[Stored | BaseException] = asyncio.Queue()
@@ -224,7 +227,7 @@ class Client:
                     if view.ended and not view.final_checkpoint_pending:
                         return
                     if view.ended and final_by is None:
-                        final_by = asyncio.get_running_loop().time() + jobview.FINAL_WAIT_S
+                        final_by = asyncio.get_running_loop().time() + final_wait_s
         finally:
             await stop_readers(readers)
 
@@ -243,9 +246,11 @@ class Client:
         """The control stream's last sequence: where `follow(after_seq=...)` starts to see only what comes next."""
         return await self.store.last_seq(subjects.CONTROL)
 
-    async def wait(self, job_id: str, phases: Collection[str] = ENDED, *, timeout_s: float | None = None) -> JobView:
+    async def wait(self, job_id: str, phases: Collection[str] = ENDED, *, timeout_s: float | None = None,
+                   final_wait_s: float = jobview.FINAL_WAIT_S) -> JobView:
         """Until the job is in one of `phases` (default: any end); TimeoutError after `timeout_s`. A completed job
-        comes with its final checkpoint, which may be committed just after JobCompleted (as in `events`)."""
+        comes with its final checkpoint, which may be committed just after JobCompleted, or `final_wait_s` later
+        without it (as in `events`)."""
         def done(view: JobView) -> bool:
             return view.phase in phases and not view.final_checkpoint_pending
 
@@ -253,7 +258,7 @@ class Client:
             view = await self.status(job_id)
             if done(view):
                 return view
-            async with contextlib.aclosing(self.events(job_id, telemetry=False)) as events:
+            async with contextlib.aclosing(self.events(job_id, telemetry=False, final_wait_s=final_wait_s)) as events:
                 async for event in events:
                     if isinstance(event, JobEvent):
                         view = jobview.evolve(view, event)

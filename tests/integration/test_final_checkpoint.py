@@ -10,8 +10,6 @@ import time
 import uuid
 from typing import Any
 
-import pytest
-
 from events.base import JobEvent
 from events.checkpoint import CheckpointCommitted, CheckpointFailed, DataPosition
 from events.history import append_to_job
@@ -20,7 +18,6 @@ from events.job import JobCompleted, JobSubmitted
 from events.spec import JobSpec, ModelSpec, TrainSpec
 from flightdeck.client import Client
 from services.shell import broker as broker_mod
-from services.tools.history import jobview
 from tests.conftest import ensure_streams_at
 
 SPEC = JobSpec(name="final", slots=1, model=ModelSpec(d_model=32),
@@ -74,7 +71,7 @@ async def test_wait_and_events_go_past_the_end_until_the_final_checkpoint_is_com
 
 
 async def test_a_final_checkpoint_that_fails_ends_the_wait_and_one_that_never_comes_is_waited_for_a_bound(
-        nats_server: broker_mod.Broker, monkeypatch: pytest.MonkeyPatch) -> None:
+        nats_server: broker_mod.Broker) -> None:
     failed_job, silent_job = "final-000002", "final-000003"
     store = await completed_without_its_final(nats_server.url, failed_job)
     try:
@@ -88,9 +85,8 @@ async def test_a_final_checkpoint_that_fails_ends_the_wait_and_one_that_never_co
                                                checkpoint_id="step000000006-a0"))
             failed = await waiting
             # The checkpoint service stops looking for a final set 30 s after the end (LINGER_S): so does a wait.
-            monkeypatch.setattr(jobview, "FINAL_WAIT_S", 0.5)
-            silent = await fd.wait(silent_job, timeout_s=HANG_GUARD_S)
-            silent_events = [type(e).__name__ async for e in fd.events(silent_job, telemetry=False)]
+            silent = await fd.wait(silent_job, timeout_s=HANG_GUARD_S, final_wait_s=0.5)
+            silent_events = [type(e).__name__ async for e in fd.events(silent_job, telemetry=False, final_wait_s=0.5)]
     finally:
         await store.close()
     assert failed.phase == "completed" and failed.final_failed and failed.checkpoint_failures == 1

@@ -34,7 +34,7 @@ def settled(lines: list[str], commits: int | None = None) -> bool:
     `commits` checkpoint commits if given (a completed job's final one may be committed after its end)."""
     ended = any(line.startswith("flightdeck_job_phase{") and f'phase="{p}"' in line for line in lines for p in ENDED)
     counted = commits is None or any(line.startswith("flightdeck_checkpoint_commit_seconds_count{")
-                                     and line.rsplit(" ", 1)[-1] == str(commits) for line in lines)
+                                     and float(line.rsplit(" ", 1)[-1]) == commits for line in lines)
     return ended and counted and any(line.startswith("flightdeck_job_goodput_ratio{") for line in lines)
 
 
