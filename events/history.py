@@ -14,6 +14,7 @@ import msgspec
 import structlog
 
 from events import codec, subjects
+from events.admission import Admission
 from events.base import JobEvent
 from events.codec import type_name
 from events.store import AppendResult, ConcurrencyConflict, EventStore, Stored
@@ -74,9 +75,9 @@ async def append_to_job(store: EventStore, event: JobEvent, msg_id: str = "") ->
             return AppendResult(last.stream, last.seq, True)
         version = version_of(last) + 1 if last is not None else 1
         if last is not None and (last.event is None or junk(last)):
+            # Forged or unreadable bytes are no place to number from (an unnumbered one would restart the
+            # history at 1): number on from the newest event every reader admits.
             version = await _newest_version(store, event.job_id) + 1
-        elif last is not None and version == 1:
-            raise HistoryGap(event.job_id, 1, 0, last.seq)  # the last message is no versioned job event
         try:
             return await store.append(subject, msgspec.structs.replace(event, job_version=version), msg_id=msg_id,
                                       expected_last_seq=last.seq if last is not None else 0, fence=fence)
@@ -91,12 +92,9 @@ def junk(stored: Stored) -> bool:
     """Bytes on a job's subjects that no reader folds: no event (and no version a newer writer put there), or
     an event that does not belong under its subject. Every reader dead-letters them, and they take no place
     in the history: appends number on past them, and contiguity passes them over."""
-    ev = stored.event
-    if ev is None:
+    if stored.event is None:
         return not _from_newer_code(stored.data) or version_of(stored) < 1
-    if not isinstance(ev, JobEvent):
-        return True
-    return stored.subject != f"fd.ctl.job.{ev.job_id}.{type_name(ev)}" and not node_record(stored)
+    return bool(Admission().refusal(stored))  # alone, with nothing admitted before it: its subject and version
 
 
 def node_record(stored: Stored) -> bool:
@@ -118,19 +116,19 @@ def _from_newer_code(data: bytes) -> bool:
     return False  # decodes, yet the store refused it: out of the bounds readers rely on
 
 
-def _counts(stored: Stored, expected: int) -> bool:
-    """Whether `stored` is part of the history, `expected` being the next version. A newer writer's event
-    (undecodable here) always comes in sequence; one off the sequence is forged and passed over too."""
-    if junk(stored) or node_record(stored):
-        return False
-    return stored.event is not None or version_of(stored) == expected
+def _counts(stored: Stored, admission: Admission, expected: int) -> bool:
+    """Whether `stored` is part of the history (what every reader admits), `expected` being the next version. A
+    newer writer's event (undecodable here) counts when it comes in sequence; one off the sequence is forged."""
+    if stored.event is None:
+        return _from_newer_code(stored.data) and version_of(stored) == expected
+    return not admission.refusal(stored) and not node_record(stored)
 
 
 async def _newest_version(store: EventStore, job_id: str) -> int:
-    newest = 0
+    newest, admission = 0, Admission()
     async for batch in store.read(subjects.CONTROL, [subjects.job_all(job_id)]):
         for stored in batch:
-            if _counts(stored, newest + 1):
+            if _counts(stored, admission, newest + 1):
                 newest = version_of(stored)
     return newest
 
@@ -146,10 +144,10 @@ async def read_job(store: EventStore, job_id: str, *, check: bool = True) -> lis
 
 
 def check_contiguous(job_id: str, history: list[Stored], first: int = 1) -> None:
-    """Versions run first, first+1, ... over the history's events; `junk` is passed over."""
-    expected = first
+    """Versions run first, first+1, ... over the history's admitted events (events/admission.py)."""
+    expected, admission = first, Admission()
     for stored in history:
-        if not _counts(stored, expected):
+        if not _counts(stored, admission, expected):
             continue
         found = version_of(stored)
         if found != expected:

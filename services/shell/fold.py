@@ -15,8 +15,9 @@ from typing import Any, Generic, TypeVar
 import msgspec
 
 from events import subjects
-from events.base import Event, JobEvent, NodeEvent, RankEvent
-from events.clock import ClockTick, CoreConfigured, DeadLettered
+from events.admission import Admission, mismatch
+from events.base import Event
+from events.clock import ClockTick
 from events.codec import type_name
 from events.store import EventStore, Stored
 from services.core import Effect, Emit, Service
@@ -65,29 +66,6 @@ def stamp(service: str, stored: Stored, index: int, emit: Emit, *, occurred_at: 
     return Output(emit.subject, event, mid)
 
 
-def mismatch(subject: str, event: Event) -> str:
-    """Why `event` may not stand under `subject` by the subject grammar (events/subjects.py), or ""."""
-    parts = subject.split(".")
-    name = type_name(event)
-    if parts[:3] == ["fd", "ctl", "job"] and len(parts) == 5:
-        ok = isinstance(event, JobEvent) and event.job_id == parts[3] and name == parts[4]
-    elif parts[:3] == ["fd", "ctl", "job"] and len(parts) == 7 and parts[4] == "node":  # subjects.job_node
-        ok = (isinstance(event, JobEvent) and event.job_id == parts[3] and name in subjects.NODE_RECORDS
-              and getattr(event, "node", None) == parts[5] and name == parts[6])
-    elif parts[:3] == ["fd", "ctl", "node"] and len(parts) == 5:
-        ok = isinstance(event, NodeEvent) and event.node == parts[3] and name == parts[4]
-    elif parts[:3] == ["fd", "ctl", "clock"] and len(parts) == 4:
-        ok = isinstance(event, ClockTick | CoreConfigured) and event.service == parts[3]
-    elif parts[:2] == ["fd", "tel"] and len(parts) == 5:
-        ok = (isinstance(event, RankEvent) and event.job_id == parts[2] and str(event.rank) == parts[3]
-              and name == parts[4])
-    elif parts[:2] == ["fd", "dead"] and len(parts) == 3:
-        ok = isinstance(event, DeadLettered) and event.service == parts[2]
-    else:
-        return f"subject {subject!r} is outside the Flightdeck subject grammar"
-    return "" if ok else f"a {name} (job/node/rank/service fields as sent) may not stand under {subject!r}"
-
-
 def failure(exc: BaseException) -> str:
     """A one-line summary of an exception with the frame that raised it."""
     frames = traceback.extract_tb(exc.__traceback__)
@@ -116,6 +94,7 @@ class Folder(Generic[S]):
         self._copy_cost_s = 0.0
         self._folding_s = 0.0
         self.num_refolded = 0  # events folded again to undo failed transitions
+        self.admission = Admission()  # the rule every reader shares: events/admission.py
 
     def tick_position(self, stored: Stored) -> int | None:
         """The telemetry position an own, valid ClockTick recorded; None for any other input."""
@@ -144,12 +123,10 @@ class Folder(Generic[S]):
         return steps
 
     def _fold(self, stored: Stored) -> Step:
+        if reason := self.admission.refusal(stored):
+            return Step(stored, (), error=reason)
         event = stored.event
-        if event is None:
-            return Step(stored, (), error=f"undecodable: {stored.error}")
-        reason = mismatch(stored.subject, event)
-        if reason:
-            return Step(stored, (), error=f"invalid: {reason}")
+        assert event is not None
         name = self.service.name
         began = time.perf_counter()
         try:

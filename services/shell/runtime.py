@@ -26,6 +26,7 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from events import subjects
+from events.admission import mismatch
 from events.base import JobEvent
 from events.clock import ClockTick, CoreConfigured
 from events.history import append_to_job
@@ -34,7 +35,7 @@ from events.store import EventStore, Stored, decoded
 from services.core import Effect, Emit, Service
 from services.shell import deadletter
 from services.shell.connection import TRANSIENT, Connection, PublishDenied, sleep_or_stop
-from services.shell.fold import Folder, Output, Step, failure, mismatch, rebuild, stamp
+from services.shell.fold import Folder, Output, Step, failure, rebuild, stamp
 from services.shell.tap import TelemetryTap
 
 log = structlog.get_logger("flightdeck.shell")

@@ -28,6 +28,7 @@ from typing import TypeVar
 import msgspec
 
 from events import subjects
+from events.admission import Admission, admitted_events
 from events.base import Event, JobEvent, NodeEvent, RankEvent
 from events.commands import CheckpointRequested, PauseRequested, ResumeRequested
 from events.history import HistoryGap, append_to_job, check_contiguous, read_job
@@ -187,9 +188,10 @@ class Client:
         with its final checkpoint's commit, which may come just after JobCompleted, or `final_wait_s` later without
         it). Its submission comes first."""
         following = self.events_stored(job_id, telemetry=telemetry, final_wait_s=final_wait_s)
+        admission = Admission()  # what the services would refuse (forged, another job's) is no event of the job
         async with contextlib.aclosing(following) as stored_events:
             async for stored in stored_events:
-                if stored.event is not None:
+                if stored.event is not None and not admission.refusal(stored):
                     yield stored.event
 
     async def events_stored(self, job_id: str, *, telemetry: bool = True, final_wait_s: float = jobview.FINAL_WAIT_S
@@ -207,6 +209,7 @@ class Client:
 
         readers = [asyncio.create_task(pump(subjects.CONTROL, subjects.job_all(job_id)))]
         view = JobView(job_id=job_id)
+        admission = Admission()  # the view folds what the services fold
         final_by: float | None = None  # the loop's time, once the job completed with its final checkpoint to come
         try:
             while True:
@@ -222,7 +225,8 @@ class Client:
                     # reports only after it), even when the control reader's first fetch is the slower one.
                     readers.append(asyncio.create_task(pump(subjects.TELEMETRY, subjects.telemetry_job(job_id))))
                 yield item
-                if item.stream == subjects.CONTROL and isinstance(item.event, JobEvent):
+                if (item.stream == subjects.CONTROL and isinstance(item.event, JobEvent)
+                        and not admission.refusal(item)):
                     view = jobview.evolve(view, item.event)
                     if view.ended and not view.final_checkpoint_pending:
                         return
@@ -315,8 +319,9 @@ def check_job_id(job_id: str) -> None:
 
 
 def _events(history: list[Stored]) -> list[Event]:
-    # An event this version cannot decode (a newer schema) is skipped: the rest still says where the job is.
-    return [s.event for s in history if s.event is not None]
+    # What the services fold, and only that (events/admission.py). An event this version cannot decode (a newer
+    # schema) is left out too: the rest still says where the job is.
+    return admitted_events(history)
 
 
 async def stop_readers(tasks: list[asyncio.Task[None]], tries: int = 20) -> None:

@@ -6,6 +6,7 @@ import msgspec
 import pytest
 
 from events import subjects
+from events.admission import admitted_events
 from events.history import HistoryGap, append_to_job, junk, node_record, read_job, version_of
 from events.job import JobCompleted, JobQueued, WorkersStarted
 from tests.contract.store_fixtures import AnyStore, queued, store
@@ -47,10 +48,18 @@ async def test_a_gap_in_versions_is_refused(store: AnyStore) -> None:
     assert len(await read_job(store, "j", check=False)) == 2
 
 
-async def test_an_unversioned_last_message_stops_appends(store: AnyStore) -> None:
-    await store.append(subjects.job("j", "JobQueued"), queued("j", 1, "raw"))  # bypassed the history: version 0
-    with pytest.raises(HistoryGap):
-        await append_to_job(store, queued("j", 2, "next"))
+async def test_an_unversioned_or_repeated_event_is_passed_over_not_a_stall(store: AnyStore) -> None:
+    # One publisher that bypasses the fence (version 0), or replays an old message (version 1 again), must not
+    # stop the job's writers nor restart its numbering: the history goes on past them, and every reader skips them.
+    await append_to_job(store, queued("j", 1, "a"))
+    await store.append(subjects.job("j", "JobQueued"), queued("j", 2, "raw"))  # bypassed the history: version 0
+    r = await append_to_job(store, queued("j", 3, "b"))
+    await append_to_job(store, queued("j", 4, "c"))
+    await store.append(subjects.job("j", "JobQueued"), msgspec.structs.replace(queued("j", 5, "again"), job_version=1))
+    history = await read_job(store, "j")  # contiguous over what is admitted: no HistoryGap
+    assert [version_of(s) for s in history] == [1, 0, 2, 3, 1] and history[2].seq == r.seq
+    assert [junk(s) for s in history] == [False, True, False, False, False]  # a repeat needs its history to tell
+    assert [e.event_id for e in admitted_events(history)] == ["a", "b", "c"]
 
 
 async def test_an_undecodable_event_keeps_its_version(store: AnyStore) -> None:

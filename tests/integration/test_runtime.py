@@ -104,7 +104,8 @@ async def test_poison_is_dead_lettered_with_its_reason_and_the_service_goes_on(n
         await bus.js.publish("fd.ctl.job.p2.JobSubmitted", unknown)
         await bus.js.publish("fd.ctl.job.p3.JobSubmitted", encode(future))
         await bus.js.publish("fd.ctl.job.p5.JobSubmitted", encode(submissions(1, "p4")[0][1]))  # another job's event
-        await bus.store.append(subjects.job("p6", "CancelRequested"), CancelRequested(job_id="p6", reason="boom"))
+        await bus.store.append(subjects.job("p6", "CancelRequested"),
+                               CancelRequested(job_id="p6", reason="boom", job_version=1))
         await bus.store.append_batch(submissions(1, "p7"))
         await eventually(lambda: answered(bus, "p70"), 20, "the valid input after the poison")
         assert not task.done()

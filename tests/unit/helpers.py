@@ -12,10 +12,12 @@ from typing import Any, TypeVar
 import msgspec
 
 from events import subjects
+from events.admission import versioned
 from events.base import Event, JobEvent, NodeEvent
 from events.clock import ClockTick, CoreConfigured
 from events.commands import StopRequested
 from events.fleet import NodeLost, NodeRegistered, NodeUncordoned
+from events.history import append_to_job
 from events.job import (
     AllocationGranted,
     AllocationReleased,
@@ -26,9 +28,11 @@ from events.job import (
     WorkersStarted,
 )
 from events.spec import JobSpec, PolicySpec, TrainSpec
+from events.store import AppendResult, EventStore
 from services.core import Emit, Service
 
 S = TypeVar("S")
+E = TypeVar("E", bound=Event)
 
 
 def subject_of(event: Event) -> str:
@@ -99,13 +103,20 @@ class Bus:
     def __post_init__(self) -> None:
         self.states = [s.initial for s in self.services]
         self.read = [0 for _ in self.services]
+        self.versions: dict[str, int] = {}  # per job, as events/history.py numbers a job's history
+
+    def _append(self, ev: Event) -> None:
+        if isinstance(ev, JobEvent):
+            self.versions[ev.job_id] = version = self.versions.get(ev.job_id, 0) + 1
+            ev = msgspec.structs.replace(ev, job_version=version)
+        self.log.append(ev)
 
     def publish(self, *events: Event) -> None:
         """Append events from outside the services (CLI, agents, trainer), stamped as their producer would."""
         for ev in events:
             self.clock += 1.0
-            self.log.append(msgspec.structs.replace(ev, event_id=ev.event_id or f"ext:{len(self.log) + 1}",
-                                                    occurred_at=ev.occurred_at or self.clock))
+            self._append(msgspec.structs.replace(ev, event_id=ev.event_id or f"ext:{len(self.log) + 1}",
+                                                 occurred_at=ev.occurred_at or self.clock))
         self.pump()
 
     def pump(self) -> None:
@@ -125,7 +136,7 @@ class Bus:
                     self.states[i], outs = step(service, self.states[i], ev)
                     assert len(self.log) + len(outs) <= self.limit, f"runaway: {len(self.log)} messages"
                     for n, out in enumerate(outs):
-                        self.log.append(msgspec.structs.replace(
+                        self._append(msgspec.structs.replace(
                             out.event, event_id=f"{service.name}:{seq}:{n}", occurred_at=ev.occurred_at,
                             causation_id=ev.event_id, producer=service.name))
 
@@ -213,3 +224,24 @@ class Fleet:
             case _:
                 return False
         return True
+
+
+def numbered(events: Iterable[E]) -> list[E]:
+    """`events` with each job's events numbered 1, 2, ... as their history would (events/history.py): what a
+    reader admits (events/admission.py)."""
+    versions: dict[str, int] = {}
+    out: list[E] = []
+    for ev in events:
+        if isinstance(ev, JobEvent):
+            versions[ev.job_id] = versions.get(ev.job_id, 0) + 1
+            ev = msgspec.structs.replace(ev, job_version=versions[ev.job_id])
+        out.append(ev)
+    return out
+
+
+async def append(store: EventStore, subject: str, event: Event, msg_id: str = "") -> AppendResult:
+    """As the shell appends: a job's versioned events through its history's fence, the rest as they are."""
+    if versioned(subject):
+        assert isinstance(event, JobEvent)
+        return await append_to_job(store, event, msg_id=msg_id)
+    return await store.append(subject, event, msg_id=msg_id)

@@ -40,6 +40,7 @@ from services.agent.spawner import Spawner
 from services.core import Effect
 from services.shell.fold import Folder
 from services.shell.objects.local import LocalStore
+from tests.unit.helpers import numbered
 
 SPEC = JobSpec(name="j", slots=3, train=TrainSpec(steps=20, data="synthetic"))
 
@@ -179,7 +180,7 @@ def test_the_service_reads_its_inputs_and_asks_only_for_effects_it_can_run(tmp_p
     assert "fd.ctl.job.*.AllocationGranted" in service.control_subjects
     folder = Folder(service)
     steps = []
-    for seq, ev in enumerate([submitted(), grant()], start=1):
+    for seq, ev in enumerate(numbered([submitted(), grant()]), start=1):
         subject = subjects.job(ev.job_id, type(ev).__name__)
         steps.extend(folder.apply(Stored(subjects.CONTROL, seq, subject, b"", "", ev)))
     assert [s.error for s in steps] == ["", ""]

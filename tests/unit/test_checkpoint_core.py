@@ -31,6 +31,7 @@ from services.checkpoints.core import checkpoint_id
 from services.checkpoints.state import CommitArgs, DeleteArgs, Settings, State
 from services.core import Effect, Emit, Output
 from services.shell.fold import Folder
+from tests.unit.helpers import numbered
 
 JOB = "llm-abc123"
 
@@ -301,7 +302,7 @@ def test_outputs_pass_the_shared_fold() -> None:
     assert [s.error for s in steps] == ["", "", "", ""]
     assert [len(s.effects) for s in steps] == [0, 0, 1, 0]
     seq = 1
-    for ev in [submitted(keep=1), committed(10), committed(20)]:
+    for ev in numbered([submitted(keep=1), committed(10), committed(20)]):
         seq += 1
         [step] = folder.apply(as_stored(subjects.CONTROL, seq, subjects.job(JOB, type(ev).__name__), ev))
         assert step.error == ""

@@ -34,6 +34,7 @@ def test_a_curve_of_any_length_keeps_a_bounded_evenly_thinned_set_and_its_newest
 
 
 def row(seq: int, event: JobSubmitted | JobFailed) -> Stored:
+    event = msgspec.structs.replace(event, job_version=event.job_version or (2 if isinstance(event, JobFailed) else 1))
     return Stored(stream="FD_CONTROL", seq=seq, subject=f"fd.ctl.job.{event.job_id}.{type(event).__name__}",
                   data=b"", msg_id=event.event_id, event=event)
 

@@ -19,6 +19,7 @@ from events.training import StepCompleted
 from services.core import Effect, Emit, Service
 from services.shell.fold import Folder, Step, comparable, outputs_of, rebuild, replay
 from services.shell.tap import TelemetryTap
+from tests.unit.helpers import append
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ def step(job: str, rank: int, n: int, nonce: int = 0) -> StepCompleted:
 
 
 async def put(store: MemoryStore, subject: str, event: Event) -> Stored:
-    res = await store.append(subject, event)
+    res = await append(store, subject, event)
     return await _at(store, res.stream, res.seq)
 
 
@@ -175,7 +176,7 @@ async def _live(ops: list[tuple[str, int]]) -> tuple[MemoryStore, list[Step]]:
     now = 0.0
     for k, (op, arg) in enumerate(ops, start=1):
         if op == "submit":
-            await store.append(subjects.job(f"j{arg}", "JobSubmitted"), submitted(f"j{arg}", at=now, event_id=f"s{k}"))
+            await append(store, subjects.job(f"j{arg}", "JobSubmitted"), submitted(f"j{arg}", at=now, event_id=f"s{k}"))
         elif op == "step":
             sent = step("j0", arg % 2, arg, nonce=k)
             buffered.append(await put(store, subjects.telemetry("j0", arg % 2, "StepCompleted"), sent))
@@ -191,7 +192,7 @@ async def _live(ops: list[tuple[str, int]]) -> tuple[MemoryStore, list[Step]]:
                 steps = folder.apply(stored, due)
                 live += steps
                 for out in outputs_of(steps):
-                    await store.append(out.subject, out.event, msg_id=out.msg_id)
+                    await append(store, out.subject, out.event, msg_id=out.msg_id)
     return store, live
 
 
@@ -215,7 +216,7 @@ def test_replay_reproduces_the_live_fold_exactly(ops: list[tuple[str, int]]) -> 
 
 async def test_rebuild_stops_at_the_given_sequence_and_replay_resumes_from_a_folder() -> None:
     store = MemoryStore()
-    seqs = [(await store.append(subjects.job(f"j{i}", "JobSubmitted"), submitted(f"j{i}"))).seq for i in range(5)]
+    seqs = [(await append(store, subjects.job(f"j{i}", "JobSubmitted"), submitted(f"j{i}"))).seq for i in range(5)]
     folder = await rebuild(TOY, store, until=seqs[2])
     assert folder.state.submitted == 3 and folder.control_seq == seqs[2]
     rest = [s async for s in replay(TOY, store, folder=folder)]

@@ -1,8 +1,10 @@
 """Loss spikes and non-finite losses through the scheduler core alone: which checkpoint a rollback names,
 which batches it skips, when a spike widens the skip or fails the job, and which findings change nothing."""
 
+import msgspec
+
 from events import subjects
-from events.base import Event
+from events.base import Event, JobEvent
 from events.checkpoint import CheckpointCommitted, CheckpointDeleted, DataPosition
 from events.clock import ClockTick
 from events.codec import encode
@@ -216,8 +218,12 @@ def test_the_shell_s_fold_reads_rolled_back_where_the_scheduler_s_own_tick_put_i
                             commit(300), spike(450, "s1", at=1000.0)]
     decided: list[Event] = []
 
+    versions = iter(range(1, 100))
+
     def feed(ev: Event, telemetry: list[Stored] | None = None) -> None:
         seq = folder.control_seq + 1
+        if isinstance(ev, JobEvent):  # numbered, as the job's history numbers it
+            ev = msgspec.structs.replace(ev, job_version=next(versions))
         stored = decoded(subjects.CONTROL, seq, subject_of(ev), encode(ev), ev.event_id or f"in:{seq}")
         for done in folder.apply(stored, telemetry or []):
             assert done.error == "", done.error

@@ -15,7 +15,7 @@ from services.resharder.core import UNKNOWN_SLOT_GB, core_service
 from services.resources.core import core_service as resources
 from services.scheduler.core import core_service as scheduler
 from services.shell.fold import comparable, outputs_of, replay
-from tests.unit.helpers import Agents, Bus, events_of, fold, register, submit
+from tests.unit.helpers import Agents, Bus, append, events_of, fold, register, submit
 
 SERVICE = core_service()
 
@@ -105,7 +105,7 @@ def test_a_replay_over_the_store_decides_what_the_fold_decided() -> None:
         for n, ev in enumerate(HISTORY):
             subject = (subjects.node(ev.node, type(ev).__name__) if isinstance(ev, NodeRegistered)
                        else subjects.job("job-1", type(ev).__name__))
-            await store.append(subject, ev, msg_id=f"ext:{n}")
+            await append(store, subject, ev, msg_id=f"ext:{n}")
         steps = [step async for step in replay(SERVICE, store)]
         assert not any(step.error for step in steps)
         return [comparable(out.event) for out in outputs_of(steps)]

@@ -21,6 +21,7 @@ import structlog
 from nats.aio.msg import Msg
 
 from events import subjects
+from events.admission import Admission
 from events.jetstream import JetStreamStore
 from events.job import AllocationGranted, JobCancelled, JobCompleted, JobFailed
 from events.store import Stored
@@ -40,8 +41,11 @@ class Jobs:
 
     live: set[str] = field(default_factory=set)
     ended: set[str] = field(default_factory=set)
+    admission: Admission = field(default_factory=Admission)
 
     def fold(self, stored: Stored) -> None:
+        if self.admission.refusal(stored):  # a forged end must not lock a running job's ranks out
+            return
         ev = stored.event
         if isinstance(ev, AllocationGranted) and ev.job_id not in self.ended:
             self.live.add(ev.job_id)

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 from typing import Protocol
 
+from events.admission import Admission
 from events.store import Stored
 from services.tools.client import Client
 from services.tools.history.jobview import JobView
@@ -19,9 +20,13 @@ class Sink(Protocol):
 
 async def follow(url: str, job_id: str, sink: Sink, timeout_s: float | None) -> JobView:
     """Hand the job's events to `sink` as they happen until it ends; TimeoutError after `timeout_s` (None: never)."""
+    admission = Admission()  # the sink's view folds what the services fold
+
     async def pump() -> None:
         async with await Client.connect(url) as fd, contextlib.aclosing(fd.events_stored(job_id)) as events:
             async for stored in events:  # closed on a timeout too: its readers stop with it
+                if stored.event is not None and admission.refusal(stored):
+                    continue
                 sink.show(stored)
                 if sink.view.ended and not sink.view.final_checkpoint_pending:
                     return

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from events import subjects
+from events.admission import Admission
 from events.store import Stored
 from events.subjects import InvalidSubjectToken
 from services.shell.broker import nats_url
@@ -52,9 +53,13 @@ class History:
         return self.store.rows(name)
 
     def job_control(self) -> list[Stored]:
-        """The job's own control history (`fd.ctl.job.<job>.*`), in order."""
+        """The job's own control history (`fd.ctl.job.<job>.*`) as the services admit it (events/admission.py):
+        in order, without what they refused. An event this code cannot decode is kept (check_contiguous counts a
+        newer writer's)."""
         prefix = f"fd.ctl.job.{self.job_id}."
-        return [s for s in self.stream(subjects.CONTROL) if s.subject.startswith(prefix)]
+        admission = Admission()
+        return [s for s in self.stream(subjects.CONTROL)
+                if s.subject.startswith(prefix) and (s.event is None or not admission.refusal(s))]
 
 
 def data_dir_of(explicit: Path | str | None = None) -> Path:

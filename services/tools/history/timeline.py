@@ -10,6 +10,7 @@ from typing import Any
 import msgspec
 
 from events import codec, subjects
+from events.admission import Admission
 from events.base import Event
 from events.checkpoint import CheckpointCommitted, CheckpointFailed, CheckpointPending
 from events.commands import CheckpointRequested, PauseRequested, ResumeRequested, RollbackRequested, StopRequested
@@ -72,7 +73,7 @@ class Entry(msgspec.Struct, frozen=True, kw_only=True):
 def job_view_at(history: History, cut: Cut) -> JobView:
     """The job as a person sees it after the cut: its control history folded, plus the newest step reported."""
     view = JobView(job_id=history.job_id)
-    for s in history.job_control():
+    for s in history.job_control():  # admitted ones only
         if s.seq > cut.control_seq:
             break
         if s.event is not None:
@@ -113,11 +114,12 @@ def _control_entries(history: History, cut: Cut, base: float) -> list[Entry]:
     view = JobView(job_id=history.job_id)
     nodes: set[str] = set()
     prefix = f"fd.ctl.job.{history.job_id}."
+    admission = Admission()  # what the services folded, and only that
     for s in history.stream(subjects.CONTROL):
         if s.seq > cut.control_seq:
             break
         event = s.event
-        if event is None:
+        if event is None or admission.refusal(s):
             continue
         if s.subject.startswith(prefix):
             before = view.phase

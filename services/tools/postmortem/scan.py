@@ -14,6 +14,7 @@ import numpy as np
 import numpy.typing as npt
 
 from events import subjects
+from events.admission import Admission
 from events.base import Event, JobEvent, NodeEvent
 from events.checkpoint import CheckpointRefused, CheckpointStaged
 from events.clock import ClockTick
@@ -104,6 +105,7 @@ def scan(rows: Iterable[Stored], job_id: str) -> Scan:
     loss: list[float] = []
     telemetry, ranks = out.telemetry, out.ranks
     newest_tick = 0.0
+    admission = Admission()
     for s in rows:
         ev = s.event
         if ev is None:
@@ -139,6 +141,8 @@ def scan(rows: Iterable[Stored], job_id: str) -> Scan:
             if ev.job_id != job_id:
                 continue
         elif not isinstance(ev, NodeEvent):
+            continue
+        if s.stream == subjects.CONTROL and admission.refusal(s):  # what the services refused is no part of it
             continue
         if isinstance(ev, JobEvent):
             counts[cls.__name__] = counts.get(cls.__name__, 0) + 1

@@ -12,6 +12,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from events import subjects
+from events.admission import Admission
 from events.base import JobEvent, NodeEvent
 from events.checkpoint import CheckpointStaged, ShardsUploaded
 from events.clock import DeadLettered
@@ -129,13 +130,14 @@ class Figures:
     positions: dict[str, int] = field(default_factory=dict)  # stream -> the newest sequence folded
     forgotten: set[str] = field(default_factory=set)
     version: int = 0  # bumped by every fold: the page is pushed an update when it moved
+    admission: Admission = field(default_factory=Admission)
 
     def fold(self, stored: Stored) -> None:
         self.positions[stored.stream] = max(self.positions.get(stored.stream, 0), stored.seq)
         self.version += 1
         ev = stored.event
-        if ev is None:
-            return
+        if ev is None or (stored.stream == subjects.CONTROL and self.admission.refusal(stored)):
+            return  # what the services refused (events/admission.py) is no part of any job's figures
         if stored.stream == subjects.DEAD and isinstance(ev, DeadLettered):
             self.dead_letters[ev.service] = self.dead_letters.get(ev.service, 0) + 1
         elif stored.stream == subjects.CONTROL:
