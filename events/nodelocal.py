@@ -33,6 +33,10 @@ UNAVAILABLE_SUFFIX = ".unavailable"
 # A rank whose restore checkpoint fails its own check (the agent's passed a moment before: a disk rotting under
 # it) exits with this before loading anything; its agent records CheckpointRejected, so the restart is free.
 RESTORE_REFUSED_EXIT = 65  # EX_DATAERR
+# Exit 0 means "every step ran", and nothing else: a rank that stops before its last step (told to, a SIGTERM from
+# outside the platform such as an eviction, or a script that left run.steps() early) exits with this, so its
+# exit reads as a fault to restart, never as the job's completion.
+STOPPED_EXIT = 75  # EX_TEMPFAIL: try again
 DEVICE_ENV = "FLIGHTDECK_DEVICE"  # "cpu", "cuda" or "auto"
 SYNC_EVERY_ENV = "FLIGHTDECK_SYNC_EVERY"  # steps between the collectives that agree on commands
 EVENTS_LOG_ENV = "FLIGHTDECK_EVENTS_LOG"  # every event a rank emits, also as JSON lines here

@@ -11,7 +11,8 @@ checkpointed and healed by Flightdeck. The whole API:
 
 `run.rank`, `run.world_size`, `run.local_rank`, `run.device` say where this rank runs; `run.plan` is the
 parallel layout Flightdeck recorded for this world size (dp, tp, pp, micro-batches); `run.spec` the job spec.
-A stop or a preemption (SIGTERM) ends the process with exit code 0 after its checkpoint is saved. Details
+A stop or a preemption (SIGTERM) ends the process with exit code 75 after its checkpoint is saved; exit 0 means
+every step ran (a script that leaves `steps()` early exits 75 too). Details
 and the no-platform mode: README, "Bring your own training code".
 """
 
@@ -63,6 +64,6 @@ def init() -> Run:
     run = Run(cfg, dist, emitter, inbox)
     run.install_signals()
     sys.excepthook = fail_hook(run)
-    atexit.register(run.close)
+    atexit.register(run.at_exit)
     _run = run
     return run

@@ -9,6 +9,7 @@ rank's SIGTERM flag are agreed with one small collective, so all ranks act at th
 and loads are collective.
 """
 
+import contextlib
 import os
 import re
 import signal
@@ -34,7 +35,7 @@ from events.commands import (
     RollbackRequested,
     StopRequested,
 )
-from events.nodelocal import RESTORE_REFUSED_EXIT
+from events.nodelocal import RESTORE_REFUSED_EXIT, STOPPED_EXIT
 from events.plan import ParallelPlan
 from events.spec import JobSpec
 from events.training import FaultInjected, RankStarted, RolledBack
@@ -102,6 +103,9 @@ class Run:
         self.sigterm = False
         self.restored = False
         self.finished = False  # the step loop ended or stopped cleanly: the process group may be torn down
+        self.stepping = False  # steps() was entered
+        self.ran_all = False  # steps() ran to its last step
+        self.failed = False  # an uncaught exception ends the process (fail_hook): its own exit code stands
         self.closed = False
         self._current: tuple[int, int, float] | None = None  # the step being run: (step, batch, started)
         self._reported = False
@@ -149,6 +153,7 @@ class Run:
     def steps(self, total: int | None = None) -> Iterator[Step]:
         """The steps to run, from where `restore()` left off up to `total` (default: the spec's train.steps)."""
         total = self.spec.train.steps if total is None else total
+        self.stepping = True
         self.restore()
         self.emitter.emit(RankStarted(world_size=self.world_size, from_step=self.step, device=str(self.device),
                                       **self.emitter.envelope))
@@ -174,7 +179,7 @@ class Run:
             self.step = step + 1
         self.reporter.flush()
         self.ckpt.wait()
-        self.finished = True
+        self.finished = self.ran_all = True
         log.info("training finished", steps=self.step)
 
     def report(self, step: int, loss: torch.Tensor | float, *, grad_norm: torch.Tensor | float | None = None,
@@ -270,10 +275,24 @@ class Run:
         os._exit(code)
 
     def _stop(self) -> NoReturn:
+        """Leave before the last step, cleanly (its checkpoint written): not a completion (STOPPED_EXIT)."""
         self.reporter.flush()
         self.ckpt.wait()
         self.finished = True
-        raise SystemExit(0)
+        raise SystemExit(STOPPED_EXIT)
+
+    def at_exit(self) -> None:
+        """`init()` runs this at the interpreter's exit: close, and if `steps()` was left before its last step
+        (a `break`, or `sys.exit(0)` inside the loop) exit with STOPPED_EXIT whatever the script's code was,
+        since an exit 0 reads to the platform as "every step ran"."""
+        self.close()
+        if self.stepping and not self.ran_all and not self.failed:
+            log.warning("the script left run.steps() before its last step: exiting as stopped, not completed",
+                        step=self.step, code=STOPPED_EXIT)
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            os._exit(STOPPED_EXIT)
 
     def _boundary(self) -> None:
         payload = b""
@@ -372,6 +391,7 @@ def fail_hook(run: Run) -> Any:
             run.emitter.emit(RankFault(kind="cuda" if "CUDA" in text else "exception", error_type=kind.__name__,
                                        message=str(exc)[:4000], step=run.step, **run.emitter.envelope))
             run.finished = False
+            run.failed = True
             run.closed = True  # do not wait on a checkpoint write or collectives of a failed rank at exit
             run.emitter.close()
         previous(kind, exc, tb)

@@ -310,8 +310,8 @@ class Spawner:
         self._got_going(p.proc.pid)  # gone before it got going: the refill waits no longer for it
         if p.output is not None:  # its last lines: in the log file and on their way to FD_LOGS
             await asyncio.wait({p.output}, timeout=OUTPUT_DRAIN_S)
-        if p.shutdown and code == 0:
-            # A rank checkpoints and exits 0 on SIGTERM; recorded as 0 it would read as "finished training".
+        if p.shutdown and code in (0, nl.STOPPED_EXIT):
+            # The agent stopped it (it checkpoints and exits on SIGTERM): recorded as the signal that ended it.
             code = -signal.SIGTERM
         log.info("rank exited", exit_code=code, returncode=p.proc.returncode)
         tail = ""

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from events.findings import RankHung, RankLost, StragglerDetected
 from events.job import WorkersExited
+from events.nodelocal import STOPPED_EXIT
 from services.scheduler.state import Job
 
 
@@ -30,6 +31,9 @@ def fault_reason(event: WorkersExited | RankLost | RankHung | StragglerDetected)
     match event:
         case WorkersExited(rank=rank, exit_code=code, cause=cause, unrunnable=unrunnable, others=others) if code != 0:
             how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+            if code == STOPPED_EXIT:
+                how = (f"stopped before its last step (exit {code}: a SIGTERM from outside the platform, e.g. an "
+                       "eviction or a node shutting down, or a script that left run.steps() early)")
             if unrunnable:
                 how = "could not be started"
             also = [x.rank for x in others if x.exit_code != 0]
