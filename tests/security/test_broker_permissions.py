@@ -107,6 +107,11 @@ async def test_a_job_cannot_read_another_jobs_commands(broker: SecureBroker) -> 
         await asyncio.sleep(0.2)
         refused = [e for e in errors if "permissions violation for subscription" in e.lower()]
         assert len(refused) == 4, errors
+        # Trial 4 (86ea31b): its own filter under a service's durable name re-pointed that service at this job
+        for name in ("service-scheduler", "service-checkpoints", f"service-{permissions.agent_user('n1')}"):
+            subject = f"{api}.{name}.{subjects.job_all(JOB)}"
+            assert await denied(nc, errors, subject, json.dumps({"stream_name": subjects.CONTROL, "config": {
+                "durable_name": name, "filter_subject": subjects.job_all(JOB), "ack_policy": "explicit"}}).encode())
         # its own commands it can read, through the consumer shape the trainer uses
         mine = {"name": "mine", "filter_subject": subjects.job_all(JOB), "deliver_subject": f"{inbox}2",
                 "ack_policy": "none"}

@@ -13,6 +13,7 @@ import nats
 import pytest
 
 from events import codec, subjects
+from events.fleet import NodeRegistered
 from events.history import append_to_job
 from events.job import AllocationGranted, JobCompleted, SlotRef
 from services.shell.security import natsjwt, permissions
@@ -47,11 +48,14 @@ async def gated(tmp_path: Path) -> AsyncIterator[SecureBroker]:
         b.stop()
 
 
-async def record(b: SecureBroker, *events: AllocationGranted | JobCompleted) -> None:
+async def record(b: SecureBroker, *events: AllocationGranted | JobCompleted | NodeRegistered) -> None:
     store = await b.store(permissions.ADMIN)
     try:
         for ev in events:
-            await append_to_job(store, ev)
+            if isinstance(ev, NodeRegistered):
+                await store.append(subjects.node(ev.node, "NodeRegistered"), ev)
+            else:
+                await append_to_job(store, ev)
     finally:
         await store.close()
 
@@ -71,7 +75,8 @@ async def refused(b: SecureBroker, user: str) -> None:
 
 async def test_a_granted_job_connects_and_publishes_only_its_own_telemetry(gated: SecureBroker) -> None:
     await refused(gated, permissions.job_user(JOB))  # not granted yet: no identity
-    await record(gated, granted(JOB))
+    node = NodeRegistered(node="n1", kind="cpu", slots=1, event_id="reg-n1", occurred_at=time.time())
+    await record(gated, node, granted(JOB))
     await gated.wait_user(permissions.job_user(JOB), within=15)  # the gate folds the grant shortly
     errors: list[str] = []
     nc = await gated.raw(permissions.job_user(JOB), errors)
@@ -82,6 +87,10 @@ async def test_a_granted_job_connects_and_publishes_only_its_own_telemetry(gated
         assert await denied(nc, errors, subjects.job(OTHER, "JobCompleted"))
         assert await denied(nc, errors, f"$JS.API.STREAM.PURGE.{subjects.TELEMETRY}")
         assert await denied(nc, errors, permissions.AUTH_REQUESTS)  # nor forge requests to the gate
+        # Trial 4 (86ea31b): a job re-pointed the scheduler's durable at its own history; nor any agent's
+        for name in ("service-scheduler", "service-agent-n1"):
+            create = f"$JS.API.CONSUMER.CREATE.{subjects.CONTROL}.{name}.{subjects.job_all(JOB)}"
+            assert await denied(nc, errors, create), create
     finally:
         await nc.close()
     await refused(gated, permissions.job_user(OTHER))  # another job, never granted
@@ -122,6 +131,8 @@ def test_the_gates_decisions_say_why() -> None:
     claims = natsjwt.decode(ok.user_jwt)
     assert (claims["sub"], claims["exp"], claims["aud"]) == ("UABC", 1060, "$G")
     assert claims["nats"]["pub"]["allow"] == list(permissions.job(JOB).publish)
+    denied_creates = [d for d in claims["nats"]["pub"]["deny"] if ".CONSUMER.CREATE." in d]
+    assert all(f".{permissions.durable(s)}" in " ".join(denied_creates) for s in subjects.SERVICES)
 
 
 async def test_a_jobs_identity_stops_working_after_the_job_ends(gated: SecureBroker) -> None:

@@ -22,6 +22,7 @@ from nats.aio.msg import Msg
 
 from events import subjects
 from events.admission import Admission
+from events.fleet import NodeRegistered
 from events.jetstream import JetStreamStore
 from events.job import AllocationGranted, JobCancelled, JobCompleted, JobFailed
 from events.store import Stored
@@ -32,7 +33,8 @@ log = structlog.get_logger("flightdeck.gate")
 
 DEFAULT_TTL_S = 300.0  # an identity's life; a rank reconnects (and is admitted again) when it expires
 JOB_PREFIX = "job-"
-WATCHED = tuple(f"fd.ctl.job.*.{t}" for t in ("AllocationGranted", "JobCompleted", "JobFailed", "JobCancelled"))
+WATCHED = (*(f"fd.ctl.job.*.{t}" for t in ("AllocationGranted", "JobCompleted", "JobFailed", "JobCancelled")),
+           "fd.ctl.node.*.NodeRegistered")
 
 
 @dataclass
@@ -41,6 +43,7 @@ class Jobs:
 
     live: set[str] = field(default_factory=set)
     ended: set[str] = field(default_factory=set)
+    nodes: set[str] = field(default_factory=set)  # every node registered: its agent's durable is no job's to create
     admission: Admission = field(default_factory=Admission)
 
     def fold(self, stored: Stored) -> None:
@@ -52,6 +55,8 @@ class Jobs:
         elif isinstance(ev, JobCompleted | JobFailed | JobCancelled):
             self.live.discard(ev.job_id)
             self.ended.add(ev.job_id)
+        elif isinstance(ev, NodeRegistered):
+            self.nodes.add(ev.node)
 
 
 @dataclass
@@ -85,9 +90,10 @@ class Gate:
             return Verdict(error=f"job {job_id} has ended: its identity is revoked")
         if job_id not in self.jobs.live:
             return Verdict(error=f"job {job_id} is not running (no grant yet)")
-        perms = permissions.job(job_id)
+        perms = permissions.job(job_id, tuple(sorted(self.jobs.nodes)))
         claims = natsjwt.user_claims(user_nkey=user_nkey, name=user, publish=list(perms.publish),
-                                     subscribe=list(perms.subscribe), expires_at=int(now + self.ttl_s))
+                                     publish_deny=list(perms.publish_deny), subscribe=list(perms.subscribe),
+                                     expires_at=int(now + self.ttl_s))
         return Verdict(user_jwt=natsjwt.encode(claims, self.issuer_seed))
 
     def answer(self, data: bytes, now: float) -> bytes:

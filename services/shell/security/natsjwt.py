@@ -66,9 +66,12 @@ def decode(token: str, *, verify: bool = True) -> dict[str, Any]:
 
 
 def user_claims(*, user_nkey: str, name: str, publish: list[str], subscribe: list[str], expires_at: int,
-                account: str = GLOBAL_ACCOUNT) -> dict[str, Any]:
+                publish_deny: list[str] | None = None, account: str = GLOBAL_ACCOUNT) -> dict[str, Any]:
+    pub: dict[str, list[str]] = {"allow": publish}
+    if publish_deny:
+        pub["deny"] = publish_deny
     return {"sub": user_nkey, "name": name, "aud": account, "exp": expires_at,
-            "nats": {"pub": {"allow": publish}, "sub": {"allow": subscribe}, "subs": -1, "data": -1, "payload": -1,
+            "nats": {"pub": pub, "sub": {"allow": subscribe}, "subs": -1, "data": -1, "payload": -1,
                      "type": "user", "version": 2}}
 
 

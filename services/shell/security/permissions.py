@@ -79,11 +79,20 @@ def _shell_api(consumer: str) -> list[str]:
             f"$JS.ACK.{CONTROL}.{consumer}.>"]
 
 
+def platform_durables(nodes: tuple[str, ...]) -> list[str]:
+    """The durable consumers the services and the named nodes' agents read FD_CONTROL through."""
+    return [durable(s) for s in (*subjects.SERVICES, *(agent_user(n) for n in nodes))]
+
+
 def _others_durables(own: str, nodes: tuple[str, ...]) -> list[str]:
-    """Deny touching another service's durable: deleting it would make that service re-decide its inputs."""
-    names = [durable(s) for s in (*subjects.SERVICES, *(agent_user(n) for n in nodes)) if durable(s) != own]
+    """Deny touching another service's durable: deleting it would make that service re-decide its inputs, and
+    creating it again with another filter (`CONSUMER.CREATE.<stream>.<name>[.<filter>]` updates a consumer) would
+    make it skip every input outside that filter."""
+    names = [name for name in platform_durables(nodes) if name != own]
     return [f"{JS}.CONSUMER.{verb}.{CONTROL}.{name}" for name in names
-            for verb in ("DELETE", "DURABLE.CREATE", "MSG.NEXT")] + [f"$JS.ACK.{CONTROL}.{name}.>" for name in names]
+            for verb in ("DELETE", "DURABLE.CREATE", "MSG.NEXT", "CREATE")] + [
+        f"{JS}.CONSUMER.CREATE.{CONTROL}.{name}.>" for name in names] + [
+        f"$JS.ACK.{CONTROL}.{name}.>" for name in names]
 
 
 def _producer(user: str, role: str, name: str, node_token: str, nodes: tuple[str, ...],
@@ -142,14 +151,17 @@ def admin() -> Permissions:
     return Permissions(user=ADMIN, publish=(">",), subscribe=(">",), everything=True)
 
 
-def job(job_id: str) -> Permissions:
+def job(job_id: str, nodes: tuple[str, ...] = ()) -> Permissions:
     """A job's ranks: publish their job's telemetry, read their job's history through a consumer whose
     single filter is in the API subject (`CONSUMER.CREATE.<stream>.<name>.<filter>`; the server refuses a
-    body whose filter differs from it), nothing else: no fd.ctl subject, no other job, no stream admin."""
+    body whose filter differs from it), nothing else: no fd.ctl subject, no other job, no stream admin.
+    The consumer's name is the rank's to pick, except the platform's durables (the services' and those of the
+    agents of `nodes`): the same request would re-point one of them at this job's history alone."""
     user = job_user(job_id)
     publish = (subjects.telemetry_job(job_id), f"{JS}.CONSUMER.CREATE.{CONTROL}.*.{subjects.job_all(job_id)}",
                f"{JS}.CONSUMER.INFO.{CONTROL}.*")
-    return Permissions(user=user, publish=publish, subscribe=(f"{inbox(user)}.>",))
+    return Permissions(user=user, publish=publish, subscribe=(f"{inbox(user)}.>",),
+                       publish_deny=tuple(_others_durables("", nodes)))
 
 
 def fleet(nodes: tuple[str, ...] = (), jobs: tuple[str, ...] = (), *, fleet_agent: bool = True) -> list[Permissions]:
@@ -158,5 +170,5 @@ def fleet(nodes: tuple[str, ...] = (), jobs: tuple[str, ...] = (), *, fleet_agen
     if fleet_agent:
         users.append(agent(None, nodes))
     users += [agent(n, nodes) for n in nodes]
-    users += [job(j) for j in jobs]
+    users += [job(j, nodes) for j in jobs]
     return users
