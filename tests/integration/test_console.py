@@ -103,6 +103,8 @@ def test_up_detach_starts_the_broker_and_every_service(up: Up) -> None:
     assert f"dashboard {up.ui}/ ; metrics (Prometheus) at {up.ui}/metrics" in up.stdout
     for name in s.processes:
         assert (up.data_dir / "logs" / f"{name}.log").exists()
+    # no --secrets: it says plainly that it trusts every client (trial 8, 86ea31b: forged events were acted on)
+    assert f"the broker trusts every client that reaches {up.url}" in (up.data_dir / "logs" / "up.log").read_text()
 
 
 def test_a_second_up_refuses_the_same_data_dir_or_a_taken_port(up: Up, tmp_path: Path) -> None:

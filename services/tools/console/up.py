@@ -198,6 +198,10 @@ class _Up:
               flush=True)
         for child in self.supervisor.children:
             print(f"flightdeck: {child.spec.name} pid {child.pid}, log {child.log_path}", flush=True)
+        if self.secrets is None and self.broker is not None:
+            print(f"flightdeck: no --secrets: the broker trusts every client that reaches {self.url}; anyone on this "
+                  "host can submit, cancel, or forge any decision (docs/security.md, \"Without credentials\")",
+                  flush=True)
         if self.secrets is not None:
             vault = SecretsDir(self.secrets)
             print(f"flightdeck: credentials in {self.secrets}; another host's agent joins with\n"
