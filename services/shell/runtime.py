@@ -35,7 +35,7 @@ from events.store import EventStore, Stored, decoded
 from services.core import Effect, Emit, Service
 from services.shell import deadletter
 from services.shell.connection import TRANSIENT, Connection, PublishDenied, sleep_or_stop
-from services.shell.fold import Folder, Output, Step, failure, rebuild, stamp
+from services.shell.fold import Folder, Output, Step, failure, rebuild, replay, stamp
 from services.shell.tap import TelemetryTap
 
 log = structlog.get_logger("flightdeck.shell")
@@ -111,6 +111,8 @@ class Shell:
         self.reconnects = 0  # the client's reconnect count when last looked at
         self.handled: deque[int] = deque(maxlen=10_000)  # recent inputs folded, to answer advisories
         self.detached: set[asyncio.Task[None]] = set()  # effects running in the background (Service.detached)
+        self.stored_seq = 0  # the last FD_CONTROL input whose outputs are all stored
+        self.caught_up = False  # whether the first delivery since the start was checked against the rebuild
 
     async def retrying(self, what: str, fn: Callable[[], Awaitable[T]], subject: str = "") -> T:
         """Run `fn` until it succeeds: the broker may be restarting. A denied publish is not retried."""
@@ -148,8 +150,10 @@ class Shell:
 
     async def run(self) -> None:
         floor = await self.retrying("creating the consumer", self._ensure_consumer)
-        self.folder = await self.retrying("rebuilding", partial(rebuild, self.service, self.store, until=floor))
-        log.info("rebuilt", until_seq=floor, telemetry_seq=self.folder.telemetry_seq)
+        until = await self.retrying("reading where this service got to", partial(self._trusted_position, floor))
+        self.folder = await self.retrying("rebuilding", partial(rebuild, self.service, self.store, until=until))
+        self.stored_seq = self.folder.control_seq
+        log.info("rebuilt", until_seq=until, ack_floor=floor, telemetry_seq=self.folder.telemetry_seq)
         await self._record_settings()
         self.tap.start(self.folder.telemetry_seq)
         advisory = await self.nc.subscribe(deadletter.advisory_subject(subjects.CONTROL, self.consumer),
@@ -201,6 +205,36 @@ class Shell:
         ))
         return info.ack_floor.stream_seq if info.ack_floor else 0
 
+    async def _trusted_position(self, floor: int) -> int:
+        """Where to rebuild to, silently: every input up to it was folded and its outputs stored. The reply that
+        created the consumer may be stale after a broker restart (an ack floor of 246 where the consumer said 258 a
+        moment later: shared/FACTS.md), so it is only one lower bound; the consumer's info read again is another, and
+        this service's own last tick, which records what it had folded and stored then, a third. A position still
+        short of the consumer's is caught up at the first delivery (`_catch_up`)."""
+        info = await self.js.consumer_info(subjects.CONTROL, self.consumer)
+        read = info.ack_floor.stream_seq if info.ack_floor else 0
+        last = await self.store.last(subjects.CONTROL, self.folder.clock_subject)
+        ticked = 0
+        if last is not None and isinstance(last.event, ClockTick) and last.event.service == self.service.name:
+            ticked = last.event.positions.get(subjects.CONTROL, 0)
+        if max(read, ticked) > floor:
+            log.warning("the consumer's reply was behind this service's own records", reply_floor=floor,
+                        info_floor=read, last_tick_position=ticked)
+        return max(floor, read, ticked)
+
+    async def _catch_up(self, seq: int) -> None:
+        """The first input the consumer hands over after a start says everything before it is done: fold the inputs
+        between the rebuild and it silently (they were folded and stored before), as the rebuild would have had its
+        position been current; never act on them again, never leave them out of the state."""
+        before = self.folder.control_seq
+        num = 0
+        async for _ in replay(self.service, self.store, until=seq - 1, folder=self.folder):
+            num += 1
+        if self.folder.control_seq > before:
+            log.warning("the rebuild fell short of the consumer: caught up silently", from_seq=before,
+                        to_seq=self.folder.control_seq, num_steps=num)
+        self.stored_seq = max(self.stored_seq, self.folder.control_seq)
+
     async def _consume(self, sub: Any) -> None:
         delay = 0.1
         while not self.stop.is_set():
@@ -221,6 +255,10 @@ class Shell:
 
     async def _handle(self, msg: Msg) -> None:
         seq = msg.metadata.sequence.stream
+        if not self.caught_up:
+            self.caught_up = True
+            if seq > self.folder.control_seq + 1:
+                await self.retrying("catching up", partial(self._catch_up, seq))
         if seq <= self.folder.control_seq:  # a redelivery of an input already folded and stored
             await self.retrying("acking", msg.ack)
             return
@@ -237,6 +275,7 @@ class Shell:
             steps = self.folder.apply(stored, telemetry)
             for step in steps:
                 await self._store(step, msg)
+            self.stored_seq = seq  # its outputs are stored: a tick may now record it as done
             # A refused input is terminated, not acked: the server then knows it was never used.
             await self.retrying("finishing", msg.term if steps[-1].error else msg.ack)
         self.handled.append(seq)
@@ -340,7 +379,8 @@ class Shell:
             self.tap.prompted.clear()
             if not self.service.wants_tick(self.folder.state, now):
                 continue
-            positions = {subjects.CONTROL: self.folder.control_seq}
+            # Not the folder's position: an input folded whose outputs are still being stored is not done yet.
+            positions = {subjects.CONTROL: self.stored_seq}
             if self.service.telemetry_subjects:
                 # Read after `now`: every message stored by then is at or below the position, so the tick names
                 # all the telemetry the ranks had stored at its time, however far behind the tap's feed is.
