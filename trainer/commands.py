@@ -19,8 +19,10 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from events import codec, subjects
+from events.admission import Admission
 from events.base import Event
 from events.catalog import COMMAND_TYPES
+from events.store import Stored
 from trainer import bus
 
 CHECK_S = 2.0  # how often the consumer is checked to still exist on the server
@@ -40,6 +42,7 @@ class CommandInbox:
         self._received: list[Event] = []
         self._started_at: datetime | None = None
         self._last_seq = 0  # stream sequence of the last message seen: where a new consumer resumes
+        self._admission = Admission()  # the rule every reader of a job's history shares (events/admission.py)
         self._generation = 0  # messages from a replaced subscription are ignored
         self._next_dseq = 1
         self._resubscribe: asyncio.Event | None = None
@@ -162,6 +165,10 @@ class CommandInbox:
             event = codec.admit(msg.data)  # the bounds too: a checkpoint id becomes a cache path
         except codec.UndecodableEvent as exc:
             self._log.error("inbox.undecodable", seq=meta.sequence.stream, subject=msg.subject, error=str(exc))
+            return
+        stored = Stored(subjects.CONTROL, meta.sequence.stream, msg.subject, msg.data, "", event)
+        if why := self._admission.refusal(stored):  # what the services would refuse is no command either
+            self._log.error("inbox.refused", seq=meta.sequence.stream, subject=msg.subject, error=why)
             return
         if isinstance(event, COMMAND_TYPES):
             with self._lock:

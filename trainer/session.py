@@ -106,6 +106,7 @@ class Run:
         self.stepping = False  # steps() was entered
         self.ran_all = False  # steps() ran to its last step
         self.failed = False  # an uncaught exception ends the process (fail_hook): its own exit code stands
+        self.stopped = False  # told to stop, or SIGTERM: it exits STOPPED_EXIT
         self.closed = False
         self._current: tuple[int, int, float] | None = None  # the step being run: (step, batch, started)
         self._reported = False
@@ -278,7 +279,7 @@ class Run:
         """Leave before the last step, cleanly (its checkpoint written): not a completion (STOPPED_EXIT)."""
         self.reporter.flush()
         self.ckpt.wait()
-        self.finished = True
+        self.finished = self.stopped = True
         raise SystemExit(STOPPED_EXIT)
 
     def at_exit(self) -> None:
@@ -286,7 +287,7 @@ class Run:
         (a `break`, or `sys.exit(0)` inside the loop) exit with STOPPED_EXIT whatever the script's code was,
         since an exit 0 reads to the platform as "every step ran"."""
         self.close()
-        if self.stepping and not self.ran_all and not self.failed:
+        if self.stepping and not self.ran_all and not self.failed and not self.stopped:
             log.warning("the script left run.steps() before its last step: exiting as stopped, not completed",
                         step=self.step, code=STOPPED_EXIT)
             for stream in (sys.stdout, sys.stderr):

@@ -223,16 +223,18 @@ class Shell:
         return max(floor, read, ticked)
 
     async def _catch_up(self, seq: int) -> None:
-        """The first input the consumer hands over after a start says everything before it is done: fold the inputs
-        between the rebuild and it silently (they were folded and stored before), as the rebuild would have had its
-        position been current; never act on them again, never leave them out of the state."""
+        """The first input the consumer hands over after a start: the consumer has moved past everything before it.
+        What it acked there, a previous run folded and stored: fold it silently (never act on it again, never
+        leave it out of the state). Its position read now, while it delivers, is current; inputs between that and
+        `seq` were given up (max_deliver), not done, and stay unfolded as the live service left them."""
+        info = await self.js.consumer_info(subjects.CONTROL, self.consumer)
+        done = min(seq - 1, info.ack_floor.stream_seq if info.ack_floor else 0)
         before = self.folder.control_seq
-        num = 0
-        async for _ in replay(self.service, self.store, until=seq - 1, folder=self.folder):
-            num += 1
-        if self.folder.control_seq > before:
+        if done > before:
+            async for _ in replay(self.service, self.store, until=done, folder=self.folder):
+                pass
             log.warning("the rebuild fell short of the consumer: caught up silently", from_seq=before,
-                        to_seq=self.folder.control_seq, num_steps=num)
+                        to_seq=self.folder.control_seq)
         self.stored_seq = max(self.stored_seq, self.folder.control_seq)
 
     async def _consume(self, sub: Any) -> None:

@@ -10,6 +10,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import msgspec
+
 from events import subjects
 from events.base import Event
 from events.checkpoint import CheckpointCommitted, CheckpointStaged, DataPosition, ShardInfo
@@ -66,7 +68,7 @@ def _prefix() -> list[Event]:
                                  data=DataPosition(next_batch=11), stall_s=0.0, write_s=0.0, **env)]
     commit = CheckpointCommitted(job_id=JOB, checkpoint_id="step000000010-a0", step=10, world_size=2,
                                  uri="file:///x/MANIFEST.json", bytes=2, data=DataPosition(next_batch=11),
-                                 event_id="cc", occurred_at=2001.0)
+                                 event_id="cc", occurred_at=2001.0, job_version=bus.versions[JOB] + 1)
     return [*bus.log, *tel, commit]
 
 
@@ -96,7 +98,7 @@ def primed(name: str) -> Folder[Any]:
 
 def good_inputs(seq: int) -> list[Stored]:
     """Inputs every service reads something of, to show it still works after a hostile one."""
-    return [stored(submit(f"ok-{seq}", slots=1), seq),
+    return [stored(msgspec.structs.replace(submit(f"ok-{seq}", slots=1), job_version=1), seq),
             stored(ClockTick(service="x", now=3000.0, positions={}, event_id=f"t{seq}", occurred_at=3000.0), seq + 1)]
 
 

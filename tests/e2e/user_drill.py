@@ -15,6 +15,7 @@ from events.checkpoint import CheckpointCommitted, CheckpointStaged
 from events.commands import RollbackRequested, StopRequested
 from events.findings import LossSpikeDetected, RankHung
 from events.job import JobCompleted, JobFailed, JobPreempted, JobResumed
+from events.nodelocal import STOPPED_EXIT
 from events.plan import ReshardPlanned
 from events.spec import FaultSpec, JobSpec, ModelSpec, TrainSpec, parse_spec
 from events.training import FaultInjected, RolledBack
@@ -86,7 +87,7 @@ async def survives_every_drill_fault(drill: Platform, example: str) -> None:
     final = max(e.step for e in p.seen(CheckpointStaged, job, stream=subjects.TELEMETRY) if e.attempt == 2)
     resumed = p.seen(JobResumed, job)[-1]
     assert (resumed.attempt, resumed.from_step) == (3, final)
-    assert {e.exit_code for e in p.rank_exits(job) if e.attempt == 2} == {0}
+    assert {e.exit_code for e in p.rank_exits(job) if e.attempt == 2} == {STOPPED_EXIT}  # saved, then stopped
     assert await wait_lineage(p, job, STEPS) == []
     # one rollback in all: the poisoned batches were skipped, so the redone steps never spiked again
     assert len(p.seen(RollbackRequested, job)) == 1

@@ -33,6 +33,7 @@ from events.job import (
     WorkersExited,
     WorkersStarted,
 )
+from events.nodelocal import STOPPED_EXIT
 from events.spec import FaultSpec, JobSpec, ModelSpec, TrainSpec
 from events.store import Stored
 from events.training import FaultInjected, RankStarted, StepCompleted
@@ -322,7 +323,7 @@ async def test_a_cancel_stops_the_ranks_and_the_job_is_cancelled(cluster: Cluste
     await c.until(lambda: bool(c.seen(JobCancelled, "endless-000001")) and bool(c.seen(AllocationReleased,
                                                                                      "endless-000001")),
                   60, "the cancel and the release", "endless-000001")
-    assert exits(c, "endless-000001", 0) == {0: 0, 1: 0}  # they obeyed StopRequested
+    assert exits(c, "endless-000001", 0) == {0: STOPPED_EXIT, 1: STOPPED_EXIT}  # they obeyed StopRequested
     assert kinds(c.job("endless-000001"))[-2:] == ["JobCancelled", "AllocationReleased"]
     await c.until(lambda: all(gone(pid) for pid in c.pids("endless-000001")), 60, "the ranks to be gone")
 

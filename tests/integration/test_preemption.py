@@ -17,6 +17,7 @@ from events.job import (
     JobSubmitted,
     WorkersStarted,
 )
+from events.nodelocal import STOPPED_EXIT
 from events.spec import FaultSpec, JobSpec, ModelSpec, TrainSpec
 from events.training import RankStarted, StepCompleted
 from services.checkpoints.core import checkpoint_id
@@ -64,7 +65,7 @@ async def test_a_preempted_job_checkpoints_yields_and_resumes_from_that_checkpoi
     assert stop.checkpoint is True and HIGH in stop.reason
     (preempted,) = c.seen(JobPreempted, LOW)
     assert preempted.by_job_id == HIGH
-    assert exits(c, LOW, 0) == {0: 0, 1: 0}  # both ranks saved and left on their own
+    assert exits(c, LOW, 0) == {0: STOPPED_EXIT, 1: STOPPED_EXIT}  # both ranks saved and left on their own
     # The high job got the slots only after the low job's were given back.
     assert first_index(c, AllocationReleased, LOW) < first_index(c, AllocationGranted, HIGH)
     assert "preempted" in [e.reason for e in c.seen(JobQueued, LOW)]

@@ -128,7 +128,8 @@ async def test_an_input_that_kills_the_process_is_given_up_dead_lettered_and_ski
     env = {"TOY_DIE": "1", "FLIGHTDECK_MAX_DELIVER": "2", "FLIGHTDECK_BACKOFF_S": "0.5"}
     async with bus_at(nats_server.url) as bus:
         await bus.store.append_batch(submissions(1, "d"))
-        die = await bus.store.append(subjects.job("k", "CancelRequested"), CancelRequested(job_id="k", reason="die"))
+        die = await bus.store.append(subjects.job("k", "CancelRequested"),
+                                     CancelRequested(job_id="k", reason="die", job_version=1))
         await bus.store.append_batch(submissions(1, "e"))
         deaths = 0
         proc = spawn_service("toy", nats_server.url, log, **env)

@@ -25,8 +25,8 @@ pytestmark = pytest.mark.timeout(90)
 
 class StaleReplies:
     """The broker's JetStream API, except that consumer positions come back as they were at `floor` (what a
-    consumer's state on disk said before a broker crash), in the creating reply and, with `info_too`, in
-    consumer_info as well."""
+    consumer's state on disk said before a broker crash) in the creating reply and, with `info_too`, in the first
+    consumer_info as well: stale while the server recovers, current once the consumer delivers."""
 
     def __init__(self, js: Any, floor: int, *, info_too: bool) -> None:
         self._js, self._floor, self._info_too = js, floor, info_too
@@ -42,7 +42,8 @@ class StaleReplies:
 
     async def consumer_info(self, *args: Any, **kwargs: Any) -> ConsumerInfo:
         info = await self._js.consumer_info(*args, **kwargs)
-        return self._stale(info) if self._info_too else info
+        stale, self._info_too = self._info_too, False
+        return self._stale(info) if stale else info
 
 
 async def priorities(store: JetStreamStore, prefix: str) -> dict[str, list[int]]:

@@ -6,12 +6,14 @@ import json
 import shutil
 from pathlib import Path
 
+import msgspec
 import nats
 import pytest
 
 from events import codec, subjects
 from events.base import Event
 from events.commands import CheckpointRequested, PauseRequested, ResumeRequested, RollbackRequested, StopRequested
+from events.nodelocal import STOPPED_EXIT
 from events.streams import ensure_streams
 from services.shell import broker as broker_mod
 from tests.trainer import ranks
@@ -51,10 +53,10 @@ def test_pause_holds_the_step_until_resume(tmp_path: Path) -> None:
     assert done[5]["occurred_at"] - done[4]["occurred_at"] >= 3 * PAUSE_POLL_S
 
 
-def test_stop_with_checkpoint_saves_then_exits_zero(tmp_path: Path) -> None:
+def test_stop_with_checkpoint_saves_then_exits_as_stopped(tmp_path: Path) -> None:
     script = {(3, 1): [cmd(CheckpointRequested)], (7, 1): [cmd(StopRequested, checkpoint=True)]}
     code, log, _, _ = ranks.run_loop(tmp_path, script)
-    assert code == 0
+    assert code == STOPPED_EXIT  # not 0: that says every step ran
     assert [s for s, _ in ranks.losses(log, 0)] == list(range(7))
     assert [e["step"] for e in ranks.events(log, "CheckpointStaged")] == [3, 7]
     assert (tmp_path / "staging" / JOB / "step-7" / ".metadata").exists()
@@ -69,7 +71,9 @@ def test_commands_arrive_through_the_broker(nats_server: broker_mod.Broker, tmp_
         if stage == "streams":
             await ensure_streams(js)
         else:
-            for c in (cmd(CheckpointRequested, reason="test"), cmd(StopRequested, checkpoint=False)):
+            for version, c in enumerate((cmd(CheckpointRequested, reason="test"), cmd(StopRequested, checkpoint=False)),
+                                        start=1):  # numbered, as the job's history numbers them
+                c = msgspec.structs.replace(c, job_version=version)
                 await js.publish(subjects.job(JOB, type(c).__name__), codec.encode(c))
         await nc.close()
 
@@ -79,7 +83,7 @@ def test_commands_arrive_through_the_broker(nats_server: broker_mod.Broker, tmp_
     with ranks.started(tmp_path, spec, world=2, job_id=JOB, args=("--nats", ranks_url, "--sync-every", "5")) as procs:
         ranks.wait_for(lambda: len(ranks.events(log, "StepCompleted", 1)) >= 3, ranks.RUN_TIMEOUT_S, "steps")
         asyncio.run(setup_and_publish("commands"))
-        assert ranks.wait(procs, ranks.RUN_TIMEOUT_S) == [0, 0], ranks.log_tail(tmp_path, 2)
+        assert ranks.wait(procs, ranks.RUN_TIMEOUT_S) == [STOPPED_EXIT] * 2, ranks.log_tail(tmp_path, 2)
     staged = ranks.events(log, "CheckpointStaged")
     assert sorted(e["rank"] for e in staged) == [0, 1] and len({e["step"] for e in staged}) == 1
     stopped = {ranks.events(log, "StepCompleted", r)[-1]["step"] + 1 for r in (0, 1)}
