@@ -10,17 +10,28 @@ from events.commands import RollbackRequested
 
 
 class Fork(msgspec.Struct, frozen=True, kw_only=True):
-    """Timeline `timeline` of `attempt` branched off at `to_step`."""
+    """Timeline `timeline` of `attempt` branched off at `to_step`, skipping batches [skip_from, skip_to)."""
 
     attempt: int
     timeline: int
     to_step: int
+    skip_from: int = 0
+    skip_to: int = 0
 
 
 def forked(forks: tuple[Fork, ...], ev: RollbackRequested) -> tuple[Fork, ...]:
     """`forks` with the timeline `ev` starts."""
     timeline = 1 + max((f.timeline for f in forks if f.attempt == ev.attempt), default=0)
-    return (*forks, Fork(attempt=ev.attempt, timeline=timeline, to_step=ev.to_step))
+    return (*forks, Fork(attempt=ev.attempt, timeline=timeline, to_step=ev.to_step, skip_from=ev.skip_from,
+                         skip_to=ev.skip_to))
+
+
+def restore_skips(forks: tuple[Fork, ...], attempt: int, timeline: int, step: int) -> tuple[tuple[int, int], ...]:
+    """The batch windows a restore of the checkpoint of (attempt, timeline, step) applies itself: those of the
+    rollbacks decided back to that step after it was staged. Its own data position cannot hold them, and a restart
+    that follows such a rollback (whether or not the ranks obeyed it first) must not train those batches again."""
+    return tuple((f.skip_from, f.skip_to) for f in forks
+                 if f.to_step == step and f.skip_to > f.skip_from and (f.attempt, f.timeline) > (attempt, timeline))
 
 
 def thrown_away(forks: tuple[Fork, ...], attempt: int, timeline: int, step: int) -> bool:

@@ -37,6 +37,9 @@ RESTORE_REFUSED_EXIT = 65  # EX_DATAERR
 # outside the platform such as an eviction, or a script that left run.steps() early) exits with this, so its
 # exit reads as a fault to restart, never as the job's completion.
 STOPPED_EXIT = 75  # EX_TEMPFAIL: try again
+# Batch windows a restore skips on top of its checkpoint's own ("40:45,50:60"): rollbacks decided back to that
+# checkpoint after it was written (events/lineage.restore_skips).
+RESTORE_SKIPS_ENV = "FLIGHTDECK_RESTORE_SKIPS"
 DEVICE_ENV = "FLIGHTDECK_DEVICE"  # "cpu", "cuda" or "auto"
 SYNC_EVERY_ENV = "FLIGHTDECK_SYNC_EVERY"  # steps between the collectives that agree on commands
 EVENTS_LOG_ENV = "FLIGHTDECK_EVENTS_LOG"  # every event a rank emits, also as JSON lines here

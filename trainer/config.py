@@ -40,6 +40,7 @@ class RunConfig:
     fired: frozenset[int] = frozenset()  # the spec's unpinned drill faults an earlier attempt fired (trainer/faults.py)
     platform: bool = True  # started by a node agent (a job id was given)
     resume_local: bool = False  # no-platform mode after a torchrun restart: resume from the newest staged set
+    restore_skips: tuple[tuple[int, int], ...] = ()  # batch windows to skip beyond what `restore` recorded
 
 
 def _int(env: Mapping[str, str], name: str, default: int) -> int:
@@ -67,6 +68,12 @@ def from_env(env: Mapping[str, str] | None = None) -> RunConfig:
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     restore = Path(env[nl.RESTORE_ENV]) if env.get(nl.RESTORE_ENV) else None
+    try:
+        skips = tuple((int(a), int(b)) for a, b in (w.split(":") for w in env.get(nl.RESTORE_SKIPS_ENV, "").split(",")
+                                                    if w.strip()))
+    except ValueError:
+        raise ValueError(f"${nl.RESTORE_SKIPS_ENV} must list batch windows like 40:45,50:60, "
+                         f"got {env[nl.RESTORE_SKIPS_ENV]!r}") from None
     manifest = Path(env[nl.MANIFEST_ENV]) if env.get(nl.MANIFEST_ENV) else None
     if manifest is None and restore is not None:
         manifest = next((restore / n for n in ("MANIFEST.json", "manifest.json") if (restore / n).exists()), None)
@@ -89,6 +96,7 @@ def from_env(env: Mapping[str, str] | None = None) -> RunConfig:
         job_id=job_id or LOCAL_JOB, spec=spec, attempt=attempt, node=env.get(nl.NODE_ENV, "") or socket.gethostname(),
         nats_url=env.get(nl.NATS_ENV) if job_id else None,
         staging=Path(env.get(nl.STAGING_ENV, "") or ".flightdeck/staging"), restore=restore, manifest=manifest,
+        restore_skips=skips,
         checkpoints=Path(env[nl.CACHE_ENV]) if env.get(nl.CACHE_ENV) else None,
         rank=_int(env, "RANK", 0), world_size=world_size, local_rank=_int(env, "LOCAL_RANK", 0), device=device,
         sync_every=sync_every, events_log=Path(env[nl.EVENTS_LOG_ENV]) if env.get(nl.EVENTS_LOG_ENV) else None,

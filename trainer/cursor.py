@@ -23,7 +23,7 @@ class BatchCursor:
         return index
 
     def skip(self, start: int, end: int) -> None:
-        if end > start:
+        if end > start and (start, end) not in self.skipped:  # a window decided twice is skipped once
             self.skipped.append((start, end))
 
     def position(self) -> DataPosition:

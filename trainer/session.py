@@ -147,6 +147,10 @@ class Run:
                 log.error("restore refused: its checkpoint is bad; nothing was loaded", checkpoint=str(path),
                           error=str(exc))
                 self._die(RESTORE_REFUSED_EXIT)
+            for start, end in self.cfg.restore_skips if path == self.cfg.restore else ():
+                self.cursor.skip(start, end)  # a rollback decided back to this checkpoint: its batches stay skipped
+            if self.cfg.restore_skips:
+                log.info("restored with the skip windows of rollbacks to it", skips=self.cfg.restore_skips)
             self.saved_at = self.step
             log.info("restored", checkpoint=str(path), step=self.step)
         return self.step

@@ -52,6 +52,7 @@ class SpawnArgs(msgspec.Struct, frozen=True, kw_only=True):
     spec: JobSpec
     restore: Restore | None
     grant_id: str  # event id of the grant, the cause of what the agent records about these ranks
+    skips: list[tuple[int, int]] = []  # batch windows the restore skips beyond its checkpoint's (lineage.restore_skips)
 
 
 class StopArgs(msgspec.Struct, frozen=True, kw_only=True):
@@ -138,10 +139,12 @@ def _granted(state: State, ev: AllocationGranted) -> Transition:
                                           reason=f"attempt {ev.attempt} replaces it")))
     if not mine:
         return _put(state, ev.job_id, msgspec.structs.replace(view, held=None), *outs)
+    restore = newest(view.checkpoints, view.forks)
+    skips = lineage.restore_skips(view.forks, restore.attempt, restore.timeline, restore.step) if restore else ()
     outs.append(Effect(SPAWN, SpawnArgs(
         job_id=ev.job_id, attempt=ev.attempt, node=state.node, ranks=list(mine), world_size=len(ev.assignments),
-        master_addr=ev.master_addr, master_port=ev.master_port, spec=view.spec,
-        restore=newest(view.checkpoints, view.forks), grant_id=ev.event_id)))
+        master_addr=ev.master_addr, master_port=ev.master_port, spec=view.spec, restore=restore,
+        grant_id=ev.event_id, skips=list(skips))))
     return _put(state, ev.job_id, msgspec.structs.replace(view, held=Held(attempt=ev.attempt, ranks=mine)), *outs)
 
 

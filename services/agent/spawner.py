@@ -209,12 +209,15 @@ class Spawner:
                nl.JOB_ENV: args.job_id, nl.ATTEMPT_ENV: str(args.attempt), nl.NODE_ENV: self.node,
                nl.NATS_ENV: self.launch.nats_url, nl.SPEC_ENV: str(spec_file), nl.STAGING_ENV: str(self.paths.staging),
                nl.CACHE_ENV: str(self.paths.root / "cache"), nl.DEVICE_ENV: self.launch.device}
-        for stale in (nl.RESTORE_ENV, nl.MANIFEST_ENV, nl.PLAN_ENV, nl.FIRED_ENV, nl.EVENTS_LOG_ENV, nl.SYNC_EVERY_ENV):
+        for stale in (nl.RESTORE_ENV, nl.MANIFEST_ENV, nl.RESTORE_SKIPS_ENV, nl.PLAN_ENV, nl.FIRED_ENV,
+                      nl.EVENTS_LOG_ENV, nl.SYNC_EVERY_ENV):
             env.pop(stale, None)  # never inherited from the agent's own environment
         if fired:
             env[nl.FIRED_ENV] = ",".join(map(str, sorted(fired)))
         if restore is not None:
             env[nl.RESTORE_ENV], env[nl.MANIFEST_ENV] = str(restore), str(restore / manifest.MANIFEST)
+            if args.skips:
+                env[nl.RESTORE_SKIPS_ENV] = ",".join(f"{a}:{b}" for a, b in args.skips)
         rank_env(env, args.job_id, self.paths.root)  # the job's broker credential, never the agent's own
         if self.launch.beats:
             env[nl.BEATS_ENV], env[nl.STEP_REPORTS_ENV] = self.launch.beats, self.launch.step_reports

@@ -5,6 +5,7 @@ Why it works this way: docs/internals.md, "3. The scheduler and its recovery rec
 
 from collections.abc import Iterable
 
+from events import lineage
 from events.checkpoint import CheckpointDeleted, CheckpointRejected
 from events.commands import StopRequested
 from events.findings import RankHung, RankLost, StragglerDetected
@@ -51,7 +52,9 @@ def granted(tx: Tx, ev: AllocationGranted) -> None:
     if not job.requested:
         return  # the same grant read again
     refs = tuple(sorted(ev.assignments, key=lambda r: r.rank))
-    job = tx.update(job, requested=False, assignments=refs, restore=job.newest, use_spares=False,
+    restore = job.newest
+    skips = lineage.restore_skips(job.forks, restore.attempt, restore.timeline, restore.step) if restore else ()
+    job = tx.update(job, requested=False, assignments=refs, restore=restore, use_spares=False, skips=skips,
                     world=0 if len(refs) == job.spec.slots else len(refs))
     if job.stop == "cancel":
         cancel_now(tx, job)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from events import nodelocal as nl
 from events.nodelocal import RESTORE_REFUSED_EXIT
 from services.shell.broker import free_port
 from tests.trainer import ranks
@@ -100,3 +101,16 @@ def test_plain_torchrun_starts_two_ranks(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for rank in (0, 1):
         assert [s for s, _ in ranks.losses(tmp_path / "events.jsonl", rank)] == list(range(6))
+
+
+def test_a_restore_skips_the_windows_of_rollbacks_decided_back_to_its_checkpoint(
+        baseline: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Trial 7 (86ea31b): a rollback to this checkpoint skipping batches 15-18 was decided, and the restart that
+    followed a crash trained them again. The agent hands the window over with the restore (lineage.restore_skips)."""
+    monkeypatch.setenv(nl.RESTORE_SKIPS_ENV, "15:18")  # what the node agent sets (services/agent/spawner.py)
+    spec = ranks.write_spec(tmp_path / "job.toml", slots=2, train={"steps": STEPS, "checkpoint_every": SAVE_AT})
+    ckpt = baseline / "staging" / "job-1" / f"step-{SAVE_AT}"
+    codes = ranks.run(tmp_path, spec, world=2, job_id="job-7", args=("--restore", str(ckpt)))
+    assert codes == [0, 0], ranks.log_tail(tmp_path, 2)
+    staged = [e for e in ranks.events(tmp_path / "events.jsonl", "CheckpointStaged") if e["step"] == STEPS]
+    assert len(staged) == 2 and all(e["data"] == {"next_batch": STEPS + 3, "skipped": [[15, 18]]} for e in staged)

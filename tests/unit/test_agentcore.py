@@ -196,3 +196,23 @@ def test_a_grant_older_than_one_already_seen_starts_nothing() -> None:
     # A release that overtakes its own grant (the scheduler moved on while asking) makes that grant stale too.
     _, effects = run([submitted(), AllocationReleased(job_id="j", attempt=0, reason="restart"), grant(0)])
     assert effects == []
+
+
+def test_a_restart_after_a_rollback_restores_its_checkpoint_with_the_rollback_s_skip_window() -> None:
+    """Trial 7 (86ea31b): a spike's RollbackRequested (checkpoint 40, skip batches 40-45) was recorded, rank 1
+    crashed before the ranks obeyed it, and the restart restored the step-40 checkpoint and trained batch 40 again.
+    The window belongs to the timeline: a restore of that checkpoint skips it, obeyed or not."""
+    rollback = RollbackRequested(job_id="j", checkpoint_id="c40", to_step=40, skip_from=40, skip_to=45,
+                                 reason="spike", attempt=0)
+    _, effects = run([submitted(), grant(0), committed("c30", 30), committed("c40", 40), rollback,
+                      AllocationReleased(job_id="j", attempt=0, reason="rank 1 crashed"), grant(1)])
+    spawn = [e.args for e in effects if e.kind == SPAWN][-1]
+    assert isinstance(spawn, SpawnArgs) and spawn.attempt == 1
+    assert spawn.restore is not None and spawn.restore.checkpoint_id == "c40" and spawn.skips == [(40, 45)]
+    # a checkpoint staged after the rollback holds the window itself: nothing more to skip on its restore
+    after = replace(committed("c50", 50), timeline=1)
+    _, effects = run([submitted(), grant(0), committed("c40", 40), rollback, after,
+                      AllocationReleased(job_id="j", attempt=0, reason="rank 1 crashed"), grant(1)])
+    spawn = [e.args for e in effects if e.kind == SPAWN][-1]
+    assert isinstance(spawn, SpawnArgs) and spawn.restore is not None
+    assert spawn.restore.checkpoint_id == "c50" and spawn.skips == []

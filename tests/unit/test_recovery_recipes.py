@@ -17,6 +17,7 @@ from events.job import (
     JobFailed,
     JobSubmitted,
     SlotRef,
+    WorkersExited,
     WorkersStarted,
 )
 from events.spec import JobSpec, PolicySpec, TrainSpec
@@ -245,3 +246,16 @@ def test_the_shell_s_fold_reads_rolled_back_where_the_scheduler_s_own_tick_put_i
     widened = decided[-1]
     assert isinstance(widened, RollbackRequested) and widened.trigger_id == "s2" and widened.skip_from == 450
     assert widened.causation_id == "s2"  # the shell names the trigger as the cause, too
+
+
+def test_a_crash_before_the_ranks_obey_a_rollback_keeps_its_skip_window_in_the_restart() -> None:
+    """Trial 7 (86ea31b): the restart after a crash restored the rollback's checkpoint without its skip window."""
+    state = with_commits(300, 400)
+    state, outs = run([spike(450, "s1")], state)
+    rb = only_rollback(outs)
+    refs = [SlotRef(node="a", slot=s, rank=s) for s in range(2)]
+    crash = WorkersExited(job_id=JOB, node="a", attempt=0, rank=1, exit_code=3, cause="crash")
+    state, _ = run([crash, AllocationGranted(job_id=JOB, attempt=1, assignments=refs)], state)
+    job = state.jobs[JOB]
+    assert job.attempt == 1 and job.restore is not None and job.restore.checkpoint_id == rb.checkpoint_id
+    assert job.skips == ((rb.skip_from, rb.skip_to),)  # the scheduler's batch arithmetic counts it, as the ranks do
