@@ -46,6 +46,7 @@ class AllocationDenied(JobEvent, frozen=True, kw_only=True):
 class AllocationReleased(JobEvent, frozen=True, kw_only=True):
     attempt: int
     reason: str = ""
+    restarts: int = -1  # the restarts of its budget the job has spent, this one included (-1: not recorded)
 
 
 class WorkersStarted(JobEvent, frozen=True, kw_only=True):
@@ -62,6 +63,7 @@ class RankExit(msgspec.Struct, frozen=True, kw_only=True):
     exit_code: int
     cause: str = ""
     unrunnable: bool = False
+    planned: bool = False  # its agent stopped it while shutting down (a drain, `flightdeck down`): not the job's fault
 
 
 class WorkersExited(JobEvent, frozen=True, kw_only=True):
@@ -80,10 +82,12 @@ class WorkersExited(JobEvent, frozen=True, kw_only=True):
     cause: str = ""
     unrunnable: bool = False  # the command cannot be found or executed: no restart can help
     others: list[RankExit] = []
+    planned: bool = False  # as RankExit.planned, for the headline rank
 
     def exits(self) -> list[RankExit]:
         """Every rank this record covers, its headline rank first."""
-        first = RankExit(rank=self.rank, exit_code=self.exit_code, cause=self.cause, unrunnable=self.unrunnable)
+        first = RankExit(rank=self.rank, exit_code=self.exit_code, cause=self.cause, unrunnable=self.unrunnable,
+                         planned=self.planned)
         return [first, *self.others]
 
 
@@ -93,7 +97,8 @@ def exits_record(exits: list[RankExit], *, job_id: str, node: str, attempt: int,
     head = next((x for x in exits if x.exit_code != 0), exits[0])
     others = sorted((x for x in exits if x is not head), key=lambda x: x.rank)
     return WorkersExited(job_id=job_id, node=node, attempt=attempt, rank=head.rank, exit_code=head.exit_code,
-                         cause=head.cause, unrunnable=head.unrunnable, others=others, event_id=event_id,
+                         cause=head.cause, unrunnable=head.unrunnable, planned=head.planned, others=others,
+                         event_id=event_id,
                          occurred_at=occurred_at, causation_id=causation_id, producer=producer,
                          schema_version=2 if others else 1)
 

@@ -323,7 +323,8 @@ class Spawner:
         if code == nl.RESTORE_REFUSED_EXIT and p.restore is not None:
             await self._rejected(p.job_id, p.attempt, p.restore, f"rank {p.ref.rank} refused it when loading: {tail}",
                                  p.cause)
-        await self.exits.record(p.job_id, p.attempt, [RankExit(rank=p.ref.rank, exit_code=code, cause=tail)], p.cause)
+        exit_ = RankExit(rank=p.ref.rank, exit_code=code, cause=tail, planned=p.shutdown)
+        await self.exits.record(p.job_id, p.attempt, [exit_], p.cause)
         self.procs.pop((p.job_id, p.attempt, p.ref.rank), None)
         if not any((q.job_id, q.attempt) == (p.job_id, p.attempt) for q in self.procs.values()):
             self.exits.forget(p.job_id, p.attempt)

@@ -14,6 +14,9 @@ from services.scheduler.tx import Tx
 
 # Announced sets remembered until they settle; more than this many unsettled means commits have stopped.
 MAX_STAGED = 8
+# `waits_for` of a restart after the platform stopped the ranks itself: the checkpoint they saved on the way out,
+# not announced yet when their exits come in (the checkpoint service folds the stagings at its next tick).
+STOP_SAVE = "*"
 
 
 def pending(tx: Tx, ev: CheckpointPending) -> None:
@@ -43,10 +46,11 @@ def settled(tx: Tx, ev: CheckpointCommitted | CheckpointFailed) -> None:
         job = tx.update(job, staged=tuple((c, at) for c, at in job.staged if c != cid))
     if job.pending is not None and (job.pending.checkpoint_id == cid or (not cid and job.pending.step == ev.step)):
         job = tx.update(job, pending=None)
-    if job.waits_for and (job.waits_for == cid or not cid):
-        why = f"restore checkpoint {job.waits_for}, which committed while the restart waited" \
+    saved = job.waits_for == STOP_SAVE and (isinstance(ev, CheckpointFailed) or ev.attempt == job.attempt - 1)
+    if job.waits_for and (job.waits_for == cid or not cid or saved):
+        why = f"restore checkpoint {cid}, which committed while the restart waited" \
             if isinstance(ev, CheckpointCommitted) else \
-            f"checkpoint {job.waits_for} failed while the restart waited: restoring the newest committed"
+            f"checkpoint {cid or job.waits_for} failed while the restart waited: restoring the newest committed"
         tx.update(job, waits_for="", wait_until=0.0, ask_reason=why)
 
 
@@ -70,6 +74,17 @@ def hold(tx: Tx, job: Job, p: Pending | None, running_since: float, lost_node: s
                              f"commit: restoring {'step ' + str(since) if newest else 'from scratch'} would redo "
                              f"{p.step - since} steps that took {redo_s:.2f}s"))
     return tx.update(job, waits_for=p.checkpoint_id, wait_until=tx.at + wait_s)
+
+
+def hold_for_save(tx: Tx, job: Job) -> Job:
+    """Keep the restart of `job` waiting for the checkpoint its stopped ranks saved (STOP_SAVE), at most
+    policy.commit_wait_s: a drain or `flightdeck down` must not cost the steps since the last commit."""
+    wait_s = job.spec.policy.commit_wait_s
+    if wait_s <= 0:
+        return job
+    tx.emit(JobQueued(job_id=job.job_id, priority=job.spec.priority,
+                      reason=f"restart waits up to {wait_s:.2f}s for the checkpoint the stopped ranks saved"))
+    return tx.update(job, waits_for=STOP_SAVE, wait_until=tx.at + wait_s)
 
 
 def deadlines(tx: Tx) -> None:

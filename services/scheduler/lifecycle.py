@@ -103,7 +103,8 @@ def exited(tx: Tx, ev: WorkersExited) -> None:
         job = tx.update(job, exited=job.exited | ranks, faults=(*job.faults, ev.event_id))
         fail(tx, job, f"{fault_reason(ev)}; not restarted: the job's command cannot run", job.faults)
     elif failed is not None:
-        fault(tx, job, ev.event_id, fault_reason(ev), ranks)
+        planned = all(x.planned for x in exits if x.exit_code != 0)
+        fault(tx, job, ev.event_id, fault_reason(ev), ranks, planned=planned)
     else:
         job = tx.update(job, exited=job.exited | ranks)
         if job.ranks <= job.exited:  # every rank finished with 0, and nobody asked it to stop
@@ -138,24 +139,32 @@ def node_lost(tx: Tx, node: str, reason: str, cause_id: str) -> None:
             fault(tx, job, cause_id, f"node {node} lost: {reason}", gone, lost_node=node)
 
 
-def fault(tx: Tx, job: Job, cause_id: str, reason: str, gone: Iterable[int], *, lost_node: str = "") -> None:
+def fault(tx: Tx, job: Job, cause_id: str, reason: str, gone: Iterable[int], *, lost_node: str = "",
+          planned: bool = False) -> None:
     """Restart the job on fresh slots, or fail it once the restart budget is spent. Surviving ranks are
     told to stop first (no checkpoint: the newest committed one is the restore point, or the one on its way
     when waiting for it loses less: commit_wait.py); releasing the allocation makes the node agents kill
-    whatever does not stop."""
+    whatever does not stop. `planned`: the platform stopped the ranks itself (an agent shutting down), which
+    costs the job no restart, and its ranks saved a checkpoint on the way out that the restart waits for."""
     job = tx.update(job, exited=job.exited | frozenset(gone), faults=(*job.faults, cause_id))
-    free = bool(job.bad_restore)
-    recovery = after_bad_checkpoint(job, reason) if free else after_fault(job, reason)
+    free = bool(job.bad_restore) or planned
+    if planned:
+        recovery: Restart | Fail = Restart(f"{reason}; the node agent stopped them as it shut down: restarting, "
+                                           "not counted against the restart budget")
+    else:
+        recovery = after_bad_checkpoint(job, reason) if job.bad_restore else after_fault(job, reason)
     if job.started - job.exited:
         tx.emit(StopRequested(job_id=job.job_id, checkpoint=False, reason=recovery.reason))
     match recovery:
         case Restart(reason=why):
             pending, since = job.pending, job.running_since
+            job = tx.update(job, restarts=job.restarts + (0 if free else 1))
             job = tx.release(job, why)
-            job = tx.update(job, phase="recovering", attempt=job.attempt + 1,
-                            restarts=job.restarts + (0 if free else 1), use_spares=True, restore=None,
+            job = tx.update(job, phase="recovering", attempt=job.attempt + 1, use_spares=True, restore=None,
                             running_since=0.0, **NEW_ATTEMPT)
-            tx.enqueue(commit_wait.hold(tx, job, pending, since, lost_node))
+            if planned:
+                job = commit_wait.hold_for_save(tx, job)
+            tx.enqueue(commit_wait.hold(tx, job, pending, since, lost_node) if not job.waits_for else job)
         case Fail(reason=why):
             fail(tx, job, why, job.faults, stopped=True)
 

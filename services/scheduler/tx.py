@@ -62,7 +62,7 @@ class Tx:
 
     def release(self, job: Job, reason: str) -> Job:
         """Give back the slots `job` holds or asked for; resources frees them on this event."""
-        self.emit(AllocationReleased(job_id=job.job_id, attempt=job.attempt, reason=reason))
+        self.emit(AllocationReleased(job_id=job.job_id, attempt=job.attempt, reason=reason, restarts=job.restarts))
         self.epoch += 1
         return self.update(job, assignments=(), started=frozenset(), exited=frozenset(), requested=False)
 

@@ -235,8 +235,29 @@ def outputs_of(steps: Sequence[Step]) -> list[Output]:
     return [out for step in steps for out in step.outputs]
 
 
-def comparable(event: Event) -> dict[str, Any]:
-    """An output as a replay can reproduce it: the history's `job_version` is assigned on append."""
+def comparable(event: Event, held: Collection[str] | None = None) -> dict[str, Any]:
+    """An output as a replay can reproduce it: the history's `job_version` is assigned on append. `held`: the
+    fields a recorded copy holds (`recorded_fields`); a field the catalog gained since was decided by no one then,
+    so a replay's value of it is not compared."""
     fields = msgspec.structs.asdict(event)
     fields.pop("job_version", None)
+    if held is not None:
+        fields = {k: v for k, v in fields.items() if k in held}
     return {"type": type_name(event), **fields}
+
+
+def recorded_fields(stored: Stored) -> frozenset[str] | None:
+    """The fields a stored event's payload holds (every field of its type then: the codec omits none); None when
+    the payload cannot be read as a map."""
+    try:
+        raw = msgspec.msgpack.decode(stored.data)
+    except msgspec.DecodeError:
+        return None
+    return frozenset(raw) if isinstance(raw, dict) else None
+
+
+def same_decision(recorded: Stored, replayed: Event) -> bool:
+    """Whether a replay decided what `recorded` holds, over the fields it was recorded with."""
+    assert recorded.event is not None
+    held = recorded_fields(recorded)
+    return comparable(recorded.event, held) == comparable(replayed, held)

@@ -155,3 +155,16 @@ def test_rollbacks_are_counted_and_a_stale_release_is_no_restart() -> None:
 def test_a_history_without_its_submission_still_folds() -> None:
     v = jobview.fold("x-1", [JobQueued(job_id="x-1", priority=5, reason="seeded")])
     assert (v.phase, v.priority, v.name, v.reason) == ("queued", 5, "", "seeded")
+
+
+def test_restarts_shown_are_the_scheduler_s_own_figure() -> None:
+    """Trial 6 (86ea31b): status and the dashboard said "restarts 3 of 3" where the scheduler had spent 2: the view
+    counted every release, free ones too (a bad checkpoint's, a drain's). Releases now carry the figure."""
+    b, agents = cluster(nodes=1)
+    b.publish(submit("free-1", slots=2, steps=120))
+    agents()
+    b.publish(WorkersExited(job_id="free-1", node="n0", attempt=0, rank=0, exit_code=-15, planned=True))
+    v = view(b, "free-1")
+    assert v.phase == "recovering" and v.restarts == 0 == b.state("scheduler").jobs["free-1"].restarts
+    old = [AllocationReleased(job_id="old-1", attempt=0, reason="rank 0 exited with code 1")]  # no figure recorded
+    assert jobview.fold("old-1", [submit("old-1"), *old]).restarts == 1

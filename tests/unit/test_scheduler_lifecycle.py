@@ -14,6 +14,7 @@ from events.job import (
     JobCompleted,
     JobQueued,
     JobResumed,
+    RankExit,
     SlotRef,
     WorkersExited,
     WorkersStarted,
@@ -74,7 +75,7 @@ def test_the_happy_path_ends_in_completed_and_released() -> None:
     assert outs == []
     state, outs = run([exited("j-1", 1)], state)
     assert events_of(outs) == [JobCompleted(job_id="j-1", steps=40),
-                               AllocationReleased(job_id="j-1", attempt=0, reason="completed")]
+                               AllocationReleased(job_id="j-1", attempt=0, reason="completed", restarts=0)]
     assert state.ended == {"j-1": "completed"} and state.jobs == {}
     again, outs = run([exited("j-1", 1), CancelRequested(job_id="j-1"), submit("j-1")], state)
     assert outs == [] and again.jobs == {}  # an ended job stays ended, and a repeated submission is the same one
@@ -112,7 +113,7 @@ def test_cancel_while_running_stops_the_ranks_first() -> None:
     assert outs == []
     state, outs = run([exited("j-1", 1, code=-15)], state)
     assert events_of(outs) == [JobCancelled(job_id="j-1", reason="done with it"),
-                               AllocationReleased(job_id="j-1", attempt=0, reason="cancelled")]
+                               AllocationReleased(job_id="j-1", attempt=0, reason="cancelled", restarts=0)]
 
 
 def test_cancel_while_the_allocation_is_asked_for_waits_for_the_answer() -> None:
@@ -153,3 +154,33 @@ def test_a_stop_that_outlasts_its_deadline_ends_anyway() -> None:
     assert outs == []
     state, outs = run([ClockTick(service="scheduler", now=130.0, positions={})], state)
     assert types(outs) == ["JobCancelled", "AllocationReleased"] and not SVC.wants_tick(state, 130.0)
+
+
+def test_ranks_their_agent_stopped_while_shutting_down_restart_free_from_the_checkpoint_they_saved() -> None:
+    """Trial 6 (86ea31b): `flightdeck down` then `up` mid-job cost a restart of the budget and redid 25 steps
+    although the step-150 checkpoint the stopped ranks saved committed just after `up`."""
+    state, _ = run([CheckpointCommitted(job_id="j-1", checkpoint_id="c125", step=125, world_size=2, uri="u", bytes=1,
+                                        data=DataPosition(next_batch=125), attempt=0)], running())
+    drained = WorkersExited(job_id="j-1", node="a", attempt=0, rank=0, exit_code=-15, planned=True,
+                            others=[RankExit(rank=1, exit_code=-15, planned=True)])
+    state, outs = run([drained], state)
+    released = [e for e in events_of(outs) if isinstance(e, AllocationReleased)]
+    assert [(r.restarts, "not counted against the restart budget" in r.reason) for r in released] == [(0, True)]
+    (queued,) = [e for e in events_of(outs) if isinstance(e, JobQueued)]
+    assert "the checkpoint the stopped ranks saved" in queued.reason
+    assert not [e for e in events_of(outs) if isinstance(e, AllocationRequested)]  # it waits for that save
+    job = state.jobs["j-1"]
+    assert job.restarts == 0 and job.attempt == 1
+    state, outs = run([CheckpointCommitted(job_id="j-1", checkpoint_id="c150", step=150, world_size=2, uri="u",
+                                           bytes=1, data=DataPosition(next_batch=150), attempt=0)], state)
+    (ask,) = [e for e in events_of(outs) if isinstance(e, AllocationRequested)]
+    assert ask.attempt == 1 and "c150" in ask.reason
+    state, outs = run([grant("j-1", "a", 2, attempt=1), started("j-1", "a", [0, 1], attempt=1)], state)
+    (resumed,) = [e for e in events_of(outs) if isinstance(e, JobResumed)]
+    assert (resumed.from_step, resumed.checkpoint_id) == (150, "c150")
+
+
+def test_a_crash_s_restart_is_counted_in_the_release_that_the_views_read() -> None:
+    state, outs = run([exited("j-1", 1, code=3)], running())
+    (released,) = [e for e in events_of(outs) if isinstance(e, AllocationReleased)]
+    assert released.restarts == 1 and state.jobs["j-1"].restarts == 1

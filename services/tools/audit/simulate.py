@@ -20,7 +20,7 @@ from events.store import Stored
 from events.training import RolledBack
 from services.core import Service
 from services.shell.deadletter import GIVEN_UP
-from services.shell.fold import Folder, comparable
+from services.shell.fold import Folder, comparable, recorded_fields, same_decision
 from services.tools.audit import cores
 from services.tools.audit.diff import field_diff
 
@@ -47,7 +47,8 @@ class Change:
     def fields(self) -> list[tuple[str, Any, Any]]:
         if self.kind != "differs" or self.recorded is None or self.recorded.event is None or self.simulated is None:
             return []
-        return field_diff(comparable(self.recorded.event), comparable(self.simulated))
+        held = recorded_fields(self.recorded)
+        return field_diff(comparable(self.recorded.event, held), comparable(self.simulated, held))
 
 
 @dataclass(slots=True)
@@ -192,7 +193,7 @@ class Simulation:
             if rec is not None and rec.event is not None:
                 event = msgspec.structs.replace(event, job_version=getattr(rec.event, "job_version", 0))
                 at = max((rec.seq, 0, 0), (pos[0], pos[1] + 1, 0))
-                same = rec.subject == o.subject and not field_diff(comparable(rec.event), comparable(event))
+                same = rec.subject == o.subject and same_decision(rec, event)
                 if same:
                     self.out.kept += 1
                     self._place(at, rec)

@@ -22,7 +22,7 @@ from services.checkpoints.core import COMMIT, SCRUB
 from services.checkpoints.state import CommitArgs, ScrubArgs
 from services.core import Effect, Service
 from services.shell.deadletter import FOLDED_ANYWAY, GIVEN_UP
-from services.shell.fold import Step, comparable, replay
+from services.shell.fold import Step, comparable, recorded_fields, replay, same_decision
 from services.tools.audit import cores
 from services.tools.audit.cores import settings_notes, unrecorded_settings
 from services.tools.audit.diff import field_diff
@@ -48,12 +48,13 @@ class Divergence:
     recorded: Event | None = None
     replayed: Event | None = None
     detail: str = ""
+    held: frozenset[str] | None = None  # the fields the recorded copy holds (fold.recorded_fields)
 
     def fields(self) -> list[tuple[str, Any, Any]]:
         """(field, recorded, replayed) for every field that differs."""
         if self.recorded is None or self.replayed is None:
             return []
-        return field_diff(comparable(self.recorded), comparable(self.replayed))
+        return field_diff(comparable(self.recorded, self.held), comparable(self.replayed, self.held))
 
 
 @dataclass(slots=True)
@@ -176,9 +177,10 @@ def _compare(name: str, steps: list[tuple[int, Step]], history: History,
             if rec is None:
                 out.append(Divergence(name, "not recorded", pos, inp, o.msg_id, replayed=o.event,
                                       detail="the replay decides this; the history does not hold it"))
-            elif rec.subject != o.subject or _differ(rec.event, o.event):
+            elif rec.subject != o.subject or rec.event is None or not same_decision(rec, o.event):
                 out.append(Divergence(name, "differs", pos, inp, o.msg_id, rec.event, o.event,
-                                      detail=f"recorded at seq {rec.seq} under {rec.subject}"))
+                                      detail=f"recorded at seq {rec.seq} under {rec.subject}",
+                                      held=recorded_fields(rec)))
             else:
                 check.decisions += 1
         outcomes = sorted((i, s) for i, s in by_input.get(key, []) if i >= len(step.outputs) and s.msg_id in recorded)
@@ -233,10 +235,6 @@ def _effects(name: str, pos: int, step: Step, outcomes: list[Stored], letters: L
                               + (f"{type(got.event).__name__} {getattr(got.event, 'checkpoint_id', '')}" if got
                                  else "none")))
     return out
-
-
-def _differ(recorded: Event | None, replayed: Event) -> bool:
-    return recorded is None or bool(field_diff(comparable(recorded), comparable(replayed)))
 
 
 def _leaves_outcome(effect: Effect) -> bool:

@@ -181,7 +181,7 @@ def evolve(view: JobView, event: Event) -> JobView:
             phase = "stopping" if view.phase in ("running", "stopping") else view.phase
             return _replace(view, phase=phase, cancel_requested=True, reason=reason or "cancel requested")
         case AllocationReleased(attempt=attempt, reason=reason) if attempt == view.attempt and reason != STALE_GRANT:
-            return _released(view, reason)
+            return _released(view, reason, event.restarts)
         case JobResumed(from_step=from_step):
             return _replace(view, resumed_from_step=from_step)
         case RollbackRequested():
@@ -195,13 +195,16 @@ def evolve(view: JobView, event: Event) -> JobView:
     return view
 
 
-def _released(view: JobView, reason: str) -> JobView:
+def _released(view: JobView, reason: str, spent: int) -> JobView:
     cleared = _replace(view, granted=frozenset(), started=frozenset(), world_size=0, running_since=0.0,
                        attempt=view.attempt + 1)
     if view.phase == "stopping":
         return cleared  # a preemption's stop is done; its JobQueued("preempted") follows
-    # Outside a stop the scheduler gives slots back mid-job only to restart it after a fault.
-    return _replace(cleared, phase="recovering", restarts=view.restarts + 1, reason=reason, last_fault=reason)
+    # Outside a stop the scheduler gives slots back mid-job only to restart it; the restarts of its budget that
+    # cost are the scheduler's figure (a bad checkpoint's or a drain's restart is free), counted here only for
+    # histories recorded before releases said so.
+    restarts = spent if spent >= 0 else view.restarts + 1
+    return _replace(cleared, phase="recovering", restarts=restarts, reason=reason, last_fault=reason)
 
 
 def _end(view: JobView, phase: ViewPhase, reason: str, at: float) -> JobView:
