@@ -14,6 +14,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+import msgspec
 import structlog
 
 from events.codec import MAX_CAUSE
@@ -58,8 +59,7 @@ class ExitRecorder:
     async def record(self, job_id: str, attempt: int, exits: list[RankExit], causation_id: str) -> None:
         """Record `exits` (ranks of one attempt that ended here); returns once the record holding them landed."""
         key = (job_id, attempt)
-        exits = [RankExit(rank=x.rank, exit_code=x.exit_code, cause=x.cause[-MAX_CAUSE:], unrunnable=x.unrunnable)
-                 for x in exits]
+        exits = [msgspec.structs.replace(x, cause=x.cause[-MAX_CAUSE:]) for x in exits]
         batch = self.pending.get(key)
         if batch is None:
             batch = self.pending[key] = _Batch(causation_id=causation_id)

@@ -33,7 +33,7 @@ from events.history import append_to_job
 from events.jetstream import JetStreamStore
 from events.store import EventStore, Stored, decoded
 from services.core import Effect, Emit, Service
-from services.shell import deadletter
+from services.shell import deadletter, position
 from services.shell.connection import TRANSIENT, Connection, PublishDenied, sleep_or_stop
 from services.shell.fold import Folder, Output, Step, failure, rebuild, replay, stamp
 from services.shell.tap import TelemetryTap
@@ -214,13 +214,11 @@ class Shell:
         info = await self.js.consumer_info(subjects.CONTROL, self.consumer)
         read = info.ack_floor.stream_seq if info.ack_floor else 0
         last = await self.store.last(subjects.CONTROL, self.folder.clock_subject)
-        ticked = 0
-        if last is not None and isinstance(last.event, ClockTick) and last.event.service == self.service.name:
-            ticked = last.event.positions.get(subjects.CONTROL, 0)
-        if max(read, ticked) > floor:
+        until = position.rebuild_until(self.service.name, floor, read, last)
+        if until > floor:
             log.warning("the consumer's reply was behind this service's own records", reply_floor=floor,
-                        info_floor=read, last_tick_position=ticked)
-        return max(floor, read, ticked)
+                        info_floor=read, rebuild_until=until)
+        return until
 
     async def _catch_up(self, seq: int) -> None:
         """The first input the consumer hands over after a start: the consumer has moved past everything before it.
@@ -228,7 +226,7 @@ class Shell:
         leave it out of the state). Its position read now, while it delivers, is current; inputs between that and
         `seq` were given up (max_deliver), not done, and stay unfolded as the live service left them."""
         info = await self.js.consumer_info(subjects.CONTROL, self.consumer)
-        done = min(seq - 1, info.ack_floor.stream_seq if info.ack_floor else 0)
+        done = position.caught_up_until(seq, info.ack_floor.stream_seq if info.ack_floor else 0)
         before = self.folder.control_seq
         if done > before:
             async for _ in replay(self.service, self.store, until=done, folder=self.folder):

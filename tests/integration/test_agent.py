@@ -77,6 +77,8 @@ async def test_a_terminated_agent_stops_its_ranks_and_records_their_exits_first(
     await c.until(lambda: len(exits(c, "endless-000003", 0)) == 2, 60, "the recorder to read the exits")
     # Recorded as killed by SIGTERM (they checkpoint and exit 0 on it): not as having finished the job.
     assert exits(c, "endless-000003", 0) == {0: -signal.SIGTERM, 1: -signal.SIGTERM}
+    # ... and as planned: the platform stopped them, so their restart costs the job nothing (trial 6, 86ea31b)
+    assert all(x.planned for e in c.seen(WorkersExited, "endless-000003") for x in e.exits())
     assert all(gone(pid) for pid in pids)
     assert list((c.data / "staging" / "endless-000003").glob("step-*")), "the ranks checkpointed on SIGTERM"
 

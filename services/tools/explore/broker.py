@@ -1,0 +1,89 @@
+"""The simulated broker: an in-memory store with JetStream's sequences and de-duplication (events.store.MemoryStore,
+on the simulated clock) and durable consumers as the shell configures them (one input in flight, redelivered until
+acked or given up after `max_deliver`), whose positions a broker restart can set back and whose replies can be stale.
+"""
+
+from dataclasses import dataclass, field
+
+from events import subjects
+from events.store import MemoryStore, Stored
+
+MAX_DELIVER = 5  # the shell's default (ConsumerPolicy.max_deliver)
+
+
+@dataclass
+class Consumer:
+    filters: tuple[str, ...]
+    done: set[int] = field(default_factory=set)  # acked, terminated or given up
+    deliveries: dict[int, int] = field(default_factory=dict)
+    flushed: set[int] = field(default_factory=set)  # `done` as the broker's disk last held it
+
+    def floor(self, messages: list[Stored]) -> int:
+        """The ack floor: the last matching message before the first one not done."""
+        floor = 0
+        for s in messages:
+            if not any(subjects.matches(f, s.subject) for f in self.filters):
+                continue
+            if s.seq not in self.done:
+                break
+            floor = s.seq
+        return floor
+
+
+class SimBroker:
+    def __init__(self, store: MemoryStore) -> None:
+        self.store = store
+        self.consumers: dict[str, Consumer] = {}
+        self.num_restarts = 0
+
+    def messages(self) -> list[Stored]:
+        return self.store._streams[subjects.CONTROL]  # noqa: SLF001 (the simulation's own store)
+
+    def telemetry(self) -> list[Stored]:
+        return self.store._streams[subjects.TELEMETRY]  # noqa: SLF001
+
+    def consumer(self, name: str, filters: tuple[str, ...]) -> Consumer:
+        """Create or update a durable consumer (its position is kept, as JetStream keeps it)."""
+        c = self.consumers.get(name)
+        if c is None:
+            c = self.consumers[name] = Consumer(filters)
+        c.filters = filters
+        return c
+
+    def deliver(self, name: str) -> tuple[Stored | None, Stored | None]:
+        """(the next input for `name`, an input just given up on); redelivers the one in flight until it is done."""
+        c = self.consumers[name]
+        for s in self.messages():
+            if s.seq in c.done or not any(subjects.matches(f, s.subject) for f in c.filters):
+                continue
+            n = c.deliveries.get(s.seq, 0)
+            if n >= MAX_DELIVER:
+                c.done.add(s.seq)
+                return None, s
+            c.deliveries[s.seq] = n + 1
+            return s, None
+        return None, None
+
+    def finish(self, name: str, seq: int) -> None:
+        """An ack (or a term: the server forgets the input either way)."""
+        self.consumers[name].done.add(seq)
+
+    def floor(self, name: str, *, stale: bool = False) -> int:
+        """The consumer's ack floor; `stale`: as its state on disk said it (a reply right after a restart)."""
+        c = self.consumers[name]
+        if stale:
+            return Consumer(c.filters, done=set(c.flushed)).floor(self.messages())
+        return c.floor(self.messages())
+
+    def flush(self) -> None:
+        """The consumers' state reaches the broker's disk."""
+        for c in self.consumers.values():
+            c.flushed = set(c.done)
+
+    def restart(self) -> None:
+        """A SIGKILL and restart on the same store: the stream is whole (sync_interval: always), consumer
+        positions are what was last flushed, and nothing is in flight."""
+        self.num_restarts += 1
+        for c in self.consumers.values():
+            c.done = set(c.flushed)
+            c.deliveries = {}
