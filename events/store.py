@@ -177,6 +177,10 @@ class MemoryStore:
                 while len(messages) < nxt:
                     await self._changed.wait()
 
+    def rows(self, stream: str) -> list[Stored]:
+        """The stream's messages in order, as stored (the list itself: it grows with every append)."""
+        return self._streams[stream]
+
     async def last(self, stream: str, subject: str) -> Stored | None:
         for stored in reversed(self._streams[stream]):
             if matches(subject, stored.subject):

@@ -56,6 +56,12 @@ def silent_node(node: str, job_id: str, last_at: float, policy: PolicySpec) -> E
     return Emit(subjects.node(node, "NodeLost"), NodeLost(node=node, reason=reason))
 
 
+def never_started(node: str, job_id: str, policy: PolicySpec) -> Emit:
+    reason = (f"its agent never started the ranks of {job_id} granted to it, nor said why, within "
+              f"{max(policy.startup_grace_s, lost_deadline(policy)):g}s")
+    return Emit(subjects.node(node, "NodeLost"), NodeLost(node=node, reason=reason))
+
+
 def exit_deadline(policy: PolicySpec) -> float:
     return max(EXIT_RECORD_S, lost_deadline(policy))
 

@@ -145,6 +145,8 @@ def _control(state: State, ev: Event, out: list[Output]) -> None:
                 job.unrecorded |= agents.left_behind(job.job_id, job.attempt, list(job.ranks.values()),
                                                      ev.occurred_at, state.now, ev.event_id)
                 _new_attempt(job, ev.attempt, sorted({ref.rank for ref in ev.assignments}))
+                for ref in ev.assignments:
+                    job.ranks[ref.rank].granted(ref.node, ev.occurred_at, state.now, ev.event_id)
         case WorkersStarted():
             job = _job(state, ev.job_id)
             if job is None or ev.attempt < job.attempt:
@@ -309,6 +311,14 @@ def _tick(state: State, tick: ClockTick, out: list[Output]) -> None:
                 if node not in lost_now:
                     lost_now.add(node)
                     out.append(agents.silent_node(node, job.job_id, state.batches[node][0], job.policy))
+        # An agent that never acted on a grant (no start, no "could not start") died idle: nothing else tells, since
+        # an agent batches heartbeats only while it runs ranks. Lost, so the recovery does not place ranks there.
+        for node in sorted({r.granted_node for r in job.ranks.values() if r.never_started(job.policy, now)}):
+            if (job.attempt, node) not in job.silent:
+                job.silent.add((job.attempt, node))
+                if node not in lost_now:
+                    lost_now.add(node)
+                    out.append(agents.never_started(node, job.job_id, job.policy))
         if job.unrecorded:
             alive = {r.node for r in job.ranks.values() if r.started_id}
             out.extend(agents.overdue(job.unrecorded, job.policy, now, alive, job.recording))
@@ -357,8 +367,8 @@ def transition(state: State, ev: Event) -> tuple[State, list[Output]]:
 
 def wants_tick(state: State, now: float) -> bool:
     """Telemetry is folded only at ticks, so tick while some job has ranks to watch."""
-    return any((not job.quiet and any(r.live for r in job.ranks.values())) or bool(job.unrecorded)
-               for job in state.jobs.values())
+    return any((not job.quiet and any(r.live or (r.grant_id and not r.gone) for r in job.ranks.values()))
+               or bool(job.unrecorded) for job in state.jobs.values())
 
 
 def core_service(*, tick_s: float = 1.0) -> Service[State]:

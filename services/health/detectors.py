@@ -74,6 +74,10 @@ class RankWatch:
     gone: bool = False  # exited, found lost, or released: judged no more
     exited: bool = False  # its agent recorded its exit
     hung: bool = False  # RankHung reported
+    granted_node: str = ""  # where its grant placed it: an agent that never starts it is gone
+    granted_at: float = 0.0
+    granted_folded: float = 0.0
+    grant_id: str = ""
 
     @property
     def live(self) -> bool:
@@ -83,7 +87,18 @@ class RankWatch:
         return RankWatch(self.rank, self.node, self.started_at, self.started_folded, self.started_id, self.seen_at,
                          self.seen_folded, self.seen_id, self.armed, self.progress_at, self.progress_folded,
                          self.progress_id, self.progress_step, self.step_times.copy(), self.fault_id, self.gone,
-                         self.exited, self.hung)
+                         self.exited, self.hung, self.granted_node, self.granted_at, self.granted_folded,
+                         self.grant_id)
+
+    def granted(self, node: str, at: float, folded: float, event_id: str) -> None:
+        self.granted_node, self.granted_at, self.granted_folded, self.grant_id = node, at, folded, event_id
+
+    def never_started(self, policy: PolicySpec, now: float) -> bool:
+        """Granted, and neither started nor heard of since for the start grace: its agent never acted on the
+        grant (a live one starts the ranks or records why it could not)."""
+        if self.gone or self.started_id or self.seen_id or self.exited or not self.grant_id:
+            return False
+        return age(now, self.granted_at, self.granted_folded) > max(policy.startup_grace_s, lost_deadline(policy))
 
     def started(self, at: float, folded: float, event_id: str) -> None:
         self.started_at, self.started_folded, self.started_id = at, folded, event_id
@@ -140,6 +155,10 @@ class RankWatch:
                 return Lost(self.rank, f"no heartbeat within {waited:.0f}s of start", self.started_at,
                             (self.started_id,))
             return None
+        elif self.never_started(policy, now):
+            waited = age(now, self.granted_at, self.granted_folded)
+            return Lost(self.rank, f"its agent on {self.granted_node} never started it: no WorkersStarted within "
+                        f"{waited:.0f}s of the grant", self.granted_at, (self.grant_id,))
         else:
             return None
         if paused or self.hung or not self.armed:

@@ -163,8 +163,10 @@ def test_pause_suspends_hang_detection_until_resume() -> None:
 def test_wants_tick_only_while_ranks_are_watched() -> None:
     c = Cluster(policy=POLICY)
     c.start()
-    submitted_and_granted = fold(c.events[:2])[0]
-    assert not wants_tick(submitted_and_granted, 0.0)
+    submitted = fold(c.events[:1])[0]
+    assert not wants_tick(submitted, 0.0)
+    granted = fold(c.events[:2])[0]
+    assert wants_tick(granted, 0.0)  # its start is awaited: an agent that never starts the ranks is found lost
     started = fold(c.events)[0]
     assert wants_tick(started, 0.0)
     stopping = fold([StopRequested(job_id=c.job_id, event_id="s")], snapshot(started))[0]

@@ -104,3 +104,22 @@ def test_an_idle_agent_given_new_ranks_is_not_lost_before_its_first_batch_is_due
     later = [started(0, 1, "n2", 60.0)]  # the same attempt's rank started again much later (a standby hand-off)
     found = fold(events + later + [tick(60.5), tick(61.0), batch("n2", 1, 61.2), tick(62.0), tick(63.0)])
     assert [e for _, e in found if isinstance(e.event, NodeLost)] == []
+
+
+def test_an_agent_that_never_acts_on_a_grant_loses_its_node_after_the_start_grace() -> None:
+    """Found by the fault explorer (seed 67): an agent that died while it ran nothing was granted the restart's ranks,
+    never started them, sent nothing, and the job waited for ever. After the start grace its node is lost, before
+    its ranks, so the next restart goes elsewhere."""
+    spec = JobSpec(name="j", slots=2, policy=POLICY, train=TrainSpec(steps=1000))
+    grace = max(POLICY.startup_grace_s, POLICY.heartbeat_interval_s * POLICY.heartbeat_misses)
+    events: list[Event] = [JobSubmitted(job_id="j", spec=spec, event_id="sub", occurred_at=0.0),
+                           grant(0, ["n1", "n2"], 0.0), started(0, 0, "n1", 0.1)]
+    timed = [(k / 2, batch("n1", 0, k / 2)) for k in range(1, int(grace * 2) + 6)]
+    timed += [(k / 2 + 0.25, tick(k / 2 + 0.25)) for k in range(0, int(grace * 2) + 6)]
+    found = fold(events + [ev for _, ev in sorted(timed, key=lambda p: p[0])])
+    kinds = [(type(e.event).__name__, getattr(e.event, "node", getattr(e.event, "rank", None))) for _, e in found]
+    assert kinds == [("NodeLost", "n2"), ("RankLost", 1)]
+    (at, lost), (_, rank) = found
+    assert isinstance(at, ClockTick) and grace < at.now <= grace + 0.5
+    assert isinstance(lost.event, NodeLost) and "never started the ranks of j granted to it" in lost.event.reason
+    assert isinstance(rank.event, RankLost) and "never started it" in rank.event.reason

@@ -17,6 +17,7 @@ class Consumer:
     done: set[int] = field(default_factory=set)  # acked, terminated or given up
     deliveries: dict[int, int] = field(default_factory=dict)
     flushed: set[int] = field(default_factory=set)  # `done` as the broker's disk last held it
+    scan_from: int = 0  # no message before this index is undone (done only grows between restarts)
 
     def floor(self, messages: list[Stored]) -> int:
         """The ack floor: the last matching message before the first one not done."""
@@ -37,24 +38,28 @@ class SimBroker:
         self.num_restarts = 0
 
     def messages(self) -> list[Stored]:
-        return self.store._streams[subjects.CONTROL]  # noqa: SLF001 (the simulation's own store)
+        return self.store.rows(subjects.CONTROL)
 
     def telemetry(self) -> list[Stored]:
-        return self.store._streams[subjects.TELEMETRY]  # noqa: SLF001
+        return self.store.rows(subjects.TELEMETRY)
 
     def consumer(self, name: str, filters: tuple[str, ...]) -> Consumer:
         """Create or update a durable consumer (its position is kept, as JetStream keeps it)."""
         c = self.consumers.get(name)
         if c is None:
             c = self.consumers[name] = Consumer(filters)
-        c.filters = filters
+        c.filters, c.scan_from = filters, 0
         return c
 
     def deliver(self, name: str) -> tuple[Stored | None, Stored | None]:
         """(the next input for `name`, an input just given up on); redelivers the one in flight until it is done."""
         c = self.consumers[name]
-        for s in self.messages():
+        messages = self.messages()
+        for i in range(c.scan_from, len(messages)):
+            s = messages[i]
             if s.seq in c.done or not any(subjects.matches(f, s.subject) for f in c.filters):
+                if i == c.scan_from:
+                    c.scan_from = i + 1
                 continue
             n = c.deliveries.get(s.seq, 0)
             if n >= MAX_DELIVER:
@@ -63,6 +68,16 @@ class SimBroker:
             c.deliveries[s.seq] = n + 1
             return s, None
         return None, None
+
+    def deliver_peek(self, name: str) -> Stored | None:
+        """The input `deliver` would hand over next, without counting a delivery."""
+        c = self.consumers[name]
+        messages = self.messages()
+        for i in range(c.scan_from, len(messages)):
+            s = messages[i]
+            if s.seq not in c.done and any(subjects.matches(f, s.subject) for f in c.filters):
+                return s
+        return None
 
     def finish(self, name: str, seq: int) -> None:
         """An ack (or a term: the server forgets the input either way)."""
@@ -87,3 +102,4 @@ class SimBroker:
         for c in self.consumers.values():
             c.done = set(c.flushed)
             c.deliveries = {}
+            c.scan_from = 0

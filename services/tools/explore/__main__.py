@@ -1,0 +1,64 @@
+"""Run seeds of the fault explorer: `python -m services.tools.explore --seeds 1000 [--from N]`, or one seed with
+its schedule and outcome: `python -m services.tools.explore --seed N -v`. Exit 1 when any seed broke an invariant."""
+
+import argparse
+import asyncio
+import logging
+import sys
+import time
+
+import structlog
+
+from services.tools.explore.invariants import violations
+from services.tools.explore.world import plan, simulate
+
+
+def replay_command(seed: int) -> str:
+    return f".venv/bin/python -m services.tools.explore --seed {seed} -v"
+
+
+async def explore(first: int, count: int, *, verbose: bool = False, budget_s: float = 0.0) -> tuple[int, list[str]]:
+    """Run seeds first .. first+count-1 (stopping early once `budget_s` CPU-seconds are spent, when given); returns
+    how many ran and one line per failing seed."""
+    failures = []
+    began = time.process_time()
+    ran = 0
+    for seed in range(first, first + count):
+        if budget_s and time.process_time() - began > budget_s:
+            break
+        p = plan(seed)
+        run = await simulate(p)
+        ran += 1
+        broken = await violations(run)
+        if verbose:
+            print(f"seed {seed}: {len(p.jobs)} jobs, faults: {'; '.join(map(str, p.faults)) or 'none'}")
+            print(f"  ended after {run.ended_at:.1f}s simulated, {len(run.store.rows('FD_CONTROL'))} control events")
+            for line in broken:
+                print(f"  VIOLATION {line}")
+        if broken:
+            failures.append(f"seed {seed}: {broken[0]} (and {len(broken) - 1} more) -- replay: {replay_command(seed)}")
+    return ran, failures
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m services.tools.explore", description=__doc__)
+    ap.add_argument("--seed", type=int, help="run this one seed")
+    ap.add_argument("--from", dest="first", type=int, default=0, help="the first seed (default 0)")
+    ap.add_argument("--seeds", type=int, default=100, help="how many seeds (default 100)")
+    ap.add_argument("--budget-s", type=float, default=0.0, help="stop after this many CPU-seconds")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    args = ap.parse_args(argv)
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
+    first, count = (args.seed, 1) if args.seed is not None else (args.first, args.seeds)
+    began = time.process_time()
+    ran, failures = asyncio.run(explore(first, count, verbose=args.verbose, budget_s=args.budget_s))
+    took = time.process_time() - began
+    for line in failures:
+        print(line)
+    print(f"{ran} seeds ({first}..{first + ran - 1}), {len(failures)} violating, {took:.1f} CPU-s, "
+          f"{ran / max(took, 1e-9):.1f} seeds per CPU-second")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""What must hold after every seed, read from the recorded history (and from what the simulated ranks really did,
+for the one question no record answers: did every step run?)."""
+
+from collections import Counter
+from typing import Any
+
+from events import subjects
+from events.admission import admitted_events
+from events.commands import RollbackRequested
+from events.findings import LossSpikeDetected, NonFiniteLoss
+from events.history import HistoryGap, check_contiguous
+from events.job import JobCancelled, JobCompleted, JobFailed, RollbackAsked
+from events.store import Stored
+from services.shell.deadletter import given_up
+from services.shell.fold import replay, same_decision
+from services.tools.explore.world import Run
+
+VERIFIED = ("scheduler", "resources", "health", "checkpoints")  # cores whose every decision a replay re-derives
+
+
+async def violations(run: Run) -> list[str]:
+    out: list[str] = []
+    control = run.store.rows(subjects.CONTROL)
+    out += _completed_only_when_done(run, control)
+    out += _every_job_ends(run, control)
+    out += _decided_once(run, control)
+    out += _no_rollback_without_a_finding(run, control)
+    out += _poison_never_folded(run, control)
+    for name in VERIFIED:
+        out += await _replay_reproduces(run, name, control)
+    return out
+
+
+def _job_events(run: Run, control: list[Stored], job_id: str) -> list[Any]:
+    return admitted_events([s for s in control if s.subject.startswith(f"fd.ctl.job.{job_id}.")])
+
+
+def _completed_only_when_done(run: Run, control: list[Stored]) -> list[str]:
+    out = []
+    for job_id in run.job_ids:
+        if any(isinstance(e, JobCompleted) for e in _job_events(run, control, job_id)):
+            if not any(a.finished for (j, _), a in run.ranks.attempts.items() if j == job_id):
+                steps = max((a.step for (j, _), a in run.ranks.attempts.items() if j == job_id), default=0)
+                out.append(f"{job_id} completed, but no attempt ran every step (furthest: step {steps})")
+    return out
+
+
+def _every_job_ends(run: Run, control: list[Stored]) -> list[str]:
+    out = []
+    for job_id in run.job_ids:
+        ends = [e for e in _job_events(run, control, job_id) if isinstance(e, JobCompleted | JobFailed | JobCancelled)]
+        if not ends:
+            out.append(f"{job_id} never ended: {run.plan.bound_s - run.plan.faults_until:.0f}s after the last fault "
+                       "it is still not completed, failed or cancelled")
+        elif len(ends) > 1:
+            out.append(f"{job_id} ended {len(ends)} times: {[type(e).__name__ for e in ends]}")
+        elif isinstance(ends[0], JobFailed) and not ends[0].reason:
+            out.append(f"{job_id} failed without a reason")
+    return out
+
+
+def _decided_once(run: Run, control: list[Stored]) -> list[str]:
+    out = []
+    ids = Counter(s.msg_id for s in control if s.msg_id)
+    twice = [m for m, n in ids.items() if n > 1]
+    if twice:
+        out.append(f"{len(twice)} msg ids stored more than once, e.g. {twice[:3]}")
+    for job_id in run.job_ids:
+        try:
+            check_contiguous(job_id, [s for s in control if s.subject.startswith(f"fd.ctl.job.{job_id}.")])
+        except HistoryGap as exc:
+            out.append(str(exc))
+    return out
+
+
+def _no_rollback_without_a_finding(run: Run, control: list[Stored]) -> list[str]:
+    triggers = {s.event.event_id for s in control
+                if isinstance(s.event, LossSpikeDetected | NonFiniteLoss | RollbackAsked)}
+    return [f"{e.job_id}: RollbackRequested {e.event_id} names no finding ({e.trigger_id!r})"
+            for s in control if isinstance(e := s.event, RollbackRequested) and e.trigger_id not in triggers]
+
+
+def _poison_never_folded(run: Run, control: list[Stored]) -> list[str]:
+    return [f"{s.event.producer} acted on forged event {s.event.causation_id} ({type(s.event).__name__})"
+            for s in control if s.event is not None and s.event.causation_id in run.poison_ids]
+
+
+async def _replay_reproduces(run: Run, name: str, control: list[Stored]) -> list[str]:
+    """A fresh replay of the recorded inputs decides exactly what was recorded (what `flightdeck verify` checks),
+    effects' recorded outcomes aside."""
+    shell = run.shells[name]
+    recorded = {s.msg_id: s for s in control if s.msg_id.startswith(f"{name}:FD_")}
+    out = []
+    skip = await given_up(run.store, name)
+    async for step in replay(shell.build(), run.store, skip=skip):
+        for o in step.outputs:
+            rec = recorded.pop(o.msg_id, None)
+            if rec is None:
+                out.append(f"{name}: the replay decides {type(o.event).__name__} {o.msg_id}; the history lacks it")
+            elif rec.subject != o.subject or not same_decision(rec, o.event):
+                out.append(f"{name}: {o.msg_id} replays differently from what was recorded")
+        for i in range(len(step.outputs), len(step.outputs) + 16):  # effects' outcomes: live only
+            recorded.pop(f"{name}:{step.input.stream}:{step.input.seq}:{i}", None)
+    out += [f"{name}: recorded {type(s.event).__name__} {mid} is not re-derived by a replay"
+            for mid, s in recorded.items()]
+    return out[:5]

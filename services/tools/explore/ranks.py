@@ -1,0 +1,248 @@
+"""Simulated node agents' effects and training ranks: what an attempt's ranks do step by step (train, beat, stage
+checkpoints, obey commands at step boundaries, exit) and what their agent records, on the simulated store."""
+
+from dataclasses import dataclass, field
+
+from events import subjects
+from events.admission import Admission
+from events.checkpoint import CheckpointStaged, DataPosition, ShardInfo, ShardsUploaded, checkpoint_id
+from events.commands import CheckpointRequested, PauseRequested, ResumeRequested, RollbackRequested, StopRequested
+from events.heartbeats import RankBeat, RankHeartbeats
+from events.history import append_to_job
+from events.job import RankExit, WorkersStarted, exits_record
+from events.nodelocal import STOPPED_EXIT
+from events.store import MemoryStore
+from events.training import RankStarted, RolledBack, StepCompleted
+
+SPIKE_FACTOR = 10.0
+
+
+@dataclass
+class Saved:
+    """A checkpoint the ranks staged: what a restore of it loads."""
+
+    step: int
+    next_batch: int
+    skipped: list[tuple[int, int]]
+
+
+@dataclass
+class Attempt:
+    job_id: str
+    attempt: int
+    world_size: int
+    total: int
+    checkpoint_every: int
+    nodes: dict[int, str] = field(default_factory=dict)  # rank -> node, once its agent started it
+    step: int = 0  # steps done: the next step to run
+    next_batch: int = 0
+    skipped: list[tuple[int, int]] = field(default_factory=list)
+    timeline: int = 0
+    alive: set[int] = field(default_factory=set)
+    hung: set[int] = field(default_factory=set)
+    sigterm: bool = False  # from outside the platform: at the next boundary every rank saves and stops
+    paused: bool = False
+    finished: bool = False  # every step ran and every rank exited 0
+    saved_at: int = 0
+    cmd_seq: int = 0
+    admission: Admission = field(default_factory=Admission)
+    steps_run: int = 0
+
+    @property
+    def running(self) -> bool:
+        return len(self.nodes) == self.world_size and bool(self.alive)
+
+    def next_index(self) -> int:
+        index = self.next_batch
+        moved = True
+        while moved:
+            moved = False
+            for a, b in self.skipped:
+                if a <= index < b:
+                    index, moved = b, True
+        self.next_batch = index + 1
+        return index
+
+
+class Ranks:
+    """Every attempt's simulated ranks and the records their agents keep about them."""
+
+    def __init__(self, store: MemoryStore, now: "Clock") -> None:
+        self.store, self.now = store, now
+        self.attempts: dict[tuple[str, int], Attempt] = {}
+        self.saved: dict[tuple[str, str], Saved] = {}  # (job, checkpoint id) -> what it holds
+        self.spikes: dict[str, tuple[int, int]] = {}  # job -> batches whose loss spikes
+        self.nodes_down: set[str] = set()
+        self.n = 0
+
+    def _id(self, what: str) -> str:
+        self.n += 1
+        return f"sim:{what}:{self.n}"
+
+    async def tel(self, event: RankHeartbeats | StepCompleted | CheckpointStaged | ShardsUploaded | RankStarted
+                  | RolledBack) -> None:
+        subject = subjects.telemetry(event.job_id, event.rank, type(event).__name__)
+        await self.store.append(subject, event, msg_id=event.event_id)
+
+    # -- the agent's effects ---------------------------------------------------------------------------------
+
+    async def spawn(self, node: str, job_id: str, attempt: int, ranks: list[int], world_size: int, total: int,
+                    every: int, restore: tuple[str, int] | None, skips: list[tuple[int, int]], grant_id: str) -> None:
+        a = self.attempts.get((job_id, attempt))
+        if a is None:
+            a = self.attempts[(job_id, attempt)] = Attempt(job_id=job_id, attempt=attempt, world_size=world_size,
+                                                           total=total, checkpoint_every=every)
+            a.cmd_seq = len(self.store.rows(subjects.CONTROL))  # its inbox reads commands from its start on
+            if restore is not None:
+                saved = self.saved.get((job_id, restore[0]))
+                assert saved is not None, f"restore of an unknown checkpoint {restore}"
+                a.step = a.saved_at = saved.step
+                a.next_batch, a.skipped = saved.next_batch, list(saved.skipped)
+                for start, end in skips:
+                    if (start, end) not in a.skipped:
+                        a.skipped.append((start, end))
+        for r in ranks:
+            a.nodes[r] = node
+            a.alive.add(r)
+        now = self.now()
+        started = WorkersStarted(job_id=job_id, node=node, attempt=attempt, ranks=ranks, pids=[1000 + r for r in ranks],
+                                 event_id=f"agent-{node}:start:{job_id}:{attempt}", occurred_at=now,
+                                 causation_id=grant_id, producer=f"agent-{node}")
+        await append_to_job(self.store, started, msg_id=started.event_id)
+        for r in ranks:
+            await self.tel(RankStarted(job_id=job_id, rank=r, attempt=attempt, node=node, world_size=world_size,
+                                       from_step=a.step, device="cpu", event_id=self._id("started"), occurred_at=now))
+
+    async def stop(self, node: str, job_id: str, attempt: int, *, immediate: bool) -> None:
+        a = self.attempts.get((job_id, attempt))
+        if a is None:
+            return
+        mine = sorted(r for r in a.alive if a.nodes.get(r) == node)
+        await self.exit(a, mine, -9 if immediate else STOPPED_EXIT)
+
+    async def exit(self, a: Attempt, ranks: list[int], code: int, *, record: bool = True) -> None:
+        """`ranks` end with `code`; each node's agent records its own (unless it is gone)."""
+        a.alive -= set(ranks)
+        by_node: dict[str, list[int]] = {}
+        for r in ranks:
+            by_node.setdefault(a.nodes[r], []).append(r)
+        for node, rs in sorted(by_node.items()):
+            if not record or node in self.nodes_down:
+                continue
+            ev = exits_record([RankExit(rank=r, exit_code=code) for r in rs], job_id=a.job_id, node=node,
+                              attempt=a.attempt, event_id=self._id(f"exit-{node}"), occurred_at=self.now(),
+                              producer=f"agent-{node}")
+            await append_to_job(self.store, ev, msg_id=ev.event_id)
+
+    async def node_lost(self, node: str) -> None:
+        """The agent vanished: its ranks die with it and nothing records them."""
+        self.nodes_down.add(node)
+        for a in self.attempts.values():
+            gone = [r for r in a.alive if a.nodes.get(r) == node]
+            await self.exit(a, gone, -9, record=False)
+
+    # -- the ranks --------------------------------------------------------------------------------------------
+
+    async def beats(self, node: str, interval_s: float) -> None:
+        now = self.now()
+        for a in self.attempts.values():
+            mine = sorted(r for r in a.alive if a.nodes.get(r) == node)
+            if mine:
+                beats = [RankBeat(rank=r, step=a.step - 1, occurred_at=now) for r in mine]
+                await self.tel(RankHeartbeats(job_id=a.job_id, rank=mine[0], attempt=a.attempt, node=node,
+                                              interval_s=interval_s, beats=beats, event_id=self._id("beats"),
+                                              occurred_at=now))
+
+    async def advance(self, a: Attempt) -> None:
+        """One step boundary and step of a running attempt, when every rank is there to take part."""
+        if not a.running or a.finished or len(a.alive) < a.world_size or a.hung:
+            return  # a collective with a peer missing or hung blocks every rank
+        await self._commands(a)
+        if not a.alive or a.paused:
+            return
+        if a.sigterm:  # agreed at the boundary: every rank saves, then stops
+            await self._save(a)
+            await self.exit(a, sorted(a.alive), STOPPED_EXIT)
+            return
+        if a.step > 0 and a.step % a.checkpoint_every == 0 and a.saved_at != a.step:
+            await self._save(a)
+        if a.step >= a.total:
+            a.finished = True
+            await self.exit(a, sorted(a.alive), 0)
+            return
+        index = a.next_index()
+        spike = self.spikes.get(a.job_id)
+        loss = (2.0 - a.step / (4 * a.total)) * (SPIKE_FACTOR if spike and spike[0] <= index < spike[1] else 1.0)
+        for r in sorted(a.alive):
+            await self.tel(StepCompleted(job_id=a.job_id, rank=r, attempt=a.attempt, node=a.nodes[r], step=a.step,
+                                         loss=loss, grad_norm=1.0, lr=1e-3, tokens_per_s=1000.0, step_time_s=0.1,
+                                         event_id=self._id("step"), occurred_at=self.now()))
+        a.step += 1
+        a.steps_run += 1
+
+    async def _save(self, a: Attempt) -> None:
+        cid = checkpoint_id(a.attempt, a.step, a.timeline)
+        self.saved[(a.job_id, cid)] = Saved(step=a.step, next_batch=a.next_batch, skipped=list(a.skipped))
+        a.saved_at = a.step
+        now = self.now()
+        data = DataPosition(next_batch=a.next_batch, skipped=[list(w) for w in a.skipped])  # type: ignore[misc]
+        for r in sorted(a.alive):
+            shard = ShardInfo(path=f"__{r}_0.distcp", size=1, sha256="0" * 64)
+            await self.tel(CheckpointStaged(job_id=a.job_id, rank=r, attempt=a.attempt, node=a.nodes[r], step=a.step,
+                                            world_size=a.world_size, staging_dir="/sim", shards=[shard], data=data,
+                                            stall_s=0.0, write_s=0.0, timeline=a.timeline,
+                                            event_id=self._id("staged"), occurred_at=now))
+        by_node: dict[str, list[int]] = {}
+        for r in sorted(a.alive):
+            by_node.setdefault(a.nodes[r], []).append(r)
+        for node, rs in sorted(by_node.items()):
+            await self.tel(ShardsUploaded(job_id=a.job_id, rank=rs[0], attempt=a.attempt, node=node, step=a.step,
+                                          timeline=a.timeline, world_size=a.world_size, ranks=rs, bytes=len(rs),
+                                          seconds=0.0, event_id=self._id("uploaded"), occurred_at=now))
+
+    async def _commands(self, a: Attempt) -> None:
+        control = self.store.rows(subjects.CONTROL)
+        prefix = f"fd.ctl.job.{a.job_id}."
+        while a.cmd_seq < len(control) and a.alive:
+            s = control[a.cmd_seq]
+            a.cmd_seq += 1
+            if not s.subject.startswith(prefix) or a.admission.refusal(s):
+                continue
+            match s.event:
+                case StopRequested(checkpoint=save):
+                    if save:
+                        await self._save(a)
+                    await self.exit(a, sorted(a.alive), STOPPED_EXIT)
+                case RollbackRequested() as rb if rb.attempt == a.attempt:
+                    await self._rollback(a, rb)
+                case CheckpointRequested():
+                    await self._save(a)
+                case PauseRequested():
+                    a.paused = True
+                case ResumeRequested():
+                    a.paused = False
+
+    async def _rollback(self, a: Attempt, rb: RollbackRequested) -> None:
+        saved = self.saved.get((a.job_id, rb.checkpoint_id))
+        if saved is None:
+            return
+        a.step = a.saved_at = saved.step
+        a.next_batch, a.skipped = saved.next_batch, list(saved.skipped)
+        if rb.skip_to > rb.skip_from and (rb.skip_from, rb.skip_to) not in a.skipped:
+            a.skipped.append((rb.skip_from, rb.skip_to))
+        a.timeline += 1
+        for r in sorted(a.alive):
+            await self.tel(RolledBack(job_id=a.job_id, rank=r, attempt=a.attempt, node=a.nodes[r],
+                                      checkpoint_id=rb.checkpoint_id, to_step=a.step, skip_from=rb.skip_from,
+                                      skip_to=rb.skip_to, timeline=a.timeline, event_id=self._id("rolledback"),
+                                      occurred_at=self.now()))
+
+
+class Clock:
+    """The simulated clock (seconds)."""
+
+    def __init__(self, start: float = 1_800_000_000.0) -> None:
+        self.t = start
+
+    def __call__(self) -> float:
+        return self.t

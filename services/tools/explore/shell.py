@@ -1,0 +1,165 @@
+"""One service under the simulated broker, run as services/shell/runtime.py runs it: rebuild from a trusted position
+(services/shell/position.py), then per input fold, store the outputs (job events through the history's fence),
+run the effects, ack; a ClockTick recording what is stored while the core wants one. A scheduled crash lands
+before the outputs, between two of them, or before the ack; a lost ack redelivers the input."""
+
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from events import subjects
+from events.base import JobEvent
+from events.clock import ClockTick, CoreConfigured
+from events.history import append_to_job
+from events.store import MemoryStore, Stored
+from services.core import Effect, Emit, Service
+from services.shell import deadletter, position
+from services.shell.fold import Folder, Output, rebuild, replay, stamp
+from services.tools.explore.broker import SimBroker
+
+CRASH_POINTS = ("before-outputs", "between-outputs", "before-ack")
+EffectRunner = Callable[[str, Effect], Awaitable[Sequence[Emit]]]
+
+
+async def store_output(store: MemoryStore, out: Output) -> None:
+    """As Shell._append: a job's events through its history (the fence, or a node's record), the rest as they are."""
+    if out.subject.startswith("fd.ctl.job."):
+        assert isinstance(out.event, JobEvent)
+        await append_to_job(store, out.event, msg_id=out.msg_id)
+    else:
+        await store.append(out.subject, out.event, msg_id=out.msg_id)
+
+
+class SimShell:
+    def __init__(self, build: Callable[[], Service[Any]], store: MemoryStore, broker: SimBroker,
+                 now: Callable[[], float], effects: EffectRunner, ids: Callable[[], int]) -> None:
+        self.build, self.store, self.broker, self.now, self.effects, self.ids = build, store, broker, now, effects, ids
+        self.service = build()
+        self.name = self.service.name
+        self.up = False
+        self.folder: Folder[Any] = Folder(self.service)
+        self.stored_seq = 0
+        self.caught_up = False
+        self.tick_in_flight = 0
+        self.last_tick_at = -1e9
+        self.crash_at: str = ""  # the crash point the next input meets
+        self.lose_ack = False
+        self.stale_start = False  # the next start's consumer reply is stale
+        self.num_starts = self.num_crashes = self.num_inputs = 0
+
+    @property
+    def consumer(self) -> str:
+        return f"service-{self.name}"
+
+    async def start(self) -> None:
+        self.service = self.build()
+        self.folder = Folder(self.service)
+        filters = (*self.service.control_subjects, self.folder.clock_subject)
+        self.broker.consumer(self.consumer, filters)
+        reply = self.broker.floor(self.consumer, stale=self.stale_start)
+        info = self.broker.floor(self.consumer, stale=self.stale_start)  # both stale: only the catch-up saves it
+        self.stale_start = False
+        last = await self.store.last(subjects.CONTROL, self.folder.clock_subject)
+        until = position.rebuild_until(self.name, reply, info, last)
+        self.folder = await rebuild(self.service, self.store, until=until)
+        self.stored_seq, self.caught_up, self.tick_in_flight, self.up = self.folder.control_seq, False, 0, True
+        self.num_starts += 1
+        mid = f"{self.name}:configured:{self.ids()}"
+        await self.store.append(self.folder.clock_subject, CoreConfigured(
+            service=self.name, settings=dict(self.service.settings), event_id=mid, occurred_at=self.now(),
+            producer=self.name), msg_id=mid)
+
+    def crash(self) -> None:
+        self.up = False
+        self.num_crashes += 1
+
+    async def tick(self) -> None:
+        now = self.now()
+        if self.tick_in_flight or now - self.last_tick_at < self.service.tick_s:
+            return
+        if not self.service.wants_tick(self.folder.state, now):
+            return
+        positions = {subjects.CONTROL: self.stored_seq}
+        if self.service.telemetry_subjects:
+            positions[subjects.TELEMETRY] = len(self.broker.telemetry())
+        mid = f"{self.name}:tick:{self.ids()}"
+        tick = ClockTick(service=self.name, now=now, positions=positions, event_id=mid, occurred_at=now,
+                         producer=self.name)
+        res = await self.store.append(self.folder.clock_subject, tick, msg_id=mid)
+        self.last_tick_at = now
+        if res.seq > self.folder.control_seq:
+            self.tick_in_flight = res.seq
+
+    async def turn(self, budget: int = 4) -> None:
+        """Take up to `budget` inputs, as the live shell would in that time."""
+        if not self.up:
+            return
+        await self.tick()
+        for _ in range(budget):
+            if not self.up or not await self.one():
+                return
+
+    async def one(self) -> bool:
+        stored, gave_up = self.broker.deliver(self.consumer)
+        if gave_up is not None:  # the max-deliveries advisory
+            folded = gave_up.seq <= self.folder.control_seq
+            cause = deadletter.FOLDED_ANYWAY if folded else deadletter.GIVEN_UP
+            await self._dead_letter(gave_up, "delivered too often without an ack (max_deliver)", cause)
+            return True
+        if stored is None:
+            return False
+        if not self.caught_up:
+            self.caught_up = True
+            if stored.seq > self.folder.control_seq + 1:
+                target = position.caught_up_until(stored.seq, self.broker.floor(self.consumer))
+                if target > self.folder.control_seq:
+                    async for _ in replay(self.service, self.store, until=target, folder=self.folder):
+                        pass
+                self.stored_seq = max(self.stored_seq, self.folder.control_seq)
+        if stored.seq <= self.folder.control_seq:
+            self.broker.finish(self.consumer, stored.seq)
+            return True
+        self.num_inputs += 1
+        telemetry: list[Stored] = []
+        pos = self.folder.tick_position(stored)
+        if pos is not None:
+            telemetry = [t for t in self.broker.telemetry()[self.folder.telemetry_seq:pos]  # seq n at index n-1
+                         if any(subjects.matches(f, t.subject) for f in self.service.telemetry_subjects)]
+        steps = self.folder.apply(stored, telemetry)
+        if self._crashes("before-outputs"):
+            return False
+        for step in steps:
+            for n, out in enumerate(step.outputs):
+                if n == 1 and self._crashes("between-outputs"):
+                    return False
+                await store_output(self.store, out)
+            index = len(step.outputs)
+            for effect in step.effects:
+                emits = await self.effects(self.name, effect)
+                outs = [stamp(self.name, step.input, index + i, e, occurred_at=self.now())
+                        for i, e in enumerate(emits)]
+                index += len(outs)
+                for out in outs:
+                    await store_output(self.store, out)
+            if step.error:
+                await self._dead_letter(step.input, step.error, "input")
+        self.stored_seq = stored.seq
+        if self.tick_in_flight and stored.seq >= self.tick_in_flight:
+            self.tick_in_flight = 0
+        if self._crashes("before-ack"):
+            return False
+        if self.lose_ack:
+            self.lose_ack = False  # redelivered: the shell must recognise it as folded
+            return True
+        self.broker.finish(self.consumer, stored.seq)
+        return True
+
+    def _crashes(self, point: str) -> bool:
+        if self.crash_at != point:
+            return False
+        self.crash_at = ""
+        self.crash()
+        return True
+
+    async def _dead_letter(self, stored: Stored, reason: str, cause: str) -> None:
+        dead = deadletter.letter(self.name, stored, reason, cause=cause)
+        await self.store.append(dead.subject, dead.event, msg_id=dead.msg_id)

@@ -1,0 +1,266 @@
+"""One seeded run: the services, node agents and jobs on the simulated broker, a schedule of faults drawn from the
+seed, and the clock advanced in fixed turns until every job ended or the bound passed. Same seed, same run."""
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from events import codec, subjects
+from events.checkpoint import CheckpointCommitted
+from events.findings import StragglerDetected
+from events.fleet import NodeRegistered
+from events.history import append_to_job
+from events.job import JobCompleted, JobSubmitted
+from events.spec import JobSpec, PolicySpec, TrainSpec
+from events.store import MemoryStore
+from services.agent import core as agent_core
+from services.checkpoints import core as checkpoints_core
+from services.checkpoints.state import CommitArgs, DeleteArgs
+from services.core import Effect, Emit, Service
+from services.health.core import core_service as health_core
+from services.resources.core import core_service as resources_core
+from services.scheduler.core import core_service as scheduler_core
+from services.tools.explore.broker import SimBroker
+from services.tools.explore.ranks import Clock, Ranks
+from services.tools.explore.shell import CRASH_POINTS, SimShell
+
+TURN_S = 0.1
+NODES = ("n0", "n1", "n2")
+SLOTS = 2
+FAULT_KINDS = ("crash", "lost_ack", "stale_restart", "broker_restart", "rank_crash", "rank_kill", "rank_term",
+               "rank_hang", "spike", "agent_vanish", "poison")
+POLICY = PolicySpec(heartbeat_interval_s=0.5, heartbeat_misses=4, hang_min_s=3.0, max_restarts=8, spike_warmup=8,
+                    spike_window=12, rollback_steps_back=5, rollback_skip_batches=4, commit_wait_s=2.0)
+
+
+@dataclass(frozen=True)
+class Fault:
+    at: float
+    kind: str
+    target: str = ""  # a service, a node, or a job
+    detail: str = ""  # a crash point, a rank
+
+    def __str__(self) -> str:
+        return f"{self.at:.1f}s {self.kind} {self.target} {self.detail}".rstrip()
+
+
+@dataclass
+class Plan:
+    """What a seed draws: the jobs and the fault schedule."""
+
+    seed: int
+    jobs: list[JobSpec]
+    faults: list[Fault]
+    faults_until: float
+    bound_s: float
+
+
+def plan(seed: int, *, num_faults: int | None = None, kinds: Sequence[str] = FAULT_KINDS) -> Plan:
+    rng = random.Random(seed)
+    jobs = [JobSpec(name=f"job{i}", slots=2, policy=POLICY,
+                    train=TrainSpec(steps=rng.choice((60, 90, 120)), checkpoint_every=rng.choice((5, 10, 20)),
+                                    data="synthetic"))
+            for i in range(rng.choice((1, 2, 2, 3)))]
+    until = 15.0  # jobs run 6-12 s of simulated time undisturbed: faults land while they train
+    n = rng.randint(1, 6) if num_faults is None else num_faults
+    faults = []
+    for _ in range(n):
+        kind = rng.choice(list(kinds))
+        at = round(rng.uniform(0.5, until), 1)
+        match kind:
+            case "crash" | "lost_ack" | "stale_restart":
+                target = rng.choice(["scheduler", "resources", "health", "checkpoints", *(f"agent-{n}" for n in NODES)])
+                faults.append(Fault(at, kind, target, rng.choice(CRASH_POINTS) if kind == "crash" else ""))
+            case "rank_crash" | "rank_kill" | "rank_term" | "rank_hang" | "spike" | "poison":
+                faults.append(Fault(at, kind, f"job{rng.randrange(len(jobs))}", str(rng.randrange(2))))
+            case "agent_vanish":
+                faults.append(Fault(at, kind, rng.choice(NODES)))
+            case _:
+                faults.append(Fault(at, kind))
+    faults.sort(key=lambda f: f.at)
+    # One lost node at most: the fleet must keep room for every job (3 nodes x 2 slots, jobs of 2).
+    vanished = [f for f in faults if f.kind == "agent_vanish"][1:]
+    faults = [f for f in faults if f not in vanished]
+    return Plan(seed=seed, jobs=jobs, faults=faults, faults_until=until, bound_s=until + 240.0)
+
+
+@dataclass
+class Run:
+    """A finished run: the store holding its whole history, and what the simulation knows that no record says."""
+
+    plan: Plan
+    store: MemoryStore
+    ranks: Ranks
+    job_ids: list[str]
+    ended_at: float
+    shells: dict[str, SimShell] = field(default_factory=dict)
+    poison_ids: set[str] = field(default_factory=set)
+
+
+class World:
+    def __init__(self, p: Plan) -> None:
+        self.plan = p
+        self.clock = Clock()
+        self.store = MemoryStore(clock=self.clock)
+        self.broker = SimBroker(self.store)
+        self.ranks = Ranks(self.store, self.clock)
+        self.rng = random.Random(p.seed * 7919 + 1)
+        self.n = 0
+        self.shells: dict[str, SimShell] = {}
+        self.restart_at: dict[str, float] = {}
+        self.job_ids: list[str] = []
+        self.poison_ids: set[str] = set()
+        for build in (scheduler_core, resources_core, lambda: health_core(tick_s=0.5), self._checkpoints):
+            self._add(build)
+        for node in NODES:
+            self._add(lambda node=node: agent_core.core_service(node, {k: self._agent_effect(node, k)
+                                                                        for k in agent_core.EFFECTS}))
+
+    def _ids(self) -> int:
+        self.n += 1
+        return self.n
+
+    def _add(self, build: Any) -> None:
+        shell = SimShell(build, self.store, self.broker, self.clock, self._effect, self._ids)
+        self.shells[shell.name] = shell
+
+    def _checkpoints(self) -> Service[Any]:
+        async def never(args: Any) -> list[Emit]:
+            raise AssertionError("effects run through World._effect")
+        return checkpoints_core.core_service({checkpoints_core.COMMIT: never, checkpoints_core.DELETE: never})
+
+    def _agent_effect(self, node: str, kind: str) -> Any:
+        async def never(args: Any) -> list[Emit]:
+            raise AssertionError(f"effects run through World._effect ({node} {kind})")
+        return never
+
+    async def _effect(self, service: str, effect: Effect) -> Sequence[Emit]:
+        """The effects' I/O, simulated: a commit is as the uploader records it; an agent starts or stops ranks."""
+        args = effect.args
+        if isinstance(args, CommitArgs):
+            ev = CheckpointCommitted(job_id=args.job_id, checkpoint_id=args.checkpoint_id, step=args.step,
+                                     world_size=args.world_size, uri=f"sim:///{args.job_id}/{args.checkpoint_id}",
+                                     bytes=len(args.ranks), data=args.data, manifest_sha256="0" * 64,
+                                     attempt=args.attempt, timeline=args.timeline)
+            return [Emit(subjects.job(args.job_id, "CheckpointCommitted"), ev)]
+        if isinstance(args, DeleteArgs):
+            return []
+        node = service.removeprefix("agent-")
+        if isinstance(args, agent_core.SpawnArgs):
+            restore = (args.restore.checkpoint_id, args.restore.step) if args.restore is not None else None
+            await self.ranks.spawn(node, args.job_id, args.attempt, [r.rank for r in args.ranks], args.world_size,
+                                   args.spec.train.steps, args.spec.train.checkpoint_every, restore,
+                                   [tuple(w) for w in args.skips], args.grant_id)  # type: ignore[misc]
+        elif isinstance(args, agent_core.StopArgs):
+            await self.ranks.stop(node, args.job_id, args.attempt, immediate=args.immediate)
+        return []
+
+    async def run(self) -> Run:
+        for shell in self.shells.values():
+            await shell.start()
+        for node in NODES:
+            await self.store.append(subjects.node(node, "NodeRegistered"),
+                                    NodeRegistered(node=node, kind="cpu", slots=SLOTS, event_id=f"reg-{node}",
+                                                   occurred_at=self.clock(), producer=f"agent-{node}"))
+        for i, spec in enumerate(self.plan.jobs):
+            job_id = f"{spec.name}-{i:06d}"
+            self.job_ids.append(job_id)
+            await append_to_job(self.store, JobSubmitted(job_id=job_id, spec=spec, event_id=f"cli-{job_id}",
+                                                         occurred_at=self.clock(), producer="cli"))
+        faults = list(self.plan.faults)
+        start = self.clock()
+        beat_due = 0.0
+        turn = 0
+        while self.clock() - start < self.plan.bound_s:
+            turn += 1
+            self.clock.t += TURN_S
+            elapsed = self.clock() - start
+            while faults and faults[0].at <= elapsed:
+                await self._inject(faults.pop(0))
+            for name, shell in self.shells.items():  # a crashed process is restarted by its supervisor, later
+                gone = name.removeprefix("agent-") in self.ranks.nodes_down
+                if not shell.up and name not in self.restart_at and not gone:
+                    self.restart_at[name] = self.clock() + self.rng.uniform(0.3, 3.0)
+            for name, at in list(self.restart_at.items()):
+                if self.clock() >= at:
+                    del self.restart_at[name]
+                    await self.shells[name].start()
+            if self.clock() >= beat_due:
+                beat_due = self.clock() + POLICY.heartbeat_interval_s
+                for node in NODES:
+                    if node not in self.ranks.nodes_down:
+                        await self.ranks.beats(node, POLICY.heartbeat_interval_s)
+            for a in list(self.ranks.attempts.values()):
+                await self.ranks.advance(a)
+            order = list(self.shells.values())
+            self.rng.shuffle(order)  # services run concurrently: any interleaving of their inputs
+            for shell in order:
+                if shell.name.removeprefix("agent-") in self.ranks.nodes_down:
+                    continue
+                await shell.turn()
+            if turn % 10 == 0:
+                self.broker.flush()
+            if elapsed > self.plan.faults_until and self._all_ended() and self._quiet():
+                break
+        return Run(self.plan, self.store, self.ranks, self.job_ids, self.clock() - start, self.shells, self.poison_ids)
+
+    def _all_ended(self) -> bool:
+        scheduler = self.shells["scheduler"]
+        return scheduler.up and all(j in scheduler.folder.state.ended for j in self.job_ids)
+
+    def _quiet(self) -> bool:
+        """Every live service has folded every input it reads."""
+        return all(s.up and self.broker.deliver_peek(s.consumer) is None for s in self.shells.values()
+                   if s.name.removeprefix("agent-") not in self.ranks.nodes_down)
+
+    async def _inject(self, f: Fault) -> None:
+        job = next((j for j in self.job_ids if j.startswith(f"{f.target}-")), "")
+        attempt = self._newest(job) if job else None
+        match f.kind:
+            case "crash" if self.shells[f.target].up:
+                self.shells[f.target].crash_at = f.detail  # at that point of the next input it takes
+            case "lost_ack":
+                self.shells[f.target].lose_ack = True
+            case "stale_restart" if self.shells[f.target].up:
+                shell = self.shells[f.target]
+                shell.crash()
+                shell.stale_start = True
+            case "broker_restart":
+                self.broker.restart()
+            case "rank_crash" | "rank_kill" if attempt is not None:
+                rank = int(f.detail) % attempt.world_size
+                if rank in attempt.alive:
+                    await self.ranks.exit(attempt, [rank], 3 if f.kind == "rank_crash" else -9)
+            case "rank_term" if attempt is not None:
+                attempt.sigterm = True
+            case "rank_hang" if attempt is not None:
+                attempt.hung.add(int(f.detail) % attempt.world_size)
+            case "spike" if attempt is not None:
+                self.ranks.spikes[job] = (attempt.next_batch + 2, attempt.next_batch + 5)
+            case "agent_vanish":
+                await self.ranks.node_lost(f.target)
+                self.shells[f"agent-{f.target}"].crash()
+            case "poison" if job:
+                await self._poison(job)
+
+    def _newest(self, job_id: str) -> Any:
+        attempts = [a for (j, _), a in self.ranks.attempts.items() if j == job_id and a.alive]
+        return max(attempts, key=lambda a: a.attempt) if attempts else None
+
+    async def _poison(self, job_id: str) -> None:
+        """What a careless or forging publisher puts on one job's subjects: an unnumbered finding, and an end that
+        names another job. Every reader must refuse both, and no other job may notice."""
+        other = next((j for j in self.job_ids if j != job_id), "elsewhere-000000")
+        straggler = StragglerDetected(job_id=job_id, rank=0, attempt=0, step_time_s=9.0, peer_median_s=1.0, factor=9.0,
+                                      event_id=f"poison-{self._ids()}", occurred_at=self.clock(), producer="forger")
+        end = JobCompleted(job_id=other, steps=1, event_id=f"poison-{self._ids()}", occurred_at=self.clock(),
+                           producer="forger", job_version=10_000)
+        for ev, subject in ((straggler, subjects.job(job_id, "StragglerDetected")),
+                            (end, subjects.job(job_id, "JobCompleted"))):
+            self.poison_ids.add(ev.event_id)
+            await self.store.append_bytes(subject, codec.encode(ev), msg_id=ev.event_id)
+
+
+async def simulate(p: Plan) -> Run:
+    return await World(p).run()
