@@ -146,6 +146,12 @@ class RankWatch:
                 if silent > max(policy.startup_grace_s, dead_after):
                     return Lost(self.rank, f"no exit within {silent:.0f}s of its last step", self.seen_at,
                                 (self.seen_id,))
+                # Alive and done, yet not gone: a hang on the way out (a final collective, a teardown) strands
+                # the job as surely as one mid-run. Found by the fault explorer (seed 827).
+                stalled = min(self.seen_at - self.progress_at, self.seen_folded - self.progress_folded)
+                deadline = max(policy.startup_grace_s, hang_deadline(policy, self.step_times))
+                if not paused and not self.hung and stalled > deadline:
+                    return Hung(self.rank, self.progress_step, stalled, deadline, (self.progress_id, self.seen_id))
                 return None
             if silent > dead_after:
                 return Lost(self.rank, "heartbeats stopped", self.seen_at, (self.seen_id,))

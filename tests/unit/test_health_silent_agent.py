@@ -6,11 +6,12 @@ whose ranks hang or crash keeps batching: no NodeLost."""
 
 from events.base import Event
 from events.clock import ClockTick
-from events.findings import RankLost
+from events.findings import RankHung, RankLost
 from events.fleet import NodeLost
 from events.heartbeats import RankBeat, RankHeartbeats
 from events.job import JobSubmitted, WorkersExited
 from events.spec import JobSpec, TrainSpec
+from events.training import StepCompleted
 from services.core import Emit
 from tests.unit import test_health_lost_agent as lost_agent
 from tests.unit.test_health_lost_agent import POLICY, grant, started, tick
@@ -44,8 +45,8 @@ def run(*, n2_agent_dies: bool = False, n2_rank_hangs: bool = False, n2_rank_exi
     return events + [ev for _, ev in sorted(timed, key=lambda p: p[0])]
 
 
-def fold(events: list[Event]) -> list[tuple[Event, Emit]]:
-    return lost_agent.fold(events, (NodeLost, RankLost))
+def fold(events: list[Event], kinds: tuple[type, ...] = (NodeLost, RankLost)) -> list[tuple[Event, Emit]]:
+    return lost_agent.fold(events, kinds)
 
 
 def test_a_silent_agent_loses_its_node_at_the_lost_deadline_before_its_rank() -> None:
@@ -123,3 +124,28 @@ def test_an_agent_that_never_acts_on_a_grant_loses_its_node_after_the_start_grac
     assert isinstance(at, ClockTick) and grace < at.now <= grace + 0.5
     assert isinstance(lost.event, NodeLost) and "never started the ranks of j granted to it" in lost.event.reason
     assert isinstance(rank.event, RankLost) and "never started it" in rank.event.reason
+
+
+def test_a_rank_that_hangs_after_its_last_step_is_found_hung_after_the_start_grace() -> None:
+    """Found by the fault explorer (seed 827): a rank done with its steps that never exits (a hang in a final
+    collective or teardown) kept beating, was never judged, and its job never ended."""
+    steps = 20
+    spec = JobSpec(name="j", slots=2, policy=POLICY, train=TrainSpec(steps=steps))
+    grace = max(POLICY.startup_grace_s, POLICY.hang_min_s)
+    events: list[Event] = [JobSubmitted(job_id="j", spec=spec, event_id="sub", occurred_at=0.0),
+                           grant(0, ["n1", "n2"], 0.0), started(0, 0, "n1", 0.1), started(0, 1, "n2", 0.1),
+                           WorkersExited(job_id="j", node="n1", attempt=0, rank=0, exit_code=0, event_id="done-0",
+                                         occurred_at=1.0)]
+    def beat(at: float) -> RankHeartbeats:  # still alive, still at its last step
+        return RankHeartbeats(job_id="j", rank=1, attempt=0, node="n2", interval_s=0.5, event_id=f"b-{at:.2f}",
+                              beats=[RankBeat(rank=1, step=steps - 1, occurred_at=at)], occurred_at=at)
+
+    last = StepCompleted(job_id="j", rank=1, attempt=0, node="n2", step=steps - 1, loss=1.0, grad_norm=1.0, lr=1e-3,
+                         tokens_per_s=1.0, step_time_s=0.1, event_id="last-step", occurred_at=1.0)
+    timed: list[tuple[float, Event]] = [(1.0, last), *((k / 2, beat(k / 2)) for k in range(3, int(grace * 2) + 8))]
+    timed += [(k / 2 + 0.25, tick(k / 2 + 0.25)) for k in range(2, int(grace * 2) + 8)]
+    found = fold(events + [ev for _, ev in sorted(timed, key=lambda p: p[0])], (RankHung, RankLost, NodeLost))
+    assert [(type(e.event).__name__, getattr(e.event, "rank", None)) for _, e in found] == [("RankHung", 1)]
+    (at, hung), = found
+    assert isinstance(at, ClockTick) and grace < at.now - 1.0 <= grace + 1.0  # the first tick past it, a beat on
+    assert isinstance(hung.event, RankHung) and hung.event.step == steps - 1 and hung.event.deadline_s == grace
