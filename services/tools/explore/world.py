@@ -99,8 +99,12 @@ class Run:
 
 
 class World:
-    def __init__(self, p: Plan) -> None:
+    """`cores`: a service's core built otherwise than the platform builds it (name -> factory), e.g. another
+    policy, or a broken core that shows what the invariants catch."""
+
+    def __init__(self, p: Plan, cores: dict[str, Any] | None = None) -> None:
         self.plan = p
+        self.cores = cores or {}
         self.clock = Clock()
         self.store = MemoryStore(clock=self.clock)
         self.broker = SimBroker(self.store)
@@ -122,7 +126,8 @@ class World:
         return self.n
 
     def _add(self, build: Any) -> None:
-        shell = SimShell(build, self.store, self.broker, self.clock, self._effect, self._ids)
+        name = build().name
+        shell = SimShell(self.cores.get(name, build), self.store, self.broker, self.clock, self._effect, self._ids)
         self.shells[shell.name] = shell
 
     def _checkpoints(self) -> Service[Any]:
@@ -262,5 +267,5 @@ class World:
             await self.store.append_bytes(subject, codec.encode(ev), msg_id=ev.event_id)
 
 
-async def simulate(p: Plan) -> Run:
-    return await World(p).run()
+async def simulate(p: Plan, cores: dict[str, Any] | None = None) -> Run:
+    return await World(p, cores).run()
