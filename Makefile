@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-unit test-integration lint chaos clean chromium bench-peers
+.PHONY: install demo test test-unit test-integration lint chaos soak explore clean chromium bench-peers
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 $(STAMP): pyproject.toml
@@ -47,6 +47,18 @@ lint: $(STAMP)
 
 chaos: $(STAMP)
 	$(PYTEST) -q tests/chaos
+
+# The fault explorer (services/tools/explore) beyond the suite's thousand seeds: SOAK_S seconds of seeds from 100000
+# on, on both cores (an hour by default), then the real-process nemesis's longer schedules. A failing seed prints the
+# command that replays it.
+SOAK_S ?= 3600
+NEMESIS_SCHEDULES ?= 10
+soak: $(STAMP)
+	$(BIN)/python -m services.tools.explore --from 100000 --seeds 100000000 --budget-s $(SOAK_S) --jobs 2
+	FLIGHTDECK_NEMESIS_SCHEDULES=$(NEMESIS_SCHEDULES) $(PYTEST) -q -p no:cacheprovider tests/nemesis
+
+explore: $(STAMP)
+	$(BIN)/python -m services.tools.explore --seeds 1000
 
 # bench/vs_peers.py: Flightdeck against torchrun, DLRover and torchft on the same script and faults, in a venv of
 # its own (the peers' dependencies stay out of the tested install). About 40 minutes on 2 cores.

@@ -3,6 +3,7 @@
 Why it works this way: docs/internals.md, "1. The event log".
 """
 
+import functools
 import re
 
 CONTROL = "FD_CONTROL"
@@ -116,6 +117,7 @@ def job_of(subject: str) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=1 << 16)  # few patterns, subjects repeating: replays and the explorer ask millions
 def matches(pattern: str, subject: str) -> bool:
     """NATS subject matching: `*` is one token, `>` the rest (one token or more)."""
     pat, sub = pattern.split("."), subject.split(".")

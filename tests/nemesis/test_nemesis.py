@@ -1,0 +1,99 @@
+"""The real-process nemesis (Jepsen's way): seeded random schedules of SIGKILL, SIGSTOP and SIGTERM against the broker
+(restarted on the same store), each service, the node agent and the ranks, while a real job trains on the real
+broker. After each schedule the job must have ended completed, `flightdeck verify` must re-derive every recorded
+decision, and no step or decision may be lost or doubled (tests/chaos/checks.py). Each schedule prints its seed;
+`FLIGHTDECK_NEMESIS_SEED=N pytest tests/nemesis` runs that one again. `make soak` runs more of them."""
+
+import asyncio
+import os
+import random
+import signal
+
+import pytest
+
+from events import subjects
+from events.job import WorkersStarted
+from events.training import StepCompleted
+from tests.chaos.harness import Chaos, chaos_spec, rank_pids, restart, sigkill, step_reached
+from tests.e2e.drill_harness import wait_lineage
+from tests.integration.lifecycle_harness import SERVICES, Platform
+
+pytestmark = [pytest.mark.chaos, pytest.mark.slow]
+STEPS = 150
+NUM = int(os.environ.get("FLIGHTDECK_NEMESIS_SCHEDULES", "2"))
+FIRST = int(os.environ.get("FLIGHTDECK_NEMESIS_SEED", "1"))
+MOVES = ("kill_broker", "pause_broker", "kill_service", "stop_service", "term_rank", "kill_rank", "kill_agent")
+
+
+def schedule(seed: int) -> list[tuple[str, str, float]]:
+    """(move, target, seconds) x 3, drawn from the seed."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(3):
+        move = rng.choice(MOVES)
+        target = rng.choice(SERVICES) if move in ("kill_service", "stop_service") else str(rng.randrange(2))
+        out.append((move, target, round(rng.uniform(0.5, 3.0), 1)))
+    return out
+
+
+def steps_seen(p: Platform, job_id: str) -> int:
+    return len(p.seen(StepCompleted, job_id, stream=subjects.TELEMETRY))
+
+
+def attempt_of(p: Platform, job_id: str) -> int:
+    return max((e.attempt for e in p.seen(WorkersStarted, job_id)), default=0)
+
+
+async def apply(c: Chaos, job_id: str, move: str, target: str, seconds: float) -> str:
+    p = c.platform
+    match move:
+        case "kill_broker":
+            await c.kill_broker(down_s=seconds)
+            return f"SIGKILL nats-server, down {seconds:g} s, restarted on its store"
+        case "pause_broker":
+            await c.pause_broker(seconds)
+            return f"SIGSTOP nats-server {seconds:g} s"
+        case "kill_service":
+            await sigkill(p, target)
+            await asyncio.sleep(seconds)
+            await restart(p, target)
+            return f"SIGKILL {target}, restarted {seconds:g} s later"
+        case "stop_service":
+            pid = p.procs[target].pid
+            os.kill(pid, signal.SIGSTOP)
+            await asyncio.sleep(seconds)
+            os.kill(pid, signal.SIGCONT)
+            return f"SIGSTOP {target} {seconds:g} s"
+        case "term_rank" | "kill_rank":
+            pids = rank_pids(p, job_id, attempt_of(p, job_id))
+            pid = pids.get(int(target))
+            if pid is not None:
+                os.kill(pid, signal.SIGTERM if move == "term_rank" else signal.SIGKILL)
+            return f"{'SIGTERM' if move == 'term_rank' else 'SIGKILL'} rank {target} from outside the platform"
+        case "kill_agent":
+            await sigkill(p, "agent-n1")
+            await asyncio.sleep(seconds)
+            p.agent("n1", "--grace-s", "2")
+            return f"SIGKILL the node agent with its ranks, restarted {seconds:g} s later"
+    raise AssertionError(move)
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("seed", range(FIRST, FIRST + NUM))
+async def test_a_seeded_schedule_of_process_faults(chaos: Chaos, seed: int) -> None:
+    c, job = chaos, f"nemesis-{seed:06d}"
+    p = c.platform
+    p.agent("n1", "--grace-s", "2")
+    await p.ready("n1")
+    await p.submit(chaos_spec("nemesis", STEPS, paced_attempts=6, heartbeat_misses=8, max_restarts=8), job)
+    plan = schedule(seed)
+    print(f"\nnemesis seed {seed}: {plan} (FLIGHTDECK_NEMESIS_SEED={seed} replays it)")
+    done: list[str] = []
+    await step_reached(p, job, 0, 3)
+    for move, target, seconds in plan:
+        done.append(await apply(c, job, move, target, seconds))
+        before = steps_seen(p, job)
+        await p.until(lambda before=before: steps_seen(p, job) >= before + 4, 150, "the job to train again", job)
+    outcome = await c.outcome(job, STEPS, f"nemesis {seed}", done)
+    assert await wait_lineage(p, job, STEPS) == []
+    assert outcome.held, (seed, done, outcome)
