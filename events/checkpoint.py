@@ -18,6 +18,17 @@ class DataPosition(msgspec.Struct, frozen=True, kw_only=True):
     skipped: list[tuple[int, int]] = []
 
 
+def batch_at(index: int, skipped: list[tuple[int, int]]) -> int:
+    """The batch a step reads when its cursor stands at `index`: past every skipped window that holds it."""
+    moved = True
+    while moved:
+        moved = False
+        for a, b in skipped:
+            if a <= index < b:
+                index, moved = b, True
+    return index
+
+
 class CheckpointStaged(RankEvent, frozen=True, kw_only=True):
     step: int
     world_size: int

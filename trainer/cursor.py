@@ -2,7 +2,7 @@
 checkpoint records. A rollback's skip window lands here, so it works for any data pipeline that reads
 batch `step.batch` (trainer API) as a function of that index."""
 
-from events.checkpoint import DataPosition
+from events.checkpoint import DataPosition, batch_at
 
 
 class BatchCursor:
@@ -12,13 +12,7 @@ class BatchCursor:
 
     def next_index(self) -> int:
         """The batch index the next step reads, after skips; advances the cursor."""
-        index = self.next_batch
-        moved = True
-        while moved:
-            moved = False
-            for a, b in self.skipped:
-                if a <= index < b:
-                    index, moved = b, True
+        index = batch_at(self.next_batch, self.skipped)
         self.next_batch = index + 1
         return index
 

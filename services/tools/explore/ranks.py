@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 from events import subjects
 from events.admission import Admission
-from events.checkpoint import CheckpointStaged, DataPosition, ShardInfo, ShardsUploaded, checkpoint_id
+from events.checkpoint import CheckpointStaged, DataPosition, ShardInfo, ShardsUploaded, batch_at, checkpoint_id
 from events.commands import CheckpointRequested, PauseRequested, ResumeRequested, RollbackRequested, StopRequested
 from events.heartbeats import RankBeat, RankHeartbeats
 from events.history import append_to_job
@@ -53,13 +53,8 @@ class Attempt:
         return len(self.nodes) == self.world_size and bool(self.alive)
 
     def next_index(self) -> int:
-        index = self.next_batch
-        moved = True
-        while moved:
-            moved = False
-            for a, b in self.skipped:
-                if a <= index < b:
-                    index, moved = b, True
+        """As the trainer's cursor (trainer/cursor.py): the batch this step reads, past the skipped windows."""
+        index = batch_at(self.next_batch, self.skipped)
         self.next_batch = index + 1
         return index
 
