@@ -27,8 +27,9 @@ from trainer import config, distributed
 from trainer.beats import steps_to_bus
 from trainer.checkpointing import CorruptCheckpoint
 from trainer.commands import CommandInbox
+from trainer.exits import at_exit, fail_hook
 from trainer.reports import Emitter
-from trainer.session import Run, Step, fail_hook
+from trainer.session import Run, Step
 from trainer.state import Stateful
 from trainer.telemetry import Telemetry
 
@@ -64,6 +65,6 @@ def init() -> Run:
     run = Run(cfg, dist, emitter, inbox)
     run.install_signals()
     sys.excepthook = fail_hook(run)
-    atexit.register(run.at_exit)
+    atexit.register(at_exit, run)
     _run = run
     return run

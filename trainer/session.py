@@ -9,16 +9,14 @@ rank's SIGTERM flag are agreed with one small collective, so all ranks act at th
 and loads are collective.
 """
 
-import contextlib
 import os
 import re
 import signal
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
-from typing import Any, NoReturn, Protocol
+from typing import NoReturn, Protocol
 
 import msgspec
 import structlog
@@ -105,7 +103,7 @@ class Run:
         self.finished = False  # the step loop ended or stopped cleanly: the process group may be torn down
         self.stepping = False  # steps() was entered
         self.ran_all = False  # steps() ran to its last step
-        self.failed = False  # an uncaught exception ends the process (fail_hook): its own exit code stands
+        self.failed = False  # an uncaught exception ends the process (exits.fail_hook): its own exit code stands
         self.stopped = False  # told to stop, or SIGTERM: it exits STOPPED_EXIT
         self.closed = False
         self._current: tuple[int, int, float] | None = None  # the step being run: (step, batch, started)
@@ -286,19 +284,6 @@ class Run:
         self.finished = self.stopped = True
         raise SystemExit(STOPPED_EXIT)
 
-    def at_exit(self) -> None:
-        """`init()` runs this at the interpreter's exit: close, and if `steps()` was left before its last step
-        (a `break`, or `sys.exit(0)` inside the loop) exit with STOPPED_EXIT whatever the script's code was,
-        since an exit 0 reads to the platform as "every step ran"."""
-        self.close()
-        if self.stepping and not self.ran_all and not self.failed and not self.stopped:
-            log.warning("the script left run.steps() before its last step: exiting as stopped, not completed",
-                        step=self.step, code=STOPPED_EXIT)
-            for stream in (sys.stdout, sys.stderr):
-                with contextlib.suppress(Exception):
-                    stream.flush()
-            os._exit(STOPPED_EXIT)
-
     def _boundary(self) -> None:
         payload = b""
         if self.rank == 0:
@@ -383,27 +368,3 @@ class Run:
         _, agreed = self.dist.agree([], mine)  # every rank loads the set rank 0 picked
         return Path(agreed.decode()) if agreed else None
 
-
-def fail_hook(run: Run) -> Any:
-    """A sys.excepthook that records an uncaught exception as RankFault before Python prints it."""
-    from events.training import RankFault
-
-    previous = sys.excepthook
-
-    def hook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
-        text = f"{kind.__name__}: {exc}"
-        if not run.closed:
-            run.emitter.emit(RankFault(kind="cuda" if "CUDA" in text else "exception", error_type=kind.__name__,
-                                       message=str(exc)[:4000], step=run.step, **run.emitter.envelope))
-            run.finished = False
-            run.failed = True
-            run.closed = True  # do not wait on a checkpoint write or collectives of a failed rank at exit
-            run.emitter.close()
-        previous(kind, exc, tb)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        # Now, not after the interpreter's teardown (seconds with torch loaded): a rank that stopped
-        # heartbeating but has not exited would be reported lost before its exit and traceback land.
-        os._exit(1)
-
-    return hook

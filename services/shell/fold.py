@@ -260,4 +260,17 @@ def same_decision(recorded: Stored, replayed: Event) -> bool:
     """Whether a replay decided what `recorded` holds, over the fields it was recorded with."""
     assert recorded.event is not None
     held = recorded_fields(recorded)
-    return comparable(recorded.event, held) == comparable(replayed, held)
+    return _equal(comparable(recorded.event, held), comparable(replayed, held))
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """Equality in which a NaN equals a NaN: a non-finite loss is data, and the same decision holds it both times."""
+    if isinstance(a, float) and isinstance(b, float):
+        return a == b or (a != a and b != b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, msgspec.Struct) and type(a) is type(b):
+        return _equal(msgspec.structs.asdict(a), msgspec.structs.asdict(b))
+    return bool(a == b)

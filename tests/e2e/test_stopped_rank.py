@@ -18,6 +18,7 @@ from tests.integration.test_agent import running
 from tests.integration.test_lifecycle_services import exits, kinds
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+STEPS = 200
 
 
 async def test_one_rank_s_sigterm_from_outside_restarts_the_job_and_every_step_runs(drill: Platform) -> None:
@@ -26,7 +27,7 @@ async def test_one_rank_s_sigterm_from_outside_restarts_the_job_and_every_step_r
     p, job = drill, "evicted-000001"
     p.agent("n1")
     await p.ready("n1")
-    await p.submit(drill_spec("evicted", steps=60, faults=[paced(0.05)]), job)
+    await p.submit(drill_spec("evicted", steps=STEPS, faults=[paced(0.05)]), job)  # ~10 s: the SIGTERM lands mid-run
     pids = await running(p, job)
     os.kill(pids[1], signal.SIGTERM)  # what an eviction sends: nobody in the platform asked for it
     await p.until(lambda: bool(p.seen(JobCompleted, job) or p.seen(JobFailed, job)), 200, "the job to end", job)
@@ -37,7 +38,7 @@ async def test_one_rank_s_sigterm_from_outside_restarts_the_job_and_every_step_r
     assert resumed.attempt == 1 and resumed.from_step > 0  # from the checkpoint the SIGTERM wrote
     assert exits(p, job, 1) == {0: 0, 1: 0}
     steps = {e.step for e in p.seen(StepCompleted, job, stream="FD_TELEMETRY") if e.rank == 0}
-    assert steps == set(range(60))
+    assert steps == set(range(STEPS))
 
 
 async def test_a_script_that_leaves_the_loop_early_is_not_completed(drill: Platform, tmp_path: Path) -> None:

@@ -3,13 +3,15 @@
 import asyncio
 import threading
 import time
+import uuid
 
-import nats
+import msgspec
 import pytest
 
-from events import codec, subjects
 from events.base import Event, JobEvent
 from events.commands import CheckpointRequested, PauseRequested, ResumeRequested, StopRequested
+from events.history import append_to_job
+from events.jetstream import JetStreamStore
 from events.job import JobQueued
 from services.shell import broker as broker_mod
 from tests.conftest import ensure_streams_at, restart_broker
@@ -20,14 +22,14 @@ JOB = "job-c"
 
 
 def _append(url: str, *events: JobEvent) -> None:
+    """Append to the job's history as the services do: numbered, so every reader admits them."""
     async def go() -> None:
-        nc = await nats.connect(url)
+        store = await JetStreamStore.connect(url, name="commands-test")
         try:
-            js = nc.jetstream()
             for e in events:
-                await js.publish(subjects.job(e.job_id, codec.type_name(e)), codec.encode(e))
+                await append_to_job(store, msgspec.structs.replace(e, event_id=e.event_id or uuid.uuid4().hex))
         finally:
-            await nc.close()
+            await store.close()
 
     asyncio.run(go())
 

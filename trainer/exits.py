@@ -1,0 +1,52 @@
+"""How a rank's process ends: the hook that records an uncaught exception, and the exit code that tells the platform
+whether every step ran (0 only then: events/nodelocal.py STOPPED_EXIT)."""
+
+import contextlib
+import os
+import sys
+from typing import Any
+
+import structlog
+
+from events.nodelocal import STOPPED_EXIT
+from events.training import RankFault
+from trainer.session import Run
+
+log = structlog.get_logger("trainer")
+
+
+def fail_hook(run: Run) -> Any:
+    """A sys.excepthook that records an uncaught exception as RankFault before Python prints it."""
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
+        text = f"{kind.__name__}: {exc}"
+        if not run.closed:
+            run.emitter.emit(RankFault(kind="cuda" if "CUDA" in text else "exception", error_type=kind.__name__,
+                                       message=str(exc)[:4000], step=run.step, **run.emitter.envelope))
+            run.finished = False
+            run.failed = True
+            run.closed = True  # do not wait on a checkpoint write or collectives of a failed rank at exit
+            run.emitter.close()
+        previous(kind, exc, tb)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Now, not after the interpreter's teardown (seconds with torch loaded): a rank that stopped
+        # heartbeating but has not exited would be reported lost before its exit and traceback land.
+        os._exit(1)
+
+    return hook
+
+
+def at_exit(run: Run) -> None:
+    """`init()` runs this at the interpreter's exit: close, and if `steps()` was left before its last step
+    (a `break`, or `sys.exit(0)` inside the loop) exit with STOPPED_EXIT whatever the script's code was,
+    since an exit 0 reads to the platform as "every step ran"."""
+    run.close()
+    if run.stepping and not run.ran_all and not run.failed and not run.stopped:
+        log.warning("the script left run.steps() before its last step: exiting as stopped, not completed",
+                    step=run.step, code=STOPPED_EXIT)
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(STOPPED_EXIT)
