@@ -18,9 +18,11 @@ def replay_command(seed: int) -> str:
     return f".venv/bin/python -m services.tools.explore --seed {seed} -v"
 
 
-async def explore(first: int, count: int, *, verbose: bool = False, budget_s: float = 0.0) -> tuple[int, list[str]]:
+async def explore(first: int, count: int, *, verbose: bool = False, budget_s: float = 0.0,
+                  progress_every: int = 0) -> tuple[int, list[str]]:
     """Run seeds first .. first+count-1 (stopping early once `budget_s` CPU-seconds are spent, when given); returns
-    how many ran and one line per failing seed."""
+    how many ran and one line per failing seed. `progress_every`: print a line every that many seeds (a long soak
+    cut short still says how far it got)."""
     failures = []
     began = time.process_time()
     ran = 0
@@ -38,12 +40,16 @@ async def explore(first: int, count: int, *, verbose: bool = False, budget_s: fl
                 print(f"  VIOLATION {line}")
         if broken:
             failures.append(f"seed {seed}: {broken[0]} (and {len(broken) - 1} more) -- replay: {replay_command(seed)}")
+            print(failures[-1], flush=True)
+        if progress_every and ran % progress_every == 0:
+            print(f"progress: {ran} seeds from {first}, {len(failures)} violating, "
+                  f"{time.process_time() - began:.0f} CPU-s", flush=True)
     return ran, failures
 
 
 def _worker(first: int, count: int, budget_s: float) -> tuple[int, list[str]]:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
-    return asyncio.run(explore(first, count, budget_s=budget_s))
+    return asyncio.run(explore(first, count, budget_s=budget_s, progress_every=1000))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,10 +73,9 @@ def main(argv: list[str] | None = None) -> int:
         ran, failures = sum(n for n, _ in done), [f for _, fs in done for f in fs]
         took = args.jobs * (time.monotonic() - wall)  # the workers' CPU: each keeps one core busy
     else:
-        ran, failures = asyncio.run(explore(first, count, verbose=args.verbose, budget_s=args.budget_s))
+        ran, failures = asyncio.run(explore(first, count, verbose=args.verbose, budget_s=args.budget_s,
+                                            progress_every=1000 if args.budget_s else 0))
         took = time.process_time() - began
-    for line in failures:
-        print(line)
     print(f"{ran} seeds from {first}, {len(failures)} violating, {took:.1f} CPU-s in {time.monotonic() - wall:.0f} s, "
           f"{ran / max(took, 1e-9):.1f} seeds per CPU-second")
     return 1 if failures else 0
