@@ -27,6 +27,7 @@ from services.tools.explore.shell import CRASH_POINTS, SimShell
 
 TURN_S = 0.1
 NODES = ("n0", "n1", "n2")
+PROCESSES = ("scheduler", "resources", "health", "checkpoints", *(f"agent-{node}" for node in NODES))
 SLOTS = 2
 FAULT_KINDS = ("crash", "lost_ack", "stale_restart", "broker_restart", "rank_crash", "rank_kill", "rank_term",
                "rank_hang", "spike", "agent_vanish", "poison")
@@ -70,7 +71,7 @@ def plan(seed: int, *, num_faults: int | None = None, kinds: Sequence[str] = FAU
         at = round(rng.uniform(0.5, until), 1)
         match kind:
             case "crash" | "lost_ack" | "stale_restart":
-                target = rng.choice(["scheduler", "resources", "health", "checkpoints", *(f"agent-{n}" for n in NODES)])
+                target = rng.choice(PROCESSES)
                 faults.append(Fault(at, kind, target, rng.choice(CRASH_POINTS) if kind == "crash" else ""))
             case "rank_crash" | "rank_kill" | "rank_term" | "rank_hang" | "spike" | "poison":
                 faults.append(Fault(at, kind, f"job{rng.randrange(len(jobs))}", str(rng.randrange(2))))
