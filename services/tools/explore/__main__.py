@@ -33,6 +33,8 @@ async def explore(first: int, count: int, *, verbose: bool = False, budget_s: fl
         run = await simulate(p)
         ran += 1
         broken = await violations(run)
+        for _ in range(3):  # a simulation never waits, so the loop runs no callback until here: let it close the
+            await asyncio.sleep(0)  # replays' unfinished readers, or each holds its run's whole history (13 GB)
         if verbose:
             print(f"seed {seed}: {len(p.jobs)} jobs, faults: {'; '.join(map(str, p.faults)) or 'none'}")
             print(f"  ended after {run.ended_at:.1f}s simulated, {len(run.store.rows('FD_CONTROL'))} control events")
