@@ -20,23 +20,28 @@ def mismatch(subject: str, event: Event) -> str:
     """Why `event` may not stand under `subject` by the subject grammar (events/subjects.py), or ""."""
     parts = subject.split(".")
     name = type_name(event)
-    if parts[:3] == ["fd", "ctl", "job"] and len(parts) == 5:
+    head, n = parts[:3], len(parts)
+    if head == _JOB and n == 5:
         ok = isinstance(event, JobEvent) and event.job_id == parts[3] and name == parts[4]
-    elif parts[:3] == ["fd", "ctl", "job"] and len(parts) == 7 and parts[4] == "node":  # subjects.job_node
+    elif head == _JOB and n == 7 and parts[4] == "node":  # subjects.job_node
         ok = (isinstance(event, JobEvent) and event.job_id == parts[3] and name in subjects.NODE_RECORDS
               and getattr(event, "node", None) == parts[5] and name == parts[6])
-    elif parts[:3] == ["fd", "ctl", "node"] and len(parts) == 5:
+    elif head == _NODE and n == 5:
         ok = isinstance(event, NodeEvent) and event.node == parts[3] and name == parts[4]
-    elif parts[:3] == ["fd", "ctl", "clock"] and len(parts) == 4:
+    elif head == _CLOCK and n == 4:
         ok = isinstance(event, ClockTick | CoreConfigured) and event.service == parts[3]
-    elif parts[:2] == ["fd", "tel"] and len(parts) == 5:
+    elif head[:2] == _TEL and n == 5:
         ok = (isinstance(event, RankEvent) and event.job_id == parts[2] and str(event.rank) == parts[3]
               and name == parts[4])
-    elif parts[:2] == ["fd", "dead"] and len(parts) == 3:
+    elif head[:2] == _DEAD and n == 3:
         ok = isinstance(event, DeadLettered) and event.service == parts[2]
     else:
         return f"subject {subject!r} is outside the Flightdeck subject grammar"
     return "" if ok else f"a {name} (job/node/rank/service fields as sent) may not stand under {subject!r}"
+
+
+_JOB, _NODE, _CLOCK = ["fd", "ctl", "job"], ["fd", "ctl", "node"], ["fd", "ctl", "clock"]
+_TEL, _DEAD = ["fd", "tel"], ["fd", "dead"]
 
 
 def versioned(subject: str) -> bool:

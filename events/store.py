@@ -11,7 +11,7 @@ from typing import Protocol
 
 from events import codec
 from events.base import Event
-from events.subjects import STREAM_SUBJECTS, matches, stream_of
+from events.subjects import STREAM_SUBJECTS, matches, matches_any, stream_of
 
 DEDUP_WINDOW_S = 120.0  # the JetStream default duplicate window
 
@@ -91,8 +91,8 @@ def decoded(stream: str, seq: int, subject: str, data: bytes, msg_id: str) -> St
         return Stored(stream, seq, subject, data, msg_id, None, str(exc))
 
 
-def _filtered(subject: str, subjects: Sequence[str]) -> bool:
-    return not subjects or any(matches(p, subject) for p in subjects)
+def _filtered(subject: str, subjects: tuple[str, ...]) -> bool:
+    return not subjects or matches_any(subjects, subject)
 
 
 class MemoryStore:
@@ -153,8 +153,9 @@ class MemoryStore:
         messages = self._streams[stream]
         end = min(until_seq or len(messages), len(messages))
         batch: list[Stored] = []
+        wanted = tuple(subjects)
         for stored in messages[max(from_seq, 1) - 1 : end]:
-            if _filtered(stored.subject, subjects):
+            if _filtered(stored.subject, wanted):
                 batch.append(stored)
                 if len(batch) >= self._batch:
                     yield batch
@@ -167,11 +168,12 @@ class MemoryStore:
     ) -> AsyncIterator[Stored]:
         messages = self._streams[stream]
         nxt = max(from_seq, 1)
+        wanted = tuple(subjects)
         while True:
             while nxt <= len(messages):
                 stored = messages[nxt - 1]
                 nxt += 1
-                if _filtered(stored.subject, subjects):
+                if _filtered(stored.subject, wanted):
                     yield stored
             async with self._changed:
                 while len(messages) < nxt:

@@ -127,3 +127,9 @@ def matches(pattern: str, subject: str) -> bool:
         if i >= len(sub) or (p != "*" and p != sub[i]):
             return False
     return len(pat) == len(sub)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def matches_any(patterns: tuple[str, ...], subject: str) -> bool:
+    """Whether `subject` matches one of `patterns` (a consumer's or a reader's filters)."""
+    return any(matches(p, subject) for p in patterns)

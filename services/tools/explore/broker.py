@@ -23,7 +23,7 @@ class Consumer:
         """The ack floor: the last matching message before the first one not done."""
         floor = 0
         for s in messages:
-            if not any(subjects.matches(f, s.subject) for f in self.filters):
+            if not subjects.matches_any(self.filters, s.subject):
                 continue
             if s.seq not in self.done:
                 break
@@ -57,7 +57,7 @@ class SimBroker:
         messages = self.messages()
         for i in range(c.scan_from, len(messages)):
             s = messages[i]
-            if s.seq in c.done or not any(subjects.matches(f, s.subject) for f in c.filters):
+            if s.seq in c.done or not subjects.matches_any(c.filters, s.subject):
                 if i == c.scan_from:
                     c.scan_from = i + 1
                 continue
@@ -75,7 +75,7 @@ class SimBroker:
         messages = self.messages()
         for i in range(c.scan_from, len(messages)):
             s = messages[i]
-            if s.seq not in c.done and any(subjects.matches(f, s.subject) for f in c.filters):
+            if s.seq not in c.done and subjects.matches_any(c.filters, s.subject):
                 return s
         return None
 

@@ -123,7 +123,7 @@ class SimShell:
         pos = self.folder.tick_position(stored)
         if pos is not None:
             telemetry = [t for t in self.broker.telemetry()[self.folder.telemetry_seq:pos]  # seq n at index n-1
-                         if any(subjects.matches(f, t.subject) for f in self.service.telemetry_subjects)]
+                         if subjects.matches_any(tuple(self.service.telemetry_subjects), t.subject)]
         steps = self.folder.apply(stored, telemetry)
         if self._crashes("before-outputs"):
             return False
