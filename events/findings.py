@@ -33,9 +33,27 @@ class NonFiniteLoss(Finding, frozen=True, kw_only=True):
 
 
 class LossSpikeDetected(Finding, frozen=True, kw_only=True):
-    step: int
+    """Losses above their baseline whose evidence added up (services/health/detectors.py, SpikeWatch): the spike's
+    steps are onset..step, its losses `losses`, its StepCompleted ids the evidence."""
+
+    SCHEMA = 2  # 2 added onset, score, losses and log (the evidence adds up over steps; v1 judged one step)
+
+    step: int  # the step whose loss completed the evidence
     loss: float
     baseline: float  # median over the window
-    mad: float
-    z: float
-    threshold: float
+    mad: float  # of the window, on the scale judged (log(loss) when `log`)
+    z: float  # the robust z of `loss`
+    threshold: float  # the score that makes a spike (v1: the z one loss had to pass)
+    onset: int = -1  # the excursion's first step (v1: -1, the spike was `step` alone)
+    score: float = 0.0  # the evidence summed over onset..step
+    losses: list[float] = []  # the excursion's losses, oldest first (the newest 32)
+    log: bool = False  # judged on the log scale (v1: never)
+
+
+def spike_summary(ev: LossSpikeDetected) -> str:
+    """The finding in a line, as the scheduler's reason, `status` and the postmortem say it."""
+    if 0 <= ev.onset < ev.step:
+        return (f"loss spike over steps {ev.onset}-{ev.step}: {ev.loss:.4g} against a median of {ev.baseline:.4g}, "
+                f"evidence {ev.score:.1f} >= {ev.threshold:g} (robust z {ev.z:.1f} at the last)")
+    return (f"loss spike at step {ev.step}: {ev.loss:.4g} against a median of {ev.baseline:.4g} "
+            f"(robust z {ev.z:.1f} > {ev.threshold:g})")

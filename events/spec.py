@@ -43,14 +43,20 @@ class PolicySpec(Spec, frozen=True, kw_only=True):
     # least time a started rank may take to its first sign of life (imports, loading a model); a script that
     # never calls the trainer API is found silent after it, like a lost rank
     startup_grace_s: Annotated[float, Meta(gt=0.0, le=86_400.0)] = 120.0
-    spike_z: Annotated[float, Meta(gt=0.0, le=1000.0)] = 6.0
+    # A loss spike is evidence that adds up (services/health/detectors.py, SpikeWatch): each loss counts by how far
+    # its robust z passes spike_drift, at most spike_z - spike_drift, and a spike is found once the count reaches
+    # spike_steps such steps in full, so one noisy loss, however high, is never a spike on its own
+    spike_z: Annotated[float, Meta(gt=0.0, le=1000.0)] = 4.0
+    spike_drift: Annotated[float, Meta(ge=0.0, le=1000.0)] = 1.5
+    spike_steps: Annotated[int, Meta(ge=1, le=10_000)] = 3
     spike_window: Annotated[int, Meta(ge=4, le=100_000)] = 50
     spike_warmup: Annotated[int, Meta(ge=0, le=100_000_000)] = 20
     straggler_factor: Annotated[float, Meta(gt=1.0, le=100.0)] = 2.0
     straggler_window: Annotated[int, Meta(ge=1, le=100_000)] = 20
     replace_stragglers: bool = False
     rollback_steps_back: Annotated[int, Meta(ge=0, le=100_000_000)] = 100
-    rollback_skip_batches: Annotated[int, Meta(ge=0, le=100_000_000)] = 200
+    # a spike rollback skips the batches that carried the spike (its finding's onset..step) and this many after them
+    rollback_skip_batches: Annotated[int, Meta(ge=0, le=100_000_000)] = 0
     keep_checkpoints: Annotated[int, Meta(ge=1, le=100_000)] = 3  # committed checkpoints kept (plus rollback targets)
     # a restart waits at most this long for a checkpoint every rank has staged to commit (and never longer than
     # the work it holds took), rather than redo its steps from an older one; 0: never waits
@@ -144,6 +150,9 @@ def check(spec: JobSpec) -> JobSpec:
             raise InvalidSpec(f"faults[{i}].rank ({fault.rank}) must be below slots ({spec.slots})")
         if fault.step >= spec.train.steps:
             raise InvalidSpec(f"faults[{i}].step ({fault.step}) must be below train.steps ({spec.train.steps})")
+    if spec.policy.spike_drift >= spec.policy.spike_z:
+        raise InvalidSpec(f"policy.spike_drift ({spec.policy.spike_drift}) must be below policy.spike_z "
+                          f"({spec.policy.spike_z}): a loss counts toward a spike by how far its z passes the drift")
     if spec.policy.min_slots > spec.slots:
         raise InvalidSpec(f"policy.min_slots ({spec.policy.min_slots}) must not exceed slots ({spec.slots})")
     if spec.entrypoint is not None:

@@ -126,7 +126,7 @@ def _new_attempt(job: JobWatch, attempt: int, ranks: Sequence[int]) -> None:
     job.stopping = job.paused = False
     job.nonfinite.reset()
     job.stragglers = StragglerWatch()
-    job.spikes.spiking = False  # the loss curve goes on from the restore point: SpikeWatch rewinds to it
+    job.spikes.rewind()  # the loss curve goes on from the restore point: SpikeWatch drops what came after it
 
 
 def _restart_clocks(job: JobWatch, ev: Event, now: float) -> None:
@@ -217,11 +217,13 @@ def _step(state: State, job: JobWatch, r: RankWatch, ev: StepCompleted, out: lis
                                    step=ev.step, loss=ev.loss, grad_norm=ev.grad_norm))
     policy = job.policy
     if r.rank == 0:
-        spike = job.spikes.observe(ev.step, ev.loss, policy)
+        spike = job.spikes.observe(ev.step, ev.loss, policy, ev.lr, ev.event_id)
         if spike is not None and job.first(0, "LossSpikeDetected", spike.episode):
             _emit(out, LossSpikeDetected(
-                job_id=job.job_id, rank=0, attempt=job.attempt, evidence=[ev.event_id], step=spike.step,
-                loss=spike.loss, baseline=spike.baseline, mad=spike.mad, z=spike.z, threshold=spike.threshold))
+                job_id=job.job_id, rank=0, attempt=job.attempt, evidence=list(spike.ids), step=spike.step,
+                loss=spike.loss, baseline=spike.baseline, mad=spike.mad, z=spike.z, threshold=spike.threshold,
+                onset=spike.onset, score=spike.score, losses=list(spike.losses), log=spike.log,
+                schema_version=2))
     _straggler(job, r.rank, ev.step, ev.step_time_s, ev.event_id, out)
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from events import lineage
 from events.checkpoint import DataPosition
-from events.findings import LossSpikeDetected, NonFiniteLoss
+from events.findings import LossSpikeDetected, NonFiniteLoss, spike_summary
 from services.scheduler.policy import Fail
 from services.scheduler.state import Checkpoint, Incident, Job
 
@@ -95,18 +95,23 @@ def newest_at_or_before(job: Job, step: int) -> Checkpoint | None:
     return max(usable, key=lambda c: (c.step, c.at)) if usable else None
 
 
+def onset(ev: LossFinding) -> int:
+    """The first step whose loss carried the finding's evidence: a spike found over several steps began before the
+    step that completed it (LossSpikeDetected v1 and NonFiniteLoss name one step)."""
+    return ev.onset if isinstance(ev, LossSpikeDetected) and 0 <= ev.onset <= ev.step else ev.step
+
+
 def symptom(ev: LossFinding) -> str:
     match ev:
         case LossSpikeDetected():
-            return (f"loss spike at step {ev.step}: {ev.loss:.4g} against a median of {ev.baseline:.4g} "
-                    f"(robust z {ev.z:.1f} > {ev.threshold:g})")
+            return spike_summary(ev)
         case NonFiniteLoss():
             return f"non-finite loss at step {ev.step} on rank {ev.rank} (loss {ev.loss}, grad norm {ev.grad_norm})"
 
 
 def after_loss(job: Job, ev: LossFinding) -> RollTo | Fail:
     """The rollback a loss finding calls for, or why the job must fail instead."""
-    policy, step, what = job.spec.policy, ev.step, symptom(ev)
+    policy, step, first, what = job.spec.policy, ev.step, onset(ev), symptom(ev)
     incident = job.incident
     same = incident is not None and incident.first <= step <= incident.last
     if incident is not None and same and len(incident.triggers) + 1 >= SPIKES_TO_FAIL:
@@ -114,13 +119,14 @@ def after_loss(job: Job, ev: LossFinding) -> RollTo | Fail:
         return Fail(f"loss spiked {len(incident.triggers) + 1} times around step {incident.steps[0]} despite "
                     f"rollbacks (steps {steps}; last: {what}): a data or learning-rate problem; check the data "
                     f"from batch {incident.skip_from} on, or lower train.lr", causes=(*incident.triggers, ev.event_id))
-    target, old_enough = rollback_target(job, step)
+    target, old_enough = rollback_target(job, first)  # a checkpoint after the onset holds the spike's updates
     if target is None:
         return Fail(f"{what} before any checkpoint at or before it was committed: nothing to roll back to; "
                     f"checkpoint more often (train.checkpoint_every is {job.spec.train.checkpoint_every}) or start "
                     f"spike detection later (policy.spike_warmup is {policy.spike_warmup})", causes=(ev.event_id,))
     position = target.data or DataPosition(next_batch=target.step)
-    spike_batch = batch_after(position, job.skips, step - target.step)
+    spike_batch = batch_after(position, job.skips, first - target.step)
+    evidence = batch_after(position, job.skips, step - target.step) + 1 - spike_batch  # the batches that carried it
     margin = max(policy.rollback_steps_back, job.spec.train.checkpoint_every)
     if incident is not None and same:
         length = incident.skip_to - incident.skip_from
@@ -132,7 +138,7 @@ def after_loss(job: Job, ev: LossFinding) -> RollTo | Fail:
                             triggers=(*incident.triggers, ev.event_id))
         how = f"; spike {len(incident.triggers)} around step {incident.steps[0]}, so the skip is widened"
     else:
-        skip_from, skip_to = spike_batch, spike_batch + policy.rollback_skip_batches
+        skip_from, skip_to = spike_batch, spike_batch + evidence + policy.rollback_skip_batches
         incident = Incident(first=target.step, last=step + margin, skip_from=skip_from, skip_to=skip_to,
                             steps=(step,), triggers=(ev.event_id,))
         how = ""

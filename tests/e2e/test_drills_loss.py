@@ -36,15 +36,17 @@ async def test_a_loss_spike_rolls_back_before_it_and_skips_the_bad_batches(drill
     assert p.seen(JobCompleted, job), kinds(p.job(job))
     assert [e.attempt for e in p.seen(AllocationGranted, job)] == [0]  # rolled back in place, never restarted
     (spike,) = p.seen(LossSpikeDetected, job)
-    assert SPIKE_AT <= spike.step < SPIKE_AT + NOISY and spike.z > spike.threshold
+    # found over the noisy steps: from the first (its onset) to the one whose loss completed the evidence
+    assert spike.onset == SPIKE_AT and spike.step == SPIKE_AT + NOISY - 1 and spike.score >= spike.threshold
+    assert len(spike.evidence) == NOISY and all(x > spike.baseline * 5 for x in spike.losses)
     (rollback,) = p.seen(RollbackRequested, job)
     assert rollback.trigger_id == spike.event_id
     commits = {e.checkpoint_id: e for e in p.seen(CheckpointCommitted, job)}
     assert rollback.checkpoint_id in commits and rollback.to_step == commits[rollback.checkpoint_id].step
-    assert rollback.to_step <= spike.step - spec.policy.rollback_steps_back
-    # The noisy batches are global batches [SPIKE_AT, SPIKE_AT + 3): step i reads batch i before any skip.
-    assert rollback.skip_from <= spike.step and rollback.skip_to >= SPIKE_AT + NOISY, rollback
-    assert rollback.skip_to - rollback.skip_from == spec.policy.rollback_skip_batches
+    assert rollback.to_step <= spike.onset - spec.policy.rollback_steps_back
+    # The noisy batches are global batches [SPIKE_AT, SPIKE_AT + 3): step i reads batch i before any skip. The skip
+    # is those the evidence names, and policy.rollback_skip_batches more.
+    assert (rollback.skip_from, rollback.skip_to) == (SPIKE_AT, SPIKE_AT + NOISY + spec.policy.rollback_skip_batches)
     rolled = p.seen(RolledBack, job, stream=subjects.TELEMETRY)
     assert rolled and {(e.checkpoint_id, e.to_step, e.skip_from, e.skip_to) for e in rolled} == {
         (rollback.checkpoint_id, rollback.to_step, rollback.skip_from, rollback.skip_to)}

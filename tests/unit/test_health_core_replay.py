@@ -20,7 +20,7 @@ POLICY = PolicySpec(heartbeat_interval_s=1.0, heartbeat_misses=3, hang_min_s=4.0
 
 def scenario() -> Cluster:
     c = Cluster(num_ranks=3, policy=POLICY)
-    c.loss = lambda rank, step: loss_curve(step) * (5.0 if step == 30 else 1.0) + 0.01 * math.sin(step * 3 + rank)
+    c.loss = lambda rank, step: loss_curve(step) * (5.0 if 30 <= step < 33 else 1.0) + 0.01 * math.sin(step * 3 + rank)
     c.start()
     c.run([RankPlan(step_time_s=lambda s: 0.25), RankPlan(step_time_s=lambda s: 0.25, dies_at=20.0),
            RankPlan(step_time_s=lambda s: 0.25, hangs_at_step=60)], start=0.0, until=40.0)

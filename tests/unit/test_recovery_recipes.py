@@ -33,7 +33,8 @@ SVC = core_service(stop_timeout_s=30.0, landing_timeout_s=60.0)
 JOB = "j-1"
 
 
-def spec(*, back: int = 100, skip: int = 200, every: int = 100, max_restarts: int = 3) -> JobSpec:
+def spec(*, back: int = 100, skip: int = 199, every: int = 100, max_restarts: int = 3) -> JobSpec:
+    """`skip`: batches skipped past the finding's own (one for a one-step finding: 200 in all by default)."""
     return JobSpec(name="j", slots=2, train=TrainSpec(steps=10_000, checkpoint_every=every),
                    policy=PolicySpec(rollback_steps_back=back, rollback_skip_batches=skip, max_restarts=max_restarts))
 
@@ -95,6 +96,16 @@ def test_a_spike_rolls_back_to_the_newest_checkpoint_old_enough_and_skips_from_t
     job = state.jobs[JOB]
     assert job.phase == "running" and job.restarts == 0 and job.attempt == 0  # a rollback is no restart
     assert job.abandoned == {cid(400)}  # its steps are thrown away: never a rollback target again
+
+
+def test_a_spike_over_several_steps_rolls_back_to_before_its_onset_and_skips_the_batches_that_carried_it() -> None:
+    """A v2 finding names the excursion's steps: a checkpoint after its onset already holds the spike's updates."""
+    ev = msgspec.structs.replace(spike(405, "s"), onset=398, score=7.5, threshold=7.5, losses=[9.0] * 8,
+                                 schema_version=2)
+    _, outs = run([ev], with_commits(300, 400, job_spec=spec(back=0, skip=0)))
+    rb = only_rollback(outs)
+    assert (rb.checkpoint_id, rb.to_step, rb.skip_from, rb.skip_to) == (cid(300), 300, 398, 406)
+    assert rb.reason.startswith("loss spike over steps 398-405: 9 against a median of 2, evidence 7.5 >= 7.5")
 
 
 def test_without_a_checkpoint_that_old_the_oldest_before_the_spike_is_taken() -> None:

@@ -18,7 +18,7 @@ import msgspec
 import pytest
 
 from events import subjects
-from events.clock import ClockTick
+from events.clock import ClockTick, CoreConfigured
 from events.training import FaultInjected, StepCompleted
 from services.core import Service
 from services.health.core import core_service as health
@@ -80,7 +80,8 @@ async def test_every_control_sequence_folds_to_the_live_state_and_its_recorded_d
         history: History, build: Any) -> None:
     service: Service[Any] = build()
     stored = {s.msg_id: s for s in history.stream(subjects.CONTROL)
-              if s.event is not None and s.event.producer == service.name and not isinstance(s.event, ClockTick)}
+              if s.event is not None and s.event.producer == service.name
+              and not isinstance(s.event, ClockTick | CoreConfigured)}
     recorded = {mid: s.event for mid, s in stored.items()}
     assert recorded, f"{service.name} recorded nothing"
     # One incremental fold, as the live service ran: the state after each control input it read.

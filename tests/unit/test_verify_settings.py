@@ -18,14 +18,15 @@ from services.tools.history import fdh
 from services.tools.history.library import History
 from tests.unit.helpers import Bus
 
-FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "histories" / "spike.fdh.jsonl"
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "histories" / "crash.fdh.jsonl"  # recorded before
+# the services recorded their settings (CoreConfigured)
 
 
 async def test_an_old_history_verifies_with_the_defaults_whatever_the_environment(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FLIGHTDECK_STOP_TIMEOUT_S", "1")
     monkeypatch.setenv("FLIGHTDECK_MASTER_PORT_BASE", "50000")
-    history = History(job_id="spike-000001", rows=fdh.load(FIXTURE), source="spike")
+    history = History(job_id="crash-000001", rows=fdh.load(FIXTURE), source="crash")
     verdict = await verify(history.store, history.job_id)
     assert verdict.ok, verdict.divergences[:1]
     said = [n for n in verdict.notes if "no settings recorded" in n]

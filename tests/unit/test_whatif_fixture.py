@@ -9,7 +9,7 @@ import structlog
 
 from events.commands import RollbackRequested
 from events.findings import LossSpikeDetected
-from events.job import AllocationRequested, JobCompleted, JobFailed
+from events.job import AllocationRequested, JobCompleted, JobFailed, JobSubmitted
 from events.training import RolledBack
 from services.tools.audit import settings
 from services.tools.audit.whatif import whatif
@@ -45,14 +45,15 @@ def test_whatif_and_the_postmortem_report_the_same_recorded_goodput(path: Path, 
                                                                         split.goodput)
 
 
-def test_a_higher_spike_threshold_removes_the_rollback_and_saves_its_measured_cost() -> None:
+def test_more_spike_steps_than_the_spike_lasted_remove_the_rollback_and_save_its_measured_cost() -> None:
     rows = fdh.load(SPIKE)
     (spike,) = [s for s in rows if isinstance(s.event, LossSpikeDetected)]
-    w = whatif(rows, "spike-000001", {"policy.spike_z": 8})
-    assert w.settings == {"policy.spike_z": (6.0, 8.0)}
-    assert [(c.kind, type(c.event)) for c in w.changes] == [("vanishes", LossSpikeDetected),
-                                                           ("vanishes", RollbackRequested)]
-    trigger = w.changes[0].trigger  # the spiking step's telemetry
+    w = whatif(rows, "spike-000001", {"policy.spike_steps": 4})  # the drill poisons 3 batches
+    assert w.settings == {"policy.spike_steps": (3, 4)}
+    assert [(c.kind, type(c.event)) for c in w.changes][:2] == [("vanishes", LossSpikeDetected),
+                                                               ("vanishes", RollbackRequested)]
+    assert {c.service for c in w.changes[2:]} == {"checkpoints"}  # retention keeps other checkpoints, nothing else
+    trigger = w.changes[0].trigger  # the telemetry of the step that completed the spike
     assert trigger is not None and spike.msg_id == f"health:{trigger.stream}:{trigger.seq}:0"
     assert {type(s.event) for s in w.outcome.dropped} == {RolledBack}  # the ranks' rollback did not happen
     (saved,) = w.estimates
@@ -65,7 +66,7 @@ def test_a_lower_threshold_keeps_the_rollback_and_says_how_the_finding_differs()
     w = whatif(fdh.load(SPIKE), "spike-000001", {"policy.spike_z": 3})
     assert [(c.kind, type(c.event).__name__) for c in w.changes][:2] == [("differs", "LossSpikeDetected"),
                                                                          ("differs", "RollbackRequested")]
-    assert ("threshold", 6.0, 3.0) in w.changes[0].fields()
+    assert ("threshold", 7.5, 4.5) in w.changes[0].fields()  # 3 steps of (z capped at 3) - 1.5
 
 
 def test_no_restart_budget_fails_the_crash_drill_at_its_crash() -> None:
@@ -97,7 +98,7 @@ def test_a_longer_checkpoint_interval_is_estimated_from_the_recorded_incidents()
     ("policy.spike_z", "write KEY=VALUE"),
 ])
 def test_bad_settings_are_refused_naming_them(item: str, says: str) -> None:
-    spec = fdh.load(SPIKE)[2].event.spec  # type: ignore[union-attr]
+    spec = next(s.event.spec for s in fdh.load(SPIKE) if isinstance(s.event, JobSubmitted))
     with pytest.raises(settings.BadSetting, match=None) as err:
         settings.apply(spec, settings.parse([item]))
     assert says in str(err.value)
@@ -106,12 +107,12 @@ def test_bad_settings_are_refused_naming_them(item: str, says: str) -> None:
 def test_the_cli_refuses_an_unknown_key_and_reports_a_what_if(capsys: pytest.CaptureFixture[str]) -> None:
     assert flightdeck(["whatif", "--from", str(SPIKE), "--set", "policy.nope=1"]) == 2
     assert "unknown setting 'policy.nope'" in capsys.readouterr().err
-    assert flightdeck(["whatif", "--from", str(SPIKE), "--set", "policy.spike_z=8"]) == 0
+    assert flightdeck(["whatif", "--from", str(SPIKE), "--set", "policy.spike_steps=4"]) == 0
     out = capsys.readouterr().out
     assert "VANISHES scheduler   RollbackRequested" in out and "what a what-if can and cannot know" in out
 
 
 def test_a_history_without_recorded_settings_says_the_what_if_used_the_defaults() -> None:
-    w = whatif(fdh.load(SPIKE), "spike-000001", {})
+    w = whatif(fdh.load(CRASH), "crash-000001", {})  # recorded before the services recorded their settings
     assert "scheduler: no settings recorded in this history: replayed with the defaults " \
            "(stop_timeout_s=120.0, landing_timeout_s=120.0)" in w.caveats

@@ -15,7 +15,7 @@ from events.checkpoint import (
     ShardsUploaded,
 )
 from events.commands import CheckpointRequested, PauseRequested, ResumeRequested, RollbackRequested, StopRequested
-from events.findings import LossSpikeDetected, NonFiniteLoss, RankHung, RankLost, StragglerDetected
+from events.findings import LossSpikeDetected, NonFiniteLoss, RankHung, RankLost, StragglerDetected, spike_summary
 from events.fleet import NodeCordoned, NodeLost, NodeUncordoned, SelfCheckFailed
 from events.job import (
     AllocationDenied,
@@ -82,8 +82,7 @@ def describe(ev: Event) -> str:
             return f"rank {ev.rank} hung at step {ev.step}: no progress for {ev.stalled_s:.1f} s " \
                    f"(deadline {ev.deadline_s:.1f} s)"
         case LossSpikeDetected():
-            return f"loss spike at step {ev.step}: {ev.loss:.4g} against a median of {ev.baseline:.4g} " \
-                   f"(z {ev.z:.1f} > {ev.threshold:g})"
+            return spike_summary(ev)
         case NonFiniteLoss():
             return f"non-finite loss at step {ev.step} on rank {ev.rank} (loss {ev.loss}, grad norm {ev.grad_norm})"
         case StragglerDetected():
