@@ -18,6 +18,7 @@ from pathlib import Path
 from bench.detectors.baseline import SingleStepZ
 from bench.detectors.corpus import recorded, synthetic, trials
 from bench.detectors.score import Score, score
+from bench.detectors.timing import measure
 from events.spec import PolicySpec
 from services.health.detectors import SpikeWatch
 
@@ -68,7 +69,11 @@ def main() -> None:
         for name, sh in d["shapes"].items():  # type: ignore[attr-defined]
             print(f"  {name:28} found {sh['found']:3}/{sh['trials']:3}  delay median {sh['median_delay_steps']} "
                   f"max {sh['max_delay_steps']} steps" + (f"  missed e.g. {sh['missed'][:3]}" if sh["missed"] else ""))
-    args.out.write_text(json.dumps({"command": "python -m bench.detectors", "corpus": sizes,
+    timing = measure(PolicySpec())
+    print("\nhang and straggler rules on the recorded step times (bench/detectors/timing.py):")
+    for name, row in timing.items():
+        print(f"  {name:32} {row}")
+    args.out.write_text(json.dumps({"command": "python -m bench.detectors", "corpus": sizes, "timing": timing,
                                     "seconds": round(time.monotonic() - began, 1),
                                     "scores": [s.as_dict() for s in scores]}, indent=1) + "\n")
 

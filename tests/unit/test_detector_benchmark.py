@@ -9,6 +9,7 @@ from bench.detectors.__main__ import Shipped
 from bench.detectors.baseline import SingleStepZ
 from bench.detectors.corpus import SHAPES, recorded, synthetic, trials
 from bench.detectors.score import QUIET, findings, score
+from bench.detectors.timing import measure
 from events.spec import PolicySpec
 
 RECORDED = {"pytorch_ddp", "fsdp2", "hf_causal_lm", "builtin-b8-lr3e-3-s1", "builtin-b2-lr1e-2-s2",
@@ -37,3 +38,16 @@ def test_the_rule_shipped_before_rolled_the_healthy_ddp_example_back_where_issue
     assert old[0] == 731 and len(old) >= 2  # "LossSpikeDetected at step 731: loss 0.573 against a median of 0.137"
     assert math.isclose(ddp.loss[731], 0.5733, abs_tol=1e-3)
     assert findings(Shipped(PolicySpec()), ddp.loss, ddp.lr) == []
+
+
+def test_the_hang_and_straggler_rules_make_no_finding_on_the_recorded_step_times_and_find_a_slow_rank() -> None:
+    rows = measure(PolicySpec())
+    assert set(rows) == RECORDED
+    for name, row in rows.items():
+        assert row["false_hangs"] == 0 and row["hang_delay_s"] == PolicySpec().hang_min_s, (name, row)
+        if row["ranks"] == 2:
+            assert row["false_stragglers"] == 0, (name, row)
+            found = row["slow_rank_x3_found_after_steps"]
+            assert isinstance(found, int) and PolicySpec().straggler_window <= found <= 40, (name, row)
+    # the floor is what keeps the deadline off a checkpoint write or a loaded box's slow step
+    assert sum(int(str(r["false_hangs_without_the_floor"])) for r in rows.values()) > 0
