@@ -31,14 +31,14 @@ async def violations(run: Run) -> list[str]:
     return out
 
 
-def _job_events(run: Run, control: list[Stored], job_id: str) -> list[Any]:
+def _job_events(control: list[Stored], job_id: str) -> list[Any]:
     return admitted_events([s for s in control if s.subject.startswith(f"fd.ctl.job.{job_id}.")])
 
 
 def _completed_only_when_done(run: Run, control: list[Stored]) -> list[str]:
     out = []
     for job_id in run.job_ids:
-        if any(isinstance(e, JobCompleted) for e in _job_events(run, control, job_id)):
+        if any(isinstance(e, JobCompleted) for e in _job_events(control, job_id)):
             if not any(a.finished for (j, _), a in run.ranks.attempts.items() if j == job_id):
                 steps = max((a.step for (j, _), a in run.ranks.attempts.items() if j == job_id), default=0)
                 out.append(f"{job_id} completed, but no attempt ran every step (furthest: step {steps})")
@@ -48,7 +48,7 @@ def _completed_only_when_done(run: Run, control: list[Stored]) -> list[str]:
 def _every_job_ends(run: Run, control: list[Stored]) -> list[str]:
     out = []
     for job_id in run.job_ids:
-        ends = [e for e in _job_events(run, control, job_id) if isinstance(e, JobCompleted | JobFailed | JobCancelled)]
+        ends = [e for e in _job_events(control, job_id) if isinstance(e, JobCompleted | JobFailed | JobCancelled)]
         if not ends:
             out.append(f"{job_id} never ended: {run.plan.bound_s - run.plan.faults_until:.0f}s after the last fault "
                        "it is still not completed, failed or cancelled")
