@@ -7,10 +7,12 @@ A job's ranks (`trainer`) author the telemetry types not listed under TELEMETRY_
 """
 
 # The event types each producer authors: a type listed under one producer is a decision no one else may
-# publish. Scheduling decisions are the scheduler's alone (services/scheduler/tx.py emits them).
+# publish; one listed under several (a pause: a person's, or the scheduler's when it leaves a rollback to the
+# operator) any of them may. Scheduling decisions are the scheduler's alone (services/scheduler/tx.py emits them).
 JOB_TYPES: dict[str, tuple[str, ...]] = {
     "scheduler": ("JobQueued", "AllocationRequested", "AllocationReleased", "JobResumed", "JobPreempted",
-                  "JobCompleted", "JobFailed", "JobCancelled", "StopRequested", "RollbackRequested"),
+                  "JobCompleted", "JobFailed", "JobCancelled", "StopRequested", "RollbackRequested",
+                  "PauseRequested"),  # a spike rollback past policy.max_skip_fraction pauses for the operator
     "resources": ("AllocationGranted", "AllocationDenied"),
     "checkpoints": ("CheckpointCommitted", "CheckpointFailed", "CheckpointPending", "CheckpointDeleted",
                     "CheckpointScrubbed"),

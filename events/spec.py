@@ -57,6 +57,9 @@ class PolicySpec(Spec, frozen=True, kw_only=True):
     rollback_steps_back: Annotated[int, Meta(ge=0, le=100_000_000)] = 100
     # a spike rollback skips the batches that carried the spike (its finding's onset..step) and this many after them
     rollback_skip_batches: Annotated[int, Meta(ge=0, le=100_000_000)] = 0
+    # the most of train.steps' batches spike rollbacks may skip in all: a rollback past it pauses the job and asks
+    # the operator (its reason says how to roll back anyway or go on), never skipping that much data silently
+    max_skip_fraction: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.02
     keep_checkpoints: Annotated[int, Meta(ge=1, le=100_000)] = 3  # committed checkpoints kept (plus rollback targets)
     # a restart waits at most this long for a checkpoint every rank has staged to commit (and never longer than
     # the work it holds took), rather than redo its steps from an older one; 0: never waits

@@ -16,6 +16,13 @@ SPIKES_TO_FAIL = 3  # spikes in one incident: the third fails the job
 
 
 @dataclass(frozen=True, slots=True)
+class Ask:
+    """A rollback the policy does not allow alone: the job is paused and the operator asked (`reason` says how)."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class RollTo:
     checkpoint: Checkpoint
     skip_from: int
@@ -109,8 +116,13 @@ def symptom(ev: LossFinding) -> str:
             return f"non-finite loss at step {ev.step} on rank {ev.rank} (loss {ev.loss}, grad norm {ev.grad_norm})"
 
 
-def after_loss(job: Job, ev: LossFinding) -> RollTo | Fail:
-    """The rollback a loss finding calls for, or why the job must fail instead."""
+def skipped(windows: tuple[tuple[int, int], ...]) -> int:
+    """Batches the windows skip, overlaps counted once."""
+    return sum(b - a for a, b in merged(windows))
+
+
+def after_loss(job: Job, ev: LossFinding) -> RollTo | Fail | Ask:
+    """The rollback a loss finding calls for, why the job must fail instead, or why the operator must decide."""
     policy, step, first, what = job.spec.policy, ev.step, onset(ev), symptom(ev)
     incident = job.incident
     same = incident is not None and incident.first <= step <= incident.last
@@ -145,6 +157,14 @@ def after_loss(job: Job, ev: LossFinding) -> RollTo | Fail:
     if not old_enough:
         how += (f"; no checkpoint is {policy.rollback_steps_back} steps older than the spike "
                 f"(policy.rollback_steps_back), so the oldest one before it")
+    total, cap = skipped((*job.skips, (skip_from, skip_to))), policy.max_skip_fraction * job.spec.train.steps
+    if total > cap:
+        return Ask(f"{what}: rolling back to {target.checkpoint_id} (step {target.step}) and skipping batches "
+                   f"[{skip_from}, {skip_to}) would skip {total} batches in all, {total / job.spec.train.steps:.1%} of "
+                   f"the run's {job.spec.train.steps}, past policy.max_skip_fraction {policy.max_skip_fraction:g}: "
+                   f"paused for the operator; to roll back anyway: flightdeck rollback {job.job_id} --to-step "
+                   f"{target.step} --skip {skip_from}:{skip_to}, then flightdeck resume {job.job_id}; to go on as it "
+                   f"is: flightdeck resume {job.job_id} (finding {ev.event_id})")
     reason = (f"{what}: roll back to {target.checkpoint_id} (step {target.step}) and skip batches "
               f"[{skip_from}, {skip_to}){how} (finding {ev.event_id})")
     return RollTo(checkpoint=target, skip_from=skip_from, skip_to=skip_to, reason=reason, incident=incident)

@@ -7,7 +7,7 @@ import msgspec
 
 from events import lineage
 from events.checkpoint import CheckpointCommitted, CheckpointRefused
-from events.commands import RollbackRequested, StopRequested
+from events.commands import PauseRequested, RollbackRequested, StopRequested
 from events.job import RollbackAsked
 from events.training import RolledBack
 from services.scheduler import commit_wait, queue, recipes
@@ -28,11 +28,14 @@ def loss_finding(tx: Tx, ev: recipes.LossFinding, landing_timeout_s: float) -> N
         return
     if in_flight(job, tx.at, landing_timeout_s):
         return
-    if job.incident is not None and ev.event_id in job.incident.triggers:
+    if (job.incident is not None and ev.event_id in job.incident.triggers) or ev.event_id == job.asked_for:
         return  # the same finding read again
     match recipes.after_loss(job, ev):
         case recipes.RollTo() as plan:
             roll(tx, job, plan, ev.event_id)
+        case recipes.Ask(reason=why):
+            tx.emit(PauseRequested(job_id=job.job_id, reason=why))
+            tx.update(job, asked_for=ev.event_id)
         case Fail(reason=why, causes=causes):
             fail(tx, job, why, causes)
 

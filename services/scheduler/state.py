@@ -90,6 +90,7 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     rollback: Rollback | None = None  # the newest rollback of `attempt`
     skips: tuple[tuple[int, int], ...] = ()  # batch windows rollbacks of `attempt` added to its token stream
     incident: Incident | None = None  # the latest loss incident; outlives restarts (it is about the data)
+    asked_for: str = ""  # the loss finding whose rollback was left to the operator (the job paused)
     abandoned: frozenset[str] = frozenset()  # checkpoints of steps a rollback threw away: never a rollback target
     forks: tuple[lineage.Fork, ...] = ()  # timelines rollbacks started, every attempt's: never restored across
     bad_restore: str = ""  # why `attempt`'s checkpoint was rejected (CheckpointRejected): its restart is free

@@ -38,7 +38,8 @@ from tests.integration.lifecycle_harness import SERVICES, Objects, Platform, ope
 
 HEALTH_TICK_S = "0.5"
 DRILL_POLICY = PolicySpec(heartbeat_interval_s=0.5, heartbeat_misses=4, hang_min_s=3.0, max_restarts=3,
-                          spike_warmup=10, spike_window=20, rollback_steps_back=5, rollback_skip_batches=5)
+                          spike_warmup=10, spike_window=20, rollback_steps_back=5, rollback_skip_batches=5,
+                          max_skip_fraction=0.5)  # drills are short: 8 batches of 60 steps, rolled back all the same
 
 
 def drill_spec(name: str, *, slots: int = 2, steps: int = 40, checkpoint_every: int = 5,

@@ -30,6 +30,8 @@ async def test_a_thousand_seeded_fault_schedules_break_no_invariant(first: int) 
 FOUND = {
     67: "an agent that died idle was granted a restart's ranks and the job waited for ever",
     827: "a rank that hung after its last step was never judged and its job never ended",
+    50142328: "a hang after the last step, then a restart granted to an idle vanished agent: two startup graces "
+              "in a row outlasted the explorer's bound (soak, 2026-11-28)",
 }
 
 

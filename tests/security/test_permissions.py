@@ -55,6 +55,8 @@ def test_every_control_type_has_an_author_and_scheduling_decisions_have_one() ->
     for role, types in permissions.JOB_TYPES.items():
         if role != "scheduler":
             assert not set(types) & set(permissions.SCHEDULER_DECISIONS), role
+    # a command both a person and the scheduler give (a pause, when a rollback is left to the operator)
+    assert set(permissions.JOB_TYPES["scheduler"]) - set(permissions.SCHEDULER_DECISIONS) == {"PauseRequested"}
     users = permissions.fleet(("n1",), ("j-000001",))
     for decision in permissions.SCHEDULER_DECISIONS:
         may = [u.user for u in users if u.may_publish(subjects.job("j-000001", decision))]
@@ -71,8 +73,9 @@ def test_a_recorded_drill_history_passes_its_producers_permissions_and_no_one_el
             job_id = subjects.job_of(subject) or ""
             assert permissions.job(job_id).may_publish(subject)
             assert not permissions.job("other-000000").may_publish(subject)
-            # an agent relays its ranks' heartbeats (one batch per node) and publishes no other telemetry
-            relayed = subject.endswith(".RankHeartbeats")
+            # an agent relays its ranks' heartbeats (one batch per node) and reports the shards it shipped, and
+            # publishes no other telemetry
+            relayed = type(event).__name__ in permissions.TELEMETRY_TYPES["agent"]
             assert permissions.agent("n1").may_publish(subject) == relayed, subject
         elif record["stream"] == subjects.CONTROL:
             if type(event).__name__ in subjects.NODE_RECORDS and isinstance(event, JobEvent):

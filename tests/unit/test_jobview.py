@@ -3,11 +3,12 @@ the real scheduler and resource cores (tests/unit/helpers.Bus) rather than writt
 
 from events.base import Event
 from events.checkpoint import CheckpointCommitted, CheckpointDeleted, DataPosition
-from events.commands import RollbackRequested
+from events.commands import PauseRequested, ResumeRequested, RollbackRequested
 from events.job import AllocationReleased, CancelRequested, JobQueued, WorkersExited
 from events.training import StepCompleted
 from services.resources.core import core_service as resources
 from services.scheduler.core import core_service as scheduler
+from services.tools.console.status import details
 from services.tools.history import jobview
 from services.tools.history.jobview import JobView
 from tests.unit.helpers import Agents, Bus, register, submit
@@ -150,6 +151,23 @@ def test_rollbacks_are_counted_and_a_stale_release_is_no_restart() -> None:
     stale = AllocationReleased(job_id="j-1", attempt=0, reason=jobview.STALE_GRANT)
     v = jobview.fold("j-1", [*(e for e in b.log if getattr(e, "job_id", None) == "j-1"), stale])
     assert (v.phase, v.restarts) == ("running", 0)
+
+
+def test_a_pause_shows_its_reason_in_full_until_a_resume_or_the_attempt_s_end() -> None:
+    b, agents = cluster()
+    b.publish(submit("j-1", slots=2))
+    agents()
+    why = "loss spike over steps 40-42: ... paused for the operator; to roll back anyway: flightdeck rollback j-1 ..."
+    paused = PauseRequested(job_id="j-1", reason=why, producer="scheduler")
+    history = [e for e in b.log if getattr(e, "job_id", None) == "j-1"]
+    v = jobview.fold("j-1", [*history, paused])
+    assert (v.phase, v.paused) == ("running", why)
+    assert f"\npaused:      {why}\n" in details(v, now=v.updated_at)  # not cut to a headline: it says what to do
+    assert jobview.fold("j-1", [*history, paused, ResumeRequested(job_id="j-1")]).paused == ""
+    by_hand = jobview.fold("j-1", [*history, PauseRequested(job_id="j-1", producer="cli")])
+    assert by_hand.paused == "paused by cli"
+    released = AllocationReleased(job_id="j-1", attempt=0, reason="restart")
+    assert jobview.fold("j-1", [*history, paused, released]).paused == ""  # a new attempt's ranks start unpaused
 
 
 def test_a_history_without_its_submission_still_folds() -> None:

@@ -8,7 +8,7 @@ from events.base import Event, JobEvent
 from events.checkpoint import CheckpointCommitted, CheckpointDeleted, DataPosition
 from events.clock import ClockTick
 from events.codec import encode
-from events.commands import RollbackRequested, StopRequested
+from events.commands import PauseRequested, RollbackRequested, StopRequested
 from events.findings import LossSpikeDetected, NonFiniteLoss, RankLost
 from events.job import (
     AllocationGranted,
@@ -33,10 +33,13 @@ SVC = core_service(stop_timeout_s=30.0, landing_timeout_s=60.0)
 JOB = "j-1"
 
 
-def spec(*, back: int = 100, skip: int = 199, every: int = 100, max_restarts: int = 3) -> JobSpec:
-    """`skip`: batches skipped past the finding's own (one for a one-step finding: 200 in all by default)."""
+def spec(*, back: int = 100, skip: int = 199, every: int = 100, max_restarts: int = 3,
+         most: float = 1.0) -> JobSpec:
+    """`skip`: batches skipped past the finding's own (one for a one-step finding: 200 in all by default); `most`:
+    policy.max_skip_fraction."""
     return JobSpec(name="j", slots=2, train=TrainSpec(steps=10_000, checkpoint_every=every),
-                   policy=PolicySpec(rollback_steps_back=back, rollback_skip_batches=skip, max_restarts=max_restarts))
+                   policy=PolicySpec(rollback_steps_back=back, rollback_skip_batches=skip, max_restarts=max_restarts,
+                                     max_skip_fraction=most))
 
 
 def run(events: list[Event], state: State | None = None) -> tuple[State, list[Emit]]:
@@ -106,6 +109,24 @@ def test_a_spike_over_several_steps_rolls_back_to_before_its_onset_and_skips_the
     rb = only_rollback(outs)
     assert (rb.checkpoint_id, rb.to_step, rb.skip_from, rb.skip_to) == (cid(300), 300, 398, 406)
     assert rb.reason.startswith("loss spike over steps 398-405: 9 against a median of 2, evidence 7.5 >= 7.5")
+
+
+def test_a_rollback_past_max_skip_fraction_pauses_the_job_and_asks_the_operator_once() -> None:
+    """policy.max_skip_fraction 0.03 of 10,000 steps: 300 batches. The first spike's 200 fit; widening the skip to
+    405 for a second one would pass it, so the job is paused with a reason that says what to do, and no skip."""
+    state, outs = run([spike(450, "s1")], with_commits(100, 200, 300, 400, job_spec=spec(most=0.03)))
+    first = only_rollback(outs)
+    state, outs = run([landed(first), spike(455, "s2")], state)
+    (paused,) = events_of(outs)
+    assert isinstance(paused, PauseRequested) and paused.job_id == JOB
+    assert "would skip 405 batches in all, 4.0% of the run's 10000, past policy.max_skip_fraction 0.03" in paused.reason
+    assert f"flightdeck rollback {JOB} --to-step 300 --skip 450:855, then flightdeck resume {JOB}" in paused.reason
+    assert paused.reason.endswith("(finding s2)")
+    job = state.jobs[JOB]
+    assert job.asked_for == "s2" and job.skips == ((450, 650),) and job.incident is not None
+    assert job.incident.triggers == ("s1",)  # asking is no spike of the incident: the operator decides
+    _, outs = run([spike(455, "s2")], state)
+    assert outs == []  # the same finding read again asks nothing more
 
 
 def test_without_a_checkpoint_that_old_the_oldest_before_the_spike_is_taken() -> None:

@@ -140,7 +140,11 @@ def test_the_whole_replay_tells_the_spike_story_in_order(history: History) -> No
     assert ("phase", "Phase") in kinds and ("checkpoint", "CheckpointCommitted") in kinds
     assert kinds.count(("rollback", "RolledBack")) == 1  # both ranks reported it: one line
     offsets = [e.offset_s for e in result.timeline]
-    assert offsets[0] == 0.0 and offsets == sorted(offsets)
+    # in stream order; a decision carries its input's time, so a finding folded at a later tick of its service can
+    # list after events stored before it with later times (here the spike, after a checkpoint of that second)
+    assert offsets[0] == 0.0 and all(o >= 0 for o in offsets)
+    spike = kinds.index(("finding", "LossSpikeDetected"))
+    assert offsets[spike] == offsets[spike + 1]  # the rollback decided on it carries the same time
     printed = text(result)
     assert "LossSpikeDetected" in printed and "running -> completed" in printed
 

@@ -14,7 +14,9 @@ from events import subjects
 from events.authors import JOB_TYPES, NODE_TYPES, TELEMETRY_TYPES
 from events.subjects import CONTROL
 
-SCHEDULER_DECISIONS = JOB_TYPES["scheduler"]
+# the scheduler's alone; a command it shares with a person (a pause) is not a decision only it may publish
+SCHEDULER_DECISIONS = tuple(t for t in JOB_TYPES["scheduler"]
+                            if not any(t in types for role, types in JOB_TYPES.items() if role != "scheduler"))
 
 ADMIN, CONSOLE, AGENT = "admin", "console", "agent"
 GATE = "gate"  # the job gate: nats-server's auth callout for jobs' ranks (gate.py)

@@ -69,6 +69,7 @@ def details(v: JobView, now: float) -> str:
     lines = [
         ("job", f"{v.job_id} ({v.name})"),
         ("phase", v.phase + (f" ({headline(v.reason)})" if v.reason else "")),
+        *([("paused", v.paused)] if v.paused and not v.ended else []),  # in full: it may say what to do
         ("priority", str(v.priority)),
         ("slots", f"{v.slots} asked, {v.world_size} granted (attempt {v.attempt})"),
         ("steps", f"{_steps(v)} done" + ("" if v.loss is None else f" (loss {v.loss:.4g})")),

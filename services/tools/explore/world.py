@@ -32,7 +32,12 @@ SLOTS = 2
 FAULT_KINDS = ("crash", "lost_ack", "stale_restart", "broker_restart", "rank_crash", "rank_kill", "rank_term",
                "rank_hang", "spike", "agent_vanish", "poison")
 POLICY = PolicySpec(heartbeat_interval_s=0.5, heartbeat_misses=4, hang_min_s=3.0, max_restarts=8, spike_warmup=8,
-                    spike_window=12, rollback_steps_back=5, rollback_skip_batches=4, commit_wait_s=2.0)
+                    spike_window=12, rollback_steps_back=5, rollback_skip_batches=4, commit_wait_s=2.0,
+                    max_skip_fraction=1.0)  # no operator answers a pause here: every spike rolls back
+# How long after the last fault every job must have ended: the slowest chain of findings the policy allows (a rank
+# hung after its last step is judged after startup_grace_s, and its restart granted to a node whose agent vanished
+# while idle waits as long again for a start that never comes: soak seed 50142328), plus a minute to finish.
+SETTLE_S = 2 * POLICY.startup_grace_s + 60.0
 
 
 @dataclass(frozen=True)
@@ -83,7 +88,7 @@ def plan(seed: int, *, num_faults: int | None = None, kinds: Sequence[str] = FAU
     # One lost node at most: the fleet must keep room for every job (3 nodes x 2 slots, jobs of 2).
     vanished = [f for f in faults if f.kind == "agent_vanish"][1:]
     faults = [f for f in faults if f not in vanished]
-    return Plan(seed=seed, jobs=jobs, faults=faults, faults_until=until, bound_s=until + 240.0)
+    return Plan(seed=seed, jobs=jobs, faults=faults, faults_until=until, bound_s=until + SETTLE_S)
 
 
 @dataclass

@@ -16,7 +16,7 @@ from events.checkpoint import (
     CheckpointRejected,
     CheckpointScrubbed,
 )
-from events.commands import RollbackRequested
+from events.commands import PauseRequested, ResumeRequested, RollbackRequested
 from events.job import (
     AllocationDenied,
     AllocationGranted,
@@ -77,6 +77,7 @@ class JobView(msgspec.Struct, frozen=True, kw_only=True):
     last_fault: str = ""  # the scheduler's words for the newest restart after a fault
     preempted_by: str = ""
     cancel_requested: bool = False
+    paused: str = ""  # why the ranks are paused (a person's pause, or the scheduler asking the operator); "" if not
     resumed_from_step: int | None = None
     submitted_at: float = 0.0
     running_since: float = 0.0
@@ -186,6 +187,10 @@ def evolve(view: JobView, event: Event) -> JobView:
             return _replace(view, resumed_from_step=from_step)
         case RollbackRequested():
             return _replace(view, rollbacks=view.rollbacks + 1)
+        case PauseRequested(reason=reason):
+            return _replace(view, paused=reason or f"paused by {event.producer or 'a person'}")
+        case ResumeRequested():
+            return _replace(view, paused="")
         case JobCompleted():
             return _end(view, "completed", "", at)
         case JobFailed(reason=reason):
@@ -196,7 +201,7 @@ def evolve(view: JobView, event: Event) -> JobView:
 
 
 def _released(view: JobView, reason: str, spent: int) -> JobView:
-    cleared = _replace(view, granted=frozenset(), started=frozenset(), world_size=0, running_since=0.0,
+    cleared = _replace(view, granted=frozenset(), started=frozenset(), world_size=0, running_since=0.0, paused="",
                        attempt=view.attempt + 1)
     if view.phase == "stopping":
         return cleared  # a preemption's stop is done; its JobQueued("preempted") follows
