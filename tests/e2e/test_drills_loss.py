@@ -3,16 +3,19 @@ rank; the health monitor finds the spike against its robust baseline, the schedu
 committed checkpoint at least policy.rollback_steps_back steps before it and skips a window of batches covering
 the noise, the ranks restore in place (no restart) and the job completes with the loss back below the spike."""
 
+import re
+
 import msgspec
 import pytest
 
 from events import subjects
 from events.checkpoint import CheckpointCommitted
-from events.commands import RollbackRequested
+from events.commands import PauseRequested, RollbackRequested
 from events.findings import LossSpikeDetected
 from events.job import AllocationGranted, JobCompleted, JobFailed, JobResumed
 from events.spec import FaultSpec
 from events.training import FaultInjected, RolledBack, StepCompleted
+from services.tools.client import Client
 from tests.e2e.drill_harness import SPIKE_AT, spike_spec, wait_lineage
 from tests.integration.lifecycle_harness import Platform
 from tests.integration.test_lifecycle_services import kinds
@@ -83,4 +86,37 @@ async def test_a_crash_after_a_rollback_resumes_on_the_rolled_back_timeline(dril
     assert restored.step <= rollback.to_step or window in [tuple(w) for w in restored.data.skipped], (
         f"restored {resumed.checkpoint_id} (step {restored.step}, skipped {restored.data.skipped}): a checkpoint "
         f"the rollback to step {rollback.to_step} threw away")
+    assert await wait_lineage(p, job, STEPS) == []
+
+
+@pytest.mark.timeout(240)
+async def test_a_rollback_past_max_skip_fraction_pauses_for_the_operator_whose_rollback_and_resume_heal_it(
+        drill: Platform) -> None:
+    """policy.max_skip_fraction 0.05 of 60 steps allows 3 batches; the spike's 3 plus rollback_skip_batches 5 are 8,
+    so the scheduler pauses the job instead, saying how to go on. The operator's rollback (as the reason spells it)
+    and resume, through the client the CLI uses, heal it: it completes with the window skipped."""
+    p, job = drill, "spikeask-000001"
+    p.agent("n1", "--grace-s", "2")
+    await p.ready("n1")
+    spec = msgspec.structs.replace(spike_spec(), name="spikeask")
+    spec = msgspec.structs.replace(spec, policy=msgspec.structs.replace(spec.policy, max_skip_fraction=0.05))
+    await p.submit(spec, job)
+    await p.until(lambda: bool(p.seen(PauseRequested, job)) or bool(p.seen(JobFailed, job)), 150,
+                  "the scheduler to pause the job", job)
+    (spike,) = p.seen(LossSpikeDetected, job)
+    (paused,) = p.seen(PauseRequested, job)
+    assert paused.producer == "scheduler" and not p.seen(RollbackRequested, job)
+    assert "past policy.max_skip_fraction 0.05" in paused.reason
+    assert paused.reason.endswith(f"(finding {spike.event_id})")
+    asked = re.search(r"flightdeck rollback \S+ --to-step (\d+) --skip (\d+):(\d+)", paused.reason)
+    assert asked is not None and (int(asked[2]), int(asked[3])) == (SPIKE_AT, SPIKE_AT + NOISY + 5), paused.reason
+    fd = Client(p.store, p.url)
+    await fd.rollback(job, int(asked[1]), skip=(int(asked[2]), int(asked[3])), reason="the operator, as asked")
+    await p.until(lambda: bool(p.seen(RolledBack, job, stream=subjects.TELEMETRY)), 60, "the ranks to roll back", job)
+    await fd.resume(job, "go on")
+    await p.until(lambda: bool(p.seen(JobCompleted, job)) or bool(p.seen(JobFailed, job)), 120, "the job to end", job)
+    assert p.seen(JobCompleted, job), kinds(p.job(job))
+    (rollback,) = p.seen(RollbackRequested, job)
+    assert (rollback.skip_from, rollback.skip_to) == (SPIKE_AT, SPIKE_AT + NOISY + 5)
+    assert [e.attempt for e in p.seen(AllocationGranted, job)] == [0]  # healed in place, never restarted
     assert await wait_lineage(p, job, STEPS) == []
