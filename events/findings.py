@@ -33,7 +33,7 @@ class NonFiniteLoss(Finding, frozen=True, kw_only=True):
 
 
 class LossSpikeDetected(Finding, frozen=True, kw_only=True):
-    """Losses above their baseline whose evidence added up (services/health/detectors.py, SpikeWatch): the spike's
+    """Losses above their baseline whose evidence added up (services/health/spikes.py, SpikeWatch): the spike's
     steps are onset..step, its losses `losses`, its StepCompleted ids the evidence."""
 
     SCHEMA = 2  # 2 added onset, score, losses and log (the evidence adds up over steps; v1 judged one step)

@@ -43,7 +43,7 @@ class PolicySpec(Spec, frozen=True, kw_only=True):
     # least time a started rank may take to its first sign of life (imports, loading a model); a script that
     # never calls the trainer API is found silent after it, like a lost rank
     startup_grace_s: Annotated[float, Meta(gt=0.0, le=86_400.0)] = 120.0
-    # A loss spike is evidence that adds up (services/health/detectors.py, SpikeWatch): each loss counts by how far
+    # A loss spike is evidence that adds up (services/health/spikes.py, SpikeWatch): each loss counts by how far
     # its robust z passes spike_drift, at most spike_z - spike_drift, and a spike is found once the count reaches
     # spike_steps such steps in full, so one noisy loss, however high, is never a spike on its own
     spike_z: Annotated[float, Meta(gt=0.0, le=1000.0)] = 4.0

@@ -1,4 +1,4 @@
-"""The detector benchmark: today's loss-spike rule (services/health/detectors.py, SpikeWatch, with the default
+"""The detector benchmark: today's loss-spike rule (services/health/spikes.py, SpikeWatch, with the default
 policy) against the baseline (the single-step z > 6 rule shipped before issue 32) on the same corpus: precision,
 recall and delay per injected spike shape, and false findings on the fault-free curves.
 
@@ -20,7 +20,7 @@ from bench.detectors.corpus import recorded, synthetic, trials
 from bench.detectors.score import Score, score
 from bench.detectors.timing import measure
 from events.spec import PolicySpec
-from services.health.detectors import SpikeWatch
+from services.health.spikes import SpikeWatch
 
 
 class Shipped:

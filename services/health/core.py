@@ -29,7 +29,8 @@ from events.spec import PolicySpec
 from events.training import Heartbeat, RankFault, RankStarted, StepCompleted
 from services.core import Emit, Output, Service
 from services.health import agents
-from services.health.detectors import Hung, Lost, NonFiniteWatch, RankWatch, SpikeWatch, StragglerWatch
+from services.health.detectors import Hung, Lost, NonFiniteWatch, RankWatch, StragglerWatch
+from services.health.spikes import SpikeWatch
 
 NAME = "health"
 CONTROL_TYPES = (

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from events.findings import LossSpikeDetected
 from events.spec import PolicySpec
-from services.health.detectors import SpikeWatch, robust_z, spike_threshold
+from services.health.spikes import SpikeWatch, robust_z, spike_threshold
 from tests.unit.health_synth import Cluster, RankPlan, evidence_exists, fold, loss_curve, of
 
 POLICY = PolicySpec()  # spike_z 4, spike_drift 1.5, spike_steps 3, spike_window 50, spike_warmup 20
