@@ -50,9 +50,14 @@ class LossSpikeDetected(Finding, frozen=True, kw_only=True):
     log: bool = False  # judged on the log scale (v1: never)
 
 
+def spike_onset(ev: LossSpikeDetected) -> int:
+    """The first step whose loss carried the spike: its recorded onset (v2), or its one step (v1)."""
+    return ev.onset if 0 <= ev.onset <= ev.step else ev.step
+
+
 def spike_summary(ev: LossSpikeDetected) -> str:
     """The finding in a line, as the scheduler's reason, `status` and the postmortem say it."""
-    if 0 <= ev.onset < ev.step:
+    if spike_onset(ev) < ev.step:
         return (f"loss spike over steps {ev.onset}-{ev.step}: {ev.loss:.4g} against a median of {ev.baseline:.4g}, "
                 f"evidence {ev.score:.1f} >= {ev.threshold:g} (robust z {ev.z:.1f} at the last)")
     return (f"loss spike at step {ev.step}: {ev.loss:.4g} against a median of {ev.baseline:.4g} "

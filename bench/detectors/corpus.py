@@ -8,6 +8,7 @@ at labelled steps, in the shapes real spikes take: one step x10, short bursts, a
 over tens of steps, a climb that ends in NaN.
 """
 
+import functools
 import itertools
 import json
 import math
@@ -28,7 +29,7 @@ class Curve:
     step_time_s: float  # the median, for delays in seconds
     kind: str  # "recorded" or "synthetic"
 
-    @property
+    @functools.cached_property  # read once per trial: 33 trials a curve
     def noise(self) -> float:
         """The loss's own step-to-step noise past step 300, as a robust standard deviation of log(loss): a spike of
         x2 stands log(2) / noise of these above it."""

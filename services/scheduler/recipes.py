@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from events import lineage
 from events.checkpoint import DataPosition
-from events.findings import LossSpikeDetected, NonFiniteLoss, spike_summary
+from events.findings import LossSpikeDetected, NonFiniteLoss, spike_onset, spike_summary
 from services.scheduler.policy import Fail
 from services.scheduler.state import Checkpoint, Incident, Job
 
@@ -105,7 +105,7 @@ def newest_at_or_before(job: Job, step: int) -> Checkpoint | None:
 def onset(ev: LossFinding) -> int:
     """The first step whose loss carried the finding's evidence: a spike found over several steps began before the
     step that completed it (LossSpikeDetected v1 and NonFiniteLoss name one step)."""
-    return ev.onset if isinstance(ev, LossSpikeDetected) and 0 <= ev.onset <= ev.step else ev.step
+    return spike_onset(ev) if isinstance(ev, LossSpikeDetected) else ev.step
 
 
 def symptom(ev: LossFinding) -> str:

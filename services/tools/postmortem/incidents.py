@@ -8,7 +8,15 @@ from dataclasses import dataclass, field
 
 from events.base import Event, JobEvent
 from events.commands import StopRequested
-from events.findings import Finding, LossSpikeDetected, NonFiniteLoss, RankHung, RankLost, StragglerDetected
+from events.findings import (
+    Finding,
+    LossSpikeDetected,
+    NonFiniteLoss,
+    RankHung,
+    RankLost,
+    StragglerDetected,
+    spike_onset,
+)
 from events.fleet import NodeLost
 from events.job import (
     AllocationGranted,
@@ -210,8 +218,8 @@ def _incident(sc: Scan, number: int, draft: _Draft, caused: dict[str, list[Contr
 def _fault_step(ev: Event, fault: FaultInjected | RankFault | None) -> int | None:
     if fault is not None:
         return fault.step
-    if isinstance(ev, LossSpikeDetected) and 0 <= ev.onset <= ev.step:
-        return ev.onset  # the first step whose loss carried the spike, as the finding recorded it
+    if isinstance(ev, LossSpikeDetected):
+        return spike_onset(ev)  # the first step whose loss carried the spike, as the finding recorded it
     step = getattr(ev, "step", None)
     return step if isinstance(step, int) else None
 
