@@ -8,6 +8,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from events.checkpoint import CheckpointCommitted
 from events.job import JobCompleted, JobFailed, JobResumed, WorkersStarted
 from events.nodelocal import STOPPED_EXIT
 from events.spec import EntrypointSpec, JobSpec, TrainSpec
@@ -31,11 +32,16 @@ async def test_one_rank_s_sigterm_from_outside_restarts_the_job_and_every_step_r
     pids = await running(p, job)
     os.kill(pids[1], signal.SIGTERM)  # what an eviction sends: nobody in the platform asked for it
     await p.until(lambda: bool(p.seen(JobCompleted, job) or p.seen(JobFailed, job)), 200, "the job to end", job)
-    assert exits(p, job, 0) == {0: STOPPED_EXIT, 1: STOPPED_EXIT}  # both saved at the agreed step, then stopped
+    # Both saved at the agreed step, then left. The first to exit ends the attempt, and a rank still tearing down
+    # its process group when its slot is granted again is killed by the agent (the checkpoint is already written).
+    first = p.rank_exits(job)[0]  # in the order recorded
+    assert first.attempt == 0 and first.exit_code == STOPPED_EXIT
+    assert set(exits(p, job, 0).values()) <= {STOPPED_EXIT, -signal.SIGKILL}
     history = kinds(p.job(job))
     assert history.count("JobResumed") == 1 and history.index("JobResumed") < history.index("JobCompleted")
     (resumed,) = p.seen(JobResumed, job)
-    assert resumed.attempt == 1 and resumed.from_step > 0  # from the checkpoint the SIGTERM wrote
+    saved = max(e.step for e in p.seen(CheckpointCommitted, job) if e.attempt == 0)
+    assert resumed.attempt == 1 and resumed.from_step == saved > 0  # from the checkpoint the SIGTERM wrote
     assert exits(p, job, 1) == {0: 0, 1: 0}
     steps = {e.step for e in p.seen(StepCompleted, job, stream="FD_TELEMETRY") if e.rank == 0}
     assert steps == set(range(STEPS))
