@@ -16,7 +16,7 @@ JOB_TYPES: dict[str, tuple[str, ...]] = {
     "resources": ("AllocationGranted", "AllocationDenied"),
     "checkpoints": ("CheckpointCommitted", "CheckpointFailed", "CheckpointPending", "CheckpointDeleted",
                     "CheckpointScrubbed"),
-    "health": ("RankLost", "RankHung", "StragglerDetected", "NonFiniteLoss", "LossSpikeDetected"),
+    "health": ("RankLost", "RankHung", "StragglerDetected", "NonFiniteLoss", "LossSpikeDetected", "SpikeDiagnosed"),
     "resharder": ("ReshardPlanned",),
     "agent": ("WorkersStarted", "WorkersExited", "CheckpointRejected"),
     # A person's requests: submit and cancel jobs, ask ranks to checkpoint, pause or resume.

@@ -14,7 +14,7 @@ ALL_TYPES: tuple[type[Event], ...] = (
     fleet.NodeCordoned, fleet.NodeUncordoned, fleet.NodeLost,
     # training telemetry
     training.StepCompleted, training.Heartbeat, training.RankFault, training.FaultInjected,
-    training.RolledBack, training.RankStarted,
+    training.RolledBack, training.RankStarted, training.SpikeReplayed,
     heartbeats.RankHeartbeats,  # a node's ranks' heartbeats, batched by its agent
     logs.RankOutput,  # what a rank printed, shipped by its agent
     # checkpoint
@@ -24,7 +24,7 @@ ALL_TYPES: tuple[type[Event], ...] = (
     checkpoint.CheckpointRejected, checkpoint.CheckpointRefused, checkpoint.CheckpointScrubbed,
     # health findings
     findings.RankLost, findings.RankHung, findings.StragglerDetected, findings.NonFiniteLoss,
-    findings.LossSpikeDetected,
+    findings.LossSpikeDetected, findings.SpikeDiagnosed,
     # plan
     plan.ReshardPlanned,
     # commands

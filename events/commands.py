@@ -15,6 +15,9 @@ class RollbackRequested(JobEvent, frozen=True, kw_only=True):
     reason: str
     trigger_id: str = ""
     attempt: int = 0  # the attempt whose ranks are to roll back
+    # train the spike's batches again from the checkpoint first (policy.spike_diagnosis), report their losses in
+    # SpikeReplayed, then restore the checkpoint again and skip
+    replay: bool = False
 
 
 class StopRequested(JobEvent, frozen=True, kw_only=True):

@@ -1,5 +1,7 @@
 """What the health monitor concludes from telemetry; each finding names the inputs it rests on."""
 
+from typing import Literal
+
 from events.base import JobEvent
 
 
@@ -50,6 +52,29 @@ class LossSpikeDetected(Finding, frozen=True, kw_only=True):
     log: bool = False  # judged on the log scale (v1: never)
 
 
+Verdict = Literal["data", "optimisation", "hardware", "undetermined"]
+
+
+class SpikeDiagnosed(Finding, frozen=True, kw_only=True):
+    """What caused a loss spike, judged after its rollback (services/health/diagnosis.py): `data` when the same
+    batches spiked again and skipping them healed it, `optimisation` when it recurred on other batches at the same
+    point, `hardware` when training those batches again did not reproduce it (a node to check), `undetermined`
+    when the evidence is not enough. `reason` says it in words, with the evidence."""
+
+    finding_id: str  # the LossSpikeDetected it diagnoses
+    step: int
+    onset: int
+    verdict: Verdict
+    reason: str
+    replayed: bool  # the spike's batches were trained again (policy.spike_diagnosis)
+    reproduced: bool  # ... and spiked again
+    replay_losses: list[float] = []  # the re-run's losses over onset..step (rank 0)
+    replay_s: float = 0.0  # what the re-run cost
+    diverged_rank: int = -1  # a rank whose loss left its data-parallel peers' over the spike (-1: none)
+    suspect_nodes: list[str] = []  # where a hardware verdict points
+    recurred_at: int = -1  # the step of the spike that recurred after the skip (-1: none)
+
+
 def spike_onset(ev: LossSpikeDetected) -> int:
     """The first step whose loss carried the spike: its recorded onset (v2), or its one step (v1)."""
     return ev.onset if 0 <= ev.onset <= ev.step else ev.step
@@ -62,3 +87,9 @@ def spike_summary(ev: LossSpikeDetected) -> str:
                 f"evidence {ev.score:.1f} >= {ev.threshold:g} (robust z {ev.z:.1f} at the last)")
     return (f"loss spike at step {ev.step}: {ev.loss:.4g} against a median of {ev.baseline:.4g} "
             f"(robust z {ev.z:.1f} > {ev.threshold:g})")
+
+
+def diagnosis_summary(ev: SpikeDiagnosed) -> str:
+    """The verdict in a line, as `status`, the postmortem and the dashboard say it."""
+    cost = f" (re-run {ev.replay_s:.1f} s)" if ev.replayed else ""
+    return f"cause: {ev.verdict}{cost}: {ev.reason}"

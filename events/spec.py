@@ -60,6 +60,9 @@ class PolicySpec(Spec, frozen=True, kw_only=True):
     # the most of train.steps' batches spike rollbacks may skip in all: a rollback past it pauses the job and asks
     # the operator (its reason says how to roll back anyway or go on), never skipping that much data silently
     max_skip_fraction: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.02
+    # a spike rollback first trains the spike's batches again from its checkpoint, to tell data, optimisation and
+    # hardware apart (services/health/diagnosis.py); costs that window's steps once more, then the skip goes ahead
+    spike_diagnosis: bool = False
     keep_checkpoints: Annotated[int, Meta(ge=1, le=100_000)] = 3  # committed checkpoints kept (plus rollback targets)
     # a restart waits at most this long for a checkpoint every rank has staged to commit (and never longer than
     # the work it holds took), rather than redo its steps from an older one; 0: never waits
@@ -70,7 +73,7 @@ MAX_FAULTS = 256  # drill faults in one spec
 MAX_SPEC_BYTES = 1 << 20  # a spec is a few hundred bytes; a bigger file is a mistake or a bomb
 MAX_RANK_BYTES = 1 << 40  # 1 TiB: no device or host a rank runs on holds more, so a spec needing more is an error
 
-FaultKind = Literal["crash", "hang", "loss_spike", "nonfinite", "slow"]
+FaultKind = Literal["crash", "hang", "loss_spike", "nonfinite", "slow", "high_lr", "corrupt"]
 
 
 class FaultSpec(Spec, frozen=True, kw_only=True):
@@ -80,6 +83,7 @@ class FaultSpec(Spec, frozen=True, kw_only=True):
     step: NonNegInt
     rank: NonNegInt = 0
     seconds: Annotated[float, Meta(ge=0.0, le=3600.0)] = 0.5  # per-step delay for "slow"
+    factor: Annotated[float, Meta(ge=0.0, le=1e6)] = 0.0  # high_lr's LR multiplier, corrupt's noise; 0: the default
     # None: fire once, in the first attempt that reaches `step` (the node agent tells later attempts what fired);
     # a number pins the fault to that attempt.
     attempt: NonNegInt | None = None

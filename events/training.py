@@ -47,6 +47,17 @@ class RolledBack(RankEvent, frozen=True, kw_only=True):
     timeline: int = 0  # rollbacks this rank's attempt has applied, this one included
 
 
+class SpikeReplayed(RankEvent, frozen=True, kw_only=True):
+    """A diagnostic re-run before a rollback's skip: from `to_step` (the checkpoint's) the same batches were trained
+    again, and these are this rank's losses for steps from_step.. (oldest first); then the checkpoint was restored
+    again. NaN where a step reported none."""
+
+    checkpoint_id: str
+    from_step: int
+    losses: list[float]
+    seconds: float  # what the re-run cost, restore to restore
+
+
 class RankStarted(RankEvent, frozen=True, kw_only=True):
     world_size: int
     from_step: int

@@ -36,11 +36,12 @@ from events.commands import (
 from events.nodelocal import RESTORE_REFUSED_EXIT, STOPPED_EXIT
 from events.plan import ParallelPlan
 from events.spec import JobSpec
-from events.training import FaultInjected, RankStarted, RolledBack
+from events.training import FaultInjected, RankStarted, RolledBack, SpikeReplayed
 from trainer import checkpointing, faults, plans, restore_points
 from trainer.config import RunConfig
 from trainer.cursor import BatchCursor
 from trainer.distributed import Dist
+from trainer.replay import Replay
 from trainer.reports import SPIKE_FACTOR, Emitter, StepReporter, check_metric_names, checked_value
 from trainer.state import Stateful, TrainState
 
@@ -107,6 +108,8 @@ class Run:
         self.stopped = False  # told to stop, or SIGTERM: it exits STOPPED_EXIT
         self.closed = False
         self._current: tuple[int, int, float] | None = None  # the step being run: (step, batch, started)
+        self._replay: Replay | None = None  # a rollback's diagnostic re-run of the spike's batches, under way
+        self._lr_boost = 1.0  # a drill's high_lr factor, applied around the optimizer's step
         self._reported = False
         self._spike = False
         self._nan = False
@@ -125,6 +128,9 @@ class Run:
         if optimizer is not None:
             # The optimizer's step is the first write to state a CUDA snapshot may still be copying.
             optimizer.register_step_pre_hook(lambda *_: self.ckpt.before_update())
+            if any(f.kind == "high_lr" for f in self.spec.faults):  # a drill's learning rate too high, then restored
+                optimizer.register_step_pre_hook(lambda opt, *_: faults.scale_lr(opt, self._lr_boost))
+                optimizer.register_step_post_hook(lambda opt, *_: faults.scale_lr(opt, 1.0 / self._lr_boost))
 
     def restore(self) -> int:
         """Load the checkpoint this attempt starts from, if any; returns the step to start from (0: none)."""
@@ -162,6 +168,8 @@ class Run:
                                       **self.emitter.envelope))
         self.emitter.set_step(self.step - 1)
         while True:
+            if self._replay is not None and self.step >= self._replay.until:
+                self._end_replay()  # every rank reaches it at the same step
             if self.world_size == 1 or self.paused or self.step % self.cfg.sync_every == 0:
                 self._boundary()
             if self.paused:
@@ -206,6 +214,10 @@ class Run:
         if current is not None and current[0] == step:
             scale = float("nan") if self._nan else SPIKE_FACTOR if self._spike else 1.0
             self._reported = True
+        if self._replay is not None:  # a diagnostic re-run: its losses go to SpikeReplayed, not the step record
+            self._replay.record(int(step), float(values["loss"]) * scale)
+            self.emitter.set_step(int(step), time.perf_counter() - started)
+            return
         self.reporter.record(int(step), values, lr=0.0 if lr is None else float(lr),
                              tokens=0.0 if tokens is None else float(tokens), started=started, scale=scale)
 
@@ -251,6 +263,7 @@ class Run:
         for i, fault in self.faults.due(step, index):
             self._inject(fault.kind, step, i)
         self._spike = self.faults.poisoned(index)
+        self._lr_boost = self.faults.lr_factor(step)
         delay = self.faults.slow_seconds(step)
         if delay:
             time.sleep(delay)
@@ -271,6 +284,8 @@ class Run:
             self._die(faults.HANG_EXIT_CODE)
         if kind == "nonfinite":
             self._nan = True
+        if kind == "corrupt":
+            faults.corrupt(self.state.model, self.faults.spec(index).factor or faults.CORRUPT_SCALE)
 
     def _die(self, code: int) -> NoReturn:
         """Leave at once, as a killed process would, once what was emitted is flushed."""
@@ -318,6 +333,8 @@ class Run:
                 log.warning("ignoring a command this trainer does not know", type=type(command).__name__)
 
     def _checkpoint(self, *, wait: bool = False) -> None:
+        if self._replay is not None:  # a re-run's state is thrown away: it is never saved
+            return
         if self.saved_at != self.step:
             self.ckpt.save(self.step, self.state.live(), self.cursor.position())
             self.saved_at = self.step
@@ -332,6 +349,8 @@ class Run:
     def _rollback(self, cmd: RollbackRequested) -> None:
         self.reporter.flush()
         self.ckpt.wait()
+        self._replay = None  # a newer rollback ends a re-run under way
+        reached, started = self.step, time.perf_counter()
         problem, path = "", None
         try:
             path = restore_points.rollback_source(self.cfg, self.job_id, cmd.checkpoint_id, cmd.to_step,
@@ -349,12 +368,36 @@ class Run:
                       checkpoint_id=cmd.checkpoint_id, error=problem or "(found by another rank)")
             return
         self._load(path, None)  # verified by rollback_source
+        if cmd.replay and reached > self.step:
+            # The same batches again, unskipped, before the skip: whether the spike comes back tells its cause.
+            self._replay = Replay(cmd=cmd, path=path, timeline=timeline, start=self.step, until=reached,
+                                  started=started)
+            self.emitter.set_step(self.step - 1)
+            log.warning("re-running the spike's batches before skipping them", checkpoint=str(path),
+                        from_step=self.step, until=reached)
+            return
+        self._land(cmd, path, timeline)
+
+    def _land(self, cmd: RollbackRequested, path: Path, timeline: int) -> None:
+        """The rollback's checkpoint is loaded: skip its window and say so."""
         self.cursor.skip(cmd.skip_from, cmd.skip_to)
         self.saved_at = self.step
         self.emitter.set_step(self.step - 1)
         self.emitter.emit(RolledBack(checkpoint_id=cmd.checkpoint_id, to_step=self.step, skip_from=cmd.skip_from,
                                      skip_to=cmd.skip_to, timeline=timeline, **self.emitter.envelope))
         log.warning("rolled back", checkpoint=str(path), to_step=self.step, skip=(cmd.skip_from, cmd.skip_to))
+
+    def _end_replay(self) -> None:
+        """The re-run reached the step the spike was found at: report its losses, restore the checkpoint again."""
+        replay, self._replay = self._replay, None
+        assert replay is not None
+        self.reporter.flush()
+        self._load(replay.path, None)
+        self.emitter.emit(SpikeReplayed(checkpoint_id=replay.cmd.checkpoint_id, from_step=replay.start,
+                                        losses=replay.losses(), seconds=replay.seconds(),
+                                        **self.emitter.envelope))
+        log.warning("re-ran the spike's batches", steps=replay.until - replay.start, seconds=replay.seconds())
+        self._land(replay.cmd, replay.path, replay.timeline)
 
     def _newest_local(self) -> Path | None:
         """No-platform mode after a torchrun restart: the newest complete staged set, as rank 0 sees it."""

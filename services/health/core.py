@@ -4,6 +4,7 @@ Why it works this way: docs/internals.md, "6. The health monitor".
 """
 
 import math
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -11,7 +12,16 @@ from events import subjects
 from events.base import Event
 from events.clock import ClockTick
 from events.commands import PauseRequested, ResumeRequested, RollbackRequested, StopRequested
-from events.findings import Finding, LossSpikeDetected, NonFiniteLoss, RankHung, RankLost, StragglerDetected
+from events.findings import (
+    Finding,
+    LossSpikeDetected,
+    NonFiniteLoss,
+    RankHung,
+    RankLost,
+    SpikeDiagnosed,
+    StragglerDetected,
+    spike_onset,
+)
 from events.heartbeats import RankHeartbeats
 from events.job import (
     AllocationGranted,
@@ -26,10 +36,11 @@ from events.job import (
     WorkersStarted,
 )
 from events.spec import PolicySpec
-from events.training import Heartbeat, RankFault, RankStarted, StepCompleted
+from events.training import Heartbeat, RankFault, RankStarted, RolledBack, SpikeReplayed, StepCompleted
 from services.core import Emit, Output, Service
 from services.health import agents
-from services.health.detectors import Hung, Lost, NonFiniteWatch, RankWatch, StragglerWatch
+from services.health.detectors import EVIDENCE_MAX, Hung, Lost, NonFiniteWatch, RankWatch, StragglerWatch
+from services.health.diagnosis import Diagnoses
 from services.health.spikes import SpikeWatch
 
 NAME = "health"
@@ -37,8 +48,10 @@ CONTROL_TYPES = (
     "JobSubmitted", "AllocationGranted", "WorkersStarted", "WorkersExited", "AllocationReleased",
     "StopRequested", "JobPreempted", "CancelRequested", "PauseRequested", "ResumeRequested", "RollbackRequested",
     "JobCompleted", "JobFailed", "JobCancelled",
+    "LossSpikeDetected",  # its own finding, read back with its id: a rollback names it, its diagnosis starts
 )
-TELEMETRY_TYPES = ("Heartbeat", "StepCompleted", "RankFault", "RankStarted", "RankHeartbeats")
+TELEMETRY_TYPES = ("Heartbeat", "StepCompleted", "RankFault", "RankStarted", "RankHeartbeats", "SpikeReplayed",
+                   "RolledBack")
 MAX_FINDINGS_PER_TICK = 8  # lost/hung findings per job per tick
 
 
@@ -59,6 +72,8 @@ class JobWatch:
     unrecorded: dict[tuple[int, int], agents.Unrecorded] = field(default_factory=dict)  # (attempt, rank)
     recording: dict[str, tuple[float, float]] = field(default_factory=dict)  # node -> its agent's newest exit record
     silent: set[tuple[int, str]] = field(default_factory=set)  # (attempt, node) whose agent fell silent, reported
+    diagnoses: Diagnoses = field(default_factory=lambda: Diagnoses(margin=0))
+    recent: dict[int, deque[tuple[int, float]]] = field(default_factory=dict)  # rank -> its newest (step, loss)
 
     @property
     def quiet(self) -> bool:
@@ -70,7 +85,8 @@ class JobWatch:
                         stopping=self.stopping, cancelling=self.cancelling, paused=self.paused,
                         nonfinite=self.nonfinite.clone(), stragglers=self.stragglers.clone(),
                         reported=set(self.reported), unrecorded=dict(self.unrecorded), recording=dict(self.recording),
-                        silent=set(self.silent))
+                        silent=set(self.silent), diagnoses=self.diagnoses.clone(),
+                        recent={rank: deque(q, EVIDENCE_MAX) for rank, q in self.recent.items()})
 
     def gone(self, r: RankWatch) -> None:
         if not r.gone:
@@ -117,7 +133,8 @@ def _job(state: State, job_id: str, policy: PolicySpec | None = None) -> JobWatc
     job = state.jobs.get(job_id)
     if job is None:
         policy = policy or PolicySpec()
-        job = state.jobs[job_id] = JobWatch(job_id=job_id, policy=policy, spikes=SpikeWatch(policy.spike_window))
+        job = state.jobs[job_id] = JobWatch(job_id=job_id, policy=policy, spikes=SpikeWatch(policy.spike_window),
+                                            diagnoses=Diagnoses(margin=policy.rollback_steps_back))
     return job
 
 
@@ -128,6 +145,8 @@ def _new_attempt(job: JobWatch, attempt: int, ranks: Sequence[int]) -> None:
     job.nonfinite.reset()
     job.stragglers = StragglerWatch()
     job.spikes.rewind()  # the loss curve goes on from the restore point: SpikeWatch drops what came after it
+    job.diagnoses.restarted()
+    job.recent.clear()
 
 
 def _restart_clocks(job: JobWatch, ev: Event, now: float) -> None:
@@ -140,6 +159,8 @@ def _control(state: State, ev: Event, out: list[Output]) -> None:
         case JobSubmitted():
             if ev.job_id not in state.jobs and (job := _job(state, ev.job_id, ev.spec.policy)) is not None:
                 job.last_step = ev.spec.train.steps - 1
+                # A spike within this many steps of another is the same incident to the scheduler (recipes.after_loss)
+                job.diagnoses.margin = max(ev.spec.policy.rollback_steps_back, ev.spec.train.checkpoint_every)
         case AllocationGranted():
             job = _job(state, ev.job_id)
             if job is not None and ev.attempt > job.attempt:
@@ -184,8 +205,16 @@ def _control(state: State, ev: Event, out: list[Output]) -> None:
             if (job := state.jobs.get(ev.job_id)) is not None:
                 _restart_clocks(job, ev, state.now)
                 job.nonfinite.reset()  # a slow rank stays slow across a rollback: straggler runs go on
+                job.diagnoses.rollback(ev)
+        case LossSpikeDetected():
+            if (job := state.jobs.get(ev.job_id)) is not None:
+                onset = spike_onset(ev)
+                window = {rank: {s: x for s, x in q if onset <= s <= ev.step} for rank, q in job.recent.items()}
+                nodes = {rank: r.node for rank, r in job.ranks.items()}
+                _diagnosed(out, job.diagnoses.spike(ev, nodes, window))
         case JobCompleted() | JobFailed() | JobCancelled():
-            state.jobs.pop(ev.job_id, None)
+            if (job := state.jobs.pop(ev.job_id, None)) is not None:
+                _diagnosed(out, job.diagnoses.ended())
             state.ended.add(ev.job_id)
 
 
@@ -210,8 +239,20 @@ def _exited(state: State, ev: WorkersExited, out: list[Output]) -> None:
                               reason=f"exited with code {x.exit_code}", last_seen=r.seen_at or r.started_at))
 
 
+def _diagnosed(out: list[Output], verdict: SpikeDiagnosed | None) -> None:
+    if verdict is not None:
+        _emit(out, verdict)
+
+
 def _step(state: State, job: JobWatch, r: RankWatch, ev: StepCompleted, out: list[Output]) -> None:
     r.step_completed(ev.step, ev.step_time_s, ev.occurred_at, state.now, ev.event_id)
+    recent = job.recent.get(r.rank)
+    if recent is None:
+        recent = job.recent[r.rank] = deque(maxlen=EVIDENCE_MAX)
+    recent.append((ev.step, ev.loss))
+    job.diagnoses.loss(r.rank, ev.step, ev.loss)
+    if r.rank == 0:
+        _diagnosed(out, job.diagnoses.stepped(ev.step))
     finite = math.isfinite(ev.loss) and math.isfinite(ev.grad_norm)
     if job.nonfinite.observe(ev.step, finite) and job.first(r.rank, "NonFiniteLoss", job.nonfinite.episodes):
         _emit(out, NonFiniteLoss(job_id=job.job_id, rank=r.rank, attempt=job.attempt, evidence=[ev.event_id],
@@ -261,7 +302,8 @@ def _beats(state: State, ev: RankHeartbeats, out: list[Output]) -> None:
             r.heartbeat(b.step, b.occurred_at, state.now, ev.event_id)
 
 
-def _telemetry(state: State, ev: Heartbeat | StepCompleted | RankFault | RankStarted, out: list[Output]) -> None:
+def _telemetry(state: State, ev: Heartbeat | StepCompleted | RankFault | RankStarted | SpikeReplayed | RolledBack,
+               out: list[Output]) -> None:
     job = state.jobs.get(ev.job_id)
     if job is not None and ev.attempt < job.attempt and job.unrecorded:
         agents.heard(job.unrecorded, ev.attempt, ev.rank, ev.occurred_at, state.now, ev.event_id)
@@ -274,6 +316,11 @@ def _telemetry(state: State, ev: Heartbeat | StepCompleted | RankFault | RankSta
         r.heartbeat(ev.step, ev.occurred_at, state.now, ev.event_id)
     elif isinstance(ev, StepCompleted):
         _step(state, job, r, ev, out)
+    elif isinstance(ev, SpikeReplayed):
+        r.seen(ev.occurred_at, state.now, ev.event_id)
+        _diagnosed(out, job.diagnoses.replayed(ev))
+    elif isinstance(ev, RolledBack):
+        job.diagnoses.landed(ev)
     elif isinstance(ev, RankStarted):
         r.seen(ev.occurred_at, state.now, ev.event_id)
         r.progressed(ev.from_step - 1, ev.occurred_at, state.now, ev.event_id)
@@ -349,7 +396,7 @@ def _tick(state: State, tick: ClockTick, out: list[Output]) -> None:
                                           deadline_s=verdict.deadline_s))
 
 
-TELEMETRY = (Heartbeat, StepCompleted, RankFault, RankStarted)
+TELEMETRY = (Heartbeat, StepCompleted, RankFault, RankStarted, SpikeReplayed, RolledBack)
 
 
 def transition(state: State, ev: Event) -> tuple[State, list[Output]]:

@@ -29,6 +29,7 @@ class RollTo:
     skip_to: int
     reason: str
     incident: Incident | None  # the loss incident it answers; None: an operator's rollback, which starts none
+    replay: bool = False  # the spike's batches are trained again first, for its diagnosis (policy.spike_diagnosis)
 
 
 # -- shrink ------------------------------------------------------------------------------------------------
@@ -167,7 +168,12 @@ def after_loss(job: Job, ev: LossFinding) -> RollTo | Fail | Ask:
                    f"is: flightdeck resume {job.job_id} (finding {ev.event_id})")
     reason = (f"{what}: roll back to {target.checkpoint_id} (step {target.step}) and skip batches "
               f"[{skip_from}, {skip_to}){how} (finding {ev.event_id})")
-    return RollTo(checkpoint=target, skip_from=skip_from, skip_to=skip_to, reason=reason, incident=incident)
+    # A spike's first rollback re-runs its batches when the policy asks: what caused it is judged once, per incident.
+    replay = policy.spike_diagnosis and isinstance(ev, LossSpikeDetected) and not same
+    if replay:
+        reason += "; its batches are trained again first, to diagnose it (policy.spike_diagnosis)"
+    return RollTo(checkpoint=target, skip_from=skip_from, skip_to=skip_to, reason=reason, incident=incident,
+                  replay=replay)
 
 
 def reroll(job: Job, why: str) -> RollTo | Fail:

@@ -44,7 +44,7 @@ def roll(tx: Tx, job: Job, plan: recipes.RollTo, trigger_id: str, *, asked: str 
     target = plan.checkpoint
     command = RollbackRequested(job_id=job.job_id, checkpoint_id=target.checkpoint_id, to_step=target.step,
                                 skip_from=plan.skip_from, skip_to=plan.skip_to, reason=plan.reason,
-                                trigger_id=trigger_id, attempt=job.attempt)
+                                trigger_id=trigger_id, attempt=job.attempt, replay=plan.replay)
     tx.emit(command)
     thrown = {c.checkpoint_id for c in job.checkpoints if c.step > target.step}
     skips = job.skips if (plan.skip_from, plan.skip_to) in job.skips else (*job.skips, (plan.skip_from, plan.skip_to))

@@ -29,9 +29,12 @@ def test_a_postmortem_from_a_history_file(tmp_path: Path) -> None:
     lines = run.stdout.splitlines()
     assert 5 <= len(lines) <= 12, run.stdout
     assert str(out / "report.html") in lines[1]
-    assert "outcome: completed" in run.stdout and "goodput 56.6%" in run.stdout
+    assert "outcome: completed" in run.stdout and "goodput 61.6%" in run.stdout
     # the recording's numbers (tests/unit/test_postmortem_fixture.py checks them against its raw events)
-    assert "#1 loss_spike (attempt 0): rollback; detected in 0.92 s, recovered in 1.58 s; 15 steps lost" in run.stdout
+    assert "#1 loss_spike (attempt 0): rollback; detected in 0.73 s, recovered in 1.44 s; 15 steps lost" in run.stdout
+    # its diagnosis under it: the drill re-ran nothing (policy.spike_diagnosis is off), and every rank spiked
+    (cause,) = [line for line in lines if line.strip().startswith("cause: ")]
+    assert cause.strip().startswith("cause: undetermined: the spike over steps 30-32: skipping batches [30, 38)")
     for name in ("report.md", "report.html", "loss.png", "step_rate.png", "time.png"):
         assert (out / name).stat().st_size > 0
 

@@ -34,7 +34,7 @@ from trainer import bus
 ROOT = Path(__file__).resolve().parents[2]
 HISTORY = ROOT / "tests" / "fixtures" / "histories" / "spike.fdh.jsonl"
 TELEMETRY_TYPES = {"StepCompleted", "Heartbeat", "RankFault", "FaultInjected", "RolledBack", "RankStarted",
-                   "CheckpointStaged", "CheckpointRefused", "RankHeartbeats", "ShardsUploaded",
+                   "CheckpointStaged", "CheckpointRefused", "RankHeartbeats", "ShardsUploaded", "SpikeReplayed",
                    "RankOutput"}  # RankOutput: on FD_LOGS; RankHeartbeats and ShardsUploaded: from agents
 
 

@@ -43,6 +43,26 @@ def test_rollback_restores_the_checkpoint_and_skips_the_window(tmp_path: Path) -
                       (30, {"next_batch": 35, "skipped": [[10, 15]]})]
 
 
+def test_a_replayed_rollback_trains_the_window_again_reports_it_then_lands_as_a_plain_one(tmp_path: Path) -> None:
+    """policy.spike_diagnosis: from the checkpoint the same batches again (their losses in SpikeReplayed, no step
+    records, no checkpoint), then the checkpoint again and the skip: the run goes on exactly as without the re-run."""
+    plain = cmd(RollbackRequested, checkpoint_id="step-10", to_step=10, skip_from=10, skip_to=15, reason="spike")
+    replay = msgspec.structs.replace(plain, replay=True)
+    _, plain_log, _, _ = ranks.run_loop(tmp_path / "plain", {(20, 1): [plain]})
+    code, log, _, loop = ranks.run_loop(tmp_path / "replay", {(20, 1): [replay]})
+    assert code == 0
+    assert ranks.losses(log, 0) == ranks.losses(plain_log, 0)  # bitwise: the re-run left nothing behind
+    (again,) = ranks.events(log, "SpikeReplayed")
+    assert (again["checkpoint_id"], again["from_step"]) == ("step-10", 10)
+    first = [loss for s, loss in ranks.losses(log, 0)[:20] if s >= 10]
+    assert again["losses"] == first  # steps 10..19 read batches 10..19 again: CPU training is deterministic
+    (landed,) = ranks.events(log, "RolledBack")
+    assert landed["occurred_at"] >= again["occurred_at"]  # reported before the rollback lands
+    assert loop.cursor.next_batch == 35
+    staged = [e["step"] for e in ranks.events(log, "CheckpointStaged")]
+    assert staged == [10, 20, 30]  # none of the re-run's steps was saved
+
+
 def test_pause_holds_the_step_until_resume(tmp_path: Path) -> None:
     script = {(5, 1): [cmd(PauseRequested)], (5, 4): [cmd(ResumeRequested)]}
     code, log, inbox, _ = ranks.run_loop(tmp_path, script, steps=8)

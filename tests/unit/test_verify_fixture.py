@@ -59,11 +59,11 @@ async def test_every_core_reproduces_every_recorded_decision() -> None:
     checked = {c.service: c for c in verdict.checks}
     assert set(checked) == {"scheduler", "health", "resources", "resharder", "checkpoints"}
     # what the live run decided about the job: JobQueued, AllocationRequested, RollbackRequested, JobCompleted,
-    # AllocationReleased; one spike; one grant; one plan; the checkpoints staged and the retention deletes decided
-    # (commits and deletes carried out as effects): this recording's numbers
+    # AllocationReleased; one spike and its diagnosis; one grant; one plan; the checkpoints staged and the retention
+    # deletes decided (commits and deletes carried out as effects): this recording's numbers
     assert [checked[n].decisions for n in ("scheduler", "health", "resources", "resharder", "checkpoints")] == \
-        [5, 1, 1, 1, 25]
-    assert checked["checkpoints"].effects == 24
+        [5, 2, 1, 1, 23]
+    assert checked["checkpoints"].effects == 23
     assert checked["health"].telemetry_inputs > 100 and checked["scheduler"].telemetry_inputs == 2  # RolledBack x2
     assert all(not c.dead_live and not c.dead_replay for c in verdict.checks)
 
@@ -111,7 +111,7 @@ async def test_an_injected_forged_decision_is_not_reproduced() -> None:
     assert verdict.horizon == last + 1
     first = verdict.divergences[0]
     assert (first.service, first.kind, first.msg_id) == ("scheduler", "not reproduced", forged.event_id)
-    assert first.recorded == forged and first.input is not None and first.input.seq == spike.seq == 62
+    assert first.recorded == forged and first.input is not None and first.input.seq == spike.seq == 54
 
 
 async def test_two_swapped_inputs_leave_the_finding_they_led_to_unexplained() -> None:

@@ -8,7 +8,7 @@ import pytest
 import structlog
 
 from events.commands import RollbackRequested
-from events.findings import LossSpikeDetected
+from events.findings import LossSpikeDetected, SpikeDiagnosed
 from events.job import AllocationRequested, JobCompleted, JobFailed, JobSubmitted
 from events.training import RolledBack
 from services.tools.audit import settings
@@ -52,7 +52,9 @@ def test_more_spike_steps_than_the_spike_lasted_remove_the_rollback_and_save_its
     assert w.settings == {"policy.spike_steps": (3, 4)}
     assert [(c.kind, type(c.event)) for c in w.changes][:2] == [("vanishes", LossSpikeDetected),
                                                                ("vanishes", RollbackRequested)]
-    assert {c.service for c in w.changes[2:]} == {"checkpoints"}  # retention keeps other checkpoints, nothing else
+    # retention keeps other checkpoints, and no spike is left to diagnose; nothing else
+    assert {c.service for c in w.changes[2:]} == {"checkpoints", "health"}
+    assert [(c.kind, type(c.event)) for c in w.changes[2:] if c.service == "health"] == [("vanishes", SpikeDiagnosed)]
     trigger = w.changes[0].trigger  # the telemetry of the step that completed the spike
     assert trigger is not None and spike.msg_id == f"health:{trigger.stream}:{trigger.seq}:0"
     assert {type(s.event) for s in w.outcome.dropped} == {RolledBack}  # the ranks' rollback did not happen
@@ -83,7 +85,9 @@ def test_no_restart_budget_fails_the_crash_drill_at_its_crash() -> None:
 
 def test_a_longer_checkpoint_interval_is_estimated_from_the_recorded_incidents() -> None:
     w = whatif(fdh.load(SPIKE), "spike-000001", {"train.checkpoint_every": 10})
-    assert w.changes == []  # no core decides when ranks checkpoint
+    # no core decides when ranks checkpoint; the spike's diagnosis waits as long as the scheduler's incident lasts
+    assert {(c.service, type(c.event)) for c in w.changes} <= {("health", SpikeDiagnosed)}
+    assert {c.event.verdict for c in w.changes if isinstance(c.event, SpikeDiagnosed)} <= {"undetermined"}
     assert any("restores step 20 instead of 25" in e.what and e.seconds > 0 for e in w.estimates)
     assert any("checkpoint_every is the trainer's" in c for c in w.caveats)
 

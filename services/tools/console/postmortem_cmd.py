@@ -60,6 +60,8 @@ def summary(pm: "Postmortem") -> list[str]:
         recover = f", recovered in {seconds(i.time_to_recover)}" if i.time_to_recover is not None else ""
         lines.append(f"  #{i.number} {i.kind} (attempt {i.attempt}): {i.decision}; detected in "
                      f"{seconds(i.time_to_detect)}{recover}; {i.steps_lost} steps lost")
+        if i.diagnosis:
+            lines.append(f"     {i.diagnosis}")
     if len(pm.incidents) > INCIDENT_LINES:
         lines.append(f"  ... and {len(pm.incidents) - INCIDENT_LINES} more in the report")
     return lines

@@ -79,6 +79,7 @@ def details(v: JobView, now: float) -> str:
         ("restarts", f"{v.restarts} of {v.max_restarts}"
          + (f", resumed from step {v.resumed_from_step}" if v.resumed_from_step is not None else "")),
         ("rollbacks", str(v.rollbacks)),
+        *([("spike", v.spike_cause)] if v.spike_cause else []),
         *([("last fault", headline(v.last_fault))] if v.last_fault else []),
         ("submitted", f"{duration(now - v.submitted_at)} ago"),
     ]

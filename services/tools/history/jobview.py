@@ -17,6 +17,7 @@ from events.checkpoint import (
     CheckpointScrubbed,
 )
 from events.commands import PauseRequested, ResumeRequested, RollbackRequested
+from events.findings import SpikeDiagnosed, diagnosis_summary
 from events.job import (
     AllocationDenied,
     AllocationGranted,
@@ -71,6 +72,7 @@ class JobView(msgspec.Struct, frozen=True, kw_only=True):
     restarts: int = 0  # restarts after faults, as the scheduler counts them (preemptions are not)
     max_restarts: int = 0
     rollbacks: int = 0
+    spike_cause: str = ""  # the newest loss spike's diagnosis (SpikeDiagnosed), in words
     checkpoint_failures: int = 0
     final_failed: bool = False  # a checkpoint of the last step failed
     reason: str = ""  # why the job is in its phase (waiting, recovering, stopping or ended); "" while it runs
@@ -187,6 +189,8 @@ def evolve(view: JobView, event: Event) -> JobView:
             return _replace(view, resumed_from_step=from_step)
         case RollbackRequested():
             return _replace(view, rollbacks=view.rollbacks + 1)
+        case SpikeDiagnosed():
+            return _replace(view, spike_cause=diagnosis_summary(event))
         case PauseRequested(reason=reason):
             return _replace(view, paused=reason or f"paused by {event.producer or 'a person'}")
         case ResumeRequested():

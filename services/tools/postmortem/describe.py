@@ -15,7 +15,16 @@ from events.checkpoint import (
     ShardsUploaded,
 )
 from events.commands import CheckpointRequested, PauseRequested, ResumeRequested, RollbackRequested, StopRequested
-from events.findings import LossSpikeDetected, NonFiniteLoss, RankHung, RankLost, StragglerDetected, spike_summary
+from events.findings import (
+    LossSpikeDetected,
+    NonFiniteLoss,
+    RankHung,
+    RankLost,
+    SpikeDiagnosed,
+    StragglerDetected,
+    diagnosis_summary,
+    spike_summary,
+)
 from events.fleet import NodeCordoned, NodeLost, NodeUncordoned, SelfCheckFailed
 from events.job import (
     AllocationDenied,
@@ -83,6 +92,8 @@ def describe(ev: Event) -> str:
                    f"(deadline {ev.deadline_s:.1f} s)"
         case LossSpikeDetected():
             return spike_summary(ev)
+        case SpikeDiagnosed():
+            return diagnosis_summary(ev)
         case NonFiniteLoss():
             return f"non-finite loss at step {ev.step} on rank {ev.rank} (loss {ev.loss}, grad norm {ev.grad_norm})"
         case StragglerDetected():

@@ -4,7 +4,7 @@ Why it works this way: docs/internals.md, "8. Operator tools".
 """
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from events.base import Event, JobEvent
 from events.commands import StopRequested
@@ -14,7 +14,9 @@ from events.findings import (
     NonFiniteLoss,
     RankHung,
     RankLost,
+    SpikeDiagnosed,
     StragglerDetected,
+    diagnosis_summary,
     spike_onset,
 )
 from events.fleet import NodeLost
@@ -57,6 +59,7 @@ class Incident:
     steps_redone: int  # how many of those were computed again
     chain: tuple[Mark, ...]
     related: tuple[Mark, ...] = ()  # other reports of the same fault
+    diagnosis: str = ""  # a loss spike's cause, as the health monitor judged it (SpikeDiagnosed)
 
     @property
     def time_to_detect(self) -> float:
@@ -76,6 +79,8 @@ class _Draft:
 
 
 def _is_trigger(ev: Event) -> bool:
+    if isinstance(ev, SpikeDiagnosed):  # a conclusion about an incident's finding, not a fault of its own
+        return False
     return isinstance(ev, Finding | NodeLost) or (isinstance(ev, WorkersExited) and ev.exit_code != 0)
 
 
@@ -117,10 +122,17 @@ def incidents(sc: Scan) -> list[Incident]:
         wanted += failed.event.causes  # type: ignore[attr-defined]
     found = find(sc, wanted)
     used: set[str] = set()
+    diagnoses = {c.event.finding_id: c for c in sc.control if isinstance(c.event, SpikeDiagnosed)}
     out: list[Incident] = []
     for number, draft in enumerate(drafts, start=1):
         previous = max((i.detected_at for i in out if i.attempt == draft.attempt), default=float("-inf"))
-        out.append(_incident(sc, number, draft, caused, found, used, previous))
+        incident = _incident(sc, number, draft, caused, found, used, previous)
+        judged = diagnoses.get(draft.trigger.event.event_id)
+        if judged is not None:
+            assert isinstance(judged.event, SpikeDiagnosed)
+            incident = replace(incident, diagnosis=diagnosis_summary(judged.event),
+                               chain=(*incident.chain, mark(judged.event, judged.known - sc.t0)))
+        out.append(incident)
     return out
 
 

@@ -116,8 +116,10 @@ def blocks(pm: Postmortem) -> list[Block]:
                         "fault to the end of the first step after resuming. Times in the chains are seconds "
                         "from submission."))
         for i in pm.incidents:
-            out += [Heading(3, f"Incident {i.number}: {i.kind} (attempt {i.attempt})"),
-                    Table(("t (s)", "event", "id", "what"), _chain_rows(i.chain))]
+            out.append(Heading(3, f"Incident {i.number}: {i.kind} (attempt {i.attempt})"))
+            if i.diagnosis:
+                out.append(Para(i.diagnosis[:1].upper() + i.diagnosis[1:]))
+            out.append(Table(("t (s)", "event", "id", "what"), _chain_rows(i.chain)))
             if i.related:
                 out += [Para("Also reported:"), Table(("t (s)", "event", "id", "what"), _chain_rows(i.related))]
     out += [Heading(2, "Goodput and badput"),

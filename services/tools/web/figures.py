@@ -70,6 +70,7 @@ class IncidentRow:
     recover_s: float | None  # fault to the first step after resuming; None: not (yet)
     decision: str
     resolution: str
+    diagnosis: str = ""  # a loss spike's cause as the health monitor judged it; "" for other incidents
 
 
 @dataclass(frozen=True)

@@ -169,7 +169,7 @@ class WebServer:
                     rows=tuple(IncidentRow(number=i.number, kind=i.kind, trigger=i.trigger, attempt=i.attempt,
                                            fault_s=i.fault_at, detect_s=i.time_to_detect,
                                            recover_s=i.time_to_recover, decision=i.decision,
-                                           resolution=i.resolution) for i in pm.incidents),
+                                           resolution=i.resolution, diagnosis=i.diagnosis) for i in pm.incidents),
                     commits=commit_seconds(pm))
                 board.analysed_at[job_id] = now
                 self.analyses += 1
