@@ -7,7 +7,7 @@ from typing import Any
 from events import subjects
 from events.admission import admitted_events
 from events.commands import RollbackRequested
-from events.findings import LossSpikeDetected, NonFiniteLoss
+from events.findings import LossSpikeDetected, NonFiniteLoss, SpikeDiagnosed
 from events.history import HistoryGap, check_contiguous
 from events.job import JobCancelled, JobCompleted, JobFailed, RollbackAsked
 from events.store import Stored
@@ -25,6 +25,7 @@ async def violations(run: Run) -> list[str]:
     out += _every_job_ends(run, control)
     out += _decided_once(run, control)
     out += _no_rollback_without_a_finding(run, control)
+    out += _one_diagnosis_per_spike(run, control)
     out += _poison_never_folded(run, control)
     for name in VERIFIED:
         out += await _replay_reproduces(run, name, control)
@@ -78,6 +79,18 @@ def _no_rollback_without_a_finding(run: Run, control: list[Stored]) -> list[str]
                 if isinstance(s.event, LossSpikeDetected | NonFiniteLoss | RollbackAsked)}
     return [f"{e.job_id}: RollbackRequested {e.event_id} names no finding ({e.trigger_id!r})"
             for s in control if isinstance(e := s.event, RollbackRequested) and e.trigger_id not in triggers]
+
+
+def _one_diagnosis_per_spike(run: Run, control: list[Stored]) -> list[str]:
+    """Each verdict names a spike of its job, at most one per spike, and a hardware verdict names a node."""
+    spikes = {s.event.event_id: s.event.job_id for s in control if isinstance(s.event, LossSpikeDetected)}
+    verdicts = [e for s in control if isinstance(e := s.event, SpikeDiagnosed)]
+    out = [f"{e.job_id}: SpikeDiagnosed {e.event_id} names no spike of the job ({e.finding_id!r})"
+           for e in verdicts if spikes.get(e.finding_id) != e.job_id]
+    twice = [f for f, n in Counter(e.finding_id for e in verdicts).items() if n > 1]
+    out += [f"spike {f} diagnosed more than once" for f in twice]
+    return out + [f"{e.job_id}: hardware verdict {e.event_id} names no node" for e in verdicts
+                  if e.verdict == "hardware" and not e.suspect_nodes]
 
 
 def _poison_never_folded(run: Run, control: list[Stored]) -> list[str]:

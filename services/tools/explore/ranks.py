@@ -12,7 +12,7 @@ from events.history import append_to_job
 from events.job import RankExit, WorkersStarted, exits_record
 from events.nodelocal import STOPPED_EXIT
 from events.store import MemoryStore
-from events.training import RankStarted, RolledBack, StepCompleted
+from events.training import RankStarted, RolledBack, SpikeReplayed, StepCompleted
 
 SPIKE_FACTOR = 10.0
 
@@ -24,6 +24,15 @@ class Saved:
     step: int
     next_batch: int
     skipped: list[tuple[int, int]]
+
+
+@dataclass
+class Replay:
+    command: RollbackRequested
+    saved: Saved
+    start: int
+    until: int
+    losses: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -47,6 +56,7 @@ class Attempt:
     cmd_seq: int = 0
     admission: Admission = field(default_factory=Admission)
     steps_run: int = 0
+    replay: "Replay | None" = None  # a rollback's re-run of the spike's batches, as the trainer does it
 
     @property
     def running(self) -> bool:
@@ -75,7 +85,7 @@ class Ranks:
         return f"sim:{what}:{self.n}"
 
     async def tel(self, event: RankHeartbeats | StepCompleted | CheckpointStaged | ShardsUploaded | RankStarted
-                  | RolledBack) -> None:
+                  | RolledBack | SpikeReplayed) -> None:
         subject = subjects.telemetry(event.job_id, event.rank, type(event).__name__)
         await self.store.append(subject, event, msg_id=event.event_id)
 
@@ -152,6 +162,8 @@ class Ranks:
         """One step boundary and step of a running attempt, when every rank is there to take part."""
         if not a.running or a.finished or len(a.alive) < a.world_size or a.hung:
             return  # a collective with a peer missing or hung blocks every rank
+        if a.replay is not None and a.step >= a.replay.until:
+            await self._end_replay(a, a.replay)
         await self._commands(a)
         if not a.alive or a.paused:
             return
@@ -168,6 +180,10 @@ class Ranks:
         index = a.next_index()
         spike = self.spikes.get(a.job_id)
         loss = (2.0 - a.step / (4 * a.total)) * (SPIKE_FACTOR if spike and spike[0] <= index < spike[1] else 1.0)
+        if a.replay is not None:  # a re-run's losses go to SpikeReplayed, not the step record
+            a.replay.losses.append(loss)
+            a.step += 1
+            return
         for r in sorted(a.alive):
             await self.tel(StepCompleted(job_id=a.job_id, rank=r, attempt=a.attempt, node=a.nodes[r], step=a.step,
                                          loss=loss, grad_norm=1.0, lr=1e-3, tokens_per_s=1000.0, step_time_s=0.1,
@@ -176,6 +192,8 @@ class Ranks:
         a.steps_run += 1
 
     async def _save(self, a: Attempt) -> None:
+        if a.replay is not None:  # a re-run's state is never saved
+            return
         cid = checkpoint_id(a.attempt, a.step, a.timeline)
         self.saved[(a.job_id, cid)] = Saved(step=a.step, next_batch=a.next_batch, skipped=list(a.skipped))
         a.saved_at = a.step
@@ -218,14 +236,33 @@ class Ranks:
                     a.paused = False
 
     async def _rollback(self, a: Attempt, rb: RollbackRequested) -> None:
+        a.replay = None  # a newer rollback ends a re-run under way
         saved = self.saved.get((a.job_id, rb.checkpoint_id))
         if saved is None:
             return
+        reached = a.step
         a.step = a.saved_at = saved.step
         a.next_batch, a.skipped = saved.next_batch, list(saved.skipped)
+        a.timeline += 1
+        if rb.replay and reached > saved.step:
+            a.replay = Replay(command=rb, saved=saved, start=saved.step, until=reached)
+            return
+        await self._land(a, rb)
+
+    async def _end_replay(self, a: Attempt, replay: Replay) -> None:
+        a.replay = None
+        a.step = a.saved_at = replay.saved.step
+        a.next_batch, a.skipped = replay.saved.next_batch, list(replay.saved.skipped)
+        for r in sorted(a.alive):
+            await self.tel(SpikeReplayed(job_id=a.job_id, rank=r, attempt=a.attempt, node=a.nodes[r],
+                                         checkpoint_id=replay.command.checkpoint_id, from_step=replay.start,
+                                         losses=replay.losses, seconds=0.1 * len(replay.losses),
+                                         event_id=self._id("replayed"), occurred_at=self.now()))
+        await self._land(a, replay.command)
+
+    async def _land(self, a: Attempt, rb: RollbackRequested) -> None:
         if rb.skip_to > rb.skip_from and (rb.skip_from, rb.skip_to) not in a.skipped:
             a.skipped.append((rb.skip_from, rb.skip_to))
-        a.timeline += 1
         for r in sorted(a.alive):
             await self.tel(RolledBack(job_id=a.job_id, rank=r, attempt=a.attempt, node=a.nodes[r],
                                       checkpoint_id=rb.checkpoint_id, to_step=a.step, skip_from=rb.skip_from,

@@ -33,7 +33,8 @@ FAULT_KINDS = ("crash", "lost_ack", "stale_restart", "broker_restart", "rank_cra
                "rank_hang", "spike", "agent_vanish", "poison")
 POLICY = PolicySpec(heartbeat_interval_s=0.5, heartbeat_misses=4, hang_min_s=3.0, max_restarts=8, spike_warmup=8,
                     spike_window=12, rollback_steps_back=5, rollback_skip_batches=4, commit_wait_s=2.0,
-                    max_skip_fraction=1.0)  # no operator answers a pause here: every spike rolls back
+                    max_skip_fraction=1.0,  # no operator answers a pause here: every spike rolls back
+                    spike_diagnosis=True)  # its re-run is a window where faults land too
 # How long after the last fault every job must have ended: the slowest chain of findings the policy allows (a rank
 # hung after its last step is judged after startup_grace_s, and its restart granted to a node whose agent vanished
 # while idle waits as long again for a start that never comes: soak seed 50142328), plus a minute to finish.
