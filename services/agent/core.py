@@ -9,6 +9,7 @@ from events import lineage, subjects
 from events.base import Event
 from events.checkpoint import CheckpointCommitted, CheckpointDeleted, CheckpointRejected
 from events.commands import RollbackRequested
+from events.findings import SpikeDiagnosed
 from events.job import (
     AllocationGranted,
     AllocationReleased,
@@ -23,8 +24,8 @@ from events.job import (
 from events.spec import JobSpec
 from services.core import Effect, EffectHandler, Output, Service
 
-SPAWN, STOP, PREFETCH, EVICT = "spawn", "stop", "prefetch", "evict"
-EFFECTS = (SPAWN, STOP, PREFETCH, EVICT)
+SPAWN, STOP, PREFETCH, EVICT, SELFCHECK = "spawn", "stop", "prefetch", "evict", "selfcheck"
+EFFECTS = (SPAWN, STOP, PREFETCH, EVICT, SELFCHECK)
 
 
 def service_name(node: str) -> str:
@@ -71,6 +72,14 @@ class PrefetchArgs(msgspec.Struct, frozen=True, kw_only=True):
 class EvictArgs(msgspec.Struct, frozen=True, kw_only=True):
     job_id: str
     checkpoint_ids: list[str]  # empty: the whole job's cache
+
+
+class SelfCheckArgs(msgspec.Struct, frozen=True, kw_only=True):
+    """Run the node's self-check again: a spike's diagnosis suspects this node's hardware."""
+
+    job_id: str
+    diagnosis_id: str  # the SpikeDiagnosed that asked
+    reason: str
 
 
 class Held(msgspec.Struct, frozen=True, kw_only=True):
@@ -245,13 +254,18 @@ def transition(state: State, event: Event) -> Transition:
             return _rollback(state, event)
         case WorkersStarted() | WorkersExited():
             return _workers(state, event)
+        case SpikeDiagnosed(verdict="hardware") if state.node in event.suspect_nodes:
+            # Its SelfCheckPassed or SelfCheckFailed is recorded on the node; a failure cordons it (resources).
+            why = f"a loss spike of {event.job_id} at step {event.step} is diagnosed as a hardware fault here"
+            return state, (Effect(SELFCHECK, SelfCheckArgs(job_id=event.job_id, diagnosis_id=event.event_id,
+                                                           reason=why)),)
         case _:
             return state, ()
 
 
 CONTROL_TYPES = ("JobSubmitted", "AllocationGranted", "AllocationReleased", "JobCancelled", "JobCompleted",
                  "JobFailed", "CheckpointCommitted", "CheckpointDeleted", "CheckpointRejected", "WorkersStarted",
-                 "WorkersExited", "RollbackRequested")
+                 "WorkersExited", "RollbackRequested", "SpikeDiagnosed")
 
 
 def core_service(node: str, effects: dict[str, EffectHandler]) -> Service[State]:

@@ -186,6 +186,7 @@ async def run_agent(options: AgentOptions, stop_event: asyncio.Event | None = No
                 spawner.relay = relay
             # Warming while the self-check runs: on a host with cores to spare the first ranks find them ready.
             pool.start()
+            spawner.recheck = partial(selfcheck, python, inv, selfcheck_timeout_s, forks)
             service = agentcore.core_service(node, spawner.handlers())
             lost = await reconcile(service, store, spawner)
             waiter = asyncio.create_task(stop.wait())

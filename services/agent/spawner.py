@@ -8,6 +8,7 @@ import asyncio
 import os
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from events import nodelocal as nl
 from events import subjects
 from events.checkpoint import CheckpointRejected
 from events.codec import MAX_CAUSE
+from events.fleet import SelfCheckFailed, SelfCheckPassed
 from events.heartbeats import LocalBeat
 from events.history import append_to_job
 from events.job import RankExit, SlotRef, WorkersStarted
@@ -29,16 +31,19 @@ from services.agent.closing import close_within
 from services.agent.core import (
     EVICT,
     PREFETCH,
+    SELFCHECK,
     SPAWN,
     STOP,
     EvictArgs,
     PrefetchArgs,
     Restore,
+    SelfCheckArgs,
     SpawnArgs,
     StopArgs,
 )
 from services.agent.exits import ExitRecorder
 from services.agent.forkserver import ForkServerGone
+from services.agent.inventory import Verdict
 from services.agent.launch import REPO, Launch, Paths, detached, die_with_agent, rank_base_env
 from services.agent.output import OutputPump, store_publisher
 from services.agent.rankproc import Proc, RankProc, last_lines, retrying, runnable_problem, signal_rank
@@ -71,6 +76,9 @@ class Spawner:
         self.timers: set[asyncio.Task[None]] = set()
         self.exits = ExitRecorder(store, node, producer, self.watched, retrying)
         self.going: dict[int, asyncio.Future[None]] = {}  # a rank from a standby -> set once its beats show a step
+        # The node's self-check (inventory.selfcheck with the agent's interpreter, slots and fork server), run again
+        # when a spike's diagnosis suspects this node; set by the agent once it knows them.
+        self.recheck: Callable[[], Awaitable[Verdict]] | None = None
 
     def watched(self, job_id: str, attempt: int) -> set[int]:
         """The attempt's ranks here whose exits are not recorded yet."""
@@ -99,7 +107,27 @@ class Spawner:
             await self.cache.evict(args.job_id, args.checkpoint_ids)
             return []
 
-        return {SPAWN: spawn, STOP: stop, PREFETCH: prefetch, EVICT: evict}
+        async def selfcheck(args: Any) -> list[Emit]:
+            assert isinstance(args, SelfCheckArgs), type(args)
+            return await self.selfcheck(args)
+
+        return {SPAWN: spawn, STOP: stop, PREFETCH: prefetch, EVICT: evict, SELFCHECK: selfcheck}
+
+    async def selfcheck(self, args: SelfCheckArgs) -> list[Emit]:
+        """The self-check again, its verdict recorded on the node as at registration (a failure cordons it)."""
+        if self.recheck is None:
+            log.error("no self-check to run on this agent", job_id=args.job_id, reason=args.reason)
+            return []
+        log.warning("running the node's self-check again", job_id=args.job_id, reason=args.reason)
+        verdict = await self.recheck()
+        event: SelfCheckPassed | SelfCheckFailed
+        if verdict.ok:
+            event = SelfCheckPassed(node=self.node, seconds=round(verdict.seconds, 3),
+                                    detail=f"{verdict.detail} (again: {args.reason})")
+        else:
+            event = SelfCheckFailed(node=self.node, reason=f"{verdict.detail} (again: {args.reason})")
+        log.info("self-check ran again", ok=verdict.ok, detail=verdict.detail)
+        return [Emit(subjects.node(self.node, type(event).__name__), event)]
 
     # -- spawning ----------------------------------------------------------------------------------
 

@@ -3,6 +3,7 @@ from the checkpoint before skipping them, and the health monitor records a verdi
 of cause injected: a poisoned batch (data), a learning rate too high from a step on (optimisation), and one rank's
 parameters corrupted once, as a faulty device would leave them (hardware, naming its node)."""
 
+import asyncio
 import math
 
 import msgspec
@@ -11,10 +12,19 @@ import pytest
 from events import subjects
 from events.commands import RollbackRequested
 from events.findings import LossSpikeDetected, SpikeDiagnosed
+from events.fleet import SelfCheckFailed, SelfCheckPassed
 from events.job import JobCompleted, JobFailed, WorkersStarted
 from events.spec import FaultSpec
 from events.training import RolledBack, SpikeReplayed
-from tests.e2e.drill_harness import SPIKE_AT, assert_verified, drill_spec, paced, spike_spec, start_two_nodes
+from tests.e2e.drill_harness import (
+    SPIKE_AT,
+    assert_verified,
+    drill_spec,
+    fleet,
+    paced,
+    spike_spec,
+    start_two_nodes,
+)
 from tests.integration.lifecycle_harness import Platform
 from tests.integration.test_lifecycle_services import kinds
 
@@ -96,4 +106,14 @@ async def test_one_ranks_corrupted_parameters_are_diagnosed_as_hardware_on_its_n
     assert verdict.replayed and not verdict.reproduced and verdict.suspect_nodes == [node]
     assert all(math.isfinite(x) and x < spike.loss / 2 for x in verdict.replay_losses)
     assert node in verdict.reason and "self-check" in verdict.reason
+    # The suspect node's agent runs its self-check again and records the verdict on the node (a failure cordons it).
+    async def rechecked() -> list[SelfCheckPassed | SelfCheckFailed]:
+        return [s.event for s in await fleet(p.store) if isinstance(s.event, SelfCheckPassed | SelfCheckFailed)
+                and s.event.causation_id == verdict.event_id]
+    for _ in range(120):
+        if await rechecked():
+            break
+        await asyncio.sleep(0.5)
+    (again,) = await rechecked()
+    assert isinstance(again, SelfCheckPassed) and again.node == node and "diagnosed as a hardware fault" in again.detail
     await assert_verified(p, job)

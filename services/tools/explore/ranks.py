@@ -57,6 +57,7 @@ class Attempt:
     admission: Admission = field(default_factory=Admission)
     steps_run: int = 0
     replay: "Replay | None" = None  # a rollback's re-run of the spike's batches, as the trainer does it
+    glitch: tuple[int, int, int, int] | None = None  # (timeline, first step, end step, rank): a passing fault
 
     @property
     def running(self) -> bool:
@@ -184,9 +185,12 @@ class Ranks:
             a.replay.losses.append(loss)
             a.step += 1
             return
+        g = a.glitch
+        glitched = g is not None and g[0] == a.timeline and g[1] <= a.step < g[2]
         for r in sorted(a.alive):
+            mine = loss * SPIKE_FACTOR if glitched and g is not None and r == g[3] else loss
             await self.tel(StepCompleted(job_id=a.job_id, rank=r, attempt=a.attempt, node=a.nodes[r], step=a.step,
-                                         loss=loss, grad_norm=1.0, lr=1e-3, tokens_per_s=1000.0, step_time_s=0.1,
+                                         loss=mine, grad_norm=1.0, lr=1e-3, tokens_per_s=1000.0, step_time_s=0.1,
                                          event_id=self._id("step"), occurred_at=self.now()))
         a.step += 1
         a.steps_run += 1
