@@ -11,9 +11,11 @@ from events.job import JobFailed, JobSubmitted
 from events.spec import JobSpec
 from events.store import Stored
 from services.tools.history import fdh
+from services.tools.postmortem.analysis import analyse
 from services.tools.web import page
 from services.tools.web.figures import CURVE_POINTS, Curve, Figures
 from services.tools.web.metrics import Live
+from services.tools.web.server import job_analysis
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,3 +67,17 @@ def test_a_recorded_runs_page_shows_its_curve_decisions_and_fleet() -> None:
     assert steps[-1] == 39 and all(math.isfinite(x) for x in job["curve"]["loss"])
     assert [d["type"] for d in job["decisions"]][:2] == ["JobSubmitted", "JobQueued"]
     assert [n["node"] for n in snap["fleet"]] == ["n1"] and snap["fleet"][0]["up"] is True
+
+
+def test_a_spikes_incident_shows_its_diagnosis_as_the_postmortem_words_it() -> None:
+    rows = fdh.load(ROOT / "tests" / "fixtures" / "histories" / "spike.fdh.jsonl")
+    f = Figures()
+    for stored in rows:
+        f.fold(stored)
+    pm = analyse(rows, "spike-000001")
+    f.jobs["spike-000001"].analysis = job_analysis(pm, 0, 0)
+    job = page.snapshot(f, Live(broker_up=True), "spike-000001", now=0.0)["job"]
+    (incident,) = job["incidents"]
+    assert incident["kind"] == "loss_spike" and incident["diagnosis"] == pm.incidents[0].diagnosis[:page.TEXT_MAX]
+    assert incident["diagnosis"].startswith("cause: undetermined: the spike over steps 30-32")
+    assert "SpikeDiagnosed" in [d["type"] for d in job["decisions"]]

@@ -163,18 +163,23 @@ class WebServer:
                 except (JobNotFound, LookupError):
                     board.analysed_at[job_id] = now
                     continue
-                job.analysis = JobAnalysis(
-                    goodput=pm.goodput.goodput, parts=dict(pm.goodput.parts),
-                    control_seq=seqs[0], telemetry_seq=seqs[1],
-                    rows=tuple(IncidentRow(number=i.number, kind=i.kind, trigger=i.trigger, attempt=i.attempt,
-                                           fault_s=i.fault_at, detect_s=i.time_to_detect,
-                                           recover_s=i.time_to_recover, decision=i.decision,
-                                           resolution=i.resolution, diagnosis=i.diagnosis) for i in pm.incidents),
-                    commits=commit_seconds(pm))
+                job.analysis = job_analysis(pm, *seqs)
                 board.analysed_at[job_id] = now
                 self.analyses += 1
                 self.touch()
             await asyncio.sleep(0.5)
+
+
+def job_analysis(pm: Postmortem, control_seq: int, telemetry_seq: int) -> JobAnalysis:
+    """What the page shows of a job's postmortem analysis: its goodput, incidents and commit times."""
+    return JobAnalysis(
+        goodput=pm.goodput.goodput, parts=dict(pm.goodput.parts), control_seq=control_seq,
+        telemetry_seq=telemetry_seq,
+        rows=tuple(IncidentRow(number=i.number, kind=i.kind, trigger=i.trigger, attempt=i.attempt,
+                               fault_s=i.fault_at, detect_s=i.time_to_detect, recover_s=i.time_to_recover,
+                               decision=i.decision, resolution=i.resolution, diagnosis=i.diagnosis)
+                   for i in pm.incidents),
+        commits=commit_seconds(pm))
 
 
 def commit_seconds(pm: Postmortem) -> tuple[float, ...]:
