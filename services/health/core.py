@@ -5,8 +5,6 @@ Why it works this way: docs/internals.md, "6. The health monitor".
 
 import math
 from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from events import subjects
 from events.base import Event
@@ -35,13 +33,11 @@ from events.job import (
     WorkersExited,
     WorkersStarted,
 )
-from events.spec import PolicySpec
 from events.training import Heartbeat, RankFault, RankStarted, RolledBack, SpikeReplayed, StepCompleted
 from services.core import Emit, Output, Service
 from services.health import agents
-from services.health.detectors import EVIDENCE_MAX, Hung, Lost, NonFiniteWatch, RankWatch, StragglerWatch
-from services.health.diagnosis import Diagnoses
-from services.health.spikes import SpikeWatch
+from services.health.detectors import EVIDENCE_MAX, Hung, Lost, RankWatch
+from services.health.state import INITIAL, JobWatch, State, job_watch, new_attempt, snapshot
 
 NAME = "health"
 CONTROL_TYPES = (
@@ -55,98 +51,8 @@ TELEMETRY_TYPES = ("Heartbeat", "StepCompleted", "RankFault", "RankStarted", "Ra
 MAX_FINDINGS_PER_TICK = 8  # lost/hung findings per job per tick
 
 
-@dataclass(slots=True)
-class JobWatch:
-    job_id: str
-    policy: PolicySpec
-    spikes: SpikeWatch
-    last_step: int = -1  # the job's final step (train.steps - 1): a rank that reported it is exiting
-    attempt: int = -1
-    ranks: dict[int, RankWatch] = field(default_factory=dict)
-    stopping: bool = False  # the attempt's ranks are being stopped on purpose
-    cancelling: bool = False  # a cancel is under way: stays through any later attempt
-    paused: bool = False
-    nonfinite: NonFiniteWatch = field(default_factory=NonFiniteWatch)
-    stragglers: StragglerWatch = field(default_factory=StragglerWatch)
-    reported: set[tuple[int, int, str, int]] = field(default_factory=set)
-    unrecorded: dict[tuple[int, int], agents.Unrecorded] = field(default_factory=dict)  # (attempt, rank)
-    recording: dict[str, tuple[float, float]] = field(default_factory=dict)  # node -> its agent's newest exit record
-    silent: set[tuple[int, str]] = field(default_factory=set)  # (attempt, node) whose agent fell silent, reported
-    diagnoses: Diagnoses = field(default_factory=lambda: Diagnoses(margin=0))
-    recent: dict[int, deque[tuple[int, float]]] = field(default_factory=dict)  # rank -> its newest (step, loss)
-
-    @property
-    def quiet(self) -> bool:
-        return self.stopping or self.cancelling
-
-    def clone(self) -> "JobWatch":
-        return JobWatch(job_id=self.job_id, policy=self.policy, spikes=self.spikes.clone(), last_step=self.last_step,
-                        attempt=self.attempt, ranks={rank: r.clone() for rank, r in self.ranks.items()},
-                        stopping=self.stopping, cancelling=self.cancelling, paused=self.paused,
-                        nonfinite=self.nonfinite.clone(), stragglers=self.stragglers.clone(),
-                        reported=set(self.reported), unrecorded=dict(self.unrecorded), recording=dict(self.recording),
-                        silent=set(self.silent), diagnoses=self.diagnoses.clone(),
-                        recent={rank: deque(q, EVIDENCE_MAX) for rank, q in self.recent.items()})
-
-    def gone(self, r: RankWatch) -> None:
-        if not r.gone:
-            r.gone = True
-            self.stragglers.forget(r.rank)
-
-    def first(self, rank: int, kind: str, episode: int = 0) -> bool:
-        """Whether (attempt, rank, kind, episode) is new; remembers it."""
-        key = (self.attempt, rank, kind, episode)
-        if key in self.reported:
-            return False
-        self.reported.add(key)
-        return True
-
-
-@dataclass(slots=True)
-class State:
-    jobs: dict[str, JobWatch] = field(default_factory=dict)
-    ended: set[str] = field(default_factory=set)
-    now: float = 0.0  # the newest ClockTick's time
-    recovered_at: float = 0.0  # the newest end of a broker outage a tick reported: silence counts from then on
-    sealed: bool = False
-    # node -> (occurred_at, folded) of its agent's newest heartbeat batch, any job: an agent that relays its ranks'
-    # beats sends one every interval while it runs ranks, so its silence means the node is lost (agents.silent)
-    batches: dict[str, tuple[float, float]] = field(default_factory=dict)
-
-
-INITIAL = State(sealed=True)
-
-
-def snapshot(state: State) -> State:
-    """A sealed copy of `state`: later folds of the original do not change it (nor it them)."""
-    return State(jobs={job_id: job.clone() for job_id, job in state.jobs.items()}, ended=set(state.ended),
-                 now=state.now, recovered_at=state.recovered_at, sealed=True, batches=dict(state.batches))
-
-
 def _emit(out: list[Output], finding: Finding) -> None:
     out.append(Emit(subjects.job(finding.job_id, type(finding).__name__), finding))
-
-
-def _job(state: State, job_id: str, policy: PolicySpec | None = None) -> JobWatch | None:
-    if job_id in state.ended:
-        return None
-    job = state.jobs.get(job_id)
-    if job is None:
-        policy = policy or PolicySpec()
-        job = state.jobs[job_id] = JobWatch(job_id=job_id, policy=policy, spikes=SpikeWatch(policy.spike_window),
-                                            diagnoses=Diagnoses(margin=policy.rollback_steps_back))
-    return job
-
-
-def _new_attempt(job: JobWatch, attempt: int, ranks: Sequence[int]) -> None:
-    job.attempt = attempt
-    job.ranks = {r: RankWatch(r) for r in ranks}
-    job.stopping = job.paused = False
-    job.nonfinite.reset()
-    job.stragglers = StragglerWatch()
-    job.spikes.rewind()  # the loss curve goes on from the restore point: SpikeWatch drops what came after it
-    job.diagnoses.restarted()
-    job.recent.clear()
 
 
 def _restart_clocks(job: JobWatch, ev: Event, now: float) -> None:
@@ -157,24 +63,24 @@ def _restart_clocks(job: JobWatch, ev: Event, now: float) -> None:
 def _control(state: State, ev: Event, out: list[Output]) -> None:
     match ev:
         case JobSubmitted():
-            if ev.job_id not in state.jobs and (job := _job(state, ev.job_id, ev.spec.policy)) is not None:
+            if ev.job_id not in state.jobs and (job := job_watch(state, ev.job_id, ev.spec.policy)) is not None:
                 job.last_step = ev.spec.train.steps - 1
                 # A spike within this many steps of another is the same incident to the scheduler (recipes.after_loss)
                 job.diagnoses.margin = max(ev.spec.policy.rollback_steps_back, ev.spec.train.checkpoint_every)
         case AllocationGranted():
-            job = _job(state, ev.job_id)
+            job = job_watch(state, ev.job_id)
             if job is not None and ev.attempt > job.attempt:
                 job.unrecorded |= agents.left_behind(job.job_id, job.attempt, list(job.ranks.values()),
                                                      ev.occurred_at, state.now, ev.event_id)
-                _new_attempt(job, ev.attempt, sorted({ref.rank for ref in ev.assignments}))
+                new_attempt(job, ev.attempt, sorted({ref.rank for ref in ev.assignments}))
                 for ref in ev.assignments:
                     job.ranks[ref.rank].granted(ref.node, ev.occurred_at, state.now, ev.event_id)
         case WorkersStarted():
-            job = _job(state, ev.job_id)
+            job = job_watch(state, ev.job_id)
             if job is None or ev.attempt < job.attempt:
                 return
             if ev.attempt > job.attempt:
-                _new_attempt(job, ev.attempt, ())
+                new_attempt(job, ev.attempt, ())
             for rank in ev.ranks:
                 watch = job.ranks.get(rank)
                 if watch is None:

@@ -45,7 +45,7 @@ def history() -> History:
 def frozen(state: Any) -> Any:
     """A value that later folds cannot change and that compares by content (health's state is mutable for speed,
     and some of its watches are slotted classes without __eq__)."""
-    if type(state).__module__ == "services.health.core":
+    if type(state).__module__ == "services.health.state":
         return plain(health_snapshot(state))
     return copy.copy(state)
 
