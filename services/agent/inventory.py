@@ -11,15 +11,22 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+import structlog
+
+from events import subjects
+from events.fleet import SelfCheckFailed, SelfCheckPassed
 from events.nodelocal import Assignment
+from services.agent.core import SelfCheckArgs
 from services.agent.forkserver import ForkedProc, ForkServer, ForkServerGone
 from services.agent.launch import REPO
+from services.core import Emit
 
+log = structlog.get_logger("flightdeck.agent")
 DEFAULT_CPU_SLOTS = 2
 T = TypeVar("T")
 Device = Literal["auto", "cpu", "cuda"]
@@ -177,3 +184,20 @@ def _verdict(code: int | None, out: bytes, err: bytes, seconds: float) -> Verdic
         return Verdict(True, seconds, f"devices: {devices}; checks took {result.get('seconds', '?')}s")
     reason = str(result.get("reason") or err.decode(errors="replace").strip()[-2000:] or "no verdict printed")
     return Verdict(False, seconds, f"exit code {code}: {reason}")
+
+
+async def recheck(node: str, run: Callable[[], Awaitable[Verdict]] | None, args: SelfCheckArgs) -> list[Emit]:
+    """The self-check again (`run`), its verdict recorded on the node as at registration (a failure cordons it)."""
+    if run is None:
+        log.error("no self-check to run on this agent", job_id=args.job_id, reason=args.reason)
+        return []
+    log.warning("running the node's self-check again", job_id=args.job_id, reason=args.reason)
+    verdict = await run()
+    event: SelfCheckPassed | SelfCheckFailed
+    if verdict.ok:
+        event = SelfCheckPassed(node=node, seconds=round(verdict.seconds, 3),
+                                detail=f"{verdict.detail} (again: {args.reason})")
+    else:
+        event = SelfCheckFailed(node=node, reason=f"{verdict.detail} (again: {args.reason})")
+    log.info("self-check ran again", ok=verdict.ok, detail=verdict.detail)
+    return [Emit(subjects.node(node, type(event).__name__), event)]

@@ -18,7 +18,6 @@ from events import nodelocal as nl
 from events import subjects
 from events.checkpoint import CheckpointRejected
 from events.codec import MAX_CAUSE
-from events.fleet import SelfCheckFailed, SelfCheckPassed
 from events.heartbeats import LocalBeat
 from events.history import append_to_job
 from events.job import RankExit, SlotRef, WorkersStarted
@@ -43,7 +42,7 @@ from services.agent.core import (
 )
 from services.agent.exits import ExitRecorder
 from services.agent.forkserver import ForkServerGone
-from services.agent.inventory import Verdict
+from services.agent.inventory import Verdict, recheck
 from services.agent.launch import REPO, Launch, Paths, detached, die_with_agent, rank_base_env
 from services.agent.output import OutputPump, store_publisher
 from services.agent.rankproc import Proc, RankProc, last_lines, retrying, runnable_problem, signal_rank
@@ -109,25 +108,9 @@ class Spawner:
 
         async def selfcheck(args: Any) -> list[Emit]:
             assert isinstance(args, SelfCheckArgs), type(args)
-            return await self.selfcheck(args)
+            return await recheck(self.node, self.recheck, args)
 
         return {SPAWN: spawn, STOP: stop, PREFETCH: prefetch, EVICT: evict, SELFCHECK: selfcheck}
-
-    async def selfcheck(self, args: SelfCheckArgs) -> list[Emit]:
-        """The self-check again, its verdict recorded on the node as at registration (a failure cordons it)."""
-        if self.recheck is None:
-            log.error("no self-check to run on this agent", job_id=args.job_id, reason=args.reason)
-            return []
-        log.warning("running the node's self-check again", job_id=args.job_id, reason=args.reason)
-        verdict = await self.recheck()
-        event: SelfCheckPassed | SelfCheckFailed
-        if verdict.ok:
-            event = SelfCheckPassed(node=self.node, seconds=round(verdict.seconds, 3),
-                                    detail=f"{verdict.detail} (again: {args.reason})")
-        else:
-            event = SelfCheckFailed(node=self.node, reason=f"{verdict.detail} (again: {args.reason})")
-        log.info("self-check ran again", ok=verdict.ok, detail=verdict.detail)
-        return [Emit(subjects.node(self.node, type(event).__name__), event)]
 
     # -- spawning ----------------------------------------------------------------------------------
 
