@@ -82,6 +82,7 @@ def test_the_demo_drill_heals_a_spike_a_crash_and_a_hang_and_completes(tmp_path:
     rollback = re.search(r"rollback to step (\d+) \((\S+)\), skip batches \[(\d+), (\d+)\)", spike["decided"])
     assert rollback and int(rollback[1]) <= 35 and int(rollback[3]) <= 42 < 45 <= int(rollback[4]), summary
     assert re.search(rf"step {rollback[1]} trained again, in place \(attempt 0\)", spike["resumed"]), summary
+    assert spike["cause"].startswith("data (re-run "), summary  # its batches spiked again; skipping them healed it
 
     assert crash["fault"].startswith("crash injected (rank 1, step 90, attempt 0)"), summary
     assert "exited with code 3" in crash["detected"] or "RankLost" in crash["detected"], summary

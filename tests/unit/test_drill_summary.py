@@ -2,7 +2,7 @@
 
 from events.base import Event
 from events.commands import RollbackRequested
-from events.findings import LossSpikeDetected, RankHung, RankLost
+from events.findings import LossSpikeDetected, RankHung, RankLost, SpikeDiagnosed
 from events.job import AllocationRequested, JobCompleted, JobResumed, JobSubmitted, WorkersExited
 from events.spec import JobSpec
 from events.training import FaultInjected, RolledBack, StepCompleted
@@ -29,6 +29,8 @@ def history() -> list[Event]:
         RolledBack(job_id=J, rank=0, checkpoint_id="step000000030-a0", to_step=30, skip_from=40, skip_to=45,
                    timeline=1, occurred_at=112.0),
         step(0, 30, 112.5),
+        SpikeDiagnosed(job_id=J, rank=0, attempt=0, finding_id="f", step=40, onset=40, verdict="data", reason="why",
+                       replayed=True, reproduced=True, replay_s=1.25, occurred_at=115.0),
         FaultInjected(job_id=J, rank=1, kind="crash", step=90, occurred_at=120.0),
         WorkersExited(job_id=J, node="n", attempt=0, rank=1, exit_code=3, occurred_at=120.2),
         AllocationRequested(job_id=J, slots=2, attempt=1, occurred_at=120.2),
@@ -53,6 +55,7 @@ def test_each_fault_gets_its_detection_decision_and_resumption() -> None:
     spike, crash, hang = found
     assert spike.detected is not None and spike.detected.text == "LossSpikeDetected on rank 0 at step 40"
     assert spike.resumed is not None and spike.resumed.at == 12.5  # the redone step 30, not step 44 before it
+    assert spike.findings == ("LossSpikeDetected",) and spike.cause == "data (re-run 1.2 s): why"
     assert crash.detected is not None and crash.detected.text == "rank 1 exited with code 3"
     assert crash.findings == ("RankLost",)
     assert crash.resumed is not None and crash.resumed.text.endswith("from step000000080-a0-t1")
@@ -60,6 +63,7 @@ def test_each_fault_gets_its_detection_decision_and_resumption() -> None:
     lines = render(events)
     assert lines[-1] == "  completed 160 steps at 50.0s"
     assert "skip batches [40, 45)" in "\n".join(lines)
+    assert "     cause      data (re-run 1.2 s): why" in lines
 
 
 def test_a_fault_nothing_noticed_shows_dashes() -> None:

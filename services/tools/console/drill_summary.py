@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from events.base import Event
 from events.commands import RollbackRequested
-from events.findings import Finding, StragglerDetected
+from events.findings import Finding, SpikeDiagnosed, StragglerDetected, diagnosis_summary
 from events.job import AllocationRequested, JobCompleted, JobResumed, JobSubmitted, WorkersExited
 from events.training import FaultInjected, RolledBack, StepCompleted
 
@@ -29,6 +29,7 @@ class Incident:
     resumed: Mark | None  # the first step trained after the recovery
     kind: str = ""  # the fault's kind
     action: str = ""  # "restart" or "rollback" once decided
+    cause: str = ""  # a spike's diagnosis (SpikeDiagnosed), as the health monitor recorded it
 
 
 def _after(events: list[Event], at: float) -> list[Event]:
@@ -54,7 +55,9 @@ def _incident(fault: FaultInjected, later: list[Event], base: float) -> Incident
     def mark(ev: Event, text: str) -> Mark:
         return Mark(ev.occurred_at - base, text)
 
-    signs = [e for e in later if (isinstance(e, Finding) and not isinstance(e, StragglerDetected)
+    cause = next((diagnosis_summary(e).removeprefix("cause: ") for e in later
+                  if isinstance(e, SpikeDiagnosed) and e.attempt == attempt), "")
+    signs = [e for e in later if (isinstance(e, Finding) and not isinstance(e, StragglerDetected | SpikeDiagnosed)
                                   and e.attempt == attempt)
              or (isinstance(e, WorkersExited) and e.attempt == attempt and e.exit_code != 0)]
     findings = tuple(type(e).__name__ for e in signs if isinstance(e, Finding))
@@ -88,7 +91,7 @@ def _incident(fault: FaultInjected, later: list[Event], base: float) -> Incident
             break
     where = f"rank {fault.rank}, step {fault.step}, attempt {attempt}"
     return Incident(fault=mark(fault, f"{fault.kind} injected ({where})"), detected=detected, findings=findings,
-                    decision=decision, resumed=resumed, kind=fault.kind, action=action)
+                    decision=decision, resumed=resumed, kind=fault.kind, action=action, cause=cause)
 
 
 def _detail(ev: Finding) -> str:
@@ -113,6 +116,8 @@ def render(seen: Iterable[Event]) -> list[str]:
                 lines.append(f"     {label:<{LABEL}} {m.at:>6.1f}s {since:>7}  {m.text}")
         if len(inc.findings) > 0:
             lines.append(f"     {'findings':<{LABEL}} {', '.join(dict.fromkeys(inc.findings))}")
+        if inc.cause:
+            lines.append(f"     {'cause':<{LABEL}} {inc.cause}")
     done = next((e for e in events if isinstance(e, JobCompleted)), None)
     if done is not None:
         lines.append(f"  completed {done.steps} steps at {done.occurred_at - base:.1f}s")
