@@ -1,6 +1,7 @@
 """Where a rollback's checkpoint is on this node, verified before any rank loads it: the node agent's cache of
 committed checkpoints, else what this node staged itself (no platform, or a commit that never came)."""
 
+import re
 import time
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import structlog
 from events.nodelocal import UNAVAILABLE_SUFFIX
 from trainer import checkpointing
 from trainer.config import RunConfig
+from trainer.distributed import Dist
 
 log = structlog.get_logger("trainer")
 ROLLBACK_WAIT_S = 30.0  # for the node agent's download of a rollback's checkpoint to land
@@ -42,3 +44,15 @@ def rollback_source(cfg: RunConfig, job_id: str, checkpoint_id: str, step: int, 
             return path
     raise checkpointing.CorruptCheckpoint(
         f"checkpoint {checkpoint_id} (step {step}) is in none of {[str(p) for p in [cached, *staged] if p]}")
+
+
+def newest_local(root: Path, dist: Dist) -> Path | None:
+    """No-platform mode after a torchrun restart: the newest complete staged set under `root`, as rank 0 sees it."""
+    found: list[tuple[int, int, Path]] = []
+    for d in root.glob("step-*") if root.is_dir() else []:
+        m = re.fullmatch(r"step-(\d+)(?:-t(\d+))?", d.name)
+        if m and (d / ".metadata").exists():
+            found.append((int(m[1]), int(m[2] or 0), d))
+    mine = str(max(found)[2]).encode() if found and dist.rank == 0 else b""
+    _, agreed = dist.agree([], mine)  # every rank loads the set rank 0 picked
+    return Path(agreed.decode()) if agreed else None

@@ -10,7 +10,6 @@ and loads are collective.
 """
 
 import os
-import re
 import signal
 import time
 from collections.abc import Iterator
@@ -139,7 +138,7 @@ class Run:
         self.restored = True
         path = self.cfg.restore
         if path is None and self.cfg.resume_local:
-            path = self._newest_local()
+            path = restore_points.newest_local(self.cfg.staging / self.job_id, self.dist)
         if path is not None:
             try:
                 # Its manifest too: once a peer refused the checkpoint, the agent may have deleted the node's copy.
@@ -398,16 +397,3 @@ class Run:
                                         **self.emitter.envelope))
         log.warning("re-ran the spike's batches", steps=replay.until - replay.start, seconds=replay.seconds())
         self._land(replay.cmd, replay.path, replay.timeline)
-
-    def _newest_local(self) -> Path | None:
-        """No-platform mode after a torchrun restart: the newest complete staged set, as rank 0 sees it."""
-        root = self.cfg.staging / self.job_id
-        found: list[tuple[int, int, Path]] = []
-        for d in root.glob("step-*") if root.is_dir() else []:
-            m = re.fullmatch(r"step-(\d+)(?:-t(\d+))?", d.name)
-            if m and (d / ".metadata").exists():
-                found.append((int(m[1]), int(m[2] or 0), d))
-        mine = str(max(found)[2]).encode() if found and self.rank == 0 else b""
-        _, agreed = self.dist.agree([], mine)  # every rank loads the set rank 0 picked
-        return Path(agreed.decode()) if agreed else None
-
