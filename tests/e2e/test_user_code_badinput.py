@@ -92,7 +92,8 @@ async def test_a_script_that_never_calls_the_api_is_found_silent_like_a_lost_ran
     script.write_text("import time\nprint('training without telling anyone', flush=True)\ntime.sleep(600)\n")
     p.agent("n1", "--slots", "1", "--grace-s", "1")
     await p.ready("n1")
-    await p.submit(user_job("silent", ["python", str(script)], restarts=0, startup_grace_s=4.0), job)
+    # The grace covers the agent's start of the rank too: 4 s was too little for it on a loaded CI box.
+    await p.submit(user_job("silent", ["python", str(script)], restarts=0, startup_grace_s=12.0), job)
     failed = await ended(p, job)
     assert isinstance(failed, JobFailed)
     (lost,) = p.seen(RankLost, job)

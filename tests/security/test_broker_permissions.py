@@ -52,8 +52,11 @@ async def accepted(nc: nats.NATS, subject: str, data: bytes = b"x") -> bool:
 
 
 @pytest.fixture
-def broker(secure_broker: SecureBroker) -> SecureBroker:  # noqa: F811
+async def broker(secure_broker: SecureBroker) -> SecureBroker:  # noqa: F811
     secure_broker.add_jobs(JOB, OTHER)
+    # The reload (SIGHUP) is applied after the signal returns; a connection made while it is being applied was
+    # refused on a loaded CI box. Its users are in force once a user it added can connect.
+    await secure_broker.wait_user(permissions.job_user(OTHER))
     return secure_broker
 
 
