@@ -1,7 +1,7 @@
 """What the trainer API costs a training step: the built-in trainer's loop (a user of the API, trainer/loop.py)
-with telemetry on (`run.steps()` + `run.report()`, publisher, heartbeat and command inbox against a local
-nats-server) and off, against the same loop body with no Flightdeck at all ("plain"). Runs alternate, so
-drift hits every side alike.
+with telemetry on (`run.steps()` + `run.report()`, the rank's link to a real node agent's end,
+services/agent/links.py, publishing to a local nats-server) and off, against the same loop body with no Flightdeck
+at all ("plain"). Runs alternate, so drift hits every side alike.
 
     python bench/telemetry_overhead.py                                  # CPU, a small GPT on the corpus
     python bench/telemetry_overhead.py --device cuda --params 350e6     # ~350M-param GPT, bf16 autocast
@@ -30,37 +30,40 @@ import torch.nn.functional as F
 from events.spec import JobSpec, ModelSpec, TrainSpec
 from events.streams import ensure_streams
 from services.shell import broker
+from tests.trainer.linkhost import NODE, LinkHost
 from trainer import distributed
 from trainer import model as model_mod
-from trainer.commands import CommandInbox
 from trainer.config import RunConfig
 from trainer.data import TokenStream, load_tokens
+from trainer.link import AgentLink, Offline
 from trainer.loop import GRAD_CLIP, lr_at, train
 from trainer.model import num_params
 from trainer.reports import Emitter
 from trainer.session import Run
-from trainer.telemetry import Telemetry
 
 WARMUP_STEPS = 10
 
 
-def one_run(spec: JobSpec, url: str | None, job_id: str, device: str, staging: Path,
+def one_run(spec: JobSpec, host: LinkHost | None, job_id: str, device: str, staging: Path,
             batch_s: float) -> tuple[list[float], int, float]:
-    cfg = RunConfig(job_id=job_id, spec=spec, attempt=0, node="bench", nats_url=url, staging=staging, restore=None,
-                    manifest=None, rank=0, world_size=1, local_rank=0, device=device, sync_every=10, events_log=None)
-    telemetry = Telemetry(url, job_id, 0, 0, "bench", heartbeat_s=spec.policy.heartbeat_interval_s)
-    inbox = CommandInbox(url, job_id, 0, 0)
-    emitter = Emitter(telemetry, {"job_id": job_id, "rank": 0, "attempt": 0, "node": "bench"}, batch_s=batch_s)
-    telemetry.start()
-    inbox.start()
-    run = Run(cfg, distributed.init(0, 1, 0, device), emitter, inbox)
+    cfg = RunConfig(job_id=job_id, spec=spec, attempt=0, node=NODE, agent=host.address if host else None,
+                    staging=staging, restore=None, manifest=None, rank=0, world_size=1, local_rank=0, device=device,
+                    sync_every=10, events_log=None)
+    link: AgentLink | Offline = Offline()
+    if host is not None:
+        link = AgentLink(host.address, job_id, 0, 0, NODE, heartbeat_s=spec.policy.heartbeat_interval_s)
+        link.connect()
+        link.start()
+    emitter = Emitter(link, {"job_id": job_id, "rank": 0, "attempt": 0, "node": NODE}, batch_s=batch_s)
+    run = Run(cfg, distributed.init(0, 1, 0, device), emitter, link)
     cpu, main_cpu = time.process_time(), time.thread_time()
     assert train(run) == 0
-    # CPU the process spent outside the training thread (publisher, heartbeat, inbox): a noise-free upper
+    # CPU the process spent outside the training thread (the link's thread; here also the agent's end, which on a
+    # node runs in the agent's process, so this over-counts): a noise-free upper
     # bound on what telemetry can take from the step, where the wall clock on a shared box cannot resolve 2%.
     background_cpu = (time.process_time() - cpu) - (time.thread_time() - main_cpu)
     run.close()
-    published = telemetry.num_published
+    published = 0 if host is None else host.call(lambda links: links.published)
     times = run.reporter.step_times[WARMUP_STEPS:]
     background_per_step = background_cpu / len(run.reporter.step_times)
     del run
@@ -128,6 +131,7 @@ def main() -> None:
                                                                checkpoint_every=10**9, lr=3e-4))
     tmp = Path(tempfile.mkdtemp(prefix="tel-bench-"))
     b = broker.start(tmp / "nats")
+    host: LinkHost | None = None
     try:
         async def streams() -> None:
             nc = await nats.connect(b.url)
@@ -135,6 +139,7 @@ def main() -> None:
             await nc.close()
 
         asyncio.run(streams())
+        host = LinkHost(b.url).__enter__()
         times: dict[str, list[float]] = {"plain": [], "off": [], "on": []}
         paired: dict[str, list[float]] = {"on": [], "off": []}
         background: dict[str, list[float]] = {"on": [], "off": []}
@@ -147,15 +152,17 @@ def main() -> None:
                 if side == "plain":
                     runs[side] = plain_run(spec, args.device)
                 else:
-                    runs[side] = one_run(spec, b.url if side == "on" else None, f"{side}-{r}", args.device,
+                    runs[side] = one_run(spec, host if side == "on" else None, f"{side}-{r}", args.device,
                                          tmp / "staging", args.emit_batch_s)
             for side in times:
                 times[side] += runs[side][0]
-            published += runs["on"][1]
+            published = runs["on"][1]  # the agent's running count
             for side in ("on", "off"):
                 paired[side].append(statistics.median(runs[side][0]) / statistics.median(runs["plain"][0]))
                 background[side].append(runs[side][2])
     finally:
+        if host is not None:
+            host.close()
         b.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     from trainer.model import GPT

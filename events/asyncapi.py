@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 
 from events import subjects
-from events.authors import JOB_TYPES, NODE_TYPES, TELEMETRY_TYPES
+from events.authors import JOB_TYPES, NODE_TYPES, RANK_TELEMETRY, TELEMETRY_TYPES
 from events.base import Event, JobEvent, NodeEvent, RankEvent
 from events.catalog import ALL_TYPES
 from events.clock import ClockTick, CoreConfigured, DeadLettered
@@ -79,6 +79,8 @@ def authors_of(t: type[Event]) -> list[str]:
         return [SHELL]
     if t is RankOutput:
         return ["agent"]
+    if name in RANK_TELEMETRY:  # the ranks', published for them by their node agent
+        return [RANKS, "agent"]
     tables = TELEMETRY_TYPES if issubclass(t, RankEvent) else NODE_TYPES if issubclass(t, NodeEvent) else JOB_TYPES
     found = [role for role, types in tables.items() if name in types]
     return found or ([RANKS] if issubclass(t, RankEvent) else [])

@@ -3,7 +3,8 @@ permissions (services/shell/security/permissions.py) and the AsyncAPI document (
 derived from these tables, so neither can drift from the other.
 
 Roles: the five services by name, `agent` (a node agent), `console` (a person, through the CLI or the client).
-A job's ranks (`trainer`) author the telemetry types not listed under TELEMETRY_TYPES.
+A job's ranks (`trainer`) author the telemetry types not listed under TELEMETRY_TYPES; their node agent publishes
+them (RANK_TELEMETRY), checked against the rank it started: no rank holds a broker credential.
 """
 
 # The event types each producer authors: a type listed under one producer is a decision no one else may
@@ -29,7 +30,10 @@ NODE_TYPES: dict[str, tuple[str, ...]] = {
     "agent": ("NodeRegistered", "NodeHeartbeat", "SelfCheckPassed", "SelfCheckFailed"),
     "console": ("NodeCordoned", "NodeUncordoned"),  # an operator cordons by hand too
 }
+# What a job's ranks author and their node agent publishes for them, for any job (services/agent/links.py checks
+# each against the rank that sent it). It starts any job's ranks already, so this trusts it with nothing new.
+RANK_TELEMETRY = ("StepCompleted", "Heartbeat", "RankFault", "FaultInjected", "RolledBack", "RankStarted",
+                  "SpikeReplayed", "CheckpointStaged", "CheckpointRefused")
 # Telemetry a producer other than the job's ranks publishes, for any job: a node agent relays its ranks'
-# heartbeats in one batch per node (events/heartbeats.py). It starts any job's ranks already, so this
-# trusts it with nothing new; it still cannot publish a rank's steps, faults or checkpoints.
-TELEMETRY_TYPES: dict[str, tuple[str, ...]] = {"agent": ("RankHeartbeats", "ShardsUploaded")}
+# heartbeats in one batch per node (events/heartbeats.py), and their own telemetry.
+TELEMETRY_TYPES: dict[str, tuple[str, ...]] = {"agent": ("RankHeartbeats", "ShardsUploaded", *RANK_TELEMETRY)}

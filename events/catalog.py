@@ -1,7 +1,8 @@
 """Every concrete message type, in one tuple: the codec's union and the fixture tests read it from here."""
 
 from events import checkpoint, clock, commands, findings, fleet, heartbeats, job, logs, plan, training
-from events.base import Event
+from events.authors import RANK_TELEMETRY
+from events.base import Event, RankEvent
 
 ALL_TYPES: tuple[type[Event], ...] = (
     # job
@@ -39,3 +40,6 @@ COMMAND_TYPES: tuple[type[Event], ...] = (
     commands.CheckpointRequested, commands.RollbackRequested, commands.StopRequested,
     commands.PauseRequested, commands.ResumeRequested,
 )
+# What a rank may send up its link (events/ranklink.py); its agent refuses anything else.
+RANK_TYPES: tuple[type[RankEvent], ...] = tuple(t for t in ALL_TYPES if issubclass(t, RankEvent)
+                                                and t.__name__ in RANK_TELEMETRY)

@@ -1,5 +1,6 @@
 """The node-local protocol between a node agent and the ranks it starts: the variables it sets for them, the
-heartbeat socket, and the warm-standby hand-off. Both sides import it; nothing here reaches the broker.
+heartbeat socket, and the warm-standby hand-off (the rank's link itself: events/ranklink.py). Both sides import
+it; nothing here reaches the broker.
 
 Why it works this way: docs/internals.md, "1. The event log".
 """
@@ -11,6 +12,7 @@ import socket
 import msgspec
 
 from events.heartbeats import LocalBeat
+from events.ranklink import LINK_ENV
 
 BEATS_ENV = "FLIGHTDECK_BEATS"  # the agent's heartbeat socket, set for the ranks it starts
 STEP_REPORTS_ENV = "FLIGHTDECK_STEP_REPORTS"  # "all" (default) or "rank0": who publishes StepCompleted
@@ -21,15 +23,11 @@ STEP_REPORTS = ("all", "rank0")
 JOB_ENV = "FLIGHTDECK_JOB_ID"
 ATTEMPT_ENV = "FLIGHTDECK_ATTEMPT"
 NODE_ENV = "FLIGHTDECK_NODE"
-NATS_ENV = "FLIGHTDECK_NATS_URL"  # the broker (one URL or several, comma-separated)
 SPEC_ENV = "FLIGHTDECK_SPEC"  # the job spec as TOML, written by the agent
 STAGING_ENV = "FLIGHTDECK_STAGING"  # where ranks stage checkpoints: <dir>/<job>/step-<N>/
 RESTORE_ENV = "FLIGHTDECK_RESTORE"  # a verified checkpoint directory to restore before the first step
 MANIFEST_ENV = "FLIGHTDECK_MANIFEST"  # its manifest (sizes and sha256s), checked again by the rank
 CACHE_ENV = "FLIGHTDECK_CACHE"  # the node's cache of committed checkpoints: <dir>/<job>/<checkpoint_id>/
-# Beside a cached copy, <dir>/<job>/<checkpoint_id>.unavailable: the agent could not download the checkpoint a
-# rollback names (the file says why), so a rank waiting for the copy refuses the rollback at once.
-UNAVAILABLE_SUFFIX = ".unavailable"
 # A rank whose restore checkpoint fails its own check (the agent's passed a moment before: a disk rotting under
 # it) exits with this before loading anything; its agent records CheckpointRejected, so the restart is free.
 RESTORE_REFUSED_EXIT = 65  # EX_DATAERR
@@ -43,9 +41,9 @@ RESTORE_SKIPS_ENV = "FLIGHTDECK_RESTORE_SKIPS"
 DEVICE_ENV = "FLIGHTDECK_DEVICE"  # "cpu", "cuda" or "auto"
 SYNC_EVERY_ENV = "FLIGHTDECK_SYNC_EVERY"  # steps between the collectives that agree on commands
 EVENTS_LOG_ENV = "FLIGHTDECK_EVENTS_LOG"  # every event a rank emits, also as JSON lines here
-PLAN_ENV = "FLIGHTDECK_PLAN"  # a ParallelPlan as JSON, set by hand; else `run.plan` reads the recorded one
+PLAN_ENV = "FLIGHTDECK_PLAN"  # a ParallelPlan as JSON: the agent's when it knows this world's at the start
 FIRED_ENV = "FLIGHTDECK_FIRED_FAULTS"  # indices of the spec's unpinned drill faults an earlier attempt fired: "0,3"
-RUN_ENV = (JOB_ENV, ATTEMPT_ENV, NODE_ENV, NATS_ENV, SPEC_ENV, STAGING_ENV, RESTORE_ENV, MANIFEST_ENV, CACHE_ENV,
+RUN_ENV = (JOB_ENV, ATTEMPT_ENV, NODE_ENV, LINK_ENV, SPEC_ENV, STAGING_ENV, RESTORE_ENV, MANIFEST_ENV, CACHE_ENV,
            DEVICE_ENV, SYNC_EVERY_ENV, EVENTS_LOG_ENV, PLAN_ENV, FIRED_ENV, BEATS_ENV, STEP_REPORTS_ENV)
 
 READY = b"R"

@@ -26,12 +26,12 @@ from events.nodelocal import BeatChannel
 from trainer import config, distributed
 from trainer.beats import steps_to_bus
 from trainer.checkpointing import CorruptCheckpoint
-from trainer.commands import CommandInbox
+from trainer.cursor import Step
 from trainer.exits import at_exit, fail_hook
+from trainer.link import AgentLink, Offline
 from trainer.reports import Emitter
-from trainer.session import Run, Step
+from trainer.session import Run
 from trainer.state import Stateful
-from trainer.telemetry import Telemetry
 
 __all__ = ["CorruptCheckpoint", "Run", "Stateful", "Step", "init"]
 
@@ -49,20 +49,19 @@ def init() -> Run:
     structlog.contextvars.bind_contextvars(job_id=cfg.job_id, rank=cfg.rank, attempt=cfg.attempt)
     envelope: dict[str, Any] = {"job_id": cfg.job_id, "rank": cfg.rank, "attempt": cfg.attempt, "node": cfg.node}
     beats = BeatChannel.from_env() if cfg.platform else None  # the agent batches its node's heartbeats
-    telemetry = Telemetry(cfg.nats_url, cfg.job_id, cfg.rank, cfg.attempt, cfg.node,
-                          heartbeat_s=cfg.spec.policy.heartbeat_interval_s, beats=beats)
-    # Only rank 0's view of the commands counts (it is broadcast), so only rank 0 subscribes.
-    inbox = CommandInbox(cfg.nats_url if cfg.rank == 0 else None, cfg.job_id, cfg.rank, cfg.attempt)
-    emitter = Emitter(telemetry, envelope, cfg.events_log, steps_to_bus=steps_to_bus(cfg.rank, beats))
-    telemetry.start()
-    inbox.start()
+    link: AgentLink | Offline = Offline()
+    if cfg.agent is not None:  # the rank's only link to the platform: its node agent
+        link = AgentLink(cfg.agent, cfg.job_id, cfg.rank, cfg.attempt, cfg.node,
+                         heartbeat_s=cfg.spec.policy.heartbeat_interval_s, beats=beats)
+        link.connect()
+        link.start()
+    emitter = Emitter(link, envelope, cfg.events_log, steps_to_bus=steps_to_bus(cfg.rank, beats))
     try:
         dist = distributed.init(cfg.rank, cfg.world_size, cfg.local_rank, cfg.device)
     except BaseException:
-        inbox.close()
         emitter.close()
         raise
-    run = Run(cfg, dist, emitter, inbox)
+    run = Run(cfg, dist, emitter, link)
     run.install_signals()
     sys.excepthook = fail_hook(run)
     atexit.register(at_exit, run)

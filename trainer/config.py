@@ -13,6 +13,7 @@ from pathlib import Path
 import msgspec
 
 from events import nodelocal as nl
+from events import ranklink
 from events.plan import ParallelPlan
 from events.spec import JobSpec, check, parse_spec
 
@@ -25,7 +26,7 @@ class RunConfig:
     spec: JobSpec
     attempt: int
     node: str
-    nats_url: str | None  # None: telemetry and commands off
+    agent: str | None  # the node agent's link (events/ranklink.py); None: telemetry and commands off
     staging: Path  # checkpoints go to <staging>/<job_id>/step-<N>/
     restore: Path | None  # a checkpoint directory to load before the first step
     manifest: Path | None  # JSON with the shards' sha256s, checked before loading `restore`
@@ -94,7 +95,7 @@ def from_env(env: Mapping[str, str] | None = None) -> RunConfig:
         fired = frozenset(i for i, f in enumerate(spec.faults) if f.attempt is None)
     return RunConfig(
         job_id=job_id or LOCAL_JOB, spec=spec, attempt=attempt, node=env.get(nl.NODE_ENV, "") or socket.gethostname(),
-        nats_url=env.get(nl.NATS_ENV) if job_id else None,
+        agent=env.get(ranklink.LINK_ENV) or None if job_id else None,
         staging=Path(env.get(nl.STAGING_ENV, "") or ".flightdeck/staging"), restore=restore, manifest=manifest,
         restore_skips=skips,
         checkpoints=Path(env[nl.CACHE_ENV]) if env.get(nl.CACHE_ENV) else None,
@@ -113,7 +114,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--spec", type=Path, help="TOML job spec")
     p.add_argument("--attempt", type=int, help="the job's attempt (default: torchrun's TORCHELASTIC_RESTART_COUNT)")
     p.add_argument("--node")
-    p.add_argument("--nats", help="broker URL; absent: telemetry off")
+    p.add_argument("--agent", help="the node agent's link socket (@name or a path); absent: telemetry off")
     p.add_argument("--staging", type=Path)
     p.add_argument("--restore", type=Path, help="checkpoint directory to load first")
     p.add_argument("--manifest", type=Path, help="JSON {'shards': [{path, size, sha256}]} to verify --restore "
@@ -127,7 +128,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 FLAG_ENV = {"job_id": nl.JOB_ENV, "spec": nl.SPEC_ENV, "attempt": nl.ATTEMPT_ENV, "node": nl.NODE_ENV,
-            "nats": nl.NATS_ENV, "staging": nl.STAGING_ENV, "restore": nl.RESTORE_ENV, "manifest": nl.MANIFEST_ENV,
+            "agent": ranklink.LINK_ENV, "staging": nl.STAGING_ENV, "restore": nl.RESTORE_ENV,
+            "manifest": nl.MANIFEST_ENV,
             "checkpoints": nl.CACHE_ENV, "device": nl.DEVICE_ENV, "sync_every": nl.SYNC_EVERY_ENV,
             "events_log": nl.EVENTS_LOG_ENV}
 
@@ -139,5 +141,5 @@ def flags_to_env(argv: list[str] | None, env: dict[str, str] | os._Environ[str])
         value = getattr(args, name)
         if value is not None:
             env[var] = str(value)
-    if args.nats is None and args.job_id is not None:
-        env.pop(nl.NATS_ENV, None)  # a job id without --nats: telemetry off, as the flags always meant
+    if args.agent is None and args.job_id is not None:
+        env.pop(ranklink.LINK_ENV, None)  # a job id without --agent: telemetry off, as the flags always meant

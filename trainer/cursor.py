@@ -26,3 +26,15 @@ class BatchCursor:
     def seek(self, position: DataPosition) -> None:
         self.next_batch = position.next_batch
         self.skipped = [(int(a), int(b)) for a, b in position.skipped]
+
+
+class Step(int):
+    """A step number (use it as an int) that also says which global batch this step reads: `step.batch`.
+    After a rollback that skipped a window, batch and step differ: read by `step.batch`."""
+
+    batch: int
+
+    def __new__(cls, step: int, batch: int) -> "Step":
+        obj = super().__new__(cls, step)
+        obj.batch = batch
+        return obj

@@ -18,11 +18,11 @@ import torch
 from events import codec
 from events.base import RankEvent
 from events.training import RankFault, StepCompleted
-from trainer.telemetry import uuid4_hex
+from trainer.link import uuid4_hex
 
 
 class Publisher(Protocol):
-    """The part of trainer.telemetry.Telemetry the loop uses."""
+    """The part of trainer.link.AgentLink the loop uses."""
 
     def emit(self, event: RankEvent) -> None:
         """Queue one event without blocking."""

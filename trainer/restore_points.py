@@ -2,35 +2,34 @@
 committed checkpoints, else what this node staged itself (no platform, or a commit that never came)."""
 
 import re
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import structlog
 
-from events.nodelocal import UNAVAILABLE_SUFFIX
+from events.ranklink import RollbackReady
 from trainer import checkpointing
 from trainer.config import RunConfig
 from trainer.distributed import Dist
 
 log = structlog.get_logger("trainer")
 ROLLBACK_WAIT_S = 30.0  # for the node agent's download of a rollback's checkpoint to land
+Ready = Callable[[str, float], RollbackReady | None]  # the agent's word on a checkpoint, waited for up to N s
 
 
-def rollback_source(cfg: RunConfig, job_id: str, checkpoint_id: str, step: int, staged_here: list[Path]) -> Path:
+def rollback_source(cfg: RunConfig, job_id: str, checkpoint_id: str, step: int, staged_here: list[Path],
+                    ready: Ready | None = None) -> Path:
     """The verified copy to load: the cache's (a copy appears whole or not at all; the agent downloads one a
-    rollback names, or leaves a note saying why it could not), else a staged set (same id, or `staged_here`).
-    CorruptCheckpoint says what is wrong with the copy, or that there is none."""
+    rollback names and says when it is there, or why it could not be: `ready`), else a staged set (same id, or
+    `staged_here`). CorruptCheckpoint says what is wrong with the copy, or that there is none."""
     staged = [cfg.staging / job_id / checkpoint_id, *staged_here]
     cached = cfg.checkpoints / job_id / checkpoint_id if cfg.checkpoints else None
     if cached is not None:
-        unavailable = cached.with_name(checkpoint_id + UNAVAILABLE_SUFFIX)
-        deadline = time.monotonic() + ROLLBACK_WAIT_S
-        while not cached.is_dir() and time.monotonic() < deadline:
-            if unavailable.is_file():
+        if not cached.is_dir() and ready is not None:
+            word = ready(checkpoint_id, ROLLBACK_WAIT_S)
+            if word is not None and word.problem:
                 raise checkpointing.CorruptCheckpoint(
-                    f"node {cfg.node or '?'} could not fetch checkpoint {checkpoint_id}: "
-                    f"{unavailable.read_text(errors='replace')[:2000]}")
-            time.sleep(0.2)
+                    f"node {cfg.node or '?'} could not fetch checkpoint {checkpoint_id}: {word.problem[:2000]}")
         if cached.is_dir():
             manifest = checkpointing.manifest_in(cached)
             if manifest is None:

@@ -34,12 +34,14 @@ from events.commands import (
 )
 from events.nodelocal import RESTORE_REFUSED_EXIT, STOPPED_EXIT
 from events.plan import ParallelPlan
+from events.ranklink import RollbackReady
 from events.spec import JobSpec
 from events.training import FaultInjected, RankStarted, RolledBack, SpikeReplayed
-from trainer import checkpointing, faults, plans, restore_points
+from trainer import checkpointing, faults, restore_points
 from trainer.config import RunConfig
-from trainer.cursor import BatchCursor
+from trainer.cursor import BatchCursor, Step
 from trainer.distributed import Dist
+from trainer.link import PLAN_WAIT_S
 from trainer.replay import Replay
 from trainer.reports import SPIKE_FACTOR, Emitter, StepReporter, check_metric_names, checked_value
 from trainer.state import Stateful, TrainState
@@ -48,23 +50,19 @@ log = structlog.get_logger("trainer")
 PAUSE_POLL_S = 0.2
 
 
-class CommandSource(Protocol):
-    """What a run needs from a command inbox; trainer.commands.CommandInbox has this shape."""
+class AgentSide(Protocol):
+    """What a run hears from its node agent; trainer.link.AgentLink (and Offline, with no platform) has this shape."""
+
+    gone: bool  # the agent closed the link: stop at the next boundary rather than train blind
 
     def poll(self) -> list[Event]:
         """Commands received since the last poll, in order."""
 
+    def plan(self, world_size: int, wait_s: float) -> ParallelPlan | None:
+        """The job's recorded plan for this world size, waiting up to `wait_s` for one."""
 
-class Step(int):
-    """A step number (use it as an int) that also says which global batch this step reads: `step.batch`.
-    After a rollback that skipped a window, batch and step differ: read by `step.batch`."""
-
-    batch: int
-
-    def __new__(cls, step: int, batch: int) -> "Step":
-        obj = super().__new__(cls, step)
-        obj.batch = batch
-        return obj
+    def rollback_ready(self, checkpoint_id: str, wait_s: float) -> RollbackReady | None:
+        """Where this node's agent put a rollback's checkpoint (or why it could not), waiting up to `wait_s`."""
 
 
 def admitted(raws: list[bytes]) -> list[Event]:
@@ -82,7 +80,7 @@ def admitted(raws: list[bytes]) -> list[Event]:
 class Run:
     """One rank of a job. Made by `flightdeck.init()`; see trainer/api.py for the calls a script makes."""
 
-    def __init__(self, cfg: RunConfig, dist: Dist, emitter: Emitter, inbox: CommandSource) -> None:
+    def __init__(self, cfg: RunConfig, dist: Dist, emitter: Emitter, inbox: AgentSide) -> None:
         self.cfg, self.dist, self.emitter, self.inbox = cfg, dist, emitter, inbox
         self.job_id, self.attempt = cfg.job_id, cfg.attempt
         self.rank, self.world_size, self.local_rank = dist.rank, dist.world_size, cfg.local_rank
@@ -222,12 +220,10 @@ class Run:
 
     @property
     def plan(self) -> ParallelPlan:
-        """The parallel layout Flightdeck recorded for this world size (trainer/plans.py), read on first use;
-        plain data parallelism when none was recorded (no resharder, or no platform)."""
+        """The parallel layout Flightdeck recorded for this world size (known at the start, or passed on by the agent
+        when the resharder records it); plain data parallelism when none was recorded (no resharder, no platform)."""
         if self._plan is None:
-            recorded = None
-            if self.cfg.nats_url is not None:
-                recorded = plans.recorded_plan(self.cfg.nats_url, self.job_id, self.world_size, log)
+            recorded = self.inbox.plan(self.world_size, PLAN_WAIT_S) if self.cfg.platform else None
             self._plan = recorded or ParallelPlan(world_size=self.world_size, dp=self.world_size)
             log.info("parallel plan", recorded=recorded is not None, plan=msgspec.to_builtins(self._plan))
         return self._plan
@@ -241,9 +237,6 @@ class Run:
             self.reporter.flush()
             self.ckpt.wait()
         finally:
-            inbox_close = getattr(self.inbox, "close", None)
-            if inbox_close is not None:
-                inbox_close()
             self.emitter.close()
         if self.finished:
             self.dist.close()  # only when the peers are healthy: tearing down a broken group can block
@@ -304,10 +297,15 @@ class Run:
             polled = self.inbox.poll()
             if polled:
                 payload = msgspec.msgpack.encode([codec.encode(c) for c in polled])
-        (sigterm,), payload = self.dist.agree([int(self.sigterm)], payload)
+        (sigterm, orphaned), payload = self.dist.agree([int(self.sigterm), int(self.inbox.gone)], payload)
         commands = admitted(self._cmd_decoder.decode(payload)) if payload else []
         for command in commands:
             self._obey(command)
+        if orphaned:  # no agent to publish a checkpoint or hear this rank: its work could never be kept
+            log.error("a node agent of this job is gone: stopping without a checkpoint", step=self.step)
+            self.reporter.flush()
+            self.finished = self.stopped = True
+            raise SystemExit(STOPPED_EXIT)
         if sigterm:
             log.warning("SIGTERM: checkpointing before exit (preemption)", step=self.step)
             self._checkpoint(wait=True)
@@ -353,7 +351,7 @@ class Run:
         problem, path = "", None
         try:
             path = restore_points.rollback_source(self.cfg, self.job_id, cmd.checkpoint_id, cmd.to_step,
-                                                  self.ckpt.staged_dirs(cmd.to_step))
+                                                  self.ckpt.staged_dirs(cmd.to_step), self.inbox.rollback_ready)
         except checkpointing.CorruptCheckpoint as exc:
             problem = str(exc)
         (refused,), _ = self.dist.agree([int(bool(problem))], b"")  # DCP loads are collective: all or none

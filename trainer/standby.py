@@ -23,8 +23,8 @@ from events.nodelocal import ASSIGNMENT_DECODER, LATE_ENV, MAX_MESSAGE, OWN_ENV_
 # not trainer.__main__ itself: runpy warns when the module it runs as __main__ is already imported.
 # torch._dynamo: torch.optim's Optimizer.__init__ imports it on first use (as much time again as `import torch`).
 WARM_MODULES = ("torch", "torch._dynamo", "torch.distributed", "torch.distributed.checkpoint", "torch.nn.parallel",
-                "nats", "flightdeck", "trainer.config", "trainer.distributed", "trainer.commands", "trainer.loop",
-                "trainer.reports", "trainer.session", "trainer.telemetry", "trainer.checkpointing", "trainer.state",
+                "flightdeck", "trainer.config", "trainer.distributed", "trainer.link", "trainer.loop",
+                "trainer.reports", "trainer.session", "trainer.checkpointing", "trainer.state",
                 "trainer.model", "trainer.data")
 
 

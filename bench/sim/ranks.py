@@ -1,7 +1,7 @@
 """A simulated rank and the node agent that runs it: what the trainer and the agent put on the bus, without torch.
 
 A rank heartbeats every `beat_s` with its last completed step and completes a step every ~`step_s`. In
-"rank" mode it publishes as the trainer does today (trainer/telemetry.py, trainer/reports.py): RankStarted
+"rank" mode it publishes what a rank's agent publishes for it (trainer/link.py, services/agent/links.py): RankStarted
 once, a Heartbeat per beat and a StepCompleted per step, each its own JetStream message on
 `fd.tel.<job>.<rank>.<Type>`. In "node" mode (the real agent's default, with `--step-reports rank0`) the
 rank hands each beat to its node agent over the node-local socket, with the code real ranks and agents run

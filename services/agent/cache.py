@@ -9,17 +9,18 @@ import contextlib
 import functools
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import structlog
 
-from events.nodelocal import UNAVAILABLE_SUFFIX
 from services.agent.core import Restore
 from services.agent.launch import Paths, detached
 from services.shell.objects import manifest
 from services.shell.objects.store import ObjectStore
 
 log = structlog.get_logger("flightdeck.agent")
+Ready = Callable[[str, str], None]  # (path, problem): where a rollback's copy is, or why there is none
 
 
 class CheckpointCache:
@@ -44,12 +45,10 @@ class CheckpointCache:
             self.tasks[key] = task
         return task
 
-    def fetch_for_rollback(self, job_id: str, checkpoint: Restore) -> None:
-        """Ranks told to roll back wait for this copy (fetched again if it went missing); if the download fails, a
-        note beside the copy says why, and they refuse the rollback at once instead of waiting for it."""
-        note = self.node_paths.cache(job_id, checkpoint.checkpoint_id + UNAVAILABLE_SUFFIX)
-        note.unlink(missing_ok=True)
-        self.fetch_task(job_id, checkpoint).add_done_callback(functools.partial(_leave_note, note))
+    def fetch_for_rollback(self, job_id: str, checkpoint: Restore, ready: Ready) -> None:
+        """Ranks told to roll back wait for this copy (fetched again if it went missing): `ready(path, problem)`
+        tells them where it is, or why it could not be fetched, so they refuse the rollback at once."""
+        self.fetch_task(job_id, checkpoint).add_done_callback(functools.partial(_tell_ready, ready))
 
     async def verified_copy(self, job_id: str, checkpoint: Restore) -> Path:
         """The node's verified copy of the checkpoint a new attempt restores. The cached copy is checked again
@@ -92,16 +91,15 @@ class CheckpointCache:
         targets = [self.node_paths.cache(job_id, c) for c in checkpoint_ids] or [self.node_paths.cache(job_id)]
         for target in targets:
             await asyncio.to_thread(shutil.rmtree, target, True)
-            target.with_name(target.name + UNAVAILABLE_SUFFIX).unlink(missing_ok=True)
 
 
-def _leave_note(note: Path, task: asyncio.Task[Path]) -> None:
-    if task.cancelled() or task.exception() is None:
-        return
-    exc = task.exception()
-    with contextlib.suppress(OSError):  # no note: the ranks wait out their deadline, then refuse
-        note.parent.mkdir(parents=True, exist_ok=True)
-        note.write_text(f"{type(exc).__name__}: {exc}")
+def _tell_ready(ready: Ready, task: asyncio.Task[Path]) -> None:
+    if task.cancelled():
+        ready("", "its download was cancelled (the agent is stopping)")
+    elif (exc := task.exception()) is not None:
+        ready("", f"{type(exc).__name__}: {exc}")
+    else:
+        ready(str(task.result()), "")
 
 
 def _report_fetch(task: asyncio.Task[Path]) -> None:

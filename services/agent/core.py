@@ -5,8 +5,9 @@ Why it works this way: docs/internals.md, "7. The node agent and the ranks it ru
 
 import msgspec
 
-from events import lineage, subjects
-from events.base import Event
+from events import codec, lineage, subjects
+from events.base import Event, JobEvent
+from events.catalog import COMMAND_TYPES
 from events.checkpoint import CheckpointCommitted, CheckpointDeleted, CheckpointRejected
 from events.commands import RollbackRequested
 from events.findings import SpikeDiagnosed
@@ -21,11 +22,12 @@ from events.job import (
     WorkersExited,
     WorkersStarted,
 )
+from events.plan import ParallelPlan, ReshardPlanned
 from events.spec import JobSpec
 from services.core import Effect, EffectHandler, Output, Service
 
-SPAWN, STOP, PREFETCH, EVICT, SELFCHECK = "spawn", "stop", "prefetch", "evict", "selfcheck"
-EFFECTS = (SPAWN, STOP, PREFETCH, EVICT, SELFCHECK)
+SPAWN, STOP, PREFETCH, EVICT, SELFCHECK, TELL = "spawn", "stop", "prefetch", "evict", "selfcheck", "tell"
+EFFECTS = (SPAWN, STOP, PREFETCH, EVICT, SELFCHECK, TELL)
 
 
 def service_name(node: str) -> str:
@@ -54,6 +56,7 @@ class SpawnArgs(msgspec.Struct, frozen=True, kw_only=True):
     restore: Restore | None
     grant_id: str  # event id of the grant, the cause of what the agent records about these ranks
     skips: list[tuple[int, int]] = []  # batch windows the restore skips beyond its checkpoint's (lineage.restore_skips)
+    plan: ParallelPlan | None = None  # the job's newest recorded plan (the ranks use it if it is for their world)
 
 
 class StopArgs(msgspec.Struct, frozen=True, kw_only=True):
@@ -82,6 +85,15 @@ class SelfCheckArgs(msgspec.Struct, frozen=True, kw_only=True):
     reason: str
 
 
+class TellArgs(msgspec.Struct, frozen=True, kw_only=True):
+    """Pass something on to the job's ranks on this node, down their links (services/agent/links.py)."""
+
+    job_id: str
+    attempt: int = -1  # a command's attempt; -1: every attempt's ranks (a plan)
+    command: bytes = b""  # a command as stored (events.codec)
+    plan: ParallelPlan | None = None
+
+
 class Held(msgspec.Struct, frozen=True, kw_only=True):
     attempt: int
     ranks: tuple[SlotRef, ...]
@@ -93,6 +105,7 @@ class JobView(msgspec.Struct, frozen=True, kw_only=True):
     held: Held | None = None  # the attempt whose ranks this node runs
     latest: int = -1  # newest attempt granted or released: a grant for it or an older one is stale or repeated
     forks: tuple[lineage.Fork, ...] = ()  # timelines the job's rollbacks started
+    plan: ParallelPlan | None = None  # the newest ReshardPlanned's
 
 
 class LiveRank(msgspec.Struct, frozen=True, kw_only=True):
@@ -153,7 +166,7 @@ def _granted(state: State, ev: AllocationGranted) -> Transition:
     outs.append(Effect(SPAWN, SpawnArgs(
         job_id=ev.job_id, attempt=ev.attempt, node=state.node, ranks=list(mine), world_size=len(ev.assignments),
         master_addr=ev.master_addr, master_port=ev.master_port, spec=view.spec, restore=restore,
-        grant_id=ev.event_id, skips=list(skips))))
+        grant_id=ev.event_id, skips=list(skips), plan=view.plan)))
     return _put(state, ev.job_id, msgspec.structs.replace(view, held=Held(attempt=ev.attempt, ranks=mine)), *outs)
 
 
@@ -210,10 +223,26 @@ def _rollback(state: State, ev: RollbackRequested) -> Transition:
     view = state.jobs[ev.job_id]
     after = msgspec.structs.replace(view, forks=lineage.forked(view.forks, ev))
     target = next((c for c in view.checkpoints if c.checkpoint_id == ev.checkpoint_id), None)
-    if view.held is None or view.held.attempt != ev.attempt or target is None:
+    if view.held is None or view.held.attempt != ev.attempt:
         return _put(state, ev.job_id, after)
-    return _put(state, ev.job_id, after, Effect(PREFETCH, PrefetchArgs(job_id=ev.job_id, checkpoint=target,
-                                                                       rollback=True)))
+    tell = Effect(TELL, TellArgs(job_id=ev.job_id, attempt=ev.attempt, command=codec.encode(ev)))
+    if target is None:  # not committed as far as this node knows: the ranks refuse it, as they would a bad copy
+        return _put(state, ev.job_id, after, tell)
+    return _put(state, ev.job_id, after, tell, Effect(PREFETCH, PrefetchArgs(job_id=ev.job_id, checkpoint=target,
+                                                                             rollback=True)))
+
+
+def _command(state: State, ev: JobEvent) -> Transition:
+    """A command for the job's ranks: the ones here hear it from this agent, in history order."""
+    held = state.jobs[ev.job_id].held
+    if held is None:
+        return state, ()
+    return state, (Effect(TELL, TellArgs(job_id=ev.job_id, attempt=held.attempt, command=codec.encode(ev))),)
+
+
+def _planned(state: State, ev: ReshardPlanned) -> Transition:
+    view = msgspec.structs.replace(state.jobs[ev.job_id], plan=ev.new)
+    return _put(state, ev.job_id, view, Effect(TELL, TellArgs(job_id=ev.job_id, plan=ev.new)))
 
 
 def _workers(state: State, ev: WorkersStarted | WorkersExited) -> Transition:
@@ -252,6 +281,10 @@ def transition(state: State, event: Event) -> Transition:
             return _gone(state, event)
         case RollbackRequested(job_id=job_id) if job_id in state.jobs:
             return _rollback(state, event)
+        case JobEvent(job_id=job_id) if isinstance(event, COMMAND_TYPES) and job_id in state.jobs:
+            return _command(state, event)
+        case ReshardPlanned(job_id=job_id) if job_id in state.jobs:
+            return _planned(state, event)
         case WorkersStarted() | WorkersExited():
             return _workers(state, event)
         case SpikeDiagnosed(verdict="hardware") if state.node in event.suspect_nodes:
@@ -265,7 +298,8 @@ def transition(state: State, event: Event) -> Transition:
 
 CONTROL_TYPES = ("JobSubmitted", "AllocationGranted", "AllocationReleased", "JobCancelled", "JobCompleted",
                  "JobFailed", "CheckpointCommitted", "CheckpointDeleted", "CheckpointRejected", "WorkersStarted",
-                 "WorkersExited", "RollbackRequested", "SpikeDiagnosed")
+                 "WorkersExited", "RollbackRequested", "SpikeDiagnosed", "ReshardPlanned", "CheckpointRequested",
+                 "StopRequested", "PauseRequested", "ResumeRequested")
 
 
 def core_service(node: str, effects: dict[str, EffectHandler]) -> Service[State]:

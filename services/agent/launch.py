@@ -13,9 +13,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import structlog
 
-from services.shell.security.credentials import AGENT_ONLY
+from events import nodelocal as nl
+from events import ranklink
+from events.job import SlotRef
+from services.agent.core import SpawnArgs
+from services.shell.objects import manifest
+from services.shell.security.credentials import rank_env
 
 REPO = Path(__file__).resolve().parents[2]
 PR_SET_PDEATHSIG = 1
@@ -49,7 +55,6 @@ class Paths:
 class Launch:
     """How ranks are started on this node."""
 
-    nats_url: str
     device: str  # "cpu" or "cuda"
     grace_s: float  # SIGTERM, then this long, then SIGKILL
     python: str = sys.executable
@@ -62,15 +67,16 @@ def exit_msg_id(producer: str, job_id: str, attempt: int, rank: int) -> str:
 
 
 def rank_base_env() -> dict[str, str]:
-    """What every rank's environment holds besides its rendezvous variables (a standby starts with this)."""
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",  # a rank's lines reach its log as printed
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))}
+    """What every rank's environment holds besides its rendezvous variables (a standby starts with this): the
+    agent's, less anything of the broker (security/credentials.rank_env)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",  # a rank's lines reach its log as printed
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))}
+    return dict(rank_env(env))
 
 
 def standby_env() -> dict[str, str]:
-    """A standby's environment: a rank's base without the agent's own identity (a standby becomes a rank; the
-    job's credential comes with its assignment, security/credentials.rank_env)."""
-    return {k: v for k, v in rank_base_env().items() if k not in AGENT_ONLY}
+    """A standby's environment: a rank's base (a standby becomes a rank)."""
+    return rank_base_env()
 
 
 def die_with_agent(agent_pid: int) -> Callable[[], None]:
@@ -86,3 +92,44 @@ def detached(producer: str, **context: Any) -> None:
     """Give a task started while an input was in hand a log context of its own: it outlives that input."""
     structlog.contextvars.clear_contextvars()
     structlog.contextvars.bind_contextvars(service=producer, **context)
+
+
+def rank_command(args: SpawnArgs, launch: Launch) -> tuple[list[str], Path]:
+    """What a rank runs, and where: the job's entrypoint, or the built-in trainer. "python" is this node's
+    Python (the one with torch and Flightdeck); a relative cwd is taken from the agent's working directory."""
+    entry = args.spec.entrypoint
+    if entry is None:
+        return [launch.python, "-m", "trainer"], REPO
+    argv = list(entry.command)
+    if argv[0] in ("python", "python3"):
+        argv[0] = launch.python
+    return argv, Path.cwd() / entry.cwd if entry.cwd else Path.cwd()
+
+
+def rank_env_of(args: SpawnArgs, ref: SlotRef, spec_file: Path, restore: Path | None, fired: frozenset[int], *,
+                node: str, paths: Paths, launch: Launch, link: str) -> dict[str, str]:
+    """A rank's whole environment (events/nodelocal.py): torchrun's variables, the job's, its restore, its link."""
+    entry = args.spec.entrypoint
+    env = {**rank_base_env(), **(entry.env if entry is not None else {}),
+           "RANK": str(ref.rank), "WORLD_SIZE": str(args.world_size),
+           # the slot is the device index: two jobs on one node never share a GPU
+           "LOCAL_RANK": str(ref.slot), "MASTER_ADDR": args.master_addr, "MASTER_PORT": str(args.master_port),
+           nl.JOB_ENV: args.job_id, nl.ATTEMPT_ENV: str(args.attempt), nl.NODE_ENV: node,
+           nl.SPEC_ENV: str(spec_file), nl.STAGING_ENV: str(paths.staging),
+           nl.CACHE_ENV: str(paths.root / "cache"), nl.DEVICE_ENV: launch.device}
+    for stale in (nl.RESTORE_ENV, nl.MANIFEST_ENV, nl.RESTORE_SKIPS_ENV, nl.PLAN_ENV, nl.FIRED_ENV,
+                  nl.EVENTS_LOG_ENV, nl.SYNC_EVERY_ENV):
+        env.pop(stale, None)  # never inherited from the agent's own environment
+    if fired:
+        env[nl.FIRED_ENV] = ",".join(map(str, sorted(fired)))
+    if restore is not None:
+        env[nl.RESTORE_ENV], env[nl.MANIFEST_ENV] = str(restore), str(restore / manifest.MANIFEST)
+        if args.skips:
+            env[nl.RESTORE_SKIPS_ENV] = ",".join(f"{a}:{b}" for a, b in args.skips)
+    if args.plan is not None and args.plan.world_size == args.world_size:  # known at start: no wait for it
+        env[nl.PLAN_ENV] = msgspec.json.encode(args.plan).decode()
+    if link:
+        env[ranklink.LINK_ENV] = link  # the rank's only link to the platform: no broker, no secret
+    if launch.beats:
+        env[nl.BEATS_ENV], env[nl.STEP_REPORTS_ENV] = launch.beats, launch.step_reports
+    return env

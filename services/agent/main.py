@@ -40,6 +40,7 @@ from services.agent.inventory import (
     selfcheck,
 )
 from services.agent.launch import REPO, Launch, Paths, die_with_agent, standby_env
+from services.agent.links import RankLinks
 from services.agent.nodeview import NodeView
 from services.agent.spawner import Spawner, retrying
 from services.agent.standbys import StandbyPool
@@ -168,10 +169,11 @@ async def run_agent(options: AgentOptions, stop_event: asyncio.Event | None = No
     pool: StandbyPool | None = None
     view: NodeView | None = None
     relay: BeatRelay | None = None
+    links: RankLinks | None = None
     try:
         async with open_store(objects or str(root / "objects")) as objs:
             beats = new_address(node) if heartbeats == "node" else ""  # the relay's socket, bound below
-            launch = Launch(nats_url=url, device="cuda" if inv.kind == "gpu" else "cpu", grace_s=grace_s,
+            launch = Launch(device="cuda" if inv.kind == "gpu" else "cpu", grace_s=grace_s,
                             beats=beats,
                             step_reports=step_reports)
             pool = StandbyPool(size=standbys, python=python, env=standby_env(), cwd=REPO,
@@ -179,6 +181,9 @@ async def run_agent(options: AgentOptions, stop_event: asyncio.Event | None = No
                                forks=forks)
             spawner = Spawner(node=node, producer=producer, store=store, objects=objs, paths=Paths(root), launch=launch,
                               standbys=pool if pool.size > 0 else None)
+            links = RankLinks(node=node, store=store, admit=spawner.claims)
+            links.start()
+            spawner.links = links
             if beats:
                 relay = BeatRelay(node=node, producer=producer, publish=store_publisher(store),
                                   admit=spawner.speaks_for, address=beats)
@@ -235,6 +240,8 @@ async def run_agent(options: AgentOptions, stop_event: asyncio.Event | None = No
             await close_within("node view", view.close())
         if relay is not None:
             await close_within("heartbeat relay", relay.close())
+        if links is not None:  # what the ranks handed over reaches the broker before the agent goes
+            await close_within("rank links", links.close())
         conn.closing = True
         with contextlib.suppress(Exception):
             await close_within("broker connection", store.nc.close())

@@ -9,13 +9,14 @@ import os
 import signal
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import structlog
 
 from events import nodelocal as nl
-from events import subjects
+from events import ranklink, subjects
 from events.checkpoint import CheckpointRejected
 from events.codec import MAX_CAUSE
 from events.heartbeats import LocalBeat
@@ -33,17 +34,20 @@ from services.agent.core import (
     SELFCHECK,
     SPAWN,
     STOP,
+    TELL,
     EvictArgs,
     PrefetchArgs,
     Restore,
     SelfCheckArgs,
     SpawnArgs,
     StopArgs,
+    TellArgs,
 )
 from services.agent.exits import ExitRecorder
 from services.agent.forkserver import ForkServerGone
 from services.agent.inventory import Verdict, recheck
-from services.agent.launch import REPO, Launch, Paths, detached, die_with_agent, rank_base_env
+from services.agent.launch import Launch, Paths, detached, die_with_agent, rank_command, rank_env_of
+from services.agent.links import RankLinks
 from services.agent.output import OutputPump, store_publisher
 from services.agent.rankproc import Proc, RankProc, last_lines, retrying, runnable_problem, signal_rank
 from services.agent.shipping import Shipper
@@ -51,7 +55,6 @@ from services.agent.standbys import StandbyPool
 from services.core import EffectHandler, Emit
 from services.shell.objects import manifest
 from services.shell.objects.store import ObjectStore
-from services.shell.security.credentials import rank_env
 
 log = structlog.get_logger("flightdeck.agent")
 
@@ -72,6 +75,8 @@ class Spawner:
         self.cache = CheckpointCache(node_paths=paths, objects=objects, producer=producer)
         self.shipper = Shipper(node=node, producer=producer, store=store, objects=objects, staging=paths.staging)
         self.relay: BeatRelay | None = None  # the heartbeat relay (node heartbeats): it beats for live attempts
+        self.links: RankLinks | None = None  # the ranks' links: set by the agent before any rank starts
+        self._pid_known: dict[int, asyncio.Future[None]] = {}  # a link that came before its rank's start was recorded
         self.timers: set[asyncio.Task[None]] = set()
         self.exits = ExitRecorder(store, node, producer, self.watched, retrying)
         self.going: dict[int, asyncio.Future[None]] = {}  # a rank from a standby -> set once its beats show a step
@@ -96,7 +101,8 @@ class Spawner:
         async def prefetch(args: Any) -> list[Emit]:
             assert isinstance(args, PrefetchArgs), type(args)
             if args.rollback:
-                self.cache.fetch_for_rollback(args.job_id, args.checkpoint)
+                self.cache.fetch_for_rollback(args.job_id, args.checkpoint,
+                                              partial(self._rollback_ready, args.job_id, args.checkpoint.checkpoint_id))
             else:
                 self.cache.fetch_task(args.job_id, args.checkpoint)
             return []
@@ -104,13 +110,23 @@ class Spawner:
         async def evict(args: Any) -> list[Emit]:
             assert isinstance(args, EvictArgs), type(args)
             await self.cache.evict(args.job_id, args.checkpoint_ids)
+            if not args.checkpoint_ids and self.links is not None:  # the whole job's: it ended
+                self.links.forget(args.job_id)
+            return []
+
+        async def tell(args: Any) -> list[Emit]:
+            assert isinstance(args, TellArgs), type(args)
+            if self.links is not None and args.command:
+                self.links.command(args.job_id, args.attempt, args.command)
+            if self.links is not None and args.plan is not None:
+                self.links.plan(args.job_id, args.plan)
             return []
 
         async def selfcheck(args: Any) -> list[Emit]:
             assert isinstance(args, SelfCheckArgs), type(args)
             return await recheck(self.node, self.recheck, args)
 
-        return {SPAWN: spawn, STOP: stop, PREFETCH: prefetch, EVICT: evict, SELFCHECK: selfcheck}
+        return {SPAWN: spawn, STOP: stop, PREFETCH: prefetch, EVICT: evict, SELFCHECK: selfcheck, TELL: tell}
 
     # -- spawning ----------------------------------------------------------------------------------
 
@@ -119,7 +135,9 @@ class Spawner:
         if all((args.job_id, args.attempt, r.rank) in self.procs for r in args.ranks):
             return []  # this process started them already
         await self._clear_slots(args)
-        cmd, cwd = self._command(args)
+        if args.plan is not None and self.links is not None:
+            self.links.plan(args.job_id, args.plan)  # known here before the ranks ask (an agent restarted since)
+        cmd, cwd = rank_command(args, self.launch)
         entry_env = args.spec.entrypoint.env if args.spec.entrypoint is not None else {}
         if (problem := runnable_problem(cmd, cwd, entry_env.get("PATH") or os.environ.get("PATH", ""))) is not None:
             return await self._not_started(args, problem, unrunnable=True)
@@ -199,45 +217,11 @@ class Spawner:
         os.replace(tmp, path)
         return path
 
-    def _command(self, args: SpawnArgs) -> tuple[list[str], Path]:
-        """What a rank runs, and where: the job's entrypoint, or the built-in trainer. "python" is this node's
-        Python (the one with torch and Flightdeck); a relative cwd is taken from the agent's working directory."""
-        entry = args.spec.entrypoint
-        if entry is None:
-            return [self.launch.python, "-m", "trainer"], REPO
-        argv = list(entry.command)
-        if argv[0] in ("python", "python3"):
-            argv[0] = self.launch.python
-        return argv, Path.cwd() / entry.cwd if entry.cwd else Path.cwd()
-
-    def _rank_env(self, args: SpawnArgs, ref: SlotRef, spec_file: Path, restore: Path | None,
-                  fired: frozenset[int] = frozenset()) -> dict[str, str]:
-        entry = args.spec.entrypoint
-        env = {**rank_base_env(), **(entry.env if entry is not None else {}),
-               "RANK": str(ref.rank), "WORLD_SIZE": str(args.world_size),
-               # the slot is the device index: two jobs on one node never share a GPU
-               "LOCAL_RANK": str(ref.slot), "MASTER_ADDR": args.master_addr, "MASTER_PORT": str(args.master_port),
-               nl.JOB_ENV: args.job_id, nl.ATTEMPT_ENV: str(args.attempt), nl.NODE_ENV: self.node,
-               nl.NATS_ENV: self.launch.nats_url, nl.SPEC_ENV: str(spec_file), nl.STAGING_ENV: str(self.paths.staging),
-               nl.CACHE_ENV: str(self.paths.root / "cache"), nl.DEVICE_ENV: self.launch.device}
-        for stale in (nl.RESTORE_ENV, nl.MANIFEST_ENV, nl.RESTORE_SKIPS_ENV, nl.PLAN_ENV, nl.FIRED_ENV,
-                      nl.EVENTS_LOG_ENV, nl.SYNC_EVERY_ENV):
-            env.pop(stale, None)  # never inherited from the agent's own environment
-        if fired:
-            env[nl.FIRED_ENV] = ",".join(map(str, sorted(fired)))
-        if restore is not None:
-            env[nl.RESTORE_ENV], env[nl.MANIFEST_ENV] = str(restore), str(restore / manifest.MANIFEST)
-            if args.skips:
-                env[nl.RESTORE_SKIPS_ENV] = ",".join(f"{a}:{b}" for a, b in args.skips)
-        rank_env(env, args.job_id, self.paths.root)  # the job's broker credential, never the agent's own
-        if self.launch.beats:
-            env[nl.BEATS_ENV], env[nl.STEP_REPORTS_ENV] = self.launch.beats, self.launch.step_reports
-        return env
-
     async def _start_rank(self, args: SpawnArgs, ref: SlotRef, spec_file: Path, restore: Path | None,
                           fired: frozenset[int]) -> RankProc:
-        env = self._rank_env(args, ref, spec_file, restore, fired)
-        cmd, cwd = self._command(args)
+        env = rank_env_of(args, ref, spec_file, restore, fired, node=self.node, paths=self.paths, launch=self.launch,
+                          link=self.links.address if self.links is not None else "")
+        cmd, cwd = rank_command(args, self.launch)
         log_path = self.paths.log(args.job_id, args.attempt, ref.rank)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         read_end, out = os.pipe()  # the rank's stdout and stderr, read by its OutputPump
@@ -256,6 +240,8 @@ class Spawner:
         finally:
             os.close(out)
         self.pids[proc.pid] = (args.job_id, args.attempt, ref.rank)
+        if (known := self._pid_known.pop(proc.pid, None)) is not None and not known.done():
+            known.set_result(None)
         pump = OutputPump(read_end, log_path, store_publisher(self.store), job_id=args.job_id, attempt=args.attempt,
                           rank=ref.rank, node=self.node, producer=self.producer)
         return RankProc(job_id=args.job_id, attempt=args.attempt, ref=ref, proc=proc, cause=args.grant_id,
@@ -267,6 +253,23 @@ class Spawner:
         if ok and beat.step >= 0:  # past its restore (a resumed rank's step) or its first step: the start is done
             self._got_going(pid)
         return ok
+
+    def _rollback_ready(self, job_id: str, checkpoint_id: str, path: str, problem: str) -> None:
+        if self.links is not None:
+            self.links.rollback_ready(job_id, checkpoint_id, path, problem)
+
+    async def claims(self, hello: ranklink.Hello, pid: int, wait_s: float = 60.0) -> bool:
+        """Whether process `pid` is the rank its link says it is. A fast rank can connect before its start is
+        recorded here (a cold start's exec returns after the child runs): wait for that, then judge."""
+        if pid not in self.pids:
+            known = self._pid_known.setdefault(pid, asyncio.get_running_loop().create_future())
+            try:
+                async with asyncio.timeout(wait_s):
+                    await asyncio.shield(known)
+            except TimeoutError:
+                self._pid_known.pop(pid, None)
+                return False
+        return self.pids.get(pid) == (hello.job_id, hello.attempt, hello.rank)
 
     def _got_going(self, pid: int) -> None:
         if (going := self.going.pop(pid, None)) is not None and not going.done():

@@ -66,7 +66,7 @@ class Platform:
 
 def build(tmp: Path, url: str, store: JetStreamStore) -> dict[str, Service[Any]]:
     spawner = Spawner(node="n0", producer="agent-n0", store=store, objects=LocalStore(tmp / "objects"),
-                      paths=Paths(tmp / "agent"), launch=Launch(nats_url=url, device="cpu", grace_s=1.0))
+                      paths=Paths(tmp / "agent"), launch=Launch(device="cpu", grace_s=1.0))
     return {
         "scheduler": scheduler(), "health": health(tick_s=0.3), "resources": resources(), "resharder": resharder(),
         "checkpoints": checkpoints(uploader.handlers(LocalStore(tmp / "objects"))),

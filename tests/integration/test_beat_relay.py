@@ -19,9 +19,10 @@ from events.jetstream import JetStreamStore
 from events.nodelocal import BeatChannel, sockaddr
 from events.training import Heartbeat
 from services.agent.beats import BeatRelay, store_publisher
+from services.agent.links import RankLinks
 from services.shell import broker as broker_mod
 from tests.conftest import ensure_streams_at
-from trainer.telemetry import Telemetry
+from trainer.link import AgentLink
 
 JOB = "beats-000001"
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,8 +51,11 @@ async def test_a_ranks_beats_reach_the_broker_in_batches_and_impostors_do_not(na
     relay = BeatRelay(node="n1", producer="agent-n1", publish=store_publisher(store),  # the agent's publisher
                       admit=lambda b, pid: pid == me and (b.job_id, b.attempt, b.rank) == (JOB, 0, 0))
     relay.start()
-    tel = Telemetry(nats_server.url, JOB, 0, 0, "n1", heartbeat_s=0.2, beats=BeatChannel(relay.address))
+    links = RankLinks(node="n1", store=store)  # the rank's own link: its Heartbeat events when the relay is gone
+    links.start()
+    tel = AgentLink(links.address, JOB, 0, 0, "n1", heartbeat_s=0.2, beats=BeatChannel(relay.address))
     try:
+        await asyncio.to_thread(tel.connect, 30.0)
         tel.start()
         began = time.monotonic()
         tel.set_step(4, 0.05)
@@ -73,13 +77,14 @@ async def test_a_ranks_beats_reach_the_broker_in_batches_and_impostors_do_not(na
         assert entries[-1].step == 4 and entries[-1].step_time_s == 0.05
         assert await _telemetry(store, "Heartbeat") == []  # no beat of its own while the agent relays them
 
-        await relay.close()  # the agent is gone: the rank heartbeats through the broker again
+        await relay.close()  # the relay is gone: the rank heartbeats on its link
         await asyncio.sleep(1.0)
         own = await _telemetry(store, "Heartbeat")
         assert len(own) >= 3 and all(isinstance(e, Heartbeat) and e.step == 4 for e in own)
     finally:
         await asyncio.to_thread(tel.close)
         await relay.close()
+        await links.close()
         await store.close()
 
 

@@ -52,7 +52,8 @@ def test_a_secured_up_refuses_strangers_and_runs_a_job_through_the_gate(tmp_path
         assert submitted.returncode == 0, submitted.stdout + submitted.stderr
         assert "completed" in submitted.stdout, submitted.stdout
         gate_log = (data_dir / "logs" / "gate.log").read_text()
-        assert "job identity issued" in gate_log and '"user": "job-gated-' in gate_log, gate_log[-2000:]
+        # The ranks hold no broker credential and never connect: their agent publishes for them.
+        assert "job identity issued" not in gate_log, gate_log[-2000:]
         # The web server reads as `console`: the job's figures and the services' consumer lag are there.
         ui = f"http://127.0.0.1:{ui_port}"
 

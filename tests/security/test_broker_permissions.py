@@ -8,7 +8,6 @@ import time
 import nats
 import nats.errors
 import pytest
-import structlog
 
 from events import codec, subjects
 from events.commands import StopRequested
@@ -16,8 +15,8 @@ from events.history import append_to_job
 from events.job import JobQueued
 from events.training import Heartbeat
 from services.shell.security import permissions
+from services.shell.security.credentials import client_options, rank_env
 from tests.security.secure_broker import CONNECT_TIMEOUT_S, SecureBroker, secure_broker  # noqa: F401 (the fixture)
-from trainer import bus
 
 JOB, OTHER = "alpha-000001", "beta-000002"
 pytestmark = pytest.mark.timeout(60)
@@ -178,19 +177,11 @@ async def test_an_agent_acts_only_for_its_node_and_a_wrong_password_is_refused(b
                            max_reconnect_attempts=0, connect_timeout=CONNECT_TIMEOUT_S)
 
 
-async def test_a_rank_started_before_its_jobs_user_exists_connects_after_the_reload(
-        secure_broker: SecureBroker, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
-    for name, value in secure_broker.env(permissions.job_user("late-000003")).items():
-        monkeypatch.setenv(name, value)  # what the agent gives a rank
-    connecting = asyncio.create_task(bus.connect(secure_broker.url, "late", structlog.get_logger("test")))
-    await asyncio.sleep(2)
-    assert not connecting.done()  # refused, and retrying in the background
-    secure_broker.add_jobs("late-000003")
-    async with asyncio.timeout(20):
-        nc = await connecting
-    try:
-        ack = await nc.jetstream(timeout=2.0).publish(subjects.telemetry("late-000003", 0, "Heartbeat"),
-                                                       codec.encode(heartbeat("late-000003")))
-        assert ack.stream == subjects.TELEMETRY
-    finally:
-        await nc.close()
+async def test_a_rank_that_connects_to_the_broker_itself_is_refused(secure_broker: SecureBroker) -> None:  # noqa: F811
+    """What the agent gives a rank holds no credential (security/credentials.rank_env): with it, a user's code that
+    opens a broker connection of its own is refused; it can reach the platform only through its agent."""
+    env = rank_env({**secure_broker.agent_env(), "PATH": "/bin"})
+    assert client_options(env) == {}
+    with pytest.raises(Exception, match=r"(?i)authorization"):
+        await nats.connect(secure_broker.url, allow_reconnect=False, max_reconnect_attempts=0,
+                           connect_timeout=CONNECT_TIMEOUT_S, **client_options(env))

@@ -29,7 +29,6 @@ from services.shell.security.credentials import (
     rank_env,
 )
 from services.shell.security.passwords import SecretsDir, job_password
-from trainer import bus
 
 ROOT = Path(__file__).resolve().parents[2]
 HISTORY = ROOT / "tests" / "fixtures" / "histories" / "spike.fdh.jsonl"
@@ -73,8 +72,8 @@ def test_a_recorded_drill_history_passes_its_producers_permissions_and_no_one_el
             job_id = subjects.job_of(subject) or ""
             assert permissions.job(job_id).may_publish(subject)
             assert not permissions.job("other-000000").may_publish(subject)
-            # an agent relays its ranks' heartbeats (one batch per node) and reports the shards it shipped, and
-            # publishes no other telemetry
+            # an agent publishes its ranks' telemetry (checked against the rank: services/agent/links.py), their
+            # heartbeats in one batch per node, and the shards it shipped; no other telemetry
             relayed = type(event).__name__ in permissions.TELEMETRY_TYPES["agent"]
             assert permissions.agent("n1").may_publish(subject) == relayed, subject
         elif record["stream"] == subjects.CONTROL:
@@ -132,8 +131,7 @@ def test_credentials_come_from_files_and_never_from_urls(tmp_path: Path) -> None
     env = {USER: "health", PASSWORD_FILE: str(pw)}
     opts = client_options(env)
     assert opts == {"user": "health", "password": "s3cret-value", "inbox_prefix": "_INBOX.health"}
-    assert bus.credentials(env) == opts  # the trainer reads the same variables the same way
-    assert client_options({}) == {} == bus.credentials({})
+    assert client_options({}) == {}
     with pytest.raises(CredentialsError, match=PASSWORD_FILE):
         client_options({USER: "health"})
     with pytest.raises(CredentialsError, match="not a readable file"):
@@ -144,29 +142,27 @@ def test_credentials_come_from_files_and_never_from_urls(tmp_path: Path) -> None
     check_url("nats://a:4222,nats://b:4222")
 
 
-def test_ranks_get_the_jobs_credential_in_a_file_and_never_the_agents(tmp_path: Path) -> None:
+def test_ranks_get_no_broker_address_and_no_credential_at_all(tmp_path: Path) -> None:
+    """A rank's only link to the platform is its agent: the agent's broker identity, the job key, certificates and
+    the broker's address all stay with the agent (services/agent/launch.rank_base_env)."""
     secrets = SecretsDir(tmp_path / "s")
     agent_pw = secrets.password("agent-n1")
     secrets.job_key()
     env = {"PATH": "/bin", USER: "agent-n1", PASSWORD_FILE: str(secrets.password_file("agent-n1")),
-           JOB_KEY_FILE: str(secrets.job_key_file), "FLIGHTDECK_NATS_TLS_CA": "/etc/ca.pem"}
-    out = rank_env(dict(env), "a-000001", tmp_path / "data")
-    assert out[USER] == "job-a-000001" and out["FLIGHTDECK_NATS_TLS_CA"] == "/etc/ca.pem"
-    assert JOB_KEY_FILE not in out
-    path = Path(out[PASSWORD_FILE])
-    assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    assert path.read_text().strip() == job_password(secrets.job_key(), "a-000001")
-    assert not any(agent_pw in v or path.read_text().strip() in v for v in out.values())
-    bare = rank_env({"PATH": "/bin", USER: "agent-n1", PASSWORD_FILE: "/x"}, "a-000001", tmp_path / "data")
-    assert bare == {"PATH": "/bin"}  # no job key: no credential at all, and not the agent's
+           JOB_KEY_FILE: str(secrets.job_key_file), "FLIGHTDECK_NATS_TLS_CA": "/etc/ca.pem",
+           "FLIGHTDECK_NATS_URL": "nats://10.0.0.1:4222", "FLIGHTDECK_NATS_RANK_TLS_CERT": "/etc/rank.pem"}
+    assert rank_env(dict(env)) == {"PATH": "/bin"}
+    assert not any(agent_pw in v for v in rank_env(dict(env)).values())
 
 
-def test_an_agent_relays_heartbeat_batches_for_any_job_and_no_other_telemetry() -> None:
+def test_an_agent_publishes_its_ranks_telemetry_and_heartbeat_batches_and_no_other_telemetry() -> None:
     for agent in (permissions.agent("n1"), permissions.agent(None)):
         assert agent.may_publish(subjects.telemetry("a-000001", 0, "RankHeartbeats"))
         assert agent.may_publish(subjects.telemetry("b-000002", 8, "RankHeartbeats"))
-        for forged in ("Heartbeat", "StepCompleted", "RankFault", "CheckpointStaged", "RankStarted"):
-            assert not agent.may_publish(subjects.telemetry("a-000001", 0, forged)), forged
+        for relayed in ("Heartbeat", "StepCompleted", "RankFault", "CheckpointStaged", "RankStarted"):
+            assert agent.may_publish(subjects.telemetry("a-000001", 0, relayed)), relayed
+        for other in ("SpikeDiagnosed", "LossSpikeDetected", "JobCompleted", "RollbackRequested"):
+            assert not agent.may_publish(subjects.telemetry("a-000001", 0, other)), other
 
 
 def test_generated_passwords_are_256_random_bits_hashed_at_the_cheapest_bcrypt_cost(tmp_path: Path) -> None:

@@ -16,10 +16,10 @@ from events.spec import parse_spec
 from services.shell.broker import free_port
 from trainer import distributed
 from trainer.config import RunConfig
+from trainer.link import Offline
 from trainer.loop import train
 from trainer.reports import Emitter
 from trainer.session import Run
-from trainer.telemetry import Telemetry
 
 JOB = "job-c"
 REPO = Path(__file__).resolve().parents[2]
@@ -128,7 +128,7 @@ def log_tail(tmp: Path, world: int) -> str:
     return "\n".join(f.read_text()[-3000:] for f in logs if f.exists())
 
 
-class ScriptedInbox:
+class ScriptedInbox(Offline):
     """Hands over the commands scripted for (step, n): the n-th poll at that step (a paused loop polls again)."""
 
     def __init__(self, script: dict[tuple[int, int], list[Event]]) -> None:
@@ -149,11 +149,11 @@ def run_loop(tmp: Path, script: dict[tuple[int, int], list[Event]], steps: int =
     exit code (a stop's SystemExit included), its events log and the Run."""
     tmp.mkdir(parents=True, exist_ok=True)
     spec_path = write_spec(tmp / "job.toml", train={"steps": steps, "checkpoint_every": every}, faults=faults)
-    cfg = RunConfig(job_id=JOB, spec=parse_spec(spec_path.read_bytes()), attempt=0, node="n", nats_url=None,
+    cfg = RunConfig(job_id=JOB, spec=parse_spec(spec_path.read_bytes()), attempt=0, node="n", agent=None,
                     staging=tmp / "staging", restore=None, manifest=None, rank=0, world_size=1, local_rank=0,
                     device="cpu", sync_every=1, events_log=tmp / "events.jsonl", checkpoints=checkpoints)
     envelope = {"job_id": JOB, "rank": 0, "attempt": 0, "node": "n"}
-    emitter = Emitter(Telemetry(None, JOB, 0, 0, "n"), envelope, cfg.events_log)
+    emitter = Emitter(Offline(), envelope, cfg.events_log)
     inbox = ScriptedInbox(script)
     run = Run(cfg, distributed.init(0, 1, 0, "cpu"), emitter, inbox)
     inbox.step_of = lambda: run.step

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from events import nodelocal as nl
+from events.ranklink import LINK_ENV
 from services.shell.broker import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -29,7 +30,7 @@ def torchrun(tmp: Path, example: str, job: Path, *, ranks: int = 2, restarts: in
              env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--max-restarts",
            str(restarts), "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(REPO / "examples" / example / "train.py")]
-    full = {k: v for k, v in os.environ.items() if k not in (nl.JOB_ENV, nl.NATS_ENV, nl.RESTORE_ENV)}
+    full = {k: v for k, v in os.environ.items() if k not in (nl.JOB_ENV, LINK_ENV, nl.RESTORE_ENV)}
     full.update({"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", nl.SPEC_ENV: str(job),
                  nl.EVENTS_LOG_ENV: str(tmp / "events.jsonl"), **(env or {})})
     return subprocess.run(cmd, cwd=tmp, env=full, capture_output=True, text=True, timeout=220)
@@ -63,7 +64,7 @@ def ranks_by_hand(tmp: Path, example: str, job: Path, restart: int) -> list[int]
                nl.EVENTS_LOG_ENV: str(tmp / "events.jsonl"), "RANK": str(rank), "LOCAL_RANK": str(rank),
                "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
                "TORCHELASTIC_RESTART_COUNT": str(restart)}
-        for own in (nl.JOB_ENV, nl.NATS_ENV, nl.RESTORE_ENV):
+        for own in (nl.JOB_ENV, LINK_ENV, nl.RESTORE_ENV):
             env.pop(own, None)
         log = (tmp / f"rank-{rank}-{restart}.log").open("wb")
         procs.append(subprocess.Popen([sys.executable, str(REPO / "examples" / example / "train.py")], cwd=tmp,

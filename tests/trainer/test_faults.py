@@ -16,6 +16,7 @@ from events.streams import ensure_streams
 from events.training import Heartbeat
 from services.shell import broker as broker_mod
 from tests.trainer import ranks
+from tests.trainer.linkhost import JOB, LinkHost
 from trainer.faults import CRASH_EXIT_CODE, HANG_EXIT_CODE, SPIKE_BATCHES
 
 pytestmark = pytest.mark.timeout(300)  # hang guards: each test starts ranks (torch) on a loaded box
@@ -72,12 +73,13 @@ def test_hang_freezes_the_step_while_heartbeats_go_on(nats_server: broker_mod.Br
     _streams(nats_server.url)
     spec = ranks.write_spec(tmp_path / "job.toml", policy={"heartbeat_interval_s": 0.2},
                             faults=[{"kind": "hang", "step": 5}])
-    with ranks.started(tmp_path, spec, world=1, args=("--nats", nats_server.url)) as (proc,):
+    with LinkHost(nats_server.url) as host, ranks.started(tmp_path, spec, world=1, job_id=JOB,
+                                                          args=host.args()) as (proc,):
         log = tmp_path / "events.jsonl"
         ranks.wait_for(lambda: injected(log) == [("hang", 5, 0)], ranks.RUN_TIMEOUT_S, "the hang to start")
         time.sleep(1.5)
         assert proc.poll() is None
-        beats = _telemetry(nats_server.url, subjects.telemetry("job-1", 0, "Heartbeat"))
+        beats = _telemetry(nats_server.url, subjects.telemetry(JOB, 0, "Heartbeat"))
         assert [b.step for b in beats[-5:]] == [4] * 5  # alive and stuck after step 4
         proc.send_signal(signal.SIGTERM)
         assert ranks.wait([proc], 20) == [HANG_EXIT_CODE]

@@ -1,22 +1,21 @@
 """The loop obeys commands at step boundaries: one rank in this process, a hand-written scripted inbox,
 events read back from the JSON-lines log; then once through a real broker and `python -m trainer`."""
 
-import asyncio
 import json
 import shutil
 from pathlib import Path
 
 import msgspec
-import nats
 import pytest
 
-from events import codec, subjects
+from events import codec
 from events.base import Event
 from events.commands import CheckpointRequested, PauseRequested, ResumeRequested, RollbackRequested, StopRequested
 from events.nodelocal import STOPPED_EXIT
-from events.streams import ensure_streams
 from services.shell import broker as broker_mod
+from tests.conftest import ensure_streams_at
 from tests.trainer import ranks
+from tests.trainer.linkhost import LinkHost
 from trainer.session import PAUSE_POLL_S
 
 JOB = ranks.JOB
@@ -82,32 +81,23 @@ def test_stop_with_checkpoint_saves_then_exits_as_stopped(tmp_path: Path) -> Non
     assert (tmp_path / "staging" / JOB / "step-7" / ".metadata").exists()
 
 
-def test_commands_arrive_through_the_broker(nats_server: broker_mod.Broker, tmp_path: Path) -> None:
-    ranks_url = nats_server.url
-
-    async def setup_and_publish(stage: str) -> None:
-        nc = await nats.connect(ranks_url)
-        js = nc.jetstream()
-        if stage == "streams":
-            await ensure_streams(js)
-        else:
-            for version, c in enumerate((cmd(CheckpointRequested, reason="test"), cmd(StopRequested, checkpoint=False)),
-                                        start=1):  # numbered, as the job's history numbers them
-                c = msgspec.structs.replace(c, job_version=version)
-                await js.publish(subjects.job(JOB, type(c).__name__), codec.encode(c))
-        await nc.close()
-
-    asyncio.run(setup_and_publish("streams"))
+def test_commands_arrive_through_the_agent(nats_server: broker_mod.Broker, tmp_path: Path) -> None:
+    """Two real ranks linked to a real agent end (services/agent/links.py): rank 0 hears the commands, and both obey
+    them at the same boundary."""
+    ensure_streams_at(nats_server.url)
     spec = ranks.write_spec(tmp_path / "job.toml", slots=2, train={"steps": 100_000, "checkpoint_every": 100_000})
     log = tmp_path / "events.jsonl"
-    with ranks.started(tmp_path, spec, world=2, job_id=JOB, args=("--nats", ranks_url, "--sync-every", "5")) as procs:
-        ranks.wait_for(lambda: len(ranks.events(log, "StepCompleted", 1)) >= 3, ranks.RUN_TIMEOUT_S, "steps")
-        asyncio.run(setup_and_publish("commands"))
-        assert ranks.wait(procs, ranks.RUN_TIMEOUT_S) == [STOPPED_EXIT] * 2, ranks.log_tail(tmp_path, 2)
+    with LinkHost(nats_server.url) as host:
+        args = (*host.args(), "--sync-every", "5")
+        with ranks.started(tmp_path, spec, world=2, job_id=JOB, args=args) as procs:
+            ranks.wait_for(lambda: len(ranks.events(log, "StepCompleted", 1)) >= 3, ranks.RUN_TIMEOUT_S, "steps")
+            for c in (cmd(CheckpointRequested, reason="test"), cmd(StopRequested, checkpoint=False)):
+                host.call(lambda links, c=c: links.command(JOB, 0, codec.encode(c)))
+            assert ranks.wait(procs, ranks.RUN_TIMEOUT_S) == [STOPPED_EXIT] * 2, ranks.log_tail(tmp_path, 2)
     staged = ranks.events(log, "CheckpointStaged")
     assert sorted(e["rank"] for e in staged) == [0, 1] and len({e["step"] for e in staged}) == 1
     stopped = {ranks.events(log, "StepCompleted", r)[-1]["step"] + 1 for r in (0, 1)}
-    assert len(stopped) == 1  # only rank 0 reads commands; both ranks stopped at the same boundary
+    assert len(stopped) == 1  # only rank 0's commands count; both ranks stopped at the same boundary
     # Commands are agreed every --sync-every steps: both took effect at such boundaries.
     (stopped_at,) = stopped
     assert staged[0]["step"] % 5 == 0 and stopped_at % 5 == 0 and staged[0]["step"] <= stopped_at

@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 from msgspec.structs import replace
 
-from events import subjects
+from events import codec, subjects
 from events.base import Event
 from events.checkpoint import CheckpointCommitted, CheckpointDeleted, DataPosition
-from events.commands import RollbackRequested
+from events.commands import CheckpointRequested, PauseRequested, RollbackRequested, StopRequested
 from events.job import (
     AllocationGranted,
     AllocationReleased,
@@ -20,6 +20,7 @@ from events.job import (
     WorkersExited,
     WorkersStarted,
 )
+from events.plan import ParallelPlan, ReshardPlanned
 from events.spec import JobSpec, TrainSpec
 from events.store import MemoryStore, Stored
 from services.agent import core as agentcore
@@ -28,12 +29,14 @@ from services.agent.core import (
     PREFETCH,
     SPAWN,
     STOP,
+    TELL,
     EvictArgs,
     PrefetchArgs,
     Restore,
     SpawnArgs,
     State,
     StopArgs,
+    TellArgs,
 )
 from services.agent.launch import Launch, Paths
 from services.agent.spawner import Spawner
@@ -117,13 +120,33 @@ def test_a_rollback_fetches_its_checkpoint_again_for_the_ranks_here_only() -> No
     """A rollback's ranks read its checkpoint from the cache: a copy gone since its prefetch is downloaded again."""
     rollback = RollbackRequested(job_id="j", checkpoint_id="c1", to_step=10, skip_from=15, skip_to=20, reason="spike")
     _, effects = run([submitted(), committed("c1", 10), grant(), committed("c2", 20), rollback])
-    assert kinds(effects) == [SPAWN, PREFETCH, PREFETCH]
+    assert kinds(effects) == [SPAWN, PREFETCH, TELL, PREFETCH]
     assert effects[-1].args == PrefetchArgs(job_id="j", checkpoint=Restore(checkpoint_id="c1", step=10,
                                                                            manifest_sha256="sha-c1"), rollback=True)
+    assert effects[-2].args == TellArgs(job_id="j", attempt=0, command=codec.encode(rollback))
     _, effects = run([submitted(), committed("c1", 10), grant(nodes=("b",)), rollback])
     assert effects == []  # no rank of the job here
     _, effects = run([submitted(), committed("c1", 10), grant(), replace(rollback, checkpoint_id="c9")])
-    assert kinds(effects) == [SPAWN]  # a checkpoint this node does not know of: the ranks say so
+    assert kinds(effects) == [SPAWN, TELL]  # a checkpoint this node does not know of: the ranks say so
+    _, effects = run([submitted(), committed("c1", 10), grant(), replace(rollback, attempt=3)])
+    assert kinds(effects) == [SPAWN]  # another attempt's rollback: not for the ranks running here
+
+
+def test_commands_go_down_to_the_attempt_running_here_and_plans_to_the_job() -> None:
+    """The agent is its ranks' only link: each command of the job reaches the attempt it runs, in history order,
+    and the resharder's plan is passed on when recorded and given at the next start."""
+    stop, pause = StopRequested(job_id="j", event_id="s"), PauseRequested(job_id="j", event_id="p")
+    plan = ParallelPlan(world_size=3, dp=3)
+    state, effects = run([submitted(), pause, grant(2), stop])
+    assert [e.args for e in effects if e.kind == TELL] == [TellArgs(job_id="j", attempt=2, command=codec.encode(stop))]
+    state, effects = run([ReshardPlanned(job_id="j", old=None, new=plan, reason="r"), CheckpointRequested(job_id="j")],
+                         state)
+    assert kinds(effects) == [TELL, TELL] and effects[0].args == TellArgs(job_id="j", plan=plan)
+    _, effects = run([grant(3)], state)
+    spawn = [e.args for e in effects if e.kind == SPAWN][-1]
+    assert isinstance(spawn, SpawnArgs) and spawn.plan == plan  # known at the start: the rank need not wait
+    _, effects = run([submitted("k"), grant(0, "k", nodes=("b",)), StopRequested(job_id="k")])
+    assert effects == []  # no rank of that job here
 
 
 def test_a_release_stops_the_attempt_held_here_and_a_late_grant_for_it_starts_nothing() -> None:
@@ -174,7 +197,7 @@ def test_live_ranks_follow_this_node_s_starts_and_exits() -> None:
 
 def test_the_service_reads_its_inputs_and_asks_only_for_effects_it_can_run(tmp_path: Path) -> None:
     spawner = Spawner(node="a", producer="agent-a", store=MemoryStore(), objects=LocalStore(tmp_path / "objects"),
-                      paths=Paths(tmp_path), launch=Launch(nats_url="nats://127.0.0.1:1", device="cpu", grace_s=1.0))
+                      paths=Paths(tmp_path), launch=Launch(device="cpu", grace_s=1.0))
     service = agentcore.core_service("a", spawner.handlers())
     assert service.name == "agent-a" and not service.wants_tick(service.initial, 0.0)
     assert "fd.ctl.job.*.AllocationGranted" in service.control_subjects

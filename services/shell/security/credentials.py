@@ -1,5 +1,5 @@
-"""How a Flightdeck process presents itself to the broker, from files named in its environment, and how a
-node agent hands a job's credential to the ranks it starts.
+"""How a Flightdeck process presents itself to the broker, from files named in its environment, and what of it a
+node agent keeps from the ranks it starts (all of it).
 
 Why it works this way: docs/internals.md, "9. Security and deployment".
 """
@@ -11,17 +11,17 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from events import subjects
-from services.shell.security.passwords import job_password, read_secret, write_private
-from services.shell.security.permissions import inbox, job_user
+from services.shell.security.passwords import read_secret
+from services.shell.security.permissions import inbox
 
 USER, PASSWORD_FILE, CREDS = "FLIGHTDECK_NATS_USER", "FLIGHTDECK_NATS_PASSWORD_FILE", "FLIGHTDECK_NATS_CREDS"
 TLS_CA, TLS_CERT, TLS_KEY = "FLIGHTDECK_NATS_TLS_CA", "FLIGHTDECK_NATS_TLS_CERT", "FLIGHTDECK_NATS_TLS_KEY"
 TLS_HOSTNAME, INBOX_PREFIX = "FLIGHTDECK_NATS_TLS_HOSTNAME", "FLIGHTDECK_NATS_INBOX_PREFIX"
 JOB_KEY_FILE = "FLIGHTDECK_JOB_KEY_FILE"
 RANK_TLS_CERT, RANK_TLS_KEY = "FLIGHTDECK_NATS_RANK_TLS_CERT", "FLIGHTDECK_NATS_RANK_TLS_KEY"
-# What identifies the agent itself: never inherited by the ranks it starts.
+# What identifies the agent itself: never inherited by the ranks it starts (nor anything else of the broker's).
 AGENT_ONLY = (USER, PASSWORD_FILE, CREDS, TLS_CERT, TLS_KEY, INBOX_PREFIX, JOB_KEY_FILE, RANK_TLS_CERT, RANK_TLS_KEY)
+BROKER_PREFIX = "FLIGHTDECK_NATS"  # the broker's address and every credential variable start with it
 
 
 class CredentialsError(ValueError):
@@ -83,18 +83,9 @@ def client_options(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     return opts
 
 
-def rank_env(env: MutableMapping[str, str], job_id: str, data_dir: Path) -> MutableMapping[str, str]:
-    """The environment a node agent gives a job's ranks: the agent's own identity removed, the job's user
-    and a file with the job's password (derived from $FLIGHTDECK_JOB_KEY_FILE) put in, the CA kept.
-    Without a job key the ranks get no credential (a broker without authorization)."""
-    key_file = _file(env, JOB_KEY_FILE)
-    rank_cert, rank_key = env.get(RANK_TLS_CERT, ""), env.get(RANK_TLS_KEY, "")
-    for name in AGENT_ONLY:
-        env.pop(name, None)
-    if key_file is not None:
-        path = data_dir / "secrets" / f"{subjects.token(job_id)}.password"
-        write_private(path, job_password(read_secret(key_file), job_id) + "\n")
-        env[USER], env[PASSWORD_FILE] = job_user(job_id), str(path)
-    if rank_cert and rank_key:
-        env[TLS_CERT], env[TLS_KEY] = rank_cert, rank_key
+def rank_env(env: MutableMapping[str, str]) -> MutableMapping[str, str]:
+    """The environment a node agent gives the ranks it starts: nothing of the broker. No address, no user, no
+    secret, no certificate: a rank's only link to the platform is its agent (events/ranklink.py)."""
+    for name in [n for n in env if n.startswith(BROKER_PREFIX) or n in AGENT_ONLY]:
+        del env[name]
     return env
