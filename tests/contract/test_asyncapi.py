@@ -83,7 +83,8 @@ def test_every_message_of_a_recorded_run_stood_under_its_types_channel(history: 
 def test_each_roles_send_operations_are_what_the_broker_lets_it_publish() -> None:
     users = {"console": permissions.console(), "agent": permissions.agent("n1"),
              **{s: permissions.service(s) for s in ("scheduler", "resources", "checkpoints", "health", "resharder")},
-             "trainer": permissions.job("j-000001"), "shell": permissions.service("health")}
+             # a rank holds no credential: what it sends reaches the broker through its agent (events/ranklink.py)
+             "trainer": permissions.agent("n1"), "shell": permissions.service("health")}
     values = {"job_id": "j-000001", "node": "n1", "rank": "0", "attempt": "0", "service": "health"}
     for key, op in DOC["operations"].items():
         role = key.split(".send.")[0]
@@ -91,7 +92,7 @@ def test_each_roles_send_operations_are_what_the_broker_lets_it_publish() -> Non
         subject = re.sub(r"\{(\w+)\}", lambda m: values[m.group(1)], address)
         assert users[role].may_publish(subject), (role, subject)
         if not subject.startswith("fd.ctl.job."):
-            continue  # a job's ranks may publish anything under their own fd.tel.<job>.> (readers check types)
-        others = [r for r, u in users.items() if r not in (role, "shell") and u.may_publish(subject)
+            continue  # telemetry: the agent publishes its ranks' (checked against the rank: services/agent/links.py)
+        others = [r for r, u in users.items() if r not in (role, "shell", "trainer") and u.may_publish(subject)
                   and f"{r}.send.{key.split('.send.')[1]}" not in DOC["operations"]]
         assert others == [], (subject, others)  # a decision: no one the document does not name may publish it

@@ -159,7 +159,7 @@ def test_every_command_is_an_entry_point_that_takes_its_flags() -> None:
         else:
             problems.append(f"{where}: not a command we ship: {argv}")
     assert problems == []
-    assert {"services", "services.agent", "services.shell.security", "flightdeck"} <= seen, seen  # each kind checked
+    assert {"services", "services.agent", "flightdeck"} <= seen, seen  # each kind checked
 
 
 def _set_variables() -> Iterator[tuple[str, str, str]]:

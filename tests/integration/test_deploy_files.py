@@ -41,7 +41,7 @@ def test_compose_runs_nats_every_service_and_an_agent_each_as_its_own_user() -> 
     assert agent["command"][:3] == ["python", "-m", "services.agent"]
     user = agent["environment"]["FLIGHTDECK_NATS_USER"]
     assert user == permissions.agent_user(agent["command"][agent["command"].index("--node") + 1])
-    assert "FLIGHTDECK_JOB_KEY_FILE" in agent["environment"]
+    assert not any(k.startswith("FLIGHTDECK_JOB") for k in agent["environment"])  # its ranks get no credential
     assert (INFRA / compose["services"]["nats"]["volumes"][0].split(":")[0].removeprefix("./")).exists()
 
 
@@ -49,7 +49,7 @@ def test_kubernetes_has_a_singleton_deployment_and_a_secret_per_service() -> Non
     docs = k8s()
     deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
     secrets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Secret"}
-    assert set(deployments) == {f"flightdeck-{s}" for s in (*BUILTIN, permissions.GATE)}
+    assert set(deployments) == {f"flightdeck-{s}" for s in BUILTIN}
     for name in BUILTIN:
         spec = deployments[f"flightdeck-{name}"]["spec"]
         assert spec["replicas"] == 1 and spec["strategy"]["type"] == "Recreate"  # never two on one durable
@@ -63,29 +63,6 @@ def test_kubernetes_has_a_singleton_deployment_and_a_secret_per_service() -> Non
         (secret,) = [v["secret"]["secretName"] for v in pod["volumes"] if v["name"] == volume]
         assert secret == f"flightdeck-nats-{name}" and key in secrets[secret]["stringData"]
     assert {f"flightdeck-nats-{u}" for u in (*BUILTIN, permissions.AGENT, permissions.ADMIN)} <= set(secrets)
-
-
-def test_the_job_gate_runs_everywhere_with_only_its_own_three_secrets() -> None:
-    """Kubernetes, systemd and compose each run `python -m services.shell.security gate` on a folder holding its
-    password, the job key and the issuer seed (the names `render --gate` writes), and nothing else."""
-    wanted = {"gate.password", "job.key", "issuer.seed"}
-    docs = k8s()
-    (gate,) = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "flightdeck-gate"]
-    pod = gate["spec"]["template"]["spec"]
-    (container,) = pod["containers"]
-    folder = container["args"][container["args"].index("--secrets") + 1]
-    (volume,) = [m["name"] for m in container["volumeMounts"] if m["mountPath"] == folder]
-    (secret,) = [v["secret"]["secretName"] for v in pod["volumes"] if v["name"] == volume]
-    (shape,) = [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == secret]
-    assert set(shape["stringData"]) == wanted
-    unit = (INFRA / "systemd" / "flightdeck-gate.service").read_text()
-    assert {line.split("=", 1)[1].split(":", 1)[0] for line in unit.splitlines()
-            if line.startswith("LoadCredential=")} == wanted
-    assert "-m services.shell.security gate --secrets %d" in unit
-    compose = yaml.safe_load((INFRA / "compose.yaml").read_text())
-    svc = compose["services"]["gate"]
-    assert svc["command"][-2:] == ["--secrets", "/run/secrets"]
-    assert {s["target"] for s in svc["secrets"]} == wanted
 
 
 def test_kubernetes_runs_the_agent_on_every_gpu_node_and_nats_from_its_helm_chart() -> None:
@@ -118,4 +95,4 @@ def test_systemd_has_a_unit_per_service_and_the_agent() -> None:
         assert f"LoadCredential=nats-password:/etc/flightdeck/secrets/{user}.password\n" in text
         assert f"Environment={PASSWORD_FILE}=%d/nats-password\n" in text
     units = {p.stem.removeprefix("flightdeck-") for p in (INFRA / "systemd").glob("flightdeck-*.service")}
-    assert units == {*BUILTIN, "agent", "nats", "gate"}
+    assert units == {*BUILTIN, "agent", "nats"}

@@ -5,7 +5,6 @@ on a free port with a temp store, its streams provisioned by `admin`.
 """
 
 import asyncio
-import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -20,20 +19,18 @@ from services.shell import broker as broker_mod
 from services.shell.security import permissions
 from services.shell.security.__main__ import rendered
 from services.shell.security.credentials import PASSWORD_FILE, USER, client_options
-from services.shell.security.passwords import SecretsDir, job_password, write_private
+from services.shell.security.passwords import SecretsDir
 
 NODES = ("n1",)
-# nats-py waits 2 s for the server's answer to CONNECT by default; a loaded CI box (bcrypt, the gate's
-# callout) has taken longer, and a refused connection must fail as refused, not as a timeout.
+# nats-py waits 2 s for the server's answer to CONNECT by default; a loaded CI box (bcrypt) has taken longer,
+# and a refused connection must fail as refused, not as a timeout.
 CONNECT_TIMEOUT_S = 60
 
 
 @dataclass
 class SecureBroker:
     root: Path
-    jobs: tuple[str, ...] = ()
     nodes: tuple[str, ...] = NODES
-    gate: bool = False  # jobs admitted by the job gate (auth callout) instead of users in the config
     broker: broker_mod.Broker | None = None
     secrets: SecretsDir = field(init=False)
 
@@ -50,7 +47,7 @@ class SecureBroker:
         return self.root / "accounts.conf"
 
     def write_config(self) -> Path:
-        self.accounts.write_text(rendered(self.secrets, self.nodes, self.jobs, gate=self.gate))
+        self.accounts.write_text(rendered(self.secrets, self.nodes))
         conf = self.root / "server.conf"
         conf.write_text(broker_mod.CONFIG.read_text() + '\ninclude "accounts.conf"\n')
         return conf
@@ -63,27 +60,14 @@ class SecureBroker:
         if self.broker is not None:
             self.broker.stop()
 
-    def add_jobs(self, *jobs: str) -> None:
-        """Give more jobs a user and reload the server (SIGHUP), as an operator would on submission."""
-        assert self.broker is not None
-        self.jobs = (*self.jobs, *jobs)
-        self.write_config()
-        self.broker.proc.send_signal(signal.SIGHUP)
-
     def env(self, user: str) -> dict[str, str]:
         """The environment a process of `user` runs with: its name and the file holding its password."""
-        if user.startswith("job-"):
-            path = self.root / "job-secrets" / f"{user}.password"
-            write_private(path, job_password(self.secrets.job_key(), user.removeprefix("job-")) + "\n")
-        else:
-            self.secrets.password(user)
-            path = self.secrets.password_file(user)
-        return {USER: user, PASSWORD_FILE: str(path)}
+        self.secrets.password(user)
+        return {USER: user, PASSWORD_FILE: str(self.secrets.password_file(user))}
 
     def agent_env(self, node: str = "n1") -> dict[str, str]:
-        """A node agent's: its own user plus the key it derives its jobs' passwords from."""
-        self.secrets.job_key()
-        return {**self.env(permissions.agent_user(node)), "FLIGHTDECK_JOB_KEY_FILE": str(self.secrets.job_key_file)}
+        """A node agent's: its own user."""
+        return self.env(permissions.agent_user(node))
 
     def options(self, user: str) -> dict[str, Any]:
         return client_options(self.env(user))
@@ -122,7 +106,7 @@ def provision(b: SecureBroker) -> None:
 
 @pytest.fixture
 def secure_broker(tmp_path: Path) -> Iterator[SecureBroker]:
-    """nats-server with the generated users (node n1), streams provisioned; add jobs with `add_jobs`."""
+    """nats-server with the generated users (node n1), streams provisioned."""
     b = SecureBroker(tmp_path / "secure-nats")
     b.start()
     try:

@@ -20,7 +20,6 @@ from services.shell import broker as broker_mod
 from services.shell.security import permissions, render
 from services.shell.security.__main__ import SHIPPED, rendered, shipped
 from services.shell.security.credentials import (
-    JOB_KEY_FILE,
     PASSWORD_FILE,
     USER,
     CredentialsError,
@@ -28,7 +27,7 @@ from services.shell.security.credentials import (
     client_options,
     rank_env,
 )
-from services.shell.security.passwords import SecretsDir, job_password
+from services.shell.security.passwords import SecretsDir
 
 ROOT = Path(__file__).resolve().parents[2]
 HISTORY = ROOT / "tests" / "fixtures" / "histories" / "spike.fdh.jsonl"
@@ -56,7 +55,7 @@ def test_every_control_type_has_an_author_and_scheduling_decisions_have_one() ->
             assert not set(types) & set(permissions.SCHEDULER_DECISIONS), role
     # a command both a person and the scheduler give (a pause, when a rollback is left to the operator)
     assert set(permissions.JOB_TYPES["scheduler"]) - set(permissions.SCHEDULER_DECISIONS) == {"PauseRequested"}
-    users = permissions.fleet(("n1",), ("j-000001",))
+    users = permissions.fleet(("n1",))
     for decision in permissions.SCHEDULER_DECISIONS:
         may = [u.user for u in users if u.may_publish(subjects.job("j-000001", decision))]
         assert may == ["admin", "scheduler"], decision
@@ -69,38 +68,20 @@ def test_a_recorded_drill_history_passes_its_producers_permissions_and_no_one_el
         event = codec.decode(base64.b64decode(record["data"]))
         subject = record["subject"]
         if record["stream"] == subjects.TELEMETRY:
-            job_id = subjects.job_of(subject) or ""
-            assert permissions.job(job_id).may_publish(subject)
-            assert not permissions.job("other-000000").may_publish(subject)
-            # an agent publishes its ranks' telemetry (checked against the rank: services/agent/links.py), their
-            # heartbeats in one batch per node, and the shards it shipped; no other telemetry
-            relayed = type(event).__name__ in permissions.TELEMETRY_TYPES["agent"]
-            assert permissions.agent("n1").may_publish(subject) == relayed, subject
+            # an agent publishes its ranks' telemetry (they hold no credential; services/agent/links.py checks each
+            # event against the rank that sent it), their heartbeats in one batch per node, the shards it shipped
+            assert permissions.agent("n1").may_publish(subject), subject
+            assert not any(permissions.service(s).may_publish(subject) for s in BUILTIN), subject
         elif record["stream"] == subjects.CONTROL:
             if type(event).__name__ in subjects.NODE_RECORDS and isinstance(event, JobEvent):
                 # recorded before node records left the version fence: where its agent stores it today
                 subject = subjects.job_node(event.job_id, event.node, type(event).__name__)  # type: ignore[attr-defined]
             assert producer_perms(event.producer).may_publish(subject), (event.producer, subject)
-            if subject.startswith("fd.ctl.job."):
-                assert not permissions.job(subjects.job_of(subject) or "").may_publish(subject)
             others = [s for s in BUILTIN if s != event.producer]
             assert not any(permissions.service(s).may_publish(subject) for s in others
                            if type(event).__name__ != "NodeCordoned"), subject
         checked += 1
     assert checked > 300
-
-
-def test_a_job_may_read_only_its_own_history_and_reply_subjects() -> None:
-    job = permissions.job("a-000001")
-    create = f"$JS.API.CONSUMER.CREATE.{subjects.CONTROL}.inbox-1."
-    assert job.may_publish(create + subjects.job_all("a-000001"))
-    assert not job.may_publish(create + subjects.job_all("b-000002"))
-    assert not job.may_publish(f"$JS.API.CONSUMER.CREATE.{subjects.CONTROL}")
-    assert not job.may_publish(f"$JS.API.CONSUMER.CREATE.{subjects.TELEMETRY}")
-    assert not job.may_publish("$JS.API.DIRECT.GET.FD_CONTROL")
-    assert job.may_subscribe("_INBOX.job-a-000001.abc")
-    assert not job.may_subscribe("_INBOX.scheduler.abc")
-    assert not job.may_subscribe("fd.ctl.job.a-000001.StopRequested")  # only through its consumer
 
 
 def test_the_shipped_config_is_the_rendered_one_and_the_server_accepts_it(tmp_path: Path) -> None:
@@ -114,15 +95,15 @@ def test_the_shipped_config_is_the_rendered_one_and_the_server_accepts_it(tmp_pa
     assert out.returncode == 0, out.stderr + out.stdout
 
 
-def test_rendered_users_are_unique_and_job_passwords_are_derived_per_job(tmp_path: Path) -> None:
+def test_rendered_users_are_unique_and_a_job_has_none(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="twice"):
-        render.render([permissions.job("a-000001"), permissions.job("a-000001")], render.from_environment)
+        render.render([permissions.agent("n1"), permissions.agent("n1")], render.from_environment)
+    users = {u.user for u in permissions.fleet(("n1", "n2"))}
+    assert users == {"admin", "console", *BUILTIN, "agent", "agent-n1", "agent-n2"}
     secrets = SecretsDir(tmp_path / "s")
-    key = secrets.job_key()
-    assert secrets.job_key() == key  # kept, not regenerated
-    assert stat.S_IMODE(secrets.job_key_file.stat().st_mode) == 0o600
-    assert job_password(key, "a-000001") != job_password(key, "b-000002")
-    assert job_password(key, "a-000001") != job_password(key + "x", "a-000001")
+    pw = secrets.password("scheduler")
+    assert secrets.password("scheduler") == pw  # kept, not regenerated
+    assert stat.S_IMODE(secrets.password_file("scheduler").stat().st_mode) == 0o600
 
 
 def test_credentials_come_from_files_and_never_from_urls(tmp_path: Path) -> None:
@@ -143,13 +124,12 @@ def test_credentials_come_from_files_and_never_from_urls(tmp_path: Path) -> None
 
 
 def test_ranks_get_no_broker_address_and_no_credential_at_all(tmp_path: Path) -> None:
-    """A rank's only link to the platform is its agent: the agent's broker identity, the job key, certificates and
-    the broker's address all stay with the agent (services/agent/launch.rank_base_env)."""
+    """A rank's only link to the platform is its agent: the agent's broker identity, certificates and the broker's
+    address all stay with the agent (services/agent/launch.rank_base_env)."""
     secrets = SecretsDir(tmp_path / "s")
     agent_pw = secrets.password("agent-n1")
-    secrets.job_key()
     env = {"PATH": "/bin", USER: "agent-n1", PASSWORD_FILE: str(secrets.password_file("agent-n1")),
-           JOB_KEY_FILE: str(secrets.job_key_file), "FLIGHTDECK_NATS_TLS_CA": "/etc/ca.pem",
+           "FLIGHTDECK_NATS_TLS_CA": "/etc/ca.pem",
            "FLIGHTDECK_NATS_URL": "nats://10.0.0.1:4222", "FLIGHTDECK_NATS_RANK_TLS_CERT": "/etc/rank.pem"}
     assert rank_env(dict(env)) == {"PATH": "/bin"}
     assert not any(agent_pw in v for v in rank_env(dict(env)).values())
@@ -175,7 +155,7 @@ def test_generated_passwords_are_256_random_bits_hashed_at_the_cheapest_bcrypt_c
     secrets = SecretsDir(tmp_path / "s")
     password = secrets.password("scheduler")
     assert len(base64.urlsafe_b64decode(password + "=" * (-len(password) % 4))) == 32
-    text = rendered(secrets, (), ())
+    text = rendered(secrets, ())
     hashes = [line.split('password: "')[1].split('"')[0] for line in text.splitlines() if "$2b$" in line]
     assert hashes and all(h.startswith("$2b$04$") for h in hashes)
     assert any(crypt.crypt(password, h) == h for h in hashes)

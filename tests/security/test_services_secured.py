@@ -1,5 +1,5 @@
 """Every service, the node agent and a real 2-rank job on a broker with the generated users: each process
-runs as its own user, the ranks as their job's (handed over by the agent in a file), the job completes,
+runs as its own user, the ranks with no credential at all (their agent publishes for them), the job completes,
 nothing was denied, and no secret appears in a log line or an event."""
 
 import time
@@ -17,7 +17,6 @@ from events.plan import ReshardPlanned
 from events.spec import JobSpec, ModelSpec, TrainSpec
 from events.training import StepCompleted
 from services.shell.security import permissions
-from services.shell.security.passwords import job_password
 from tests.integration.lifecycle_harness import Objects, Platform
 from tests.integration.test_lifecycle_services import kinds
 from tests.security.secure_broker import SecureBroker, secure_broker  # noqa: F401 (the fixture)
@@ -48,15 +47,13 @@ def read_logs(*folders: Path) -> dict[Path, str]:
 
 
 def secrets_of(b: SecureBroker, users: list[str]) -> list[str]:
-    return [*(b.secrets.password(u) for u in users), b.secrets.job_key(), job_password(b.secrets.job_key(), JOB)]
+    return [b.secrets.password(u) for u in users]
 
 
 @pytest.mark.timeout(150)
-async def test_services_agent_and_ranks_run_a_job_as_their_own_users(secure_broker: SecureBroker,  # noqa: F811
+async def test_services_and_agent_run_a_job_as_their_own_users_and_the_ranks_as_none(secure_broker: SecureBroker,  # noqa: F811
                                                                      tmp_path: Path) -> None:
     b = secure_broker
-    b.add_jobs(JOB)
-    await b.wait_user(permissions.job_user(JOB))
     p = SecurePlatform(b.url, tmp_path, await b.store(permissions.ADMIN), objects=Objects(str(tmp_path / "objects")),
                        broker=b)
     await p.record()

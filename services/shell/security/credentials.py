@@ -17,11 +17,8 @@ from services.shell.security.permissions import inbox
 USER, PASSWORD_FILE, CREDS = "FLIGHTDECK_NATS_USER", "FLIGHTDECK_NATS_PASSWORD_FILE", "FLIGHTDECK_NATS_CREDS"
 TLS_CA, TLS_CERT, TLS_KEY = "FLIGHTDECK_NATS_TLS_CA", "FLIGHTDECK_NATS_TLS_CERT", "FLIGHTDECK_NATS_TLS_KEY"
 TLS_HOSTNAME, INBOX_PREFIX = "FLIGHTDECK_NATS_TLS_HOSTNAME", "FLIGHTDECK_NATS_INBOX_PREFIX"
-JOB_KEY_FILE = "FLIGHTDECK_JOB_KEY_FILE"
-RANK_TLS_CERT, RANK_TLS_KEY = "FLIGHTDECK_NATS_RANK_TLS_CERT", "FLIGHTDECK_NATS_RANK_TLS_KEY"
-# What identifies the agent itself: never inherited by the ranks it starts (nor anything else of the broker's).
-AGENT_ONLY = (USER, PASSWORD_FILE, CREDS, TLS_CERT, TLS_KEY, INBOX_PREFIX, JOB_KEY_FILE, RANK_TLS_CERT, RANK_TLS_KEY)
-BROKER_PREFIX = "FLIGHTDECK_NATS"  # the broker's address and every credential variable start with it
+# The broker's address and every credential variable start with this: the agent gives its ranks none of them.
+BROKER_PREFIX = "FLIGHTDECK_NATS"
 
 
 class CredentialsError(ValueError):
@@ -86,6 +83,6 @@ def client_options(env: Mapping[str, str] | None = None) -> dict[str, Any]:
 def rank_env(env: MutableMapping[str, str]) -> MutableMapping[str, str]:
     """The environment a node agent gives the ranks it starts: nothing of the broker. No address, no user, no
     secret, no certificate: a rank's only link to the platform is its agent (events/ranklink.py)."""
-    for name in [n for n in env if n.startswith(BROKER_PREFIX) or n in AGENT_ONLY]:
+    for name in [n for n in env if n.startswith(BROKER_PREFIX)]:
         del env[name]
     return env

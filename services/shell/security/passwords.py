@@ -1,26 +1,18 @@
 """The secrets behind the NATS users, kept in one directory readable only by its owner:
 
     <dir>/<user>.password   a random password for each service, agent, console and admin user
-    <dir>/job.key           the key every job's password is derived from
 
-A job's password is HMAC-SHA256(job.key, job id): the node agents hold job.key and hand a job's ranks
-their password in a file, so no per-job secret has to travel in an event. The broker's config holds
+A job's ranks have no user: their node agent publishes for them (events/ranklink.py). The broker's config holds
 only bcrypt hashes.
 """
 
-import base64
-import hashlib
-import hmac
 import os
 import secrets
 import warnings
 from pathlib import Path
 
 from events import subjects
-from services.shell.security import natsjwt
 
-JOB_KEY = "job.key"
-ISSUER_SEED = "issuer.seed"  # the job gate's account nkey seed (gate.py)
 # bcrypt work factor. The server checks it on every connect and reconnect; the secrets made here are 256 random
 # bits, which no work factor makes harder to guess, while cost 11 (130 ms of CPU each) took the broker over the
 # clients' connect timeout on a loaded 2-core box: `up --listen` then failed to start. Raise it (--cost) for a
@@ -57,33 +49,12 @@ class SecretsDir:
             write_private(path, secrets.token_urlsafe(32) + "\n")
         return read_secret(path)
 
-    @property
-    def issuer_seed_file(self) -> Path:
-        return self.root / ISSUER_SEED
-
-    def issuer_seed(self) -> bytes:
-        """The account nkey seed the job gate signs jobs' identities with; the server trusts its public key."""
-        if not self.issuer_seed_file.exists():
-            write_private(self.issuer_seed_file, natsjwt.new_account_seed().decode() + "\n")
-        return read_secret(self.issuer_seed_file).encode()
-
     def password_file(self, user: str) -> Path:
         return self.root / f"{subjects.token(user)}.password"
 
     def password(self, user: str) -> str:
         return self._get(self.password_file(user).name)
 
-    @property
-    def job_key_file(self) -> Path:
-        return self.root / JOB_KEY
-
-    def job_key(self) -> str:
-        return self._get(JOB_KEY)
-
-
-def job_password(key: str, job_id: str) -> str:
-    digest = hmac.new(key.encode(), f"flightdeck-job:{subjects.token(job_id)}".encode(), hashlib.sha256).digest()
-    return base64.urlsafe_b64encode(digest).decode().rstrip("=")
 
 
 def bcrypt(password: str, cost: int = DEFAULT_COST) -> str:

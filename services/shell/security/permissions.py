@@ -1,11 +1,11 @@
-"""Who may publish and subscribe to what on the broker: one NATS user per service, per node agent, per job,
-plus the operator's `console` and `admin`, each with subject permissions derived from the subject grammar
+"""Who may publish and subscribe to what on the broker: one NATS user per service and per node agent, plus the
+operator's `console` and `admin`, each with subject permissions derived from the subject grammar
 (events/subjects.py) and from the event types each producer is the author of.
 
 The config the broker loads (render.py) and the tests read the same `Permissions` values, so they cannot
 drift. A service may publish only the decisions it authors, its own clock and dead letters, and the
-JetStream API calls its shell makes (its own durable consumer, ephemeral read consumers, direct gets);
-a job's ranks may publish only under `fd.tel.<job>.>` and read only their own job's history.
+JetStream API calls its shell makes (its own durable consumer, ephemeral read consumers, direct gets).
+A job's ranks have no user at all: their node agent is their only link (events/ranklink.py).
 """
 
 from dataclasses import dataclass
@@ -19,8 +19,6 @@ SCHEDULER_DECISIONS = tuple(t for t in JOB_TYPES["scheduler"]
                             if not any(t in types for role, types in JOB_TYPES.items() if role != "scheduler"))
 
 ADMIN, CONSOLE, AGENT = "admin", "console", "agent"
-GATE = "gate"  # the job gate: nats-server's auth callout for jobs' ranks (gate.py)
-AUTH_REQUESTS = "$SYS.REQ.USER.AUTH"
 JS = "$JS.API"
 
 
@@ -32,10 +30,6 @@ def durable(service: str) -> str:
 def inbox(user: str) -> str:
     """The reply-subject prefix a user's connection uses; no other user may subscribe under it."""
     return f"_INBOX.{subjects.token(user)}"
-
-
-def job_user(job_id: str) -> str:
-    return f"job-{subjects.token(job_id)}"
 
 
 def agent_user(node: str | None) -> str:
@@ -141,36 +135,15 @@ def console(nodes: tuple[str, ...] = ()) -> Permissions:
                        publish_deny=tuple(_others_durables("", nodes)))
 
 
-def gate() -> Permissions:
-    """The job gate: receives the server's authorization requests and answers them; reads the control stream to
-    know which jobs run. Nothing else."""
-    return Permissions(user=GATE, publish=tuple(_reader_api(GATE)), subscribe=(AUTH_REQUESTS, f"{inbox(GATE)}.>"),
-                       responses=True)
-
-
 def admin() -> Permissions:
     """Provisions the streams and imports histories: everything. Keep its secret off the fleet."""
     return Permissions(user=ADMIN, publish=(">",), subscribe=(">",), everything=True)
 
 
-def job(job_id: str, nodes: tuple[str, ...] = ()) -> Permissions:
-    """A job's ranks: publish their job's telemetry, read their job's history through a consumer whose
-    single filter is in the API subject (`CONSUMER.CREATE.<stream>.<name>.<filter>`; the server refuses a
-    body whose filter differs from it), nothing else: no fd.ctl subject, no other job, no stream admin.
-    The consumer's name is the rank's to pick, except the platform's durables (the services' and those of the
-    agents of `nodes`): the same request would re-point one of them at this job's history alone."""
-    user = job_user(job_id)
-    publish = (subjects.telemetry_job(job_id), f"{JS}.CONSUMER.CREATE.{CONTROL}.*.{subjects.job_all(job_id)}",
-               f"{JS}.CONSUMER.INFO.{CONTROL}.*")
-    return Permissions(user=user, publish=publish, subscribe=(f"{inbox(user)}.>",),
-                       publish_deny=tuple(_others_durables("", nodes)))
-
-
-def fleet(nodes: tuple[str, ...] = (), jobs: tuple[str, ...] = (), *, fleet_agent: bool = True) -> list[Permissions]:
-    """Every user of a deployment: admin, console, the five services, the agents and the jobs given."""
+def fleet(nodes: tuple[str, ...] = (), *, fleet_agent: bool = True) -> list[Permissions]:
+    """Every user of a deployment: admin, console, the five services and the agents."""
     users = [admin(), console(nodes), *(service(s, nodes) for s in subjects.SERVICES)]
     if fleet_agent:
         users.append(agent(None, nodes))
     users += [agent(n, nodes) for n in nodes]
-    users += [job(j, nodes) for j in jobs]
     return users

@@ -12,9 +12,9 @@ from collections.abc import Callable, Sequence
 from services.shell.security.permissions import Permissions
 
 HEADER = """\
-# Flightdeck's NATS users: one per service, per node agent and per job, plus console and admin.
+# Flightdeck's NATS users: one per service and per node agent, plus console and admin. A job's ranks have none.
 # Written by `python -m services.shell.security` from services/shell/security/permissions.py; do not edit by hand.
-# Include it from the server config (`include accounts.conf`); after adding a job, reload the server
+# Include it from the server config (`include accounts.conf`); after adding a node, reload the server
 # (`nats-server --signal reload`, or SIGHUP): existing connections are kept.
 """
 
@@ -48,19 +48,13 @@ def user_block(perms: Permissions, password: str) -> str:
             f"      }}}}")
 
 
-def render(users: Sequence[Permissions], password: Callable[[str], str], *, issuer: str = "") -> str:
-    """The authorization block; `password(user)` gives each user's config value. With `issuer` (an account public
-    nkey, or `$VARIABLE`), every other connection is handed to the job gate (auth callout): the users listed here
-    bypass it, a job's ranks get a short-lived identity from the gate (gate.py)."""
+def render(users: Sequence[Permissions], password: Callable[[str], str]) -> str:
+    """The authorization block; `password(user)` gives each user's config value."""
     names = [u.user for u in users]
     if len(set(names)) != len(names):
         raise ValueError(f"a user appears twice: {sorted(n for n in names if names.count(n) > 1)}")
     body = "\n".join(user_block(u, password(u.user)) for u in users)
-    callout = ""
-    if issuer:
-        value = issuer if issuer.startswith("$") else json.dumps(issuer)
-        callout = f"  auth_callout {{\n    issuer: {value}\n    auth_users: {_list(names)}\n  }}\n"
-    return f"{HEADER}authorization {{\n  users = [\n{body}\n  ]\n{callout}}}\n"
+    return f"{HEADER}authorization {{\n  users = [\n{body}\n  ]\n}}\n"
 
 
 def hashed(hashes: Callable[[str], str]) -> Callable[[str], str]:

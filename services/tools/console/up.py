@@ -24,7 +24,7 @@ from services import registry
 from services.shell import broker as broker_mod
 from services.shell.security import permissions
 from services.shell.security.__main__ import rendered
-from services.shell.security.credentials import JOB_KEY_FILE, PASSWORD_FILE, USER
+from services.shell.security.credentials import PASSWORD_FILE, USER
 from services.shell.security.passwords import SecretsDir, write_private
 from services.tools.cli import Command, UserError, add_nats_argument
 from services.tools.connect import connect
@@ -58,13 +58,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="PORT", help="serve `flightdeck ui` (dashboard, /metrics) on this localhost port "
                         f"(default: ${UI_PORT_ENV}, else {DEFAULT_UI_PORT}; 0: no web server)")
     parser.add_argument("--secrets", default=None, metavar="DIR",
-                        help="users, passwords and keys (created if missing): every connection then needs "
-                             "credentials, and jobs get theirs from the job gate")
+                        help="users and passwords (created if missing): every connection then needs "
+                             "credentials (a job's ranks need none: their agent is their only link)")
 
 
 def process_specs(url: str, data_dir: Path, secrets: Path | None = None, ui_port: int = 0) -> list[ProcessSpec]:
-    """Every service, the node agent, the web server on `ui_port` (0: none) and, with `secrets`, the job gate: each
-    as its own broker user (the web server as `console`: it only reads)."""
+    """Every service, the node agent and the web server on `ui_port` (0: none), each as its own broker user with
+    `secrets` (the web server as `console`: it only reads)."""
     ui = [("ui", ("-m", "services.tools.console", "ui", "--port", str(ui_port)))] if ui_port else []
     table = [*((name, ("-m", "services", name)) for name in registry.names()), *OTHER_PROCESSES, *ui]
     env = {"FLIGHTDECK_NATS_URL": url, "FLIGHTDECK_DATA_DIR": str(data_dir)}
@@ -75,20 +75,16 @@ def process_specs(url: str, data_dir: Path, secrets: Path | None = None, ui_port
     def user(name: str) -> dict[str, str]:
         who = permissions.AGENT if name == "agent" else permissions.CONSOLE if name == "ui" else name
         vault.password(who)
-        extra = {JOB_KEY_FILE: str(vault.job_key_file)} if name == "agent" else {}
-        return {**env, USER: who, PASSWORD_FILE: str(vault.password_file(who)), **extra}
+        return {**env, USER: who, PASSWORD_FILE: str(vault.password_file(who))}
 
-    specs = [ProcessSpec(name, (sys.executable, *args, "--nats", url), user(name)) for name, args in table]
-    gate = ("-m", "services.shell.security", "gate", "--secrets", str(secrets), "--nats", url)
-    return [*specs, ProcessSpec("gate", (sys.executable, *gate), env)]
+    return [ProcessSpec(name, (sys.executable, *args, "--nats", url), user(name)) for name, args in table]
 
 
 def secured(data_dir: Path, secrets: Path) -> Path:
-    """The broker config for a broker on the network: Flightdeck's users (hashed) and the job gate's callout."""
+    """The broker config for a broker on the network: Flightdeck's users, hashed."""
     vault = SecretsDir(secrets)
-    vault.job_key()
     accounts = data_dir / "nats-accounts.conf"
-    write_private(accounts, rendered(vault, (), (), gate=True))
+    write_private(accounts, rendered(vault, ()))
     conf = data_dir / "nats-server.conf"
     conf.write_text(broker_mod.CONFIG.read_text() + f"\ninclude {json.dumps(accounts.name)}\n")
     return conf
@@ -206,8 +202,7 @@ class _Up:
             vault = SecretsDir(self.secrets)
             print(f"flightdeck: credentials in {self.secrets}; another host's agent joins with\n"
                   f"  {USER}=agent {PASSWORD_FILE}=<copy of {vault.password_file(permissions.AGENT)}> "
-                  f"{JOB_KEY_FILE}=<copy of {vault.job_key_file}> flightdeck agent --nats {self.url} "
-                  "--address <its address>\n"
+                  f"flightdeck agent --nats {self.url} --address <its address>\n"
                   f"  and the CLI with {USER}=console {PASSWORD_FILE}={vault.password_file(permissions.CONSOLE)}",
                   flush=True)
         while not stopping:
