@@ -1,10 +1,10 @@
 """Recovery times on CPU: how long the platform takes to notice a fault and to have the job training again, for
-a crashed rank, a hung rank and a lost node, split into the parts the event log can tell apart. Each run starts
-a fresh nats-server, every service (`python -m services NAME`) and the drill's node agents, runs a 2-rank tiny
-job (tests/e2e/drill_harness.py: the drill policy, heartbeats every 0.5 s, lost after 4 misses, hung after 3 s,
-a checkpoint every 5 steps) with the fault, and reads the job's history.
+a crashed rank, a hung rank, a lost node and a loss spike, split into the parts the event log can tell apart.
+Each run starts a fresh nats-server, every service (`python -m services NAME`) and the drill's node agents, runs a
+2-rank tiny job (tests/e2e/drill_harness.py: the drill policy, heartbeats every 0.5 s, lost after 4 misses, hung
+after 3 s, a checkpoint every 5 steps) with the fault, and reads the job's history.
 
-    .venv/bin/python bench/recovery_times.py                      # crash, hang, lost_node; 2 runs each
+    .venv/bin/python bench/recovery_times.py                      # crash, hang, lost_node, spike; 2 runs each
     .venv/bin/python bench/recovery_times.py --faults crash --runs 3 --out bench/results/cpu-recovery.json
 
 Marks (one timeline: control events when the bench's recorder received them, rank events by their own clock,
@@ -20,6 +20,11 @@ for lost_node also the wasted restart on both nodes and the wait for NodeLost), 
 and first_step; recover = first step - fault. For reference, `import_s` is `python -c "import trainer.loop"`
 alone and `restore_s` one in-process load of the checkpoint the job resumed from (after imports): the parts of
 `startup` that are importing and restoring.
+
+A loss spike is healed without a restart, so it has parts of its own: detect (the rank's FaultInjected to
+LossSpikeDetected), decide (to the scheduler's RollbackRequested), obey (to the last rank's RolledBack: the
+command down to the ranks through their agents, agreed at a step boundary, the checkpoint loaded) and first_step
+(to the first StepCompleted after it); recover = first step - fault.
 """
 
 import argparse
@@ -42,16 +47,26 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from events import subjects  # noqa: E402
+from events.commands import RollbackRequested  # noqa: E402
+from events.findings import LossSpikeDetected  # noqa: E402
 from events.fleet import NodeLost  # noqa: E402
 from events.job import AllocationGranted, JobCompleted, JobFailed, JobResumed, WorkersExited, WorkersStarted  # noqa: E402
 from events.spec import FaultSpec, JobSpec  # noqa: E402
-from events.training import FaultInjected, RankStarted, StepCompleted  # noqa: E402
+from events.training import FaultInjected, RankStarted, RolledBack, StepCompleted  # noqa: E402
 from services.shell import broker  # noqa: E402
-from tests.e2e.drill_harness import drill_spec, kill_agent_mid_run, lost_node_spec, start_drill, start_two_nodes  # noqa: E402
+from tests.e2e.drill_harness import (  # noqa: E402
+    drill_spec,
+    kill_agent_mid_run,
+    lost_node_spec,
+    spike_spec,
+    start_drill,
+    start_two_nodes,
+)
 from tests.integration.lifecycle_harness import Platform  # noqa: E402
 
-FAULTS = ("crash", "hang", "lost_node")
+FAULTS = ("crash", "hang", "lost_node", "spike")
 PARTS = ("detect", "decide", "spawn", "startup", "first_step")
+SPIKE_PARTS = ("detect", "decide", "obey", "first_step")
 DETECTIONS = ("WorkersExited", "RankLost", "RankHung", "NodeLost")
 FAULT_AT = 40
 PACE_S = 0.05
@@ -60,6 +75,8 @@ PACE_S = 0.05
 def spec_for(fault: str) -> JobSpec:
     if fault == "lost_node":
         return lost_node_spec()
+    if fault == "spike":
+        return spike_spec()
     # Paced at ~20 steps/s in attempt 0 (a `slow` fault), so checkpoints are committed before the fault.
     pace = FaultSpec(kind="slow", step=0, rank=0, seconds=PACE_S)
     rank = 1 if fault == "crash" else 0
@@ -135,6 +152,8 @@ async def one_run(fault: str, n: int, standby: int | None = None) -> dict[str, f
             await p.until(lambda: bool(p.seen(JobCompleted, job) or p.seen(JobFailed, job)), 240, "the job to end", job)
             keeper.cancel()
             assert p.seen(JobCompleted, job), f"{fault}: the job did not complete"
+            if fault == "spike":
+                return spike_marks(p, job, offset)
             final = p.seen(JobResumed, job)[-1]
             a = final.attempt
             if fault == "lost_node":
@@ -163,6 +182,25 @@ async def one_run(fault: str, n: int, standby: int | None = None) -> dict[str, f
         finally:
             await p.close()
             b.stop()
+    out["import_s"] = import_seconds()
+    return out
+
+
+def spike_marks(p: Platform, job: str, offset: float) -> dict[str, float]:
+    """The spike's parts, from the first rollback the spike caused (the rank clocks put on the bench's timeline)."""
+    (inj,) = [e for e in p.seen(FaultInjected, job, stream=subjects.TELEMETRY) if e.kind == "loss_spike"]
+    t_fault = inj.occurred_at - offset
+    t_detect = arrival(p, LossSpikeDetected, job)
+    rollback = p.seen(RollbackRequested, job)[0]
+    t_decide = arrival(p, RollbackRequested, job, lambda e: e.event_id == rollback.event_id)
+    landed = [e for e in p.seen(RolledBack, job, stream=subjects.TELEMETRY)
+              if e.checkpoint_id == rollback.checkpoint_id]
+    t_obeyed = max(e.occurred_at for e in landed) - offset
+    t_first = min(e.occurred_at for e in p.seen(StepCompleted, job, stream=subjects.TELEMETRY)
+                  if e.occurred_at - offset > t_obeyed) - offset
+    marks = [t_fault, t_detect, t_decide, t_obeyed, t_first]
+    out = {part: marks[i + 1] - marks[i] for i, part in enumerate(SPIKE_PARTS)}
+    out["recover"] = t_first - t_fault
     out["import_s"] = import_seconds()
     return out
 
@@ -196,10 +234,13 @@ def main() -> int:
               "policy": {"heartbeat_interval_s": 0.5, "heartbeat_misses": 4, "hang_min_s": 3.0,
                          "checkpoint_every": 5, "health_tick_s": 0.5, "agent_grace_s": 2.0},
               "runs": results, "median": median}
-    keys = [*PARTS, "recover"]
-    print("median seconds " + " ".join(f"{k:>10}" for k in keys))
-    for f, m in median.items():
-        print(f"{f:<14} " + " ".join(f"{m[k]:10.3f}" for k in keys))
+    for names in (PARTS, SPIKE_PARTS):
+        keys = [*names, "recover"]
+        shown = {f: m for f, m in median.items() if all(k in m for k in keys)}
+        if shown:
+            print("median seconds " + " ".join(f"{k:>10}" for k in keys))
+        for f, m in shown.items():
+            print(f"{f:<14} " + " ".join(f"{m[k]:10.3f}" for k in keys))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")

@@ -91,6 +91,8 @@ class RankLinks:
         job = self.jobs.setdefault(job_id, _Job())
         if job.attempt != attempt:
             job.attempt, job.commands = attempt, []
+        if raw in job.commands:  # an input folded again (a lost ack) is told once: a rollback obeyed twice is two
+            return
         job.commands.append(raw)
         self._tell(job_id, attempt, ranklink.Command(event=raw))
 

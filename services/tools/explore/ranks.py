@@ -1,10 +1,13 @@
 """Simulated node agents' effects and training ranks: what an attempt's ranks do step by step (train, beat, stage
-checkpoints, obey commands at step boundaries, exit) and what their agent records, on the simulated store."""
+checkpoints, obey commands at step boundaries, exit) and what their agent records, on the simulated store.
+
+As on a real node, a rank's agent is its only link: commands reach rank 0 when its agent's core tells it (the
+`tell` effect), and ranks die with their agent (a crashed agent's restart records them as killed)."""
 
 from dataclasses import dataclass, field
 
 from events import subjects
-from events.admission import Admission
+from events.base import Event
 from events.checkpoint import CheckpointStaged, DataPosition, ShardInfo, ShardsUploaded, batch_at, checkpoint_id
 from events.commands import CheckpointRequested, PauseRequested, ResumeRequested, RollbackRequested, StopRequested
 from events.heartbeats import RankBeat, RankHeartbeats
@@ -53,8 +56,7 @@ class Attempt:
     paused: bool = False
     finished: bool = False  # every step ran and every rank exited 0
     saved_at: int = 0
-    cmd_seq: int = 0
-    admission: Admission = field(default_factory=Admission)
+    inbox: list[Event] = field(default_factory=list)  # commands rank 0's agent passed down, not yet obeyed
     steps_run: int = 0
     replay: "Replay | None" = None  # a rollback's re-run of the spike's batches, as the trainer does it
     glitch: tuple[int, int, int, int] | None = None  # (timeline, first step, end step, rank): a passing fault
@@ -79,6 +81,7 @@ class Ranks:
         self.saved: dict[tuple[str, str], Saved] = {}  # (job, checkpoint id) -> what it holds
         self.spikes: dict[str, tuple[int, int]] = {}  # job -> batches whose loss spikes
         self.nodes_down: set[str] = set()
+        self.orphans: dict[str, list[tuple[Attempt, int]]] = {}  # node -> ranks that died with its agent
         self.n = 0
 
     def _id(self, what: str) -> str:
@@ -98,7 +101,6 @@ class Ranks:
         if a is None:
             a = self.attempts[(job_id, attempt)] = Attempt(job_id=job_id, attempt=attempt, world_size=world_size,
                                                            total=total, checkpoint_every=every)
-            a.cmd_seq = len(self.store.rows(subjects.CONTROL))  # its inbox reads commands from its start on
             if restore is not None:
                 saved = self.saved.get((job_id, restore[0]))
                 assert saved is not None, f"restore of an unknown checkpoint {restore}"
@@ -138,6 +140,30 @@ class Ranks:
             ev = exits_record([RankExit(rank=r, exit_code=code) for r in rs], job_id=a.job_id, node=node,
                               attempt=a.attempt, event_id=self._id(f"exit-{node}"), occurred_at=self.now(),
                               producer=f"agent-{node}")
+            await append_to_job(self.store, ev, msg_id=ev.event_id)
+
+    def tell(self, node: str, job_id: str, attempt: int, command: Event) -> None:
+        """A command down rank 0's link: only the agent that runs rank 0 hands it over (the boundary agrees it)."""
+        a = self.attempts.get((job_id, attempt))
+        if a is not None and a.nodes.get(0) == node and 0 in a.alive:
+            a.inbox.append(command)
+
+    def agent_died(self, node: str) -> None:
+        """An agent process ended: its ranks die with it (parent-death signal; a link's EOF stops any left)."""
+        for a in self.attempts.values():
+            gone = sorted(r for r in a.alive if a.nodes.get(r) == node)
+            a.alive -= set(gone)
+            self.orphans.setdefault(node, []).extend((a, r) for r in gone)
+
+    async def agent_started(self, node: str) -> None:
+        """A restarted agent records the ranks an earlier one started and never saw exit (services/agent/main.py
+        `reconcile`): killed, one record per attempt."""
+        by_attempt: dict[tuple[str, int], list[int]] = {}
+        for a, r in self.orphans.pop(node, []):
+            by_attempt.setdefault((a.job_id, a.attempt), []).append(r)
+        for (job_id, attempt), rs in sorted(by_attempt.items()):
+            ev = exits_record([RankExit(rank=r, exit_code=-9) for r in rs], job_id=job_id, node=node, attempt=attempt,
+                              event_id=self._id(f"exit-{node}"), occurred_at=self.now(), producer=f"agent-{node}")
             await append_to_job(self.store, ev, msg_id=ev.event_id)
 
     async def node_lost(self, node: str) -> None:
@@ -218,14 +244,8 @@ class Ranks:
                                           seconds=0.0, event_id=self._id("uploaded"), occurred_at=now))
 
     async def _commands(self, a: Attempt) -> None:
-        control = self.store.rows(subjects.CONTROL)
-        prefix = f"fd.ctl.job.{a.job_id}."
-        while a.cmd_seq < len(control) and a.alive:
-            s = control[a.cmd_seq]
-            a.cmd_seq += 1
-            if not s.subject.startswith(prefix) or a.admission.refusal(s):
-                continue
-            match s.event:
+        while a.inbox and a.alive:
+            match a.inbox.pop(0):
                 case StopRequested(checkpoint=save):
                     if save:
                         await self._save(a)

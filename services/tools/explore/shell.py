@@ -44,6 +44,7 @@ class SimShell:
         self.crash_at: str = ""  # the crash point the next input meets
         self.lose_ack = False
         self.stale_start = False  # the next start's consumer reply is stale
+        self.on_crash: Callable[[], None] = lambda: None  # what else ends with the process (an agent's ranks)
         self.num_starts = self.num_crashes = self.num_inputs = 0
 
     @property
@@ -71,6 +72,7 @@ class SimShell:
     def crash(self) -> None:
         self.up = False
         self.num_crashes += 1
+        self.on_crash()
 
     async def tick(self) -> None:
         now = self.now()

@@ -1,6 +1,7 @@
 """One seeded run: the services, node agents and jobs on the simulated broker, a schedule of faults drawn from the
 seed, and the clock advanced in fixed turns until every job ended or the bound passed. Same seed, same run."""
 
+import functools
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -130,6 +131,7 @@ class World:
         for node in NODES:
             self._add(lambda node=node: agent_core.core_service(node, {k: self._agent_effect(node, k)
                                                                         for k in agent_core.EFFECTS}))
+            self.shells[f"agent-{node}"].on_crash = functools.partial(self.ranks.agent_died, node)
 
     def _ids(self) -> int:
         self.n += 1
@@ -169,6 +171,8 @@ class World:
                                    [tuple(w) for w in args.skips], args.grant_id)  # type: ignore[misc]
         elif isinstance(args, agent_core.StopArgs):
             await self.ranks.stop(node, args.job_id, args.attempt, immediate=args.immediate)
+        elif isinstance(args, agent_core.TellArgs) and args.command:
+            self.ranks.tell(node, args.job_id, args.attempt, codec.decode(args.command))
         elif isinstance(args, agent_core.SelfCheckArgs):  # the simulated hardware is sound
             return [Emit(subjects.node(node, "SelfCheckPassed"), SelfCheckPassed(node=node, seconds=1.0))]
         return []
@@ -203,6 +207,8 @@ class World:
                 if self.clock() >= at:
                     del self.restart_at[name]
                     await self.shells[name].start()
+                    if name.startswith("agent-"):
+                        await self.ranks.agent_started(name.removeprefix("agent-"))
             if self.clock() >= beat_due:
                 beat_due = self.clock() + POLICY.heartbeat_interval_s
                 for node in NODES:
