@@ -293,3 +293,35 @@ def test_a_rank_imports_no_broker_client_and_no_platform_service() -> None:
     out = subprocess.run([sys.executable, "-c", NO_BROKER_IN_A_RANK], capture_output=True, text=True, timeout=120,
                          cwd=Path(__file__).resolve().parents[2], check=True).stdout.strip()
     assert out == ""
+
+
+DYING_RANK = """
+import os, signal, sys, time
+from events.training import FaultInjected
+from trainer.link import AgentLink
+link = AgentLink(sys.argv[1], "job-l", 3, 0, "node-a", heartbeat_s=0.1)
+link.connect(timeout=60)
+link.start()
+link.emit(FaultInjected(job_id="job-l", rank=3, node="node-a", kind="crash", step=7))
+while link.num_pending:
+    time.sleep(0.01)
+time.sleep(0.5)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_killed_rank_stops_heartbeating_and_what_it_handed_over_is_published(
+        nats_server: broker_mod.Broker) -> None:
+    ensure_streams_at(nats_server.url)
+    with LinkHost(nats_server.url) as host:
+        proc = subprocess.run([sys.executable, "-c", DYING_RANK, host.address], timeout=120,
+                              cwd=Path(__file__).resolve().parents[2])
+        assert proc.returncode == -9
+        _wait(lambda: any(isinstance(e, FaultInjected) for _, e in _read(nats_server.url, f"fd.tel.{JOB}.3.>")), 30,
+              "the dead rank's fault")
+        time.sleep(0.5)
+        n = len(_read(nats_server.url, f"fd.tel.{JOB}.3.Heartbeat"))
+        assert n >= 3
+        time.sleep(0.5)
+        assert len(_read(nats_server.url, f"fd.tel.{JOB}.3.Heartbeat")) == n
