@@ -131,8 +131,9 @@ def log_tail(tmp: Path, world: int) -> str:
 class ScriptedInbox(Offline):
     """Hands over the commands scripted for (step, n): the n-th poll at that step (a paused loop polls again)."""
 
-    def __init__(self, script: dict[tuple[int, int], list[Event]]) -> None:
+    def __init__(self, script: dict[tuple[int, int], list[Event]], gone_at: int | None = None) -> None:
         self.script = script
+        self.gone_at = gone_at  # the agent vanishes once the run reaches this step
         self.step_of: Callable[[], int] = lambda: 0
         self.polls_at: dict[int, int] = {}
 
@@ -141,10 +142,14 @@ class ScriptedInbox(Offline):
         self.polls_at[step] = self.polls_at.get(step, 0) + 1
         return self.script.pop((step, self.polls_at[step]), [])
 
+    @property  # type: ignore[override]
+    def gone(self) -> bool:
+        return self.gone_at is not None and self.step_of() >= self.gone_at
+
 
 def run_loop(tmp: Path, script: dict[tuple[int, int], list[Event]], steps: int = 30, every: int = 10,
              faults: list[dict[str, Any]] | None = None,
-             checkpoints: Path | None = None) -> tuple[int, Path, ScriptedInbox, Run]:
+             checkpoints: Path | None = None, gone_at: int | None = None) -> tuple[int, Path, ScriptedInbox, Run]:
     """One rank of the built-in trainer in this process (telemetry off), commands from `script`; returns its
     exit code (a stop's SystemExit included), its events log and the Run."""
     tmp.mkdir(parents=True, exist_ok=True)
@@ -154,7 +159,7 @@ def run_loop(tmp: Path, script: dict[tuple[int, int], list[Event]], steps: int =
                     device="cpu", sync_every=1, events_log=tmp / "events.jsonl", checkpoints=checkpoints)
     envelope = {"job_id": JOB, "rank": 0, "attempt": 0, "node": "n"}
     emitter = Emitter(Offline(), envelope, cfg.events_log)
-    inbox = ScriptedInbox(script)
+    inbox = ScriptedInbox(script, gone_at)
     run = Run(cfg, distributed.init(0, 1, 0, "cpu"), emitter, inbox)
     inbox.step_of = lambda: run.step
     try:

@@ -81,6 +81,14 @@ def test_stop_with_checkpoint_saves_then_exits_as_stopped(tmp_path: Path) -> Non
     assert (tmp_path / "staging" / JOB / "step-7" / ".metadata").exists()
 
 
+def test_a_rank_whose_agent_vanished_stops_at_the_next_boundary_without_a_checkpoint(tmp_path: Path) -> None:
+    """Nobody could publish its checkpoint or hear it: it stops rather than train blind, as a stopped rank (75)."""
+    code, log, _, run = ranks.run_loop(tmp_path, {}, steps=30, every=5, gone_at=12)
+    assert code == STOPPED_EXIT and run.step == 12 and not run.ran_all
+    assert [s for s, _ in ranks.losses(log, 0)] == list(range(12))
+    assert [e["step"] for e in ranks.events(log, "CheckpointStaged")] == [5, 10]  # none at the stop
+
+
 def test_commands_arrive_through_the_agent(nats_server: broker_mod.Broker, tmp_path: Path) -> None:
     """Two real ranks linked to a real agent end (services/agent/links.py): rank 0 hears the commands, and both obey
     them at the same boundary."""
