@@ -177,13 +177,22 @@ class World:
             return [Emit(subjects.node(node, "SelfCheckPassed"), SelfCheckPassed(node=node, seconds=1.0))]
         return []
 
+    async def _register(self, node: str, *, passed: bool = False) -> None:
+        """NodeRegistered, and after a restart its self-check's SelfCheckPassed (what lifts a loss cordon)."""
+        n = self._ids()
+        await self.store.append(subjects.node(node, "NodeRegistered"),
+                                NodeRegistered(node=node, kind="cpu", slots=SLOTS, event_id=f"reg-{node}-{n}",
+                                               occurred_at=self.clock(), producer=f"agent-{node}"))
+        if passed:
+            await self.store.append(subjects.node(node, "SelfCheckPassed"),
+                                    SelfCheckPassed(node=node, seconds=1.0, event_id=f"selfcheck-{node}-{n}",
+                                                    occurred_at=self.clock(), producer=f"agent-{node}"))
+
     async def run(self) -> Run:
         for shell in self.shells.values():
             await shell.start()
         for node in NODES:
-            await self.store.append(subjects.node(node, "NodeRegistered"),
-                                    NodeRegistered(node=node, kind="cpu", slots=SLOTS, event_id=f"reg-{node}",
-                                                   occurred_at=self.clock(), producer=f"agent-{node}"))
+            await self._register(node)
         for i, spec in enumerate(self.plan.jobs):
             job_id = f"{spec.name}-{i:06d}"
             self.job_ids.append(job_id)
@@ -207,8 +216,9 @@ class World:
                 if self.clock() >= at:
                     del self.restart_at[name]
                     await self.shells[name].start()
-                    if name.startswith("agent-"):
+                    if name.startswith("agent-"):  # as services/agent/main.py at every start: reconcile, register
                         await self.ranks.agent_started(name.removeprefix("agent-"))
+                        await self._register(name.removeprefix("agent-"), passed=True)
             if self.clock() >= beat_due:
                 beat_due = self.clock() + POLICY.heartbeat_interval_s
                 for node in NODES:
