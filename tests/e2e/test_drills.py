@@ -92,9 +92,13 @@ async def test_a_job_whose_every_restart_crashes_fails_naming_each_fault_in_orde
     by_id = {e.event_id: e for e in p.job(job)}
     causes = [by_id[c] for c in failed.causes]
     assert [c.attempt for c in causes] == [0, 1, 2], failed.causes  # one per attempt, first to last
-    # each attempt's cause is rank 1's crash: its exit (code 3), or its silence when that was found first (a
-    # crashing rank flushes its telemetry for up to 3 s without heartbeating; a loaded box can outlast that)
-    assert all(isinstance(c, WorkersExited | RankLost) and c.rank == 1 for c in causes), causes
-    assert all(c.exit_code == 3 for c in causes if isinstance(c, WorkersExited)), causes
+    # each attempt's cause is an exit or a loss of that attempt, and rank 1's crash (exit 3, or its silence when that
+    # was found first) is recorded in every attempt. Which rank heads the cause is a race since ranks exit through
+    # their agent's link: rank 0's collective fails the moment rank 1 is gone, and its exit 1 can be reaped first.
+    assert all(isinstance(c, WorkersExited | RankLost) for c in causes), causes
+    for a in (0, 1, 2):
+        exits = [x for e in p.seen(WorkersExited, job) if e.attempt == a for x in e.exits()]
+        lost = [e for e in p.seen(RankLost, job) if e.attempt == a and e.rank == 1]
+        assert any(x.rank == 1 and x.exit_code == 3 for x in exits) or lost, (a, exits)
     assert "restart" in failed.reason or "budget" in failed.reason or "max_restarts" in failed.reason, failed.reason
     assert lineage_gaps(p, job, 20) != []  # it never finished
