@@ -129,11 +129,10 @@ class OutputPump:
         number = self.next_line
         self.next_line += 1
         if not (self.lines_budget.take(now, 1) and self.bytes_budget.take(now, len(line) + 1)):
+            if self.batch:  # first: a batch's `dropped` counts lines left out *before* it, never after
+                self._flush_if_due(force=True)
             self.dropped += 1
             self.num_dropped += 1
-            if self.batch:
-                self._flush_if_due(force=True)
-            self.first_line = self.next_line
             return
         if not self.batch:
             self.first_line, self.batch_since = number, now
@@ -146,9 +145,12 @@ class OutputPump:
             self.first_line = self.next_line
         elif not self.batch or not (force or time.monotonic() - self.batch_since >= FLUSH_S):
             return
+        # A count with no lines shares its first_line with the batch that may follow it: its own id, or the
+        # broker's de-duplication would take that batch for a resend and drop it.
+        kind = "out" if self.batch else "gap"
         event = RankOutput(job_id=self.job_id, attempt=self.attempt, rank=self.rank, node=self.node,
                            first_line=self.first_line, lines=self.batch, dropped=self.dropped,
-                           event_id=f"{self.producer}:out:{self.job_id}:{self.attempt}:{self.rank}:{self.first_line}",
+                           event_id=f"{self.producer}:{kind}:{self.job_id}:{self.attempt}:{self.rank}:{self.first_line}",
                            occurred_at=time.time(), producer=self.producer)
         self.batch, self.dropped = [], 0
         if len(self.pending) >= MAX_PENDING:  # the broker is away: keep the newest

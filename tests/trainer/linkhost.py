@@ -12,7 +12,8 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from events import ranklink
+from events import ranklink, subjects
+from events.base import Event
 from events.jetstream import JetStreamStore
 from services.agent.links import RankLinks
 from trainer.link import AgentLink
@@ -90,3 +91,18 @@ class LinkHost:
         link.start()
         self.opened.append(link)
         return link
+
+
+def read_telemetry(url: str, pattern: str) -> list[tuple[str, Event]]:
+    """Every event of FD_TELEMETRY on `pattern`, in stream order, through the services' own reader (an empty
+    stream is no error)."""
+
+    async def go() -> list[tuple[str, Event]]:
+        store = await JetStreamStore.connect(url, name="test-reader")
+        try:
+            return [(s.subject, s.event) async for batch in store.read(subjects.TELEMETRY, [pattern])
+                    for s in batch if s.event is not None]
+        finally:
+            await store.close()
+
+    return asyncio.run(go())

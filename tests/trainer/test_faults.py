@@ -10,13 +10,13 @@ from pathlib import Path
 import nats
 import pytest
 
-from events import codec, subjects
+from events import subjects
 from events.commands import RollbackRequested
 from events.streams import ensure_streams
 from events.training import Heartbeat
 from services.shell import broker as broker_mod
 from tests.trainer import ranks
-from tests.trainer.linkhost import JOB, LinkHost
+from tests.trainer.linkhost import JOB, LinkHost, read_telemetry
 from trainer.faults import CRASH_EXIT_CODE, HANG_EXIT_CODE, SPIKE_BATCHES
 
 pytestmark = pytest.mark.timeout(300)  # hang guards: each test starts ranks (torch) on a loaded box
@@ -44,20 +44,7 @@ def test_a_fault_for_another_attempt_does_not_fire(tmp_path: Path) -> None:
 
 
 def _telemetry(url: str, pattern: str) -> list[Heartbeat]:
-    async def go() -> list[Heartbeat]:
-        nc = await nats.connect(url)
-        js = nc.jetstream()
-        info = await js.stream_info(subjects.TELEMETRY)
-        out = []
-        for seq in range(info.state.first_seq, info.state.last_seq + 1):
-            raw = await js.get_msg(subjects.TELEMETRY, seq)
-            ev = codec.decode(raw.data)
-            if subjects.matches(pattern, raw.subject) and isinstance(ev, Heartbeat):
-                out.append(ev)
-        await nc.close()
-        return out
-
-    return asyncio.run(go())
+    return [e for _, e in read_telemetry(url, pattern) if isinstance(e, Heartbeat)]
 
 
 def _streams(url: str) -> None:

@@ -2,7 +2,6 @@
 real nats-server): events up in order on their subjects, in the agent's custody across a broker outage and past
 the rank's exit; commands, plans and a rollback's readiness down; what the agent refuses; an agent that vanishes."""
 
-import asyncio
 import subprocess
 import sys
 import threading
@@ -10,7 +9,6 @@ import time
 from pathlib import Path
 
 import msgspec
-import nats
 import pytest
 
 from events import codec, subjects
@@ -24,31 +22,12 @@ from events.training import FaultInjected, Heartbeat, RankFault, RankStarted, St
 from services.shell import broker as broker_mod
 from tests.conftest import ensure_streams_at, restart_broker
 from tests.trainer.linkhost import JOB, NODE, LinkHost
+from tests.trainer.linkhost import read_telemetry as _read
 from trainer.link import AgentLink, AgentUnreachable, Offline
 
 pytestmark = pytest.mark.timeout(120)
 TWO = ParallelPlan(world_size=2, dp=2, micro_batches=2)
 FOUR = ParallelPlan(world_size=4, dp=2, tp=2)
-
-
-def _read(url: str, pattern: str) -> list[tuple[str, Event]]:
-    """Every message of FD_TELEMETRY on `pattern`, in stream order."""
-
-    async def go() -> list[tuple[str, Event]]:
-        nc = await nats.connect(url)
-        try:
-            js = nc.jetstream()
-            info = await js.stream_info(subjects.TELEMETRY)
-            out = []
-            for seq in range(info.state.first_seq, info.state.last_seq + 1):
-                raw = await js.get_msg(subjects.TELEMETRY, seq)
-                if subjects.matches(pattern, raw.subject):
-                    out.append((raw.subject, codec.decode(raw.data)))
-            return out
-        finally:
-            await nc.close()
-
-    return asyncio.run(go())
 
 
 def _step(i: int, rank: int = 0) -> StepCompleted:

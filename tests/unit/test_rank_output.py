@@ -60,3 +60,36 @@ async def test_a_pump_ships_every_line_or_counts_it_and_keeps_every_byte(
         assert dropped > 0
     else:
         assert dropped == 0
+
+
+async def test_counts_of_lines_left_out_come_before_their_place_and_never_take_a_batchs_id(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A burst over the budget, a pause (the count goes out alone), lines again, and a last burst: read in order,
+    each event's `dropped` lines sit just before its `first_line`, so the events tile every line printed, and
+    no two events share an id (the broker would drop the second as a resend)."""
+    monkeypatch.setattr(output, "LINE_BURST", 5.0)
+    monkeypatch.setattr(output, "LINES_PER_S", 10.0)
+    got: list[RankOutput] = []
+
+    async def publish(event: RankOutput) -> None:
+        got.append(event)
+
+    read, write = os.pipe()
+    pump = OutputPump(read, tmp_path / "rank.log", publish, job_id="j", attempt=0, rank=0, node="n", producer="a")
+    task = asyncio.create_task(pump.run())
+    printed = 0
+    for count, pause in [(20, 0.6), (3, 0.0), (10, 0.0)]:
+        await asyncio.to_thread(os.write, write, "".join(f"line {printed + i}\n" for i in range(count)).encode())
+        printed += count
+        await asyncio.sleep(pause)
+    os.close(write)
+    await asyncio.wait_for(task, 60)
+
+    assert len({e.event_id for e in got}) == len(got)
+    at = 0
+    for e in got:
+        assert e.first_line - e.dropped == at, [(x.first_line, len(x.lines), x.dropped) for x in got]
+        assert e.lines == [f"line {n}" for n in range(e.first_line, e.first_line + len(e.lines))]
+        at = e.first_line + len(e.lines)
+    assert at == printed
+    assert any(not e.lines and e.dropped for e in got[:-1])  # the count that went out alone in the pause
