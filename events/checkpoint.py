@@ -39,6 +39,9 @@ class CheckpointStaged(RankEvent, frozen=True, kw_only=True):
     write_s: float
     # Rollbacks the rank's attempt had applied: a step redone after a rollback is a different checkpoint.
     timeline: int = 0
+    # Staged by the rank's node agent from the rank's snapshot in the node's memory (events/snapshot.py), after
+    # the rank was gone: the set's shards are r<rank>.bin and r<rank>.json.
+    from_memory: bool = False
 
 
 class ShardsUploaded(RankEvent, frozen=True, kw_only=True):
@@ -73,6 +76,7 @@ class CheckpointCommitted(JobEvent, frozen=True, kw_only=True):
     manifest_sha256: str = ""  # sha256 of MANIFEST.json as written; a restore refuses any other manifest
     attempt: int = 0  # the attempt whose ranks staged it
     timeline: int = 0  # rollbacks that attempt had applied when it staged (events/lineage.py)
+    from_memory: bool = False  # persisted by the agents from their ranks' snapshots after a failure
 
 
 class CheckpointPending(JobEvent, frozen=True, kw_only=True):

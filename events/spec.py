@@ -29,6 +29,9 @@ class TrainSpec(Spec, frozen=True, kw_only=True):
     batch_size: Annotated[int, Meta(ge=1, le=1_000_000)] = 8  # global batch, in sequences
     lr: Annotated[float, Meta(gt=0.0, le=10.0)] = 3e-3
     checkpoint_every: Annotated[int, Meta(ge=1, le=100_000_000)] = 25
+    # Steps between host snapshots in the node's shared memory (0: none): a failure persists the newest, so it
+    # costs at most this many steps, not up to checkpoint_every (events/snapshot.py).
+    snapshot_every: Annotated[int, Meta(ge=0, le=100_000_000)] = 1
     seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] = 0
     data: Literal["corpus", "synthetic"] = "corpus"
 

@@ -62,3 +62,14 @@ class RankStarted(RankEvent, frozen=True, kw_only=True):
     world_size: int
     from_step: int
     device: str
+    # Where it restored from: "store" (a committed checkpoint's copy), "memory" (its node's snapshot of that
+    # checkpoint, events/snapshot.py), "" (nothing: step 0), or "local" (no platform: the newest staged set).
+    restored_from: str = ""
+
+
+class SnapshotsOff(RankEvent, frozen=True, kw_only=True):
+    """The rank takes no more host snapshots in its node's memory (train.snapshot_every): why. A failure then
+    restores the newest committed checkpoint, as before snapshots."""
+
+    step: int
+    reason: str

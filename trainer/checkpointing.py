@@ -19,10 +19,12 @@ import structlog
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from events.base import RankEvent
 from events.checkpoint import CheckpointStaged, DataPosition, ShardInfo
+from trainer import snapshots
 from trainer.distributed import Dist
 from trainer.hostcopy import HostCopier
 from trainer.state import TrainState, keys
@@ -148,8 +150,7 @@ class Checkpointer:
         started = time.perf_counter()
         self.wait()  # the buffers are reused: the previous write must be done with them
         state = self.snapshot(live)
-        state[META_KEY] = json.dumps({"step": step, "next_batch": position.next_batch,
-                                      "skipped": position.skipped, "world_size": self.dist.world_size})
+        state[META_KEY] = meta_item(step, position, self.dist.world_size)
         stall = time.perf_counter() - started
         path = self.staged_dir(step, self.timeline)
         copied = self._copied
@@ -207,6 +208,26 @@ class Checkpointer:
             raise CheckpointWriteError(f"writing checkpoint step {self.last_step} failed: {error!r}") from error
 
 
+def _cause(exc: BaseException) -> str:
+    """What went wrong in a load: for DCP's wrapper, the first rank's own exception, not its traceback dump."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        first = next(iter(exc.failures.values()))
+        inner = first[0] if isinstance(first, tuple) else first
+        if isinstance(inner, BaseException):
+            return f"{type(inner).__name__}: {inner}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def meta_item(step: int, position: DataPosition, world_size: int) -> str:
+    """The checkpoint's own record of where it stands (META_KEY)."""
+    return json.dumps({"step": step, "next_batch": position.next_batch, "skipped": position.skipped,
+                       "world_size": world_size})
+
+
+def has_dtensors(state: dict[str, Any]) -> bool:
+    return any(isinstance(v, DTensor) for v in state.values())
+
+
 def verify(path: Path, shards: list[ShardInfo]) -> None:
     """Every listed file exists with the listed size and sha256, or CorruptCheckpoint says which does not."""
     for shard in shards:
@@ -229,12 +250,16 @@ def load(path: Path, state: TrainState, dist: Dist, shards: list[ShardInfo] | No
     """Load a checkpoint into the registered state (any saved world size); returns its step and data position."""
     if shards is not None:
         verify(path, shards)
-    reader = dcp.FileSystemReader(path)
+    reader: dcp.StorageReader
     try:
+        if snapshots.is_snapshot(path):  # persisted from a rank's memory, or that memory itself
+            reader = snapshots.SnapshotReader(path)
+        else:
+            reader = dcp.FileSystemReader(path)
         saved = reader.read_metadata().state_dict_metadata
     except Exception as exc:
-        raise CorruptCheckpoint(f"checkpoint {path} has no readable .metadata (incomplete or not a checkpoint): "
-                                f"{exc}") from None
+        raise CorruptCheckpoint(f"checkpoint {path} has no readable .metadata or snapshot header (incomplete or "
+                                f"not a checkpoint): {exc}") from None
     if META_KEY not in saved:
         raise CorruptCheckpoint(f"checkpoint {path} was not written by Flightdeck's trainer API (no {META_KEY!r} item)")
     dest = state.load_target(saved)
@@ -245,8 +270,8 @@ def load(path: Path, state: TrainState, dist: Dist, shards: list[ShardInfo] | No
     dest[META_KEY] = ""
     try:
         dcp.load(dest, storage_reader=reader, process_group=dist.ckpt_group, no_dist=dist.ckpt_group is None)
-    except Exception as exc:
-        raise CorruptCheckpoint(f"cannot load checkpoint {path}: {type(exc).__name__}: {exc}") from exc
+    except (Exception, CheckpointException) as exc:  # DCP's own is a BaseException: caught by name
+        raise CorruptCheckpoint(f"cannot load checkpoint {path}: {_cause(exc)}") from exc
     meta = json.loads(str(dest.pop(META_KEY)))
     try:
         state.apply(dest)

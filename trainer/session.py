@@ -36,8 +36,8 @@ from events.nodelocal import RESTORE_REFUSED_EXIT, STOPPED_EXIT
 from events.plan import ParallelPlan
 from events.ranklink import RollbackReady
 from events.spec import JobSpec
-from events.training import FaultInjected, RankStarted, RolledBack, SpikeReplayed
-from trainer import checkpointing, faults, restore_points
+from events.training import FaultInjected, RankStarted, RolledBack, SnapshotsOff, SpikeReplayed
+from trainer import checkpointing, faults, restore_points, snapshots
 from trainer.config import RunConfig
 from trainer.cursor import BatchCursor, Step
 from trainer.distributed import Dist
@@ -94,6 +94,12 @@ class Run:
         self.ckpt = checkpointing.Checkpointer(job_id=cfg.job_id, staging=cfg.staging, dist=dist,
                                                emit=emitter.emit, envelope=emitter.envelope)
         self.reporter = StepReporter(emitter, dist.device)
+        self.snaps: snapshots.Snapshots | None = None  # host snapshots in the node's memory (train.snapshot_every)
+        if cfg.snapshots is not None and cfg.spec.train.snapshot_every > 0:
+            self.snaps = snapshots.Snapshots(cfg.snapshots, job_id=cfg.job_id, attempt=cfg.attempt, rank=dist.rank,
+                                             world_size=dist.world_size)
+        self.snapped_at: int | None = None
+        self.restored_from = ""
         self.saved_at: int | None = None  # the boundary whose state is already checkpointed
         self.paused = False
         self.sigterm = False
@@ -148,6 +154,9 @@ class Run:
                 log.error("restore refused: its checkpoint is bad; nothing was loaded", checkpoint=str(path),
                           error=str(exc))
                 self._die(RESTORE_REFUSED_EXIT)
+            self.restored_from = ("memory" if snapshots.is_snapshot(path) and self.cfg.snapshots is not None
+                                  and path.is_relative_to(self.cfg.snapshots) else
+                                  "store" if path == self.cfg.restore else "local")
             for start, end in self.cfg.restore_skips if path == self.cfg.restore else ():
                 self.cursor.skip(start, end)  # a rollback decided back to this checkpoint: its batches stay skipped
             if self.cfg.restore_skips:
@@ -162,7 +171,7 @@ class Run:
         self.stepping = True
         self.restore()
         self.emitter.emit(RankStarted(world_size=self.world_size, from_step=self.step, device=str(self.device),
-                                      **self.emitter.envelope))
+                                      restored_from=self.restored_from, **self.emitter.envelope))
         self.emitter.set_step(self.step - 1)
         while True:
             if self._replay is not None and self.step >= self._replay.until:
@@ -177,6 +186,7 @@ class Run:
                 self._checkpoint()
             if self.step >= total:
                 break
+            self._snapshot()
             step, index, started = self.step, self.cursor.next_index(), time.perf_counter()
             self._before_step(step, index)  # a drill's slow rank sleeps here: part of the step's time
             self._current, self._reported = (step, index, started), False
@@ -187,6 +197,7 @@ class Run:
             self.step = step + 1
         self.reporter.flush()
         self.ckpt.wait()
+        self._close_snapshots()
         self.finished = self.ran_all = True
         log.info("training finished", steps=self.step)
 
@@ -236,6 +247,7 @@ class Run:
         try:
             self.reporter.flush()
             self.ckpt.wait()
+            self._close_snapshots()
         finally:
             self.emitter.close()
         if self.finished:
@@ -337,6 +349,36 @@ class Run:
             self.saved_at = self.step
         if wait:
             self.ckpt.wait()
+
+    def _snapshot(self) -> None:
+        """This boundary's state into the node's memory, every `train.snapshot_every` steps (never a re-run's)."""
+        every = self.spec.train.snapshot_every
+        if self.snaps is None or self._replay is not None or self.step % every or self.snapped_at == self.step:
+            return
+        live = self.state.live()
+        live[checkpointing.META_KEY] = checkpointing.meta_item(self.step, self.cursor.position(), self.world_size)
+        plan = self._plan
+        replicated = (plan is None or plan.tp == plan.pp == 1) and not checkpointing.has_dtensors(live)
+        try:
+            self.snaps.take(self.step, live, self.cursor.position(), timeline=self.ckpt.timeline,
+                            checkpointing=self.saved_at == self.step, replicated=replicated)
+        except snapshots.SnapshotsOff as exc:
+            self._snapshots_off(str(exc))
+            return
+        self.snapped_at = self.step
+
+    def _snapshots_off(self, reason: str) -> None:
+        log.warning("host snapshots off", reason=reason)
+        self.snaps = None
+        self.emitter.emit(SnapshotsOff(step=self.step, reason=reason[:2000], **self.emitter.envelope))
+
+    def _close_snapshots(self) -> None:
+        if self.snaps is None:
+            return
+        try:
+            self.snaps.close()
+        except snapshots.SnapshotsOff as exc:
+            self._snapshots_off(str(exc))
 
     def _load(self, path: Path, shards: list[ShardInfo] | None) -> None:
         step, position = checkpointing.load(path, self.state, self.dist, shards)

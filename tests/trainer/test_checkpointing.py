@@ -133,6 +133,19 @@ def test_missing_and_truncated_files_are_refused(staged: tuple[CheckpointStaged,
         checkpointing.load(path, live, dist, [sh for sh in event.shards if sh.path != ".metadata"])
 
 
+def test_a_shard_damaged_past_its_manifest_check_is_refused_not_raised_through(
+        staged: tuple[CheckpointStaged, dict[str, torch.Tensor]]) -> None:
+    """Without a manifest to check first, DCP itself finds the damage, and says so in its own exception type
+    (a BaseException): it comes out as CorruptCheckpoint with the cause, as every other damage does."""
+    event, _ = staged
+    path = Path(event.staging_dir)
+    shard = path / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:64])
+    m, opt, _ = parts(seed=1)
+    with pytest.raises(checkpointing.CorruptCheckpoint, match=r"cannot load checkpoint .*: \w+"):
+        checkpointing.load(path, state(m, opt), distributed.init(0, 1, 0, "cpu"))
+
+
 def test_a_manifest_file_is_read(tmp_path: Path) -> None:
     f = tmp_path / "manifest.json"
     f.write_text('{"checkpoint_id": "x", "shards": [{"path": "a", "size": 1, "sha256": "00"}]}')

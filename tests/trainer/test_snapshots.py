@@ -1,0 +1,139 @@
+"""Host snapshots in shared memory (trainer/snapshots.py, events/snapshot.py), in one process: two slots written
+in turn, each complete only once its header is; a restore from a slot equals the state it took, a restore from
+a set persisted from several ranks' slots too; a torn, edited or foreign slot is refused, never loaded."""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from events import snapshot as fmt
+from events.checkpoint import DataPosition
+from trainer import checkpointing, distributed, snapshots
+from trainer.state import TrainState
+
+from .test_checkpointing import Counter, flat_tensors, parts, state, train
+
+
+def _take(snaps: snapshots.Snapshots, st: TrainState, step: int, *, checkpointing_: bool = False) -> None:
+    live = st.live()
+    position = DataPosition(next_batch=step, skipped=[(1, 2)])
+    live[checkpointing.META_KEY] = checkpointing.meta_item(step, position, 1)
+    snaps.take(step, live, position, timeline=0, checkpointing=checkpointing_, replicated=True)
+    snaps.wait()
+
+
+@pytest.fixture
+def dist() -> distributed.Dist:
+    return distributed.init(0, 1, 0, "cpu")
+
+
+def test_two_slots_are_written_in_turn_and_each_restores_exactly_what_it_took(
+        tmp_path: Path, dist: distributed.Dist) -> None:
+    m, opt, cursor = parts(seed=1)
+    counter = Counter()
+    snaps = snapshots.Snapshots(tmp_path, job_id="j", attempt=3, rank=0, world_size=1)
+    taken: dict[int, dict[str, torch.Tensor]] = {}
+    for step in (1, 2, 3):
+        train(m, opt, cursor, 1)
+        counter.n = step * 10
+        st = state(m, opt, counter)
+        taken[step] = flat_tensors(st)
+        _take(snaps, st, step, checkpointing_=step == 3)
+    slots = fmt.complete_slots(tmp_path, "j", 3, 0)
+    assert [(h.step, h.checkpointing, folder.name) for h, folder in slots] == [(3, True, "a3-r0-s0"),
+                                                                              (2, False, "a3-r0-s1")]
+    for header, folder in slots:
+        fmt.check_bytes(folder, header)  # what the agent checks, without torch
+        m2, opt2, _ = parts(seed=9)
+        counter2 = Counter()
+        st2 = state(m2, opt2, counter2)
+        step, position = checkpointing.load(folder, st2, dist)
+        assert (step, position) == (header.step, DataPosition(next_batch=header.step, skipped=[(1, 2)]))
+        assert counter2.n == header.step * 10
+        got = flat_tensors(st2)
+        assert got.keys() == taken[header.step].keys()
+        assert all(torch.equal(got[k], taken[header.step][k]) for k in got)
+    snaps.close()
+
+
+def test_a_slot_being_written_has_no_header_and_a_torn_or_edited_one_is_refused(
+        tmp_path: Path, dist: distributed.Dist) -> None:
+    m, opt, _cursor = parts(seed=1)
+    snaps = snapshots.Snapshots(tmp_path, job_id="j", attempt=0, rank=0, world_size=1)
+    _take(snaps, state(m, opt), 1)
+    _take(snaps, state(m, opt), 2)
+    (h2, s1), (_h1, s0) = fmt.complete_slots(tmp_path, "j", 0, 0)
+    # The next snapshot goes to step 1's slot: from its first byte until its header, that slot is incomplete.
+    live = state(m, opt).live()
+    live[checkpointing.META_KEY] = checkpointing.meta_item(3, DataPosition(next_batch=3), 1)
+    snaps.wait()
+    (s0 / fmt.header_name(0)).unlink()  # as `take` does first
+    assert [h.step for h, _ in fmt.complete_slots(tmp_path, "j", 0, 0)] == [2]
+
+    # One flipped byte in the tensors: the crc32s say which item, for the agent and for the loading rank.
+    data = bytearray((s1 / fmt.bin_name(0)).read_bytes())
+    item = next(i for i in h2.items if i.nbytes)
+    data[item.at] ^= 0xFF
+    (s1 / fmt.bin_name(0)).write_bytes(bytes(data))
+    with pytest.raises(fmt.BadSnapshot, match=f"{item.key}.*crc32"):
+        fmt.check_bytes(s1, h2)
+    with pytest.raises(checkpointing.CorruptCheckpoint, match="crc32"):
+        checkpointing.load(s1, state(*parts(seed=2)[:2]), dist)
+    snaps.close()
+
+
+def test_a_slot_of_another_job_attempt_or_rank_is_not_this_ranks(tmp_path: Path) -> None:
+    m, opt, _ = parts(seed=1)
+    snaps = snapshots.Snapshots(tmp_path, job_id="j", attempt=1, rank=0, world_size=1)
+    _take(snaps, state(m, opt), 4)
+    snaps.close()
+    assert [h.step for h, _ in fmt.complete_slots(tmp_path, "j", 1, 0)] == [4]
+    assert fmt.complete_slots(tmp_path, "j", 2, 0) == [] and fmt.complete_slots(tmp_path, "k", 1, 0) == []
+    # a header copied into another rank's slot names its own rank: not taken for that rank's
+    other = fmt.slot_dir(tmp_path, "j", 1, 1, 0)
+    other.mkdir(parents=True)
+    (other / fmt.header_name(1)).write_bytes((fmt.slot_dir(tmp_path, "j", 1, 0, 0) / fmt.header_name(0)).read_bytes())
+    assert fmt.complete_slots(tmp_path, "j", 1, 1) == []
+
+
+def test_a_set_persisted_from_two_ranks_restores_into_any_world_size(tmp_path: Path, dist: distributed.Dist) -> None:
+    """Two data-parallel ranks' slots, uploaded side by side (r0.*, r1.*): one folder, one reader; the replicated
+    model is read once, each rank's extras are its own, and a rank the set lacks takes rank 0's."""
+    m, opt, cursor = parts(seed=1)
+    train(m, opt, cursor, 2)
+    persisted = tmp_path / "set"
+    persisted.mkdir()
+    for rank in (0, 1):
+        counter = Counter()
+        counter.n = 100 + rank
+        st = TrainState(m, opt, {"counter": counter}, rank=rank, device=torch.device("cpu"))
+        snaps = snapshots.Snapshots(tmp_path / "shm", job_id="j", attempt=0, rank=rank, world_size=2)
+        live = st.live()
+        live[checkpointing.META_KEY] = checkpointing.meta_item(2, DataPosition(next_batch=2), 2)
+        snaps.take(2, live, DataPosition(next_batch=2), timeline=0, checkpointing=False, replicated=True)
+        snaps.close()
+        folder = fmt.slot_dir(tmp_path / "shm", "j", 0, rank, 0)
+        for name in (fmt.bin_name(rank), fmt.header_name(rank)):
+            os.link(folder / name, persisted / name)
+    want = flat_tensors(state(m, opt))
+    for rank in (0, 1, 2):
+        m2, opt2, _ = parts(seed=5)
+        counter2 = Counter()
+        st2 = TrainState(m2, opt2, {"counter": counter2}, rank=rank, device=torch.device("cpu"))
+        assert checkpointing.load(persisted, st2, dist)[0] == 2
+        assert counter2.n == (100 + rank if rank < 2 else 100)
+        got = flat_tensors(TrainState(m2, opt2, {}, rank=0, device=torch.device("cpu")))
+        assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_node_short_of_memory_says_so_before_writing_anything(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fmt, "free_bytes", lambda root: 1000)
+    m, opt, _ = parts(seed=1)
+    snaps = snapshots.Snapshots(tmp_path, job_id="j", attempt=0, rank=0, world_size=1)
+    live = state(m, opt).live()
+    with pytest.raises(snapshots.SnapshotsOff, match="1000 bytes free"):
+        snaps.take(0, live, DataPosition(next_batch=0), timeline=0, checkpointing=False, replicated=True)
+    assert not list(tmp_path.glob("j/*"))

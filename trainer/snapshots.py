@@ -1,0 +1,329 @@
+"""A rank's host snapshots in shared memory that outlive it (the format: events/snapshot.py).
+
+`Snapshots.take` copies the live state into the older of two slots at a step boundary (the stall: a memcpy over a
+few threads, as for a checkpoint), then a worker thread sums each item's crc32 and writes the header that makes
+the slot complete. A rank killed at any point leaves its newest complete snapshot for its node agent to persist
+(services/agent/snapshots.py) and for its next attempt to restore from memory.
+
+`SnapshotReader` is a torch.distributed.checkpoint StorageReader over such slots (a folder of `r<rank>.json` and
+`r<rank>.bin`): DCP plans the load, so a snapshot restores into any layout a DCP checkpoint would (FSDP2
+shards resharded, a replicated model read from whichever rank holds it)."""
+
+import copy
+import io
+import mmap
+import os
+import threading
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import structlog
+import torch
+from torch.distributed.checkpoint import StorageReader
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.planner_helpers import _create_chunk_from_dtensor
+from torch.distributed.tensor import DTensor
+from torch.futures import Future
+
+from events import snapshot as fmt
+from events.checkpoint import DataPosition
+from trainer.hostcopy import HostCopier
+
+log = structlog.get_logger("trainer")
+ALIGN = 64
+MARGIN = 1.25  # a node's snapshot root must hold both slots with this much to spare
+
+
+class SnapshotsOff(Exception):
+    """Why this rank takes no snapshots (the node is short of shared memory, no root was given)."""
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise fmt.BadSnapshot(f"snapshot names an unknown dtype {name!r}")
+    return dtype
+
+
+class _Layout(msgspec.Struct, frozen=True):
+    keys: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+
+
+class _Slot:
+    """One slot's .bin, mapped, with a tensor view per item."""
+
+    def __init__(self, folder: Path, rank: int, layout: _Layout, offsets: list[int], size: int) -> None:
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
+        self.header = folder / fmt.header_name(rank)
+        self.header.unlink(missing_ok=True)
+        path = folder / fmt.bin_name(rank)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            os.ftruncate(fd, max(size, 1))
+            self.map = mmap.mmap(fd, max(size, 1))
+        finally:
+            os.close(fd)
+        self.views: dict[str, torch.Tensor] = {}
+        for key, shape, dtype_name, at in zip(layout.keys, layout.shapes, layout.dtypes, offsets, strict=True):
+            dtype = _dtype(dtype_name)
+            count = 1
+            for n in shape:
+                count *= n
+            flat = torch.frombuffer(self.map, dtype=dtype, count=count, offset=at) if count else \
+                torch.empty(0, dtype=dtype)
+            self.views[key] = flat.view(shape)
+        self.step = -1
+        self.timeline = -1
+
+
+class Snapshots:
+    """This rank's two slots under `<root>/<job>/`, written in turn."""
+
+    def __init__(self, root: Path, *, job_id: str, attempt: int, rank: int, world_size: int) -> None:
+        self.root, self.job_id, self.attempt, self.rank, self.world_size = root, job_id, attempt, rank, world_size
+        self._layout: _Layout | None = None
+        self._slots: list[_Slot] = []
+        self._offsets: list[int] = []
+        self._size = 0
+        self._next = 0
+        self._copier: HostCopier | None = None
+        self._worker: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.taken = 0
+        self.last_stall_s = 0.0
+
+    def _prepare(self, tensors: dict[str, torch.Tensor]) -> None:
+        local = {k: _local(t) for k, t in tensors.items()}
+        layout = _Layout(tuple(local), tuple(tuple(t.shape) for t in local.values()),
+                         tuple(_dtype_name(t.dtype) for t in local.values()))
+        if layout == self._layout:
+            return
+        offsets, at = [], 0
+        for t in local.values():
+            offsets.append(at)
+            at += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+        need = int(2 * at * MARGIN)
+        (self.root / self.job_id).mkdir(parents=True, exist_ok=True)
+        mine = sum(s.map.size() for s in self._slots)  # what this rank's slots hold already counts as free
+        if fmt.free_bytes(self.root) + mine < need:
+            raise SnapshotsOff(f"the node's snapshot memory {self.root} has {fmt.free_bytes(self.root) + mine} bytes "
+                               f"free, two snapshots of this rank need {2 * at} (with {MARGIN}x to spare)")
+        for slot in self._slots:
+            slot.map.close()
+        self._layout, self._offsets, self._size = layout, offsets, at
+        self._slots = [_Slot(fmt.slot_dir(self.root, self.job_id, self.attempt, self.rank, k), self.rank, layout,
+                             offsets, at) for k in range(fmt.SLOTS)]
+        for slot in self._slots:  # fault the pages in now, not during the first snapshot's stall
+            for view in slot.views.values():
+                view.zero_()
+
+    def take(self, step: int, live: dict[str, Any], position: DataPosition, *, timeline: int, checkpointing: bool,
+             replicated: bool) -> float:
+        """Copy `live` (what TrainState.live gives, plus the checkpoint's META item) into the older slot;
+        returns the stall in seconds. Its header is written by a worker once the crc32s are summed."""
+        started = time.perf_counter()
+        self.wait()
+        tensors = {k: v for k, v in live.items() if isinstance(v, torch.Tensor)}
+        self._prepare(tensors)
+        slot = self._slots[self._next]
+        self._next = (self._next + 1) % fmt.SLOTS
+        slot.header.unlink(missing_ok=True)  # incomplete from here until its header is written again
+        self._copier = self._copier or HostCopier()
+        self._copier.copy(tensors, slot.views)
+        others = {k: copy.deepcopy(v) for k, v in live.items() if not isinstance(v, torch.Tensor)}
+        chunks = {k: _create_chunk_from_dtensor(t) if isinstance(t, DTensor) else None for k, t in tensors.items()}
+        shapes = {k: list(t.shape) for k, t in tensors.items()}
+        stall = time.perf_counter() - started
+        args = (slot, step, position, timeline, checkpointing, replicated, others, chunks, shapes)
+        self._worker = threading.Thread(target=self._finish, args=args, name=f"snapshot-{step}", daemon=True)
+        self._worker.start()
+        self.taken += 1
+        self.last_stall_s = stall
+        return stall
+
+    def _finish(self, slot: _Slot, step: int, position: DataPosition, timeline: int, checkpointing: bool,
+                replicated: bool, others: dict[str, Any], chunks: dict[str, Any], shapes: dict[str, list[int]]) -> None:
+        try:
+            assert self._layout is not None
+            items = []
+            view = memoryview(slot.map)
+            for key, at, dtype in zip(self._layout.keys, self._offsets, self._layout.dtypes, strict=True):
+                t = slot.views[key]
+                nbytes = t.numel() * t.element_size()
+                chunk = chunks[key]
+                items.append(fmt.Item(key=key, crc32=zlib.crc32(view[at:at + nbytes]), dtype=dtype,
+                                      shape=shapes[key], offsets=list(chunk.offsets) if chunk else [0] * t.dim(),
+                                      sizes=list(chunk.sizes) if chunk else list(t.shape), at=at, nbytes=nbytes))
+            view.release()
+            for key, value in others.items():
+                buf = io.BytesIO()
+                torch.save(value, buf)
+                packed = buf.getvalue()
+                items.append(fmt.Item(key=key, crc32=zlib.crc32(packed), packed=packed))
+            header = fmt.Header(format=fmt.FORMAT, job_id=self.job_id, attempt=self.attempt, rank=self.rank,
+                                world_size=self.world_size, step=step, timeline=timeline, data=position,
+                                checkpointing=checkpointing, replicated=replicated, bin_bytes=self._size, items=items)
+            tmp = slot.header.with_suffix(".tmp")
+            tmp.write_bytes(msgspec.json.encode(header))
+            os.replace(tmp, slot.header)
+            slot.step, slot.timeline = step, timeline
+        except BaseException as exc:  # surfaced on the training thread by wait()
+            self._error = exc
+
+    def wait(self) -> None:
+        if self._worker is not None:
+            self._worker.join()
+            self._worker = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise SnapshotsOff(f"writing a snapshot failed: {error!r}") from error
+
+    def close(self) -> None:
+        """Finish the header being written; the slots stay (they are the node's, not this process's)."""
+        try:
+            self.wait()
+        finally:
+            if self._copier is not None:
+                self._copier.close()
+
+
+def headers_in(folder: Path) -> list[fmt.Header]:
+    """Every snapshot header in `folder` (a slot, or a set persisted from several), by rank."""
+    headers = [fmt.read_header(p) for p in sorted(folder.glob("r*.json"))]
+    return sorted(headers, key=lambda h: h.rank)
+
+
+def is_snapshot(folder: Path) -> bool:
+    return not (folder / ".metadata").exists() and any(folder.glob("r*.json"))
+
+
+class SnapshotReader(StorageReader):
+    """DCP's reader over snapshot slots: the metadata is every header's items (a chunk held by several ranks,
+    a replicated tensor, is read from the lowest of them); each tensor is checked against its crc32 as read."""
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__()
+        self.folder = Path(folder)
+        self.headers = headers_in(self.folder)
+        if not self.headers:
+            raise fmt.BadSnapshot(f"{self.folder} holds no snapshot header")
+        steps = {(h.job_id, h.step, h.timeline, h.world_size) for h in self.headers}
+        if len(steps) > 1:
+            raise fmt.BadSnapshot(f"{self.folder} mixes snapshots of different steps or jobs: {sorted(steps)}")
+        self._where: dict[MetadataIndex, tuple[int, fmt.Item]] = {}
+        self._maps: dict[int, mmap.mmap] = {}
+
+    @property
+    def header(self) -> fmt.Header:
+        return self.headers[0]
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        pass
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return is_snapshot(Path(checkpoint_id))
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        md: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+        self._where = {}
+        for h in self.headers:
+            for item in h.items:
+                if item.packed or not item.dtype:
+                    md.setdefault(item.key, BytesStorageMetadata())
+                    self._where.setdefault(MetadataIndex(item.key), (h.rank, item))
+                    continue
+                chunk = ChunkStorageMetadata(offsets=torch.Size(item.offsets), sizes=torch.Size(item.sizes))
+                index = MetadataIndex(item.key, torch.Size(item.offsets))
+                if index in self._where:
+                    continue
+                self._where[index] = (h.rank, item)
+                entry = md.get(item.key)
+                if not isinstance(entry, TensorStorageMetadata):
+                    entry = md[item.key] = TensorStorageMetadata(
+                        properties=TensorProperties(dtype=_dtype(item.dtype)), size=torch.Size(item.shape), chunks=[])
+                entry.chunks.append(chunk)
+        return Metadata(state_dict_metadata=md, storage_data=dict(self._where))
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if metadata.storage_data:
+            self._where = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def _map(self, rank: int) -> mmap.mmap:
+        if rank not in self._maps:
+            with (self.folder / fmt.bin_name(rank)).open("rb") as f:  # private pages: torch asks for a writable buffer
+                self._maps[rank] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        return self._maps[rank]
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        try:
+            for req in plan.items:
+                rank, item = self._where[req.storage_index]
+                if req.type == LoadItemType.BYTE_IO:
+                    if zlib.crc32(item.packed) != item.crc32:
+                        raise fmt.BadSnapshot(f"snapshot {self.folder}: {item.key!r} does not match its crc32")
+                    planner.load_bytes(req, io.BytesIO(item.packed))
+                    continue
+                data = self._map(rank)
+                if item.at + item.nbytes > len(data):
+                    raise fmt.BadSnapshot(f"snapshot {self.folder}: {item.key!r} lies outside r{rank}.bin")
+                raw = memoryview(data)[item.at:item.at + item.nbytes]
+                if zlib.crc32(raw) != item.crc32:
+                    raise fmt.BadSnapshot(f"snapshot {self.folder}: {item.key!r} (rank {rank}) does not match its "
+                                          "crc32: torn or changed after it was taken")
+                dtype = _dtype(item.dtype)
+                source = (torch.frombuffer(raw, dtype=dtype) if item.nbytes else torch.empty(0, dtype=dtype))
+                source = source.view(item.sizes)
+                for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
+                    source = source.narrow(dim, start, length)
+                target = planner.resolve_tensor(req).detach()
+                if target.size() != source.size():
+                    raise fmt.BadSnapshot(f"snapshot {self.folder}: {item.key!r} is {tuple(source.size())} where "
+                                          f"{tuple(target.size())} was asked for")
+                target.copy_(source)
+                planner.commit_tensor(req, target)
+                del source, raw
+        finally:
+            for m in self._maps.values():
+                try:
+                    m.close()
+                except BufferError:  # a view still lives somewhere: the map goes with it
+                    pass
+            self._maps.clear()
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+
+def position_of(folder: Path) -> tuple[int, DataPosition]:
+    h = SnapshotReader(folder).header
+    return h.step, h.data
+
