@@ -42,6 +42,7 @@ class Restore(msgspec.Struct, frozen=True, kw_only=True):
     manifest_sha256: str = ""
     attempt: int = 0  # the attempt that staged it
     timeline: int = 0  # rollbacks that attempt had applied then
+    from_memory: bool = False  # persisted from the ranks' snapshots: a node holding them restores from memory
 
 
 class SpawnArgs(msgspec.Struct, frozen=True, kw_only=True):
@@ -199,7 +200,7 @@ def _committed(state: State, ev: CheckpointCommitted) -> Transition:
     if view is None or any(c.checkpoint_id == ev.checkpoint_id for c in view.checkpoints):
         return state, ()
     entry = Restore(checkpoint_id=ev.checkpoint_id, step=ev.step, manifest_sha256=ev.manifest_sha256,
-                    attempt=ev.attempt, timeline=ev.timeline)
+                    attempt=ev.attempt, timeline=ev.timeline, from_memory=ev.from_memory)
     after = msgspec.structs.replace(view, checkpoints=(*view.checkpoints, entry))
     if view.held is None:
         return _put(state, ev.job_id, after)

@@ -31,6 +31,7 @@ _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
 @dataclass(frozen=True)
 class Paths:
     root: Path  # absolute
+    snapshots: Path | None = None  # the node's snapshot root (services/agent/snapshots.py); None: ranks take none
 
     def spec(self, job_id: str) -> Path:
         return self.root / "jobs" / job_id / "spec.toml"
@@ -118,12 +119,16 @@ def rank_env_of(args: SpawnArgs, ref: SlotRef, spec_file: Path, restore: Path | 
            nl.SPEC_ENV: str(spec_file), nl.STAGING_ENV: str(paths.staging),
            nl.CACHE_ENV: str(paths.root / "cache"), nl.DEVICE_ENV: launch.device}
     for stale in (nl.RESTORE_ENV, nl.MANIFEST_ENV, nl.RESTORE_SKIPS_ENV, nl.PLAN_ENV, nl.FIRED_ENV,
-                  nl.EVENTS_LOG_ENV, nl.SYNC_EVERY_ENV):
+                  nl.EVENTS_LOG_ENV, nl.SYNC_EVERY_ENV, nl.SNAPSHOTS_ENV):
         env.pop(stale, None)  # never inherited from the agent's own environment
     if fired:
         env[nl.FIRED_ENV] = ",".join(map(str, sorted(fired)))
+    if paths.snapshots is not None:
+        env[nl.SNAPSHOTS_ENV] = str(paths.snapshots)
     if restore is not None:
-        env[nl.RESTORE_ENV], env[nl.MANIFEST_ENV] = str(restore), str(restore / manifest.MANIFEST)
+        env[nl.RESTORE_ENV] = str(restore)
+        if paths.snapshots is None or not restore.is_relative_to(paths.snapshots):  # a slot: its crc32s, no manifest
+            env[nl.MANIFEST_ENV] = str(restore / manifest.MANIFEST)
         if args.skips:
             env[nl.RESTORE_SKIPS_ENV] = ",".join(f"{a}:{b}" for a, b in args.skips)
     if args.plan is not None and args.plan.world_size == args.world_size:  # known at start: no wait for it

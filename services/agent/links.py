@@ -26,6 +26,7 @@ from events import codec, ranklink, subjects
 from events.backlog import Backlog
 from events.base import RankEvent
 from events.catalog import RANK_TYPES
+from events.checkpoint import CheckpointStaged
 from events.plan import ParallelPlan
 from events.store import EventStore
 from services.shell.connection import TRANSIENT
@@ -69,6 +70,7 @@ class RankLinks:
         self.ranks: dict[Key, _Rank] = {}
         self.jobs: dict[str, _Job] = {}
         self.published = self.refused = self.rejected = 0
+        self.staged: dict[Key, tuple[int, int]] = {}  # a rank's newest own staging (timeline, step): no persist below
         self._server: socket.socket | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -106,6 +108,8 @@ class RankLinks:
     def forget(self, job_id: str) -> None:
         """The job ended: nothing more is kept for it."""
         self.jobs.pop(job_id, None)
+        for key in [k for k in self.staged if k[0] == job_id]:
+            del self.staged[key]
 
     def _tell(self, job_id: str, attempt: int | None, msg: msgspec.Struct) -> None:
         data = ranklink.ENCODER.encode(msg)
@@ -220,6 +224,8 @@ class RankLinks:
                             rank=rank, type=type(event).__name__, claims=getattr(event, "job_id", ""))
                 continue
             r.custody.push(event)
+            if isinstance(event, CheckpointStaged):
+                self.staged[r.key] = max(self.staged.get(r.key, (-1, -1)), (event.timeline, event.step))
         self.refused += refused
         r.wake.set()
         return refused

@@ -27,6 +27,7 @@ from events.nodelocal import STEP_REPORTS, STEP_REPORTS_ENV
 from events.store import EventStore
 from events.streams import ServerTooOld
 from services.agent import core as agentcore
+from services.agent import snapshots
 from services.agent.beats import BeatRelay, new_address, store_publisher
 from services.agent.closing import close_within
 from services.agent.forkserver import ForkServer
@@ -124,6 +125,8 @@ class AgentOptions:
     heartbeats: str | None = None  # "node" relays beats in one batch per job per interval; "rank": each its own
     step_reports: str | None = None  # "all" or "rank0"; None for both: the environment, else node and all
     preload: str | None = None  # modules the fork server imports for the jobs' code; None: $FLIGHTDECK_PRELOAD
+    # The ranks' host snapshots (services/agent/snapshots.py): a folder, "off", or None for shared memory
+    snapshots: str | None = None
 
 
 async def run_agent(options: AgentOptions, stop_event: asyncio.Event | None = None) -> int:
@@ -179,7 +182,8 @@ async def run_agent(options: AgentOptions, stop_event: asyncio.Event | None = No
             pool = StandbyPool(size=standbys, python=python, env=standby_env(), cwd=REPO,
                                log_file=Paths(root).standby_log, preexec=die_with_agent(os.getpid()), producer=producer,
                                forks=forks)
-            spawner = Spawner(node=node, producer=producer, store=store, objects=objs, paths=Paths(root), launch=launch,
+            paths = Paths(root, snapshots=snapshot_root(o.snapshots, root, node))
+            spawner = Spawner(node=node, producer=producer, store=store, objects=objs, paths=paths, launch=launch,
                               standbys=pool if pool.size > 0 else None)
             links = RankLinks(node=node, store=store, admit=spawner.claims)
             links.start()
@@ -247,6 +251,12 @@ async def run_agent(options: AgentOptions, stop_event: asyncio.Event | None = No
             await close_within("broker connection", store.nc.close())
     log.info("agent stopped", exit_code=code)
     return code
+
+
+def snapshot_root(choice: str | None, root: Path, node: str) -> Path | None:
+    if choice == "off":
+        return None
+    return Path(choice).resolve() if choice else snapshots.default_root(root, node)
 
 
 def preload_modules(raw: str) -> tuple[str, ...]:

@@ -135,9 +135,10 @@ class _Watch:
 class Shipper:
     """Ships the staged sets of the ranks this agent runs; `watch` when ranks start, `finish` once they exited."""
 
-    def __init__(self, *, node: str, producer: str, store: EventStore, objects: ObjectStore, staging: Path) -> None:
+    def __init__(self, *, node: str, producer: str, store: EventStore, objects: ObjectStore, staging: Path,
+                 snapshots: Path | None = None) -> None:
         self.node, self.producer, self.store, self.objects = node, producer, store, objects
-        self.roots = [staging]
+        self.roots = [staging, *([snapshots] if snapshots is not None else [])]  # a persisted snapshot is a set too
         self.slots = asyncio.Semaphore(FILE_CONCURRENCY)
         self.watches: dict[tuple[str, int], _Watch] = {}
 

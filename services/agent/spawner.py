@@ -25,6 +25,7 @@ from events.job import RankExit, SlotRef, WorkersStarted
 from events.spec import spec_toml
 from events.store import EventStore
 from events.training import FaultInjected
+from services.agent import snapshots
 from services.agent.beats import BeatRelay
 from services.agent.cache import CheckpointCache
 from services.agent.closing import close_within
@@ -73,7 +74,8 @@ class Spawner:
         self.procs: dict[tuple[str, int, int], RankProc] = {}
         self.pids: dict[int, tuple[str, int, int]] = {}  # a live rank's pid -> (job, attempt, rank), from its start
         self.cache = CheckpointCache(node_paths=paths, objects=objects, producer=producer)
-        self.shipper = Shipper(node=node, producer=producer, store=store, objects=objects, staging=paths.staging)
+        self.shipper = Shipper(node=node, producer=producer, store=store, objects=objects, staging=paths.staging,
+                               snapshots=paths.snapshots)
         self.relay: BeatRelay | None = None  # the heartbeat relay (node heartbeats): it beats for live attempts
         self.links: RankLinks | None = None  # the ranks' links: set by the agent before any rank starts
         self._pid_known: dict[int, asyncio.Future[None]] = {}  # a link that came before its rank's start was recorded
@@ -112,6 +114,8 @@ class Spawner:
             await self.cache.evict(args.job_id, args.checkpoint_ids)
             if not args.checkpoint_ids and self.links is not None:  # the whole job's: it ended
                 self.links.forget(args.job_id)
+            if not args.checkpoint_ids and self.paths.snapshots is not None:
+                await asyncio.to_thread(snapshots.forget_job, self.paths.snapshots, args.job_id)
             return []
 
         async def tell(args: Any) -> list[Emit]:
@@ -142,7 +146,8 @@ class Spawner:
         if (problem := runnable_problem(cmd, cwd, entry_env.get("PATH") or os.environ.get("PATH", ""))) is not None:
             return await self._not_started(args, problem, unrunnable=True)
         restore: Path | None = None
-        if args.restore is not None:
+        from_memory = await self._in_memory(args)
+        if args.restore is not None and len(from_memory) < len(args.ranks):
             try:
                 restore = await self.cache.verified_copy(args.job_id, args.restore)
             except (manifest.CorruptCheckpoint, manifest.CheckpointMissing) as exc:
@@ -156,7 +161,7 @@ class Spawner:
         try:
             spec_file = await asyncio.to_thread(self._write_spec, args)
             for ref in args.ranks:
-                started.append(await self._start_rank(args, ref, spec_file, restore, fired))
+                started.append(await self._start_rank(args, ref, spec_file, from_memory.get(ref.rank, restore), fired))
         except Exception as exc:  # recorded as exits, so the scheduler sees a fault instead of waiting forever
             for p in started:
                 signal_rank(p, signal.SIGKILL)
@@ -179,8 +184,32 @@ class Spawner:
         going = [self.going[p.proc.pid] for p in started if p.proc.pid in self.going]
         if going and self.standbys is not None:
             self.standbys.refill_after(asyncio.gather(*going), REFILL_HOLD_S)
-        bound.info("ranks started", pids=event.pids, restore=str(restore or ""), master_port=args.master_port)
+        bound.info("ranks started", pids=event.pids, restore=str(restore or ""), master_port=args.master_port,
+                   from_memory=sorted(from_memory))
         return []
+
+    async def _in_memory(self, args: SpawnArgs) -> dict[int, Path]:
+        """The ranks this node can restore from its own memory (their slots hold the restore checkpoint, persisted
+        from them), by rank; older attempts' other slots are let go here."""
+        root = self.paths.snapshots
+        if root is None:
+            return {}
+        found: dict[int, Path] = {}
+        if args.restore is not None and args.restore.from_memory:
+            try:
+                mf, _ = await manifest.read_manifest(self.objects, args.job_id, args.restore.checkpoint_id,
+                                                     expected_sha256=args.restore.manifest_sha256)
+            except Exception as exc:  # the store's copy decides then, with its own errors
+                log.warning("cannot read the restore's manifest to match memory", job_id=args.job_id,
+                            checkpoint_id=args.restore.checkpoint_id, error=repr(exc))
+                mf = None
+            for ref in args.ranks:
+                slot = None if mf is None else await asyncio.to_thread(
+                    snapshots.in_memory, root, args.job_id, args.restore.checkpoint_id, args.restore.step, ref.rank, mf)
+                if slot is not None:
+                    found[ref.rank] = slot
+        await asyncio.to_thread(snapshots.forget_attempts_before, root, args.job_id, args.attempt, set(found.values()))
+        return found
 
     async def _clear_slots(self, args: SpawnArgs) -> None:
         """Kill what still runs on the granted slots, and older attempts of the job, before anything starts."""
@@ -334,6 +363,8 @@ class Spawner:
         tail = ""
         if code != 0:
             tail = await asyncio.to_thread(last_lines, self.paths.log(p.job_id, p.attempt, p.ref.rank))
+        if code != 0 and self.paths.snapshots is not None:
+            await self._persist(p)
         if code == nl.RESTORE_REFUSED_EXIT and p.restore is not None:
             await self._rejected(p.job_id, p.attempt, p.restore, f"rank {p.ref.rank} refused it when loading: {tail}",
                                  p.cause)
@@ -345,6 +376,24 @@ class Spawner:
             if self.relay is not None:
                 self.relay.release(p.job_id, p.attempt)
             await self.shipper.finish(p.job_id, p.attempt)  # what the last of them staged on its way out
+
+    async def _persist(self, p: RankProc) -> None:
+        """A rank gone without finishing: its newest snapshot newer than its own checkpoints goes to the store
+        (staged as the rank would have; the shipper uploads it), before its exit is recorded."""
+        assert self.paths.snapshots is not None
+        staged = self.links.staged.get((p.job_id, p.attempt, p.ref.rank)) if self.links is not None else None
+        try:
+            event = await snapshots.persisting(self.paths.snapshots, p.job_id, p.attempt, p.ref.rank, staged,
+                                               node=self.node, producer=self.producer)
+        except Exception as exc:  # the store's checkpoints still stand: the restart restores the newest
+            log.error("persisting the rank's snapshot failed", error=repr(exc))
+            return
+        if event is None:
+            return
+        subject = subjects.telemetry(p.job_id, p.ref.rank, "CheckpointStaged")
+        await retrying("staging the rank's snapshot", lambda: self.store.append(subject, event, msg_id=event.event_id))
+        log.info("rank's snapshot staged for the store", step=event.step, timeline=event.timeline,
+                 bytes=sum(s.size for s in event.shards), seconds=event.write_s)
 
     def stop(self, job_id: str, attempt: int, reason: str, *, immediate: bool = False, shutdown: bool = False) -> None:
         """SIGTERM the attempt's ranks here (they checkpoint and exit), SIGKILL whatever outlives the grace."""

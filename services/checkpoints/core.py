@@ -96,6 +96,8 @@ def _stage(job: JobState, ev: CheckpointStaged | ShardsUploaded, agents_store: b
         return job, NOTHING_DUE
     pending: CheckpointPending | None = None
     if isinstance(ev, CheckpointStaged):
+        if any(s.from_memory != ev.from_memory for s in current.ranks.values()):
+            return job, NOTHING_DUE  # one set is one format: a snapshot's never joins a rank's own (nor the reverse)
         if announce and agents_store and ev.rank not in current.ranks and len(current.ranks) + 1 == current.world_size:
             nodes = sorted({s.node for s in current.ranks.values()} | {ev.node})
             pending = CheckpointPending(job_id=ev.job_id, checkpoint_id=cid, attempt=ev.attempt, step=ev.step,
@@ -126,6 +128,7 @@ def _stage(job: JobState, ev: CheckpointStaged | ShardsUploaded, agents_store: b
         job_id=ev.job_id, checkpoint_id=cid, attempt=ev.attempt,
         step=ev.step, world_size=ev.world_size, timeline=ev.timeline, created_at=ev.occurred_at, data=ranks[0].data,
         ranks=[StagedRank(rank=s.rank, node=s.node, shards=s.shards) for s in ranks],
+        from_memory=ranks[0].from_memory,
     )
     final = -1 if ev.step == job.final else job.final
     return replace(job, staging=staging, handed=job.handed | {at}, final=final), Due(commit=args)

@@ -66,6 +66,7 @@ class CommitArgs(msgspec.Struct, frozen=True, kw_only=True):
     created_at: float  # the completing staging's recorded time, so a re-run writes the same manifest
     data: DataPosition
     ranks: list[StagedRank]
+    from_memory: bool = False  # the ranks' snapshots, persisted by their agents (events/snapshot.py)
 
 
 class DeleteArgs(msgspec.Struct, frozen=True, kw_only=True):

@@ -115,7 +115,7 @@ async def commit(store: ObjectStore, args: CommitArgs, *, file_concurrency: int 
     event = CheckpointCommitted(
         job_id=args.job_id, checkpoint_id=args.checkpoint_id, step=args.step, world_size=args.world_size,
         uri=store.uri(mkey), bytes=manifest.bytes, data=args.data, manifest_sha256=mf.sha256(body),
-        attempt=args.attempt, timeline=args.timeline,
+        attempt=args.attempt, timeline=args.timeline, from_memory=args.from_memory,
     )
     return [Emit(subjects.job(args.job_id, "CheckpointCommitted"), event)]
 

@@ -17,6 +17,9 @@ MAX_STAGED = 8
 # `waits_for` of a restart after the platform stopped the ranks itself: the checkpoint they saved on the way out,
 # not announced yet when their exits come in (the checkpoint service folds the stagings at its next tick).
 STOP_SAVE = "*"
+# ... and after a fault: the set the failed attempt's agents persist from their ranks' snapshots in memory
+# (services/agent/snapshots.py), staged as each rank's exit is seen.
+MEMORY = "memory"
 
 
 def pending(tx: Tx, ev: CheckpointPending) -> None:
@@ -47,6 +50,8 @@ def settled(tx: Tx, ev: CheckpointCommitted | CheckpointFailed) -> None:
     if job.pending is not None and (job.pending.checkpoint_id == cid or (not cid and job.pending.step == ev.step)):
         job = tx.update(job, pending=None)
     saved = job.waits_for == STOP_SAVE and (isinstance(ev, CheckpointFailed) or ev.attempt == job.attempt - 1)
+    saved = saved or (job.waits_for == MEMORY and (isinstance(ev, CheckpointFailed) or (
+        ev.attempt == job.attempt - 1 and ev.from_memory)))
     if job.waits_for and (job.waits_for == cid or not cid or saved):
         why = f"restore checkpoint {cid}, which committed while the restart waited" \
             if isinstance(ev, CheckpointCommitted) else \
@@ -85,6 +90,25 @@ def hold_for_save(tx: Tx, job: Job) -> Job:
     tx.emit(JobQueued(job_id=job.job_id, priority=job.spec.priority,
                       reason=f"restart waits up to {wait_s:.2f}s for the checkpoint the stopped ranks saved"))
     return tx.update(job, waits_for=STOP_SAVE, wait_until=tx.at + wait_s)
+
+
+def hold_for_memory(tx: Tx, job: Job, running_since: float) -> Job:
+    """Keep the restart of `job` (its new attempt set) waiting for the set its failed attempt's agents persist
+    from the ranks' snapshots, when the spec takes them: at most policy.commit_wait_s, and never longer than the
+    failed attempt trained past the newest checkpoint (waiting can cost at most what it may save)."""
+    if tx.settings.memory_wait != "yes" or job.spec.train.snapshot_every <= 0 or running_since <= 0 \
+            or job.spec.policy.commit_wait_s <= 0:
+        return job
+    newest = job.newest
+    redo_s = tx.at - max((newest.staged_at or newest.at) if newest is not None else 0.0, running_since)
+    wait_s = min(job.spec.policy.commit_wait_s, redo_s)
+    if wait_s <= 0:
+        return job
+    tx.emit(JobQueued(job_id=job.job_id, priority=job.spec.priority,
+                      reason=f"restart waits up to {wait_s:.2f}s for the failed attempt's snapshots in memory to "
+                             f"be persisted: restoring {'step ' + str(newest.step) if newest else 'from scratch'} "
+                             f"would redo {redo_s:.2f}s of training"))
+    return tx.update(job, waits_for=MEMORY, wait_until=tx.at + wait_s)
 
 
 def deadlines(tx: Tx) -> None:

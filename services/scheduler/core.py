@@ -114,10 +114,13 @@ def wants_tick(state: State, now: float) -> bool:
                for job in state.jobs.values())
 
 
-def core_service(*, stop_timeout_s: float = 120.0, landing_timeout_s: float = 120.0) -> Service[State]:
+def core_service(*, stop_timeout_s: float = 120.0, landing_timeout_s: float = 120.0,
+                 memory_wait: bool = True) -> Service[State]:
     """The scheduler core wired as a Service, starting from these settings; the shell adds consumers, effects and
-    logging. `landing_timeout_s`: how long a rollback counts as in flight when no rank reports RolledBack."""
-    settings = Settings(stop_timeout_s=stop_timeout_s, landing_timeout_s=landing_timeout_s)
+    logging. `landing_timeout_s`: how long a rollback counts as in flight when no rank reports RolledBack.
+    `memory_wait`: restarts wait for the set persisted from the ranks' snapshots (commit_wait.MEMORY)."""
+    settings = Settings(stop_timeout_s=stop_timeout_s, landing_timeout_s=landing_timeout_s,
+                        memory_wait="yes" if memory_wait else "no")
     return Service(
         name=NAME,
         initial=State(settings=settings),
@@ -127,4 +130,5 @@ def core_service(*, stop_timeout_s: float = 120.0, landing_timeout_s: float = 12
         telemetry_subjects=tuple(f"fd.tel.*.*.{t}" for t in TELEMETRY_TYPES),
         wants_tick=wants_tick,
         settings=msgspec.structs.asdict(settings),
+        unrecorded=msgspec.structs.asdict(msgspec.structs.replace(settings, memory_wait="no")),
     )

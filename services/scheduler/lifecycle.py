@@ -164,7 +164,11 @@ def fault(tx: Tx, job: Job, cause_id: str, reason: str, gone: Iterable[int], *, 
                             running_since=0.0, **NEW_ATTEMPT)
             if planned:
                 job = commit_wait.hold_for_save(tx, job)
-            tx.enqueue(commit_wait.hold(tx, job, pending, since, lost_node) if not job.waits_for else job)
+            if not job.waits_for:  # a fully staged set first: it is on its way already
+                job = commit_wait.hold(tx, job, pending, since, lost_node)
+            if not job.waits_for and not lost_node and not free:  # a lost node's ranks leave no snapshot to persist
+                job = commit_wait.hold_for_memory(tx, job, since)
+            tx.enqueue(job)
         case Fail(reason=why):
             fail(tx, job, why, job.faults, stopped=True)
 

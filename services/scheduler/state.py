@@ -130,6 +130,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
 
     stop_timeout_s: float = 120.0  # a stop (preemption, cancel) that outlasts this releases the slots anyway
     landing_timeout_s: float = 120.0  # a rollback no rank reports RolledBack for counts as in flight this long
+    # "yes": a restart after a fault waits for the set persisted from the ranks' snapshots (commit_wait.MEMORY).
+    # Histories recorded before agents persisted snapshots replay with "no": nothing of the kind ever came.
+    memory_wait: str = "no"
 
     def __post_init__(self) -> None:
         if not (self.stop_timeout_s > 0 and self.landing_timeout_s > 0):

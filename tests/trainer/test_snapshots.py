@@ -137,3 +137,30 @@ def test_a_node_short_of_memory_says_so_before_writing_anything(
     with pytest.raises(snapshots.SnapshotsOff, match="1000 bytes free"):
         snaps.take(0, live, DataPosition(next_batch=0), timeline=0, checkpointing=False, replicated=True)
     assert not list(tmp_path.glob("j/*"))
+
+
+def test_the_agent_persists_the_newest_good_slot_newer_than_the_ranks_own_checkpoints(tmp_path: Path) -> None:
+    """services/agent/snapshots.choose: never a step the rank checkpointed itself, nothing at or below what it
+    staged, a torn slot passed over for the other, and every slot bad said as such."""
+    from services.agent import snapshots as agent_snaps
+
+    m, opt, _ = parts(seed=1)
+    snaps = snapshots.Snapshots(tmp_path, job_id="j", attempt=0, rank=0, world_size=1)
+    _take(snaps, state(m, opt), 9)
+    _take(snaps, state(m, opt), 10, checkpointing_=True)  # the rank began checkpoint step 10 itself
+    chosen = agent_snaps.choose(tmp_path, "j", 0, 0, None)
+    assert isinstance(chosen, tuple) and chosen[0].step == 9
+    assert agent_snaps.choose(tmp_path, "j", 0, 0, (0, 9)) is None  # it staged step 9 itself: nothing newer
+    _take(snaps, state(m, opt), 11)  # into step 9's slot
+    header, folder = agent_snaps.choose(tmp_path, "j", 0, 0, (0, 9))  # type: ignore[misc]
+    assert header.step == 11
+    event = agent_snaps.persist_event(header, folder, node="n", producer="agent-n", seconds=0.1)
+    assert event.from_memory and (event.step, event.rank, event.attempt) == (11, 0, 0)
+    assert sorted(s.path for s in event.shards) == ["r0.bin", "r0.json"] and event.staging_dir == str(folder)
+    data = bytearray((folder / "r0.bin").read_bytes())
+    data[0] ^= 1
+    (folder / "r0.bin").write_bytes(bytes(data))
+    assert isinstance(agent_snaps.choose(tmp_path, "j", 0, 0, None), str)  # step 10's is good, but the rank's own
+    why = agent_snaps.choose(tmp_path, "j", 0, 0, (0, 10))
+    assert isinstance(why, str) and "crc32" in why
+    snaps.close()

@@ -366,3 +366,15 @@ def test_a_node_that_could_not_store_its_shards_fails_the_checkpoint_and_removes
 def test_a_history_from_before_agents_stored_shards_commits_on_the_stagings_alone() -> None:
     _, outs = run([staged(0, 50, 2), staged(1, 50, 2)], core.State(), reports=False)
     assert [c.checkpoint_id for c in commits(outs)] == [checkpoint_id(0, 50)] and outs[0] == []
+
+
+def test_a_set_persisted_from_memory_commits_as_such_and_never_mixes_with_a_ranks_own() -> None:
+    def memory(rank: int, step: int) -> CheckpointStaged:
+        return msgspec.structs.replace(staged(rank, step, 2), from_memory=True)
+
+    _, outs = run([memory(0, 27), memory(1, 27)])
+    (args,) = commits(outs)
+    assert args.from_memory and args.checkpoint_id == checkpoint_id(0, 27)
+    # one rank's own set and another's snapshot of the same step are two formats: never one checkpoint
+    _, outs = run([staged(0, 30, 2), memory(1, 30)])
+    assert commits(outs) == []

@@ -30,7 +30,8 @@ from services.scheduler.state import State
 from tests.unit.helpers import events_of, fold, register, submit
 from tests.unit.test_checkpoint_core import staged, stored
 
-SCHEDULER = core_service(stop_timeout_s=30.0)
+SCHEDULER = core_service(stop_timeout_s=30.0, memory_wait=False)  # the memory wait: its own tests below
+MEMORY = core_service(stop_timeout_s=30.0)
 E = TypeVar("E", bound=Event)
 JOB = "llm-abc123"
 
@@ -189,3 +190,43 @@ def test_histories_recorded_before_the_event_replay_without_it() -> None:
     for ev in [staged(1, 100, 2, at=1.0), staged(0, 100, 2, at=2.0)]:
         state, decided = checkpoints.transition(state, ev)
         assert list(decided) == []
+
+
+def memory_committed(step: int, t: float, attempt: int = 0) -> CheckpointCommitted:
+    return msgspec.structs.replace(committed(step, t, attempt), from_memory=True)
+
+
+def memory_running() -> State:
+    """running(), under a scheduler whose restarts wait for snapshots persisted from memory."""
+    state = started()
+    state = msgspec.structs.replace(state, settings=msgspec.structs.replace(state.settings, memory_wait="yes"))
+    return fold(MEMORY, [committed(50, 20.0)], state)[0]
+
+
+def test_after_a_crash_the_restart_waits_for_the_snapshots_persisted_from_memory_and_restores_them() -> None:
+    state, outs = fold(MEMORY, [crash(40.5)], memory_running())
+    assert requests(outs) == []
+    (queued,) = events_of(outs, JobQueued)
+    assert "waits up to 20.50s for the failed attempt's snapshots in memory" in queued.reason
+    # a commit of the failed attempt that is not the persisted set changes nothing; the persisted one releases it
+    state, outs = fold(MEMORY, [committed(60, 41.0)], state)
+    assert requests(outs) == []
+    state, outs = fold(MEMORY, [memory_committed(83, 41.2)], state)
+    (request,) = requests(outs)
+    assert request.attempt == 1 and state.jobs[JOB].restore is None
+    assert state.jobs[JOB].newest is not None and state.jobs[JOB].newest.step == 83
+
+
+def test_the_memory_wait_ends_at_its_deadline_or_on_a_failed_set_and_never_starts_without_snapshots() -> None:
+    state, _ = fold(MEMORY, [crash(40.5)], memory_running())
+    _, outs = fold(MEMORY, [ClockTick(service="scheduler", now=61.1, positions={})], state)
+    assert len(requests(outs)) == 1  # 20.5 s: the longest the failed attempt trained past its newest checkpoint
+    _, outs = fold(MEMORY, [at(CheckpointFailed(job_id=JOB, step=83, reason="node b: upload failed"), 41.0)], state)
+    assert len(requests(outs)) == 1
+    no_snapshots = fold(MEMORY, [at(JobSubmitted(job_id="other", spec=spec()), 1.0)], memory_running())[0]
+    job = no_snapshots.jobs[JOB]
+    off = msgspec.structs.replace(job, spec=msgspec.structs.replace(
+        job.spec, train=msgspec.structs.replace(job.spec.train, snapshot_every=0)))
+    state = msgspec.structs.replace(no_snapshots, jobs={**no_snapshots.jobs, JOB: off})
+    _, outs = fold(MEMORY, [crash(40.5)], state)
+    assert len(requests(outs)) == 1

@@ -55,7 +55,7 @@ def seconds(bus: Bus, grant: AllocationGranted, start: float, n: int, *, silent:
 
 
 def test_lost_then_hung_each_restart_the_job_once_and_the_new_attempt_is_watched_afresh() -> None:
-    bus = Bus([scheduler(), resources(), HEALTH])
+    bus = Bus([scheduler(memory_wait=False), resources(), HEALTH])
     agents = Agents(bus)
     bus.publish(*(register(f"n{i}", 2) for i in range(3)))
     bus.publish(submit("job-1", slots=2, max_restarts=3))
@@ -83,7 +83,7 @@ def test_lost_then_hung_each_restart_the_job_once_and_the_new_attempt_is_watched
 
 
 def test_a_crash_is_one_fault_though_the_scheduler_and_health_both_see_the_exit() -> None:
-    bus = Bus([scheduler(), resources(), HEALTH])
+    bus = Bus([scheduler(memory_wait=False), resources(), HEALTH])
     agents = Agents(bus)
     bus.publish(register("n0", 2), register("n1", 2), submit("job-1", slots=2, max_restarts=3))
     agents()

@@ -15,7 +15,7 @@ from tests.unit.helpers import Agents, Bus, register, submit
 
 
 def cluster(nodes: int = 2, slots: int = 2) -> tuple[Bus, Agents]:
-    b = Bus([scheduler(), resources()])
+    b = Bus([scheduler(memory_wait=False), resources()])
     b.publish(*(register(f"n{i}", slots) for i in range(nodes)))
     return b, Agents(b)
 

@@ -84,7 +84,7 @@ def check_rollbacks(b: Bus) -> None:
 def test_invariants_hold_with_findings_and_rollbacks_in_the_traffic(first: tuple[int, int],
                                                                     actions: list[tuple[str, int, int]],
                                                                     spare: bool) -> None:
-    b = Bus([scheduler(stop_timeout_s=5.0, landing_timeout_s=5.0), resources()])
+    b = Bus([scheduler(stop_timeout_s=5.0, landing_timeout_s=5.0, memory_wait=False), resources()])
     agents = Agents(b)
     b.publish(register("n0", 2), register("n1", 2), *([register("spare", 2, spare=True)] if spare else []))
     b.publish(submitted(0, 3, first[0], floor=1 + first[0] % 2), submitted(1, 1, first[1]))  # these run at once

@@ -39,7 +39,7 @@ def check(state: State, b: Bus) -> None:
 @settings(max_examples=150, deadline=None)
 @given(actions=ACTIONS)
 def test_scheduler_and_resources_agree_under_random_traffic(actions: list[tuple[str, int, int]]) -> None:
-    b = Bus([scheduler(stop_timeout_s=5.0), resources()])
+    b = Bus([scheduler(stop_timeout_s=5.0, memory_wait=False), resources()])
     agents = Agents(b)
     b.publish(register("n0", 2), register("n1", 2), register("spare", 2, spare=True))
     fleet = Fleet(b, agents, nodes=3)
@@ -65,7 +65,7 @@ def test_scheduler_and_resources_agree_under_random_traffic(actions: list[tuple[
 
 def test_states_survive_a_snapshot_round_trip() -> None:
     """A state is all data: it survives msgpack unchanged."""
-    b = Bus([scheduler(), resources()])
+    b = Bus([scheduler(memory_wait=False), resources()])
     agents = Agents(b)
     b.publish(register("n0", 4), submit("a-1", slots=2), submit("b-1", slots=4, priority=90))
     agents()
@@ -76,7 +76,7 @@ def test_states_survive_a_snapshot_round_trip() -> None:
 def test_the_shell_s_fold_replays_the_same_decisions() -> None:
     """Feed the recorded log, encoded and decoded as on the wire, through services.shell.fold.Folder: the
     subject grammar holds for every output and each service decides again exactly what it decided."""
-    b = Bus([scheduler(), resources()])
+    b = Bus([scheduler(memory_wait=False), resources()])
     agents = Agents(b)
     b.publish(register("n0", 2), register("n1", 2), submit("a-1", slots=2, priority=10), submit("b-1", slots=2))
     agents()

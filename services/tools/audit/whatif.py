@@ -18,7 +18,7 @@ from events.findings import LossSpikeDetected, NonFiniteLoss
 from events.job import AllocationRequested, JobCompleted, JobFailed
 from events.store import Stored
 from services.tools.audit import settings as setting
-from services.tools.audit.cores import cores, settings_notes
+from services.tools.audit.cores import cores, settings_notes, unrecorded_settings
 from services.tools.audit.measured import Measured, measure
 from services.tools.audit.simulate import Change, Outcome, simulate, submitted_spec
 
@@ -71,7 +71,9 @@ def whatif(rows: list[Stored], job_id: str, changes: Mapping[str, Any]) -> WhatI
     # past a failure the job is over: what else changes after it costs or saves nothing
     estimates = [e for c in outcome.changes if (failed is None or c.position < failed.position)
                  and (e := _estimate(c, m, outcome)) is not None]
-    caveats: tuple[str, ...] = (*CAVEATS, *settings_notes(cores(), [s for s in rows if s.stream == subjects.CONTROL]))
+    control = [s for s in rows if s.stream == subjects.CONTROL]
+    # the settings the simulation used (an old history's, where it recorded none), not today's defaults
+    caveats: tuple[str, ...] = (*CAVEATS, *settings_notes(unrecorded_settings(cores(), control), control))
     if "train.checkpoint_every" in diff:
         estimates += _interval(m, *diff["train.checkpoint_every"])
         caveats = (*caveats, "train.checkpoint_every is the trainer's: the recorded checkpoints stay in the replay; "

@@ -1,0 +1,123 @@
+"""What a node agent does with its ranks' host snapshots (events/snapshot.py): the node's snapshot root, the
+persist of a rank's newest complete snapshot once the rank is gone without finishing, the choice of restoring a
+rank from memory rather than from the store, and the clean-up when a job ends.
+
+A persist is a staging like a rank's own (CheckpointStaged, here with `from_memory`): the node's shipper uploads
+the slot's two files, and the checkpoint service commits the set once every rank's is stored, manifest last.
+Why it works this way: docs/internals.md, "5. Checkpoints".
+"""
+
+import asyncio
+import hashlib
+import shutil
+import time
+from pathlib import Path
+
+import structlog
+
+from events import snapshot as fmt
+from events.checkpoint import CheckpointStaged, ShardInfo
+from services.shell.objects import manifest
+
+log = structlog.get_logger("flightdeck.agent.snapshots")
+
+SHM = Path("/dev/shm")
+
+
+def default_root(agent_root: Path, node: str) -> Path:
+    """Shared memory (tmpfs) where the machine has it, else the agent's data dir; one folder per agent data dir,
+    so that agents side by side (tests, drills) never share one."""
+    tag = hashlib.sha256(str(agent_root.resolve()).encode()).hexdigest()[:10]
+    return SHM / f"flightdeck-{node}-{tag}" if SHM.is_dir() else agent_root / "snapshots"
+
+
+def _sha256(path: Path) -> ShardInfo:
+    with path.open("rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    return ShardInfo(path=path.name, size=path.stat().st_size, sha256=digest)
+
+
+def choose(root: Path, job_id: str, attempt: int, rank: int,
+           staged: tuple[int, int] | None) -> tuple[fmt.Header, Path] | str | None:
+    """The slot to persist for a rank gone without finishing: its newest complete one whose bytes check, that is
+    not a step the rank checkpointed itself and is newer than anything it staged (`staged`: its newest (timeline,
+    step)). None: nothing newer to persist. A string: why nothing can be (every slot bad)."""
+    problems = []
+    for header, folder in fmt.complete_slots(root, job_id, attempt, rank):
+        if header.checkpointing or (staged is not None and (header.timeline, header.step) <= staged):
+            continue
+        try:
+            fmt.check_bytes(folder, header)
+        except fmt.BadSnapshot as exc:
+            problems.append(str(exc))
+            log.warning("snapshot slot refused", job_id=job_id, rank=rank, error=str(exc))
+            continue
+        return header, folder
+    return "; ".join(problems) if problems else None
+
+
+def persist_event(header: fmt.Header, folder: Path, *, node: str, producer: str, seconds: float) -> CheckpointStaged:
+    """The staging that hands the slot to the shipper, as its rank would have announced a set."""
+    shards = [_sha256(folder / fmt.bin_name(header.rank)), _sha256(folder / fmt.header_name(header.rank))]
+    return CheckpointStaged(
+        job_id=header.job_id, rank=header.rank, attempt=header.attempt, node=node, step=header.step,
+        world_size=header.world_size, staging_dir=str(folder.resolve()), shards=shards, data=header.data,
+        stall_s=0.0, write_s=seconds, timeline=header.timeline, from_memory=True,
+        event_id=f"{producer}:persist:{header.job_id}:{header.attempt}:{header.rank}:{header.timeline}:{header.step}",
+        occurred_at=time.time(), producer=producer)
+
+
+async def persisting(root: Path, job_id: str, attempt: int, rank: int, staged: tuple[int, int] | None, *,
+                     node: str, producer: str) -> CheckpointStaged | None:
+    """The staging of rank's snapshot to publish, or None (nothing newer than its own checkpoints, or every slot
+    bad: logged)."""
+    started = time.perf_counter()
+    chosen = await asyncio.to_thread(choose, root, job_id, attempt, rank, staged)
+    if chosen is None or isinstance(chosen, str):
+        if chosen:
+            log.error("no snapshot of the rank can be persisted", job_id=job_id, attempt=attempt, rank=rank,
+                      problems=chosen)
+        return None
+    header, folder = chosen
+    return await asyncio.to_thread(persist_event, header, folder, node=node, producer=producer,
+                                   seconds=round(time.perf_counter() - started, 4))
+
+
+def in_memory(root: Path, job_id: str, checkpoint_id: str, step: int, rank: int,
+              mf: manifest.Manifest) -> Path | None:
+    """This node's slot holding exactly rank `rank`'s shard of committed checkpoint `mf` (its header file has the
+    manifest's sha256; its tensors are checked by the rank as it loads), or None: restore from the store."""
+    want = next((s for s in mf.shards if s.path == f"{fmt.header_name(rank)}"), None)
+    if want is None:
+        return None
+    for attempt_dir in sorted((root / job_id).glob(f"a*-r{rank}-s*")) if (root / job_id).is_dir() else []:
+        header_path = attempt_dir / fmt.header_name(rank)
+        try:
+            if header_path.stat().st_size != want.size:
+                continue
+            if _sha256(header_path).sha256 != want.sha256:
+                continue
+            header = fmt.read_header(header_path)
+        except (OSError, fmt.BadSnapshot):
+            continue
+        if (header.job_id, header.step, header.rank) == (job_id, step, rank):
+            log.info("restoring from memory", job_id=job_id, checkpoint_id=checkpoint_id, rank=rank,
+                     slot=str(attempt_dir))
+            return attempt_dir
+    return None
+
+
+def forget_job(root: Path, job_id: str) -> None:
+    shutil.rmtree(root / job_id, ignore_errors=True)
+
+
+def forget_attempts_before(root: Path, job_id: str, attempt: int, keep: set[Path]) -> None:
+    """Slots of the job's older attempts, except `keep` (what this attempt restores from)."""
+    folder = root / job_id
+    for slot in folder.glob("a*-r*-s*") if folder.is_dir() else []:
+        try:
+            older = int(slot.name.split("-")[0][1:]) < attempt
+        except ValueError:
+            continue
+        if older and slot not in keep:
+            shutil.rmtree(slot, ignore_errors=True)

@@ -1,0 +1,57 @@
+"""Lose no work: a rank's host snapshots live in its node's shared memory (events/snapshot.py), its agent persists
+the newest when the rank is gone without finishing (a crash, a hang killed), the restart waits for that set, and
+the restarted ranks load it from memory. Checkpoints every 50 steps: only the snapshots can make the redo small."""
+
+import pytest
+
+from events import subjects
+from events.checkpoint import CheckpointCommitted, CheckpointStaged
+from events.job import JobCompleted, JobQueued, JobResumed
+from events.spec import FaultSpec
+from events.training import FaultInjected, RankStarted
+from tests.e2e.drill_harness import drill_spec, paced, wait_lineage
+from tests.e2e.test_drills import run_to_end
+from tests.integration.lifecycle_harness import Platform
+from tests.integration.test_lifecycle_services import kinds
+
+pytestmark = [pytest.mark.slow]
+
+
+async def _redone_from_memory(p: Platform, job: str, fault: str) -> None:
+    await run_to_end(p, job, 170)
+    assert p.seen(JobCompleted, job), kinds(p.job(job))
+    (fired,) = [e for e in p.seen(FaultInjected, job, stream=subjects.TELEMETRY) if e.kind == fault]
+    persisted = [e for e in p.seen(CheckpointStaged, job, stream=subjects.TELEMETRY) if e.from_memory]
+    assert sorted(e.rank for e in persisted) == [0, 1] and {e.attempt for e in persisted} == {0}
+    assert {e.producer for e in persisted} == {"agent-n1"}  # the agent, after its ranks were gone
+    (commit,) = [e for e in p.seen(CheckpointCommitted, job) if e.from_memory]
+    assert commit.attempt == 0 and commit.step >= fired.step - 1  # at most one step redone (the one in flight)
+    assert any("snapshots in memory" in e.reason for e in p.seen(JobQueued, job))
+    (resumed,) = p.seen(JobResumed, job)
+    assert (resumed.checkpoint_id, resumed.from_step) == (commit.checkpoint_id, commit.step)
+    started = [e for e in p.seen(RankStarted, job, stream=subjects.TELEMETRY) if e.attempt == 1]
+    assert sorted((e.rank, e.from_step, e.restored_from) for e in started) == [(0, commit.step, "memory"),
+                                                                               (1, commit.step, "memory")]
+    assert await wait_lineage(p, job, 40) == []
+
+
+@pytest.mark.timeout(200)
+async def test_a_crash_redoes_at_most_the_step_in_flight_restored_from_memory(drill: Platform) -> None:
+    p, job = drill, "snapcrash-000001"
+    p.agent("n1", "--grace-s", "2")
+    await p.ready("n1")
+    spec = drill_spec("snapcrash", steps=40, checkpoint_every=50,
+                      faults=[paced(), FaultSpec(kind="crash", step=27, rank=1)])
+    await p.submit(spec, job)
+    await _redone_from_memory(p, job, "crash")
+
+
+@pytest.mark.timeout(200)
+async def test_a_hung_rank_killed_leaves_its_snapshot_and_the_job_redoes_at_most_one_step(drill: Platform) -> None:
+    p, job = drill, "snaphang-000001"
+    p.agent("n1", "--grace-s", "2")
+    await p.ready("n1")
+    spec = drill_spec("snaphang", steps=40, checkpoint_every=50,
+                      faults=[paced(), FaultSpec(kind="hang", step=23, rank=0)])
+    await p.submit(spec, job)
+    await _redone_from_memory(p, job, "hang")
