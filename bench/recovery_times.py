@@ -6,6 +6,10 @@ after 3 s, a checkpoint every 5 steps) with the fault, and reads the job's histo
 
     .venv/bin/python bench/recovery_times.py                      # crash, hang, lost_node, spike; 2 runs each
     .venv/bin/python bench/recovery_times.py --faults crash --runs 3 --out bench/results/cpu-recovery.json
+    .venv/bin/python bench/recovery_times.py --faults crash,hang --snapshot-every 0,1 --checkpoint-every 25
+
+`--snapshot-every 0,1` runs each fault without host snapshots and with one every step (train.snapshot_every),
+interleaved, and reports `redone`: the steps the fault cost (its step less the step the job resumed from).
 
 Marks (one timeline: control events when the bench's recorder received them, rank events by their own clock,
 which is this machine's):
@@ -41,6 +45,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import structlog
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,15 +77,18 @@ FAULT_AT = 40
 PACE_S = 0.05
 
 
-def spec_for(fault: str) -> JobSpec:
+def spec_for(fault: str, snapshot_every: int = 1, checkpoint_every: int = 5) -> JobSpec:
     if fault == "lost_node":
-        return lost_node_spec()
-    if fault == "spike":
-        return spike_spec()
-    # Paced at ~20 steps/s in attempt 0 (a `slow` fault), so checkpoints are committed before the fault.
-    pace = FaultSpec(kind="slow", step=0, rank=0, seconds=PACE_S)
-    rank = 1 if fault == "crash" else 0
-    return drill_spec(f"b{fault}", steps=80, faults=[pace, FaultSpec(kind=fault, step=FAULT_AT, rank=rank)])  # type: ignore[arg-type]
+        spec = lost_node_spec()
+    elif fault == "spike":
+        spec = spike_spec()
+    else:
+        # Paced at ~20 steps/s in attempt 0 (a `slow` fault), so checkpoints are committed before the fault.
+        pace = FaultSpec(kind="slow", step=0, rank=0, seconds=PACE_S)
+        rank = 1 if fault == "crash" else 0
+        spec = drill_spec(f"b{fault}", steps=80, checkpoint_every=checkpoint_every,
+                          faults=[pace, FaultSpec(kind=fault, step=FAULT_AT, rank=rank)])  # type: ignore[arg-type]
+    return msgspec.structs.replace(spec, train=msgspec.structs.replace(spec.train, snapshot_every=snapshot_every))
 
 
 def import_seconds() -> float:
@@ -131,8 +139,9 @@ def arrival(p: Platform, kind: type, job_id: str, pick: Any = lambda e: True) ->
                 and subjects.job_of(s.stored.subject) == job_id and pick(s.stored.event))
 
 
-async def one_run(fault: str, n: int, standby: int | None = None) -> dict[str, float]:
-    spec = spec_for(fault)
+async def one_run(fault: str, n: int, standby: int | None = None, snapshot_every: int = 1,
+                  checkpoint_every: int = 5) -> dict[str, float]:
+    spec = spec_for(fault, snapshot_every, checkpoint_every)
     job = f"{spec.name}-{n:06x}"
     offset = time.time() - time.monotonic()  # rank clocks (wall) onto the bench's monotonic timeline
     with tempfile.TemporaryDirectory(prefix="fd-recovery-") as tmp:
@@ -177,8 +186,12 @@ async def one_run(fault: str, n: int, standby: int | None = None) -> dict[str, f
             if fault == "lost_node":
                 out["node_lost"] = next(s.at for s in p.control if isinstance(s.stored.event, NodeLost)) - t_fault
             out["resumed_from_step"] = float(final.from_step)
+            if fault != "lost_node":
+                out["redone"] = float(inj.step - final.from_step)
+            out["from_memory"] = float(all(e.restored_from == "memory" for e in tel))
             kept = root / "kept" / final.checkpoint_id
-            out["restore_s"] = restore_seconds(root / "kept" / "spec.toml", kept) if final.checkpoint_id else 0.0
+            out["restore_s"] = restore_seconds(root / "kept" / "spec.toml", kept) \
+                if final.checkpoint_id and kept.exists() else 0.0  # a restore from memory: no copy to time
         finally:
             await p.close()
             b.stop()
@@ -205,13 +218,19 @@ def spike_marks(p: Platform, job: str, offset: float) -> dict[str, float]:
     return out
 
 
-async def bench(faults: list[str], runs: int, standby: int | None = None) -> dict[str, list[dict[str, float]]]:
-    results: dict[str, list[dict[str, float]]] = {f: [] for f in faults}
+async def bench(faults: list[str], runs: int, standby: int | None = None, snapshots: tuple[int, ...] = (1,),
+                checkpoint_every: int = 5) -> dict[str, list[dict[str, float]]]:
+    def label(fault: str, every: int) -> str:
+        return fault if len(snapshots) == 1 else f"{fault}/snap{every}"
+
+    results: dict[str, list[dict[str, float]]] = {label(f, s): [] for f in faults for s in snapshots}
     for n in range(1, runs + 1):  # interleaved, so a busy spell of the box does not land on one fault only
         for fault in faults:
-            results[fault].append(await one_run(fault, n, standby))
-            print(f"{fault} run {n}: " + json.dumps({k: round(v, 3) for k, v in results[fault][-1].items()}),
-                  flush=True)
+            for every in snapshots:
+                key = label(fault, every)
+                results[key].append(await one_run(fault, n, standby, every, checkpoint_every))
+                print(f"{key} run {n}: " + json.dumps({k: round(v, 3) for k, v in results[key][-1].items()}),
+                      flush=True)
     return results
 
 
@@ -222,21 +241,28 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None, help="write the runs and medians here as JSON")
     ap.add_argument("--standby", type=int, default=None,
                     help="warm standby ranks per agent (default: the agent's, one per slot)")
+    ap.add_argument("--snapshot-every", default="1",
+                    help="comma-separated train.snapshot_every values to run each fault with (0: none)")
+    ap.add_argument("--checkpoint-every", type=int, default=5, help="train.checkpoint_every of the crash and hang jobs")
     args = ap.parse_args()
+    snapshots = tuple(int(s) for s in args.snapshot_every.split(",") if s.strip())
     faults = [f for f in args.faults.split(",") if f]
     if args.runs < 1 or not faults or set(faults) - set(FAULTS):
         ap.error(f"--runs must be at least 1 and --faults a list of {', '.join(FAULTS)}")
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
-    results = asyncio.run(bench(faults, args.runs, args.standby))
+    results = asyncio.run(bench(faults, args.runs, args.standby, snapshots, args.checkpoint_every))
     median = {f: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for f, rs in results.items()}
     report = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                           "platform": platform.platform()},
               "policy": {"heartbeat_interval_s": 0.5, "heartbeat_misses": 4, "hang_min_s": 3.0,
-                         "checkpoint_every": 5, "health_tick_s": 0.5, "agent_grace_s": 2.0},
+                         "checkpoint_every": args.checkpoint_every, "snapshot_every": list(snapshots),
+                         "health_tick_s": 0.5, "agent_grace_s": 2.0},
               "runs": results, "median": median}
-    for names in (PARTS, SPIKE_PARTS):
-        keys = [*names, "recover"]
-        shown = {f: m for f, m in median.items() if all(k in m for k in keys)}
+    printed: set[str] = set()
+    for names in ((*PARTS, "recover", "redone"), (*PARTS, "recover"), (*SPIKE_PARTS, "recover")):
+        keys = list(names)
+        shown = {f: m for f, m in median.items() if all(k in m for k in keys) and f not in printed}
+        printed |= set(shown)
         if shown:
             print("median seconds " + " ".join(f"{k:>10}" for k in keys))
         for f, m in shown.items():

@@ -35,6 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"comma-separated modules the node's fork server imports besides torch and the trainer, so "
                         f"ranks of jobs that use them start with them imported, e.g. "
                         f"transformers.models.gpt2.modeling_gpt2 (default: ${PRELOAD_ENV})")
+    p.add_argument("--snapshots", default=None, metavar="DIR",
+                   help="where ranks keep their host snapshots (train.snapshot_every), persisted by this agent when "
+                        "a rank fails: a folder on tmpfs; off: none (default: a folder under /dev/shm)")
     p.add_argument("--heartbeats", choices=HEARTBEATS, default=None,
                    help=f"node: relay the ranks' heartbeats in one batch per job per interval; rank: each rank "
                         f"publishes its own (default: ${HEARTBEATS_ENV}, else node)")
@@ -63,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
                                objects=args.objects or os.environ.get(OBJECTS_ENV) or None, address=args.address,
                                grace_s=args.grace_s, selfcheck_timeout_s=args.selfcheck_timeout_s,
                                standby=args.standby, heartbeats=args.heartbeats, step_reports=args.step_reports,
-                               preload=args.preload)
+                               preload=args.preload, snapshots=args.snapshots)
         return await run_agent(options, stop)
 
     try:
