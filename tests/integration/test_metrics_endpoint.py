@@ -120,6 +120,7 @@ async def test_every_figure_is_what_the_recorded_history_says(ui: Ui) -> None:
         return got[(name, tuple(sorted(labels.items())))]
 
     assert value("flightdeck_job_goodput_ratio", job_id=job) == pytest.approx(pm.goodput.goodput, abs=1e-12)
+    assert value("flightdeck_job_steps_redone", job_id=job) == sum(i.steps_redone for i in pm.incidents)
     kinds = {i.kind for i in pm.incidents}
     for kind in kinds:
         mine = [i for i in pm.incidents if i.kind == kind]

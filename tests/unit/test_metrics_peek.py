@@ -30,7 +30,7 @@ def test_only_this_jobs_chosen_figures_and_its_one_phase() -> None:
     assert job_lines(exposition(f, Live(broker_up=True)).decode(), "another-job") == []
 
     row = IncidentRow(number=1, kind="crash", trigger="rank 1 exited", attempt=0, fault_s=3.0, detect_s=0.5,
-                      recover_s=2.0, decision="restart", resolution="resumed")
+                      recover_s=2.0, decision="restart", resolution="resumed", steps_redone=3)
     # An analysis taken before the end (here of its first events only) lacks its last commits: not shown yet.
     job = f.jobs[JOB]
     job.analysis = JobAnalysis(goodput=0.5, parts={}, control_seq=1, telemetry_seq=1, rows=(), commits=(0.25,))

@@ -119,6 +119,11 @@ def _restarted(sc: Scan, attempt: int, detected: float) -> Outcome:
         if old_world and ev.world_size != old_world:
             decision, detail = "restart + reshard", f"{detail} on {ev.world_size} ranks (was {old_world})"
         detail += f" from step {ev.from_step}" + (f" ({ev.checkpoint_id})" if ev.checkpoint_id else "")
+        ranks = [r for r in sc.rank_started if r.attempt == new]
+        memory = sum(1 for r in ranks if r.restored_from == "memory")
+        if memory:
+            detail += (", loaded from the nodes' memory" if memory == len(ranks) else
+                       f", {memory} of {len(ranks)} ranks loaded from their nodes' memory")
         from_step = ev.from_step
     else:
         from_step = int(old.max()) + 1 if old.size else 0

@@ -71,6 +71,7 @@ class IncidentRow:
     decision: str
     resolution: str
     diagnosis: str = ""  # a loss spike's cause as the health monitor judged it; "" for other incidents
+    steps_redone: int = 0  # steps computed again because of it (postmortem's figure)
 
 
 @dataclass(frozen=True)

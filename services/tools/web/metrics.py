@@ -83,6 +83,8 @@ class FiguresCollector(Collector):
         rollbacks = CounterMetricFamily("flightdeck_job_rollbacks", "rollbacks decided", labels=["job_id"])
         goodput = GaugeMetricFamily("flightdeck_job_goodput_ratio", "useful training / wall time, as postmortem "
                                     "computes it", labels=["job_id"])
+        redone = GaugeMetricFamily("flightdeck_job_steps_redone", "steps computed again after its incidents, as "
+                                   "postmortem counts them", labels=["job_id"])
         for job_id, j in f.jobs.items():
             v = j.view
             for p in PHASES:
@@ -100,7 +102,9 @@ class FiguresCollector(Collector):
             rollbacks.add_metric([job_id], float(v.rollbacks))
             if (a := covering(j)) is not None:
                 goodput.add_metric([job_id], a.goodput)
-        yield from (phase, step, planned, world, steps, rate, tokens, tps, loss, restarts, budget, rollbacks, goodput)
+                redone.add_metric([job_id], float(sum(r.steps_redone for r in a.rows)))
+        yield from (phase, step, planned, world, steps, rate, tokens, tps, loss, restarts, budget, rollbacks, goodput,
+                    redone)
         yield histogram("flightdeck_checkpoint_stall_seconds", "rank 0's step loop blocked per checkpoint", ["job_id"],
                         CHECKPOINT_BUCKETS, (([k], j.stalls) for k, j in f.jobs.items()))
         yield histogram("flightdeck_checkpoint_write_seconds", "rank 0's staging write per checkpoint", ["job_id"],

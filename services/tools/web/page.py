@@ -45,7 +45,7 @@ def job_detail(j: JobFigures) -> dict[str, Any]:
         "incidents": [{"number": r.number, "kind": r.kind, "trigger": text(r.trigger), "attempt": r.attempt,
                        "fault_s": r.fault_s, "detect_s": r.detect_s, "recover_s": r.recover_s,
                        "decision": text(r.decision), "resolution": text(r.resolution),
-                       "diagnosis": text(r.diagnosis)}
+                       "diagnosis": text(r.diagnosis), "steps_redone": r.steps_redone}
                       for r in (j.analysis.rows if j.analysis else ())],
         "checkpoints": [{"id": c.checkpoint_id, "step": c.step, "bytes": c.bytes,
                          "state": "bad" if c.bad else "deleted" if c.deleted else "kept",

@@ -177,7 +177,8 @@ def job_analysis(pm: Postmortem, control_seq: int, telemetry_seq: int) -> JobAna
         telemetry_seq=telemetry_seq,
         rows=tuple(IncidentRow(number=i.number, kind=i.kind, trigger=i.trigger, attempt=i.attempt,
                                fault_s=i.fault_at, detect_s=i.time_to_detect, recover_s=i.time_to_recover,
-                               decision=i.decision, resolution=i.resolution, diagnosis=i.diagnosis)
+                               decision=i.decision, resolution=i.resolution, diagnosis=i.diagnosis,
+                               steps_redone=i.steps_redone)
                    for i in pm.incidents),
         commits=commit_seconds(pm))
 

@@ -86,7 +86,7 @@ function detail(j) {
   fill(document.getElementById("incidents"), j.incidents, (tr, i) => {
     tr.dataset.kind = i.kind;
     cells(tr, [i.number, i.kind, i.trigger, i.attempt, seconds(i.fault_s), seconds(i.detect_s), i.decision,
-      seconds(i.recover_s), i.resolution, i.diagnosis || "—"]);
+      seconds(i.recover_s), i.steps_redone, i.resolution, i.diagnosis || "—"]);
   });
   fill(document.getElementById("checkpoints"), j.checkpoints, (tr, c) => {
     tr.dataset.state = c.state;
