@@ -42,6 +42,7 @@ class CheckpointStaged(RankEvent, frozen=True, kw_only=True):
     # Staged by the rank's node agent from the rank's snapshot in the node's memory (events/snapshot.py), after
     # the rank was gone: the set's shards are r<rank>.bin and r<rank>.json.
     from_memory: bool = False
+    replicated: bool = False  # ... and its state is a full replica (plain data parallel): any rank's restores all
 
 
 class ShardsUploaded(RankEvent, frozen=True, kw_only=True):

@@ -86,7 +86,12 @@ class TrainState:
             if isinstance(md, TensorStorageMetadata):
                 dest[key] = torch.empty(md.size, dtype=md.properties.dtype)
         for name in self.extras:
-            for rank in (self.rank, 0):
+            # its own, else rank 0's, else the lowest rank's that was saved (a set persisted after rank 0's node
+            # was lost has no rank 0)
+            held = sorted(int(k.split(".")[1]) for k, v in saved.items()
+                          if k.startswith("extras.") and k.endswith(f".{name}") and isinstance(v, BytesStorageMetadata)
+                          and k.split(".")[1].isdigit())
+            for rank in (self.rank, 0, *held[:1]):
                 key = f"extras.{rank}.{name}"
                 if isinstance(saved.get(key), BytesStorageMetadata):
                     dest[key] = b""
@@ -104,10 +109,9 @@ class TrainState:
         if (cuda := loaded.get(f"rng.cuda.{self.rank}")) is not None and self.device.type == "cuda":
             torch.cuda.set_rng_state(cuda, self.device)
         for name, extra in self.extras.items():
-            for rank in (self.rank, 0):
-                if (value := loaded.get(f"extras.{rank}.{name}")) is not None:
-                    extra.load_state_dict(_unpack(value))
-                    break
+            value = next((v for k, v in loaded.items() if k.startswith("extras.") and k.endswith(f".{name}")), None)
+            if value is not None:  # load_target asked for exactly one rank's
+                extra.load_state_dict(_unpack(value))
 
 
 def keys(state: dict[str, Any]) -> set[str]:

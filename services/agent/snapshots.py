@@ -43,7 +43,13 @@ def choose(root: Path, job_id: str, attempt: int, rank: int,
     not a step the rank checkpointed itself and is newer than anything it staged (`staged`: its newest (timeline,
     step)). None: nothing newer to persist. A string: why nothing can be (every slot bad)."""
     problems = []
-    for header, folder in fmt.complete_slots(root, job_id, attempt, rank):
+    slots = fmt.complete_slots(root, job_id, attempt, rank)
+    newest = max((h.timeline for h, _ in slots), default=0)
+    for header, folder in slots:
+        # a slot from before the attempt's newest rollback holds steps that rollback threw away, or ones its
+        # checkpoint covers
+        if header.timeline < newest:
+            continue
         if header.checkpointing or (staged is not None and (header.timeline, header.step) <= staged):
             continue
         try:
@@ -62,7 +68,7 @@ def persist_event(header: fmt.Header, folder: Path, *, node: str, producer: str,
     return CheckpointStaged(
         job_id=header.job_id, rank=header.rank, attempt=header.attempt, node=node, step=header.step,
         world_size=header.world_size, staging_dir=str(folder.resolve()), shards=shards, data=header.data,
-        stall_s=0.0, write_s=seconds, timeline=header.timeline, from_memory=True,
+        stall_s=0.0, write_s=seconds, timeline=header.timeline, from_memory=True, replicated=header.replicated,
         event_id=f"{producer}:persist:{header.job_id}:{header.attempt}:{header.rank}:{header.timeline}:{header.step}",
         occurred_at=time.time(), producer=producer)
 

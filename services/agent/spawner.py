@@ -190,7 +190,8 @@ class Spawner:
 
     async def _in_memory(self, args: SpawnArgs) -> dict[int, Path]:
         """The ranks this node can restore from its own memory (their slots hold the restore checkpoint, persisted
-        from them), by rank; older attempts' other slots are let go here."""
+        from them), by rank. Slots of attempts older than the restore's are let go here (the job's end lets go of
+        the rest): a set of a newer failed attempt may still be on its way to commit (a lost node's survivors)."""
         root = self.paths.snapshots
         if root is None:
             return {}
@@ -208,7 +209,9 @@ class Spawner:
                     snapshots.in_memory, root, args.job_id, args.restore.checkpoint_id, args.restore.step, ref.rank, mf)
                 if slot is not None:
                     found[ref.rank] = slot
-        await asyncio.to_thread(snapshots.forget_attempts_before, root, args.job_id, args.attempt, set(found.values()))
+        if args.restore is not None:  # older than what this attempt restores: never needed again
+            await asyncio.to_thread(snapshots.forget_attempts_before, root, args.job_id, args.restore.attempt,
+                                    set(found.values()))
         return found
 
     async def _clear_slots(self, args: SpawnArgs) -> None:

@@ -24,7 +24,8 @@ from events.checkpoint import (
 )
 from events.clock import ClockTick, CoreConfigured
 from events.commands import RollbackRequested
-from events.job import JobCancelled, JobCompleted, JobFailed, JobResumed, JobSubmitted
+from events.fleet import NodeLost, NodeRegistered
+from events.job import AllocationGranted, JobCancelled, JobCompleted, JobFailed, JobResumed, JobSubmitted
 from events.lineage import forked, thrown_away
 from events.training import RankStarted, RolledBack
 from services.checkpoints.state import (
@@ -86,7 +87,7 @@ def _open_set(job: JobState, ev: CheckpointStaged | ShardsUploaded) -> Staging |
 
 
 def _stage(job: JobState, ev: CheckpointStaged | ShardsUploaded, agents_store: bool,
-           announce: bool = False) -> tuple[JobState, Due]:
+           announce: bool = False, lost: frozenset[str] = frozenset()) -> tuple[JobState, Due]:
     """Fold a staging or an agent's report; `agents_store` False: the "staging" protocol (Settings.shards_from);
     `announce`: say CheckpointPending when the last rank stages (Settings.announce_pending)."""
     at = (ev.attempt, ev.timeline, ev.step)
@@ -119,19 +120,66 @@ def _stage(job: JobState, ev: CheckpointStaged | ShardsUploaded, agents_store: b
         # reads the store back, so a report that raced a rank's second staging cannot commit a stale shard
         current = replace(current, stored=current.stored | (set(ev.ranks) & set(current.ranks)))
     staging = {k: v for k, v in job.staging.items() if k[0] >= ev.attempt}  # a newer attempt drops older sets
-    job = replace(job, attempt=ev.attempt)
+    job = replace(job, attempt=ev.attempt, staging={**staging, at: current})
     if len(current.ranks) < current.world_size or len(current.stored) < current.world_size:
-        return replace(job, staging={**staging, at: current}), NOTHING_DUE if pending is None else Due(pending=pending)
-    staging.pop(at, None)
+        settled = _survivors(job, ev.job_id, at, current, lost)
+        return settled if settled is not None else (job, NOTHING_DUE if pending is None else Due(pending=pending))
+    return _hand_over(job, ev.job_id, at, current, ev.occurred_at)
+
+
+def _hand_over(job: JobState, job_id: str, at: tuple[int, int, int], current: Staging,
+               created_at: float) -> tuple[JobState, Due]:
+    """The set at `at` goes to the uploader with the ranks it has."""
+    attempt, timeline, step = at
     ranks = [current.ranks[r] for r in sorted(current.ranks)]
     args = CommitArgs(
-        job_id=ev.job_id, checkpoint_id=cid, attempt=ev.attempt,
-        step=ev.step, world_size=ev.world_size, timeline=ev.timeline, created_at=ev.occurred_at, data=ranks[0].data,
+        job_id=job_id, checkpoint_id=checkpoint_id(attempt, step, timeline), attempt=attempt,
+        step=step, world_size=current.world_size, timeline=timeline, created_at=created_at, data=ranks[0].data,
         ranks=[StagedRank(rank=s.rank, node=s.node, shards=s.shards) for s in ranks],
         from_memory=ranks[0].from_memory,
     )
-    final = -1 if ev.step == job.final else job.final
+    final = -1 if step == job.final else job.final
+    staging = {k: v for k, v in job.staging.items() if k != at}
     return replace(job, staging=staging, handed=job.handed | {at}, final=final), Due(commit=args)
+
+
+def _survivors(job: JobState, job_id: str, at: tuple[int, int, int], current: Staging,
+               lost: frozenset[str]) -> tuple[JobState, Due] | None:
+    """A set persisted from memory that lacks only ranks whose nodes are lost (their memory went with them): with
+    every survivor's state a full replica (plain data parallel) it commits with the ranks it has, restorable at
+    any world size; else it can never be whole, and fails now rather than hold a restart up. None: wait."""
+    present = set(current.ranks)
+    if not present or not all(s.from_memory for s in current.ranks.values()) or current.stored != present:
+        return None
+    placed = job.placement.get(at[0], {})
+    missing = sorted(set(range(current.world_size)) - present)
+    nodes = sorted({placed.get(r, "") for r in missing})
+    if not missing or not all(n in lost for n in nodes):
+        return None
+    if all(s.replicated for s in current.ranks.values()):
+        return _hand_over(job, job_id, at, current, max(s.occurred_at for s in current.ranks.values()))
+    attempt, timeline, step = at
+    cid = checkpoint_id(attempt, step, timeline)
+    failed = CheckpointFailed(job_id=job_id, step=step, checkpoint_id=cid,
+                              reason=f"{cid}: ranks {missing} were on lost node(s) {', '.join(nodes)} and the "
+                                     "survivors' snapshots hold only their own shards of the state")
+    staging = {k: v for k, v in job.staging.items() if k != at}
+    return replace(job, staging=staging, handed=job.handed | {at}), Due(failed=failed, failed_id=cid)
+
+
+def _node_lost(state: State, node: str) -> tuple[State, Sequence[Output]]:
+    """Sets waiting on ranks of a node now lost are settled by the survivors' snapshots alone, or fail."""
+    state = replace(state, lost=state.lost | {node})
+    outs: list[Output] = []
+    jobs = dict(state.jobs)
+    for job_id, job in state.jobs.items():
+        for at, current in sorted(job.staging.items()):
+            settled = _survivors(job, job_id, at, current, state.lost)
+            if settled is not None:
+                job, due = settled
+                outs += _outputs(job_id, job, due)
+        jobs[job_id] = job
+    return replace(state, jobs=jobs), outs
 
 
 def _new_attempt(job: JobState, attempt: int) -> JobState:
@@ -157,10 +205,14 @@ def _world_size_of(job: JobState, cid: str) -> int:
     return next((c.world_size for c in job.committed if c.checkpoint_id == cid), 1)
 
 
-def _evolve_job(job: JobState, ev: Event, settings: Settings) -> tuple[JobState, Due]:
+def _evolve_job(job: JobState, ev: Event, settings: Settings, lost: frozenset[str]) -> tuple[JobState, Due]:
     match ev:
         case CheckpointStaged() | ShardsUploaded():
-            return _stage(job, ev, settings.shards_from == "agents", settings.announce_pending == "yes")
+            return _stage(job, ev, settings.shards_from == "agents", settings.announce_pending == "yes", lost)
+        case AllocationGranted():  # where each rank runs: a lost node's ranks leave no snapshot (_survivors)
+            placement = {a: p for a, p in job.placement.items() if a >= job.attempt}
+            return replace(job, placement={**placement, ev.attempt: {s.rank: s.node for s in ev.assignments}}), \
+                NOTHING_DUE
         case CheckpointCommitted():
             if any(c.checkpoint_id == ev.checkpoint_id for c in job.committed) or ev.checkpoint_id in job.doomed:
                 return job, NOTHING_DUE
@@ -217,10 +269,14 @@ def transition(state: State, ev: Event) -> tuple[State, Sequence[Output]]:
             return replace(state, settings=msgspec.convert(ev.settings, Settings)), ()
         case ClockTick(now=now):
             return next_scrub(state, now)
+        case NodeLost(node=node):
+            return _node_lost(state, node)
+        case NodeRegistered(node=node) if node in state.lost:
+            return replace(state, lost=state.lost - {node}), ()
     job_id = getattr(ev, "job_id", None)
     if not isinstance(job_id, str):
         return state, ()
-    job, due = _evolve_job(state.jobs.get(job_id, JobState()), ev, state.settings)
+    job, due = _evolve_job(state.jobs.get(job_id, JobState()), ev, state.settings, state.lost)
     state = replace(state, jobs={**state.jobs, job_id: job})
     if isinstance(ev, CheckpointScrubbed) and state.scrub is not None \
             and (state.scrub.job_id, state.scrub.checkpoint_id) == (job_id, ev.checkpoint_id):
@@ -285,10 +341,11 @@ def wants_tick(state: State, now: float) -> bool:
 
 
 CONTROL_TYPES = (
-    "JobSubmitted", "JobResumed", "RollbackRequested",
+    "JobSubmitted", "JobResumed", "RollbackRequested", "AllocationGranted",
     "CheckpointCommitted", "CheckpointDeleted", "CheckpointRejected", "CheckpointScrubbed", "JobCompleted", "JobFailed",
     "JobCancelled",
 )
+FLEET_TYPES = ("NodeLost", "NodeRegistered")
 TELEMETRY_TYPES = ("CheckpointStaged", "ShardsUploaded", "RolledBack", "RankStarted", "CheckpointRefused")
 
 
@@ -305,7 +362,7 @@ def core_service(effects: dict[str, EffectHandler], *, scrub_every_s: float = 0.
         name=SERVICE,
         initial=State(settings=settings),
         transition=transition,
-        control_subjects=subjects.job_types(*CONTROL_TYPES),
+        control_subjects=(*subjects.job_types(*CONTROL_TYPES), *(f"fd.ctl.node.*.{t}" for t in FLEET_TYPES)),
         telemetry_subjects=tuple(f"fd.tel.*.*.{t}" for t in TELEMETRY_TYPES),
         tick_s=1.0,
         prompt_types=frozenset({"CheckpointStaged", "ShardsUploaded"}),  # a set's pending and commit, at once

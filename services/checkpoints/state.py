@@ -114,6 +114,7 @@ class JobState(msgspec.Struct, frozen=True, kw_only=True):
     ended_at: float = 0.0
     forks: tuple[Fork, ...] = ()  # the timelines rollbacks started
     bad: dict[str, str] = {}  # found bad (on restore, or by a scrub) -> why it is deleted: never one of the `keep`
+    placement: dict[int, dict[int, str]] = {}  # attempt -> rank -> node, as granted (this attempt's and newer)
 
 
 class Due(msgspec.Struct, frozen=True, kw_only=True):
@@ -133,3 +134,4 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
     jobs: dict[str, JobState] = {}
     settings: Settings = Settings()
     scrub: Scrub | None = None
+    lost: frozenset[str] = frozenset()  # nodes lost and not registered since

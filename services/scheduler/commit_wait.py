@@ -50,8 +50,10 @@ def settled(tx: Tx, ev: CheckpointCommitted | CheckpointFailed) -> None:
     if job.pending is not None and (job.pending.checkpoint_id == cid or (not cid and job.pending.step == ev.step)):
         job = tx.update(job, pending=None)
     saved = job.waits_for == STOP_SAVE and (isinstance(ev, CheckpointFailed) or ev.attempt == job.attempt - 1)
-    saved = saved or (job.waits_for == MEMORY and (isinstance(ev, CheckpointFailed) or (
-        ev.attempt == job.attempt - 1 and ev.from_memory)))
+    memory = isinstance(ev, CheckpointFailed) or (ev.from_memory and ev.attempt == job.memory_from)
+    saved = saved or (job.waits_for == MEMORY and memory)
+    if memory and job.memory_from >= 0:
+        job = tx.update(job, memory_from=-1, memory_redo_s=0.0)
     if job.waits_for and (job.waits_for == cid or not cid or saved):
         why = f"restore checkpoint {cid}, which committed while the restart waited" \
             if isinstance(ev, CheckpointCommitted) else \
@@ -95,12 +97,19 @@ def hold_for_save(tx: Tx, job: Job) -> Job:
 def hold_for_memory(tx: Tx, job: Job, running_since: float) -> Job:
     """Keep the restart of `job` (its new attempt set) waiting for the set its failed attempt's agents persist
     from the ranks' snapshots, when the spec takes them: at most policy.commit_wait_s, and never longer than the
-    failed attempt trained past the newest checkpoint (waiting can cost at most what it may save)."""
-    if tx.settings.memory_wait != "yes" or job.spec.train.snapshot_every <= 0 or running_since <= 0 \
-            or job.spec.policy.commit_wait_s <= 0:
+    failed attempt trained past the newest checkpoint (waiting can cost at most what it may save). A failed
+    attempt that never ran waits again for an earlier one's set still awaited (a node found lost only after the
+    first restart: the checkpoint service settles that set once it knows)."""
+    if tx.settings.memory_wait != "yes" or job.spec.train.snapshot_every <= 0 or job.spec.policy.commit_wait_s <= 0:
         return job
     newest = job.newest
-    redo_s = tx.at - max((newest.staged_at or newest.at) if newest is not None else 0.0, running_since)
+    if running_since > 0:
+        redo_s = tx.at - max((newest.staged_at or newest.at) if newest is not None else 0.0, running_since)
+        job = tx.update(job, memory_from=job.attempt - 1, memory_redo_s=redo_s)
+    elif job.memory_from >= 0:
+        redo_s = job.memory_redo_s
+    else:
+        return job
     wait_s = min(job.spec.policy.commit_wait_s, redo_s)
     if wait_s <= 0:
         return job

@@ -166,7 +166,7 @@ def fault(tx: Tx, job: Job, cause_id: str, reason: str, gone: Iterable[int], *, 
                 job = commit_wait.hold_for_save(tx, job)
             if not job.waits_for:  # a fully staged set first: it is on its way already
                 job = commit_wait.hold(tx, job, pending, since, lost_node)
-            if not job.waits_for and not lost_node and not free:  # a lost node's ranks leave no snapshot to persist
+            if not job.waits_for and not free:  # a lost node's ranks leave none: the survivors' may do (DDP)
                 job = commit_wait.hold_for_memory(tx, job, since)
             tx.enqueue(job)
         case Fail(reason=why):

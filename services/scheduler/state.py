@@ -98,6 +98,10 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     staged: tuple[tuple[str, float], ...] = ()  # every such checkpoint (id, when announced): Checkpoint.staged_at
     waits_for: str = ""  # a queued restart waits for this checkpoint's commit (commit_wait.py) ...
     wait_until: float = 0.0  # ... until then at most
+    # The attempt whose set persisted from memory has not come yet (commit_wait.MEMORY), and what it would save:
+    # a later restart (a lost node found after the first one) may still wait for it.
+    memory_from: int = -1
+    memory_redo_s: float = 0.0
 
     @property
     def ranks(self) -> frozenset[int]:

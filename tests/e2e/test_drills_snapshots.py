@@ -55,3 +55,31 @@ async def test_a_hung_rank_killed_leaves_its_snapshot_and_the_job_redoes_at_most
                       faults=[paced(), FaultSpec(kind="hang", step=23, rank=0)])
     await p.submit(spec, job)
     await _redone_from_memory(p, job, "hang")
+
+
+@pytest.mark.timeout(240)
+async def test_a_lost_node_under_data_parallelism_restores_the_survivors_replica_from_memory(drill: Platform) -> None:
+    """n2's agent is SIGKILLed (its rank dies with it, and its memory): rank 0's snapshot on n1 is a full replica,
+    so the set of it alone commits once n2 is known lost, and the job resumes from it on n1, loaded from memory."""
+    from events.fleet import NodeLost
+    from events.training import StepCompleted
+    from tests.e2e.drill_harness import kill_agent_mid_run, start_two_nodes
+
+    p, job = drill, "lostmem-000001"
+    await start_two_nodes(p)
+    await p.submit(drill_spec("lostmem", slots=2, steps=80, checkpoint_every=100, faults=[paced()], min_slots=1), job)
+    await kill_agent_mid_run(p, job, after_step=40)
+    await run_to_end(p, job, 200)
+    assert p.seen(JobCompleted, job), kinds(p.job(job))
+    assert [e.node for e in p.seen(NodeLost)] == ["n2"]
+    (commit,) = [e for e in p.seen(CheckpointCommitted, job) if e.from_memory]
+    persisted = [e for e in p.seen(CheckpointStaged, job, stream=subjects.TELEMETRY) if e.from_memory]
+    assert [(e.rank, e.node, e.replicated) for e in persisted] == [(0, "n1", True)]
+    done = max(e.step for e in p.seen(StepCompleted, job, stream=subjects.TELEMETRY)
+               if e.attempt == commit.attempt and e.rank == 0)
+    assert commit.step >= done  # the step in flight at most is redone
+    resumed = p.seen(JobResumed, job)[-1]
+    assert (resumed.checkpoint_id, resumed.from_step) == (commit.checkpoint_id, commit.step)
+    started = [e for e in p.seen(RankStarted, job, stream=subjects.TELEMETRY) if e.attempt == resumed.attempt]
+    assert [(e.rank, e.node, e.restored_from) for e in started] == [(0, "n1", "memory")]
+    assert await wait_lineage(p, job, 80) == []

@@ -378,3 +378,41 @@ def test_a_set_persisted_from_memory_commits_as_such_and_never_mixes_with_a_rank
     # one rank's own set and another's snapshot of the same step are two formats: never one checkpoint
     _, outs = run([staged(0, 30, 2), memory(1, 30)])
     assert commits(outs) == []
+
+
+def _granted(attempt: int, nodes: dict[int, str]) -> Event:
+    from events.job import AllocationGranted, SlotRef
+    return AllocationGranted(job_id=JOB, attempt=attempt,
+                             assignments=[SlotRef(node=n, slot=0, rank=r) for r, n in sorted(nodes.items())])
+
+
+def test_a_lost_nodes_ranks_leave_a_replicated_set_to_the_survivors_and_a_sharded_one_failed() -> None:
+    """After a node is lost its ranks' memory is gone: the survivors' snapshots commit alone when each is a full
+    replica (plain data parallel), whichever comes first, the loss or their stagings; a sharded set fails at once,
+    so that no restart waits for it."""
+    from events.fleet import NodeLost
+
+    def memory(rank: int, replicated: bool) -> CheckpointStaged:
+        return msgspec.structs.replace(staged(rank, 27, 4), from_memory=True, replicated=replicated,
+                                       node="a" if rank < 2 else "b")
+
+    placed = _granted(0, {0: "a", 1: "a", 2: "b", 3: "b"})
+    lost = NodeLost(node="b", reason="its agent went silent")
+    # the survivors stage first, then the loss is known
+    state, outs = run([placed, memory(0, True), memory(1, True)])
+    assert commits(outs) == []
+    state, decided = core.transition(state, lost)
+    (commit,) = [o.args for o in decided if isinstance(o, Effect) and o.kind == core.COMMIT]
+    assert [r.rank for r in commit.ranks] == [0, 1] and commit.world_size == 4 and commit.from_memory
+    # the loss first: the last survivor's report settles it
+    _, outs = run([placed, lost, memory(0, True), memory(1, True)])
+    assert [[r.rank for r in c.ranks] for c in commits(outs)] == [[0, 1]]
+    # without a loss nothing commits short of every rank
+    _, outs = run([placed, memory(0, True), memory(1, True), memory(2, True)])
+    assert commits(outs) == []
+    # sharded state: the set can never be whole
+    state, outs = run([placed, lost, memory(0, False), memory(1, False)])
+    assert commits(outs) == []
+    (failed,) = [o.event for step in outs for o in step
+                 if isinstance(o, Emit) and isinstance(o.event, CheckpointFailed)]
+    assert "ranks [2, 3] were on lost node(s) b" in failed.reason

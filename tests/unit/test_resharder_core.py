@@ -117,7 +117,7 @@ def test_a_replay_over_the_store_decides_what_the_fold_decided() -> None:
 
 
 def test_beside_the_scheduler_a_restart_onto_a_node_of_the_same_kind_changes_no_plan() -> None:
-    bus = Bus([scheduler(), resources(), SERVICE])
+    bus = Bus([scheduler(memory_wait=False), resources(), SERVICE])
     bus.publish(register("n0", 2), register("n1", 2))
     agents = Agents(bus)
     bus.publish(submit("a-1", slots=2))

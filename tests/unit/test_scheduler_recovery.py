@@ -24,7 +24,7 @@ KINDS = ("exit", "signal", "lost", "hung", "node")
 
 
 def cluster(nodes: int = 6) -> tuple[Bus, Agents]:
-    b = Bus([scheduler(), resources()])
+    b = Bus([scheduler(memory_wait=False), resources()])
     b.publish(*(register(f"n{i}", 2) for i in range(nodes)), register("spare", 2, spare=True))
     return b, Agents(b)
 
@@ -105,7 +105,7 @@ def test_a_lost_node_restarts_only_its_jobs_and_the_replacement_may_take_a_spare
 
 
 def test_without_a_spare_the_restart_waits_for_capacity() -> None:
-    b = Bus([scheduler(), resources()])
+    b = Bus([scheduler(memory_wait=False), resources()])
     b.publish(register("n0", 2), register("n1", 2))
     agents = Agents(b)
     b.publish(submit("a-1", slots=2))

@@ -129,7 +129,8 @@ class Ranks:
         await self.exit(a, mine, -9 if immediate else STOPPED_EXIT)
 
     async def exit(self, a: Attempt, ranks: list[int], code: int, *, record: bool = True) -> None:
-        """`ranks` end with `code`; each node's agent records its own (unless it is gone)."""
+        """`ranks` end with `code`; each node's agent records its own (unless it is gone), after persisting the
+        snapshot in memory of each rank that did not finish (services/agent/snapshots.py)."""
         a.alive -= set(ranks)
         by_node: dict[str, list[int]] = {}
         for r in ranks:
@@ -137,10 +138,32 @@ class Ranks:
         for node, rs in sorted(by_node.items()):
             if not record or node in self.nodes_down:
                 continue
+            if code != 0:
+                await self._persist(a, node, rs)
             ev = exits_record([RankExit(rank=r, exit_code=code) for r in rs], job_id=a.job_id, node=node,
                               attempt=a.attempt, event_id=self._id(f"exit-{node}"), occurred_at=self.now(),
                               producer=f"agent-{node}")
             await append_to_job(self.store, ev, msg_id=ev.event_id)
+
+    async def _persist(self, a: Attempt, node: str, ranks: list[int]) -> None:
+        """The agent stages its gone ranks' newest snapshot (the boundary of the step they were running), unless
+        that step is one they checkpointed themselves (or restored from), or a re-run is under way (never kept)."""
+        if a.replay is not None or a.step == a.saved_at:
+            return
+        cid = checkpoint_id(a.attempt, a.step, a.timeline)
+        self.saved.setdefault((a.job_id, cid), Saved(step=a.step, next_batch=a.next_batch, skipped=list(a.skipped)))
+        data = DataPosition(next_batch=a.next_batch, skipped=[list(w) for w in a.skipped])  # type: ignore[misc]
+        now = self.now()
+        for r in ranks:
+            shards = [ShardInfo(path=f"r{r}.bin", size=1, sha256="0" * 64),
+                      ShardInfo(path=f"r{r}.json", size=1, sha256="1" * 64)]
+            await self.tel(CheckpointStaged(job_id=a.job_id, rank=r, attempt=a.attempt, node=node, step=a.step,
+                                            world_size=a.world_size, staging_dir="/sim/shm", shards=shards, data=data,
+                                            stall_s=0.0, write_s=0.0, timeline=a.timeline, from_memory=True,
+                                            event_id=self._id("persisted"), occurred_at=now))
+        await self.tel(ShardsUploaded(job_id=a.job_id, rank=ranks[0], attempt=a.attempt, node=node, step=a.step,
+                                      timeline=a.timeline, world_size=a.world_size, ranks=ranks, bytes=len(ranks),
+                                      seconds=0.0, event_id=self._id("uploaded"), occurred_at=now))
 
     def tell(self, node: str, job_id: str, attempt: int, command: Event) -> None:
         """A command down rank 0's link: only the agent that runs rank 0 hands it over (the boundary agrees it)."""

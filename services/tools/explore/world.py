@@ -159,7 +159,7 @@ class World:
             ev = CheckpointCommitted(job_id=args.job_id, checkpoint_id=args.checkpoint_id, step=args.step,
                                      world_size=args.world_size, uri=f"sim:///{args.job_id}/{args.checkpoint_id}",
                                      bytes=len(args.ranks), data=args.data, manifest_sha256="0" * 64,
-                                     attempt=args.attempt, timeline=args.timeline)
+                                     attempt=args.attempt, timeline=args.timeline, from_memory=args.from_memory)
             return [Emit(subjects.job(args.job_id, "CheckpointCommitted"), ev)]
         if isinstance(args, DeleteArgs):
             return []
