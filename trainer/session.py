@@ -355,6 +355,8 @@ class Run:
         every = self.spec.train.snapshot_every
         if self.snaps is None or self._replay is not None or self.step % every or self.snapped_at == self.step:
             return
+        if self.device.type != "cuda":  # the steps it holds go on record first (on CPU reading them costs nothing)
+            self.reporter.flush()
         live = self.state.live()
         live[checkpointing.META_KEY] = checkpointing.meta_item(self.step, self.cursor.position(), self.world_size)
         plan = self._plan

@@ -29,6 +29,7 @@ from events.catalog import RANK_TYPES
 from events.checkpoint import CheckpointStaged
 from events.plan import ParallelPlan
 from events.store import EventStore
+from events.training import RolledBack, StepCompleted
 from services.shell.connection import TRANSIENT
 
 log = structlog.get_logger("flightdeck.agent.links")
@@ -71,6 +72,9 @@ class RankLinks:
         self.jobs: dict[str, _Job] = {}
         self.published = self.refused = self.rejected = 0
         self.staged: dict[Key, tuple[int, int]] = {}  # a rank's newest own staging (timeline, step): no persist below
+        # a rank's last reported step (in order; a rollback's landing starts over from its step): a persisted
+        # snapshot never runs ahead of the rank's record
+        self.stepped: dict[Key, int] = {}
         self._server: socket.socket | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -110,6 +114,8 @@ class RankLinks:
         self.jobs.pop(job_id, None)
         for key in [k for k in self.staged if k[0] == job_id]:
             del self.staged[key]
+        for key in [k for k in self.stepped if k[0] == job_id]:
+            del self.stepped[key]
 
     def _tell(self, job_id: str, attempt: int | None, msg: msgspec.Struct) -> None:
         data = ranklink.ENCODER.encode(msg)
@@ -226,6 +232,10 @@ class RankLinks:
             r.custody.push(event)
             if isinstance(event, CheckpointStaged):
                 self.staged[r.key] = max(self.staged.get(r.key, (-1, -1)), (event.timeline, event.step))
+            elif isinstance(event, StepCompleted):
+                self.stepped[r.key] = event.step
+            elif isinstance(event, RolledBack):
+                self.stepped[r.key] = event.to_step - 1
         self.refused += refused
         r.wake.set()
         return refused

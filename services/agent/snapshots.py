@@ -37,11 +37,12 @@ def _sha256(path: Path) -> ShardInfo:
     return ShardInfo(path=path.name, size=path.stat().st_size, sha256=digest)
 
 
-def choose(root: Path, job_id: str, attempt: int, rank: int,
-           staged: tuple[int, int] | None) -> tuple[fmt.Header, Path] | str | None:
+def choose(root: Path, job_id: str, attempt: int, rank: int, staged: tuple[int, int] | None,
+           reported: int | None = None) -> tuple[fmt.Header, Path] | str | None:
     """The slot to persist for a rank gone without finishing: its newest complete one whose bytes check, that is
-    not a step the rank checkpointed itself and is newer than anything it staged (`staged`: its newest (timeline,
-    step)). None: nothing newer to persist. A string: why nothing can be (every slot bad)."""
+    not a step the rank checkpointed itself, is newer than anything it staged (`staged`: its newest (timeline,
+    step)), and follows a step the rank reported (`reported`: its newest; None: not known). None: nothing newer
+    to persist. A string: why nothing can be (every slot bad)."""
     problems = []
     slots = fmt.complete_slots(root, job_id, attempt, rank)
     newest = max((h.timeline for h, _ in slots), default=0)
@@ -51,6 +52,8 @@ def choose(root: Path, job_id: str, attempt: int, rank: int,
         if header.timeline < newest:
             continue
         if header.checkpointing or (staged is not None and (header.timeline, header.step) <= staged):
+            continue
+        if reported is not None and header.step > reported + 1:
             continue
         try:
             fmt.check_bytes(folder, header)
@@ -73,12 +76,12 @@ def persist_event(header: fmt.Header, folder: Path, *, node: str, producer: str,
         occurred_at=time.time(), producer=producer)
 
 
-async def persisting(root: Path, job_id: str, attempt: int, rank: int, staged: tuple[int, int] | None, *,
-                     node: str, producer: str) -> CheckpointStaged | None:
+async def persisting(root: Path, job_id: str, attempt: int, rank: int, staged: tuple[int, int] | None,
+                     reported: int | None = None, *, node: str, producer: str) -> CheckpointStaged | None:
     """The staging of rank's snapshot to publish, or None (nothing newer than its own checkpoints, or every slot
     bad: logged)."""
     started = time.perf_counter()
-    chosen = await asyncio.to_thread(choose, root, job_id, attempt, rank, staged)
+    chosen = await asyncio.to_thread(choose, root, job_id, attempt, rank, staged, reported)
     if chosen is None or isinstance(chosen, str):
         if chosen:
             log.error("no snapshot of the rank can be persisted", job_id=job_id, attempt=attempt, rank=rank,

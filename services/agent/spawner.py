@@ -82,6 +82,7 @@ class Spawner:
         self.timers: set[asyncio.Task[None]] = set()
         self.exits = ExitRecorder(store, node, producer, self.watched, retrying)
         self.going: dict[int, asyncio.Future[None]] = {}  # a rank from a standby -> set once its beats show a step
+        self.beat_steps: dict[tuple[str, int, int], int] = {}  # a rank's newest step its heartbeats carried
         # The node's self-check (inventory.selfcheck with the agent's interpreter, slots and fork server), run again
         # when a spike's diagnosis suspects this node; set by the agent once it knows them.
         self.recheck: Callable[[], Awaitable[Verdict]] | None = None
@@ -282,6 +283,9 @@ class Spawner:
     def speaks_for(self, beat: LocalBeat, pid: int) -> bool:
         """Whether process `pid` is the rank `beat` claims to be (a heartbeat relayed for anyone else is refused)."""
         ok = self.pids.get(pid) == (beat.job_id, beat.attempt, beat.rank)
+        if ok:  # the steps a rank reports this way (--step-reports rank0) count as recorded (_persist)
+            key = (beat.job_id, beat.attempt, beat.rank)
+            self.beat_steps[key] = beat.step
         if ok and beat.step >= 0:  # past its restore (a resumed rank's step) or its first step: the start is done
             self._got_going(pid)
         return ok
@@ -384,10 +388,15 @@ class Spawner:
         """A rank gone without finishing: its newest snapshot newer than its own checkpoints goes to the store
         (staged as the rank would have; the shipper uploads it), before its exit is recorded."""
         assert self.paths.snapshots is not None
-        staged = self.links.staged.get((p.job_id, p.attempt, p.ref.rank)) if self.links is not None else None
+        key = (p.job_id, p.attempt, p.ref.rank)
+        staged = self.links.staged.get(key) if self.links is not None else None
+        # a snapshot of step N is kept only if the rank's record of step N-1 reached this agent: a history never
+        # resumes past a step it holds no record of (the rank's last report can die with it)
+        reported = self.links.stepped.get(key, -1) if self.links is not None else -1
+        reported = max(reported, self.beat_steps.pop(key, -1)) if reported < 0 else reported
         try:
             event = await snapshots.persisting(self.paths.snapshots, p.job_id, p.attempt, p.ref.rank, staged,
-                                               node=self.node, producer=self.producer)
+                                               reported, node=self.node, producer=self.producer)
         except Exception as exc:  # the store's checkpoints still stand: the restart restores the newest
             log.error("persisting the rank's snapshot failed", error=repr(exc))
             return

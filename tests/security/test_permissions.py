@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 HISTORY = ROOT / "tests" / "fixtures" / "histories" / "spike.fdh.jsonl"
 TELEMETRY_TYPES = {"StepCompleted", "Heartbeat", "RankFault", "FaultInjected", "RolledBack", "RankStarted",
                    "CheckpointStaged", "CheckpointRefused", "RankHeartbeats", "ShardsUploaded", "SpikeReplayed",
-                   "RankOutput"}  # RankOutput: on FD_LOGS; RankHeartbeats and ShardsUploaded: from agents
+                   "RankOutput", "SnapshotsOff"}  # RankOutput: on FD_LOGS; RankHeartbeats, ShardsUploaded: from agents
 
 
 def producer_perms(producer: str) -> permissions.Permissions:

@@ -164,3 +164,18 @@ def test_the_agent_persists_the_newest_good_slot_newer_than_the_ranks_own_checkp
     why = agent_snaps.choose(tmp_path, "j", 0, 0, (0, 10))
     assert isinstance(why, str) and "crc32" in why
     snaps.close()
+
+
+def test_the_agent_never_persists_a_snapshot_ahead_of_the_ranks_reported_steps(tmp_path: Path) -> None:
+    """Step N's snapshot holds step N-1's update: kept only if the rank's record of step N-1 reached its agent
+    (its last report can die with it), else the older slot, whose steps are all on record."""
+    from services.agent import snapshots as agent_snaps
+
+    m, opt, _ = parts(seed=1)
+    snaps = snapshots.Snapshots(tmp_path, job_id="j", attempt=0, rank=0, world_size=1)
+    _take(snaps, state(m, opt), 26)
+    _take(snaps, state(m, opt), 27)
+    snaps.close()
+    for reported, want in [(26, 27), (27, 27), (25, 26), (24, None), (None, 27)]:
+        chosen = agent_snaps.choose(tmp_path, "j", 0, 0, None, reported)
+        assert (chosen[0].step if isinstance(chosen, tuple) else chosen) == want, reported
