@@ -9,7 +9,8 @@ after 3 s, a checkpoint every 5 steps) with the fault, and reads the job's histo
     .venv/bin/python bench/recovery_times.py --faults crash,hang --snapshot-every 0,1 --checkpoint-every 25
 
 `--snapshot-every 0,1` runs each fault without host snapshots and with one every step (train.snapshot_every),
-interleaved, and reports `redone`: the steps the fault cost (its step less the step the job resumed from).
+interleaved; every run reports `redone`: the steps rank 0 had done before the fault that the job did again (its
+newest step done + 1, less the step it resumed from).
 
 Marks (one timeline: control events when the bench's recorder received them, rank events by their own clock,
 which is this machine's):
@@ -186,8 +187,10 @@ async def one_run(fault: str, n: int, standby: int | None = None, snapshot_every
             if fault == "lost_node":
                 out["node_lost"] = next(s.at for s in p.control if isinstance(s.stored.event, NodeLost)) - t_fault
             out["resumed_from_step"] = float(final.from_step)
-            if fault != "lost_node":
-                out["redone"] = float(inj.step - final.from_step)
+            # steps done before the fault (rank 0's, in any attempt before the final one) that are done again
+            done = max((e.step for e in p.seen(StepCompleted, job, stream=subjects.TELEMETRY)
+                        if e.rank == 0 and e.attempt < a), default=-1)
+            out["redone"] = float(max(done + 1 - final.from_step, 0))
             out["from_memory"] = float(all(e.restored_from == "memory" for e in tel))
             kept = root / "kept" / final.checkpoint_id
             out["restore_s"] = restore_seconds(root / "kept" / "spec.toml", kept) \

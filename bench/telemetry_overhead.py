@@ -6,7 +6,11 @@ at all ("plain"). Runs alternate, so drift hits every side alike.
     python bench/telemetry_overhead.py                                  # CPU, a small GPT on the corpus
     python bench/telemetry_overhead.py --device cuda --params 350e6     # ~350M-param GPT, bf16 autocast
 
-Goals: on/plain <= 1.02 on CPU; <= 1.01 on CUDA with the ~350M model.
+    python bench/telemetry_overhead.py --snapshot-every 1               # "on" also snapshots every step
+
+Goals: on/plain <= 1.02 on CPU; <= 1.01 on CUDA with the ~350M model. With `--snapshot-every N` the "on" side
+also takes a host snapshot into shared memory every N steps (train.snapshot_every, trainer/snapshots.py), as a
+rank under a node agent does; the goal is the same.
 """
 
 import argparse
@@ -45,10 +49,10 @@ WARMUP_STEPS = 10
 
 
 def one_run(spec: JobSpec, host: LinkHost | None, job_id: str, device: str, staging: Path,
-            batch_s: float) -> tuple[list[float], int, float]:
+            batch_s: float, snapshots: Path | None = None) -> tuple[list[float], int, float]:
     cfg = RunConfig(job_id=job_id, spec=spec, attempt=0, node=NODE, agent=host.address if host else None,
                     staging=staging, restore=None, manifest=None, rank=0, world_size=1, local_rank=0, device=device,
-                    sync_every=10, events_log=None)
+                    sync_every=10, events_log=None, snapshots=snapshots)
     link: AgentLink | Offline = Offline()
     if host is not None:
         link = AgentLink(host.address, job_id, 0, 0, NODE, heartbeat_s=spec.policy.heartbeat_interval_s)
@@ -120,6 +124,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--emit-batch-s", type=float, default=0.25, help="Emitter batch_s (0: hand over every step)")
+    p.add_argument("--snapshot-every", type=int, default=0,
+                   help="the 'on' side takes a host snapshot in shared memory every N steps (0: none)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     cuda = args.device == "cuda"
@@ -128,8 +134,11 @@ def main() -> None:
     model = ModelSpec(n_layer=n_layer, d_model=d_model, n_head=args.n_head or d_model // 64,
                       seq_len=args.seq_len or (1024 if cuda else 128), vocab_size=256)
     spec = JobSpec(name="bench", model=model, train=TrainSpec(steps=args.steps, batch_size=args.batch_size,
-                                                               checkpoint_every=10**9, lr=3e-4))
+                                                               checkpoint_every=10**9, lr=3e-4,
+                                                               snapshot_every=args.snapshot_every))
     tmp = Path(tempfile.mkdtemp(prefix="tel-bench-"))
+    shm = Path(tempfile.mkdtemp(prefix="tel-bench-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None)) \
+        if args.snapshot_every > 0 else None
     b = broker.start(tmp / "nats")
     host: LinkHost | None = None
     try:
@@ -153,7 +162,7 @@ def main() -> None:
                     runs[side] = plain_run(spec, args.device)
                 else:
                     runs[side] = one_run(spec, host if side == "on" else None, f"{side}-{r}", args.device,
-                                         tmp / "staging", args.emit_batch_s)
+                                         tmp / "staging", args.emit_batch_s, shm if side == "on" else None)
             for side in times:
                 times[side] += runs[side][0]
             published = runs["on"][1]  # the agent's running count
@@ -165,6 +174,8 @@ def main() -> None:
             host.close()
         b.stop()
         shutil.rmtree(tmp, ignore_errors=True)
+        if shm is not None:
+            shutil.rmtree(shm, ignore_errors=True)
     from trainer.model import GPT
 
     with torch.device("meta"):
@@ -174,6 +185,7 @@ def main() -> None:
         "model": {"n_layer": model.n_layer, "d_model": model.d_model, "n_head": model.n_head,
                   "seq_len": model.seq_len, "params": n_params}, "batch_size": args.batch_size,
         "steps_per_run": args.steps, "emit_batch_s": args.emit_batch_s, "rounds": args.rounds,
+        "snapshot_every_on": args.snapshot_every,
         "events_published_on": published,
         "median_step_s": {k: statistics.median(v) for k, v in times.items()},
         "ratio_on_vs_plain": statistics.median(times["on"]) / statistics.median(times["plain"]),

@@ -38,7 +38,8 @@ from tests.integration.test_postmortem_cli import CLI
 __all__ = ["local_objects", "moto_s3", "objects"]  # fixtures
 
 SPEC = JobSpec(name="fallback", slots=2, model=ModelSpec(d_model=32),
-               train=TrainSpec(steps=50, checkpoint_every=10, data="synthetic"),
+               # no snapshots in memory: the kill would persist step 31, and these restarts are about the store's
+               train=TrainSpec(steps=50, checkpoint_every=10, data="synthetic", snapshot_every=0),
                policy=PolicySpec(hang_min_s=3600.0),  # the sleeping rank is held on purpose, not hung
                faults=[FaultSpec(kind="slow", step=31, rank=0, seconds=600.0)])  # fires once: attempt 0 only
 
