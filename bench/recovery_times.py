@@ -78,7 +78,7 @@ FAULT_AT = 40
 PACE_S = 0.05
 
 
-def spec_for(fault: str, snapshot_every: int = 1, checkpoint_every: int = 5) -> JobSpec:
+def spec_for(fault: str, snapshot_every: int = 1, checkpoint_every: int = 5, overhead: float = 0.02) -> JobSpec:
     if fault == "lost_node":
         spec = lost_node_spec()
     elif fault == "spike":
@@ -89,7 +89,8 @@ def spec_for(fault: str, snapshot_every: int = 1, checkpoint_every: int = 5) -> 
         rank = 1 if fault == "crash" else 0
         spec = drill_spec(f"b{fault}", steps=80, checkpoint_every=checkpoint_every,
                           faults=[pace, FaultSpec(kind=fault, step=FAULT_AT, rank=rank)])  # type: ignore[arg-type]
-    return msgspec.structs.replace(spec, train=msgspec.structs.replace(spec.train, snapshot_every=snapshot_every))
+    return msgspec.structs.replace(spec, train=msgspec.structs.replace(spec.train, snapshot_every=snapshot_every,
+                                                                       snapshot_max_overhead=overhead))
 
 
 def import_seconds() -> float:
@@ -141,8 +142,8 @@ def arrival(p: Platform, kind: type, job_id: str, pick: Any = lambda e: True) ->
 
 
 async def one_run(fault: str, n: int, standby: int | None = None, snapshot_every: int = 1,
-                  checkpoint_every: int = 5) -> dict[str, float]:
-    spec = spec_for(fault, snapshot_every, checkpoint_every)
+                  checkpoint_every: int = 5, overhead: float = 0.02) -> dict[str, float]:
+    spec = spec_for(fault, snapshot_every, checkpoint_every, overhead)
     job = f"{spec.name}-{n:06x}"
     offset = time.time() - time.monotonic()  # rank clocks (wall) onto the bench's monotonic timeline
     with tempfile.TemporaryDirectory(prefix="fd-recovery-") as tmp:
@@ -222,7 +223,7 @@ def spike_marks(p: Platform, job: str, offset: float) -> dict[str, float]:
 
 
 async def bench(faults: list[str], runs: int, standby: int | None = None, snapshots: tuple[int, ...] = (1,),
-                checkpoint_every: int = 5) -> dict[str, list[dict[str, float]]]:
+                checkpoint_every: int = 5, overhead: float = 0.02) -> dict[str, list[dict[str, float]]]:
     def label(fault: str, every: int) -> str:
         return fault if len(snapshots) == 1 else f"{fault}/snap{every}"
 
@@ -231,7 +232,7 @@ async def bench(faults: list[str], runs: int, standby: int | None = None, snapsh
         for fault in faults:
             for every in snapshots:
                 key = label(fault, every)
-                results[key].append(await one_run(fault, n, standby, every, checkpoint_every))
+                results[key].append(await one_run(fault, n, standby, every, checkpoint_every, overhead))
                 print(f"{key} run {n}: " + json.dumps({k: round(v, 3) for k, v in results[key][-1].items()}),
                       flush=True)
     return results
@@ -247,18 +248,21 @@ def main() -> int:
     ap.add_argument("--snapshot-every", default="1",
                     help="comma-separated train.snapshot_every values to run each fault with (0: none)")
     ap.add_argument("--checkpoint-every", type=int, default=5, help="train.checkpoint_every of the crash and hang jobs")
+    ap.add_argument("--snapshot-max-overhead", type=float, default=0.02, help="train.snapshot_max_overhead (1: no cap)")
     args = ap.parse_args()
     snapshots = tuple(int(s) for s in args.snapshot_every.split(",") if s.strip())
     faults = [f for f in args.faults.split(",") if f]
     if args.runs < 1 or not faults or set(faults) - set(FAULTS):
         ap.error(f"--runs must be at least 1 and --faults a list of {', '.join(FAULTS)}")
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
-    results = asyncio.run(bench(faults, args.runs, args.standby, snapshots, args.checkpoint_every))
+    results = asyncio.run(bench(faults, args.runs, args.standby, snapshots, args.checkpoint_every,
+                                args.snapshot_max_overhead))
     median = {f: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for f, rs in results.items()}
     report = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                           "platform": platform.platform()},
               "policy": {"heartbeat_interval_s": 0.5, "heartbeat_misses": 4, "hang_min_s": 3.0,
                          "checkpoint_every": args.checkpoint_every, "snapshot_every": list(snapshots),
+                         "snapshot_max_overhead": args.snapshot_max_overhead,
                          "health_tick_s": 0.5, "agent_grace_s": 2.0},
               "runs": results, "median": median}
     printed: set[str] = set()

@@ -32,6 +32,9 @@ class TrainSpec(Spec, frozen=True, kw_only=True):
     # Steps between host snapshots in the node's shared memory (0: none): a failure persists the newest, so it
     # costs at most this many steps, not up to checkpoint_every (events/snapshot.py).
     snapshot_every: Annotated[int, Meta(ge=0, le=100_000_000)] = 1
+    # ... and at most this share of the training time spent on them (the copy's stall and the hashing): a rank
+    # spaces its snapshots out further when one costs more than this of the steps since the last (1: never).
+    snapshot_max_overhead: Annotated[float, Meta(gt=0.0, le=1.0)] = 0.02
     seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] = 0
     data: Literal["corpus", "synthetic"] = "corpus"
 

@@ -11,6 +11,7 @@ and loads are collective.
 
 import os
 import signal
+import statistics
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -355,6 +356,8 @@ class Run:
         every = self.spec.train.snapshot_every
         if self.snaps is None or self._replay is not None or self.step % every or self.snapped_at == self.step:
             return
+        if self._snapshot_not_due():
+            return
         if self.device.type != "cuda":  # the steps it holds go on record first (on CPU reading them costs nothing)
             self.reporter.flush()
         live = self.state.live()
@@ -368,6 +371,16 @@ class Run:
             self._snapshots_off(str(exc))
             return
         self.snapped_at = self.step
+
+    def _snapshot_not_due(self) -> bool:
+        """Whether the last snapshot's cost is still more than train.snapshot_max_overhead of the steps run since:
+        snapshots space themselves out on a large state or fast steps (a GPU's copy to host memory)."""
+        budget = self.spec.train.snapshot_max_overhead
+        assert self.snaps is not None
+        cost, times = self.snaps.last_cost_s, self.reporter.step_times[-5:]
+        if budget >= 1.0 or cost <= 0 or self.snapped_at is None or self.snapped_at > self.step or not times:
+            return False
+        return (self.step - self.snapped_at) * statistics.median(times) * budget < cost
 
     def _snapshots_off(self, reason: str) -> None:
         log.warning("host snapshots off", reason=reason)

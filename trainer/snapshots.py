@@ -113,6 +113,7 @@ class Snapshots:
         self._error: BaseException | None = None
         self.taken = 0
         self.last_stall_s = 0.0
+        self.last_cost_s = 0.0  # the newest snapshot's stall and hashing, once its header is written
 
     def _prepare(self, tensors: dict[str, torch.Tensor]) -> None:
         local = {k: _local(t) for k, t in tensors.items()}
@@ -156,7 +157,7 @@ class Snapshots:
         chunks = {k: _create_chunk_from_dtensor(t) if isinstance(t, DTensor) else None for k, t in tensors.items()}
         shapes = {k: list(t.shape) for k, t in tensors.items()}
         stall = time.perf_counter() - started
-        args = (slot, step, position, timeline, checkpointing, replicated, others, chunks, shapes)
+        args = (slot, step, position, timeline, checkpointing, replicated, others, chunks, shapes, stall)
         self._worker = threading.Thread(target=self._finish, args=args, name=f"snapshot-{step}", daemon=True)
         self._worker.start()
         self.taken += 1
@@ -164,7 +165,9 @@ class Snapshots:
         return stall
 
     def _finish(self, slot: _Slot, step: int, position: DataPosition, timeline: int, checkpointing: bool,
-                replicated: bool, others: dict[str, Any], chunks: dict[str, Any], shapes: dict[str, list[int]]) -> None:
+                replicated: bool, others: dict[str, Any], chunks: dict[str, Any], shapes: dict[str, list[int]],
+                stall: float) -> None:
+        started = time.perf_counter()
         try:
             assert self._layout is not None
             items = []
@@ -189,6 +192,7 @@ class Snapshots:
             tmp.write_bytes(msgspec.json.encode(header))
             os.replace(tmp, slot.header)
             slot.step, slot.timeline = step, timeline
+            self.last_cost_s = stall + time.perf_counter() - started
         except BaseException as exc:  # surfaced on the training thread by wait()
             self._error = exc
 

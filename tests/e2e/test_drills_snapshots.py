@@ -2,12 +2,13 @@
 the newest when the rank is gone without finishing (a crash, a hang killed), the restart waits for that set, and
 the restarted ranks load it from memory. Checkpoints every 50 steps: only the snapshots can make the redo small."""
 
+import msgspec
 import pytest
 
 from events import subjects
 from events.checkpoint import CheckpointCommitted, CheckpointStaged
 from events.job import JobCompleted, JobQueued, JobResumed
-from events.spec import FaultSpec
+from events.spec import FaultSpec, JobSpec
 from events.training import FaultInjected, RankStarted
 from tests.e2e.drill_harness import drill_spec, paced, wait_lineage
 from tests.e2e.test_drills import run_to_end
@@ -15,6 +16,11 @@ from tests.integration.lifecycle_harness import Platform
 from tests.integration.test_lifecycle_services import kinds
 
 pytestmark = [pytest.mark.slow]
+
+
+def every_step(spec: JobSpec) -> JobSpec:
+    """A snapshot at every step, whatever it costs (train.snapshot_max_overhead 1): the redo is then one step."""
+    return msgspec.structs.replace(spec, train=msgspec.structs.replace(spec.train, snapshot_max_overhead=1.0))
 
 
 async def _redone_from_memory(p: Platform, job: str, fault: str) -> None:
@@ -42,7 +48,7 @@ async def test_a_crash_redoes_at_most_the_step_in_flight_restored_from_memory(dr
     await p.ready("n1")
     spec = drill_spec("snapcrash", steps=40, checkpoint_every=50,
                       faults=[paced(), FaultSpec(kind="crash", step=27, rank=1)])
-    await p.submit(spec, job)
+    await p.submit(every_step(spec), job)
     await _redone_from_memory(p, job, "crash")
 
 
@@ -53,7 +59,7 @@ async def test_a_hung_rank_killed_leaves_its_snapshot_and_the_job_redoes_at_most
     await p.ready("n1")
     spec = drill_spec("snaphang", steps=40, checkpoint_every=50,
                       faults=[paced(), FaultSpec(kind="hang", step=23, rank=0)])
-    await p.submit(spec, job)
+    await p.submit(every_step(spec), job)
     await _redone_from_memory(p, job, "hang")
 
 
@@ -67,7 +73,8 @@ async def test_a_lost_node_under_data_parallelism_restores_the_survivors_replica
 
     p, job = drill, "lostmem-000001"
     await start_two_nodes(p)
-    await p.submit(drill_spec("lostmem", slots=2, steps=80, checkpoint_every=100, faults=[paced()], min_slots=1), job)
+    await p.submit(every_step(drill_spec("lostmem", slots=2, steps=80, checkpoint_every=100, faults=[paced()],
+                                         min_slots=1)), job)
     await kill_agent_mid_run(p, job, after_step=40)
     await run_to_end(p, job, 200)
     assert p.seen(JobCompleted, job), kinds(p.job(job))

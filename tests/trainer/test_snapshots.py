@@ -179,3 +179,24 @@ def test_the_agent_never_persists_a_snapshot_ahead_of_the_ranks_reported_steps(t
     for reported, want in [(26, 27), (27, 27), (25, 26), (24, None), (None, 27)]:
         chosen = agent_snaps.choose(tmp_path, "j", 0, 0, None, reported)
         assert (chosen[0].step if isinstance(chosen, tuple) else chosen) == want, reported
+
+
+def test_snapshots_space_out_to_keep_within_their_share_of_the_training_time() -> None:
+    """train.snapshot_max_overhead: a snapshot costing 20 ms beside 100 ms steps is due every 10 steps at 2%,
+    every step at 1 (never capped); after a rollback (the step went back) one is due at once."""
+    from types import SimpleNamespace
+
+    from events.spec import JobSpec, TrainSpec
+    from trainer.session import Run
+
+    def due(step: int, overhead: float) -> bool:
+        run = Run.__new__(Run)
+        run.spec = JobSpec(name="s", train=TrainSpec(snapshot_max_overhead=overhead))
+        run.snaps = SimpleNamespace(last_cost_s=0.02)  # type: ignore[assignment]
+        run.reporter = SimpleNamespace(step_times=[0.1] * 5)  # type: ignore[assignment]
+        run.snapped_at, run.step = 40, step
+        return not run._snapshot_not_due()
+
+    assert [s for s in range(41, 61) if due(s, 0.02)] == list(range(50, 61))
+    assert all(due(s, 1.0) for s in range(41, 61))
+    assert due(12, 0.02)
