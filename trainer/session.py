@@ -100,6 +100,7 @@ class Run:
             self.snaps = snapshots.Snapshots(cfg.snapshots, job_id=cfg.job_id, attempt=cfg.attempt, rank=dist.rank,
                                              world_size=dist.world_size)
         self.snapped_at: int | None = None
+        self._snap_gather_s = 0.0
         self.restored_from = ""
         self.saved_at: int | None = None  # the boundary whose state is already checkpointed
         self.paused = False
@@ -360,10 +361,13 @@ class Run:
             return
         if self.device.type != "cuda":  # the steps it holds go on record first (on CPU reading them costs nothing)
             self.reporter.flush()
+        started = time.perf_counter()
         live = self.state.live()
         live[checkpointing.META_KEY] = checkpointing.meta_item(self.step, self.cursor.position(), self.world_size)
         plan = self._plan
         replicated = (plan is None or plan.tp == plan.pp == 1) and not checkpointing.has_dtensors(live)
+        gathered = time.perf_counter()
+        self._snap_gather_s = gathered - started  # the state's items (get_state_dict): part of the snapshot's cost
         try:
             self.snaps.take(self.step, live, self.cursor.position(), timeline=self.ckpt.timeline,
                             checkpointing=self.saved_at == self.step, replicated=replicated)
@@ -377,7 +381,7 @@ class Run:
         snapshots space themselves out on a large state or fast steps (a GPU's copy to host memory)."""
         budget = self.spec.train.snapshot_max_overhead
         assert self.snaps is not None
-        cost, times = self.snaps.last_cost_s, self.reporter.step_times[-5:]
+        cost, times = self.snaps.last_cost_s + self._snap_gather_s, self.reporter.step_times[-5:]
         if budget >= 1.0 or cost <= 0 or self.snapped_at is None or self.snapped_at > self.step or not times:
             return False
         return (self.step - self.snapped_at) * statistics.median(times) * budget < cost

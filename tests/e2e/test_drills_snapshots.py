@@ -41,26 +41,22 @@ async def _redone_from_memory(p: Platform, job: str, fault: str) -> None:
     assert await wait_lineage(p, job, 40) == []
 
 
-@pytest.mark.timeout(200)
-async def test_a_crash_redoes_at_most_the_step_in_flight_restored_from_memory(drill: Platform) -> None:
-    p, job = drill, "snapcrash-000001"
+async def _one_node_drill(p: Platform, job: str, fault: FaultSpec) -> None:
     p.agent("n1", "--grace-s", "2")
     await p.ready("n1")
-    spec = drill_spec("snapcrash", steps=40, checkpoint_every=50,
-                      faults=[paced(), FaultSpec(kind="crash", step=27, rank=1)])
-    await p.submit(every_step(spec), job)
-    await _redone_from_memory(p, job, "crash")
+    name = job.split("-")[0]
+    await p.submit(every_step(drill_spec(name, steps=40, checkpoint_every=50, faults=[paced(), fault])), job)
+    await _redone_from_memory(p, job, fault.kind)
+
+
+@pytest.mark.timeout(200)
+async def test_a_crash_redoes_at_most_the_step_in_flight_restored_from_memory(drill: Platform) -> None:
+    await _one_node_drill(drill, "snapcrash-000001", FaultSpec(kind="crash", step=27, rank=1))
 
 
 @pytest.mark.timeout(200)
 async def test_a_hung_rank_killed_leaves_its_snapshot_and_the_job_redoes_at_most_one_step(drill: Platform) -> None:
-    p, job = drill, "snaphang-000001"
-    p.agent("n1", "--grace-s", "2")
-    await p.ready("n1")
-    spec = drill_spec("snaphang", steps=40, checkpoint_every=50,
-                      faults=[paced(), FaultSpec(kind="hang", step=23, rank=0)])
-    await p.submit(every_step(spec), job)
-    await _redone_from_memory(p, job, "hang")
+    await _one_node_drill(drill, "snaphang-000001", FaultSpec(kind="hang", step=23, rank=0))
 
 
 @pytest.mark.timeout(240)

@@ -192,7 +192,8 @@ def test_snapshots_space_out_to_keep_within_their_share_of_the_training_time() -
     def due(step: int, overhead: float) -> bool:
         run = Run.__new__(Run)
         run.spec = JobSpec(name="s", train=TrainSpec(snapshot_max_overhead=overhead))
-        run.snaps = SimpleNamespace(last_cost_s=0.02)  # type: ignore[assignment]
+        run.snaps = SimpleNamespace(last_cost_s=0.015)  # type: ignore[assignment]
+        run._snap_gather_s = 0.005
         run.reporter = SimpleNamespace(step_times=[0.1] * 5)  # type: ignore[assignment]
         run.snapped_at, run.step = 40, step
         return not run._snapshot_not_due()
