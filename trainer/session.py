@@ -11,7 +11,6 @@ and loads are collective.
 
 import os
 import signal
-import statistics
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,6 +44,7 @@ from trainer.distributed import Dist
 from trainer.link import PLAN_WAIT_S
 from trainer.replay import Replay
 from trainer.reports import SPIKE_FACTOR, Emitter, StepReporter, check_metric_names, checked_value
+from trainer.snapshotting import Cadence
 from trainer.state import Stateful, TrainState
 
 log = structlog.get_logger("trainer")
@@ -95,12 +95,12 @@ class Run:
         self.ckpt = checkpointing.Checkpointer(job_id=cfg.job_id, staging=cfg.staging, dist=dist,
                                                emit=emitter.emit, envelope=emitter.envelope)
         self.reporter = StepReporter(emitter, dist.device)
-        self.snaps: snapshots.Snapshots | None = None  # host snapshots in the node's memory (train.snapshot_every)
+        self.snapshots: Cadence | None = None  # host snapshots in the node's memory (train.snapshot_every)
         if cfg.snapshots is not None and cfg.spec.train.snapshot_every > 0:
-            self.snaps = snapshots.Snapshots(cfg.snapshots, job_id=cfg.job_id, attempt=cfg.attempt, rank=dist.rank,
-                                             world_size=dist.world_size)
-        self.snapped_at: int | None = None
-        self._snap_gather_s = 0.0
+            snaps = snapshots.Snapshots(cfg.snapshots, job_id=cfg.job_id, attempt=cfg.attempt, rank=dist.rank,
+                                        world_size=dist.world_size)
+            self.snapshots = Cadence(snaps, every=cfg.spec.train.snapshot_every,
+                                     max_overhead=cfg.spec.train.snapshot_max_overhead, off=self._snapshots_off)
         self.restored_from = ""
         self.saved_at: int | None = None  # the boundary whose state is already checkpointed
         self.paused = False
@@ -199,7 +199,8 @@ class Run:
             self.step = step + 1
         self.reporter.flush()
         self.ckpt.wait()
-        self._close_snapshots()
+        if self.snapshots is not None:
+            self.snapshots.close()
         self.finished = self.ran_all = True
         log.info("training finished", steps=self.step)
 
@@ -249,7 +250,8 @@ class Run:
         try:
             self.reporter.flush()
             self.ckpt.wait()
-            self._close_snapshots()
+            if self.snapshots is not None:
+                self.snapshots.close()
         finally:
             self.emitter.close()
         if self.finished:
@@ -353,51 +355,19 @@ class Run:
             self.ckpt.wait()
 
     def _snapshot(self) -> None:
-        """This boundary's state into the node's memory, every `train.snapshot_every` steps (never a re-run's)."""
-        every = self.spec.train.snapshot_every
-        if self.snaps is None or self._replay is not None or self.step % every or self.snapped_at == self.step:
-            return
-        if self._snapshot_not_due():
+        """This boundary's state into the node's memory when it is due (never a re-run's)."""
+        if self.snapshots is None or self._replay is not None \
+                or not self.snapshots.due(self.step, self.reporter.step_times):
             return
         if self.device.type != "cuda":  # the steps it holds go on record first (on CPU reading them costs nothing)
             self.reporter.flush()
-        started = time.perf_counter()
-        live = self.state.live()
-        live[checkpointing.META_KEY] = checkpointing.meta_item(self.step, self.cursor.position(), self.world_size)
         plan = self._plan
-        replicated = (plan is None or plan.tp == plan.pp == 1) and not checkpointing.has_dtensors(live)
-        gathered = time.perf_counter()
-        self._snap_gather_s = gathered - started  # the state's items (get_state_dict): part of the snapshot's cost
-        try:
-            self.snaps.take(self.step, live, self.cursor.position(), timeline=self.ckpt.timeline,
-                            checkpointing=self.saved_at == self.step, replicated=replicated)
-        except snapshots.SnapshotsOff as exc:
-            self._snapshots_off(str(exc))
-            return
-        self.snapped_at = self.step
-
-    def _snapshot_not_due(self) -> bool:
-        """Whether the last snapshot's cost is still more than train.snapshot_max_overhead of the steps run since:
-        snapshots space themselves out on a large state or fast steps (a GPU's copy to host memory)."""
-        budget = self.spec.train.snapshot_max_overhead
-        assert self.snaps is not None
-        cost, times = self.snaps.last_cost_s + self._snap_gather_s, self.reporter.step_times[-5:]
-        if budget >= 1.0 or cost <= 0 or self.snapped_at is None or self.snapped_at > self.step or not times:
-            return False
-        return (self.step - self.snapped_at) * statistics.median(times) * budget < cost
+        self.snapshots.take(self.step, self.state.live, self.cursor.position(), self.world_size,
+                            timeline=self.ckpt.timeline, checkpointing_=self.saved_at == self.step,
+                            tensor_parallel=plan is not None and (plan.tp > 1 or plan.pp > 1))
 
     def _snapshots_off(self, reason: str) -> None:
-        log.warning("host snapshots off", reason=reason)
-        self.snaps = None
         self.emitter.emit(SnapshotsOff(step=self.step, reason=reason[:2000], **self.emitter.envelope))
-
-    def _close_snapshots(self) -> None:
-        if self.snaps is None:
-            return
-        try:
-            self.snaps.close()
-        except snapshots.SnapshotsOff as exc:
-            self._snapshots_off(str(exc))
 
     def _load(self, path: Path, shards: list[ShardInfo] | None) -> None:
         step, position = checkpointing.load(path, self.state, self.dist, shards)

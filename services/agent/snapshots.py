@@ -16,8 +16,13 @@ from pathlib import Path
 import structlog
 
 from events import snapshot as fmt
+from events import subjects
 from events.checkpoint import CheckpointStaged, ShardInfo
+from events.store import EventStore
+from services.agent.core import SpawnArgs
+from services.agent.rankproc import retrying
 from services.shell.objects import manifest
+from services.shell.objects.store import ObjectStore
 
 log = structlog.get_logger("flightdeck.agent.snapshots")
 
@@ -130,3 +135,44 @@ def forget_attempts_before(root: Path, job_id: str, attempt: int, keep: set[Path
             continue
         if older and slot not in keep:
             shutil.rmtree(slot, ignore_errors=True)
+
+
+async def persist(root: Path, store: EventStore, job_id: str, attempt: int, rank: int, staged: tuple[int, int] | None,
+                  reported: int, *, node: str, producer: str) -> None:
+    """Stage a gone rank's snapshot for the node's shipper (`persisting`), on the rank's own subject."""
+    try:
+        event = await persisting(root, job_id, attempt, rank, staged, reported, node=node, producer=producer)
+    except Exception as exc:  # the store's checkpoints still stand: the restart restores the newest
+        log.error("persisting the rank's snapshot failed", job_id=job_id, rank=rank, error=repr(exc))
+        return
+    if event is None:
+        return
+    subject = subjects.telemetry(job_id, rank, "CheckpointStaged")
+    await retrying("staging the rank's snapshot", lambda: store.append(subject, event, msg_id=event.event_id))
+    log.info("rank's snapshot staged for the store", job_id=job_id, rank=rank, step=event.step,
+             timeline=event.timeline, bytes=sum(s.size for s in event.shards), seconds=event.write_s)
+
+
+async def restores_in_memory(root: Path, objects: ObjectStore, args: SpawnArgs) -> dict[int, Path]:
+    """The ranks of `args` this node can restore from its own memory (their slots hold the restore checkpoint,
+    persisted from them), by rank. Slots of attempts older than the restore's are let go here (the job's end lets
+    go of the rest): a set of a newer failed attempt may still be on its way to commit (a lost node's survivors)."""
+    found: dict[int, Path] = {}
+    restore = args.restore
+    if restore is not None and restore.from_memory:
+        mf: manifest.Manifest | None = None
+        try:
+            mf, _ = await manifest.read_manifest(objects, args.job_id, restore.checkpoint_id,
+                                                 expected_sha256=restore.manifest_sha256)
+        except Exception as exc:  # the store's copy decides then, with its own errors
+            log.warning("cannot read the restore's manifest to match memory", job_id=args.job_id,
+                        checkpoint_id=restore.checkpoint_id, error=repr(exc))
+        for ref in args.ranks if mf is not None else ():
+            assert mf is not None
+            slot = await asyncio.to_thread(in_memory, root, args.job_id, restore.checkpoint_id, restore.step, ref.rank,
+                                           mf)
+            if slot is not None:
+                found[ref.rank] = slot
+    if restore is not None:  # older than what this attempt restores: never needed again
+        await asyncio.to_thread(forget_attempts_before, root, args.job_id, restore.attempt, set(found.values()))
+    return found

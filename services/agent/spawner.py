@@ -190,30 +190,9 @@ class Spawner:
         return []
 
     async def _in_memory(self, args: SpawnArgs) -> dict[int, Path]:
-        """The ranks this node can restore from its own memory (their slots hold the restore checkpoint, persisted
-        from them), by rank. Slots of attempts older than the restore's are let go here (the job's end lets go of
-        the rest): a set of a newer failed attempt may still be on its way to commit (a lost node's survivors)."""
-        root = self.paths.snapshots
-        if root is None:
+        if self.paths.snapshots is None:
             return {}
-        found: dict[int, Path] = {}
-        if args.restore is not None and args.restore.from_memory:
-            try:
-                mf, _ = await manifest.read_manifest(self.objects, args.job_id, args.restore.checkpoint_id,
-                                                     expected_sha256=args.restore.manifest_sha256)
-            except Exception as exc:  # the store's copy decides then, with its own errors
-                log.warning("cannot read the restore's manifest to match memory", job_id=args.job_id,
-                            checkpoint_id=args.restore.checkpoint_id, error=repr(exc))
-                mf = None
-            for ref in args.ranks:
-                slot = None if mf is None else await asyncio.to_thread(
-                    snapshots.in_memory, root, args.job_id, args.restore.checkpoint_id, args.restore.step, ref.rank, mf)
-                if slot is not None:
-                    found[ref.rank] = slot
-        if args.restore is not None:  # older than what this attempt restores: never needed again
-            await asyncio.to_thread(snapshots.forget_attempts_before, root, args.job_id, args.restore.attempt,
-                                    set(found.values()))
-        return found
+        return await snapshots.restores_in_memory(self.paths.snapshots, self.objects, args)
 
     async def _clear_slots(self, args: SpawnArgs) -> None:
         """Kill what still runs on the granted slots, and older attempts of the job, before anything starts."""
@@ -394,18 +373,8 @@ class Spawner:
         # resumes past a step it holds no record of (the rank's last report can die with it)
         reported = self.links.stepped.get(key, -1) if self.links is not None else -1
         reported = max(reported, self.beat_steps.pop(key, -1)) if reported < 0 else reported
-        try:
-            event = await snapshots.persisting(self.paths.snapshots, p.job_id, p.attempt, p.ref.rank, staged,
-                                               reported, node=self.node, producer=self.producer)
-        except Exception as exc:  # the store's checkpoints still stand: the restart restores the newest
-            log.error("persisting the rank's snapshot failed", error=repr(exc))
-            return
-        if event is None:
-            return
-        subject = subjects.telemetry(p.job_id, p.ref.rank, "CheckpointStaged")
-        await retrying("staging the rank's snapshot", lambda: self.store.append(subject, event, msg_id=event.event_id))
-        log.info("rank's snapshot staged for the store", step=event.step, timeline=event.timeline,
-                 bytes=sum(s.size for s in event.shards), seconds=event.write_s)
+        await snapshots.persist(self.paths.snapshots, self.store, p.job_id, p.attempt, p.ref.rank, staged, reported,
+                                node=self.node, producer=self.producer)
 
     def stop(self, job_id: str, attempt: int, reason: str, *, immediate: bool = False, shutdown: bool = False) -> None:
         """SIGTERM the attempt's ranks here (they checkpoint and exit), SIGKILL whatever outlives the grace."""

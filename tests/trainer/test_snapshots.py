@@ -181,22 +181,17 @@ def test_the_agent_never_persists_a_snapshot_ahead_of_the_ranks_reported_steps(t
         assert (chosen[0].step if isinstance(chosen, tuple) else chosen) == want, reported
 
 
-def test_snapshots_space_out_to_keep_within_their_share_of_the_training_time() -> None:
+def test_snapshots_space_out_to_keep_within_their_share_of_the_training_time(tmp_path: Path) -> None:
     """train.snapshot_max_overhead: a snapshot costing 20 ms beside 100 ms steps is due every 10 steps at 2%,
     every step at 1 (never capped); after a rollback (the step went back) one is due at once."""
-    from types import SimpleNamespace
-
-    from events.spec import JobSpec, TrainSpec
-    from trainer.session import Run
+    from trainer.snapshotting import Cadence
 
     def due(step: int, overhead: float) -> bool:
-        run = Run.__new__(Run)
-        run.spec = JobSpec(name="s", train=TrainSpec(snapshot_max_overhead=overhead))
-        run.snaps = SimpleNamespace(last_cost_s=0.015)  # type: ignore[assignment]
-        run._snap_gather_s = 0.005
-        run.reporter = SimpleNamespace(step_times=[0.1] * 5)  # type: ignore[assignment]
-        run.snapped_at, run.step = 40, step
-        return not run._snapshot_not_due()
+        snaps = snapshots.Snapshots(tmp_path, job_id="j", attempt=0, rank=0, world_size=1)
+        snaps.last_cost_s = 0.015
+        cadence = Cadence(snaps, every=1, max_overhead=overhead, off=lambda reason: None)
+        cadence.snapped_at, cadence.gather_s = 40, 0.005
+        return cadence.due(step, [0.1] * 5)
 
     assert [s for s in range(41, 61) if due(s, 0.02)] == list(range(50, 61))
     assert all(due(s, 1.0) for s in range(41, 61))

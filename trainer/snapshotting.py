@@ -1,0 +1,62 @@
+"""When a rank takes its host snapshots (trainer/snapshots.py), for the step loop (trainer/session.py): every
+`train.snapshot_every` steps, spaced further out while one costs more than `train.snapshot_max_overhead` of the
+steps since the last, and what turns them off (a node short of shared memory, a write that failed): said once."""
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+
+from events.checkpoint import DataPosition
+from trainer import checkpointing
+from trainer.snapshots import Snapshots, SnapshotsOff
+
+log = structlog.get_logger("trainer")
+
+
+class Cadence:
+    def __init__(self, snaps: Snapshots, *, every: int, max_overhead: float, off: Callable[[str], None]) -> None:
+        self.snaps: Snapshots | None = snaps
+        self.every, self.max_overhead, self.off = every, max_overhead, off
+        self.snapped_at: int | None = None
+        self.gather_s = 0.0  # gathering the state's items (get_state_dict): part of a snapshot's cost
+
+    def due(self, step: int, step_times: list[float]) -> bool:
+        if self.snaps is None or step % self.every or self.snapped_at == step:
+            return False
+        cost, times = self.snaps.last_cost_s + self.gather_s, step_times[-5:]
+        if self.max_overhead >= 1.0 or cost <= 0 or self.snapped_at is None or self.snapped_at > step or not times:
+            return True  # the first, after a rollback (the step went back), or never capped
+        return (step - self.snapped_at) * statistics.median(times) * self.max_overhead >= cost
+
+    def take(self, step: int, live: Callable[[], dict[str, Any]], position: DataPosition, world_size: int, *,
+             timeline: int, checkpointing_: bool, tensor_parallel: bool) -> None:
+        """Snapshot the state `live()` gathers (call only when `due`)."""
+        assert self.snaps is not None
+        started = time.perf_counter()
+        items = live()
+        items[checkpointing.META_KEY] = checkpointing.meta_item(step, position, world_size)
+        replicated = not tensor_parallel and not checkpointing.has_dtensors(items)
+        self.gather_s = time.perf_counter() - started
+        try:
+            self.snaps.take(step, items, position, timeline=timeline, checkpointing=checkpointing_,
+                            replicated=replicated)
+        except SnapshotsOff as exc:
+            self._off(str(exc))
+            return
+        self.snapped_at = step
+
+    def close(self) -> None:
+        if self.snaps is None:
+            return
+        try:
+            self.snaps.close()
+        except SnapshotsOff as exc:
+            self._off(str(exc))
+
+    def _off(self, reason: str) -> None:
+        log.warning("host snapshots off", reason=reason)
+        self.snaps = None
+        self.off(reason)
