@@ -43,12 +43,13 @@ def _sha256(path: Path) -> ShardInfo:
 
 
 def choose(root: Path, job_id: str, attempt: int, rank: int, staged: tuple[int, int] | None,
-           reported: int | None = None) -> tuple[fmt.Header, Path] | str | None:
-    """The slot to persist for a rank gone without finishing: its newest complete one whose bytes check, that is
-    not a step the rank checkpointed itself, is newer than anything it staged (`staged`: its newest (timeline,
-    step)), and follows a step the rank reported (`reported`: its newest; None: not known). None: nothing newer
-    to persist. A string: why nothing can be (every slot bad)."""
-    problems = []
+           reported: int | None = None) -> list[tuple[fmt.Header, Path]] | str | None:
+    """The slots to persist for a rank gone without finishing, newest first: its complete ones whose bytes check,
+    that are not a step the rank checkpointed itself, are newer than anything it staged (`staged`: its newest
+    (timeline, step)), and follow a step the rank reported (`reported`: its newest; None: not known). Both slots
+    when both qualify: its peers' newest may be one step apart (a rank's last report dies with it), and a set
+    commits only at a step every rank staged. None: nothing newer to persist. A string: why nothing can be."""
+    problems, found = [], []
     slots = fmt.complete_slots(root, job_id, attempt, rank)
     newest = max((h.timeline for h, _ in slots), default=0)
     for header, folder in slots:
@@ -66,8 +67,8 @@ def choose(root: Path, job_id: str, attempt: int, rank: int, staged: tuple[int, 
             problems.append(str(exc))
             log.warning("snapshot slot refused", job_id=job_id, rank=rank, error=str(exc))
             continue
-        return header, folder
-    return "; ".join(problems) if problems else None
+        found.append((header, folder))
+    return found or ("; ".join(problems) if problems else None)
 
 
 def persist_event(header: fmt.Header, folder: Path, *, node: str, producer: str, seconds: float) -> CheckpointStaged:
@@ -82,19 +83,18 @@ def persist_event(header: fmt.Header, folder: Path, *, node: str, producer: str,
 
 
 async def persisting(root: Path, job_id: str, attempt: int, rank: int, staged: tuple[int, int] | None,
-                     reported: int | None = None, *, node: str, producer: str) -> CheckpointStaged | None:
-    """The staging of rank's snapshot to publish, or None (nothing newer than its own checkpoints, or every slot
-    bad: logged)."""
+                     reported: int | None = None, *, node: str, producer: str) -> list[CheckpointStaged]:
+    """The stagings of the rank's snapshots to publish, newest first; none when nothing is newer than its own
+    checkpoints, or every slot is bad (logged)."""
     started = time.perf_counter()
     chosen = await asyncio.to_thread(choose, root, job_id, attempt, rank, staged, reported)
     if chosen is None or isinstance(chosen, str):
         if chosen:
             log.error("no snapshot of the rank can be persisted", job_id=job_id, attempt=attempt, rank=rank,
                       problems=chosen)
-        return None
-    header, folder = chosen
-    return await asyncio.to_thread(persist_event, header, folder, node=node, producer=producer,
-                                   seconds=round(time.perf_counter() - started, 4))
+        return []
+    return [await asyncio.to_thread(persist_event, header, folder, node=node, producer=producer,
+                                    seconds=round(time.perf_counter() - started, 4)) for header, folder in chosen]
 
 
 def in_memory(root: Path, job_id: str, checkpoint_id: str, step: int, rank: int,
@@ -141,16 +141,16 @@ async def persist(root: Path, store: EventStore, job_id: str, attempt: int, rank
                   reported: int, *, node: str, producer: str) -> None:
     """Stage a gone rank's snapshot for the node's shipper (`persisting`), on the rank's own subject."""
     try:
-        event = await persisting(root, job_id, attempt, rank, staged, reported, node=node, producer=producer)
+        events = await persisting(root, job_id, attempt, rank, staged, reported, node=node, producer=producer)
     except Exception as exc:  # the store's checkpoints still stand: the restart restores the newest
         log.error("persisting the rank's snapshot failed", job_id=job_id, rank=rank, error=repr(exc))
         return
-    if event is None:
-        return
     subject = subjects.telemetry(job_id, rank, "CheckpointStaged")
-    await retrying("staging the rank's snapshot", lambda: store.append(subject, event, msg_id=event.event_id))
-    log.info("rank's snapshot staged for the store", job_id=job_id, rank=rank, step=event.step,
-             timeline=event.timeline, bytes=sum(s.size for s in event.shards), seconds=event.write_s)
+    for event in events:
+        await retrying("staging the rank's snapshot",
+                       lambda event=event: store.append(subject, event, msg_id=event.event_id))  # type: ignore[misc]
+        log.info("rank's snapshot staged for the store", job_id=job_id, rank=rank, step=event.step,
+                 timeline=event.timeline, bytes=sum(s.size for s in event.shards), seconds=event.write_s)
 
 
 async def restores_in_memory(root: Path, objects: ObjectStore, args: SpawnArgs) -> dict[int, Path]:

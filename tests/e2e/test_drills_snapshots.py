@@ -28,13 +28,14 @@ async def _redone_from_memory(p: Platform, job: str, fault: str) -> None:
     assert p.seen(JobCompleted, job), kinds(p.job(job))
     (fired,) = [e for e in p.seen(FaultInjected, job, stream=subjects.TELEMETRY) if e.kind == fault]
     persisted = [e for e in p.seen(CheckpointStaged, job, stream=subjects.TELEMETRY) if e.from_memory]
-    assert sorted(e.rank for e in persisted) == [0, 1] and {e.attempt for e in persisted} == {0}
+    assert {e.rank for e in persisted} == {0, 1} and {e.attempt for e in persisted} == {0}
     assert {e.producer for e in persisted} == {"agent-n1"}  # the agent, after its ranks were gone
-    (commit,) = [e for e in p.seen(CheckpointCommitted, job) if e.from_memory]
-    assert commit.attempt == 0 and commit.step >= fired.step - 1  # at most one step redone (the one in flight)
-    assert any("snapshots in memory" in e.reason for e in p.seen(JobQueued, job))
+    # (each rank's good slots are staged, newest first: a set commits at a step every rank holds)
     (resumed,) = p.seen(JobResumed, job)
-    assert (resumed.checkpoint_id, resumed.from_step) == (commit.checkpoint_id, commit.step)
+    (commit,) = [e for e in p.seen(CheckpointCommitted, job) if e.checkpoint_id == resumed.checkpoint_id]
+    assert commit.from_memory and commit.attempt == 0 and resumed.from_step == commit.step
+    assert commit.step >= fired.step - 1  # at most one step redone (the one in flight)
+    assert any("snapshots in memory" in e.reason for e in p.seen(JobQueued, job))
     started = [e for e in p.seen(RankStarted, job, stream=subjects.TELEMETRY) if e.attempt == 1]
     assert sorted((e.rank, e.from_step, e.restored_from) for e in started) == [(0, commit.step, "memory"),
                                                                                (1, commit.step, "memory")]
@@ -75,14 +76,14 @@ async def test_a_lost_node_under_data_parallelism_restores_the_survivors_replica
     await run_to_end(p, job, 200)
     assert p.seen(JobCompleted, job), kinds(p.job(job))
     assert [e.node for e in p.seen(NodeLost)] == ["n2"]
-    (commit,) = [e for e in p.seen(CheckpointCommitted, job) if e.from_memory]
     persisted = [e for e in p.seen(CheckpointStaged, job, stream=subjects.TELEMETRY) if e.from_memory]
-    assert [(e.rank, e.node, e.replicated) for e in persisted] == [(0, "n1", True)]
+    assert {(e.rank, e.node, e.replicated) for e in persisted} == {(0, "n1", True)}
+    resumed = p.seen(JobResumed, job)[-1]
+    (commit,) = [e for e in p.seen(CheckpointCommitted, job) if e.checkpoint_id == resumed.checkpoint_id]
+    assert commit.from_memory and resumed.from_step == commit.step
     done = max(e.step for e in p.seen(StepCompleted, job, stream=subjects.TELEMETRY)
                if e.attempt == commit.attempt and e.rank == 0)
     assert commit.step >= done  # the step in flight at most is redone
-    resumed = p.seen(JobResumed, job)[-1]
-    assert (resumed.checkpoint_id, resumed.from_step) == (commit.checkpoint_id, commit.step)
     started = [e for e in p.seen(RankStarted, job, stream=subjects.TELEMETRY) if e.attempt == resumed.attempt]
     assert [(e.rank, e.node, e.restored_from) for e in started] == [(0, "n1", "memory")]
     assert await wait_lineage(p, job, 80) == []
