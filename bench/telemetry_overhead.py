@@ -49,7 +49,7 @@ WARMUP_STEPS = 10
 
 
 def one_run(spec: JobSpec, host: LinkHost | None, job_id: str, device: str, staging: Path,
-            batch_s: float, snapshots: Path | None = None) -> tuple[list[float], int, float]:
+            batch_s: float, snapshots: Path | None = None) -> tuple[list[float], int, float, float, float]:
     cfg = RunConfig(job_id=job_id, spec=spec, attempt=0, node=NODE, agent=host.address if host else None,
                     staging=staging, restore=None, manifest=None, rank=0, world_size=1, local_rank=0, device=device,
                     sync_every=10, events_log=None, snapshots=snapshots)
@@ -60,13 +60,21 @@ def one_run(spec: JobSpec, host: LinkHost | None, job_id: str, device: str, stag
         link.start()
     emitter = Emitter(link, {"job_id": job_id, "rank": 0, "attempt": 0, "node": NODE}, batch_s=batch_s)
     run = Run(cfg, distributed.init(0, 1, 0, device), emitter, link)
-    cpu, main_cpu = time.process_time(), time.thread_time()
+    cpu, main_cpu, wall = time.process_time(), time.thread_time(), time.perf_counter()
     assert train(run) == 0
+    wall = time.perf_counter() - wall
     # CPU the process spent outside the training thread (the link's thread; here also the agent's end, which on a
     # node runs in the agent's process, so this over-counts): a noise-free upper
     # bound on what telemetry can take from the step, where the wall clock on a shared box cannot resolve 2%.
     background_cpu = (time.process_time() - cpu) - (time.thread_time() - main_cpu)
+    cadence = run.snapshots
     run.close()
+    # What the snapshots took, measured where it is spent (noise-free, unlike the step's wall clock): the
+    # training thread's gather and copy, and the worker's CPU for the crc32s and the header.
+    snap_s, taken = 0.0, 0
+    if cadence is not None and cadence.snaps is not None:
+        snap_s = cadence.gather_total_s + cadence.snaps.stall_total_s + cadence.snaps.worker_cpu_total_s
+        taken = cadence.snaps.taken
     published = 0 if host is None else host.call(lambda links: links.published)
     times = run.reporter.step_times[WARMUP_STEPS:]
     background_per_step = background_cpu / len(run.reporter.step_times)
@@ -74,10 +82,10 @@ def one_run(spec: JobSpec, host: LinkHost | None, job_id: str, device: str, stag
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
-    return times, published, background_per_step
+    return times, published, background_per_step, snap_s / wall, taken / spec.train.steps
 
 
-def plain_run(spec: JobSpec, device: str) -> tuple[list[float], int, float]:
+def plain_run(spec: JobSpec, device: str) -> tuple[list[float], int, float, float, float]:
     """trainer/loop.py's step body with no Flightdeck: the baseline a user compares with."""
     dev = torch.device(device)
     torch.manual_seed(spec.train.seed)
@@ -109,7 +117,7 @@ def plain_run(spec: JobSpec, device: str) -> tuple[list[float], int, float]:
         last = now
     del gpt, opt
     gc.collect()
-    return times[WARMUP_STEPS:], 0, 0.0
+    return times[WARMUP_STEPS:], 0, 0.0, 0.0, 0.0
 
 
 def main() -> None:
@@ -126,6 +134,8 @@ def main() -> None:
     p.add_argument("--emit-batch-s", type=float, default=0.25, help="Emitter batch_s (0: hand over every step)")
     p.add_argument("--snapshot-every", type=int, default=0,
                    help="the 'on' side takes a host snapshot in shared memory every N steps (0: none)")
+    p.add_argument("--snapshot-max-overhead", type=float, default=TrainSpec().snapshot_max_overhead,
+                   help="train.snapshot_max_overhead (1.0: a snapshot every N steps whatever it costs)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     cuda = args.device == "cuda"
@@ -135,7 +145,8 @@ def main() -> None:
                       seq_len=args.seq_len or (1024 if cuda else 128), vocab_size=256)
     spec = JobSpec(name="bench", model=model, train=TrainSpec(steps=args.steps, batch_size=args.batch_size,
                                                                checkpoint_every=10**9, lr=3e-4,
-                                                               snapshot_every=args.snapshot_every))
+                                                               snapshot_every=args.snapshot_every,
+                                                               snapshot_max_overhead=args.snapshot_max_overhead))
     tmp = Path(tempfile.mkdtemp(prefix="tel-bench-"))
     shm = Path(tempfile.mkdtemp(prefix="tel-bench-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None)) \
         if args.snapshot_every > 0 else None
@@ -152,6 +163,8 @@ def main() -> None:
         times: dict[str, list[float]] = {"plain": [], "off": [], "on": []}
         paired: dict[str, list[float]] = {"on": [], "off": []}
         background: dict[str, list[float]] = {"on": [], "off": []}
+        snapshot_share: list[float] = []
+        snapshot_rate: list[float] = []
         published = 0
         orders = [("plain", "off", "on"), ("on", "plain", "off"), ("off", "on", "plain")]
         for r in range(args.rounds):
@@ -169,6 +182,8 @@ def main() -> None:
             for side in ("on", "off"):
                 paired[side].append(statistics.median(runs[side][0]) / statistics.median(runs["plain"][0]))
                 background[side].append(runs[side][2])
+            snapshot_share.append(runs["on"][3])
+            snapshot_rate.append(runs["on"][4])
     finally:
         if host is not None:
             host.close()
@@ -185,7 +200,7 @@ def main() -> None:
         "model": {"n_layer": model.n_layer, "d_model": model.d_model, "n_head": model.n_head,
                   "seq_len": model.seq_len, "params": n_params}, "batch_size": args.batch_size,
         "steps_per_run": args.steps, "emit_batch_s": args.emit_batch_s, "rounds": args.rounds,
-        "snapshot_every_on": args.snapshot_every,
+        "snapshot_every_on": args.snapshot_every, "snapshot_max_overhead": args.snapshot_max_overhead,
         "events_published_on": published,
         "median_step_s": {k: statistics.median(v) for k, v in times.items()},
         "ratio_on_vs_plain": statistics.median(times["on"]) / statistics.median(times["plain"]),
@@ -195,6 +210,11 @@ def main() -> None:
         "background_cpu_s_per_step": {k: statistics.median(v) for k, v in background.items()},
         "background_cpu_vs_step": (statistics.median(background["on"]) - statistics.median(background["off"]))
         / statistics.median(times["plain"]),
+        # The snapshots' own cost over the training time (gather + copy on the training thread, the worker's CPU):
+        # the overhead they add, as an upper bound, without the wall clock's noise.
+        "snapshot_cost_vs_training": statistics.median(snapshot_share) if args.snapshot_every > 0 else 0.0,
+        "snapshot_cost_vs_training_per_round": snapshot_share if args.snapshot_every > 0 else [],
+        "snapshots_per_step": statistics.median(snapshot_rate) if args.snapshot_every > 0 else 0.0,
         "goal": 1.01 if cuda else 1.02,
     }
     print(json.dumps(result, indent=2))

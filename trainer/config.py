@@ -15,7 +15,7 @@ import msgspec
 from events import nodelocal as nl
 from events import ranklink
 from events.plan import ParallelPlan
-from events.snapshot import SNAPSHOTS_ENV
+from events.snapshot import SNAPSHOTS_ENV, SNAPSHOTS_OFF_ENV
 from events.spec import JobSpec, check, parse_spec
 
 LOCAL_JOB = "local"
@@ -44,6 +44,7 @@ class RunConfig:
     resume_local: bool = False  # no-platform mode after a torchrun restart: resume from the newest staged set
     restore_skips: tuple[tuple[int, int], ...] = ()  # batch windows to skip beyond what `restore` recorded
     snapshots: Path | None = None  # the node's snapshot root (events/snapshot.py); None: no host snapshots
+    snapshots_off: str = ""  # why none: its node's snapshot memory has no room for them (AllocationGranted)
 
 
 def _int(env: Mapping[str, str], name: str, default: int) -> int:
@@ -105,6 +106,7 @@ def from_env(env: Mapping[str, str] | None = None) -> RunConfig:
         sync_every=sync_every, events_log=Path(env[nl.EVENTS_LOG_ENV]) if env.get(nl.EVENTS_LOG_ENV) else None,
         plan=plan, fired=fired, platform=bool(job_id), resume_local=not job_id and restore is None and restarts > 0,
         snapshots=Path(env[SNAPSHOTS_ENV]) if env.get(SNAPSHOTS_ENV) and job_id else None,
+        snapshots_off=env.get(SNAPSHOTS_OFF_ENV, "") if job_id else "",
     )
 
 

@@ -70,14 +70,29 @@ class HostCopier:
     def __init__(self, threads: int | None = None) -> None:
         self.threads = threads or default_threads()
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="snapshot") if self.threads > 1 else None
+        # Each destination's last plan and what it copied from (the same tensors over the same memory): cutting a
+        # few hundred tensors into ranges costs milliseconds that a snapshot every step would pay each time.
+        self._plans: dict[int, tuple[dict[str, tuple[int, int]], list[list[Pair]]]] = {}
 
     def copy(self, live: dict[str, Any], buffers: dict[str, Any]) -> None:
-        pairs = [(_local(live[k]), _local(buffers[k])) for k in buffers if isinstance(live.get(k), torch.Tensor)]
-        if self._pool is None:
-            _run(pairs)
-            return
-        for f in [self._pool.submit(_run, part) for part in split(pairs, self.threads) if part]:
-            f.result()
+        sources = {k: t for k in buffers if isinstance(t := live.get(k), torch.Tensor)}
+        marks = {k: (id(t), getattr(t, "_local_tensor", t).data_ptr()) for k, t in sources.items()}
+        known = self._plans.get(id(buffers))
+        changed = [k for k, m in marks.items() if known is None or known[0].get(k) != m]
+        late: list[Pair] = []  # copied after the plan's parts, so what they copied of these is overwritten
+        if known is not None and marks.keys() == known[0].keys() and \
+                sum(sources[k].nelement() for k in changed) * 16 <= sum(t.nelement() for t in sources.values()):
+            parts, late = known[1], [(_local(sources[k]), _local(buffers[k])) for k in changed]
+        else:
+            pairs = [(_local(t), _local(buffers[k])) for k, t in sources.items()]
+            parts = [part for part in split(pairs, self.threads) if part] if self._pool is not None else [pairs]
+            self._plans[id(buffers)] = (marks, parts)
+        if parts:
+            futures = [self._pool.submit(_run, part) for part in parts[1:]] if self._pool is not None else []
+            _run(parts[0])  # this thread copies a share too, rather than wait idle
+            for f in futures:
+                f.result()
+        _run(late)
 
     def close(self) -> None:
         if self._pool is not None:

@@ -174,6 +174,8 @@ class Run:
         self.restore()
         self.emitter.emit(RankStarted(world_size=self.world_size, from_step=self.step, device=str(self.device),
                                       restored_from=self.restored_from, **self.emitter.envelope))
+        if self.cfg.snapshots_off and self.spec.train.snapshot_every > 0:  # the grant found its node no room
+            self._snapshots_off(self.cfg.snapshots_off)
         self.emitter.set_step(self.step - 1)
         while True:
             if self._replay is not None and self.step >= self._replay.until:

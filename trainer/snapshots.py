@@ -1,7 +1,7 @@
 """A rank's host snapshots in shared memory that outlive it (the format: events/snapshot.py).
 
 `Snapshots.take` copies the live state into the older of two slots at a step boundary (the stall: a memcpy over a
-few threads, as for a checkpoint), then a worker thread sums each item's crc32 and writes the header that makes
+few threads, as for a checkpoint), then a worker thread sums each item's checksum and writes the header that makes
 the slot complete. A rank killed at any point leaves its newest complete snapshot for its node agent to persist
 (services/agent/snapshots.py) and for its next attempt to restore from memory.
 
@@ -15,7 +15,6 @@ import mmap
 import os
 import threading
 import time
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +41,6 @@ from trainer.hostcopy import HostCopier
 
 log = structlog.get_logger("trainer")
 ALIGN = 64
-MARGIN = 1.25  # a node's snapshot root must hold both slots with this much to spare
 
 
 class SnapshotsOff(Exception):
@@ -51,6 +49,14 @@ class SnapshotsOff(Exception):
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Plain values equal, of one type (a container of tensors is never taken as equal)."""
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # tensors inside: ambiguous, so packed again
+        return False
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -113,7 +119,12 @@ class Snapshots:
         self._error: BaseException | None = None
         self.taken = 0
         self.last_stall_s = 0.0
-        self.last_cost_s = 0.0  # the newest snapshot's stall and hashing, once its header is written
+        self.last_cost_s = 0.0  # the newest snapshot's stall and its worker's CPU, once its header is written
+        # Totals over this process: the training thread's stalls and the worker's CPU, for what snapshots cost.
+        self.stall_total_s = 0.0
+        self._packs: dict[str, tuple[Any, fmt.Item]] = {}  # the last packed value of each item not a tensor
+        self._items: dict[str, tuple[tuple[Any, ...], fmt.Item]] = {}  # each tensor's item, but its digest
+        self.worker_cpu_total_s = 0.0
 
     def _prepare(self, tensors: dict[str, torch.Tensor]) -> None:
         local = {k: _local(t) for k, t in tensors.items()}
@@ -125,12 +136,12 @@ class Snapshots:
         for t in local.values():
             offsets.append(at)
             at += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
-        need = int(2 * at * MARGIN)
+        need = fmt.rank_need(at)
         (self.root / self.job_id).mkdir(parents=True, exist_ok=True)
         mine = sum(s.map.size() for s in self._slots)  # what this rank's slots hold already counts as free
         if fmt.free_bytes(self.root) + mine < need:
             raise SnapshotsOff(f"the node's snapshot memory {self.root} has {fmt.free_bytes(self.root) + mine} bytes "
-                               f"free, two snapshots of this rank need {2 * at} (with {MARGIN}x to spare)")
+                               f"free, two snapshots of this rank need {2 * at} (with {fmt.MARGIN}x to spare)")
         for slot in self._slots:
             slot.map.close()
         self._layout, self._offsets, self._size = layout, offsets, at
@@ -143,7 +154,7 @@ class Snapshots:
     def take(self, step: int, live: dict[str, Any], position: DataPosition, *, timeline: int, checkpointing: bool,
              replicated: bool) -> float:
         """Copy `live` (what TrainState.live gives, plus the checkpoint's META item) into the older slot;
-        returns the stall in seconds. Its header is written by a worker once the crc32s are summed."""
+        returns the stall in seconds. Its header is written by a worker once the checksums are summed."""
         started = time.perf_counter()
         self.wait()
         tensors = {k: v for k, v in live.items() if isinstance(v, torch.Tensor)}
@@ -162,29 +173,23 @@ class Snapshots:
         self._worker.start()
         self.taken += 1
         self.last_stall_s = stall
+        self.stall_total_s += stall
         return stall
 
     def _finish(self, slot: _Slot, step: int, position: DataPosition, timeline: int, checkpointing: bool,
                 replicated: bool, others: dict[str, Any], chunks: dict[str, Any], shapes: dict[str, list[int]],
                 stall: float) -> None:
-        started = time.perf_counter()
+        cpu = time.thread_time()
         try:
             assert self._layout is not None
             items = []
             view = memoryview(slot.map)
             for key, at, dtype in zip(self._layout.keys, self._offsets, self._layout.dtypes, strict=True):
-                t = slot.views[key]
-                nbytes = t.numel() * t.element_size()
-                chunk = chunks[key]
-                items.append(fmt.Item(key=key, crc32=zlib.crc32(view[at:at + nbytes]), dtype=dtype,
-                                      shape=shapes[key], offsets=list(chunk.offsets) if chunk else [0] * t.dim(),
-                                      sizes=list(chunk.sizes) if chunk else list(t.shape), at=at, nbytes=nbytes))
+                item = self._item(key, at, dtype, slot.views[key], shapes[key], chunks[key])
+                items.append(msgspec.structs.replace(item, digest=fmt.digest(view[at:at + item.nbytes])))
             view.release()
             for key, value in others.items():
-                buf = io.BytesIO()
-                torch.save(value, buf)
-                packed = buf.getvalue()
-                items.append(fmt.Item(key=key, crc32=zlib.crc32(packed), packed=packed))
+                items.append(self._packed(key, value))
             header = fmt.Header(format=fmt.FORMAT, job_id=self.job_id, attempt=self.attempt, rank=self.rank,
                                 world_size=self.world_size, step=step, timeline=timeline, data=position,
                                 checkpointing=checkpointing, replicated=replicated, bin_bytes=self._size, items=items)
@@ -192,9 +197,39 @@ class Snapshots:
             tmp.write_bytes(msgspec.json.encode(header))
             os.replace(tmp, slot.header)
             slot.step, slot.timeline = step, timeline
-            self.last_cost_s = stall + time.perf_counter() - started
         except BaseException as exc:  # surfaced on the training thread by wait()
             self._error = exc
+        finally:
+            # The worker's CPU, not its wall time: what it can take from training is the core it runs on
+            worker = time.thread_time() - cpu
+            self.worker_cpu_total_s += worker
+            self.last_cost_s = stall + worker
+
+    def _item(self, key: str, at: int, dtype: str, view: torch.Tensor, shape: list[int], chunk: Any) -> fmt.Item:
+        """A tensor's item but its digest: the last one's while its place and shape stay (they do, step after step;
+        building a few hundred anew was most of the worker's time)."""
+        sig = (at, dtype, tuple(shape), None if chunk is None else (tuple(chunk.offsets), tuple(chunk.sizes)))
+        known = self._items.get(key)
+        if known is not None and known[0] == sig:
+            return known[1]
+        item = fmt.Item(key=key, dtype=dtype, shape=shape, offsets=list(chunk.offsets) if chunk else [0] * view.dim(),
+                        sizes=list(chunk.sizes) if chunk else list(view.shape), at=at,
+                        nbytes=view.numel() * view.element_size())
+        self._items[key] = (sig, item)
+        return item
+
+    def _packed(self, key: str, value: Any) -> fmt.Item:
+        """An item that is not a tensor, packed by torch.save (a millisecond each): the last one's again while the
+        value is equal (an optimizer's betas, its parameters' names, an extra that did not move)."""
+        known = self._packs.get(key)
+        if known is not None and _same(known[0], value):
+            return known[1]
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        packed = buf.getvalue()
+        item = fmt.Item(key=key, digest=fmt.digest(packed), packed=packed)
+        self._packs[key] = (value, item)
+        return item
 
     def wait(self) -> None:
         if self._worker is not None:
@@ -225,7 +260,7 @@ def is_snapshot(folder: Path) -> bool:
 
 class SnapshotReader(StorageReader):
     """DCP's reader over snapshot slots: the metadata is every header's items (a chunk held by several ranks,
-    a replicated tensor, is read from the lowest of them); each tensor is checked against its crc32 as read."""
+    a replicated tensor, is read from the lowest of them); each tensor is checked against its checksum as read."""
 
     def __init__(self, folder: Path) -> None:
         super().__init__()
@@ -238,6 +273,7 @@ class SnapshotReader(StorageReader):
             raise fmt.BadSnapshot(f"{self.folder} mixes snapshots of different steps or jobs: {sorted(steps)}")
         self._where: dict[MetadataIndex, tuple[int, fmt.Item]] = {}
         self._maps: dict[int, mmap.mmap] = {}
+        self._by_rank = {h.rank: h for h in self.headers}
 
     @property
     def header(self) -> fmt.Header:
@@ -292,17 +328,17 @@ class SnapshotReader(StorageReader):
             for req in plan.items:
                 rank, item = self._where[req.storage_index]
                 if req.type == LoadItemType.BYTE_IO:
-                    if zlib.crc32(item.packed) != item.crc32:
-                        raise fmt.BadSnapshot(f"snapshot {self.folder}: {item.key!r} does not match its crc32")
+                    if not fmt.matches(self._by_rank[rank], item, item.packed):
+                        raise fmt.BadSnapshot(f"snapshot {self.folder}: {item.key!r} does not match its checksum")
                     planner.load_bytes(req, io.BytesIO(item.packed))
                     continue
                 data = self._map(rank)
                 if item.at + item.nbytes > len(data):
                     raise fmt.BadSnapshot(f"snapshot {self.folder}: {item.key!r} lies outside r{rank}.bin")
                 raw = memoryview(data)[item.at:item.at + item.nbytes]
-                if zlib.crc32(raw) != item.crc32:
+                if not fmt.matches(self._by_rank[rank], item, raw):
                     raise fmt.BadSnapshot(f"snapshot {self.folder}: {item.key!r} (rank {rank}) does not match its "
-                                          "crc32: torn or changed after it was taken")
+                                          "checksum: torn or changed after it was taken")
                 dtype = _dtype(item.dtype)
                 source = (torch.frombuffer(raw, dtype=dtype) if item.nbytes else torch.empty(0, dtype=dtype))
                 source = source.view(item.sizes)

@@ -22,6 +22,7 @@ class Cadence:
         self.every, self.max_overhead, self.off = every, max_overhead, off
         self.snapped_at: int | None = None
         self.gather_s = 0.0  # gathering the state's items (get_state_dict): part of a snapshot's cost
+        self.gather_total_s = 0.0
 
     def due(self, step: int, step_times: list[float]) -> bool:
         if self.snaps is None or step % self.every or self.snapped_at == step:
@@ -40,6 +41,7 @@ class Cadence:
         items[checkpointing.META_KEY] = checkpointing.meta_item(step, position, world_size)
         replicated = not tensor_parallel and not checkpointing.has_dtensors(items)
         self.gather_s = time.perf_counter() - started
+        self.gather_total_s += self.gather_s
         try:
             self.snaps.take(step, items, position, timeline=timeline, checkpointing=checkpointing_,
                             replicated=replicated)

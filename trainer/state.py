@@ -58,6 +58,10 @@ class TrainState:
                                 f"got {type(extra).__name__}")
         self.model, self.optimizer, self.extras = model, optimizer, dict(extras)
         self.rank, self.device = rank, device
+        # get_state_dict's flat items, while the same tensors hold the state (see _gathered)
+        self._gathered_for: tuple[int, ...] | None = None
+        self._flat: dict[str, Any] = {}
+        self._groups: dict[str, tuple[int, str]] = {}  # optim.param_groups.<i>.<name> -> (i, name), read fresh
 
     def _model_state(self) -> dict[str, Any]:
         if self.model is None:
@@ -66,9 +70,49 @@ class TrainState:
         model_sd, optim_sd = get_state_dict(self.model, optims)
         return {"model": model_sd, "optim": optim_sd} if optims else {"model": model_sd}
 
+    def _mark(self) -> tuple[int, ...] | None:
+        """Which tensor objects, over which memory, hold the model's and optimizer's state now."""
+        if self.model is None:
+            return None
+        mark: list[int] = []
+        for t in (*self.model.parameters(), *self.model.buffers()):
+            mark += (id(t), getattr(t, "_local_tensor", t).data_ptr())
+        if self.optimizer is not None:
+            for group in self.optimizer.param_groups:
+                mark.append(len(group["params"]))
+            for per_param in self.optimizer.state.values():
+                for value in per_param.values():
+                    mark += (id(value), getattr(value, "_local_tensor", value).data_ptr()) \
+                        if isinstance(value, torch.Tensor) else (id(value),)
+        return tuple(mark)
+
+    def _gathered(self) -> dict[str, Any]:
+        """get_state_dict's items, flat. Gathering them costs milliseconds (4.5 ms of a 130 ms step on the CPU
+        example, every snapshot), so while the same tensors over the same memory hold the state they are reused,
+        with the optimizer's param_groups read fresh (the learning rate moves); anything else not a tensor turns
+        the reuse off."""
+        mark = self._mark()
+        if mark is not None and mark == self._gathered_for:
+            flat = dict(self._flat)
+            assert self.optimizer is not None or not self._groups
+            for key, (i, name) in self._groups.items():
+                flat[key] = self.optimizer.param_groups[i][name]  # type: ignore[union-attr]
+            return flat
+        flat, _ = flatten_state_dict(self._model_state())
+        groups: dict[str, tuple[int, str]] = {}
+        for key, value in flat.items():
+            parts = key.split(".")
+            if len(parts) == 4 and parts[:2] == ["optim", "param_groups"] and parts[2].isdigit():
+                if parts[3] != "params":
+                    groups[key] = (int(parts[2]), parts[3])
+            elif not isinstance(value, torch.Tensor):
+                mark = None
+        self._gathered_for, self._flat, self._groups = mark, flat, groups
+        return dict(flat)
+
     def live(self) -> dict[str, Any]:
         """The flat items to save now: the live tensors themselves (the checkpointer copies them), extras packed."""
-        flat, _ = flatten_state_dict(self._model_state())
+        flat = self._gathered()
         flat[f"rng.cpu.{self.rank}"] = torch.get_rng_state()
         if self.device.type == "cuda":
             flat[f"rng.cuda.{self.rank}"] = torch.cuda.get_rng_state(self.device)

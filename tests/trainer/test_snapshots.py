@@ -3,8 +3,10 @@ in turn, each complete only once its header is; a restore from a slot equals the
 a set persisted from several ranks' slots too; a torn, edited or foreign slot is refused, never loaded."""
 
 import os
+import zlib
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
@@ -72,16 +74,40 @@ def test_a_slot_being_written_has_no_header_and_a_torn_or_edited_one_is_refused(
     (s0 / fmt.header_name(0)).unlink()  # as `take` does first
     assert [h.step for h, _ in fmt.complete_slots(tmp_path, "j", 0, 0)] == [2]
 
-    # One flipped byte in the tensors: the crc32s say which item, for the agent and for the loading rank.
+    # One flipped byte in the tensors: the checksums say which item, for the agent and for the loading rank.
     data = bytearray((s1 / fmt.bin_name(0)).read_bytes())
     item = next(i for i in h2.items if i.nbytes)
     data[item.at] ^= 0xFF
     (s1 / fmt.bin_name(0)).write_bytes(bytes(data))
-    with pytest.raises(fmt.BadSnapshot, match=f"{item.key}.*crc32"):
+    with pytest.raises(fmt.BadSnapshot, match=f"{item.key}.*checksum"):
         fmt.check_bytes(s1, h2)
-    with pytest.raises(checkpointing.CorruptCheckpoint, match="crc32"):
+    with pytest.raises(checkpointing.CorruptCheckpoint, match="checksum"):
         checkpointing.load(s1, state(*parts(seed=2)[:2]), dist)
     snaps.close()
+
+
+def test_a_set_persisted_by_an_earlier_version_with_crc32s_still_restores_and_is_still_checked(
+        tmp_path: Path, dist: distributed.Dist) -> None:
+    m, opt, _cursor = parts(seed=1)
+    snaps = snapshots.Snapshots(tmp_path, job_id="j", attempt=0, rank=0, world_size=1)
+    _take(snaps, state(m, opt), 5)
+    snaps.close()
+    ((header, folder),) = fmt.complete_slots(tmp_path, "j", 0, 0)
+    data = (folder / fmt.bin_name(0)).read_bytes()
+    items = [msgspec.structs.replace(i, digest=0, crc32=zlib.crc32(i.packed if i.packed or not i.nbytes
+                                                                   else data[i.at:i.at + i.nbytes]))
+             for i in header.items]
+    old = msgspec.structs.replace(header, format=fmt.FORMAT_CRC32, items=items)
+    (folder / fmt.header_name(0)).write_bytes(msgspec.json.encode(old))
+    fmt.check_bytes(folder, fmt.read_header(folder / fmt.header_name(0)))
+    m2, opt2, _ = parts(seed=2)
+    assert checkpointing.load(folder, state(m2, opt2), dist)[0] == 5
+    assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), m2.state_dict().values(), strict=True))
+    bad = msgspec.structs.replace(old, items=[msgspec.structs.replace(items[0], crc32=items[0].crc32 ^ 1),
+                                              *items[1:]])
+    (folder / fmt.header_name(0)).write_bytes(msgspec.json.encode(bad))
+    with pytest.raises(fmt.BadSnapshot, match="checksum"):
+        fmt.check_bytes(folder, bad)
 
 
 def test_a_slot_of_another_job_attempt_or_rank_is_not_this_ranks(tmp_path: Path) -> None:
@@ -162,7 +188,7 @@ def test_the_agent_persists_the_newest_good_slot_newer_than_the_ranks_own_checkp
     (folder / "r0.bin").write_bytes(bytes(data))
     assert isinstance(agent_snaps.choose(tmp_path, "j", 0, 0, None), str)  # step 10's is good, but the rank's own
     why = agent_snaps.choose(tmp_path, "j", 0, 0, (0, 10))
-    assert isinstance(why, str) and "crc32" in why
+    assert isinstance(why, str) and "checksum" in why
     snaps.close()
 
 
