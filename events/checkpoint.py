@@ -78,6 +78,7 @@ class CheckpointCommitted(JobEvent, frozen=True, kw_only=True):
     attempt: int = 0  # the attempt whose ranks staged it
     timeline: int = 0  # rollbacks that attempt had applied when it staged (events/lineage.py)
     from_memory: bool = False  # persisted by the agents from their ranks' snapshots after a failure
+    rank_bytes: int = 0  # the most one rank staged: what a rank's host snapshot of this state holds (0: unknown)
 
 
 class CheckpointPending(JobEvent, frozen=True, kw_only=True):

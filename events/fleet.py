@@ -12,6 +12,8 @@ class NodeRegistered(NodeEvent, frozen=True, kw_only=True):
     memory_gb: float = 0.0
     spare: bool = False  # held back to replace failed slots
     address: str = "127.0.0.1"  # where ranks reach this node (MASTER_ADDR when rank 0 runs here)
+    # What its ranks' host snapshots may take of its memory (events/snapshot.py): 0 none, -1 not reported.
+    snapshot_bytes: int = -1
 
 
 class NodeHeartbeat(NodeEvent, frozen=True, kw_only=True):

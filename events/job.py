@@ -29,6 +29,9 @@ class AllocationRequested(JobEvent, frozen=True, kw_only=True):
     use_spares: bool = False  # a replacement after a fault may take slots held back as spares
     tp: int = 1  # tensor-parallel group size: each group of tp consecutive ranks stays on one node
     reason: str = ""  # why this size, when it is not the spec's slots (a shrink) or why asked again (grow back)
+    # One rank's host snapshot (train.snapshot_every), as the job's newest checkpoint or its spec says: what each
+    # of its ranks takes of a node's snapshot memory is twice this and a margin (events/snapshot.py). 0: unknown.
+    snapshot_bytes: int = 0
 
 
 class AllocationGranted(JobEvent, frozen=True, kw_only=True):
@@ -36,6 +39,9 @@ class AllocationGranted(JobEvent, frozen=True, kw_only=True):
     assignments: list[SlotRef]
     master_addr: str = "127.0.0.1"
     master_port: int = 0
+    # Nodes whose snapshot memory cannot hold these ranks' snapshots besides what it holds already, and why: their
+    # ranks take none (each records SnapshotsOff with this reason), and a failure there restores from the store.
+    snapshots_off: dict[str, str] = {}
 
 
 class AllocationDenied(JobEvent, frozen=True, kw_only=True):

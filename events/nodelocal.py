@@ -13,7 +13,7 @@ import msgspec
 
 from events.heartbeats import LocalBeat
 from events.ranklink import LINK_ENV
-from events.snapshot import SNAPSHOTS_ENV
+from events.snapshot import SNAPSHOTS_ENV, SNAPSHOTS_OFF_ENV
 
 BEATS_ENV = "FLIGHTDECK_BEATS"  # the agent's heartbeat socket, set for the ranks it starts
 STEP_REPORTS_ENV = "FLIGHTDECK_STEP_REPORTS"  # "all" (default) or "rank0": who publishes StepCompleted
@@ -45,7 +45,8 @@ EVENTS_LOG_ENV = "FLIGHTDECK_EVENTS_LOG"  # every event a rank emits, also as JS
 PLAN_ENV = "FLIGHTDECK_PLAN"  # a ParallelPlan as JSON: the agent's when it knows this world's at the start
 FIRED_ENV = "FLIGHTDECK_FIRED_FAULTS"  # indices of the spec's unpinned drill faults an earlier attempt fired: "0,3"
 RUN_ENV = (JOB_ENV, ATTEMPT_ENV, NODE_ENV, LINK_ENV, SPEC_ENV, STAGING_ENV, RESTORE_ENV, MANIFEST_ENV, CACHE_ENV,
-           DEVICE_ENV, SYNC_EVERY_ENV, EVENTS_LOG_ENV, PLAN_ENV, FIRED_ENV, BEATS_ENV, STEP_REPORTS_ENV, SNAPSHOTS_ENV)
+           DEVICE_ENV, SYNC_EVERY_ENV, EVENTS_LOG_ENV, PLAN_ENV, FIRED_ENV, BEATS_ENV, STEP_REPORTS_ENV, SNAPSHOTS_ENV,
+           SNAPSHOTS_OFF_ENV)
 
 READY = b"R"
 MAX_MESSAGE = 1 << 20  # an assignment is the rank's command line and environment: a few KB

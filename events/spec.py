@@ -144,12 +144,25 @@ def in_words(message: str) -> str:
     return message
 
 
+def _params(spec: JobSpec) -> int:
+    m, d = spec.model, spec.model.d_model
+    return m.vocab_size * d + m.seq_len * d + m.n_layer * (12 * d * d + 13 * d) + 2 * d
+
+
+def snapshot_bytes(spec: JobSpec) -> int:
+    """One rank's host snapshot of the built-in trainer's state (fp32 weights and AdamW's two moments, a full
+    replica on every rank); 0 for a user's script, whose state only its first checkpoint tells."""
+    if spec.entrypoint is not None or spec.train.snapshot_every == 0:
+        return 0
+    return 12 * _params(spec)
+
+
 def rank_memory_bytes(spec: JobSpec) -> int:
     """A generous estimate of what one rank allocates (trainer/model.py's GPT, fp32 Adam, attention without
     a fused kernel, the global batch's token windows drawn on every rank), at the smallest world size the
     job may shrink to. Only to refuse specs that could never run, before any rank allocates anything."""
     m, d = spec.model, spec.model.d_model
-    params = m.vocab_size * d + m.seq_len * d + m.n_layer * (12 * d * d + 13 * d) + 2 * d
+    params = _params(spec)
     rows = -(-spec.train.batch_size // (spec.policy.min_slots or spec.slots))
     activations = rows * m.seq_len * (m.n_layer * (34 * d + 5 * m.n_head * m.seq_len) + 2 * m.vocab_size) * 4
     windows = spec.train.batch_size * (m.seq_len + 1) * 8

@@ -9,6 +9,7 @@ import sys
 
 from events import subjects
 from events.nodelocal import STEP_REPORTS, STEP_REPORTS_ENV
+from services.agent import snapshots
 from services.agent.inventory import DEFAULT_CPU_SLOTS, AgentError
 from services.agent.main import HEARTBEATS, HEARTBEATS_ENV, PRELOAD_ENV, STANDBY_ENV, AgentOptions, run_agent
 from services.shell.logging import configure
@@ -38,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--snapshots", default=None, metavar="DIR",
                    help="where ranks keep their host snapshots (train.snapshot_every), persisted by this agent when "
                         "a rank fails: a folder on tmpfs; off: none (default: a folder under /dev/shm)")
+    p.add_argument("--snapshot-memory", type=snapshots.parse_size, default=None, metavar="SIZE",
+                   help="the most the ranks' host snapshots may take of this node's memory, e.g. 64G or 512M; grants "
+                        "that would pass it run those ranks without snapshots (default: what the folder has free)")
     p.add_argument("--heartbeats", choices=HEARTBEATS, default=None,
                    help=f"node: relay the ranks' heartbeats in one batch per job per interval; rank: each rank "
                         f"publishes its own (default: ${HEARTBEATS_ENV}, else node)")
@@ -66,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
                                objects=args.objects or os.environ.get(OBJECTS_ENV) or None, address=args.address,
                                grace_s=args.grace_s, selfcheck_timeout_s=args.selfcheck_timeout_s,
                                standby=args.standby, heartbeats=args.heartbeats, step_reports=args.step_reports,
-                               preload=args.preload, snapshots=args.snapshots)
+                               preload=args.preload, snapshots=args.snapshots,
+                               snapshot_memory=args.snapshot_memory)
         return await run_agent(options, stop)
 
     try:

@@ -58,6 +58,7 @@ class SpawnArgs(msgspec.Struct, frozen=True, kw_only=True):
     grant_id: str  # event id of the grant, the cause of what the agent records about these ranks
     skips: list[tuple[int, int]] = []  # batch windows the restore skips beyond its checkpoint's (lineage.restore_skips)
     plan: ParallelPlan | None = None  # the job's newest recorded plan (the ranks use it if it is for their world)
+    snapshots_off: str = ""  # why this node's ranks take no host snapshots, as the grant recorded it
 
 
 class StopArgs(msgspec.Struct, frozen=True, kw_only=True):
@@ -167,7 +168,7 @@ def _granted(state: State, ev: AllocationGranted) -> Transition:
     outs.append(Effect(SPAWN, SpawnArgs(
         job_id=ev.job_id, attempt=ev.attempt, node=state.node, ranks=list(mine), world_size=len(ev.assignments),
         master_addr=ev.master_addr, master_port=ev.master_port, spec=view.spec, restore=restore,
-        grant_id=ev.event_id, skips=list(skips), plan=view.plan)))
+        grant_id=ev.event_id, skips=list(skips), plan=view.plan, snapshots_off=ev.snapshots_off.get(state.node, ""))))
     return _put(state, ev.job_id, msgspec.structs.replace(view, held=Held(attempt=ev.attempt, ranks=mine)), *outs)
 
 

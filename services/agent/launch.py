@@ -119,11 +119,13 @@ def rank_env_of(args: SpawnArgs, ref: SlotRef, spec_file: Path, restore: Path | 
            nl.SPEC_ENV: str(spec_file), nl.STAGING_ENV: str(paths.staging),
            nl.CACHE_ENV: str(paths.root / "cache"), nl.DEVICE_ENV: launch.device}
     for stale in (nl.RESTORE_ENV, nl.MANIFEST_ENV, nl.RESTORE_SKIPS_ENV, nl.PLAN_ENV, nl.FIRED_ENV,
-                  nl.EVENTS_LOG_ENV, nl.SYNC_EVERY_ENV, nl.SNAPSHOTS_ENV):
+                  nl.EVENTS_LOG_ENV, nl.SYNC_EVERY_ENV, nl.SNAPSHOTS_ENV, nl.SNAPSHOTS_OFF_ENV):
         env.pop(stale, None)  # never inherited from the agent's own environment
     if fired:
         env[nl.FIRED_ENV] = ",".join(map(str, sorted(fired)))
-    if paths.snapshots is not None:
+    if paths.snapshots is not None and args.snapshots_off:
+        env[nl.SNAPSHOTS_OFF_ENV] = args.snapshots_off[:2000]
+    elif paths.snapshots is not None:
         env[nl.SNAPSHOTS_ENV] = str(paths.snapshots)
     if restore is not None:
         env[nl.RESTORE_ENV] = str(restore)

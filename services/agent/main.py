@@ -90,14 +90,15 @@ async def reconcile(service: Any, store: EventStore, spawner: Spawner) -> int:
     return len(state.live)
 
 
-async def register(store: EventStore, node: str, producer: str, inv: Inventory, address: str, verdict: Verdict) -> None:
+async def register(store: EventStore, node: str, producer: str, inv: Inventory, address: str, verdict: Verdict, *,
+                   snapshot_bytes: int = -1) -> None:
     """NodeRegistered, then the self-check's verdict (a failure makes the resource manager cordon the node)."""
     boot = uuid.uuid4().hex[:12]
     now = time.time()
     envelope: dict[str, Any] = {"node": node, "occurred_at": now, "producer": producer}
     events: list[NodeEvent] = [
         NodeRegistered(kind=inv.kind, slots=inv.slots, devices=inv.devices, memory_gb=inv.memory_gb, address=address,
-                       event_id=f"{producer}:register:{boot}", **envelope)]
+                       snapshot_bytes=snapshot_bytes, event_id=f"{producer}:register:{boot}", **envelope)]
     if verdict.ok:
         events.append(SelfCheckPassed(seconds=round(verdict.seconds, 3), detail=verdict.detail,
                                       event_id=f"{producer}:selfcheck:{boot}", **envelope))
@@ -127,6 +128,7 @@ class AgentOptions:
     preload: str | None = None  # modules the fork server imports for the jobs' code; None: $FLIGHTDECK_PRELOAD
     # The ranks' host snapshots (services/agent/snapshots.py): a folder, "off", or None for shared memory
     snapshots: str | None = None
+    snapshot_memory: int | None = None  # a cap on what they may take, below the folder's free space
 
 
 async def run_agent(options: AgentOptions, stop_event: asyncio.Event | None = None) -> int:
@@ -204,7 +206,8 @@ async def run_agent(options: AgentOptions, stop_event: asyncio.Event | None = No
             if not verdict_task.done():
                 return 0  # stopped during the self-check (the finally below ends it)
             verdict = verdict_task.result()
-            await register(store, node, producer, inv, address, verdict)
+            room = await asyncio.to_thread(snapshots.capacity, paths.snapshots, o.snapshot_memory)
+            await register(store, node, producer, inv, address, verdict, snapshot_bytes=room)
             log.info("node registered", kind=inv.kind, slots=inv.slots, selfcheck_ok=verdict.ok,
                      selfcheck_s=round(verdict.seconds, 2), detail=verdict.detail, orphans_recorded=lost,
                      standbys=pool.size)

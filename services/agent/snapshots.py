@@ -36,6 +36,34 @@ def default_root(agent_root: Path, node: str) -> Path:
     return SHM / f"flightdeck-{node}-{tag}" if SHM.is_dir() else agent_root / "snapshots"
 
 
+def capacity(root: Path | None, cap: int | None = None) -> int:
+    """What the node's snapshot root can hold, as the agent registers it (the resource manager accounts its ranks'
+    snapshots against it at grant time): its file system's free bytes and what it holds already, at most `cap`
+    (`--snapshot-memory`); 0 when off."""
+    if root is None:
+        return 0
+    root.mkdir(parents=True, exist_ok=True)
+    held = sum(p.stat().st_blocks * 512 for p in root.rglob("*") if p.is_file())
+    room = fmt.free_bytes(root) + held
+    return room if cap is None else min(room, cap)
+
+
+UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_size(raw: str) -> int:
+    """"64G", "512M", "1.5T" or a number of bytes (binary units, an optional trailing "B" or "iB")."""
+    text = raw.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = text[-1:] if text[-1:] in UNITS and text[-1:] else ""
+    try:
+        value = float(text[:-1] if unit else text)
+    except ValueError:
+        raise ValueError(f"{raw!r} is not a size: give bytes or a number with K, M, G or T, e.g. 64G") from None
+    if value < 0:
+        raise ValueError(f"{raw!r}: a size cannot be negative")
+    return int(value * UNITS[unit])
+
+
 def _sha256(path: Path) -> ShardInfo:
     with path.open("rb") as f:
         digest = hashlib.file_digest(f, "sha256").hexdigest()

@@ -116,6 +116,7 @@ async def commit(store: ObjectStore, args: CommitArgs, *, file_concurrency: int 
         job_id=args.job_id, checkpoint_id=args.checkpoint_id, step=args.step, world_size=args.world_size,
         uri=store.uri(mkey), bytes=manifest.bytes, data=args.data, manifest_sha256=mf.sha256(body),
         attempt=args.attempt, timeline=args.timeline, from_memory=args.from_memory,
+        rank_bytes=max((sum(s.size for s in r.shards) for r in args.ranks), default=0),
     )
     return [Emit(subjects.job(args.job_id, "CheckpointCommitted"), event)]
 

@@ -8,7 +8,7 @@ from typing import Literal
 
 import msgspec
 
-from events import subjects
+from events import snapshot, subjects
 from events.base import Event
 from events.clock import CoreConfigured
 from events.fleet import (
@@ -45,6 +45,7 @@ class Node(msgspec.Struct, frozen=True, kw_only=True):
     cordoned: bool = False
     cordon_reason: str = ""
     lost: bool = False
+    snapshot_bytes: int = -1  # its snapshot memory (NodeRegistered); -1: not reported, so not accounted
 
 
 class Ports(msgspec.Struct, frozen=True, kw_only=True):
@@ -132,7 +133,7 @@ def _allocate(state: State, ev: AllocationRequested) -> Transition:
     held = state.ledger.allocations.get(ev.job_id)
     if held is not None and held.attempt == ev.attempt and len(held.assignments) == ev.slots:
         port = held.master_port or master_port(ev.job_id, ev.attempt, ports)
-        granted = _grant(state, ev.job_id, ev.attempt, held.assignments, port)  # asked again: the same answer
+        granted = _grant(state, ev.job_id, ev.attempt, held.assignments, port, held.snapshots_off)  # the same answer
         return state, (_job_emit(granted),)
     if held is not None and held.attempt >= ev.attempt:
         why = (f"attempt {ev.attempt} is stale: attempt {held.attempt} holds slots" if held.attempt > ev.attempt
@@ -147,15 +148,39 @@ def _allocate(state: State, ev: AllocationRequested) -> Transition:
         return base, (_job_emit(denied),)
     rank0 = next(r.node for r in placed if r.rank == 0)
     port = master_port(ev.job_id, ev.attempt, ports, ports_in_use(base.ledger, rank0))
-    booked = ledger_mod.book(base.ledger, ev.job_id, ev.attempt, placed, port)
+    need = snapshot.rank_need(ev.snapshot_bytes)
+    off = snapshots_off(base, placed, need)
+    booked = ledger_mod.book(base.ledger, ev.job_id, ev.attempt, placed, port, snapshot_need=need, snapshots_off=off)
     after = msgspec.structs.replace(base, ledger=booked)
-    return after, (_job_emit(_grant(after, ev.job_id, ev.attempt, placed, port)),)
+    return after, (_job_emit(_grant(after, ev.job_id, ev.attempt, placed, port, off)),)
 
 
-def _grant(state: State, job_id: str, attempt: int, refs: tuple[SlotRef, ...], port: int) -> AllocationGranted:
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def snapshots_off(state: State, placed: tuple[SlotRef, ...], need: int) -> dict[str, str]:
+    """The nodes whose snapshot memory cannot hold these ranks' snapshots (`need` bytes each) besides the ranks
+    it holds already, and why. Snapshots are an optimisation: the gang is placed by slots, as before."""
+    off: dict[str, str] = {}
+    if need <= 0:
+        return off
+    for node in sorted({r.node for r in placed}):
+        room = state.nodes[node].snapshot_bytes
+        count = sum(1 for r in placed if r.node == node)
+        used = ledger_mod.snapshot_used(state.ledger, node)
+        if room >= 0 and used + count * need > room:
+            off[node] = (f"{node}'s snapshot memory ({_gib(room)}, {_gib(used)} of it held for other ranks) cannot "
+                         f"hold {count} more rank(s) of {_gib(need)} each (two snapshots of this job's state and "
+                         f"{snapshot.MARGIN}x to spare)")
+    return off
+
+
+def _grant(state: State, job_id: str, attempt: int, refs: tuple[SlotRef, ...], port: int,
+           off: dict[str, str]) -> AllocationGranted:
     first = next(r for r in refs if r.rank == 0)
     return AllocationGranted(job_id=job_id, attempt=attempt, assignments=list(refs),
-                             master_addr=state.nodes[first.node].address, master_port=port)
+                             master_addr=state.nodes[first.node].address, master_port=port, snapshots_off=off)
 
 
 def transition(state: State, event: Event) -> Transition:
@@ -164,7 +189,7 @@ def transition(state: State, event: Event) -> Transition:
             return msgspec.structs.replace(state, ports=msgspec.convert(event.settings, Ports)), ()
         case NodeRegistered(node=name):
             return _with_node(state, name, kind=event.kind, slots=event.slots, spare=event.spare,
-                              address=event.address, lost=False), ()
+                              address=event.address, lost=False, snapshot_bytes=event.snapshot_bytes), ()
         case NodeCordoned(node=name, reason=reason):
             return _with_node(state, name, cordoned=True, cordon_reason=reason), ()
         case NodeUncordoned(node=name):

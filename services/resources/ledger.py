@@ -15,6 +15,8 @@ class Allocation(msgspec.Struct, frozen=True, kw_only=True):
     attempt: int
     assignments: tuple[SlotRef, ...]
     master_port: int = 0  # where its rank 0 listens for the rendezvous (0: not recorded)
+    snapshot_need: int = 0  # what each of its ranks takes of a node's snapshot memory (events/snapshot.py)
+    snapshots_off: dict[str, str] = {}  # nodes whose ranks of it take no snapshots, and why
 
     @property
     def rank0_node(self) -> str:
@@ -36,7 +38,14 @@ def free_slots(ledger: Ledger, node: str, slots: int) -> tuple[int, ...]:
     return tuple(s for s in range(slots) if s not in taken)
 
 
-def book(ledger: Ledger, job_id: str, attempt: int, assignments: Iterable[SlotRef], master_port: int = 0) -> Ledger:
+def snapshot_used(ledger: Ledger, node: str) -> int:
+    """What the ranks booked on `node` take of its snapshot memory."""
+    return sum(a.snapshot_need * sum(1 for r in a.assignments if r.node == node)
+               for a in ledger.allocations.values() if node not in a.snapshots_off)
+
+
+def book(ledger: Ledger, job_id: str, attempt: int, assignments: Iterable[SlotRef], master_port: int = 0, *,
+         snapshot_need: int = 0, snapshots_off: dict[str, str] | None = None) -> Ledger:
     """Give `assignments` to `job_id`. The job must hold nothing and every slot must be free."""
     refs = tuple(assignments)
     assert job_id not in ledger.allocations, f"{job_id} already holds slots; release them first"
@@ -47,7 +56,9 @@ def book(ledger: Ledger, job_id: str, attempt: int, assignments: Iterable[SlotRe
         current = taken[ref.node].get(ref.slot)
         assert current is None, f"slot {ref.node}/{ref.slot} is held by {current}; {job_id} cannot have it"
         taken[ref.node][ref.slot] = job_id
-    allocations = {**ledger.allocations, job_id: Allocation(attempt=attempt, assignments=refs, master_port=master_port)}
+    held = Allocation(attempt=attempt, assignments=refs, master_port=master_port, snapshot_need=snapshot_need,
+                      snapshots_off=snapshots_off or {})
+    allocations = {**ledger.allocations, job_id: held}
     return Ledger(allocations=allocations, taken=taken)
 
 

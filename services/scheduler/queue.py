@@ -3,6 +3,7 @@
 Why it works this way: docs/internals.md, "3. The scheduler and its recovery recipes".
 """
 
+from events import spec as spec_mod
 from events.commands import StopRequested
 from events.job import AllocationRequested, JobPreempted
 from services.scheduler import commit_wait, recipes
@@ -64,7 +65,15 @@ def request(tx: Tx, job: Job, world: int, reason: str) -> None:
               asked_epoch=tx.epoch, world=0 if world == job.spec.slots else world, ask_reason="", waits_for="",
               wait_until=0.0)
     tx.emit(AllocationRequested(job_id=job.job_id, slots=world, attempt=job.attempt, use_spares=job.use_spares,
-                                reason=why))
+                                reason=why, snapshot_bytes=snapshot_bytes(job)))
+
+
+def snapshot_bytes(job: Job) -> int:
+    """One rank's host snapshot: as the newest checkpoint that recorded it says, else as the spec says."""
+    if job.spec.train.snapshot_every == 0:
+        return 0
+    recorded = next((c.rank_bytes for c in reversed(job.checkpoints) if c.rank_bytes > 0), 0)
+    return recorded or spec_mod.snapshot_bytes(job.spec)
 
 
 def can_grow(tx: Tx, job: Job) -> bool:

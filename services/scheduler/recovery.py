@@ -114,7 +114,7 @@ def checkpoint_committed(tx: Tx, ev: CheckpointCommitted, landing_timeout_s: flo
     if job is None or any(c.checkpoint_id == ev.checkpoint_id for c in job.checkpoints):
         return
     entry = Checkpoint(checkpoint_id=ev.checkpoint_id, step=ev.step, at=ev.occurred_at or tx.at, data=ev.data,
-                       attempt=ev.attempt, timeline=ev.timeline,
+                       attempt=ev.attempt, timeline=ev.timeline, rank_bytes=ev.rank_bytes,
                        staged_at=commit_wait.staged_at(job, ev.checkpoint_id))
     job = tx.update(job, checkpoints=(*job.checkpoints, entry),
                     abandoned=job.abandoned | {ev.checkpoint_id} if thrown_away(job, ev) else job.abandoned)

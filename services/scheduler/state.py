@@ -25,6 +25,7 @@ class Checkpoint(msgspec.Struct, frozen=True, kw_only=True):
     data: DataPosition | None = None  # where its token stream stood (None: not known, read as step, no skips)
     attempt: int = 0  # the attempt that staged it
     timeline: int = 0  # rollbacks that attempt had applied then (events/lineage.py)
+    rank_bytes: int = 0  # the most one rank staged: its host snapshot's size (0: not recorded)
 
 
 class Pending(msgspec.Struct, frozen=True, kw_only=True):

@@ -87,3 +87,31 @@ async def test_a_lost_node_under_data_parallelism_restores_the_survivors_replica
     started = [e for e in p.seen(RankStarted, job, stream=subjects.TELEMETRY) if e.attempt == resumed.attempt]
     assert [(e.rank, e.node, e.restored_from) for e in started] == [(0, "n1", "memory")]
     assert await wait_lineage(p, job, 80) == []
+
+
+@pytest.mark.timeout(200)
+async def test_a_node_without_room_for_the_snapshots_runs_its_ranks_without_them_and_says_why(drill: Platform) -> None:
+    """The agent caps its snapshot memory at 1 KiB (`--snapshot-memory`): every grant finds no room there, says so,
+    and the ranks record SnapshotsOff with that reason; a crash then restores from the store, as before snapshots."""
+    from events.fleet import NodeRegistered
+    from events.job import AllocationGranted
+    from events.training import SnapshotsOff
+
+    p, job = drill, "snaproom-000001"
+    p.agent("n1", "--grace-s", "2", "--snapshot-memory", "1K")
+    await p.ready("n1")
+    await p.submit(drill_spec("snaproom", steps=30, checkpoint_every=10,
+                              faults=[paced(), FaultSpec(kind="crash", step=17, rank=1)]), job)
+    await run_to_end(p, job, 150)
+    assert p.seen(JobCompleted, job), kinds(p.job(job))
+    assert [e.snapshot_bytes for e in p.seen(NodeRegistered) if e.node == "n1"] == [1024]
+    grants = p.seen(AllocationGranted, job)
+    assert [g.attempt for g in grants] == [0, 1]
+    assert all(list(g.snapshots_off) == ["n1"] and "snapshot memory" in g.snapshots_off["n1"] for g in grants)
+    off = p.seen(SnapshotsOff, job, stream=subjects.TELEMETRY)
+    assert sorted((e.attempt, e.rank) for e in off) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert {e.reason for e in off} == {grants[0].snapshots_off["n1"]}
+    assert [e for e in p.seen(CheckpointStaged, job, stream=subjects.TELEMETRY) if e.from_memory] == []
+    started = [e for e in p.seen(RankStarted, job, stream=subjects.TELEMETRY) if e.attempt == 1]
+    assert {(e.from_step, e.restored_from) for e in started} == {(10, "store")}
+    assert await wait_lineage(p, job, 30) == []

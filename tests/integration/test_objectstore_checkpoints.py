@@ -80,6 +80,7 @@ async def test_commit_then_restore(store: ObjectStore, tmp_path: Path) -> None:
     assert ev.manifest_sha256 == hashlib.sha256(raw).hexdigest() and ev.uri == store.uri(mf.manifest_key(JOB, cid))
     shards = [s for st in stagings for s in st.shards]
     assert ev.bytes == sum(s.size for s in shards) and (ev.step, ev.world_size) == (100, 2)
+    assert ev.rank_bytes == max(sum(s.size for s in st.shards) for st in stagings) > 0  # a rank's snapshot's size
     manifest = msgspec.json.decode(raw, type=mf.Manifest)
     assert manifest.shards == shards and manifest.created_at == 1100.0 and manifest.attempt == 0
     assert await store.list(mf.prefix(JOB, cid)) == sorted(mf.shard_key(JOB, cid, p) for p in

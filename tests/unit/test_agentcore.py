@@ -7,6 +7,7 @@ import pytest
 from msgspec.structs import replace
 
 from events import codec, subjects
+from events import nodelocal as nl
 from events.base import Event
 from events.checkpoint import CheckpointCommitted, CheckpointDeleted, DataPosition
 from events.commands import CheckpointRequested, PauseRequested, RollbackRequested, StopRequested
@@ -38,7 +39,7 @@ from services.agent.core import (
     StopArgs,
     TellArgs,
 )
-from services.agent.launch import Launch, Paths
+from services.agent.launch import Launch, Paths, rank_env_of
 from services.agent.spawner import Spawner
 from services.core import Effect
 from services.shell.fold import Folder
@@ -239,3 +240,20 @@ def test_a_restart_after_a_rollback_restores_its_checkpoint_with_the_rollback_s_
     spawn = [e.args for e in effects if e.kind == SPAWN][-1]
     assert isinstance(spawn, SpawnArgs) and spawn.restore is not None
     assert spawn.restore.checkpoint_id == "c50" and spawn.skips == []
+
+
+def test_a_grant_without_snapshot_room_here_starts_these_ranks_without_snapshots_and_says_why(tmp_path: Path) -> None:
+    why = "a's snapshot memory (1.00 GiB, 0.90 GiB of it held for other ranks) cannot hold 2 more rank(s)"
+    no_room = replace(grant(), snapshots_off={"a": why, "c": "not ours"})
+    (spawn,) = run([submitted(), no_room])[1]
+    assert isinstance(spawn.args, SpawnArgs) and spawn.args.snapshots_off == why
+    (elsewhere,) = run([submitted(), replace(grant(), snapshots_off={"b": why})])[1]
+    assert isinstance(elsewhere.args, SpawnArgs) and elsewhere.args.snapshots_off == ""
+    paths = Paths(tmp_path, snapshots=tmp_path / "shm")
+    launch = Launch(device="cpu", grace_s=1.0)
+    env = rank_env_of(spawn.args, spawn.args.ranks[0], tmp_path / "spec.toml", None, frozenset(), node="a",
+                      paths=paths, launch=launch, link="")
+    assert env[nl.SNAPSHOTS_OFF_ENV] == why and nl.SNAPSHOTS_ENV not in env
+    env = rank_env_of(elsewhere.args, elsewhere.args.ranks[0], tmp_path / "spec.toml", None, frozenset(), node="a",
+                      paths=paths, launch=launch, link="")
+    assert env[nl.SNAPSHOTS_ENV] == str(tmp_path / "shm") and nl.SNAPSHOTS_OFF_ENV not in env

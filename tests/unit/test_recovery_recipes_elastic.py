@@ -17,7 +17,7 @@ from events.job import (
     SlotRef,
     WorkersStarted,
 )
-from events.spec import JobSpec, PolicySpec, TrainSpec
+from events.spec import JobSpec, PolicySpec, TrainSpec, snapshot_bytes
 from services.resources.core import core_service as resources
 from services.scheduler.core import core_service as scheduler
 from services.scheduler.recipes import pick_world
@@ -88,7 +88,8 @@ def test_a_denied_full_gang_shrinks_at_once_and_a_denied_shrink_waits_for_capaci
                                      AllocationGranted(job_id="job-1", attempt=0, assignments=refs),
                                      WorkersStarted(job_id="job-1", node="a", attempt=0, ranks=[0, 1, 2, 3], pids=[1]),
                                      lost])
-    assert events_of(outs)[-1] == AllocationRequested(job_id="job-1", slots=4, attempt=1, use_spares=True)
+    assert events_of(outs)[-1] == AllocationRequested(job_id="job-1", slots=4, attempt=1, use_spares=True,
+                                                      snapshot_bytes=snapshot_bytes(submitted("job-1").spec))
     state, outs = fold(scheduler(), [AllocationDenied(job_id="job-1", attempt=1, reason="tp groups")], state)
     queued, ask = events_of(outs)
     assert queued == JobQueued(job_id="job-1", priority=50, reason="allocation denied: tp groups")

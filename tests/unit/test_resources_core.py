@@ -11,6 +11,7 @@ from events.job import (
     JobCompleted,
 )
 from services.resources import core as rcore
+from services.resources import ledger
 from services.resources.core import Ports, State, core_service, master_port
 from tests.unit.helpers import events_of, fold, step
 
@@ -162,3 +163,36 @@ def test_a_lost_node_that_registers_again_and_passes_its_self_check_is_uncordone
     assert state.nodes["n2"].cordoned and state.nodes["n2"].cordon_reason == "maintenance"
     _, again = rcore.transition(state, SelfCheckPassed(node="n1", seconds=1.0))
     assert again == ()  # nothing to lift twice
+
+
+GIB = 2**30
+
+
+def test_snapshot_memory_is_accounted_at_grant_time_and_a_node_without_room_runs_its_ranks_without() -> None:
+    """Each rank takes two snapshots and a margin of its node's snapshot memory (events/snapshot.rank_need); a grant
+    that would overfill a node says so for that node, and its ranks take none. Released allocations give it back."""
+    state, _ = fold(SVC, [NodeRegistered(node="a", kind="cpu", slots=4, snapshot_bytes=10 * GIB),
+                          NodeRegistered(node="b", kind="cpu", slots=4, snapshot_bytes=-1)])
+    need = 2 * 1 * GIB * 1.25  # one rank of a job whose snapshot is 1 GiB
+    state, first = ask(state, "one", 3, snapshot_bytes=GIB)  # 3 x 2.5 GiB = 7.5 of a's 10
+    assert isinstance(first, AllocationGranted) and {r.node for r in first.assignments} == {"a"}
+    assert first.snapshots_off == {} and state.ledger.allocations["one"].snapshot_need == need
+    state, second = ask(state, "two", 1, snapshot_bytes=GIB)  # the last slot: 7.5 + 2.5 fits exactly
+    assert isinstance(second, AllocationGranted) and second.snapshots_off == {}
+    state, _ = fold(SVC, [JobCompleted(job_id="two", steps=1)], state)
+    state, third = ask(state, "three", 1, snapshot_bytes=2 * GIB)  # 7.5 + 5 > 10: a has the slot, not the room
+    assert isinstance(third, AllocationGranted) and [r.node for r in third.assignments] == ["a"]
+    assert list(third.snapshots_off) == ["a"]
+    assert "7.50 GiB of it held for other ranks" in third.snapshots_off["a"] and "5.00 GiB" in third.snapshots_off["a"]
+    # Asked again, the same answer; ranks without snapshots hold none of the node's memory.
+    state, again = ask(state, "three", 1, snapshot_bytes=2 * GIB)
+    assert again == third
+    assert ledger.snapshot_used(state.ledger, "a") == 3 * need
+    # A node that never reported its snapshot memory is not accounted; a job of unknown size takes none of it.
+    state, fourth = ask(state, "four", 4, snapshot_bytes=100 * GIB)
+    assert isinstance(fourth, AllocationGranted) and {r.node for r in fourth.assignments} == {"b"}
+    assert fourth.snapshots_off == {}
+    state, _ = fold(SVC, [JobCompleted(job_id="one", steps=1), JobCompleted(job_id="three", steps=1)], state)
+    state, fifth = ask(state, "five", 4, snapshot_bytes=0)
+    assert isinstance(fifth, AllocationGranted) and fifth.snapshots_off == {}
+    assert ledger.snapshot_used(state.ledger, "a") == 0

@@ -19,6 +19,7 @@ from events.job import (
     WorkersExited,
     WorkersStarted,
 )
+from events.spec import snapshot_bytes
 from services.core import Emit
 from services.scheduler.core import core_service
 from services.scheduler.state import State
@@ -62,7 +63,8 @@ def test_a_submitted_job_is_queued_and_asked_for_once_it_fits() -> None:
     state, outs = run([register("a", 1)], state)
     assert outs == []  # one slot is not two: nobody starts with part of its gang
     state, outs = run([register("b", 1)], state)
-    assert events_of(outs) == [AllocationRequested(job_id="j-1", slots=2, attempt=0)]
+    snapshot = snapshot_bytes(submit("j-1", slots=2).spec)  # one rank's state, for the node's snapshot memory
+    assert events_of(outs) == [AllocationRequested(job_id="j-1", slots=2, attempt=0, snapshot_bytes=snapshot)]
     assert state.jobs["j-1"].phase == "placing" and state.queue == ()
 
 
@@ -95,8 +97,9 @@ def test_a_denial_requeues_and_retries_only_after_capacity_changes() -> None:
     state, outs = run([grant("k-1", "a", 1), submit("m-1", slots=1)], state)
     assert types(outs) == ["JobQueued"]  # j waits at the head for a change, and nobody passes it
     state, outs = run([register("b", 2)], state)
-    assert events_of(outs) == [AllocationRequested(job_id="j-1", slots=2, attempt=0),
-                               AllocationRequested(job_id="m-1", slots=1, attempt=0)]
+    snapshot = snapshot_bytes(submit("j-1", slots=2).spec)
+    assert events_of(outs) == [AllocationRequested(job_id="j-1", slots=2, attempt=0, snapshot_bytes=snapshot),
+                               AllocationRequested(job_id="m-1", slots=1, attempt=0, snapshot_bytes=snapshot)]
 
 
 def test_cancel_while_queued_ends_at_once_and_releases_nothing() -> None:

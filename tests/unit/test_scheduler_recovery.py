@@ -1,10 +1,13 @@
 """Recovery: a fault restarts the job on fresh slots (spares allowed) until policy.max_restarts restarts
 are spent; the next fault fails it with the chain of fault events as causes."""
 
+import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from events import spec as spec_mod
 from events.base import Event
+from events.checkpoint import CheckpointCommitted, DataPosition
 from events.commands import StopRequested
 from events.findings import RankHung, RankLost
 from events.fleet import NodeLost
@@ -131,3 +134,21 @@ def test_reasons_say_what_happened() -> None:
     (failed,) = b.of(JobFailed)
     assert failed.reason == ("rank 1 hung at step 7: no progress for 60s (deadline 30s); restart budget of 0 spent")
     assert failed.causes == ["h"]
+
+
+def test_a_request_says_how_large_a_ranks_snapshot_is_by_the_spec_then_by_the_newest_checkpoint() -> None:
+    """The resource manager accounts snapshot memory by what the scheduler asks with: the built-in trainer's state
+    as its spec gives it until a checkpoint records what one rank staged, then that."""
+    b, agents = cluster()
+    sub = submit("job-1", slots=2)
+    b.publish(sub)
+    agents()
+    (first,) = b.of(AllocationRequested, "job-1")
+    assert first.snapshot_bytes == spec_mod.snapshot_bytes(sub.spec) > 0
+    b.publish(CheckpointCommitted(job_id="job-1", checkpoint_id="step-10-a0", step=10, world_size=2, uri="file:///x",
+                                  bytes=9000, data=DataPosition(next_batch=10), rank_bytes=7000))
+    b.publish(fault("exit", b.last_grant("job-1"), "fault-0"))
+    agents()
+    assert [r.snapshot_bytes for r in b.of(AllocationRequested, "job-1")] == [first.snapshot_bytes, 7000]
+    off = msgspec.structs.replace(sub.spec, train=msgspec.structs.replace(sub.spec.train, snapshot_every=0))
+    assert spec_mod.snapshot_bytes(off) == 0
