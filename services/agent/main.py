@@ -85,9 +85,32 @@ async def reconcile(service: Any, store: EventStore, spawner: Spawner) -> int:
         log.warning("rank lost with an earlier agent", job_id=rank.job_id, attempt=rank.attempt, rank=rank.rank,
                     pid=rank.pid)
         lost.setdefault((rank.job_id, rank.attempt), []).append(RankExit(rank=rank.rank, exit_code=ORPHAN_EXIT))
+    persisted = await persist_orphans(store, spawner, lost)
     for (job_id, attempt), exits in lost.items():  # one record per attempt, as for ranks this agent stops
         await spawner.exits.record(job_id, attempt, exits, "")
+    for job_id, attempt in persisted:  # uploaded after the exits are on record, as for ranks this agent ran
+        task = asyncio.create_task(spawner.shipper.finish(job_id, attempt))
+        spawner.timers.add(task)
+        task.add_done_callback(spawner.timers.discard)
     return len(state.live)
+
+
+async def persist_orphans(store: EventStore, spawner: Spawner,
+                          lost: dict[tuple[str, int], list[RankExit]]) -> list[tuple[str, int]]:
+    """Finish what the earlier agent would have done for ranks that died with it: stage each one's good snapshots
+    (it may have been killed while it did), under ids of this agent's own, for this agent's shipper."""
+    root = spawner.paths.snapshots
+    if root is None:
+        return []
+    again = uuid.uuid4().hex[:12]
+    for (job_id, attempt), exits in lost.items():
+        ranks = [e.rank for e in exits]
+        spawner.shipper.watch(job_id, attempt, ranks, await spawner.shipper.start_seq())
+        for rank in ranks:
+            staged, reported = await snapshots.recorded(store, job_id, attempt, rank, ranks)
+            await snapshots.persist(root, store, job_id, attempt, rank, staged, reported, node=spawner.node,
+                                    producer=spawner.producer, again=again)
+    return list(lost)
 
 
 async def register(store: EventStore, node: str, producer: str, inv: Inventory, address: str, verdict: Verdict, *,

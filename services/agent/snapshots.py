@@ -11,6 +11,7 @@ import asyncio
 import hashlib
 import shutil
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import structlog
@@ -19,6 +20,7 @@ from events import snapshot as fmt
 from events import subjects
 from events.checkpoint import CheckpointStaged, ShardInfo
 from events.store import EventStore
+from events.training import RolledBack, StepCompleted
 from services.agent.core import SpawnArgs
 from services.agent.rankproc import retrying
 from services.shell.objects import manifest
@@ -99,19 +101,23 @@ def choose(root: Path, job_id: str, attempt: int, rank: int, staged: tuple[int, 
     return found or ("; ".join(problems) if problems else None)
 
 
-def persist_event(header: fmt.Header, folder: Path, *, node: str, producer: str, seconds: float) -> CheckpointStaged:
-    """The staging that hands the slot to the shipper, as its rank would have announced a set."""
+def persist_event(header: fmt.Header, folder: Path, *, node: str, producer: str, seconds: float,
+                  again: str = "") -> CheckpointStaged:
+    """The staging that hands the slot to the shipper, as its rank would have announced a set (`again`: by an
+    agent restarted after the one that may have announced it, so under an id of its own)."""
     shards = [_sha256(folder / fmt.bin_name(header.rank)), _sha256(folder / fmt.header_name(header.rank))]
     return CheckpointStaged(
         job_id=header.job_id, rank=header.rank, attempt=header.attempt, node=node, step=header.step,
         world_size=header.world_size, staging_dir=str(folder.resolve()), shards=shards, data=header.data,
         stall_s=0.0, write_s=seconds, timeline=header.timeline, from_memory=True, replicated=header.replicated,
-        event_id=f"{producer}:persist:{header.job_id}:{header.attempt}:{header.rank}:{header.timeline}:{header.step}",
+        event_id=f"{producer}:persist:{header.job_id}:{header.attempt}:{header.rank}:{header.timeline}:{header.step}"
+                 + (f":{again}" if again else ""),
         occurred_at=time.time(), producer=producer)
 
 
 async def persisting(root: Path, job_id: str, attempt: int, rank: int, staged: tuple[int, int] | None,
-                     reported: int | None = None, *, node: str, producer: str) -> list[CheckpointStaged]:
+                     reported: int | None = None, *, node: str, producer: str,
+                     again: str = "") -> list[CheckpointStaged]:
     """The stagings of the rank's snapshots to publish, newest first; none when nothing is newer than its own
     checkpoints, or every slot is bad (logged)."""
     started = time.perf_counter()
@@ -122,7 +128,8 @@ async def persisting(root: Path, job_id: str, attempt: int, rank: int, staged: t
                       problems=chosen)
         return []
     return [await asyncio.to_thread(persist_event, header, folder, node=node, producer=producer,
-                                    seconds=round(time.perf_counter() - started, 4)) for header, folder in chosen]
+                                    seconds=round(time.perf_counter() - started, 4), again=again)
+            for header, folder in chosen]
 
 
 def in_memory(root: Path, job_id: str, checkpoint_id: str, step: int, rank: int,
@@ -166,10 +173,11 @@ def forget_attempts_before(root: Path, job_id: str, attempt: int, keep: set[Path
 
 
 async def persist(root: Path, store: EventStore, job_id: str, attempt: int, rank: int, staged: tuple[int, int] | None,
-                  reported: int, *, node: str, producer: str) -> None:
+                  reported: int, *, node: str, producer: str, again: str = "") -> None:
     """Stage a gone rank's snapshot for the node's shipper (`persisting`), on the rank's own subject."""
     try:
-        events = await persisting(root, job_id, attempt, rank, staged, reported, node=node, producer=producer)
+        events = await persisting(root, job_id, attempt, rank, staged, reported, node=node, producer=producer,
+                                  again=again)
     except Exception as exc:  # the store's checkpoints still stand: the restart restores the newest
         log.error("persisting the rank's snapshot failed", job_id=job_id, rank=rank, error=repr(exc))
         return
@@ -179,6 +187,31 @@ async def persist(root: Path, store: EventStore, job_id: str, attempt: int, rank
                        lambda event=event: store.append(subject, event, msg_id=event.event_id))  # type: ignore[misc]
         log.info("rank's snapshot staged for the store", job_id=job_id, rank=rank, step=event.step,
                  timeline=event.timeline, bytes=sum(s.size for s in event.shards), seconds=event.write_s)
+
+
+async def recorded(store: EventStore, job_id: str, attempt: int, rank: int,
+                   peers: Sequence[int]) -> tuple[tuple[int, int] | None, int]:
+    """For a rank an earlier agent on this node ran (it died with that agent): what the rank staged itself, as
+    (timeline, step), and the newest step of its attempt on record, read from the history. Its own last reports
+    may have died with that agent; its peers' (ranks step together) and rank 0's stand for them. A rollback after
+    that step starts the record again below it."""
+    staged: tuple[int, int] | None = None
+    last = await store.last(subjects.TELEMETRY, subjects.telemetry(job_id, rank, "CheckpointStaged"))
+    ev = last.event if last is not None else None
+    if isinstance(ev, CheckpointStaged) and ev.attempt == attempt and not ev.from_memory:
+        staged = (ev.timeline, ev.step)
+    steps, restarted = [-1], []
+    for r in dict.fromkeys((rank, *peers, 0)):
+        step = await store.last(subjects.TELEMETRY, subjects.telemetry(job_id, r, "StepCompleted"))
+        back = await store.last(subjects.TELEMETRY, subjects.telemetry(job_id, r, "RolledBack"))
+        done = step.event if step is not None else None
+        if isinstance(done, StepCompleted) and done.attempt == attempt:
+            steps.append(done.step)
+        rolled = back.event if back is not None else None
+        if isinstance(rolled, RolledBack) and rolled.attempt == attempt and back is not None \
+                and (step is None or back.seq > step.seq):
+            restarted.append(rolled.to_step - 1)  # nothing of the new timeline on record past this
+    return staged, min(restarted) if restarted else max(steps)
 
 
 async def restores_in_memory(root: Path, objects: ObjectStore, args: SpawnArgs) -> dict[int, Path]:

@@ -124,8 +124,9 @@ def deadlines(tx: Tx) -> None:
     """Restarts whose wait ran out go ahead with the newest committed checkpoint."""
     for job in list(tx.jobs.values()):
         if job.waits_for and tx.at >= job.wait_until:
-            tx.update(job, waits_for="", wait_until=0.0,
-                      ask_reason=f"checkpoint {job.waits_for} did not commit in time: restoring the newest committed")
+            what = "the failed attempt's snapshots in memory were not persisted and committed" \
+                if job.waits_for == MEMORY else f"checkpoint {job.waits_for} did not commit"
+            tx.update(job, waits_for="", wait_until=0.0, ask_reason=f"{what} in time: restoring the newest committed")
 
 
 def waiting(job: Job, now: float) -> bool:

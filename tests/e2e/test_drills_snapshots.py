@@ -9,7 +9,7 @@ from events import subjects
 from events.checkpoint import CheckpointCommitted, CheckpointStaged
 from events.job import JobCompleted, JobQueued, JobResumed
 from events.spec import FaultSpec, JobSpec
-from events.training import FaultInjected, RankStarted
+from events.training import FaultInjected, RankStarted, StepCompleted
 from tests.e2e.drill_harness import drill_spec, paced, wait_lineage
 from tests.e2e.test_drills import run_to_end
 from tests.integration.lifecycle_harness import Platform
@@ -115,3 +115,31 @@ async def test_a_node_without_room_for_the_snapshots_runs_its_ranks_without_them
     started = [e for e in p.seen(RankStarted, job, stream=subjects.TELEMETRY) if e.attempt == 1]
     assert {(e.from_step, e.restored_from) for e in started} == {(10, "store")}
     assert await wait_lineage(p, job, 30) == []
+
+
+@pytest.mark.timeout(240)
+async def test_an_agent_killed_with_its_ranks_persists_their_snapshots_when_it_comes_back(drill: Platform) -> None:
+    """n1's agent is SIGKILLed mid-run, its ranks with it, before it could persist anything; restarted on the same
+    host, it finds the ranks it never saw exit, stages their snapshots from the node's memory (under ids of its own:
+    an earlier agent may have begun), records the exits, and the job resumes from that set, from memory."""
+    from tests.e2e.drill_harness import kill_agent_mid_run
+
+    p, job = drill, "snapagent-000001"
+    p.agent("n1", "--grace-s", "2")
+    await p.ready("n1")
+    await p.submit(every_step(drill_spec("snapagent", steps=60, checkpoint_every=100, faults=[paced()])), job)
+    await kill_agent_mid_run(p, job, node="n1", after_step=25)
+    p.agent("n1", "--grace-s", "2")
+    await run_to_end(p, job, 200)
+    assert p.seen(JobCompleted, job), kinds(p.job(job))
+    persisted = [e for e in p.seen(CheckpointStaged, job, stream=subjects.TELEMETRY) if e.from_memory]
+    assert {(e.rank, e.attempt) for e in persisted} == {(0, 0), (1, 0)}, p.logs()
+    assert all(e.event_id.count(":") == 7 for e in persisted)  # the restarted agent's own ids
+    resumed = p.seen(JobResumed, job)[-1]
+    (commit,) = [e for e in p.seen(CheckpointCommitted, job) if e.checkpoint_id == resumed.checkpoint_id]
+    assert commit.from_memory and commit.attempt == 0 and resumed.from_step == commit.step
+    done = max(e.step for e in p.seen(StepCompleted, job, stream=subjects.TELEMETRY) if e.attempt == 0)
+    assert commit.step >= done  # the step in flight at most is redone
+    started = [e for e in p.seen(RankStarted, job, stream=subjects.TELEMETRY) if e.attempt == resumed.attempt]
+    assert sorted((e.rank, e.restored_from) for e in started) == [(0, "memory"), (1, "memory")]
+    assert await wait_lineage(p, job, 60) == []

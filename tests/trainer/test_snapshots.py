@@ -5,14 +5,20 @@ a set persisted from several ranks' slots too; a torn, edited or foreign slot is
 import os
 import zlib
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
 import torch
 
 from events import snapshot as fmt
-from events.checkpoint import DataPosition
+from events import subjects
+from events.checkpoint import CheckpointStaged, DataPosition
+from events.store import MemoryStore
+from events.training import RolledBack, StepCompleted
+from services.agent import snapshots as agent_snaps
 from trainer import checkpointing, distributed, snapshots
+from trainer.snapshotting import Cadence
 from trainer.state import TrainState
 
 from .test_checkpointing import Counter, flat_tensors, parts, state, train
@@ -168,7 +174,6 @@ def test_a_node_short_of_memory_says_so_before_writing_anything(
 def test_the_agent_persists_the_newest_good_slot_newer_than_the_ranks_own_checkpoints(tmp_path: Path) -> None:
     """services/agent/snapshots.choose: never a step the rank checkpointed itself, nothing at or below what it
     staged, a torn slot passed over for the other, and every slot bad said as such."""
-    from services.agent import snapshots as agent_snaps
 
     m, opt, _ = parts(seed=1)
     snaps = snapshots.Snapshots(tmp_path, job_id="j", attempt=0, rank=0, world_size=1)
@@ -195,7 +200,6 @@ def test_the_agent_persists_the_newest_good_slot_newer_than_the_ranks_own_checkp
 def test_the_agent_never_persists_a_snapshot_ahead_of_the_ranks_reported_steps(tmp_path: Path) -> None:
     """Step N's snapshot holds step N-1's update: kept only if the rank's record of step N-1 reached its agent
     (its last report can die with it), else the older slot, whose steps are all on record."""
-    from services.agent import snapshots as agent_snaps
 
     m, opt, _ = parts(seed=1)
     snaps = snapshots.Snapshots(tmp_path, job_id="j", attempt=0, rank=0, world_size=1)
@@ -211,7 +215,6 @@ def test_the_agent_never_persists_a_snapshot_ahead_of_the_ranks_reported_steps(t
 def test_snapshots_space_out_to_keep_within_their_share_of_the_training_time(tmp_path: Path) -> None:
     """train.snapshot_max_overhead: a snapshot costing 20 ms beside 100 ms steps is due every 10 steps at 2%,
     every step at 1 (never capped); after a rollback (the step went back) one is due at once."""
-    from trainer.snapshotting import Cadence
 
     def due(step: int, overhead: float) -> bool:
         snaps = snapshots.Snapshots(tmp_path, job_id="j", attempt=0, rank=0, world_size=1)
@@ -223,3 +226,28 @@ def test_snapshots_space_out_to_keep_within_their_share_of_the_training_time(tmp
     assert [s for s in range(41, 61) if due(s, 0.02)] == list(range(50, 61))
     assert all(due(s, 1.0) for s in range(41, 61))
     assert due(12, 0.02)
+
+
+async def test_a_restarted_agent_reads_what_its_dead_ranks_had_on_record_from_the_history() -> None:
+    """What the links knew before the agent died, rebuilt from the history: the rank's own staging (not one an
+    agent persisted), the newest step any of its peers or rank 0 reported (its own may have died with the agent),
+    and a rollback after that: nothing of the new timeline past its restore point is on record."""
+
+    store = MemoryStore()
+
+    async def put(event: Any) -> None:
+        await store.append(subjects.telemetry(event.job_id, event.rank, type(event).__name__), event)
+
+    def step(rank: int, n: int, attempt: int = 2) -> StepCompleted:
+        return StepCompleted(job_id="j", rank=rank, attempt=attempt, step=n, loss=1.0, grad_norm=0.0, lr=0.0,
+                             tokens_per_s=0.0, step_time_s=0.1)
+
+    assert await agent_snaps.recorded(store, "j", 2, 1, [1, 2]) == (None, -1)
+    staged = CheckpointStaged(job_id="j", rank=1, attempt=2, step=20, world_size=3, staging_dir="/s", shards=[],
+                              data=DataPosition(next_batch=20), stall_s=0.0, write_s=0.0, timeline=1)
+    for event in (step(1, 30), step(2, 33), step(0, 31), step(0, 90, attempt=1), staged):
+        await put(event)
+    assert await agent_snaps.recorded(store, "j", 2, 1, [1, 2]) == ((1, 20), 33)
+    await put(msgspec.structs.replace(staged, step=34, from_memory=True))  # an agent's persist: not the rank's own
+    await put(RolledBack(job_id="j", rank=2, attempt=2, checkpoint_id="c", to_step=20, skip_from=20, skip_to=24))
+    assert await agent_snaps.recorded(store, "j", 2, 1, [1, 2]) == (None, 19)
