@@ -161,9 +161,11 @@ def measure(workdir: Path, cap_s: float) -> dict[str, Any]:
     until = first if first is not None else t0 + cap_s
     meanwhile = {r["step"] for r in events if r["kind"] == "step" and r["pid"] in before and t0 < r["t"] <= until}
     saves: dict[int, float] = {}
+    holds: dict[int, float] = {}
     for r in events:
-        if r["kind"] == "save" and r["t"] <= t0:
-            saves[r["step"]] = max(saves.get(r["step"], 0.0), r["stall_s"])
+        if r["kind"] in ("save", "hold") and r["t"] <= t0:
+            into = saves if r["kind"] == "save" else holds
+            into[r["step"]] = max(into.get(r["step"], 0.0), r["stall_s"])
     last = max(done_before, default=-1)
     return {
         "recover_s": None if first is None else first - t0,
@@ -175,6 +177,9 @@ def measure(workdir: Path, cap_s: float) -> dict[str, Any]:
         "stall_s": statistics.median(saves.values()) if saves else None,
         "stall_max_s": max(saves.values()) if saves else None,
         "saves": len(saves),
+        # Flightdeck between saves: the slowest rank's hold per step, and the worst (a host snapshot when due)
+        "hold_s": statistics.median(holds.values()) if holds else None,
+        "hold_max_s": max(holds.values()) if holds else None,
     }
 
 
@@ -287,7 +292,8 @@ def torchft_once(workdir: Path, fault: str, cap_s: float) -> dict[str, Any]:
     return run_launchers([lighthouse, *groups], workdir, cap_s, lost=groups[1] if fault == "lost_node" else None)
 
 
-async def flightdeck_once(workdir: Path, fault: str, cap_s: float, standby: int) -> dict[str, Any]:
+async def flightdeck_once(workdir: Path, fault: str, cap_s: float, standby: int,
+                          snapshot_max_overhead: float) -> dict[str, Any]:
     b = broker.start(workdir / "nats")
     (workdir / "platform").mkdir()
     p = await start_drill(b.url, workdir / "platform")
@@ -300,7 +306,7 @@ async def flightdeck_once(workdir: Path, fault: str, cap_s: float, standby: int)
             await p.ready("n1", within=120)
         spec = msgspec.structs.replace(
             drill_spec("peers", steps=STEPS, **({"min_slots": 1} if fault == "lost_node" else {})),
-            train=TrainSpec(steps=STEPS, checkpoint_every=EVERY),
+            train=TrainSpec(steps=STEPS, checkpoint_every=EVERY, snapshot_max_overhead=snapshot_max_overhead),
             entrypoint=EntrypointSpec(command=["python", *script_args("flightdeck", workdir, fault)], cwd=str(ROOT)))
         await p.submit(spec, f"peers-{uuid.uuid4().hex[:6]}")
         await asyncio.to_thread(wait, workdir, cap_s, lambda: True)
@@ -310,7 +316,8 @@ async def flightdeck_once(workdir: Path, fault: str, cap_s: float, standby: int)
         b.stop()
 
 
-def once(side: str, fault: str, cap_s: float, keep: Path | None = None) -> dict[str, Any]:
+def once(side: str, fault: str, cap_s: float, keep: Path | None = None,
+         snapshot_max_overhead: float = TrainSpec().snapshot_max_overhead) -> dict[str, Any]:
     if keep is not None:
         keep.mkdir(parents=True, exist_ok=True)
     kept = contextlib.nullcontext(tempfile.mkdtemp(prefix=f"{fault}-{side}-", dir=keep)) if keep else None
@@ -325,7 +332,8 @@ def once(side: str, fault: str, cap_s: float, keep: Path | None = None) -> dict[
         elif side == "torchft":
             out = torchft_once(workdir, fault, cap_s)
         else:
-            out = asyncio.run(flightdeck_once(workdir, fault, cap_s, standby=0 if side == "flightdeck-cold" else 2))
+            out = asyncio.run(flightdeck_once(workdir, fault, cap_s, standby=0 if side == "flightdeck-cold" else 2,
+                                              snapshot_max_overhead=snapshot_max_overhead))
         if out["recover_s"] is None:
             out["why"] = {"hang": NO_HANG_DETECTION, "lost_node": NO_RESTART_ON_LOST_NODE}.get(fault, {}).get(side) \
                 or f"no step by a restarted process within {cap_s:.0f} s of the fault"
@@ -345,6 +353,8 @@ def main() -> int:
     ap.add_argument("--cap-s", type=float, default=40.0, help="give up on a recovery this long after the fault")
     ap.add_argument("--out", type=Path, default=None, help="write every run and the medians here as JSON")
     ap.add_argument("--keep", type=Path, default=None, help="keep each run's folder (logs, events) under this one")
+    ap.add_argument("--snapshot-max-overhead", type=float, default=TrainSpec().snapshot_max_overhead,
+                    help="Flightdeck's train.snapshot_max_overhead (1: a host snapshot every step, whatever it costs)")
     args = ap.parse_args()
     sides, faults = args.sides.split(","), args.faults.split(",")
     if args.runs < 1 or not set(sides) <= set(SIDES) or not set(faults) <= set(FAULTS):
@@ -355,17 +365,19 @@ def main() -> int:
         for fault in faults:
             for side in sides:
                 try:
-                    result = once(side, fault, args.cap_s, args.keep)
+                    result = once(side, fault, args.cap_s, args.keep, args.snapshot_max_overhead)
                 except Exception as exc:  # recorded as it failed, never left out
                     result = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
                 runs[fault][side].append(result)
                 print(f"{fault} {side} run {n}: {json.dumps(result)}", flush=True)
-    keys = ("recover_s", "progress_s", "lost_steps", "steps_meanwhile", "stall_s", "load_1m")
+    keys = ("recover_s", "progress_s", "lost_steps", "steps_meanwhile", "stall_s", "hold_s", "hold_max_s", "load_1m")
     medians = {f: {s: {k: median(rs, k) for k in keys} for s, rs in by.items()} for f, by in runs.items()}
     report = {
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
         "command": " ".join(["bench/vs_peers.py", *sys.argv[1:]]),
         "script": {"steps": STEPS, "fault_at": FAULT_AT, "save_every": EVERY, "pace_s": PACE_S, "ranks": 2},
+        "flightdeck": {"snapshot_every": TrainSpec().snapshot_every,
+                       "snapshot_max_overhead": args.snapshot_max_overhead},
         "dlrover_launch_error": DLROVER_LAUNCH_ERROR,
         "runs": runs, "median": medians,
     }

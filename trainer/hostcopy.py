@@ -6,7 +6,9 @@ The bytes are cut into about equal ranges, one per thread, across tensor boundar
 spreads as well as many small ones. A tensor that is not contiguous is copied whole by one thread."""
 
 import os
-from concurrent.futures import ThreadPoolExecutor
+import time
+from collections.abc import Collection
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -70,23 +72,29 @@ class HostCopier:
     def __init__(self, threads: int | None = None) -> None:
         self.threads = threads or default_threads()
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="snapshot") if self.threads > 1 else None
-        # Each destination's last plan and what it copied from (the same tensors over the same memory): cutting a
+        # Each destination's last plans and what they copied from (the same tensors over the same memory): cutting a
         # few hundred tensors into ranges costs milliseconds that a snapshot every step would pay each time.
-        self._plans: dict[int, tuple[dict[str, tuple[int, int]], list[list[Pair]]]] = {}
+        self._plans: dict[tuple[int, bool], tuple[dict[str, tuple[int, int]], list[list[Pair]]]] = {}
 
-    def copy(self, live: dict[str, Any], buffers: dict[str, Any]) -> None:
-        sources = {k: t for k in buffers if isinstance(t := live.get(k), torch.Tensor)}
+    def _parts(self, live: dict[str, Any], buffers: dict[str, Any], keys: Collection[str] | None,
+               background: bool) -> tuple[list[list[Pair]], list[Pair]]:
+        """The copy cut into per-thread parts, and the pairs to copy after them (those whose source changed since
+        the plan, when few: what the plan copied of them is overwritten)."""
+        sources = {k: t for k in buffers if (keys is None or k in keys) and isinstance(t := live.get(k), torch.Tensor)}
         marks = {k: (id(t), getattr(t, "_local_tensor", t).data_ptr()) for k, t in sources.items()}
-        known = self._plans.get(id(buffers))
+        known = self._plans.get((id(buffers), background))
         changed = [k for k, m in marks.items() if known is None or known[0].get(k) != m]
-        late: list[Pair] = []  # copied after the plan's parts, so what they copied of these is overwritten
-        if known is not None and marks.keys() == known[0].keys() and \
+        if known is not None and marks.keys() == known[0].keys() and (not background or not changed) and \
                 sum(sources[k].nelement() for k in changed) * 16 <= sum(t.nelement() for t in sources.values()):
-            parts, late = known[1], [(_local(sources[k]), _local(buffers[k])) for k in changed]
-        else:
-            pairs = [(_local(t), _local(buffers[k])) for k, t in sources.items()]
-            parts = [part for part in split(pairs, self.threads) if part] if self._pool is not None else [pairs]
-            self._plans[id(buffers)] = (marks, parts)
+            return known[1], [(_local(sources[k]), _local(buffers[k])) for k in changed]
+        pairs = [(_local(t), _local(buffers[k])) for k, t in sources.items()]
+        parts = [part for part in split(pairs, self.threads) if part] if self._pool is not None else [pairs]
+        self._plans[(id(buffers), background)] = (marks, parts)
+        return parts, []
+
+    def copy(self, live: dict[str, Any], buffers: dict[str, Any], keys: Collection[str] | None = None) -> None:
+        """Copy `live`'s tensors (those of `keys`, default all) into `buffers`; returns when they are copied."""
+        parts, late = self._parts(live, buffers, keys, background=False)
         if parts:
             futures = [self._pool.submit(_run, part) for part in parts[1:]] if self._pool is not None else []
             _run(parts[0])  # this thread copies a share too, rather than wait idle
@@ -94,12 +102,23 @@ class HostCopier:
                 f.result()
         _run(late)
 
+    def start(self, live: dict[str, Any], buffers: dict[str, Any], keys: Collection[str]) -> list[Future[float]]:
+        """Copy the tensors of `keys` on the copier's threads and return at once: each future gives its thread's
+        CPU seconds. With a single thread it copies them here (nothing left to wait for)."""
+        if self._pool is None:
+            self.copy(live, buffers, keys)
+            return []
+        parts, _ = self._parts(live, buffers, keys, background=True)  # a change re-plans: nothing is late
+        return [self._pool.submit(_run, part) for part in parts]
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False)
 
 
 @torch.no_grad()
-def _run(pairs: list[Pair]) -> None:
+def _run(pairs: list[Pair]) -> float:
+    started = time.thread_time()
     for src, dst in pairs:
         dst.copy_(src)
+    return time.thread_time() - started

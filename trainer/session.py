@@ -24,7 +24,7 @@ from torch import nn
 
 from events import codec
 from events.base import Event
-from events.checkpoint import CheckpointRefused, ShardInfo
+from events.checkpoint import ShardInfo
 from events.commands import (
     CheckpointRequested,
     PauseRequested,
@@ -36,8 +36,8 @@ from events.nodelocal import RESTORE_REFUSED_EXIT, STOPPED_EXIT
 from events.plan import ParallelPlan
 from events.ranklink import RollbackReady
 from events.spec import JobSpec
-from events.training import FaultInjected, RankStarted, RolledBack, SnapshotsOff, SpikeReplayed
-from trainer import checkpointing, faults, restore_points, snapshots
+from events.training import FaultInjected, RankStarted, SnapshotsOff
+from trainer import checkpointing, faults, restore_points, rollback, snapshots
 from trainer.config import RunConfig
 from trainer.cursor import BatchCursor, Step
 from trainer.distributed import Dist
@@ -113,7 +113,7 @@ class Run:
         self.stopped = False  # told to stop, or SIGTERM: it exits STOPPED_EXIT
         self.closed = False
         self._current: tuple[int, int, float] | None = None  # the step being run: (step, batch, started)
-        self._replay: Replay | None = None  # a rollback's diagnostic re-run of the spike's batches, under way
+        self.replay: Replay | None = None  # a rollback's diagnostic re-run of the spike's batches, under way
         self._lr_boost = 1.0  # a drill's high_lr factor, applied around the optimizer's step
         self._reported = False
         self._spike = False
@@ -131,8 +131,9 @@ class Run:
                                "must be known first")
         self.state = TrainState(model, optimizer, extras, rank=self.rank, device=self.device)
         if optimizer is not None:
-            # The optimizer's step is the first write to state a CUDA snapshot may still be copying.
-            optimizer.register_step_pre_hook(lambda *_: self.ckpt.before_update())
+            # The optimizer's step is the first write to state a CUDA snapshot, or a host snapshot's copy beside
+            # training, may still be reading.
+            optimizer.register_step_pre_hook(lambda *_: self._before_update())
             if any(f.kind == "high_lr" for f in self.spec.faults):  # a drill's learning rate too high, then restored
                 optimizer.register_step_pre_hook(lambda opt, *_: faults.scale_lr(opt, self._lr_boost))
                 optimizer.register_step_post_hook(lambda opt, *_: faults.scale_lr(opt, 1.0 / self._lr_boost))
@@ -178,8 +179,10 @@ class Run:
             self._snapshots_off(self.cfg.snapshots_off)
         self.emitter.set_step(self.step - 1)
         while True:
-            if self._replay is not None and self.step >= self._replay.until:
-                self._end_replay()  # every rank reaches it at the same step
+            if self.snapshots is not None:
+                self.snapshots.copied()  # a step without the optimizer's: nothing past here may read a torn copy
+            if self.replay is not None and self.step >= self.replay.until:
+                rollback.end_replay(self)  # every rank reaches it at the same step
             if self.world_size == 1 or self.paused or self.step % self.cfg.sync_every == 0:
                 self._boundary()
             if self.paused:
@@ -227,8 +230,8 @@ class Run:
         if current is not None and current[0] == step:
             scale = float("nan") if self._nan else SPIKE_FACTOR if self._spike else 1.0
             self._reported = True
-        if self._replay is not None:  # a diagnostic re-run: its losses go to SpikeReplayed, not the step record
-            self._replay.record(int(step), float(values["loss"]) * scale)
+        if self.replay is not None:  # a diagnostic re-run: its losses go to SpikeReplayed, not the step record
+            self.replay.record(int(step), float(values["loss"]) * scale)
             self.emitter.set_step(int(step), time.perf_counter() - started)
             return
         self.reporter.record(int(step), values, lr=0.0 if lr is None else float(lr),
@@ -343,12 +346,12 @@ class Run:
             case ResumeRequested():
                 self.paused = False
             case RollbackRequested():
-                self._rollback(command)
+                rollback.roll_back(self, command)
             case _:
                 log.warning("ignoring a command this trainer does not know", type=type(command).__name__)
 
     def _checkpoint(self, *, wait: bool = False) -> None:
-        if self._replay is not None:  # a re-run's state is thrown away: it is never saved
+        if self.replay is not None:  # a re-run's state is thrown away: it is never saved
             return
         if self.saved_at != self.step:
             self.ckpt.save(self.step, self.state.live(), self.cursor.position())
@@ -358,7 +361,7 @@ class Run:
 
     def _snapshot(self) -> None:
         """This boundary's state into the node's memory when it is due (never a re-run's)."""
-        if self.snapshots is None or self._replay is not None \
+        if self.snapshots is None or self.replay is not None \
                 or not self.snapshots.due(self.step, self.reporter.step_times):
             return
         if self.device.type != "cuda":  # the steps it holds go on record first (on CPU reading them costs nothing)
@@ -366,7 +369,13 @@ class Run:
         plan = self._plan
         self.snapshots.take(self.step, self.state.live, self.cursor.position(), self.world_size,
                             timeline=self.ckpt.timeline, checkpointing_=self.saved_at == self.step,
-                            tensor_parallel=plan is not None and (plan.tp > 1 or plan.pp > 1))
+                            tensor_parallel=plan is not None and (plan.tp > 1 or plan.pp > 1),
+                            settled=self.state.settled)
+
+    def _before_update(self) -> None:
+        self.ckpt.before_update()
+        if self.snapshots is not None:
+            self.snapshots.copied()
 
     def _snapshots_off(self, reason: str) -> None:
         self.emitter.emit(SnapshotsOff(step=self.step, reason=reason[:2000], **self.emitter.envelope))
@@ -375,56 +384,3 @@ class Run:
         step, position = checkpointing.load(path, self.state, self.dist, shards)
         self.step = step
         self.cursor.seek(position)
-
-    def _rollback(self, cmd: RollbackRequested) -> None:
-        self.reporter.flush()
-        self.ckpt.wait()
-        self._replay = None  # a newer rollback ends a re-run under way
-        reached, started = self.step, time.perf_counter()
-        problem, path = "", None
-        try:
-            path = restore_points.rollback_source(self.cfg, self.job_id, cmd.checkpoint_id, cmd.to_step,
-                                                  self.ckpt.staged_dirs(cmd.to_step), self.inbox.rollback_ready)
-        except checkpointing.CorruptCheckpoint as exc:
-            problem = str(exc)
-        (refused,), _ = self.dist.agree([int(bool(problem))], b"")  # DCP loads are collective: all or none
-        # Every rollback command starts a timeline, loaded or refused: the services count them the same way.
-        timeline = self.ckpt.rolled_back()
-        if refused or path is None:
-            if problem:
-                self.emitter.emit(CheckpointRefused(checkpoint_id=cmd.checkpoint_id, to_step=cmd.to_step,
-                                                    cause=problem[:4000], **self.emitter.envelope))
-            log.error("rollback refused: its checkpoint is bad; training on until the scheduler picks another",
-                      checkpoint_id=cmd.checkpoint_id, error=problem or "(found by another rank)")
-            return
-        self._load(path, None)  # verified by rollback_source
-        if cmd.replay and reached > self.step:
-            # The same batches again, unskipped, before the skip: whether the spike comes back tells its cause.
-            self._replay = Replay(cmd=cmd, path=path, timeline=timeline, start=self.step, until=reached,
-                                  started=started)
-            self.emitter.set_step(self.step - 1)
-            log.warning("re-running the spike's batches before skipping them", checkpoint=str(path),
-                        from_step=self.step, until=reached)
-            return
-        self._land(cmd, path, timeline)
-
-    def _land(self, cmd: RollbackRequested, path: Path, timeline: int) -> None:
-        """The rollback's checkpoint is loaded: skip its window and say so."""
-        self.cursor.skip(cmd.skip_from, cmd.skip_to)
-        self.saved_at = self.step
-        self.emitter.set_step(self.step - 1)
-        self.emitter.emit(RolledBack(checkpoint_id=cmd.checkpoint_id, to_step=self.step, skip_from=cmd.skip_from,
-                                     skip_to=cmd.skip_to, timeline=timeline, **self.emitter.envelope))
-        log.warning("rolled back", checkpoint=str(path), to_step=self.step, skip=(cmd.skip_from, cmd.skip_to))
-
-    def _end_replay(self) -> None:
-        """The re-run reached the step the spike was found at: report its losses, restore the checkpoint again."""
-        replay, self._replay = self._replay, None
-        assert replay is not None
-        self.reporter.flush()
-        self._load(replay.path, None)
-        self.emitter.emit(SpikeReplayed(checkpoint_id=replay.cmd.checkpoint_id, from_step=replay.start,
-                                        losses=replay.losses(), seconds=replay.seconds(),
-                                        **self.emitter.envelope))
-        log.warning("re-ran the spike's batches", steps=replay.until - replay.start, seconds=replay.seconds())
-        self._land(replay.cmd, replay.path, replay.timeline)

@@ -9,12 +9,15 @@ the slot complete. A rank killed at any point leaves its newest complete snapsho
 `r<rank>.bin`): DCP plans the load, so a snapshot restores into any layout a DCP checkpoint would (FSDP2
 shards resharded, a replicated model read from whichever rank holds it)."""
 
+import contextlib
 import copy
 import io
 import mmap
 import os
 import threading
 import time
+from collections.abc import Collection
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +36,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.planner_helpers import _create_chunk_from_dtensor
 from torch.distributed.tensor import DTensor
-from torch.futures import Future
+from torch.futures import Future as TorchFuture
 
 from events import snapshot as fmt
 from events.checkpoint import DataPosition
@@ -118,9 +121,10 @@ class Snapshots:
         self._worker: threading.Thread | None = None
         self._error: BaseException | None = None
         self.taken = 0
-        self.last_stall_s = 0.0
-        self.last_cost_s = 0.0  # the newest snapshot's stall and its worker's CPU, once its header is written
-        # Totals over this process: the training thread's stalls and the worker's CPU, for what snapshots cost.
+        self.last_stall_s = 0.0  # the newest snapshot's hold of the training thread
+        self.last_background_s = 0.0  # ... and the CPU it took beside it (its copy's threads, its worker), once done
+        self._copying: list[Future[float]] = []  # the copy of the settled items, running beside training
+        # Totals over this process: the training thread's stalls and the CPU beside it, for what snapshots cost.
         self.stall_total_s = 0.0
         self._packs: dict[str, tuple[Any, fmt.Item]] = {}  # the last packed value of each item not a tensor
         self._items: dict[str, tuple[tuple[Any, ...], fmt.Item]] = {}  # each tensor's item, but its digest
@@ -152,9 +156,13 @@ class Snapshots:
                 view.zero_()
 
     def take(self, step: int, live: dict[str, Any], position: DataPosition, *, timeline: int, checkpointing: bool,
-             replicated: bool) -> float:
+             replicated: bool, settled: Collection[str] = ()) -> float:
         """Copy `live` (what TrainState.live gives, plus the checkpoint's META item) into the older slot;
-        returns the stall in seconds. Its header is written by a worker once the checksums are summed."""
+        returns the stall in seconds. Its header is written by a worker once the checksums are summed.
+
+        The items of `settled` (what only the optimizer's step writes: the parameters, the optimizer's state) are
+        copied on the copier's threads while the step's forward and backward run; `copied()` waits for them and
+        must come before anything writes them (the optimizer's pre-step hook, the next boundary)."""
         started = time.perf_counter()
         self.wait()
         tensors = {k: v for k, v in live.items() if isinstance(v, torch.Tensor)}
@@ -163,12 +171,16 @@ class Snapshots:
         self._next = (self._next + 1) % fmt.SLOTS
         slot.header.unlink(missing_ok=True)  # incomplete from here until its header is written again
         self._copier = self._copier or HostCopier()
-        self._copier.copy(tensors, slot.views)
+        if settled:
+            self._copier.copy(tensors, slot.views, [k for k in tensors if k not in settled])
+            self._copying = self._copier.start(tensors, slot.views, settled)
+        else:
+            self._copier.copy(tensors, slot.views)
         others = {k: copy.deepcopy(v) for k, v in live.items() if not isinstance(v, torch.Tensor)}
         chunks = {k: _create_chunk_from_dtensor(t) if isinstance(t, DTensor) else None for k, t in tensors.items()}
         shapes = {k: list(t.shape) for k, t in tensors.items()}
         stall = time.perf_counter() - started
-        args = (slot, step, position, timeline, checkpointing, replicated, others, chunks, shapes, stall)
+        args = (slot, step, position, timeline, checkpointing, replicated, others, chunks, shapes, self._copying)
         self._worker = threading.Thread(target=self._finish, args=args, name=f"snapshot-{step}", daemon=True)
         self._worker.start()
         self.taken += 1
@@ -178,9 +190,11 @@ class Snapshots:
 
     def _finish(self, slot: _Slot, step: int, position: DataPosition, timeline: int, checkpointing: bool,
                 replicated: bool, others: dict[str, Any], chunks: dict[str, Any], shapes: dict[str, list[int]],
-                stall: float) -> None:
-        cpu = time.thread_time()
+                copying: list[Future[float]]) -> None:
+        cpu, copy_cpu = time.thread_time(), 0.0
         try:
+            for part in copying:
+                copy_cpu += part.result()
             assert self._layout is not None
             items = []
             view = memoryview(slot.map)
@@ -200,10 +214,10 @@ class Snapshots:
         except BaseException as exc:  # surfaced on the training thread by wait()
             self._error = exc
         finally:
-            # The worker's CPU, not its wall time: what it can take from training is the core it runs on
-            worker = time.thread_time() - cpu
-            self.worker_cpu_total_s += worker
-            self.last_cost_s = stall + worker
+            # CPU, not wall time: what it can take from training is the cores it runs on
+            beside = time.thread_time() - cpu + copy_cpu
+            self.worker_cpu_total_s += beside
+            self.last_background_s = beside
 
     def _item(self, key: str, at: int, dtype: str, view: torch.Tensor, shape: list[int], chunk: Any) -> fmt.Item:
         """A tensor's item but its digest: the last one's while its place and shape stay (they do, step after step;
@@ -230,6 +244,13 @@ class Snapshots:
         item = fmt.Item(key=key, digest=fmt.digest(packed), packed=packed)
         self._packs[key] = (value, item)
         return item
+
+    def copied(self) -> None:
+        """Return once the copy running beside training is done (its failure is the worker's to report)."""
+        copying, self._copying = self._copying, []
+        for part in copying:
+            with contextlib.suppress(BaseException):  # surfaced by wait(), through the worker
+                part.result()
 
     def wait(self) -> None:
         if self._worker is not None:
@@ -323,7 +344,7 @@ class SnapshotReader(StorageReader):
                 self._maps[rank] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         return self._maps[rank]
 
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> TorchFuture[None]:
         try:
             for req in plan.items:
                 rank, item = self._where[req.storage_index]
@@ -358,7 +379,7 @@ class SnapshotReader(StorageReader):
                 except BufferError:  # a view still lives somewhere: the map goes with it
                     pass
             self._maps.clear()
-        fut: Future[None] = Future()
+        fut: TorchFuture[None] = TorchFuture()
         fut.set_result(None)
         return fut
 

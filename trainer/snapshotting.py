@@ -2,12 +2,14 @@
 `train.snapshot_every` steps, spaced further out while one costs more than `train.snapshot_max_overhead` of the
 steps since the last, and what turns them off (a node short of shared memory, a write that failed): said once."""
 
+import os
 import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
 import structlog
+import torch
 
 from events.checkpoint import DataPosition
 from trainer import checkpointing
@@ -21,20 +23,26 @@ class Cadence:
         self.snaps: Snapshots | None = snaps
         self.every, self.max_overhead, self.off = every, max_overhead, off
         self.snapped_at: int | None = None
+        # Cores beyond those torch computes on: the CPU a snapshot takes beside training (its copy's threads, its
+        # checksums) is then not taken from training, and only its hold of the training thread counts.
+        self.spare_cores = len(os.sched_getaffinity(0)) > torch.get_num_threads()
         self.gather_s = 0.0  # gathering the state's items (get_state_dict): part of a snapshot's cost
         self.gather_total_s = 0.0
 
     def due(self, step: int, step_times: list[float]) -> bool:
         if self.snaps is None or step % self.every or self.snapped_at == step:
             return False
-        cost, times = self.snaps.last_cost_s + self.gather_s, step_times[-5:]
+        beside = 0.0 if self.spare_cores else self.snaps.last_background_s
+        cost, times = self.snaps.last_stall_s + self.gather_s + beside, step_times[-5:]
         if self.max_overhead >= 1.0 or cost <= 0 or self.snapped_at is None or self.snapped_at > step or not times:
             return True  # the first, after a rollback (the step went back), or never capped
         return (step - self.snapped_at) * statistics.median(times) * self.max_overhead >= cost
 
     def take(self, step: int, live: Callable[[], dict[str, Any]], position: DataPosition, world_size: int, *,
-             timeline: int, checkpointing_: bool, tensor_parallel: bool) -> None:
-        """Snapshot the state `live()` gathers (call only when `due`)."""
+             timeline: int, checkpointing_: bool, tensor_parallel: bool,
+             settled: Callable[[dict[str, Any]], frozenset[str]] = lambda items: frozenset()) -> None:
+        """Snapshot the state `live()` gathers (call only when `due`); `settled(items)`: those only the optimizer's
+        step writes, copied beside training (Snapshots.take)."""
         assert self.snaps is not None
         started = time.perf_counter()
         items = live()
@@ -44,11 +52,16 @@ class Cadence:
         self.gather_total_s += self.gather_s
         try:
             self.snaps.take(step, items, position, timeline=timeline, checkpointing=checkpointing_,
-                            replicated=replicated)
+                            replicated=replicated, settled=settled(items))
         except SnapshotsOff as exc:
             self._off(str(exc))
             return
         self.snapped_at = step
+
+    def copied(self) -> None:
+        """Before anything writes the state: the snapshot's copy beside training is done."""
+        if self.snaps is not None:
+            self.snaps.copied()
 
     def close(self) -> None:
         if self.snaps is None:

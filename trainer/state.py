@@ -62,6 +62,7 @@ class TrainState:
         self._gathered_for: tuple[int, ...] | None = None
         self._flat: dict[str, Any] = {}
         self._groups: dict[str, tuple[int, str]] = {}  # optim.param_groups.<i>.<name> -> (i, name), read fresh
+        self._settled: tuple[tuple[int, ...] | None, frozenset[str]] = (None, frozenset())
 
     def _model_state(self) -> dict[str, Any]:
         if self.model is None:
@@ -109,6 +110,23 @@ class TrainState:
                 mark = None
         self._gathered_for, self._flat, self._groups = mark, flat, groups
         return dict(flat)
+
+    def settled(self, items: Mapping[str, Any]) -> frozenset[str]:
+        """The keys of `items` (live()'s) that only the optimizer's step writes: the model's parameters and the
+        optimizer's state, on the CPU. A snapshot may copy them while the step's forward and backward run. Buffers
+        (BatchNorm's statistics, DDP's broadcast of them) are written by the forward pass: never among them."""
+        if self.model is None or self.optimizer is None or self.device.type != "cpu":
+            return frozenset()
+        found_for, found = self._settled
+        if self._gathered_for is not None and found_for == self._gathered_for and found <= items.keys():
+            return found  # the same tensors as when they were last found
+        ptrs = {getattr(p, "_local_tensor", p).data_ptr() for p in self.model.parameters()}
+        ptrs |= {getattr(v, "_local_tensor", v).data_ptr() for per_param in self.optimizer.state.values()
+                 for v in per_param.values() if isinstance(v, torch.Tensor)}
+        keys = frozenset(k for k, v in items.items() if isinstance(v, torch.Tensor) and v.numel()
+                         and getattr(v, "_local_tensor", v).data_ptr() in ptrs)
+        self._settled = (self._gathered_for, keys)
+        return keys
 
     def live(self) -> dict[str, Any]:
         """The flat items to save now: the live tensors themselves (the checkpointer copies them), extras packed."""

@@ -15,7 +15,8 @@ rank 0 there for good (the process stays alive), `lost_node` takes a whole node 
 under the node whose root process id the bench wrote to <--workdir>/lost-node.pid SIGKILLs every process of that
 node (the launcher or agent, its helpers, the rank itself), as a host losing power would. Each rank appends JSON
 lines to <--workdir>/events.jsonl: "start" (once its state is loaded), "step" (each step done), "fault", and "save"
-(how long the loop was held by a save).
+(how long the loop was held by a save); Flightdeck's ranks also "hold" (the loop held between saves: its host
+snapshots in the node's memory).
 """
 
 import argparse
@@ -151,6 +152,8 @@ def run_flightdeck(args: argparse.Namespace) -> None:
         held = time.perf_counter() - began
         if step % every == 0 and step != start:
             log("save", step=int(step), stall_s=held)
+        elif step != start:  # the loop held by the boundary's work alone: a host snapshot when one is due
+            log("hold", step=int(step), stall_s=held)
         fault.maybe(run.rank, step)
         x, y = batch(step.batch, run.rank, run.world_size, label)
         run.report(step, train_step(model, opt, x, y))

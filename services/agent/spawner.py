@@ -45,12 +45,11 @@ from services.agent.core import (
     TellArgs,
 )
 from services.agent.exits import ExitRecorder
-from services.agent.forkserver import ForkServerGone
 from services.agent.inventory import Verdict, recheck
 from services.agent.launch import Launch, Paths, detached, die_with_agent, rank_command, rank_env_of
 from services.agent.links import RankLinks
 from services.agent.output import OutputPump, store_publisher
-from services.agent.rankproc import Proc, RankProc, last_lines, retrying, runnable_problem, signal_rank
+from services.agent.rankproc import RankProc, last_lines, retrying, runnable_problem, signal_rank
 from services.agent.shipping import Shipper
 from services.agent.standbys import StandbyPool
 from services.core import EffectHandler, Emit
@@ -61,8 +60,6 @@ log = structlog.get_logger("flightdeck.agent")
 
 OUTPUT_DRAIN_S = 3.0  # after a rank exits, for what it printed last (a child it left may hold the pipe longer)
 START_FAILED_EXIT = 125  # recorded for ranks that could not be started (no checkpoint, no executable)
-# A fork server still importing after this long is stuck: the rank starts cold rather than wait on.
-FORK_WAIT_S = 120.0
 REFILL_HOLD_S = 30.0  # standbys are refilled once the ranks handed out are stepping, or this long after
 
 
@@ -238,8 +235,7 @@ class Spawner:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         read_end, out = os.pipe()  # the rank's stdout and stderr, read by its OutputPump
         try:
-            proc = self._hand_to_standby(cmd, env, cwd, out, ref.rank) or await self._fork(cmd, env, cwd, out,
-                                                                                          ref.rank)
+            proc = await self.standbys.warm_start(cmd, env, cwd, out, ref.rank) if self.standbys else None
             if proc is not None:
                 self.going[proc.pid] = asyncio.get_running_loop().create_future()
             else:
@@ -289,32 +285,6 @@ class Spawner:
     def _got_going(self, pid: int) -> None:
         if (going := self.going.pop(pid, None)) is not None and not going.done():
             going.set_result(None)
-
-    def _hand_to_standby(self, cmd: list[str], env: dict[str, str], cwd: Path, log_fd: int,
-                         rank: int) -> Proc | None:
-        """The rank started by a warm standby (standbys.py), or None: start it cold."""
-        while self.standbys is not None and (standby := self.standbys.take()) is not None:
-            if self.standbys.assign(standby, cmd, env, cwd, log_fd):
-                log.info("rank handed to a standby", rank=rank, pid=standby.proc.pid, ready=standby.ready)
-                return standby.proc
-        return None
-
-    async def _fork(self, cmd: list[str], env: dict[str, str], cwd: Path, log_fd: int, rank: int) -> Proc | None:
-        """No standby at hand (the pool is still filling, or a restart took them all): the rank forked from the
-        node's fork server, once all a rank imports is in there, or None: start it cold. Waiting for the server's
-        imports beats a cold start, which would make them all again beside it."""
-        forks = self.standbys.forks if self.standbys is not None else None
-        if forks is None or forks.gone:
-            return None
-        try:
-            async with asyncio.timeout(FORK_WAIT_S):
-                if not await forks.wait_ready():
-                    return None
-            proc = await forks.run(nl.Assignment(argv=cmd, env=env, cwd=str(cwd)), log_fd, complete=True)
-        except (ForkServerGone, TimeoutError):
-            return None
-        log.info("rank forked", rank=rank, pid=proc.pid)
-        return proc
 
     async def _rejected(self, job_id: str, attempt: int, checkpoint: Restore, why: str, causation_id: str) -> None:
         """Record a bad checkpoint before the exits it causes: the scheduler then restarts from an older one

@@ -23,6 +23,8 @@ from services.agent.rankproc import Proc
 log = structlog.get_logger("flightdeck.agent")
 
 MAX_BACKOFF_S = 60.0
+# A fork server still importing after this long is stuck: the rank starts cold rather than wait on.
+FORK_WAIT_S = 120.0
 
 
 @dataclass(eq=False)
@@ -100,6 +102,27 @@ class StandbyPool:
         finally:
             standby.sock.close()
         return True
+
+    async def warm_start(self, cmd: list[str], env: dict[str, str], cwd: Path, log_fd: int, rank: int) -> Proc | None:
+        """The rank started warm: handed to a standby, else forked from the node's fork server (once all a rank
+        imports is in there: waiting for its imports beats a cold start, which would make them all again beside
+        it); None: start it cold."""
+        while (standby := self.take()) is not None:
+            if self.assign(standby, cmd, env, cwd, log_fd):
+                log.info("rank handed to a standby", rank=rank, pid=standby.proc.pid, ready=standby.ready)
+                return standby.proc
+        forks = self.forks
+        if forks is None or forks.gone:
+            return None
+        try:
+            async with asyncio.timeout(FORK_WAIT_S):
+                if not await forks.wait_ready():
+                    return None
+            proc = await forks.run(Assignment(argv=cmd, env=env, cwd=str(cwd)), log_fd, complete=True)
+        except (ForkServerGone, TimeoutError):
+            return None
+        log.info("rank forked", rank=rank, pid=proc.pid)
+        return proc
 
     async def close(self) -> None:
         """Kill the idle standbys (they hold nothing) and stop refilling; the fork server is left to its owner."""
