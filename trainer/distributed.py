@@ -26,7 +26,8 @@ class Dist:
         return self.ctl_group is not None
 
     def agree(self, flags: list[int], payload: bytes) -> tuple[list[int], bytes]:
-        """Every rank's flags OR-ed together (any rank's 1 wins) and rank 0's payload, on every rank."""
+        """The largest of every rank's value of each flag (of 0/1 flags: any rank's 1 wins) and rank 0's payload, on
+        every rank."""
         if self.ctl_group is None:
             return flags, payload
         mine = payload if self.rank == 0 else b""

@@ -318,7 +318,11 @@ class Run:
             polled = self.inbox.poll()
             if polled:
                 payload = msgspec.msgpack.encode([codec.encode(c) for c in polled])
-        (sigterm, orphaned), payload = self.dist.agree([int(self.sigterm), int(self.inbox.gone)], payload)
+        spacing = self.snapshots.spacing(self.reporter.step_times) if self.snapshots is not None else 1
+        (sigterm, orphaned, spacing), payload = self.dist.agree([int(self.sigterm), int(self.inbox.gone), spacing],
+                                                                payload)
+        if self.snapshots is not None:
+            self.snapshots.agreed(spacing)  # the costliest rank's: every rank snapshots the same steps
         commands = admitted(self._cmd_decoder.decode(payload)) if payload else []
         for command in commands:
             self._obey(command)
@@ -362,7 +366,7 @@ class Run:
     def _snapshot(self) -> None:
         """This boundary's state into the node's memory when it is due (never a re-run's)."""
         if self.snapshots is None or self.replay is not None \
-                or not self.snapshots.due(self.step, self.reporter.step_times):
+                or not self.snapshots.due(self.step):
             return
         if self.device.type != "cuda":  # the steps it holds go on record first (on CPU reading them costs nothing)
             self.reporter.flush()

@@ -1,7 +1,9 @@
-"""When a rank takes its host snapshots (trainer/snapshots.py), for the step loop (trainer/session.py): every
-`train.snapshot_every` steps, spaced further out while one costs more than `train.snapshot_max_overhead` of the
-steps since the last, and what turns them off (a node short of shared memory, a write that failed): said once."""
+"""When a rank takes its host snapshots (trainer/snapshots.py), for the step loop (trainer/session.py): at the
+multiples of `train.snapshot_every` steps, spaced further out (a whole multiple, the same on every rank: agreed at
+the boundary) while one costs more than `train.snapshot_max_overhead` of the steps between two, and what turns them
+off (a node short of shared memory, a write that failed): said once."""
 
+import math
 import os
 import statistics
 import time
@@ -16,6 +18,7 @@ from trainer import checkpointing
 from trainer.snapshots import Snapshots, SnapshotsOff
 
 log = structlog.get_logger("trainer")
+MAX_SPACING = 1 << 20  # snapshots so costly that none would fit: one in a million steps
 
 
 class Cadence:
@@ -23,20 +26,31 @@ class Cadence:
         self.snaps: Snapshots | None = snaps
         self.every, self.max_overhead, self.off = every, max_overhead, off
         self.snapped_at: int | None = None
+        self.spacing_now = 1  # the ranks' agreed spacing, in multiples of `every` (spacing, agreed)
         # Cores beyond those torch computes on: the CPU a snapshot takes beside training (its copy's threads, its
         # checksums) is then not taken from training, and only its hold of the training thread counts.
         self.spare_cores = len(os.sched_getaffinity(0)) > torch.get_num_threads()
         self.gather_s = 0.0  # gathering the state's items (get_state_dict): part of a snapshot's cost
         self.gather_total_s = 0.0
 
-    def due(self, step: int, step_times: list[float]) -> bool:
-        if self.snaps is None or step % self.every or self.snapped_at == step:
-            return False
+    def spacing(self, step_times: list[float]) -> int:
+        """How many times `every` steps apart this rank's snapshots must be to keep within their share of the
+        training time, by what its last one cost. The ranks agree on the largest at each boundary (`agreed`): they
+        then snapshot the same steps, so a failed attempt's slots form a set at a step every rank holds."""
+        if self.snaps is None or self.max_overhead >= 1.0:
+            return 1
         beside = 0.0 if self.spare_cores else self.snaps.last_background_s
         cost, times = self.snaps.last_stall_s + self.gather_s + beside, step_times[-5:]
-        if self.max_overhead >= 1.0 or cost <= 0 or self.snapped_at is None or self.snapped_at > step or not times:
-            return True  # the first, after a rollback (the step went back), or never capped
-        return (step - self.snapped_at) * statistics.median(times) * self.max_overhead >= cost
+        if cost <= 0 or not times:
+            return 1
+        share = statistics.median(times) * self.every * self.max_overhead
+        return MAX_SPACING if share <= 0 else min(MAX_SPACING, max(1, math.ceil(cost / share)))
+
+    def agreed(self, spacing: int) -> None:
+        self.spacing_now = max(1, spacing)
+
+    def due(self, step: int) -> bool:
+        return self.snaps is not None and step % (self.every * self.spacing_now) == 0 and self.snapped_at != step
 
     def take(self, step: int, live: Callable[[], dict[str, Any]], position: DataPosition, world_size: int, *,
              timeline: int, checkpointing_: bool, tensor_parallel: bool,

@@ -28,6 +28,7 @@ from events.job import (
     SlotRef,
     WorkersStarted,
 )
+from events.logs import RankOutput
 from events.spec import parse_spec
 from events.store import Stored
 from events.training import StepCompleted
@@ -142,10 +143,23 @@ def _key(rows: list[Stored]) -> list[tuple[str, int, str, str, bytes]]:
     return [(s.stream, s.seq, s.subject, s.msg_id, s.data) for s in rows]
 
 
-async def live_rows(url: str, job_id: str) -> list[Stored]:
+async def live_rows(url: str, job_id: str, *, output: bool = False) -> list[Stored]:
     store = await JetStreamStore.connect(url)
     try:
-        return await job_rows(store, job_id)
+        return await job_rows(store, job_id, output=output)
+    finally:
+        await store.close()
+
+
+async def print_lines(url: str, job_ids: list[str]) -> None:
+    """What the jobs' ranks printed, as their agents publish it (FD_LOGS)."""
+    store = await JetStreamStore.connect(url)
+    try:
+        for job_id in job_ids:
+            for rank in (0, 1):
+                out = RankOutput(job_id=job_id, rank=rank, attempt=0, first_line=0, lines=[f"{job_id} rank {rank}"],
+                                 event_id=ids())
+                await store.append(subjects.logs(job_id, 0, rank), out)
     finally:
         await store.close()
 
@@ -153,7 +167,9 @@ async def live_rows(url: str, job_id: str) -> list[Stored]:
 def test_export_then_import_replays_the_same_without_the_broker(nats_server: broker.Broker, tmp_path: Path,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
     asyncio.run(write(nats_server.url, ["a-000001", "b-000002"]))
-    rows = asyncio.run(live_rows(nats_server.url, "a-000001"))
+    asyncio.run(print_lines(nats_server.url, ["a-000001", "b-000002"]))
+    rows = asyncio.run(live_rows(nats_server.url, "a-000001", output=True))
+    assert [s.event.lines for s in rows if s.stream == subjects.LOGS] == [["a-000001 rank 0"], ["a-000001 rank 1"]]
     telemetry_jobs = {subjects.job_of(s.subject) for s in rows if s.stream == subjects.TELEMETRY}
     assert telemetry_jobs == {"a-000001"}  # the other job's telemetry stays out; its control events stay in
     assert {subjects.job_of(s.subject) for s in rows if s.stream == subjects.CONTROL} >= {"a-000001", "b-000002"}
@@ -164,7 +180,8 @@ def test_export_then_import_replays_the_same_without_the_broker(nats_server: bro
                                nats_server.url, "--data-dir", str(data_dir)], capture_output=True, cwd=ROOT,
                               timeout=30)
     assert exported.returncode == 0, exported.stderr
-    assert _key(fdh.load(exported.stdout)) == _key(rows)
+    assert _key(fdh.load(exported.stdout)) == _key(rows)  # the output too: an export is whole
+    assert b"2 FD_LOGS" in exported.stderr
     (tmp_path / "a.fdh").write_bytes(exported.stdout)
 
     code, before, err = cli(capsys, "replay", "a-000001", "--json", "--nats", nats_server.url,

@@ -214,21 +214,26 @@ def test_the_agent_never_persists_a_snapshot_ahead_of_the_ranks_reported_steps(t
 
 
 def test_snapshots_space_out_to_keep_within_their_share_of_the_training_time(tmp_path: Path) -> None:
-    """train.snapshot_max_overhead: a snapshot holding the loop 20 ms beside 100 ms steps is due every 10 steps at
-    2%, every step at 1 (never capped); after a rollback (the step went back) one is due at once. The CPU it takes
-    beside training counts only where no core is spare for it (10 ms more here: every 15 steps)."""
+    """train.snapshot_max_overhead: a snapshot holding the loop 20 ms beside 100 ms steps is spaced 10 steps apart
+    at 2%, 1 at 1 (never capped). The CPU it takes beside training counts only where no core is spare for it (10 ms
+    more here: 15 apart). The ranks agree on the largest spacing: every one snapshots the multiples of it."""
 
-    def due(step: int, overhead: float, spare: bool = True) -> bool:
+    def cadence(overhead: float, spare: bool = True, stall: float = 0.015, every: int = 1) -> Cadence:
         snaps = snapshots.Snapshots(tmp_path, job_id="j", attempt=0, rank=0, world_size=1)
-        snaps.last_stall_s, snaps.last_background_s = 0.015, 0.010
-        cadence = Cadence(snaps, every=1, max_overhead=overhead, off=lambda reason: None)
-        cadence.snapped_at, cadence.gather_s, cadence.spare_cores = 40, 0.005, spare
-        return cadence.due(step, [0.1] * 5)
+        snaps.last_stall_s, snaps.last_background_s = stall, 0.010
+        c = Cadence(snaps, every=every, max_overhead=overhead, off=lambda reason: None)
+        c.gather_s, c.spare_cores = 0.005, spare
+        return c
 
-    assert [s for s in range(41, 61) if due(s, 0.02)] == list(range(50, 61))
-    assert [s for s in range(41, 61) if due(s, 0.02, spare=False)] == list(range(55, 61))
-    assert all(due(s, 1.0) for s in range(41, 61))
-    assert due(12, 0.02)
+    assert cadence(0.02).spacing([0.1] * 5) == 10
+    assert cadence(0.02, spare=False).spacing([0.1] * 5) == 15
+    assert cadence(1.0).spacing([0.1] * 5) == 1
+    assert cadence(0.02, every=5).spacing([0.1] * 5) == 2  # 5 steps of 0.1 s hold 10 ms at 2%: every 10th step
+    ranks = [cadence(0.02, stall=stall) for stall in (0.015, 0.025)]  # one rank's snapshot costs more
+    agreed = max(c.spacing([0.1] * 5) for c in ranks)
+    for c in ranks:
+        c.agreed(agreed)
+    assert agreed == 15 and [[s for s in range(1, 61) if c.due(s)] for c in ranks] == [[15, 30, 45, 60]] * 2
 
 
 async def test_a_restarted_agent_reads_what_its_dead_ranks_had_on_record_from_the_history() -> None:

@@ -20,7 +20,7 @@ def run(args: argparse.Namespace) -> int:
     if args.out is None and sys.stdout.isatty():
         raise UserError("a history is not for a terminal: redirect it (flightdeck export JOB > job.fdh) or pass "
                         "--out FILE", EXIT_ERROR)
-    history = asyncio.run(history_from_args(args))
+    history = asyncio.run(history_from_args(args, output=True))  # whole: what the ranks printed too
     origin = history.header.source if history.header is not None and history.header.source else history.source
     lines = fdh.dump(history.rows, job_id=history.job_id, source=origin)
     counts = {name: len(history.stream(name)) for name in subjects.STREAM_SUBJECTS}

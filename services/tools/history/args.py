@@ -16,5 +16,7 @@ def add_history_arguments(parser: argparse.ArgumentParser) -> None:
     add_nats_argument(parser)
 
 
-async def history_from_args(args: argparse.Namespace) -> History:
-    return await open_history(args.job, from_file=args.from_file, data_dir=args.data_dir, nats=args.nats)
+async def history_from_args(args: argparse.Namespace, *, output: bool = False) -> History:
+    """The history the verb's arguments name; with `output`, read from the broker, the ranks' output too."""
+    return await open_history(args.job, from_file=args.from_file, data_dir=args.data_dir, nats=args.nats,
+                              output=output)

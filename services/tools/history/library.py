@@ -127,10 +127,10 @@ def import_file(path: Path | str, data_dir: Path | str | None = None,
     return history, target
 
 
-async def from_broker(url: str, job_id: str) -> History:
+async def from_broker(url: str, job_id: str, *, output: bool = False) -> History:
     async with open_store(url) as store:
         try:
-            rows = await job_rows(store, job_id)
+            rows = await job_rows(store, job_id, output=output)
         except JobNotFound:
             raise HistoryNotFound(f"no job {job_id!r} on {url} and no imported history of it: check the id "
                                   "(`flightdeck events --all` lists every job's events)") from None
@@ -138,7 +138,7 @@ async def from_broker(url: str, job_id: str) -> History:
 
 
 async def open_history(job: str | None = None, *, from_file: Path | str | None = None,
-                       data_dir: Path | str | None = None, nats: str | None = None) -> History:
+                       data_dir: Path | str | None = None, nats: str | None = None, output: bool = False) -> History:
     """The history every verb reads. With `from_file`: that file (`job` picks one of its jobs if it holds
     several). Else `job` from the library in `data_dir` (see data_dir_of) if imported there, else from the
     broker at `nats` (see services.shell.broker.nats_url). Errors are UserErrors (one line, an exit code);
@@ -158,5 +158,5 @@ async def open_history(job: str | None = None, *, from_file: Path | str | None =
         return History(job_id=history.job_id, rows=history.rows, header=history.header,
                        source=f"imported history {kept}" + (f" (exported from {history.header.source})"
                                                             if history.header and history.header.source else ""))
-    return await from_broker(nats_url(nats), job)
+    return await from_broker(nats_url(nats), job, output=output)
 

@@ -14,9 +14,10 @@ class JobNotFound(LookupError):
     """No control event of the job is stored."""
 
 
-async def job_rows(store: EventStore, job_id: str) -> list[Stored]:
-    """The job's history: FD_CONTROL up to the job's last event, its telemetry, FD_DEAD; each stream in order,
-    read in batches (the JetStream store's fast reader). Raises JobNotFound when the job has no events."""
+async def job_rows(store: EventStore, job_id: str, *, output: bool = False) -> list[Stored]:
+    """The job's history: FD_CONTROL up to the job's last event, its telemetry, FD_DEAD, and with `output` the
+    lines its ranks printed (FD_LOGS: an export is whole); each stream in order, read in batches (the JetStream
+    store's fast reader). Raises JobNotFound when the job has no events."""
     last = await store.last(subjects.CONTROL, subjects.job_all(job_id))
     if last is None:
         raise JobNotFound(job_id)
@@ -27,4 +28,7 @@ async def job_rows(store: EventStore, job_id: str) -> list[Stored]:
         rows += batch
     async for batch in store.read(subjects.DEAD):
         rows += batch
+    if output:
+        async for batch in store.read(subjects.LOGS, [subjects.logs_filter(job_id)]):
+            rows += batch
     return rows
