@@ -94,17 +94,19 @@ def hold_for_save(tx: Tx, job: Job) -> Job:
     return tx.update(job, waits_for=STOP_SAVE, wait_until=tx.at + wait_s)
 
 
-def hold_for_memory(tx: Tx, job: Job, running_since: float) -> Job:
+def hold_for_memory(tx: Tx, job: Job, running_since: float, trained_until: float = 0.0) -> Job:
     """Keep the restart of `job` (its new attempt set) waiting for the set its failed attempt's agents persist
     from the ranks' snapshots, when the spec takes them: at most policy.commit_wait_s, and never longer than the
     failed attempt trained past the newest checkpoint (waiting can cost at most what it may save). A failed
     attempt that never ran waits again for an earlier one's set still awaited (a node found lost only after the
-    first restart: the checkpoint service settles that set once it knows)."""
+    first restart: the checkpoint service settles that set once it knows). `trained_until`: when the failed
+    attempt last made progress, if before now (a hung rank's time stalled is nothing to save)."""
     if tx.settings.memory_wait != "yes" or job.spec.train.snapshot_every <= 0 or job.spec.policy.commit_wait_s <= 0:
         return job
     newest = job.newest
     if running_since > 0:
-        redo_s = tx.at - max((newest.staged_at or newest.at) if newest is not None else 0.0, running_since)
+        end = min(tx.at, trained_until) if trained_until > 0 else tx.at
+        redo_s = end - max((newest.staged_at or newest.at) if newest is not None else 0.0, running_since)
         job = tx.update(job, memory_from=job.attempt - 1, memory_redo_s=redo_s)
     elif job.memory_from >= 0:
         redo_s = job.memory_redo_s

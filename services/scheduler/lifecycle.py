@@ -124,7 +124,10 @@ def finding(tx: Tx, ev: RankLost | RankHung | StragglerDetected) -> None:
     if job.stop:  # a rank that cannot finish its stop counts as gone; releasing the slots kills it
         ranks_gone(tx, job, {ev.rank})
     else:
-        fault(tx, job, ev.event_id, fault_reason(ev), {ev.rank})
+        # A hung rank trained nothing for stalled_s, a silent one nothing since it was last heard of: what a wait
+        # for its snapshots could save ends there, not at the finding.
+        until = (ev.occurred_at or tx.at) - ev.stalled_s if isinstance(ev, RankHung) else ev.last_seen
+        fault(tx, job, ev.event_id, fault_reason(ev), {ev.rank}, trained_until=until)
 
 
 def node_lost(tx: Tx, node: str, reason: str, cause_id: str) -> None:
@@ -140,12 +143,13 @@ def node_lost(tx: Tx, node: str, reason: str, cause_id: str) -> None:
 
 
 def fault(tx: Tx, job: Job, cause_id: str, reason: str, gone: Iterable[int], *, lost_node: str = "",
-          planned: bool = False) -> None:
+          planned: bool = False, trained_until: float = 0.0) -> None:
     """Restart the job on fresh slots, or fail it once the restart budget is spent. Surviving ranks are
     told to stop first (no checkpoint: the newest committed one is the restore point, or the one on its way
     when waiting for it loses less: commit_wait.py); releasing the allocation makes the node agents kill
     whatever does not stop. `planned`: the platform stopped the ranks itself (an agent shutting down), which
-    costs the job no restart, and its ranks saved a checkpoint on the way out that the restart waits for."""
+    costs the job no restart, and its ranks saved a checkpoint on the way out that the restart waits for.
+    `trained_until`: when the job last made progress, if before now (a hung rank)."""
     job = tx.update(job, exited=job.exited | frozenset(gone), faults=(*job.faults, cause_id))
     free = bool(job.bad_restore) or planned
     if planned:
@@ -167,7 +171,7 @@ def fault(tx: Tx, job: Job, cause_id: str, reason: str, gone: Iterable[int], *, 
             if not job.waits_for:  # a fully staged set first: it is on its way already
                 job = commit_wait.hold(tx, job, pending, since, lost_node)
             if not job.waits_for and not free:  # a lost node's ranks leave none: the survivors' may do (DDP)
-                job = commit_wait.hold_for_memory(tx, job, since)
+                job = commit_wait.hold_for_memory(tx, job, since, trained_until)
             tx.enqueue(job)
         case Fail(reason=why):
             fail(tx, job, why, job.faults, stopped=True)

@@ -9,6 +9,7 @@ import msgspec
 from events.base import Event
 from events.checkpoint import CheckpointCommitted, CheckpointFailed, CheckpointPending, DataPosition
 from events.clock import ClockTick
+from events.findings import RankHung, RankLost
 from events.fleet import NodeLost
 from events.job import (
     AllocationGranted,
@@ -233,3 +234,21 @@ def test_the_memory_wait_ends_at_its_deadline_or_on_a_failed_set_and_never_start
     state = msgspec.structs.replace(no_snapshots, jobs={**no_snapshots.jobs, JOB: off})
     _, outs = fold(MEMORY, [crash(40.5)], state)
     assert len(requests(outs)) == 1
+
+
+def test_a_hung_rank_s_stalled_time_is_nothing_a_memory_wait_could_save() -> None:
+    """A rank hung at step 59 right after checkpoint 60 was staged: what the failed attempt trained past its newest
+    checkpoint ends where its progress stopped, not at the finding, so the restart does not wait (the peers bench
+    found a hang restart waiting 3.3 s for snapshots that could hold nothing newer). Silent ranks likewise end at
+    their last sign of life."""
+    hung = RankHung(job_id=JOB, rank=0, attempt=0, step=59, stalled_s=21.0, deadline_s=3.0, event_id="hung")
+    _, outs = fold(MEMORY, [at(hung, 41.0)], memory_running())  # progress stopped at 20.0, the commit's time
+    assert events_of(outs, JobQueued) == [] and len(requests(outs)) == 1
+    hung_later = msgspec.structs.replace(hung, stalled_s=11.0)  # it trained 10 s past the checkpoint first
+    _, outs = fold(MEMORY, [at(hung_later, 41.0)], memory_running())
+    (queued,) = events_of(outs, JobQueued)
+    assert "waits up to 10.00s for the failed attempt's snapshots in memory" in queued.reason
+    lost = RankLost(job_id=JOB, rank=0, attempt=0, reason="heartbeats stopped", last_seen=25.0, event_id="lost")
+    _, outs = fold(MEMORY, [at(lost, 41.0)], memory_running())
+    (queued,) = events_of(outs, JobQueued)
+    assert "waits up to 5.00s" in queued.reason
