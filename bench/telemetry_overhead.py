@@ -48,8 +48,11 @@ from trainer.session import Run
 WARMUP_STEPS = 10
 
 
+Measured = tuple[list[float], int, float, tuple[float, float], float]  # times, published, background, snapshots
+
+
 def one_run(spec: JobSpec, host: LinkHost | None, job_id: str, device: str, staging: Path,
-            batch_s: float, snapshots: Path | None = None) -> tuple[list[float], int, float, tuple[float, float], float]:
+            batch_s: float, snapshots: Path | None = None) -> Measured:
     cfg = RunConfig(job_id=job_id, spec=spec, attempt=0, node=NODE, agent=host.address if host else None,
                     staging=staging, restore=None, manifest=None, rank=0, world_size=1, local_rank=0, device=device,
                     sync_every=10, events_log=None, snapshots=snapshots)
@@ -85,7 +88,7 @@ def one_run(spec: JobSpec, host: LinkHost | None, job_id: str, device: str, stag
     return times, published, background_per_step, (hold_s / wall, beside_s / wall), taken / spec.train.steps
 
 
-def plain_run(spec: JobSpec, device: str) -> tuple[list[float], int, float, tuple[float, float], float]:
+def plain_run(spec: JobSpec, device: str) -> Measured:
     """trainer/loop.py's step body with no Flightdeck: the baseline a user compares with."""
     dev = torch.device(device)
     torch.manual_seed(spec.train.seed)
