@@ -21,15 +21,22 @@ log = structlog.get_logger("trainer")
 MAX_SPACING = 1 << 20  # snapshots so costly that none would fit: one in a million steps
 
 
+def spare_core() -> bool:
+    """Whether a core is idle beyond torch's threads here and whatever else the machine runs (its load average):
+    the CPU a snapshot takes beside training (its copy's threads, its checksums) then costs training nothing, and
+    only its hold of the training thread counts. On a busy machine (a CI box running several jobs' ranks) it counts:
+    counted as free there, snapshots every step slowed the ranks' checkpoint writes enough to call them hung."""
+    cores = len(os.sched_getaffinity(0))
+    return cores - max(os.getloadavg()[0], torch.get_num_threads()) >= 1.0
+
+
 class Cadence:
     def __init__(self, snaps: Snapshots, *, every: int, max_overhead: float, off: Callable[[str], None]) -> None:
         self.snaps: Snapshots | None = snaps
         self.every, self.max_overhead, self.off = every, max_overhead, off
         self.snapped_at: int | None = None
         self.spacing_now = 1  # the ranks' agreed spacing, in multiples of `every` (spacing, agreed)
-        # Cores beyond those torch computes on: the CPU a snapshot takes beside training (its copy's threads, its
-        # checksums) is then not taken from training, and only its hold of the training thread counts.
-        self.spare_cores = len(os.sched_getaffinity(0)) > torch.get_num_threads()
+        self.spare_cores: Callable[[], bool] = spare_core
         self.gather_s = 0.0  # gathering the state's items (get_state_dict): part of a snapshot's cost
         self.gather_total_s = 0.0
 
@@ -39,7 +46,7 @@ class Cadence:
         then snapshot the same steps, so a failed attempt's slots form a set at a step every rank holds."""
         if self.snaps is None or self.max_overhead >= 1.0:
             return 1
-        beside = 0.0 if self.spare_cores else self.snaps.last_background_s
+        beside = 0.0 if self.spare_cores() else self.snaps.last_background_s
         cost, times = self.snaps.last_stall_s + self.gather_s + beside, step_times[-5:]
         if cost <= 0 or not times:
             return 1

@@ -222,7 +222,7 @@ def test_snapshots_space_out_to_keep_within_their_share_of_the_training_time(tmp
         snaps = snapshots.Snapshots(tmp_path, job_id="j", attempt=0, rank=0, world_size=1)
         snaps.last_stall_s, snaps.last_background_s = stall, 0.010
         c = Cadence(snaps, every=every, max_overhead=overhead, off=lambda reason: None)
-        c.gather_s, c.spare_cores = 0.005, spare
+        c.gather_s, c.spare_cores = 0.005, lambda: spare
         return c
 
     assert cadence(0.02).spacing([0.1] * 5) == 10
