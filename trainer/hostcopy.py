@@ -74,14 +74,16 @@ class HostCopier:
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="snapshot") if self.threads > 1 else None
         # Each destination's last plans and what they copied from (the same tensors over the same memory): cutting a
         # few hundred tensors into ranges costs milliseconds that a snapshot every step would pay each time.
-        self._plans: dict[tuple[int, bool], tuple[dict[str, tuple[int, int]], list[list[Pair]]]] = {}
+        self._plans: dict[tuple[int, bool], tuple[dict[str, tuple[int, int, int]], list[list[Pair]]]] = {}
 
     def _parts(self, live: dict[str, Any], buffers: dict[str, Any], keys: Collection[str] | None,
                background: bool) -> tuple[list[list[Pair]], list[Pair]]:
         """The copy cut into per-thread parts, and the pairs to copy after them (those whose source changed since
         the plan, when few: what the plan copied of them is overwritten)."""
         sources = {k: t for k in buffers if (keys is None or k in keys) and isinstance(t := live.get(k), torch.Tensor)}
-        marks = {k: (id(t), getattr(t, "_local_tensor", t).data_ptr()) for k, t in sources.items()}
+        # the destination's memory too: a dict's id can be reused by the next slot's views
+        marks = {k: (id(t), getattr(t, "_local_tensor", t).data_ptr(), _local(buffers[k]).data_ptr())
+                 for k, t in sources.items()}
         known = self._plans.get((id(buffers), background))
         changed = [k for k, m in marks.items() if known is None or known[0].get(k) != m]
         if known is not None and marks.keys() == known[0].keys() and (not background or not changed) and \
