@@ -70,7 +70,9 @@ def _control(state: State, ev: Event, out: list[Output]) -> None:
         case AllocationGranted():
             job = job_watch(state, ev.job_id)
             if job is not None and ev.attempt > job.attempt:
-                job.unrecorded |= agents.left_behind(job.job_id, job.attempt, list(job.ranks.values()),
+                lost = {node for attempt, node in job.silent if attempt == job.attempt}  # concluded already
+                job.unrecorded |= agents.left_behind(job.job_id, job.attempt,
+                                                     [r for r in job.ranks.values() if r.node not in lost],
                                                      ev.occurred_at, state.now, ev.event_id)
                 new_attempt(job, ev.attempt, sorted({ref.rank for ref in ev.assignments}))
                 for ref in ev.assignments:
@@ -252,10 +254,12 @@ def _tick(state: State, tick: ClockTick, out: list[Output]) -> None:
     for job in state.jobs.values():
         # A node whose agent fell silent is lost at the lost deadline: its ranks of this attempt, or of a replaced
         # one that it never recorded as exited, died with it. First, so the recovery never places ranks there.
-        # node -> when it last had to be running ranks (their start): silence counts from then at the earliest
+        # node -> when it last had to be running ranks (their start): silence counts from then at the earliest.
+        # Also while the attempt is being stopped: its agent batches until it records its ranks' exits, and the
+        # restart may be waiting on the node's fate (the survivors' snapshots commit once it is known lost).
         suspects: dict[str, tuple[float, float]] = {}
         for node, at, folded in [*((r.node, r.started_at, r.started_folded) for r in job.ranks.values()
-                                   if r.node and r.started_id and not r.exited and not job.quiet),
+                                   if r.node and r.started_id and not r.exited),
                                  *((u.node, u.seen_at, u.seen_folded) for u in job.unrecorded.values())]:
             was = suspects.get(node, (0.0, 0.0))
             suspects[node] = (max(was[0], at), max(was[1], folded))
@@ -322,9 +326,16 @@ def transition(state: State, ev: Event) -> tuple[State, list[Output]]:
 
 
 def wants_tick(state: State, now: float) -> bool:
-    """Telemetry is folded only at ticks, so tick while some job has ranks to watch."""
+    """Telemetry is folded only at ticks, so tick while some job has ranks to watch, or agents that still owe
+    the exits of ranks being stopped (their silence is a lost node)."""
     return any((not job.quiet and any(r.live or (r.grant_id and not r.gone) for r in job.ranks.values()))
-               or bool(job.unrecorded) for job in state.jobs.values())
+               or bool(job.unrecorded) or _owing(state, job) for job in state.jobs.values())
+
+
+def _owing(state: State, job: JobWatch) -> bool:
+    """A started rank not recorded as exited on a node whose agent batches (so its silence would tell)."""
+    return any(r.node in state.batches and r.started_id and not r.exited and (job.attempt, r.node) not in job.silent
+               for r in job.ranks.values())
 
 
 def core_service(*, tick_s: float = 1.0) -> Service[State]:

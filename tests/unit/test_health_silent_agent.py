@@ -9,11 +9,14 @@ from events.clock import ClockTick
 from events.findings import RankHung, RankLost
 from events.fleet import NodeLost
 from events.heartbeats import RankBeat, RankHeartbeats
-from events.job import JobSubmitted, WorkersExited
+from events.commands import StopRequested
+from events.job import AllocationReleased, JobSubmitted, WorkersExited
 from events.spec import JobSpec, TrainSpec
 from events.training import StepCompleted
 from services.core import Emit
+from services.health.core import wants_tick
 from tests.unit import test_health_lost_agent as lost_agent
+from tests.unit.health_synth import SERVICE
 from tests.unit.test_health_lost_agent import POLICY, grant, started, tick
 
 KILLED_AT = 10.0
@@ -96,6 +99,47 @@ def test_the_lost_node_drill_with_relayed_beats_is_concluded_at_the_lost_deadlin
     [(at, lost)] = [(at, e) for at, e in found if isinstance(e.event, NodeLost)]
     assert isinstance(lost.event, NodeLost) and lost.event.node == "n2" and isinstance(at, ClockTick)
     assert KILLED_AT - 0.5 + 2.0 < at.now <= KILLED_AT - 0.5 + 2.5  # n2's last batch + the lost deadline
+
+
+def test_a_silent_agent_of_an_attempt_being_stopped_is_lost_at_the_deadline_and_once() -> None:
+    """Found by bench/vs_peers.py's lost node: the survivor's collective failed first, its exit stopped the attempt,
+    and the monitor stopped ticking for a job being stopped, so n2's silence went unseen while the restart waited
+    for the survivors' snapshots, which commit only once n2 is known lost (2.6 s of waiting, then a grant on the
+    dead node). An agent still owes its ranks' exits while they are stopped: its silence is NodeLost at the lost
+    deadline, and the next attempt's grant does not conclude it a second time."""
+    spec = JobSpec(name="j", slots=2, policy=POLICY, train=TrainSpec(steps=1000))
+    events: list[Event] = [JobSubmitted(job_id="j", spec=spec, event_id="sub", occurred_at=0.0),
+                           grant(0, ["n1", "n2"], 0.0), started(0, 0, "n1", 0.1), started(0, 1, "n2", 0.1)]
+    timed: list[tuple[float, Event]] = [(k / 2, batch("n1", 0, k / 2)) for k in range(1, 21)]
+    timed += [(k / 2, batch("n2", 1, k / 2)) for k in range(1, 20)]  # n2's last batch at 9.5
+    timed += [(10.1, WorkersExited(job_id="j", node="n1", attempt=0, rank=0, exit_code=1, event_id="exit-0-0",
+                                   occurred_at=10.1)),
+              (10.1, StopRequested(job_id="j", checkpoint=False, reason="rank 0 exited", event_id="stop",
+                                   occurred_at=10.1)),
+              (10.1, AllocationReleased(job_id="j", attempt=0, reason="rank 0 exited with code 1",
+                                        event_id="release", occurred_at=10.1)),
+              (13.0, grant(1, ["n1"], 13.0)), (13.1, started(1, 0, "n1", 13.1))]
+    timed += [(k / 2, batch_of(1, "n1", 0, k / 2)) for k in range(27, 50)]
+    state, ticks = SERVICE.initial, []
+    for ev in events + [ev for _, ev in sorted(timed, key=lambda p: p[0])]:
+        state, _ = SERVICE.transition(state, ev)
+        if isinstance(ev, (StopRequested, AllocationReleased)):
+            ticks.append(wants_tick(state, ev.occurred_at))
+    assert ticks == [True, True]  # the monitor ticks on while n2's agent owes rank 1's exit
+    timeline = events + [ev for _, ev in sorted(timed + [(k / 2 + 0.25, tick(k / 2 + 0.25)) for k in range(50)],
+                                                key=lambda p: p[0])]
+    found = fold(timeline)
+    kinds = [(type(e.event).__name__, getattr(e.event, "node", getattr(e.event, "rank", None))) for _, e in found]
+    # rank 0's own exit, then n2 once: not again for the next attempt, and no RankLost of the stopped rank 1
+    assert kinds == [("RankLost", 0), ("NodeLost", "n2")]
+    (_, _), (at, _) = found
+    assert isinstance(at, ClockTick) and 9.5 + 2.0 < at.now <= 9.5 + 2.5  # before the restart's grant at 13.0
+
+
+def batch_of(attempt: int, node: str, rank: int, at: float) -> RankHeartbeats:
+    return RankHeartbeats(job_id="j", rank=rank, attempt=attempt, node=node, interval_s=0.5,
+                          beats=[RankBeat(rank=rank, step=int(at * 2), occurred_at=at)],
+                          event_id=f"b-{node}-{attempt}-{at:.2f}", occurred_at=at, producer=f"agent-{node}")
 
 
 def test_an_idle_agent_given_new_ranks_is_not_lost_before_its_first_batch_is_due() -> None:
