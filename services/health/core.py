@@ -8,7 +8,7 @@ from collections import deque
 
 from events import subjects
 from events.base import Event
-from events.clock import ClockTick
+from events.clock import ClockTick, CoreConfigured
 from events.commands import PauseRequested, ResumeRequested, RollbackRequested, StopRequested
 from events.findings import (
     Finding,
@@ -37,7 +37,7 @@ from events.training import Heartbeat, RankFault, RankStarted, RolledBack, Spike
 from services.core import Emit, Output, Service
 from services.health import agents
 from services.health.detectors import EVIDENCE_MAX, Hung, Lost, RankWatch
-from services.health.state import INITIAL, JobWatch, State, job_watch, new_attempt, snapshot
+from services.health.state import INITIAL, STOPPING, JobWatch, State, job_watch, new_attempt, snapshot
 
 NAME = "health"
 CONTROL_TYPES = (
@@ -259,7 +259,8 @@ def _tick(state: State, tick: ClockTick, out: list[Output]) -> None:
         # restart may be waiting on the node's fate (the survivors' snapshots commit once it is known lost).
         suspects: dict[str, tuple[float, float]] = {}
         for node, at, folded in [*((r.node, r.started_at, r.started_folded) for r in job.ranks.values()
-                                   if r.node and r.started_id and not r.exited),
+                                   if r.node and r.started_id and not r.exited
+                                   and (state.watch_stopping or not job.quiet)),
                                  *((u.node, u.seen_at, u.seen_folded) for u in job.unrecorded.values())]:
             was = suspects.get(node, (0.0, 0.0))
             suspects[node] = (max(was[0], at), max(was[1], folded))
@@ -320,6 +321,9 @@ def transition(state: State, ev: Event) -> tuple[State, list[Output]]:
         _beats(state, ev, out)
     elif isinstance(ev, ClockTick):  # the fold hands a service only its own ticks
         _tick(state, ev, out)
+    elif isinstance(ev, CoreConfigured):
+        if ev.service == NAME:
+            state.watch_stopping = ev.settings.get(STOPPING) == "watched"
     else:
         _control(state, ev, out)
     return state, out
@@ -334,8 +338,8 @@ def wants_tick(state: State, now: float) -> bool:
 
 def _owing(state: State, job: JobWatch) -> bool:
     """A started rank not recorded as exited on a node whose agent batches (so its silence would tell)."""
-    return any(r.node in state.batches and r.started_id and not r.exited and (job.attempt, r.node) not in job.silent
-               for r in job.ranks.values())
+    return state.watch_stopping and any(r.node in state.batches and r.started_id and not r.exited
+                                        and (job.attempt, r.node) not in job.silent for r in job.ranks.values())
 
 
 def core_service(*, tick_s: float = 1.0) -> Service[State]:
@@ -348,5 +352,7 @@ def core_service(*, tick_s: float = 1.0) -> Service[State]:
         tick_s=tick_s,
         wants_tick=wants_tick,
         copy=snapshot,
-        settings={"tick_s": tick_s},  # when ticks are taken; what they decide comes from the recorded ticks
+        # tick_s: when ticks are taken (what they decide comes from the recorded ticks)
+        settings={"tick_s": tick_s, STOPPING: "watched"},
+        unrecorded={"tick_s": tick_s, STOPPING: "unwatched"},
     )

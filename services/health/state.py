@@ -68,15 +68,20 @@ class State:
     # node -> (occurred_at, folded) of its agent's newest heartbeat batch, any job: an agent that relays its ranks'
     # beats sends one every interval while it runs ranks, so its silence means the node is lost (agents.silent)
     batches: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # Whether the agents of an attempt being stopped are watched for silence (its node lost) until they record its
+    # ranks' exits. Histories recorded before (their CoreConfigured lacks STOPPING) replay without it.
+    watch_stopping: bool = True
 
 
+STOPPING = "stopping"  # the setting that says so: "watched"
 INITIAL = State(sealed=True)
 
 
 def snapshot(state: State) -> State:
     """A sealed copy of `state`: later folds of the original do not change it (nor it them)."""
     return State(jobs={job_id: job.clone() for job_id, job in state.jobs.items()}, ended=set(state.ended),
-                 now=state.now, recovered_at=state.recovered_at, sealed=True, batches=dict(state.batches))
+                 now=state.now, recovered_at=state.recovered_at, sealed=True, batches=dict(state.batches),
+                 watch_stopping=state.watch_stopping)
 
 
 

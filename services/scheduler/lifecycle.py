@@ -157,7 +157,8 @@ def fault(tx: Tx, job: Job, cause_id: str, reason: str, gone: Iterable[int], *, 
                                            "not counted against the restart budget")
     else:
         recovery = after_bad_checkpoint(job, reason) if job.bad_restore else after_fault(job, reason)
-    if job.started - job.exited:
+    unsettled = job.started - job.exited  # ranks whose end is not recorded: their node may be lost
+    if unsettled:
         tx.emit(StopRequested(job_id=job.job_id, checkpoint=False, reason=recovery.reason))
     match recovery:
         case Restart(reason=why):
@@ -171,7 +172,7 @@ def fault(tx: Tx, job: Job, cause_id: str, reason: str, gone: Iterable[int], *, 
             if not job.waits_for:  # a fully staged set first: it is on its way already
                 job = commit_wait.hold(tx, job, pending, since, lost_node)
             if not job.waits_for and not free:  # a lost node's ranks leave none: the survivors' may do (DDP)
-                job = commit_wait.hold_for_memory(tx, job, since, trained_until)
+                job = commit_wait.hold_for_memory(tx, job, since, trained_until, unsettled=unsettled)
             tx.enqueue(job)
         case Fail(reason=why):
             fail(tx, job, why, job.faults, stopped=True)

@@ -103,6 +103,10 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     # a later restart (a lost node found after the first one) may still wait for it.
     memory_from: int = -1
     memory_redo_s: float = 0.0
+    # Ranks of that attempt with no recorded end when it failed: until each has one, the wait may last the lost
+    # deadline; once none is owed, it lasts no longer than `memory_until` (what the training it saves took).
+    memory_owed: frozenset[int] = frozenset()
+    memory_until: float = 0.0
 
     @property
     def ranks(self) -> frozenset[int]:
@@ -135,7 +139,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
 
     stop_timeout_s: float = 120.0  # a stop (preemption, cancel) that outlasts this releases the slots anyway
     landing_timeout_s: float = 120.0  # a rollback no rank reports RolledBack for counts as in flight this long
-    # "yes": a restart after a fault waits for the set persisted from the ranks' snapshots (commit_wait.MEMORY).
+    # "yes": a restart after a fault waits for the set persisted from the ranks' snapshots (commit_wait.MEMORY);
+    # "settled": and at least the lost deadline while ranks of the failed attempt have no recorded end.
     # Histories recorded before agents persisted snapshots replay with "no": nothing of the kind ever came.
     memory_wait: str = "no"
 

@@ -252,3 +252,29 @@ def test_a_hung_rank_s_stalled_time_is_nothing_a_memory_wait_could_save() -> Non
     _, outs = fold(MEMORY, [at(lost, 41.0)], memory_running())
     (queued,) = events_of(outs, JobQueued)
     assert "waits up to 5.00s" in queued.reason
+
+
+def test_a_memory_wait_lasts_the_lost_deadline_while_a_rank_of_the_failed_attempt_owes_its_exit() -> None:
+    """Found by bench/vs_peers.py's lost node: the survivor failed first and its exit started the restart, whose
+    wait (bounded by the 1.6 s trained since the checkpoint) ended 0.1 s before the other node was known lost, so
+    the survivor's set, which commits only then, came too late and 10 steps were redone. While a rank of the failed
+    attempt has no recorded end, its node may be lost: the wait lasts up to the lost deadline; once every such rank's
+    exit is recorded, no longer than the training it may save."""
+    state = started()
+    state = msgspec.structs.replace(state, settings=msgspec.structs.replace(state.settings, memory_wait="settled"))
+    state = fold(MEMORY, [committed(50, 20.0)], state)[0]
+    state, outs = fold(MEMORY, [crash(21.0)], state)  # rank 1 on b; rank 0 on a has no recorded end
+    (queued,) = events_of(outs, JobQueued)
+    deadline = PolicySpec().heartbeat_interval_s * PolicySpec().heartbeat_misses
+    assert f"waits up to {deadline:.2f}s for the failed attempt's snapshots in memory" in queued.reason
+    assert "would redo 1.00s of training" in queued.reason
+    state, outs = fold(MEMORY, [ClockTick(service="scheduler", now=22.5, positions={})], state)
+    assert requests(outs) == []  # past the 1 s of training, within the lost deadline: rank 0's node may be lost
+    exit0 = at(WorkersExited(job_id=JOB, node="a", attempt=0, rank=0, exit_code=-15), 23.0)
+    state, outs = fold(MEMORY, [exit0, ClockTick(service="scheduler", now=23.1, positions={})], state)
+    (asked,) = requests(outs)  # a's agent recorded it: a is not lost, and the wait is past what it could save
+    assert asked.reason.startswith("the failed attempt's snapshots in memory were not persisted and committed")
+    before = msgspec.structs.replace(state, settings=msgspec.structs.replace(state.settings, memory_wait="yes"))
+    old = fold(MEMORY, [committed(50, 20.0)], msgspec.structs.replace(started(), settings=before.settings))[0]
+    (queued,) = events_of(fold(MEMORY, [crash(21.0)], old)[1], JobQueued)
+    assert "waits up to 1.00s" in queued.reason  # histories recorded with "yes" replay as they ran

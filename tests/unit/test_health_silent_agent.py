@@ -6,10 +6,10 @@ whose ranks hang or crash keeps batching: no NodeLost."""
 
 from events.base import Event
 from events.clock import ClockTick
+from events.commands import StopRequested
 from events.findings import RankHung, RankLost
 from events.fleet import NodeLost
 from events.heartbeats import RankBeat, RankHeartbeats
-from events.commands import StopRequested
 from events.job import AllocationReleased, JobSubmitted, WorkersExited
 from events.spec import JobSpec, TrainSpec
 from events.training import StepCompleted
