@@ -2,7 +2,7 @@
 permissions (services/shell/security/permissions.py) and the AsyncAPI document (events/asyncapi.py) are both
 derived from these tables, so neither can drift from the other.
 
-Roles: the five services by name, `agent` (a node agent), `console` (a person, through the CLI or the client).
+Roles: the six services by name, `agent` (a node agent), `console` (a person, through the CLI or the client).
 A job's ranks (`trainer`) author the telemetry types not listed under TELEMETRY_TYPES; their node agent publishes
 them (RANK_TELEMETRY), checked against the rank it started: no rank holds a broker credential.
 """
@@ -19,6 +19,7 @@ JOB_TYPES: dict[str, tuple[str, ...]] = {
                     "CheckpointScrubbed"),
     "health": ("RankLost", "RankHung", "StragglerDetected", "NonFiniteLoss", "LossSpikeDetected", "SpikeDiagnosed"),
     "resharder": ("ReshardPlanned",),
+    "archiver": ("HistoryArchived",),
     "agent": ("WorkersStarted", "WorkersExited", "CheckpointRejected"),
     # A person's requests: submit and cancel jobs, ask ranks to checkpoint, pause or resume.
     "console": ("JobSubmitted", "CancelRequested", "CheckpointRequested", "PauseRequested", "ResumeRequested",

@@ -1,6 +1,6 @@
 """Every concrete message type, in one tuple: the codec's union and the fixture tests read it from here."""
 
-from events import checkpoint, clock, commands, findings, fleet, heartbeats, job, logs, plan, training
+from events import archive, checkpoint, clock, commands, findings, fleet, heartbeats, job, logs, plan, training
 from events.authors import RANK_TELEMETRY
 from events.base import Event, RankEvent
 
@@ -28,6 +28,8 @@ ALL_TYPES: tuple[type[Event], ...] = (
     findings.LossSpikeDetected, findings.SpikeDiagnosed,
     # plan
     plan.ReshardPlanned,
+    # the archive of a job's telemetry and output
+    archive.HistoryArchived,
     # commands
     commands.CheckpointRequested, commands.RollbackRequested, commands.StopRequested,
     commands.PauseRequested, commands.ResumeRequested,

@@ -16,7 +16,7 @@ from events import codec
 from events.base import Event
 from events.jsreader import Replay, StoreClient, cancellable, is_unavailable
 from events.store import AppendResult, ConcurrencyConflict, Stored, StoreUnavailable, decoded
-from events.streams import TELEMETRY_MAX_BYTES, check_server_version, ensure_streams, server_list
+from events.streams import check_server_version, ensure_streams, server_list
 from events.subjects import stream_of
 
 log = structlog.get_logger(__name__)
@@ -38,7 +38,7 @@ class JetStreamStore:
 
     @classmethod
     async def connect(cls, url: str, *, name: str = "flightdeck", request_timeout_s: float = 5.0, replicas: int = 0,
-                      telemetry_max_bytes: int = TELEMETRY_MAX_BYTES, provision: bool = True,
+                      telemetry_max_bytes: int | None = None, provision: bool = True,
                       heartbeat_s: float = 2.0, connect_attempts: int = 3, **options: Any) -> "JetStreamStore":
         """Connect (`connect_attempts` tries; once connected, reconnecting forever), check the server version,
         provision the streams (`replicas` 0: $FLIGHTDECK_REPLICAS, else from the cluster's size). `url` may name
@@ -164,4 +164,18 @@ class JetStreamStore:
     async def last_seq(self, stream: str) -> int:
         info = await self._call(lambda: self.js.stream_info(stream))
         return info.state.last_seq
+
+    async def bounds(self, stream: str) -> tuple[int, float, int]:
+        info = await self._call(lambda: self.js.stream_info(stream))
+        first, last = info.state.first_seq, info.state.last_seq
+        if not info.state.messages:
+            return max(first, last + 1), float("inf"), last
+        request = json.dumps({"seq": first}).encode()
+        msg: Msg = await self._call(
+            lambda: self.nc.request(f"$JS.API.DIRECT.GET.{stream}", request, timeout=self._timeout))
+        status = (msg.headers or {}).get("Status")
+        if status:  # aged out between the two calls: the next message is as young or younger
+            return first + 1, float("inf"), last
+        ev = decoded(stream, first, "", msg.data, "").event
+        return first, ev.occurred_at if ev is not None else 0.0, last
 

@@ -83,6 +83,10 @@ class EventStore(Protocol):
     async def last_seq(self, stream: str) -> int:
         """The stream's last sequence (0 when empty)."""
 
+    async def bounds(self, stream: str) -> tuple[int, float, int]:
+        """(first sequence still stored, its event's time, last sequence): what a stream that ages out still
+        holds. An empty stream: (last + 1, inf, last)."""
+
 
 def decoded(stream: str, seq: int, subject: str, data: bytes, msg_id: str) -> Stored:
     try:
@@ -104,6 +108,7 @@ class MemoryStore:
         self._streams: dict[str, list[Stored]] = {name: [] for name in STREAM_SUBJECTS}
         self._seen: dict[str, dict[str, tuple[float, int]]] = {name: {} for name in STREAM_SUBJECTS}
         self._changed = asyncio.Condition()
+        self._first: dict[str, int] = {name: 1 for name in STREAM_SUBJECTS}  # below it: aged out (`age_out`)
 
     async def append(
         self,
@@ -154,7 +159,7 @@ class MemoryStore:
         end = min(until_seq or len(messages), len(messages))
         batch: list[Stored] = []
         wanted = tuple(subjects)
-        for stored in messages[max(from_seq, 1) - 1 : end]:
+        for stored in messages[max(from_seq, self._first[stream]) - 1 : end]:
             if _filtered(stored.subject, wanted):
                 batch.append(stored)
                 if len(batch) >= self._batch:
@@ -167,7 +172,7 @@ class MemoryStore:
         self, stream: str, subjects: Sequence[str] = (), *, from_seq: int = 1
     ) -> AsyncIterator[Stored]:
         messages = self._streams[stream]
-        nxt = max(from_seq, 1)
+        nxt = max(from_seq, self._first[stream])
         wanted = tuple(subjects)
         while True:
             while nxt <= len(messages):
@@ -191,3 +196,14 @@ class MemoryStore:
 
     async def last_seq(self, stream: str) -> int:
         return len(self._streams[stream])
+
+    async def bounds(self, stream: str) -> tuple[int, float, int]:
+        first, last = self._first[stream], len(self._streams[stream])
+        if first > last:
+            return first, float("inf"), last
+        ev = self._streams[stream][first - 1].event
+        return first, ev.occurred_at if ev is not None else 0.0, last
+
+    def age_out(self, stream: str, through_seq: int) -> None:
+        """Drop the stream's messages up to `through_seq`, as a stream's limits do (DiscardPolicy.OLD)."""
+        self._first[stream] = max(self._first[stream], min(through_seq, len(self._streams[stream])) + 1)

@@ -80,15 +80,40 @@ def _config(name: str, replicas: int, **limits: Any) -> StreamConfig:
                         allow_direct=True, duplicate_window=DUPLICATE_WINDOW_S, **limits)
 
 
-def stream_configs(replicas: int = 1, telemetry_max_bytes: int = TELEMETRY_MAX_BYTES,
-                   telemetry_max_age_s: float = TELEMETRY_MAX_AGE_S) -> list[StreamConfig]:
-    """FD_CONTROL is the permanent record (no limits, no deletes); telemetry and logs age out; dead letters stay."""
+# The aging streams' limits, for an operator (or a test of the archive) to set where the defaults do not fit.
+LIMIT_ENV = {"telemetry_max_bytes": "FLIGHTDECK_TELEMETRY_MAX_BYTES",
+             "telemetry_max_age_s": "FLIGHTDECK_TELEMETRY_MAX_AGE_S",
+             "logs_max_bytes": "FLIGHTDECK_LOGS_MAX_BYTES", "logs_max_age_s": "FLIGHTDECK_LOGS_MAX_AGE_S"}
+_DEFAULT_LIMITS = {"telemetry_max_bytes": TELEMETRY_MAX_BYTES, "telemetry_max_age_s": TELEMETRY_MAX_AGE_S,
+                   "logs_max_bytes": LOGS_MAX_BYTES, "logs_max_age_s": LOGS_MAX_AGE_S}
+
+
+def limit(name: str) -> float:
+    """One aging stream's limit: $FLIGHTDECK_<NAME> if set (a positive number), else the default."""
+    raw = os.environ.get(LIMIT_ENV[name], "").strip()
+    if not raw:
+        return _DEFAULT_LIMITS[name]
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise ValueError(f"${LIMIT_ENV[name]} must be a positive number, got {raw!r}")
+    return value
+
+
+def stream_configs(replicas: int = 1, telemetry_max_bytes: int | None = None,
+                   telemetry_max_age_s: float | None = None) -> list[StreamConfig]:
+    """FD_CONTROL is the permanent record (no limits, no deletes); telemetry and logs age out (the archiver keeps
+    each job's: services/archiver); dead letters stay. Limits not given come from `limit`."""
+    tel_bytes = telemetry_max_bytes or int(limit("telemetry_max_bytes"))
+    tel_age = telemetry_max_age_s or limit("telemetry_max_age_s")
     return [
         _config(CONTROL, replicas, deny_delete=True, deny_purge=True),
-        _config(TELEMETRY, replicas, max_age=telemetry_max_age_s, max_bytes=telemetry_max_bytes,
-                discard=DiscardPolicy.OLD),
+        _config(TELEMETRY, replicas, max_age=tel_age, max_bytes=tel_bytes, discard=DiscardPolicy.OLD),
         _config(DEAD, replicas),
-        _config(LOGS, replicas, max_age=LOGS_MAX_AGE_S, max_bytes=LOGS_MAX_BYTES, discard=DiscardPolicy.OLD),
+        _config(LOGS, replicas, max_age=limit("logs_max_age_s"), max_bytes=int(limit("logs_max_bytes")),
+                discard=DiscardPolicy.OLD),
     ]
 
 
@@ -113,8 +138,8 @@ def _limit(value: float | int | None) -> float:
     return float(value) if value and value > 0 else 0.0
 
 
-async def ensure_streams(js: JetStreamContext, replicas: int = 0, *, telemetry_max_bytes: int = TELEMETRY_MAX_BYTES,
-                         telemetry_max_age_s: float = TELEMETRY_MAX_AGE_S) -> dict[str, str]:
+async def ensure_streams(js: JetStreamContext, replicas: int = 0, *, telemetry_max_bytes: int | None = None,
+                         telemetry_max_age_s: float | None = None) -> dict[str, str]:
     """Create each stream, or update it where its config differs; safe to call from every process at once.
     `replicas` 0 means $FLIGHTDECK_REPLICAS, else `auto_replicas`; an automatic choice never lowers the
     replicas a stream has (a process starting while a member is down sees a smaller cluster).

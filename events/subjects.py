@@ -11,7 +11,7 @@ TELEMETRY = "FD_TELEMETRY"
 DEAD = "FD_DEAD"
 LOGS = "FD_LOGS"
 # The built-in services: each has its clock and dead-letter subjects, durable consumer and broker user.
-SERVICES = ("scheduler", "resources", "checkpoints", "health", "resharder")
+SERVICES = ("scheduler", "resources", "checkpoints", "health", "resharder", "archiver")
 
 STREAM_SUBJECTS: dict[str, str] = {CONTROL: "fd.ctl.>", TELEMETRY: "fd.tel.>", DEAD: "fd.dead.>", LOGS: "fd.log.>"}
 

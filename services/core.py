@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from events.base import Event
+from events.store import EventStore
 
 S = TypeVar("S")
 
@@ -69,6 +70,8 @@ class Service(Generic[S]):
     # crash loses a run in flight) and may ask again later; a replay reads an outcome back like any other.
     detached: frozenset[str] = frozenset()
     copy: Callable[[S], S] | None = None  # only for a core whose transition changes the state it is given
+    # Effects that read the streams (the archiver's) get the shell's event store through this, once connected.
+    bind: Callable[[EventStore], None] | None = None
     # What the core was built with, recorded as CoreConfigured when its shell starts; the core folds that event
     # back into its state, so live and replayed decisions use the same values.
     settings: Mapping[str, float | int | str] = field(default_factory=dict)

@@ -6,24 +6,18 @@ Why it works this way: docs/internals.md, "5. Checkpoints".
 import contextlib
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from services.checkpoints import uploader
 from services.checkpoints.core import COMMIT, DELETE, SCRUB, core_service
 from services.checkpoints.state import Settings, State
 from services.core import EffectHandler, Emit, Service
-from services.shell.objects.open import DATA_DIR_ENV, OBJECTS_ENV, open_store
+from services.shell.objects.open import objects_url, open_store
 from services.shell.objects.store import ObjectStore
 
 SCRUB_EVERY_ENV = "FLIGHTDECK_SCRUB_EVERY_S"  # re-verify each committed checkpoint this often; 0 turns scrubs off
 SCRUB_MB_S_ENV = "FLIGHTDECK_SCRUB_MB_S"  # the scrubber's read rate bound
 DEFAULT_SCRUB_EVERY_S = 86_400.0
-
-
-def objects_url(env: Mapping[str, str] | None = None) -> str:
-    env = os.environ if env is None else env
-    return env.get(OBJECTS_ENV) or str(Path(env.get(DATA_DIR_ENV) or ".flightdeck") / "objects")
 
 
 class _OpenOnFirstUse:

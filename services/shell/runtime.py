@@ -113,6 +113,8 @@ class Shell:
         self.detached: set[asyncio.Task[None]] = set()  # effects running in the background (Service.detached)
         self.stored_seq = 0  # the last FD_CONTROL input whose outputs are all stored
         self.caught_up = False  # whether the first delivery since the start was checked against the rebuild
+        if service.bind is not None:
+            service.bind(self.store)
 
     async def retrying(self, what: str, fn: Callable[[], Awaitable[T]], subject: str = "") -> T:
         """Run `fn` until it succeeds: the broker may be restarting. A denied publish is not retried."""

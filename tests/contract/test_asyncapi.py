@@ -82,7 +82,7 @@ def test_every_message_of_a_recorded_run_stood_under_its_types_channel(history: 
 
 def test_each_roles_send_operations_are_what_the_broker_lets_it_publish() -> None:
     users = {"console": permissions.console(), "agent": permissions.agent("n1"),
-             **{s: permissions.service(s) for s in ("scheduler", "resources", "checkpoints", "health", "resharder")},
+             **{s: permissions.service(s) for s in subjects.SERVICES},
              # a rank holds no credential: what it sends reaches the broker through its agent (events/ranklink.py)
              "trainer": permissions.agent("n1"), "shell": permissions.service("health")}
     values = {"job_id": "j-000001", "node": "n1", "rank": "0", "attempt": "0", "service": "health"}

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from events.jetstream import JetStreamStore
-from services.checkpoints.service import OBJECTS_ENV
+from services.shell.objects.open import OBJECTS_ENV
 from services.shell import broker as broker_mod
 from services.shell.objects import manifest as mf
 from services.shell.objects.open import open_store
@@ -32,7 +32,7 @@ from services.shell.objects.store import ObjectStore
 from tests.integration.s3_fixture import MotoS3
 from tests.integration.test_lifecycle_services import ROOT, Cluster
 
-SERVICES = ("scheduler", "resources", "checkpoints", "health", "resharder")
+SERVICES = ("scheduler", "resources", "checkpoints", "health", "resharder", "archiver")
 
 
 @dataclass(frozen=True)

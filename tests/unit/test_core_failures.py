@@ -17,7 +17,7 @@ import pytest
 from events.base import Event
 from services.core import Service
 from services.shell.fold import Folder, comparable, replay
-from services.tools.audit.cores import cores
+from services.tools.audit.cores import ADDED_LATER, cores
 from services.tools.history import fdh
 from services.tools.history.library import History
 
@@ -59,7 +59,9 @@ def history(drill: str) -> History:
 
 
 def services() -> list[Any]:
-    return [pytest.param(service, id=service.name) for service in cores()]
+    # the fixtures were recorded before the archiver ran (its frozen core returns a new state: a transition that
+    # raises leaves nothing behind; tests/unit/test_archiver_core.py pins its decisions)
+    return [pytest.param(service, id=service.name) for service in cores() if service.name not in ADDED_LATER]
 
 
 @pytest.mark.parametrize("drill", DRILLS)

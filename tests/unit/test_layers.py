@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SERVICES = ("scheduler", "resources", "checkpoints", "health", "resharder")
+SERVICES = ("scheduler", "resources", "checkpoints", "health", "resharder", "archiver")
 TOOLS = ("history", "postmortem", "audit", "client", "web", "console")  # lowest first; cli.py and connect.py sit below
 TORCH = ("torch",)
 

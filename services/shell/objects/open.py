@@ -7,7 +7,8 @@ For S3 the endpoint comes from `endpoint_url`, else botocore's own `AWS_ENDPOINT
 `AWS_ENDPOINT_URL`; credentials only from the standard AWS chain.
 """
 
-from collections.abc import AsyncIterator
+import os
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
 from urllib.parse import unquote, urlparse
@@ -18,6 +19,12 @@ from services.shell.objects.store import ObjectStore
 
 OBJECTS_ENV = "FLIGHTDECK_OBJECTS"  # where committed checkpoints live (a folder, file:// or s3:// URL)
 DATA_DIR_ENV = "FLIGHTDECK_DATA_DIR"  # a platform's data dir; its objects/ is the default store
+
+
+def objects_url(env: Mapping[str, str] | None = None) -> str:
+    """Where the platform's object store is: $FLIGHTDECK_OBJECTS, else the data dir's objects/ folder."""
+    env = os.environ if env is None else env
+    return env.get(OBJECTS_ENV) or str(Path(env.get(DATA_DIR_ENV) or ".flightdeck") / "objects")
 
 
 @asynccontextmanager

@@ -60,12 +60,21 @@ def is_decision(stored: Stored, service: str) -> bool:
             and not isinstance(ev, ClockTick | CoreConfigured))
 
 
+# Services added after histories were first recorded: one that left no trace in a history (no settings, tick or
+# decision of its own) did not run when it was written, and is not replayed over it.
+ADDED_LATER = frozenset({"archiver"})
+
+
 def unrecorded_settings(services: list[Service[Any]], control: Sequence[Stored]) -> list[Service[Any]]:
     """Each core whose settings the history never recorded (it was written before services recorded them) starts
-    from the settings its services then ran with, where those differ from today's defaults (`Service.unrecorded`)."""
+    from the settings its services then ran with, where those differ from today's defaults (`Service.unrecorded`).
+    A core of ADDED_LATER that left no trace in the history is left out."""
     recorded = {s.event.service for s in control if isinstance(s.event, CoreConfigured)}
+    traced = recorded | {s.event.producer for s in control if s.event is not None}
     out: list[Service[Any]] = []
     for s in services:
+        if s.name in ADDED_LATER and s.name not in traced:
+            continue
         if s.unrecorded is not None and s.name not in recorded:
             initial, _ = s.transition(s.initial, CoreConfigured(service=s.name, settings=dict(s.unrecorded)))
             s = dataclasses.replace(s, initial=initial, settings=s.unrecorded)

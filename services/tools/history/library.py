@@ -6,19 +6,25 @@ Every verb that reads a history (replay, postmortem, verify, whatif, export) cal
 resolves to an imported history first, else to the live broker; `from_file` reads a file directly.
 """
 
+import contextlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from events import subjects
 from events.admission import Admission
+from events.archive import HistoryArchived
 from events.store import Stored
 from events.subjects import InvalidSubjectToken
 from services.shell.broker import nats_url
+from services.shell.objects.open import objects_url as default_objects_url
+from services.shell.objects.open import open_store as open_objects
+from services.shell.objects.store import ObjectStore
 from services.tools.cli import EXIT_NOT_FOUND, UserError
 from services.tools.connect import open_store
 from services.tools.history import fdh
-from services.tools.history.read import JobNotFound, job_rows
+from services.tools.history.archived import Gap, recorded_gaps
+from services.tools.history.read import JobNotFound, job_history
 from services.tools.history.recorded import RecordedStore
 
 DEFAULT_DATA_DIR = ".flightdeck"  # what `flightdeck up` uses (services/tools/console/up.py)
@@ -43,6 +49,7 @@ class History:
     rows: list[Stored]
     source: str
     header: fdh.Header | None = None
+    gaps: tuple[Gap, ...] = ()  # where its telemetry or output may be missing (history/archived.py)
     store: RecordedStore = field(init=False)
 
     def __post_init__(self) -> None:
@@ -112,7 +119,9 @@ def file_history(path: Path | str, job_id: str | None = None) -> History:
     job = _job_of(recorded, job_id, str(path))
     header = recorded.header
     origin = f" (exported from {header.source})" if header is not None and header.source else ""
-    return History(job_id=job, rows=recorded.rows, source=f"file {path}{origin}", header=header)
+    records = [r.event for r in recorded.rows if isinstance(r.event, HistoryArchived) and r.event.job_id == job]
+    return History(job_id=job, rows=recorded.rows, source=f"file {path}{origin}", header=header,
+                   gaps=tuple(recorded_gaps(records)))
 
 
 def import_file(path: Path | str, data_dir: Path | str | None = None,
@@ -127,14 +136,23 @@ def import_file(path: Path | str, data_dir: Path | str | None = None,
     return history, target
 
 
-async def from_broker(url: str, job_id: str, *, output: bool = False) -> History:
-    async with open_store(url) as store:
+async def from_broker(url: str, job_id: str, *, output: bool = False, objects_url: str | None = None) -> History:
+    """The job's history from the broker, with what the archiver stored of it from the object store at
+    `objects_url` (default: $FLIGHTDECK_OBJECTS, else the data dir's, as the services find it)."""
+    where = objects_url or default_objects_url()
+    async with open_store(url) as store, contextlib.AsyncExitStack() as stack:
+        objects: ObjectStore | None = None
+        unreadable = ""
         try:
-            rows = await job_rows(store, job_id, output=output)
+            objects = await stack.enter_async_context(open_objects(where))
+        except Exception as exc:  # a history without archived segments needs none; with them, each is a gap
+            unreadable = f"the object store {where} cannot be opened: {exc}"
+        try:
+            rows, gaps = await job_history(store, job_id, output=output, objects=objects, unreadable=unreadable)
         except JobNotFound:
             raise HistoryNotFound(f"no job {job_id!r} on {url} and no imported history of it: check the id "
                                   "(`flightdeck events --all` lists every job's events)") from None
-    return History(job_id=job_id, rows=rows, source=f"broker {url}")
+    return History(job_id=job_id, rows=rows, source=f"broker {url}", gaps=tuple(gaps))
 
 
 async def open_history(job: str | None = None, *, from_file: Path | str | None = None,
@@ -155,7 +173,7 @@ async def open_history(job: str | None = None, *, from_file: Path | str | None =
     kept = library_path(data_dir, job)
     if kept.exists():
         history = file_history(kept, job)
-        return History(job_id=history.job_id, rows=history.rows, header=history.header,
+        return History(job_id=history.job_id, rows=history.rows, header=history.header, gaps=history.gaps,
                        source=f"imported history {kept}" + (f" (exported from {history.header.source})"
                                                             if history.header and history.header.source else ""))
     return await from_broker(nats_url(nats), job, output=output)

@@ -3,32 +3,54 @@
 The scheduler's and resources' decisions about one job rest on the whole fleet (other jobs, nodes, their
 own clock ticks), and FD_CONTROL is small next to telemetry, so a job's history keeps every control
 message up to the job's last event; of telemetry only the job's own (`fd.tel.<job>.>`); and the dead
-letters (a replay skips the inputs the server gave up on).
+letters (a replay skips the inputs the server gave up on). Telemetry and output age out of their streams: what
+the archiver stored of them is read first, then what the streams still hold (history/archived.py).
 """
 
 from events import subjects
+from events.archive import HistoryArchived
+from events.job import JobSubmitted
 from events.store import EventStore, Stored
+from services.shell.objects.store import ObjectStore
+from services.tools.history.archived import Gap, stream_rows
 
 
 class JobNotFound(LookupError):
     """No control event of the job is stored."""
 
 
-async def job_rows(store: EventStore, job_id: str, *, output: bool = False) -> list[Stored]:
-    """The job's history: FD_CONTROL up to the job's last event, its telemetry, FD_DEAD, and with `output` the
-    lines its ranks printed (FD_LOGS: an export is whole); each stream in order, read in batches (the JetStream
-    store's fast reader). Raises JobNotFound when the job has no events."""
+async def job_history(store: EventStore, job_id: str, *, output: bool = False,
+                      objects: ObjectStore | None = None,
+                      unreadable: str = "no object store to read it from") -> tuple[list[Stored], list[Gap]]:
+    """The job's history: FD_CONTROL up to the job's last event, its telemetry (archived segments from `objects`,
+    then the stream), FD_DEAD, and with `output` the lines its ranks printed (FD_LOGS: an export is whole); each
+    stream in order. And the ranges where its telemetry or output may be missing. Raises JobNotFound when the
+    job has no events."""
     last = await store.last(subjects.CONTROL, subjects.job_all(job_id))
     if last is None:
         raise JobNotFound(job_id)
     rows: list[Stored] = []
     async for batch in store.read(subjects.CONTROL, until_seq=last.seq):
         rows += batch
-    async for batch in store.read(subjects.TELEMETRY, [subjects.telemetry_job(job_id)]):
-        rows += batch
+    prefix = f"fd.ctl.job.{job_id}."
+    own = [r.event for r in rows if r.subject.startswith(prefix)]
+    records = [e for e in own if isinstance(e, HistoryArchived)]
+    submitted_at = next((e.occurred_at for e in own if isinstance(e, JobSubmitted)), 0.0)
+    mine = {stream: [r for r in records if r.stream == stream] for stream in (subjects.TELEMETRY, subjects.LOGS)}
+    telemetry, gaps = await stream_rows(store, objects, job_id, subjects.TELEMETRY, mine[subjects.TELEMETRY],
+                                        submitted_at, unreadable=unreadable)
+    rows += telemetry
     async for batch in store.read(subjects.DEAD):
         rows += batch
     if output:
-        async for batch in store.read(subjects.LOGS, [subjects.logs_filter(job_id)]):
-            rows += batch
-    return rows
+        lines, lost = await stream_rows(store, objects, job_id, subjects.LOGS, mine[subjects.LOGS], submitted_at,
+                                        unreadable=unreadable)
+        rows += lines
+        gaps += lost
+    return rows, gaps
+
+
+async def job_rows(store: EventStore, job_id: str, *, output: bool = False,
+                   objects: ObjectStore | None = None) -> list[Stored]:
+    """`job_history`'s rows."""
+    return (await job_history(store, job_id, output=output, objects=objects))[0]

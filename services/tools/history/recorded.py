@@ -72,3 +72,12 @@ class RecordedStore:
     async def last_seq(self, stream: str) -> int:
         seqs = self._seqs.get(stream, [])
         return seqs[-1] if seqs else 0
+
+    async def bounds(self, stream: str) -> tuple[int, float, int]:
+        """A recorded history holds what was read: its telemetry starts where the record does (its gaps are in
+        the History that came with it)."""
+        kept = self._streams.get(stream, [])
+        if not kept:
+            return 1, float("inf"), 0
+        ev = kept[0].event
+        return kept[0].seq, ev.occurred_at if ev is not None else 0.0, kept[-1].seq

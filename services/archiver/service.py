@@ -1,0 +1,84 @@
+"""The archiver as a running service: its pure core (core.py) bound to the event store it reads the streams from
+and the object store it writes segments to.
+
+Why it works this way: docs/internals.md, "9. The whole history".
+"""
+
+import contextlib
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import structlog
+
+from events import subjects
+from events.archive import HistoryArchived
+from events.store import EventStore
+from services.archiver.core import ARCHIVE, Ask, Settings, State, core_service
+from services.core import Emit, Service
+from services.shell.objects import segments
+from services.shell.objects.open import objects_url, open_store
+from services.shell.objects.store import ObjectStore
+
+log = structlog.get_logger("flightdeck.archiver")
+
+EVERY_ENV = "FLIGHTDECK_ARCHIVE_EVERY_S"
+
+
+async def archive(events: EventStore, objects: ObjectStore, ask: Ask) -> list[Emit]:
+    """Read the job's messages in `ask.stream` from `ask.from_seq` to the stream's end, store them as one segment
+    and return its record; nothing when there is nothing new to say (no message, nothing lost, not final)."""
+    first, first_at, last = await events.bounds(ask.stream)
+    lost_from = lost_to = 0
+    if ask.from_seq == 0 and first > 1 and first_at > ask.submitted_at:
+        lost_from, lost_to = 0, first - 1  # the stream's oldest message is younger than the job: some may be gone
+    elif 0 < ask.from_seq < first:
+        lost_from, lost_to = ask.from_seq, first - 1
+    start = max(ask.from_seq, first, 1)
+    rows = []
+    if last >= start:
+        async for batch in events.read(ask.stream, [segments.job_filter(ask.job_id, ask.stream)], from_seq=start,
+                                       until_seq=last):
+            rows += batch
+    if not rows and not lost_to and not ask.final:
+        return []
+    first_seq = max(ask.from_seq, 1)
+    last_seq = max(last, first_seq - 1)
+    seg = segments.Segment(job_id=ask.job_id, stream=ask.stream, first_seq=first_seq, last_seq=last_seq,
+                           messages=[segments.Message(r.seq, r.subject, r.data, r.msg_id) for r in rows])
+    data, sha = segments.encode(seg)
+    key = segments.key(ask.job_id, ask.stream, first_seq, last_seq)
+    await objects.put_bytes(key, data)
+    log.info("segment archived", job_id=ask.job_id, stream=ask.stream, first_seq=first_seq, last_seq=last_seq,
+             count=len(rows), bytes=len(data), lost_to=lost_to, final=ask.final)
+    record = HistoryArchived(job_id=ask.job_id, stream=ask.stream, first_seq=first_seq, last_seq=last_seq,
+                             count=len(rows), bytes=len(data), sha256=sha, key=key, lost_from=lost_from,
+                             lost_to=lost_to, final=ask.final)
+    return [Emit(subjects.job(ask.job_id, "HistoryArchived"), record)]
+
+
+class _Stores:
+    """The object store, opened the first time a segment is written; the event store, handed over by the shell."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.events: EventStore | None = None
+        self._stack = contextlib.AsyncExitStack()
+        self._objects: ObjectStore | None = None
+
+    def bind(self, store: EventStore) -> None:
+        self.events = store
+
+    async def run(self, args: Any) -> list[Emit]:
+        if self.events is None:
+            raise RuntimeError("the archiver's effect ran before the shell handed it the event store")
+        if self._objects is None:
+            self._objects = await self._stack.enter_async_context(open_store(self.url))
+        return await archive(self.events, self._objects, args)
+
+
+def build(env: Mapping[str, str] | None = None) -> Service[State]:
+    env = os.environ if env is None else env
+    stores = _Stores(objects_url(env))
+    every_s = float(env.get(EVERY_ENV) or Settings().every_s)
+    return core_service({ARCHIVE: stores.run}, every_s=every_s, bind=stores.bind)

@@ -1,0 +1,79 @@
+"""A job's telemetry and output as one sequence: the segments the archiver stored (HistoryArchived, checked
+against their records) followed by what the live stream still holds after them. Where messages may be missing
+(aged out before they were archived, or a segment that cannot be read) the range is returned as a Gap, so the
+readers report it as such and never as a divergence.
+
+Why it works this way: docs/internals.md, "9. The whole history".
+"""
+
+from dataclasses import dataclass
+
+from events.archive import HistoryArchived
+from events.store import EventStore, Stored
+from services.shell.objects import segments
+from services.shell.objects.store import ObjectStore
+
+AGED_OUT = "aged out of the stream before it was archived"
+
+
+@dataclass(frozen=True, slots=True)
+class Gap:
+    """Stream sequences `from_seq`..`to_seq` (`from_seq` 0: from the job's start) where the job's messages, if it
+    had any there, are missing from its history, and why."""
+
+    stream: str
+    from_seq: int
+    to_seq: int
+    why: str
+
+    def __str__(self) -> str:
+        start = "the job's start" if self.from_seq == 0 else str(self.from_seq)
+        return f"{self.stream} sequences {start} to {self.to_seq}: {self.why}"
+
+
+def recorded_gaps(records: list[HistoryArchived]) -> list[Gap]:
+    """What the archiver found gone when it read (the part of the gaps a history file still says)."""
+    return [Gap(r.stream, r.lost_from, r.lost_to, AGED_OUT) for r in sorted(records, key=lambda r: r.first_seq)
+            if r.lost_to > 0]
+
+
+async def _segments(objects: ObjectStore | None, stream: str, records: list[HistoryArchived],
+                    unreadable: str) -> tuple[list[Stored], list[Gap], int]:
+    """The archived rows in order, gaps for the segments that cannot be read, and the last sequence covered."""
+    rows: list[Stored] = []
+    gaps: list[Gap] = []
+    through = 0
+    for rec in sorted(records, key=lambda r: (r.first_seq, r.last_seq)):
+        if rec.last_seq <= through:
+            continue  # a segment asked twice (its first record came late): the same messages again
+        try:
+            if objects is None:
+                raise segments.BadSegment(unreadable)
+            found = segments.decode(await objects.get_bytes(rec.key), rec)
+        except Exception as exc:  # missing, corrupt, store down: what it held is a gap, said with the error
+            why = f"archived segment {rec.key}: {exc}"
+            gaps.append(Gap(stream, max(rec.first_seq, through + 1), rec.last_seq, why))
+        else:
+            rows += [r for r in found if r.seq > through]
+        through = rec.last_seq
+    return rows, gaps, through
+
+
+async def stream_rows(events: EventStore, objects: ObjectStore | None, job_id: str, stream: str,
+                      records: list[HistoryArchived], submitted_at: float, *,
+                      unreadable: str = "no object store to read it from") -> tuple[list[Stored], list[Gap]]:
+    """The job's messages in `stream`, archived then live, and the gaps between or within them."""
+    rows, gaps, through = await _segments(objects, stream, records, unreadable)
+    gaps = [*recorded_gaps(records), *gaps]
+    if any(r.final for r in records):
+        return rows, sorted(gaps, key=lambda g: g.from_seq)  # nothing of the job comes after its final segment
+    first, first_at, last = await events.bounds(stream)
+    if records and first > through + 1:
+        gaps.append(Gap(stream, through + 1, first - 1, AGED_OUT))
+    elif not records and first > 1 and first_at > submitted_at:
+        gaps.append(Gap(stream, 0, first - 1, AGED_OUT))
+    start = max(through + 1, first, 1)
+    if last >= start:
+        async for batch in events.read(stream, [segments.job_filter(job_id, stream)], from_seq=start, until_seq=last):
+            rows += batch
+    return rows, sorted(gaps, key=lambda g: g.from_seq)
