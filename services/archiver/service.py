@@ -81,4 +81,4 @@ def build(env: Mapping[str, str] | None = None) -> Service[State]:
     env = os.environ if env is None else env
     stores = _Stores(objects_url(env))
     every_s = float(env.get(EVERY_ENV) or Settings().every_s)
-    return core_service({ARCHIVE: stores.run}, every_s=every_s, bind=stores.bind)
+    return core_service({ARCHIVE: stores.run}, every_s=every_s, tick_s=min(5.0, every_s), bind=stores.bind)

@@ -9,6 +9,7 @@ from services.shell import broker
 EXIT_ERROR = 1  # something the user can fix in the environment: broker unreachable, port taken
 EXIT_NOT_FOUND = 2  # the thing named does not exist: an unknown job
 EXIT_INVALID = 2  # a spec the user must fix, like an unknown job: nothing was appended
+EXIT_INCOMPLETE = 3  # the history lacks inputs (aged out before they were archived): a check could not be made
 
 
 @dataclass(frozen=True)

@@ -24,10 +24,9 @@ from pathlib import Path
 import pytest
 
 from events.jetstream import JetStreamStore
-from services.shell.objects.open import OBJECTS_ENV
 from services.shell import broker as broker_mod
 from services.shell.objects import manifest as mf
-from services.shell.objects.open import open_store
+from services.shell.objects.open import OBJECTS_ENV, open_store
 from services.shell.objects.store import ObjectStore
 from tests.integration.s3_fixture import MotoS3
 from tests.integration.test_lifecycle_services import ROOT, Cluster

@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from events import subjects
+from events.archive import HistoryArchived
 from events.base import Event
 from events.checkpoint import CheckpointCommitted, CheckpointFailed, CheckpointScrubbed
 from events.clock import DeadLettered
 from events.store import EventStore, Stored
+from services.archiver.core import ARCHIVE, Ask
 from services.checkpoints.core import COMMIT, SCRUB
 from services.checkpoints.state import CommitArgs, ScrubArgs
 from services.core import Effect, Service
@@ -238,16 +240,19 @@ def _effects(name: str, pos: int, step: Step, outcomes: list[Stored], letters: L
 
 
 def _leaves_outcome(effect: Effect) -> bool:
-    return effect.kind in (COMMIT, SCRUB)  # a delete records nothing when it works
+    return effect.kind in (COMMIT, SCRUB, ARCHIVE)  # a delete records nothing when it works
 
 
-DETACHED = (SCRUB,)
+DETACHED = (SCRUB, ARCHIVE)  # an archive with nothing new to store records nothing either
 
 
 def _outcome_of(effect: Effect, event: Event | None) -> bool:
     args = effect.args
     if isinstance(args, ScrubArgs):
         return isinstance(event, CheckpointScrubbed) and event.checkpoint_id == args.checkpoint_id
+    if isinstance(args, Ask):
+        return isinstance(event, HistoryArchived) and (event.stream, event.first_seq, event.final) == \
+            (args.stream, max(args.from_seq, 1), args.final)
     if not isinstance(args, CommitArgs):
         return False
     if isinstance(event, CheckpointCommitted):

@@ -40,6 +40,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"  {paths['report.html']}  (open in a browser; {paths['report.md'].name} and the PNGs beside it)")
     for line in summary(pm):
         print(f"  {line}")
+    for gap in history.gaps:  # figures over a history with holes: say where they are
+        print(f"  missing from the history: {gap}")
     return 0
 
 

@@ -4,6 +4,7 @@ recorded decision comes back exactly; exit 1 showing the first divergence otherw
 import argparse
 import asyncio
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -11,8 +12,9 @@ import msgspec
 from events import codec
 from events.store import Stored
 from services.tools.audit.verify import Divergence, NoSuchJob, Verdict, verify
-from services.tools.cli import EXIT_ERROR, EXIT_NOT_FOUND, Command, UserError
+from services.tools.cli import EXIT_ERROR, EXIT_INCOMPLETE, EXIT_NOT_FOUND, Command, UserError
 from services.tools.history import add_history_arguments, history_from_args
+from services.tools.history.archived import Gap
 
 MAX_VALUE_CHARS = 160
 
@@ -24,18 +26,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    verdict, source = asyncio.run(_verify(args))
+    verdict, source, gaps = asyncio.run(_verify(args))
     if args.json:
-        sys.stdout.write(codec.to_json(as_json(verdict, source)).decode() + "\n")
+        sys.stdout.write(codec.to_json({**as_json(verdict, source), "gaps": [str(g) for g in gaps]}).decode() + "\n")
+    elif gaps:
+        sys.stdout.write("\n".join(incomplete(verdict, source, gaps)) + "\n")
     else:
         sys.stdout.write("\n".join(report(verdict, source, every=args.all)) + "\n")
+    if gaps:
+        return EXIT_INCOMPLETE
     return 0 if verdict.ok else EXIT_ERROR
 
 
-async def _verify(args: argparse.Namespace) -> tuple[Verdict, str]:
+def incomplete(verdict: Verdict, source: str, gaps: Sequence[Gap]) -> list[str]:
+    """A history with inputs missing: the ranges first; what the replay found is not called a divergence, since
+    a decision that differs may rest on what is missing."""
+    lines = [f"verify {verdict.job_id} ({source}): INCOMPLETE: the history lacks inputs, so its decisions cannot all "
+             "be checked", *(f"  missing: {g}" for g in gaps)]
+    differ = len(verdict.divergences)
+    lines.append("  over what remains, every recorded decision reproduced" if not differ else
+                 f"  over what remains, {differ} recorded decision(s) were not reproduced; each may rest on the "
+                 "missing inputs (--json lists them)")
+    return lines
+
+
+async def _verify(args: argparse.Namespace) -> tuple[Verdict, str, tuple[Gap, ...]]:
     history = await history_from_args(args)
     try:
-        return await verify(history.store, history.job_id), history.source
+        return await verify(history.store, history.job_id), history.source, history.gaps
     except NoSuchJob:
         raise UserError(f"{history.source} holds no control event of job {history.job_id!r}", EXIT_NOT_FOUND) from None
 
