@@ -22,6 +22,9 @@ from events import subjects
 from events.checkpoint import CheckpointCommitted
 from events.jetstream import JetStreamStore
 from services.shell.connection import TRANSIENT
+from services.shell.objects.open import objects_url
+from services.shell.objects.open import open_store as open_objects
+from services.shell.objects.store import ObjectStore
 from services.shell.security.credentials import client_options
 from services.tools.history.read import JobNotFound, job_rows
 from services.tools.postmortem import Postmortem, analyse
@@ -147,6 +150,17 @@ class WebServer:
             await asyncio.sleep(LAG_S)
 
     async def _analyse(self) -> None:
+        """Each stale job's postmortem figures, from its whole history: archived segments (the object store the
+        services use) and the streams."""
+        async with contextlib.AsyncExitStack() as stack:
+            objects: ObjectStore | None = None
+            try:
+                objects = await stack.enter_async_context(open_objects(objects_url()))
+            except Exception as exc:  # figures from the streams alone, then
+                log.warning("web.no_object_store", error=repr(exc))
+            await self._analyse_with(objects)
+
+    async def _analyse_with(self, objects: ObjectStore | None) -> None:
         board = self.board
         while True:
             now = time.monotonic()
@@ -155,7 +169,7 @@ class WebServer:
             for job_id, job in due:
                 seqs = (job.control_seq, job.telemetry_seq)  # what the rows read next hold at least
                 try:
-                    rows = await job_rows(self.store, job_id)
+                    rows = await job_rows(self.store, job_id, objects=objects)
                     pm = await asyncio.to_thread(analyse, rows, job_id)
                 except TRANSIENT as exc:
                     log.warning("web.analysis_failed", job=job_id, error=repr(exc))
