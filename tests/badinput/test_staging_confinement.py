@@ -30,6 +30,7 @@ from services.agent.shipping import Shipper
 from services.checkpoints import service as checkpoint_service
 from services.shell import broker as broker_mod
 from services.shell.objects.local import LocalStore
+from services.shell.objects.open import OBJECTS_ENV
 from services.shell.runtime import ConsumerPolicy, run_service
 from tests.integration.runtime_helpers import eventually, read_all
 from tests.integration.shipping_helpers import ship_and_commit
@@ -54,7 +55,7 @@ def staged(staging_dir: str, shards: list[ShardInfo], *, rank: int = 0, world: i
 
 @pytest.fixture
 def root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv(checkpoint_service.OBJECTS_ENV, str(tmp_path / "objects"))
+    monkeypatch.setenv(OBJECTS_ENV, str(tmp_path / "objects"))
     (tmp_path / "staging" / JOB).mkdir(parents=True)
     return tmp_path / "staging"
 

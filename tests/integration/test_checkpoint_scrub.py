@@ -86,6 +86,7 @@ async def test_the_scrubber_finds_a_shard_flipped_in_the_store_and_the_checkpoin
         assert "BAD (" in rows[bad] and "deleted" in rows[bad] and "sha256" in rows[bad], run.stdout
         for good in (ids[0], ids[2]):
             assert rows[good].split()[7] == "kept", run.stdout
-        assert (await verify_live(p.store, job)).ok  # the scrubs are effects a replay asks for again
+        verdict = await verify_live(p.store, job)
+        assert verdict.ok, verdict.divergences[:2]  # the scrubs are effects a replay asks for again
     finally:
         await p.close()

@@ -37,43 +37,43 @@ def recorded_gaps(records: list[HistoryArchived]) -> list[Gap]:
             if r.lost_to > 0]
 
 
-async def _segments(objects: ObjectStore | None, stream: str, records: list[HistoryArchived],
-                    unreadable: str) -> tuple[list[Stored], list[Gap], int]:
-    """The archived rows in order, gaps for the segments that cannot be read, and the last sequence covered."""
-    rows: list[Stored] = []
-    gaps: list[Gap] = []
+async def _segments(objects: ObjectStore | None, records: list[HistoryArchived],
+                    unreadable: str) -> tuple[dict[int, Stored], list[tuple[int, int, str]], int]:
+    """The archived rows by sequence, the ranges of segments that cannot be read (with why), and the last
+    sequence the records cover."""
+    rows: dict[int, Stored] = {}
+    bad: list[tuple[int, int, str]] = []
     through = 0
     for rec in sorted(records, key=lambda r: (r.first_seq, r.last_seq)):
-        if rec.last_seq <= through:
-            continue  # a segment asked twice (its first record came late): the same messages again
-        try:
-            if objects is None:
-                raise segments.BadSegment(unreadable)
-            found = segments.decode(await objects.get_bytes(rec.key), rec)
-        except Exception as exc:  # missing, corrupt, store down: what it held is a gap, said with the error
-            why = f"archived segment {rec.key}: {exc}"
-            gaps.append(Gap(stream, max(rec.first_seq, through + 1), rec.last_seq, why))
-        else:
-            rows += [r for r in found if r.seq > through]
-        through = rec.last_seq
-    return rows, gaps, through
+        if rec.last_seq > through:  # else a segment asked twice (its first record came late): the same messages
+            try:
+                if objects is None:
+                    raise segments.BadSegment(unreadable)
+                rows.update((r.seq, r) for r in segments.decode(await objects.get_bytes(rec.key), rec))
+            except Exception as exc:  # missing, corrupt, store down: the stream may still hold it, else a gap
+                bad.append((max(rec.first_seq, through + 1), rec.last_seq, f"archived segment {rec.key}: {exc}"))
+        through = max(through, rec.last_seq)
+    return rows, bad, through
 
 
 async def stream_rows(events: EventStore, objects: ObjectStore | None, job_id: str, stream: str,
                       records: list[HistoryArchived], submitted_at: float, *,
                       unreadable: str = "no object store to read it from") -> tuple[list[Stored], list[Gap]]:
     """The job's messages in `stream`, archived then live, and the gaps between or within them."""
-    rows, gaps, through = await _segments(objects, stream, records, unreadable)
-    gaps = [*recorded_gaps(records), *gaps]
-    if any(r.final for r in records):
-        return rows, sorted(gaps, key=lambda g: g.from_seq)  # nothing of the job comes after its final segment
+    rows, bad, through = await _segments(objects, records, unreadable)
+    gaps = recorded_gaps(records)
+    final = any(r.final for r in records)
     first, first_at, last = await events.bounds(stream)
-    if records and first > through + 1:
+    for lo, hi, why in bad:  # what the stream no longer holds of an unreadable segment is missing
+        if lo < first:
+            gaps.append(Gap(stream, lo, min(hi, first - 1), why))
+    if records and not final and first > through + 1:
         gaps.append(Gap(stream, through + 1, first - 1, AGED_OUT))
     elif not records and first > 1 and first_at > submitted_at:
         gaps.append(Gap(stream, 0, first - 1, AGED_OUT))
-    start = max(through + 1, first, 1)
-    if last >= start:
-        async for batch in events.read(stream, [segments.job_filter(job_id, stream)], from_seq=start, until_seq=last):
-            rows += batch
-    return rows, sorted(gaps, key=lambda g: g.from_seq)
+    start = max(min([through + 1, *(lo for lo, _, _ in bad)]), first, 1)
+    end = min(last, through) if final else last  # nothing of the job comes after its final segment
+    if end >= start:
+        async for batch in events.read(stream, [segments.job_filter(job_id, stream)], from_seq=start, until_seq=end):
+            rows.update((r.seq, r) for r in batch if r.seq not in rows)
+    return [rows[seq] for seq in sorted(rows)], sorted(gaps, key=lambda g: g.from_seq)

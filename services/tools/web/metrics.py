@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from events import subjects
 from services.tools.history.jobview import ENDED
 from services.tools.web.figures import Figures, JobAnalysis, JobFigures
 
@@ -146,7 +147,7 @@ class FiguresCollector(Collector):
                                    labels=["service"])
         lag = GaugeMetricFamily("flightdeck_service_consumer_lag", "control messages a service has yet to take",
                                 labels=["service"])
-        for name in sorted({*f.decisions, *f.dead_letters, *live.lag}):
+        for name in sorted({*subjects.SERVICES, *f.decisions, *f.dead_letters, *live.lag}):  # 0 until one decides
             decisions.add_metric([name], float(f.decisions.get(name, 0)))
             dead.add_metric([name], float(f.dead_letters.get(name, 0)))
             if name in live.lag:
