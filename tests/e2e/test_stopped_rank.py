@@ -42,6 +42,8 @@ async def test_one_rank_s_sigterm_from_outside_restarts_the_job_and_every_step_r
     (resumed,) = p.seen(JobResumed, job)
     saved = max(e.step for e in p.seen(CheckpointCommitted, job) if e.attempt == 0)
     assert resumed.attempt == 1 and resumed.from_step == saved > 0  # from the checkpoint the SIGTERM wrote
+    done = max(e.step for e in p.seen(StepCompleted, job, stream="FD_TELEMETRY") if e.attempt == 0)
+    assert done + 1 - resumed.from_step <= 1  # issue 34: a SIGTERM redoes at most the step it interrupted
     assert exits(p, job, 1) == {0: 0, 1: 0}
     steps = {e.step for e in p.seen(StepCompleted, job, stream="FD_TELEMETRY") if e.rank == 0}
     assert steps == set(range(STEPS))
