@@ -11,13 +11,12 @@ import json
 import sys
 from typing import Any
 
-import msgspec
-
 from events import subjects
 from events.authors import JOB_TYPES, NODE_TYPES, RANK_TELEMETRY, TELEMETRY_TYPES
 from events.base import Event, JobEvent, NodeEvent, RankEvent
 from events.catalog import ALL_TYPES
 from events.clock import ClockTick, CoreConfigured, DeadLettered
+from events.contract import components
 from events.logs import RankOutput
 
 CONTENT_TYPE = "application/msgpack"
@@ -87,7 +86,7 @@ def authors_of(t: type[Event]) -> list[str]:
 
 
 def document() -> dict[str, Any]:
-    _, schemas = msgspec.json.schema_components(ALL_TYPES, ref_template="#/components/schemas/{name}")
+    _, schemas = components("#/components/schemas/{name}")
     channels: dict[str, Any] = {}
     operations: dict[str, Any] = {}
     messages: dict[str, Any] = {}

@@ -9,6 +9,7 @@ its version; bytes fields are msgpack bin, written as base64 text in the schema'
 infinite where a loss is); the subjects they go under are events/subjects.py's grammar.
 """
 
+import inspect
 import json
 import sys
 from typing import Any
@@ -20,8 +21,18 @@ from events.catalog import ALL_TYPES
 SCHEMA_URI = "https://json-schema.org/draft/2020-12/schema"
 
 
+def components(ref_template: str) -> tuple[tuple[dict[str, Any], ...], dict[str, Any]]:
+    """msgspec's schemas of every catalog type, their docstrings dedented here: msgspec releases differ in whether
+    they do it, and the checked-in files must not."""
+    refs, defs = msgspec.json.schema_components(ALL_TYPES, ref_template=ref_template)
+    for d in defs.values():
+        if isinstance(d.get("description"), str):
+            d["description"] = inspect.cleandoc(d["description"])
+    return refs, defs
+
+
 def schema() -> dict[str, Any]:
-    refs, defs = msgspec.json.schema_components(ALL_TYPES, ref_template="#/$defs/{name}")
+    refs, defs = components("#/$defs/{name}")
     return {
         "$schema": SCHEMA_URI,
         "title": "Flightdeck events",

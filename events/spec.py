@@ -227,14 +227,17 @@ def parse_spec(text: str | bytes) -> JobSpec:
     """Decode a TOML job spec, refusing unknown keys, wrong types and out-of-range values."""
     if len(text) > MAX_SPEC_BYTES:
         raise InvalidSpec(f"job spec is {len(text):,} bytes, more than the {MAX_SPEC_BYTES:,} a spec may have")
+    if isinstance(text, bytes):  # decoded here: msgspec's own message for bad bytes differs between releases
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidSpec(f"job spec is not UTF-8 text: {exc}") from None
     try:
         spec = msgspec.toml.decode(text, type=JobSpec)
     except msgspec.ValidationError as exc:
         raise InvalidSpec(f"invalid job spec: {in_words(str(exc))}") from None
     except msgspec.DecodeError as exc:
         raise InvalidSpec(f"job spec is not valid TOML: {exc}") from None
-    except UnicodeDecodeError as exc:
-        raise InvalidSpec(f"job spec is not UTF-8 text: {exc}") from None
     except RecursionError:  # TOML parsers recurse per nested array or inline table
         raise InvalidSpec("job spec nests arrays or tables too deeply to be a job spec") from None
     return check(spec)

@@ -238,8 +238,9 @@ def test_snapshots_space_out_to_keep_within_their_share_of_the_training_time(tmp
 
 async def test_a_restarted_agent_reads_what_its_dead_ranks_had_on_record_from_the_history() -> None:
     """What the links knew before the agent died, rebuilt from the history: the rank's own staging (not one an
-    agent persisted), the newest step any of its peers or rank 0 reported (its own may have died with the agent),
-    and a rollback after that: nothing of the new timeline past its restore point is on record."""
+    agent persisted), the newest step the rank itself has on record (a peer's newer one does not stand for it: the
+    rank's own report of that step may have died with the agent, and the lineage would lack it), and a rollback
+    after that: nothing of the new timeline past its restore point is on record."""
 
     store = MemoryStore()
 
@@ -255,7 +256,7 @@ async def test_a_restarted_agent_reads_what_its_dead_ranks_had_on_record_from_th
                               data=DataPosition(next_batch=20), stall_s=0.0, write_s=0.0, timeline=1)
     for event in (step(1, 30), step(2, 33), step(0, 31), step(0, 90, attempt=1), staged):
         await put(event)
-    assert await agent_snaps.recorded(store, "j", 2, 1, [1, 2]) == ((1, 20), 33)
+    assert await agent_snaps.recorded(store, "j", 2, 1, [1, 2]) == ((1, 20), 30)
     await put(msgspec.structs.replace(staged, step=34, from_memory=True))  # an agent's persist: not the rank's own
     await put(RolledBack(job_id="j", rank=2, attempt=2, checkpoint_id="c", to_step=20, skip_from=20, skip_to=24))
     assert await agent_snaps.recorded(store, "j", 2, 1, [1, 2]) == (None, 19)
