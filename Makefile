@@ -4,14 +4,23 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-unit test-integration lint chaos soak explore clean chromium bench-peers
+.PHONY: constraints install demo test test-unit test-integration lint chaos soak explore clean chromium bench-peers
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "torch==2.13.0" -e ".[dev,trainer,examples]"
+	$(BIN)/python -m pip install -q -c constraints.txt "torch==2.13.0" -e ".[dev,trainer,examples]"
 	@touch $(STAMP)
+
+# A new release of a dependency (msgspec 0.23 changed two messages) must not reach CI untested: install takes
+# constraints.txt; this rewrites it from a clean venv with the newest releases, to test and commit.
+constraints:
+	rm -rf /tmp/flightdeck-constraints && $(PY) -m venv /tmp/flightdeck-constraints
+	/tmp/flightdeck-constraints/bin/python -m pip install -q --upgrade pip
+	/tmp/flightdeck-constraints/bin/python -m pip install -q "torch==2.13.0" -e ".[dev,trainer,examples]"
+	(head -2 constraints.txt; /tmp/flightdeck-constraints/bin/pip freeze --exclude-editable | grep -v "^torch==") \
+		> constraints.new && mv constraints.new constraints.txt
 
 install: $(STAMP)
 

@@ -63,6 +63,10 @@ class EventStore(Protocol):
         `expected_last_seq`, append only if the last message on `fence` (default `subject`, may be a
         wildcard) has that sequence (0: none); else raise ConcurrencyConflict."""
 
+    async def append_bytes(self, subject: str, data: bytes, *, msg_id: str = "", expected_last_seq: int | None = None,
+                           fence: str = "") -> AppendResult:
+        """`append` for bytes already encoded (a service's state snapshot is not an event)."""
+
     async def append_batch(self, items: Sequence[tuple[str, Event]]) -> list[AppendResult]:
         """Store many unfenced events, pipelined; results in the same order."""
 

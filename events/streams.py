@@ -12,7 +12,7 @@ from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError, NotFoundError
 
-from events.subjects import CONTROL, DEAD, LOGS, STREAM_SUBJECTS, TELEMETRY
+from events.subjects import CONTROL, DEAD, LOGS, STATE, STREAM_SUBJECTS, TELEMETRY
 
 log = structlog.get_logger(__name__)
 
@@ -114,18 +114,20 @@ def stream_configs(replicas: int = 1, telemetry_max_bytes: int | None = None,
         _config(DEAD, replicas),
         _config(LOGS, replicas, max_age=limit("logs_max_age_s"), max_bytes=int(limit("logs_max_bytes")),
                 discard=DiscardPolicy.OLD),
+        # a service's newest snapshot: each part and head subject keeps its newest message only
+        _config(STATE, replicas, max_msgs_per_subject=1, discard=DiscardPolicy.OLD),
     ]
 
 
 _COMPARED = ("subjects", "storage", "num_replicas", "allow_direct", "duplicate_window", "deny_delete",
-             "deny_purge", "max_age", "max_bytes", "discard")
+             "deny_purge", "max_age", "max_bytes", "discard", "max_msgs_per_subject")
 
 
 def _differences(want: StreamConfig, have: StreamConfig) -> list[str]:
     out = []
     for name in _COMPARED:
         a, b = getattr(getattr(want, name), "value", getattr(want, name)), getattr(have, name)
-        if name in ("max_age", "max_bytes"):
+        if name in ("max_age", "max_bytes", "max_msgs_per_subject"):
             a, b = _limit(a), _limit(b)  # the server reports "no limit" as 0 or -1
         if isinstance(a, float) and isinstance(b, float) and math.isclose(a, b):
             continue

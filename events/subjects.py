@@ -10,10 +10,13 @@ CONTROL = "FD_CONTROL"
 TELEMETRY = "FD_TELEMETRY"
 DEAD = "FD_DEAD"
 LOGS = "FD_LOGS"
+STATE = "FD_STATE"  # services' snapshots of their folded state (services/shell/snapshots.py): not history
 # The built-in services: each has its clock and dead-letter subjects, durable consumer and broker user.
 SERVICES = ("scheduler", "resources", "checkpoints", "health", "resharder", "archiver")
 
-STREAM_SUBJECTS: dict[str, str] = {CONTROL: "fd.ctl.>", TELEMETRY: "fd.tel.>", DEAD: "fd.dead.>", LOGS: "fd.log.>"}
+STREAM_SUBJECTS: dict[str, str] = {CONTROL: "fd.ctl.>", TELEMETRY: "fd.tel.>", DEAD: "fd.dead.>", LOGS: "fd.log.>",
+                                   STATE: "fd.state.>"}
+HISTORY_STREAMS = (CONTROL, TELEMETRY, DEAD, LOGS)  # what a job's history is made of (export, import, archive)
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}\Z")  # \Z: $ would let a trailing newline through
 

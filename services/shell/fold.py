@@ -96,6 +96,14 @@ class Folder(Generic[S]):
         self.num_refolded = 0  # events folded again to undo failed transitions
         self.admission = Admission()  # the rule every reader shares: events/admission.py
 
+    def restore(self, state: S, control_seq: int, telemetry_seq: int, versions: dict[str, int]) -> None:
+        """Start from a snapshot (services/shell/snapshots.py) instead of the first event."""
+        self.state = state
+        self._base = self.service.copy(state) if self.service.copy is not None else state
+        self._since.clear()
+        self.control_seq, self.telemetry_seq = control_seq, telemetry_seq
+        self.admission.versions = dict(versions)
+
     def tick_position(self, stored: Stored) -> int | None:
         """The telemetry position an own, valid ClockTick recorded; None for any other input."""
         ev = stored.event
@@ -222,10 +230,11 @@ async def replay(service: Service[S], store: EventStore, *, until: int = 0, fold
                 yield step
 
 
-async def rebuild(service: Service[S], store: EventStore, *, until: int) -> Folder[S]:
-    """A folder holding the state after FD_CONTROL sequence `until`, nothing emitted."""
-    folder = Folder(service)
-    if until > 0:
+async def rebuild(service: Service[S], store: EventStore, *, until: int, folder: Folder[S] | None = None) -> Folder[S]:
+    """A folder holding the state after FD_CONTROL sequence `until`, nothing emitted; from `folder` (a snapshot's,
+    or one a failed try left part-way) when given."""
+    folder = folder if folder is not None else Folder(service)
+    if until > folder.control_seq:
         async for _ in replay(service, store, until=until, folder=folder):
             pass
     return folder

@@ -11,11 +11,9 @@ that input as the live service did.
 
 import asyncio
 import contextlib
-import os
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
 
@@ -33,8 +31,9 @@ from events.history import append_to_job
 from events.jetstream import JetStreamStore
 from events.store import EventStore, Stored, decoded
 from services.core import Effect, Emit, Service
-from services.shell import deadletter, position
+from services.shell import deadletter, position, snapshots
 from services.shell.connection import TRANSIENT, Connection, PublishDenied, sleep_or_stop
+from services.shell.consumer import ConsumerPolicy, consumer_name, filters
 from services.shell.fold import Folder, Output, Step, failure, rebuild, replay, stamp
 from services.shell.tap import TelemetryTap
 
@@ -42,35 +41,6 @@ log = structlog.get_logger("flightdeck.shell")
 T = TypeVar("T")
 PROMPT_S = 0.05  # from a prompting telemetry message (Service.prompt_types) to the tick that folds it
 DETACHED_INDEX = 1000  # a detached effect's outcome is stamped from output index 1000 x (its position + 1) on
-
-@dataclass(frozen=True)
-class ConsumerPolicy:
-    """How the durable consumer redelivers. `backoff[0]` is the ack wait: how long an input a crashed
-    process held waits before it comes back. After `max_deliver` deliveries without an ack the server
-    gives up on an input and the shell dead-letters it from the advisory."""
-
-    max_deliver: int = 5
-    backoff: tuple[float, ...] = (2.0, 10.0, 30.0, 60.0)
-    fetch_s: float = 0.5
-
-    @classmethod
-    def from_env(cls) -> "ConsumerPolicy":
-        """$FLIGHTDECK_MAX_DELIVER and $FLIGHTDECK_BACKOFF_S ("2,10,30") override the defaults."""
-        default = cls()
-        backoff = os.environ.get("FLIGHTDECK_BACKOFF_S")
-        return cls(max_deliver=int(os.environ.get("FLIGHTDECK_MAX_DELIVER", default.max_deliver)),
-                   backoff=tuple(float(b) for b in backoff.split(",")) if backoff else default.backoff)
-
-
-def consumer_name(service: str) -> str:
-    return f"service-{subjects.token(service)}"
-
-
-def filters(patterns: Sequence[str]) -> list[str]:
-    """The patterns without duplicates or ones another pattern covers (the server refuses overlapping filters)."""
-    unique = list(dict.fromkeys(patterns))
-    return [p for p in unique if not any(q != p and subjects.matches(q, p) for q in unique)]
-
 
 async def run_service(service: Service[Any], url: str, *, stop_event: asyncio.Event | None = None,
                       policy: ConsumerPolicy | None = None) -> None:
@@ -113,6 +83,7 @@ class Shell:
         self.detached: set[asyncio.Task[None]] = set()  # effects running in the background (Service.detached)
         self.stored_seq = 0  # the last FD_CONTROL input whose outputs are all stored
         self.caught_up = False  # whether the first delivery since the start was checked against the rebuild
+        self.saver = snapshots.Saver(self.store, 0)
         if service.bind is not None:
             service.bind(self.store)
 
@@ -153,9 +124,14 @@ class Shell:
     async def run(self) -> None:
         floor = await self.retrying("creating the consumer", self._ensure_consumer)
         until = await self.retrying("reading where this service got to", partial(self._trusted_position, floor))
-        self.folder = await self.retrying("rebuilding", partial(rebuild, self.service, self.store, until=until))
+        loaded = await snapshots.load(self.store, self.service)  # its position was folded and stored too
+        start = loaded.folder if loaded is not None else Folder(self.service)
+        self.saver = snapshots.Saver(self.store, snapshots.every_setting(), loaded)
+        self.folder = await self.retrying("rebuilding", partial(rebuild, self.service, self.store, until=until,
+                                                                folder=start))
         self.stored_seq = self.folder.control_seq
-        log.info("rebuilt", until_seq=until, ack_floor=floor, telemetry_seq=self.folder.telemetry_seq)
+        log.info("rebuilt", until_seq=until, ack_floor=floor, telemetry_seq=self.folder.telemetry_seq,
+                 from_snapshot=loaded.head.control_seq if loaded is not None else 0)
         await self._record_settings()
         self.tap.start(self.folder.telemetry_seq)
         advisory = await self.nc.subscribe(deadletter.advisory_subject(subjects.CONTROL, self.consumer),
@@ -177,6 +153,8 @@ class Shell:
             consumer.cancel()
             for task in self.detached:
                 task.cancel()  # its outcome is never appended; the core asks again after its deadline
+            if self.folder.control_seq == self.stored_seq:  # not a state whose last input's outputs were cut short
+                await self.saver.close(self.folder)
             await self.tap.stop()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await ticker
@@ -281,6 +259,7 @@ class Shell:
             # A refused input is terminated, not acked: the server then knows it was never used.
             await self.retrying("finishing", msg.term if steps[-1].error else msg.ack)
         self.handled.append(seq)
+        self.saver.folded(self.folder, len(steps))
         if self.tick_in_flight and seq >= self.tick_in_flight:
             self.tick_in_flight = 0
 

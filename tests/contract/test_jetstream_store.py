@@ -13,7 +13,7 @@ from events import subjects
 from events.jetstream import JetStreamStore
 from events.store import StoreUnavailable
 from events.streams import LOGS_MAX_AGE_S, LOGS_MAX_BYTES, ServerTooOld, check_server_version, ensure_streams
-from events.subjects import CONTROL, DEAD, LOGS, TELEMETRY
+from events.subjects import CONTROL, DEAD, LOGS, STATE, TELEMETRY
 from services.shell.broker import Broker, free_port
 from tests.conftest import restart_broker
 from tests.contract.store_fixtures import collect, queued, read_all, within
@@ -57,9 +57,12 @@ async def test_ensure_streams_is_idempotent_and_updates_what_differs(nats_server
     try:
         await store.append(subjects.job("j", "JobQueued"), queued("j", 1, "kept"))
         racing = await asyncio.gather(ensure_streams(store.js), ensure_streams(store.js))  # two processes at once
-        assert racing == [{CONTROL: "unchanged", TELEMETRY: "unchanged", DEAD: "unchanged", LOGS: "unchanged"}] * 2
+        assert racing == [{CONTROL: "unchanged", TELEMETRY: "unchanged", DEAD: "unchanged", LOGS: "unchanged",
+                           STATE: "unchanged"}] * 2
         changed = await ensure_streams(store.js, telemetry_max_bytes=12345678)
-        assert changed == {CONTROL: "unchanged", TELEMETRY: "updated", DEAD: "unchanged", LOGS: "unchanged"}
+        assert changed == {CONTROL: "unchanged", TELEMETRY: "updated", DEAD: "unchanged", LOGS: "unchanged",
+                           STATE: "unchanged"}
+        assert (await store.js.stream_info(STATE)).config.max_msgs_per_subject == 1
         assert (await store.js.stream_info(TELEMETRY)).config.max_bytes == 12345678
         assert await store.last_seq(CONTROL) == 1  # an update never loses what is stored
     finally:

@@ -101,6 +101,7 @@ def _producer(user: str, role: str, name: str, node_token: str, nodes: tuple[str
                *(f"fd.tel.*.*.{t}" for t in TELEMETRY_TYPES.get(role, ())),
                *(["fd.log.*.*.*"] if role == AGENT else []),  # what the ranks it runs print (events/logs.py)
                subjects.clock(name) if not wildcard_name else "fd.ctl.clock.*",
+               *([f"fd.state.{subjects.token(name)}.>"] if role in subjects.SERVICES else []),  # its own snapshots
                subjects.dead(name) if not wildcard_name else "fd.dead.*",
                *_reader_api(user), *_shell_api(consumer)]
     deny = _others_durables(consumer, nodes)

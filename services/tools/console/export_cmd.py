@@ -23,7 +23,7 @@ def run(args: argparse.Namespace) -> int:
     history = asyncio.run(history_from_args(args, output=True))  # whole: what the ranks printed too
     origin = history.header.source if history.header is not None and history.header.source else history.source
     lines = fdh.dump(history.rows, job_id=history.job_id, source=origin)
-    counts = {name: len(history.stream(name)) for name in subjects.STREAM_SUBJECTS}
+    counts = {name: len(history.stream(name)) for name in subjects.HISTORY_STREAMS}
     if args.out is None:
         out = sys.stdout.buffer
         for line in lines:

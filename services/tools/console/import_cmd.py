@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"{target} already holds a different history of {incoming.job_id}: pass --force to "
                             "replace it", EXIT_ERROR)
     history, path = library.import_file(Path(args.file), args.data_dir, incoming.job_id)
-    counts = ", ".join(f"{len(history.stream(s))} {s}" for s in subjects.STREAM_SUBJECTS)
+    counts = ", ".join(f"{len(history.stream(s))} {s}" for s in subjects.HISTORY_STREAMS)
     print(f"imported {history.job_id} ({counts}) into {path}; `flightdeck replay {history.job_id}"
           f"{'' if args.data_dir is None else ' --data-dir ' + str(args.data_dir)}` reads it")
     sys.stdout.flush()

@@ -27,6 +27,7 @@ async def violations(run: Run) -> list[str]:
     out += _no_rollback_without_a_finding(run, control)
     out += _one_diagnosis_per_spike(run, control)
     out += _poison_never_folded(run, control)
+    out += [m for shell in run.shells.values() for m in shell.snapshot_mismatches]
     for name in VERIFIED:
         out += await _replay_reproduces(run, name, control)
     return out

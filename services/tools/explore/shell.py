@@ -12,11 +12,12 @@ from events.clock import ClockTick, CoreConfigured
 from events.history import append_to_job
 from events.store import MemoryStore, Stored
 from services.core import Effect, Emit, Service
-from services.shell import deadletter, position
+from services.shell import deadletter, position, snapshots
 from services.shell.fold import Folder, Output, rebuild, replay, stamp
 from services.tools.explore.broker import SimBroker
 
 CRASH_POINTS = ("before-outputs", "between-outputs", "before-ack")
+SNAPSHOT_EVERY = 16  # inputs between state snapshots: often, so that most restarts start from one
 EffectRunner = Callable[[str, Effect], Awaitable[Sequence[Emit]]]
 
 
@@ -45,7 +46,9 @@ class SimShell:
         self.lose_ack = False
         self.stale_start = False  # the next start's consumer reply is stale
         self.on_crash: Callable[[], None] = lambda: None  # what else ends with the process (an agent's ranks)
-        self.num_starts = self.num_crashes = self.num_inputs = 0
+        self.num_starts = self.num_crashes = self.num_inputs = self.num_from_snapshot = 0
+        self.generation = self.since_snapshot = 0
+        self.snapshot_mismatches: list[str] = []  # a start from a snapshot that a refold to its position disagrees with
 
     @property
     def consumer(self) -> str:
@@ -61,7 +64,13 @@ class SimShell:
         self.stale_start = False
         last = await self.store.last(subjects.CONTROL, self.folder.clock_subject)
         until = position.rebuild_until(self.name, reply, info, last)
-        self.folder = await rebuild(self.service, self.store, until=until)
+        loaded = await snapshots.load(self.store, self.service)
+        self.folder = await rebuild(self.service, self.store, until=until,
+                                    folder=loaded.folder if loaded is not None else None)
+        if loaded is not None:
+            self.num_from_snapshot += 1
+            self.generation = loaded.head.generation + 1
+            await self._check_against_refold(loaded)
         self.stored_seq, self.caught_up, self.tick_in_flight, self.up = self.folder.control_seq, False, 0, True
         self.num_starts += 1
         mid = f"{self.name}:configured:{self.ids()}"
@@ -145,6 +154,10 @@ class SimShell:
             if step.error:
                 await self._dead_letter(step.input, step.error, "input")
         self.stored_seq = stored.seq
+        self.since_snapshot += 1
+        if self.since_snapshot >= SNAPSHOT_EVERY:  # as snapshots.Saver does once the outputs are stored
+            await snapshots.write(self.store, snapshots.take(self.folder, self.generation, self.now()))
+            self.generation, self.since_snapshot = self.generation + 1, 0
         if self.tick_in_flight and stored.seq >= self.tick_in_flight:
             self.tick_in_flight = 0
         if self._crashes("before-ack"):
@@ -165,3 +178,15 @@ class SimShell:
     async def _dead_letter(self, stored: Stored, reason: str, cause: str) -> None:
         dead = deadletter.letter(self.name, stored, reason, cause=cause)
         await self.store.append(dead.subject, dead.event, msg_id=dead.msg_id)
+
+    async def _check_against_refold(self, loaded: snapshots.Loaded) -> None:
+        """The state a start built from a snapshot must be the one a fold from the first event gives."""
+        refold = await rebuild(self.build(), self.store, until=self.folder.control_seq)
+        ours, theirs = snapshots.digest(self.folder.state), snapshots.digest(refold.state)
+        if ours != theirs or refold.telemetry_seq != self.folder.telemetry_seq \
+                or refold.admission.versions != self.folder.admission.versions:
+            self.snapshot_mismatches.append(
+                f"{self.name} started from its snapshot at {loaded.head.control_seq} and rebuilt to "
+                f"{self.folder.control_seq}: state {ours[:12]} vs refold {theirs[:12]} (telemetry "
+                f"{self.folder.telemetry_seq} vs {refold.telemetry_seq}, admitted versions equal: "
+                f"{refold.admission.versions == self.folder.admission.versions})")

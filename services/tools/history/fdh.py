@@ -158,7 +158,7 @@ def _header(line: bytes, where: str) -> Header:
 
 
 # Each stream's subjects are "<prefix>.>": a prefix test is that match, without splitting every subject
-_PREFIXES = {stream: pattern.removesuffix(">") for stream, pattern in subjects.STREAM_SUBJECTS.items()}
+_PREFIXES = {stream: subjects.STREAM_SUBJECTS[stream].removesuffix(">") for stream in subjects.HISTORY_STREAMS}
 
 
 def _row(line: bytes, name: str, number: int) -> Row:
@@ -171,7 +171,7 @@ def _row(line: bytes, name: str, number: int) -> Row:
     prefix = _PREFIXES.get(row.stream)
     if prefix is None:
         raise BadHistoryFile(f"{name}: line {number}: unknown stream {row.stream!r} (expected one of "
-                             f"{', '.join(subjects.STREAM_SUBJECTS)})")
+                             f"{', '.join(subjects.HISTORY_STREAMS)})")
     if row.seq < 1:
         raise BadHistoryFile(f"{name}: line {number}: sequence {row.seq} (stream sequences start at 1)")
     if not row.subject.startswith(prefix) or len(row.subject) == len(prefix):

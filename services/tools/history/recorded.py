@@ -41,6 +41,10 @@ class RecordedStore:
                      fence: str = "") -> AppendResult:
         raise ReadOnlyHistory(f"cannot append {type(event).__name__} to {subject}: a recorded history is read-only")
 
+    async def append_bytes(self, subject: str, data: bytes, *, msg_id: str = "", expected_last_seq: int | None = None,
+                           fence: str = "") -> AppendResult:
+        raise ReadOnlyHistory(f"cannot append to {subject}: a recorded history is read-only")
+
     async def append_batch(self, items: Sequence[tuple[str, Event]]) -> list[AppendResult]:
         raise ReadOnlyHistory("cannot append to a recorded history: it is read-only")
 
