@@ -41,11 +41,11 @@ async def store_back(url: str, rows: list[Stored]) -> None:
         await store.close()
 
 
-def test_verify_passes_on_the_live_history_and_whatif_reads_it(nats_server: broker.Broker,
+def test_verify_passes_on_the_live_history_and_whatif_reads_it(nats_server: broker.Broker, tmp_path: Path,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     asyncio.run(store_back(nats_server.url, fdh.load(FIXTURE)))
     capsys.readouterr()
-    assert flightdeck(["verify", JOB, "--nats", nats_server.url, "--data-dir", "/nonexistent"]) == 0
+    assert flightdeck(["verify", JOB, "--nats", nats_server.url, "--data-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert f"broker {nats_server.url}" in out and "OK: every recorded decision reproduced" in out
     assert flightdeck(["whatif", JOB, "--nats", nats_server.url, "--data-dir", "/nonexistent",
@@ -55,8 +55,12 @@ def test_verify_passes_on_the_live_history_and_whatif_reads_it(nats_server: brok
         ("vanishes", "LossSpikeDetected"), ("vanishes", "RollbackRequested")]
 
 
-def test_a_forged_decision_appended_to_the_live_history_fails_verify(nats_server: broker.Broker,
-                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("verified_before", [False, True])
+def test_a_forged_decision_appended_to_the_live_history_fails_verify(nats_server: broker.Broker, tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str],
+                                                                     verified_before: bool) -> None:
+    """Also when a clean verify left its mark before the forgery: the next one goes on from it, and the forged
+    decision, which claims an input the mark covers, is recorded after the mark: not one that verify checked."""
     rows = fdh.load(FIXTURE)
     asyncio.run(store_back(nats_server.url, rows))
     (rollback,) = [s for s in rows if isinstance(s.event, RollbackRequested)]
@@ -73,11 +77,32 @@ def test_a_forged_decision_appended_to_the_live_history_fails_verify(nats_server
         finally:
             await store.close()
 
+    if verified_before:
+        assert flightdeck(["verify", JOB, "--nats", nats_server.url, "--data-dir", str(tmp_path)]) == 0
+        assert (tmp_path / "verified" / f"{JOB}.mark").exists()
     asyncio.run(forge())
     capsys.readouterr()  # the store's own log lines (structlog prints to stdout by default)
-    assert flightdeck(["verify", JOB, "--nats", nats_server.url, "--data-dir", "/nonexistent", "--json"]) == 1
+    assert flightdeck(["verify", JOB, "--nats", nats_server.url, "--data-dir", str(tmp_path), "--json"]) == 1
     verdict = msgspec.json.decode(capsys.readouterr().out)
     first = verdict["divergences"][0]
     assert (first["service"], first["kind"], first["msg_id"]) == ("scheduler", "not reproduced", forged.event_id)
+    if verified_before:  # the input it claims is not read again: the mark covers it
+        assert first["input"] is None and "the clean verify up to seq" in first["detail"]
+        return
     assert first["input"]["seq"] == int(spike) and first["input"]["type"] == "LossSpikeDetected"  # as it claims
     assert first["recorded"] == codec.to_builtins(forged) | {"job_version": first["recorded"]["job_version"]}
+
+
+def test_a_second_verify_goes_on_from_the_first_and_checks_the_same(nats_server: broker.Broker, tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    asyncio.run(store_back(nats_server.url, fdh.load(FIXTURE)))
+    argv = ["verify", JOB, "--nats", nats_server.url, "--data-dir", str(tmp_path), "--json"]
+    capsys.readouterr()
+    assert flightdeck(argv) == 0
+    first = msgspec.json.decode(capsys.readouterr().out)
+    assert flightdeck(argv) == 0
+    second = msgspec.json.decode(capsys.readouterr().out)
+    assert first["resumed_from"] == 0 and second["resumed_from"] == first["horizon"]
+    assert second["services"] == first["services"]  # what the mark holds, counted again, nothing re-derived twice
+    assert flightdeck([*argv, "--full"]) == 0
+    assert msgspec.json.decode(capsys.readouterr().out)["resumed_from"] == 0

@@ -24,10 +24,11 @@ from services.checkpoints.core import COMMIT, SCRUB
 from services.checkpoints.state import CommitArgs, ScrubArgs
 from services.core import Effect, Service
 from services.shell.deadletter import FOLDED_ANYWAY, GIVEN_UP
-from services.shell.fold import Step, comparable, recorded_fields, replay, same_decision
+from services.shell.fold import Folder, Step, comparable, recorded_fields, replay, same_decision
 from services.tools.audit import cores
 from services.tools.audit.cores import settings_notes, unrecorded_settings
 from services.tools.audit.diff import field_diff
+from services.tools.audit.resume import Resume
 
 # a service's live dead letters: (input stream, input seq, cause) -> the input's subject
 Letters = dict[tuple[str, int, str], str]
@@ -78,6 +79,9 @@ class Verdict:
     checks: list[ServiceCheck]
     divergences: list[Divergence]  # in the order the replay met them
     notes: list[str]
+    folders: dict[str, Folder[Any]] = field(default_factory=dict)  # each core's state at the horizon
+    resumed_from: int = 0  # the horizon of the clean verify this one went on from (audit/resume.py); 0: none
+    fleet: bool = True  # whether fleet decisions were checked
 
     @property
     def ok(self) -> bool:
@@ -99,30 +103,47 @@ class History:
         return next((s for s in rows if s.seq == seq), None)
 
 
-async def read_history(store: EventStore, job_id: str) -> History:
+async def read_history(store: EventStore, job_id: str, checked: int = 0) -> History:
+    """`checked`: the horizon of a clean verify this one goes on from (the store may hold only what came after it,
+    and nothing of the job)."""
     last = await store.last(subjects.CONTROL, subjects.job_all(job_id))
-    if last is None:
+    if last is None and not checked:
         raise NoSuchJob(job_id)
+    horizon = max(last.seq if last is not None else 0, checked)
     out: dict[str, list[Stored]] = {subjects.CONTROL: [], subjects.TELEMETRY: [], subjects.DEAD: []}
-    for stream, filters, until in ((subjects.CONTROL, [], last.seq),
+    for stream, filters, until in ((subjects.CONTROL, [], horizon),
                                    (subjects.TELEMETRY, [subjects.telemetry_job(job_id)], 0),
                                    (subjects.DEAD, [], 0)):
         async for batch in store.read(stream, filters, until_seq=until):
             out[stream] += batch
-    return History(job_id, last.seq, out[subjects.CONTROL], out[subjects.TELEMETRY], out[subjects.DEAD])
+    return History(job_id, horizon, out[subjects.CONTROL], out[subjects.TELEMETRY], out[subjects.DEAD])
 
 
-async def verify(store: EventStore, job_id: str, services: Sequence[Service[Any]] | None = None) -> Verdict:
-    """Re-fold `job_id`'s recorded inputs through `services` (default: every audited core) and compare."""
-    history = await read_history(store, job_id)
+async def verify(store: EventStore, job_id: str, services: Sequence[Service[Any]] | None = None, *,
+                 resume: Resume | None = None) -> Verdict:
+    """Re-fold `job_id`'s recorded inputs through `services` (default: every audited core) and compare. With
+    `resume` (a clean verify's mark: audit/resume.py), each core goes on from the state it reached there, and only
+    the decisions of later inputs are checked; `store` then needs to hold only what came after it."""
+    history = await read_history(store, job_id, resume.mark.horizon if resume is not None else 0)
     scope = cores.Scope(job_id, history.control)
     checks: list[ServiceCheck] = []
     found: list[Divergence] = []
-    chosen = unrecorded_settings(list(services) if services is not None else cores.cores(), history.control)
+    folders: dict[str, Folder[Any]] = {}
+    if resume is not None:  # the cores that verify ran, their recorded settings folded into their states
+        scope.fleet = scope.fleet and resume.mark.fleet
+        chosen = [folder.service for folder in resume.folders.values()]
+    else:
+        chosen = unrecorded_settings(list(services) if services is not None else cores.cores(), history.control)
     for service in chosen:
-        steps = [s async for s in _positioned(replay(service, store, until=history.horizon))]
-        check, divergences = _compare(service.name, steps, history, scope)
+        folder = resume.folders[service.name] if resume is not None else Folder(service)
+        after = (folder.control_seq, folder.telemetry_seq)
+        steps = [s async for s in _positioned(replay(service, store, until=history.horizon, folder=folder))]
+        check, divergences = _compare(service.name, steps, history, scope, after,
+                                      resume.mark.horizon if resume is not None else 0)
+        if resume is not None:
+            _add_earlier(check, resume, service.name)
         checks.append(check)
+        folders[service.name] = folder
         found += divergences
     notes = [
         "checkpoints: its decisions (retention deletes, which sets to commit) are re-derived; whether an upload "
@@ -134,8 +155,33 @@ async def verify(store: EventStore, job_id: str, services: Sequence[Service[Any]
     if not scope.fleet:
         notes.append("fleet decisions (node subjects) not checked: the history holds other jobs, whose telemetry "
                      "a job's history does not keep")
+    if resume is not None:
+        notes.append(f"resumed from the clean verify up to FD_CONTROL seq {resume.mark.horizon}: decisions of inputs "
+                     "up to it were re-derived then, those after it now (--full re-derives all)")
     found.sort(key=lambda d: d.position)  # stable: within one input, the service order and output order stay
-    return Verdict(job_id, history.horizon, checks, found, notes)
+    return Verdict(job_id, history.horizon, checks, found, notes, folders,
+                   resume.mark.horizon if resume is not None else 0, scope.fleet)
+
+
+def _add_earlier(check: ServiceCheck, resume: Resume, name: str) -> None:
+    """What the verify the mark records checked, added to what this one did."""
+    earlier = next(c for c in resume.mark.cores if c.service == name)
+    check.control_inputs += earlier.control_inputs
+    check.telemetry_inputs += earlier.telemetry_inputs
+    check.decisions += earlier.decisions
+    check.effects += earlier.effects
+
+
+def _unchecked(s: Stored, name: str, after: tuple[int, int], checked: int) -> bool:
+    where = cores.index_of(s.msg_id, name)
+    if where is None or _later(where[0], where[1], after):
+        return True
+    return s.seq > checked and not isinstance(s.event, CheckpointScrubbed | HistoryArchived)
+
+
+def _later(stream: str, seq: int, after: tuple[int, int]) -> bool:
+    """Whether an input is past the state a fold started from (FD_CONTROL, FD_TELEMETRY positions)."""
+    return seq > (after[0] if stream == subjects.CONTROL else after[1])
 
 
 async def _positioned(steps: Any) -> Any:
@@ -151,15 +197,19 @@ async def _positioned(steps: Any) -> Any:
             pending.append(step)
 
 
-def _compare(name: str, steps: list[tuple[int, Step]], history: History,
-             scope: cores.Scope) -> tuple[ServiceCheck, list[Divergence]]:
+def _compare(name: str, steps: list[tuple[int, Step]], history: History, scope: cores.Scope,
+             after: tuple[int, int] = (0, 0), checked: int = 0) -> tuple[ServiceCheck, list[Divergence]]:
+    """`after`: the positions the fold started from; `checked`: the horizon of the clean verify it went on from.
+    The decisions of inputs up to `after` it checked (recorded by `checked`, or it would not have been clean); one
+    recorded since for such an input is not reproduced, unless a detached effect's outcome, which may come late."""
     check = ServiceCheck(name)
-    recorded = {s.msg_id: s for s in history.control if cores.is_decision(s, name) and scope.covers(s.subject)}
+    recorded = {s.msg_id: s for s in history.control if cores.is_decision(s, name) and scope.covers(s.subject)
+                and _unchecked(s, name, after, checked)}
     by_input: dict[tuple[str, int], list[tuple[int, Stored]]] = defaultdict(list)
     for s in recorded.values():
         if (where := cores.index_of(s.msg_id, name)) is not None:
             by_input[where[:2]].append((where[2], s))
-    letters = _letters(name, history)
+    letters = {k: v for k, v in _letters(name, history).items() if _later(k[0], k[1], after)}
     folded_at: dict[tuple[str, int], int] = {}
     out: list[Divergence] = []
     for pos, step in steps:
@@ -191,9 +241,11 @@ def _compare(name: str, steps: list[tuple[int, Step]], history: History,
         where = cores.index_of(mid, name)
         cause = history.find(where[0], where[1]) if where else None
         pos = folded_at.get(where[:2], rec.seq) if where else rec.seq
+        why = "" if where else " (its msg id is not one the shell stamps)"
+        if where and not _later(where[0], where[1], after):
+            why = f" (for an input the clean verify up to seq {checked} covered: its decisions were all recorded then)"
         out.append(Divergence(name, "not reproduced", pos, cause, mid, recorded=rec.event,
-                              detail=f"recorded at seq {rec.seq}; the replay does not decide it"
-                              + ("" if where else " (its msg id is not one the shell stamps)")))
+                              detail=f"recorded at seq {rec.seq}; the replay does not decide it{why}"))
     check.dead_live = {(st, sq) for (st, sq, cause), subject in letters.items()
                        if cause == "input" and _relevant(subject, scope)}
     check.skipped = sum(1 for (_, _, cause) in letters if cause in (GIVEN_UP, FOLDED_ANYWAY))

@@ -9,12 +9,16 @@ from typing import Any
 
 import msgspec
 
-from events import codec
+from events import codec, subjects
 from events.store import Stored
+from events.subjects import InvalidSubjectToken
+from services.shell.broker import nats_url
+from services.tools.audit import cores, resume
 from services.tools.audit.verify import Divergence, NoSuchJob, Verdict, verify
 from services.tools.cli import EXIT_ERROR, EXIT_INCOMPLETE, EXIT_NOT_FOUND, Command, UserError
 from services.tools.history import add_history_arguments, history_from_args
 from services.tools.history.archived import Gap
+from services.tools.history.library import HistoryNotFound, control_stream_id, data_dir_of, from_broker, library_path
 
 MAX_VALUE_CHARS = 160
 
@@ -23,6 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_history_arguments(parser)
     parser.add_argument("--all", action="store_true", help="list every divergence, not only the first")
     parser.add_argument("--json", action="store_true", help="the verdict as one JSON object")
+    parser.add_argument("--full", action="store_true", help="re-derive every decision, not only those since the "
+                        "last clean verify of the job (its mark in the data dir)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,18 +57,43 @@ def incomplete(verdict: Verdict, source: str, gaps: Sequence[Gap]) -> list[str]:
 
 
 async def _verify(args: argparse.Namespace) -> tuple[Verdict, str, tuple[Gap, ...]]:
-    history = await history_from_args(args)
+    """From the broker, a verify goes on from the job's last clean verify (audit/resume.py) and leaves a mark when
+    clean; a history file or an imported one is verified whole."""
+    mark: resume.Resume | None = None
+    stream = ""
+    if args.from_file is None and args.job and not library_path(args.data_dir, args.job).exists():
+        try:
+            subjects.token(args.job)
+        except InvalidSubjectToken as exc:
+            raise HistoryNotFound(str(exc)) from None
+        url = nats_url(args.nats)
+        stream = await control_stream_id(url)
+        if not args.full and stream:
+            mark = resume.load(data_dir_of(args.data_dir), args.job, stream, cores.cores())
+        since = (mark.control_from, mark.telemetry_from) if mark is not None else (1, 1)
+        history = await from_broker(url, args.job, since=since)
+    else:
+        history = await history_from_args(args)
     try:
-        return await verify(history.store, history.job_id), history.source, history.gaps
+        verdict = await verify(history.store, history.job_id, resume=mark)
     except NoSuchJob:
         raise UserError(f"{history.source} holds no control event of job {history.job_id!r}", EXIT_NOT_FOUND) from None
+    if stream and verdict.ok and not history.gaps:
+        counts = {c.service: (c.control_inputs, c.telemetry_inputs, c.decisions, c.effects) for c in verdict.checks}
+        try:
+            resume.save(data_dir_of(args.data_dir), history.job_id, stream, verdict.horizon, verdict.fleet,
+                        verdict.folders, counts)
+        except OSError as exc:  # the verdict stands; the next verify is whole
+            sys.stderr.write(f"note: the verify's mark was not saved: {exc}\n")
+    return verdict, history.source, history.gaps
 
 
 def report(verdict: Verdict, source: str, *, every: bool = False) -> list[str]:
     """The summary (per service: inputs folded, decisions checked), then the first divergence (or all)."""
     head = "OK: every recorded decision reproduced" if verdict.ok else f"DIVERGED: {len(verdict.divergences)} " \
         "divergence(s) between the recorded decisions and a replay of the recorded inputs"
-    lines = [f"verify {verdict.job_id} ({source}, inputs up to FD_CONTROL seq {verdict.horizon}): {head}", ""]
+    since = f", decisions since the clean verify up to seq {verdict.resumed_from}" if verdict.resumed_from else ""
+    lines = [f"verify {verdict.job_id} ({source}, inputs up to FD_CONTROL seq {verdict.horizon}{since}): {head}", ""]
     lines.append(f"  {'service':<12} {'control in':>10} {'telemetry in':>12} {'decisions':>9} {'effects':>7} "
                  f"{'dead live/replay':>16}")
     for c in verdict.checks:
@@ -96,6 +127,7 @@ def describe(d: Divergence, *, first: bool) -> list[str]:
 def as_json(verdict: Verdict, source: str) -> dict[str, Any]:
     return {
         "job_id": verdict.job_id, "source": source, "ok": verdict.ok, "horizon": verdict.horizon,
+        "resumed_from": verdict.resumed_from,
         "services": [{"service": c.service, "control_inputs": c.control_inputs,
                       "telemetry_inputs": c.telemetry_inputs, "decisions": c.decisions, "effects": c.effects,
                       "dead_lettered_live": sorted(list(k) for k in c.dead_live),

@@ -58,8 +58,11 @@ async def _segments(objects: ObjectStore | None, records: list[HistoryArchived],
 
 async def stream_rows(events: EventStore, objects: ObjectStore | None, job_id: str, stream: str,
                       records: list[HistoryArchived], submitted_at: float, *,
-                      unreadable: str = "no object store to read it from") -> tuple[list[Stored], list[Gap]]:
-    """The job's messages in `stream`, archived then live, and the gaps between or within them."""
+                      unreadable: str = "no object store to read it from",
+                      from_seq: int = 1) -> tuple[list[Stored], list[Gap]]:
+    """The job's messages in `stream`, archived then live, and the gaps between or within them; from `from_seq`
+    on (a verify going on from an earlier one's mark), the segments wholly before it unread."""
+    records = [r for r in records if r.last_seq >= from_seq]
     rows, bad, through = await _segments(objects, records, unreadable)
     gaps = recorded_gaps(records)
     final = any(r.final for r in records)
@@ -71,9 +74,11 @@ async def stream_rows(events: EventStore, objects: ObjectStore | None, job_id: s
         gaps.append(Gap(stream, through + 1, first - 1, AGED_OUT))
     elif not records and first > 1 and first_at > submitted_at:
         gaps.append(Gap(stream, 0, first - 1, AGED_OUT))
-    start = max(min([through + 1, *(lo for lo, _, _ in bad)]), first, 1)
+    start = max(min([through + 1, *(lo for lo, _, _ in bad)]), first, from_seq)
     end = min(last, through) if final else last  # nothing of the job comes after its final segment
     if end >= start:
         async for batch in events.read(stream, [segments.job_filter(job_id, stream)], from_seq=start, until_seq=end):
             rows.update((r.seq, r) for r in batch if r.seq not in rows)
-    return [rows[seq] for seq in sorted(rows)], sorted(gaps, key=lambda g: g.from_seq)
+    if from_seq > 1:
+        gaps = [Gap(g.stream, max(g.from_seq, from_seq), g.to_seq, g.why) for g in gaps if g.to_seq >= from_seq]
+    return [rows[seq] for seq in sorted(rows) if seq >= from_seq], sorted(gaps, key=lambda g: g.from_seq)

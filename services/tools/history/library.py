@@ -136,9 +136,19 @@ def import_file(path: Path | str, data_dir: Path | str | None = None,
     return history, target
 
 
-async def from_broker(url: str, job_id: str, *, output: bool = False, objects_url: str | None = None) -> History:
+async def control_stream_id(url: str) -> str:
+    """Which FD_CONTROL the broker at `url` holds: its creation time ("" if it does not say). A verify's mark
+    (services/tools/audit/resume.py) is of one stream: another broker may hold the same job id."""
+    async with open_store(url) as store:
+        info = await store.js.stream_info(subjects.CONTROL)
+    return info.created.isoformat() if info.created is not None else ""
+
+
+async def from_broker(url: str, job_id: str, *, output: bool = False, objects_url: str | None = None,
+                      since: tuple[int, int] = (1, 1)) -> History:
     """The job's history from the broker, with what the archiver stored of it from the object store at
-    `objects_url` (default: $FLIGHTDECK_OBJECTS, else the data dir's, as the services find it)."""
+    `objects_url` (default: $FLIGHTDECK_OBJECTS, else the data dir's, as the services find it); from the FD_CONTROL
+    and FD_TELEMETRY positions `since` (read.job_history)."""
     where = objects_url or default_objects_url()
     async with open_store(url) as store, contextlib.AsyncExitStack() as stack:
         objects: ObjectStore | None = None
@@ -148,7 +158,8 @@ async def from_broker(url: str, job_id: str, *, output: bool = False, objects_ur
         except Exception as exc:  # a history without archived segments needs none; with them, each is a gap
             unreadable = f"the object store {where} cannot be opened: {exc}"
         try:
-            rows, gaps = await job_history(store, job_id, output=output, objects=objects, unreadable=unreadable)
+            rows, gaps = await job_history(store, job_id, output=output, objects=objects, unreadable=unreadable,
+                                           since=since)
         except JobNotFound:
             raise HistoryNotFound(f"no job {job_id!r} on {url} and no imported history of it: check the id "
                                   "(`flightdeck events --all` lists every job's events)") from None

@@ -1,0 +1,125 @@
+"""`flightdeck verify` and `postmortem` against a job history's length: does their time grow linearly?
+
+Each history is recorded by the real cores (scheduler, resources, health, checkpoints and the node agents' cores)
+over the fault explorer's simulated broker and ranks (services/tools/explore), for one fault-free 2-rank job whose
+ranks run `--steps-per-turn` steps per simulated 0.1 s (so the history grows without the simulation's per-turn
+cost): steps, heartbeat batches, the health monitor's ticks with their telemetry positions, checkpoints every
+`--checkpoint-every` steps and their commits. The job's history is then checked as the CLI does it, in process:
+
+    verify      services.tools.audit.verify.verify over the store, the four cores the explorer verifies
+    postmortem  services.tools.history.read.job_history, then services.tools.postmortem.analysis.analyse
+
+Reported per length: events, seconds and events/s of each, and each length's time over the smallest's, against
+the ratio of their lengths (linear growth: equal). Recording is not timed against anything: it is the setup.
+
+    .venv/bin/python bench/history_scale.py                                   # 100k, 1M
+    .venv/bin/python bench/history_scale.py --events 100000,1000000,10000000 --out bench/results/cpu-history-scale.json
+"""
+
+import argparse
+import asyncio
+import functools
+import gc
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from events import subjects
+from events.spec import JobSpec, TrainSpec
+from services import registry
+from services.tools.audit.verify import verify
+from services.tools.explore.invariants import VERIFIED
+from services.tools.explore.ranks import Attempt, Ranks
+from services.tools.explore.world import POLICY, Plan, World
+from services.tools.history.read import job_history
+from services.tools.postmortem.analysis import analyse
+
+RESULTS = Path(__file__).resolve().parent / "results" / "cpu-history-scale.json"
+EVENTS_PER_STEP = 3.4  # two ranks' StepCompleted, their nodes' heartbeat batches, the services' ticks: measured
+
+
+class FastRanks(Ranks):
+    """The explorer's ranks, `per_turn` steps at a time."""
+
+    per_turn = 1
+
+    async def advance(self, a: Attempt) -> None:
+        for _ in range(self.per_turn):
+            before = a.step
+            await super().advance(a)
+            if a.step == before:  # a boundary that ran no step: a save, a command, the end
+                return
+
+
+async def record(steps: int, per_turn: int, checkpoint_every: int) -> tuple[Any, str, float]:
+    job = JobSpec(name="long", slots=2, policy=POLICY,
+                  train=TrainSpec(steps=steps, checkpoint_every=checkpoint_every, data="synthetic"))
+    world = World(Plan(seed=1, jobs=[job], faults=[], faults_until=0.0, bound_s=1e9))
+    ranks = FastRanks(world.store, world.clock)
+    ranks.per_turn = per_turn
+    world.ranks = ranks
+    for name, shell in world.shells.items():
+        if name.startswith("agent-"):
+            shell.on_crash = functools.partial(ranks.agent_died, name.removeprefix("agent-"))
+    t = time.perf_counter()
+    run = await world.run()
+    return run.store, run.job_ids[0], time.perf_counter() - t
+
+
+async def one_length(events: int, per_turn: int, checkpoint_every: int) -> dict[str, Any]:
+    store, job_id, record_s = await record(int(events / EVENTS_PER_STEP), per_turn, checkpoint_every)
+    control, telemetry = len(store.rows(subjects.CONTROL)), len(store.rows(subjects.TELEMETRY))
+    gc.collect()
+    services = [registry.build(name, env={}) for name in VERIFIED]
+    t, c = time.perf_counter(), time.process_time()
+    verdict = await verify(store, job_id, services)
+    verify_s, verify_cpu = time.perf_counter() - t, time.process_time() - c
+    assert verdict.ok, verdict.divergences[:3]
+    t, c = time.perf_counter(), time.process_time()
+    rows, gaps = await job_history(store, job_id)
+    pm = analyse(rows, job_id)
+    pm_s, pm_cpu = time.perf_counter() - t, time.process_time() - c
+    assert not gaps
+    n = control + telemetry
+    return {"events": n, "control": control, "telemetry": telemetry, "record_s": round(record_s, 1),
+            "verify_s": verify_s, "verify_cpu_s": verify_cpu, "verify_events_per_s": n / verify_s,
+            "decisions_verified": {ch.service: ch.decisions for ch in verdict.checks},
+            "postmortem_s": pm_s, "postmortem_cpu_s": pm_cpu, "postmortem_events_per_s": n / pm_s,
+            "goodput": round(pm.goodput.goodput, 4),
+            "max_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, 2)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--events", default="100000,1000000", help="history lengths, comma-separated")
+    p.add_argument("--steps-per-turn", type=int, default=200)
+    p.add_argument("--checkpoint-every", type=int, default=2000)
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args()
+    command = " ".join([".venv/bin/python", *sys.argv])
+    results: dict[str, Any] = {"benchmark": "verify and postmortem time against the history's length",
+                               "command": command, "lengths": []}
+    print(f"command: {command}")
+    print(f"{'events':>11} {'record s':>9} {'verify s':>9} {'ev/s':>8} {'x time':>7} {'postmortem s':>12} {'ev/s':>9} "
+          f"{'x time':>7} {'x length':>8}")
+    for events in (int(e) for e in args.events.split(",")):
+        row = asyncio.run(one_length(events, args.steps_per_turn, args.checkpoint_every))
+        results["lengths"].append(row)
+        base = results["lengths"][0]
+        row["verify_time_ratio"] = row["verify_s"] / base["verify_s"]
+        row["postmortem_time_ratio"] = row["postmortem_s"] / base["postmortem_s"]
+        row["length_ratio"] = row["events"] / base["events"]
+        print(f"{row['events']:>11,} {row['record_s']:>9.0f} {row['verify_s']:>9.1f} "
+              f"{row['verify_events_per_s']:>8,.0f} {row['verify_time_ratio']:>7.1f} {row['postmortem_s']:>12.1f} "
+              f"{row['postmortem_events_per_s']:>9,.0f} "
+              f"{row['postmortem_time_ratio']:>7.1f} {row['length_ratio']:>8.1f}", flush=True)
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
