@@ -7,6 +7,8 @@ cost): steps, heartbeat batches, the health monitor's ticks with their telemetry
 `--checkpoint-every` steps and their commits. The job's history is then checked as the CLI does it, in process:
 
     verify      services.tools.audit.verify.verify over the store, the four cores the explorer verifies
+    resumed     the same, going on from the mark of a clean verify of the history cut at 90% of its control
+                (services/tools/audit/resume.py), over what the CLI reads then: what came after the mark
     postmortem  services.tools.history.read.job_history, then services.tools.postmortem.analysis.analyse
 
 Reported per length: events, seconds and events/s of each, and each length's time over the smallest's, against
@@ -23,6 +25,7 @@ import gc
 import json
 import resource
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -30,8 +33,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from events import subjects
+from events.clock import ClockTick
 from events.spec import JobSpec, TrainSpec
+from events.store import MemoryStore
 from services import registry
+from services.tools.audit import resume
 from services.tools.audit.verify import verify
 from services.tools.explore.invariants import VERIFIED
 from services.tools.explore.ranks import Attempt, Ranks
@@ -56,7 +62,7 @@ class FastRanks(Ranks):
                 return
 
 
-async def record(steps: int, per_turn: int, checkpoint_every: int) -> tuple[Any, str, float]:
+async def record(steps: int, per_turn: int, checkpoint_every: int) -> tuple[MemoryStore, str, float]:
     job = JobSpec(name="long", slots=2, policy=POLICY,
                   train=TrainSpec(steps=steps, checkpoint_every=checkpoint_every, data="synthetic"))
     world = World(Plan(seed=1, jobs=[job], faults=[], faults_until=0.0, bound_s=1e9))
@@ -80,6 +86,7 @@ async def one_length(events: int, per_turn: int, checkpoint_every: int) -> dict[
     verdict = await verify(store, job_id, services)
     verify_s, verify_cpu = time.perf_counter() - t, time.process_time() - c
     assert verdict.ok, verdict.divergences[:3]
+    resumed = await resumed_verify(store, job_id, verdict.horizon)
     t, c = time.perf_counter(), time.process_time()
     rows, gaps = await job_history(store, job_id)
     pm = analyse(rows, job_id)
@@ -90,8 +97,53 @@ async def one_length(events: int, per_turn: int, checkpoint_every: int) -> dict[
             "verify_s": verify_s, "verify_cpu_s": verify_cpu, "verify_events_per_s": n / verify_s,
             "decisions_verified": {ch.service: ch.decisions for ch in verdict.checks},
             "postmortem_s": pm_s, "postmortem_cpu_s": pm_cpu, "postmortem_events_per_s": n / pm_s,
-            "goodput": round(pm.goodput.goodput, 4),
+            "goodput": round(pm.goodput.goodput, 4), **resumed,
             "max_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, 2)}
+
+
+def _prefix(store: MemoryStore, control_seq: int) -> MemoryStore:
+    """The history as it stood at `control_seq` (telemetry up to the newest tick's position), sharing the rows."""
+    control = store.rows(subjects.CONTROL)[:control_seq]
+    ticks = [s.event.positions.get(subjects.TELEMETRY, 0) for s in control if isinstance(s.event, ClockTick)]
+    cut = MemoryStore()
+    cut._streams[subjects.CONTROL] = control  # the bench's shortcut: a slice keeps every row at its sequence
+    cut._streams[subjects.TELEMETRY] = store.rows(subjects.TELEMETRY)[:max(ticks, default=0)]
+    cut._streams[subjects.DEAD] = store.rows(subjects.DEAD)
+    return cut
+
+
+def _since(store: MemoryStore, control_from: int, telemetry_from: int) -> MemoryStore:
+    """What `verify` reads from the broker when it goes on from a mark (job_history(since=...))."""
+    view = MemoryStore()
+    for stream in (subjects.CONTROL, subjects.TELEMETRY, subjects.DEAD):
+        view._streams[stream] = store.rows(stream)
+    view.age_out(subjects.CONTROL, control_from - 1)
+    view.age_out(subjects.TELEMETRY, telemetry_from - 1)
+    return view
+
+
+async def resumed_verify(store: MemoryStore, job_id: str, horizon: int) -> dict[str, Any]:
+    """A clean verify of the history cut at 90% of its control leaves a mark (saved and loaded as the CLI does);
+    then the verify of the whole that goes on from it, reading only what came after the mark."""
+    cut = int(horizon * 0.9)
+    services = [registry.build(name, env={}) for name in VERIFIED]
+    part = await verify(_prefix(store, cut), job_id, services)
+    assert part.ok, part.divergences[:3]
+    counts = {c.service: (c.control_inputs, c.telemetry_inputs, c.decisions, c.effects) for c in part.checks}
+    with tempfile.TemporaryDirectory(prefix="fd-verify-mark-") as tmp:
+        t = time.perf_counter()
+        resume.save(Path(tmp), job_id, "bench", part.horizon, part.fleet, part.folders, counts)
+        mark = resume.load(Path(tmp), job_id, "bench", services)
+        mark_s = time.perf_counter() - t
+    assert mark is not None
+    view = _since(store, mark.control_from, mark.telemetry_from)
+    t, c = time.perf_counter(), time.process_time()
+    verdict = await verify(view, job_id, resume=mark)
+    took, cpu = time.perf_counter() - t, time.process_time() - c
+    assert verdict.ok and verdict.resumed_from == part.horizon, verdict.divergences[:3]
+    after = sum(len(view.rows(s)) - (view._first[s] - 1) for s in (subjects.CONTROL, subjects.TELEMETRY))
+    return {"resumed_verify_s": took, "resumed_verify_cpu_s": cpu, "resumed_events_after_mark": after,
+            "mark_save_load_s": mark_s}
 
 
 def main() -> None:
@@ -106,7 +158,7 @@ def main() -> None:
                                "command": command, "lengths": []}
     print(f"command: {command}")
     print(f"{'events':>11} {'record s':>9} {'verify s':>9} {'ev/s':>8} {'x time':>7} {'postmortem s':>12} {'ev/s':>9} "
-          f"{'x time':>7} {'x length':>8}")
+          f"{'x time':>7} {'x length':>8} {'resumed verify s':>16}")
     for events in (int(e) for e in args.events.split(",")):
         row = asyncio.run(one_length(events, args.steps_per_turn, args.checkpoint_every))
         results["lengths"].append(row)
@@ -117,7 +169,8 @@ def main() -> None:
         print(f"{row['events']:>11,} {row['record_s']:>9.0f} {row['verify_s']:>9.1f} "
               f"{row['verify_events_per_s']:>8,.0f} {row['verify_time_ratio']:>7.1f} {row['postmortem_s']:>12.1f} "
               f"{row['postmortem_events_per_s']:>9,.0f} "
-              f"{row['postmortem_time_ratio']:>7.1f} {row['length_ratio']:>8.1f}", flush=True)
+              f"{row['postmortem_time_ratio']:>7.1f} {row['length_ratio']:>8.1f} {row['resumed_verify_s']:>16.2f}",
+              flush=True)
         args.out.write_text(json.dumps(results, indent=2) + "\n")
 
 

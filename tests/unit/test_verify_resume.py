@@ -54,6 +54,8 @@ async def marked(tmp_path: Path) -> tuple[MemoryStore, resume.Resume, Verdict]:
     resume.save(tmp_path, JOB, STREAM, part.horizon, part.fleet, part.folders, counts(part))
     mark = resume.load(tmp_path, JOB, STREAM, cores.cores())
     assert mark is not None and mark.mark.horizon == part.horizon
+    health = mark.folders["health"]  # what the next verify reads of the telemetry: after what health folded
+    assert mark.telemetry_from == health.telemetry_seq + 1 > 1
     return whole, mark, part
 
 

@@ -73,7 +73,8 @@ class Resume:
 
     @property
     def telemetry_from(self) -> int:
-        return min((c.telemetry_seq for c in self.mark.cores), default=0) + 1
+        """Past the lowest position a core that reads telemetry had folded it to."""
+        return min((f.telemetry_seq for f in self.folders.values() if f.service.telemetry_subjects), default=0) + 1
 
 
 def path(data_dir: Path, job_id: str) -> Path:
