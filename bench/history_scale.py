@@ -20,6 +20,7 @@ the ratio of their lengths (linear growth: equal). Recording is not timed agains
 
 import argparse
 import asyncio
+import bisect
 import functools
 import gc
 import json
@@ -37,7 +38,7 @@ from events.clock import ClockTick
 from events.spec import JobSpec, TrainSpec
 from events.store import MemoryStore
 from services import registry
-from services.tools.audit import resume
+from services.tools.audit import cores, resume
 from services.tools.audit.verify import verify
 from services.tools.explore.invariants import VERIFIED
 from services.tools.explore.ranks import Attempt, Ranks
@@ -46,7 +47,7 @@ from services.tools.history.read import job_history
 from services.tools.postmortem.analysis import analyse
 
 RESULTS = Path(__file__).resolve().parent / "results" / "cpu-history-scale.json"
-EVENTS_PER_STEP = 3.4  # two ranks' StepCompleted, their nodes' heartbeat batches, the services' ticks: measured
+EVENTS_PER_STEP = 2.0  # two ranks' StepCompleted, and per 200 steps a few heartbeat batches and ticks: measured
 
 
 class FastRanks(Ranks):
@@ -122,10 +123,41 @@ def _since(store: MemoryStore, control_from: int, telemetry_from: int) -> Memory
     return view
 
 
+def clean_cut(store: MemoryStore, target: int) -> int:
+    """The last FD_CONTROL position at or before `target` where every decision of the inputs up to it is stored
+    up to it: a verify of the history cut there is clean (a cut while a service had not yet stored what an input
+    made it decide would not be, and leaves no mark). A decision of telemetry was made at the tick that folded it."""
+    control = store.rows(subjects.CONTROL)
+    ticks: dict[str, list[tuple[int, int]]] = {}
+    for row in control:
+        if isinstance(row.event, ClockTick):
+            ticks.setdefault(row.event.service, []).append((row.event.positions.get(subjects.TELEMETRY, 0), row.seq))
+    open_at = [0] * (len(control) + 2)
+    for row in control:
+        producer = row.event.producer if row.event is not None else ""
+        where = cores.index_of(row.msg_id, producer) if producer else None
+        if where is None:
+            continue
+        start = where[1]
+        if where[0] == subjects.TELEMETRY:
+            folded = ticks.get(producer, [])
+            i = bisect.bisect_left(folded, (where[1], 0))
+            start = folded[i][1] if i < len(folded) else row.seq
+        if start < row.seq:
+            open_at[start] += 1
+            open_at[row.seq] -= 1
+    running, best = 0, 0
+    for seq in range(1, min(target, len(control)) + 1):
+        running += open_at[seq]
+        if running == 0:
+            best = seq
+    return best
+
+
 async def resumed_verify(store: MemoryStore, job_id: str, horizon: int) -> dict[str, Any]:
     """A clean verify of the history cut at 90% of its control leaves a mark (saved and loaded as the CLI does);
     then the verify of the whole that goes on from it, reading only what came after the mark."""
-    cut = int(horizon * 0.9)
+    cut = clean_cut(store, int(horizon * 0.9))
     services = [registry.build(name, env={}) for name in VERIFIED]
     part = await verify(_prefix(store, cut), job_id, services)
     assert part.ok, part.divergences[:3]
