@@ -2,6 +2,7 @@
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -93,3 +94,36 @@ def spawn_service(name: str, url: str, log_path: Path, **env_extra: str) -> subp
     with open(log_path, "ab") as log:
         return subprocess.Popen([sys.executable, "-m", "services", name, "--nats", url], cwd=ROOT, env=env,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+async def answered(bus: Bus, job: str) -> bool:
+    return await bus.store.last(subjects.CONTROL, subjects.job(job, "JobQueued")) is not None
+
+
+async def kill_mid_stream_and_restart(bus: Bus, url: str, log: Path, inputs: list[tuple[str, JobSubmitted]], *,
+                                      kill_after: str, before_kill: Callable[[], Awaitable[object]] | None = None,
+                                      **env: str) -> None:
+    """The toy service answers `inputs`, is SIGKILLed once `kill_after` is answered (and `before_kill` holds),
+    comes back, answers the rest and stops cleanly; every input must be answered exactly once."""
+    last = inputs[-1][1].job_id
+    proc = spawn_service("toy", url, log, **env)
+    try:
+        await bus.store.append_batch(inputs)
+        await eventually(lambda: answered(bus, kill_after), 40, "some answers")
+        if before_kill is not None:
+            await eventually(before_kill, 20, "what must be there before the kill")  # type: ignore[arg-type]
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(10) == -signal.SIGKILL
+        assert not await answered(bus, last), "the kill came too late to test anything"
+        proc = spawn_service("toy", url, log, **env)
+        await eventually(lambda: answered(bus, last), 40, "the last answer after the restart")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0, tail(log)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert_exactly_once(await read_all(bus.store, subjects.CONTROL), inputs)
+
+
+def tail(log: Path) -> str:
+    return log.read_text()[-3000:]

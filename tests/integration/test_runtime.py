@@ -31,19 +31,17 @@ from tests.conftest import restart_broker
 from tests.integration import toy_service
 from tests.integration.runtime_helpers import (
     Bus,
+    answered,
     assert_exactly_once,
     bus_at,
     eventually,
+    kill_mid_stream_and_restart,
     read_all,
     spawn_service,
     submissions,
 )
 
 pytestmark = pytest.mark.timeout(60)
-
-
-async def answered(bus: Bus, job: str) -> bool:
-    return await bus.store.last(subjects.CONTROL, subjects.job(job, "JobQueued")) is not None
 
 
 def start(factory: Callable[[], Service[Any]], url: str, policy: ConsumerPolicy | None = None,
@@ -75,21 +73,7 @@ async def test_sigkill_mid_stream_then_restart_answers_every_input_exactly_once(
     inputs = submissions(1200)
     log = tmp_path / "toy.log"
     async with bus_at(nats_server.url) as bus:
-        proc = spawn_service("toy", nats_server.url, log)
-        try:
-            await bus.store.append_batch(inputs)
-            await eventually(lambda: answered(bus, "j150"), 30, "some answers")
-            os.kill(proc.pid, signal.SIGKILL)
-            assert proc.wait(10) == -signal.SIGKILL
-            assert not await answered(bus, "j1199"), "the kill came too late to test anything"
-            proc = spawn_service("toy", nats_server.url, log)
-            await eventually(lambda: answered(bus, "j1199"), 40, "the last answer after the restart")
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(15) == 0, log.read_text()[-3000:]
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-        assert_exactly_once(await read_all(bus.store, subjects.CONTROL), inputs)
+        await kill_mid_stream_and_restart(bus, nats_server.url, log, inputs, kill_after="j150")
     lines = log.read_text().splitlines()
     assert sum('"event": "rebuilt"' in line and '"service": "toy"' in line for line in lines) == 2
     assert any('"event": "stopped"' in line for line in lines)
