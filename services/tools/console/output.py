@@ -14,13 +14,15 @@ MAX_VALUE_CHARS = 80
 
 
 def json_line(stored: Stored) -> str:
-    """`seq`, `stream`, `subject`, then the event's own fields (`type` and `occurred_at` among them)."""
+    """`seq`, `stream`, `subject`, then the event's own fields (`type` and `occurred_at` among them); an event's
+    field of one of those three names comes as `event_<name>` (HistoryArchived's `stream`, the stream it archived,
+    had replaced the stream it is stored in)."""
     head: dict[str, Any] = {"seq": stored.seq, "stream": stored.stream, "subject": stored.subject}
     if stored.event is None:
         body: dict[str, Any] = {"type": None, "occurred_at": None, "error": stored.error}
     else:
         body = codec.to_builtins(stored.event)
-    return codec.to_json({**head, **body}).decode()
+    return codec.to_json({**head, **{f"event_{k}" if k in head else k: v for k, v in body.items()}}).decode()
 
 
 def human_line(stored: Stored, base: float, *, show_stream: bool = False, show_job: bool = False) -> str:
