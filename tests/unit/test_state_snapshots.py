@@ -86,5 +86,8 @@ async def test_a_corrupt_part_or_a_snapshot_of_other_code_is_passed_over_for_a_r
 def test_the_fingerprint_follows_the_initial_state_and_the_digest_is_canonical() -> None:
     a, b = registry.build("resources", env={}), registry.build("resources", env={})
     assert snapshots.fingerprint(a) == snapshots.fingerprint(b)
+    other = registry.build("resources", env={"FLIGHTDECK_MASTER_PORT_BASE": "31000"})  # another initial state
+    assert snapshots.fingerprint(other) != snapshots.fingerprint(a)
+    assert snapshots.fingerprint(registry.build("health", env={})) != snapshots.fingerprint(a)
     assert snapshots.digest({"x": {1, 2}, "y": float("nan")}) == snapshots.digest({"y": float("nan"), "x": {2, 1}})
     assert snapshots.digest([1, 2]) != snapshots.digest([2, 1])
