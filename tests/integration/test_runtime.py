@@ -101,8 +101,11 @@ async def test_poison_is_dead_lettered_with_its_reason_and_the_service_goes_on(n
         assert "schema version 99" in reasons["fd.ctl.job.p3.JobSubmitted"]
         assert reasons["fd.ctl.job.p5.JobSubmitted"].startswith("invalid: ")
         assert reasons["fd.ctl.job.p6.CancelRequested"].startswith("core failed: RuntimeError: boom in p6 at ")
-        info = await bus.js.consumer_info(subjects.CONTROL, consumer_name("toy"))
-        assert info.num_pending == 0 and info.num_ack_pending == 0  # poison terminated, not left to redeliver
+        async def settled() -> bool:  # the last input's answer is stored a moment before it is acked
+            info = await bus.js.consumer_info(subjects.CONTROL, consumer_name("toy"))
+            return info.num_pending == 0 and info.num_ack_pending == 0
+
+        await eventually(settled, 10, "every input finished: poison terminated, not left to redeliver")
         await stop_service(task, stop)
 
 
