@@ -8,7 +8,9 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from events.job import JobFailed, WorkersExited
+from events import codec, subjects
+from events.job import AllocationReleased, JobFailed, WorkersExited
+from events.store import decoded
 from services.tools.postmortem import analyse, write_report
 from services.tools.postmortem.goodput import BADPUT, PARTS
 from services.tools.postmortem.synthetic import Scenario, synthesise
@@ -110,3 +112,21 @@ def test_a_failed_job_shows_its_cause_chain(tmp_path: Path) -> None:
     md = write_report(pm, tmp_path)["report.md"].read_text()
     assert "## Why it failed" in md
     assert all(eid in md for eid in failed.causes)
+
+
+def test_the_exits_a_hangs_stop_brings_and_the_restart_that_waited_for_them_are_the_hangs_incident() -> None:
+    """The scheduler may decide the restart on the stopped ranks' exits rather than on the RankHung itself (it
+    waits for them): those exits, their attempt being stopped, are the hang's, not an incident of their own (the
+    demo's /metrics once counted an "exit" beside the hang)."""
+    sc = Scenario(ranks=2, steps=60, checkpoint_every=EVERY, max_restarts=2, faults=(("hang", 30),))
+    rows = synthesise(sc)
+    exit_row = next(r for r in rows if isinstance(r.event, WorkersExited) and r.event.exit_code != 0)
+    assert isinstance(exit_row.event, WorkersExited)
+    control = [r for r in rows if r.stream == subjects.CONTROL]
+    waited = AllocationReleased(job_id=sc.job_id, attempt=exit_row.event.attempt, reason="the stopped ranks exited",
+                                producer="scheduler", causation_id=exit_row.event.event_id, event_id="late-release",
+                                occurred_at=exit_row.event.occurred_at + 0.1, job_version=10_000)
+    late = decoded(subjects.CONTROL, control[-1].seq + 1, subjects.job(sc.job_id, "AllocationReleased"),
+                   codec.encode(waited), "late-release")
+    pm = analyse([*rows, late], sc.job_id)
+    assert [i.kind for i in pm.incidents] == ["hang"]

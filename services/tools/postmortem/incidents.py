@@ -100,10 +100,17 @@ def _drafts(sc: Scan, caused: dict[str, list[Control]]) -> list[_Draft]:
         at = getattr(ev, "attempt", attempt)
         decisions = [d for d in caused.get(ev.event_id, []) if isinstance(d.event, JobEvent)
                      and d.event.producer == "scheduler"]
+        host = next((d for d in reversed(drafts) if d.attempt == at), None)
+        if isinstance(ev, WorkersExited) and at in stopping and host is not None:
+            # the exits an incident's stop brought, and what the scheduler then decided (the restart waits for
+            # them), belong to that incident: counted apart, a hang was two incidents when the restart came on
+            # the hung rank's exit
+            host.related.append(c)
+            host.decisions += decisions
+            continue
         if decisions:
             drafts.append(_Draft(c, at, decisions))
             continue
-        host = next((d for d in reversed(drafts) if d.attempt == at), None)
         if host is not None:
             host.related.append(c)
         elif not ended and at not in stopping and not isinstance(ev, NodeLost):
