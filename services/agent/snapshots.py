@@ -190,30 +190,34 @@ async def persist(root: Path, store: EventStore, job_id: str, attempt: int, rank
 
 
 async def recorded(store: EventStore, job_id: str, attempt: int, rank: int,
-                   peers: Sequence[int]) -> tuple[tuple[int, int] | None, int]:
+                   peers: Sequence[int]) -> tuple[tuple[int, int] | None, int, int]:
     """For a rank an earlier agent on this node ran (it died with that agent): what the rank staged itself, as
-    (timeline, step), and the newest step of its attempt that the rank's own record holds, read from the history.
-    Its own last reports may have died in that agent's custody: a snapshot past them would make the job's lineage
-    lack a rank's record of a step, so the step is redone instead (at most one: the other slot is a step older).
-    A rollback of the rank or of a peer (ranks roll back together) after its last step starts the record again
-    below it."""
+    (timeline, step), the newest step of its attempt the rank's own record holds, and the newest any of its peers'
+    or rank 0's holds, read from the history. Its own last reports may have died in that agent's custody: a
+    snapshot past them would leave the job's lineage without the rank's record of a step, so the own bound is
+    tried first (at most one step redone); the peers' only when nothing is persisted under it (the custody had
+    fallen further behind, and all the work since the last checkpoint would go). A rollback of the rank or of a
+    peer after its last step starts the record again below it."""
     staged: tuple[int, int] | None = None
     last = await store.last(subjects.TELEMETRY, subjects.telemetry(job_id, rank, "CheckpointStaged"))
     ev = last.event if last is not None else None
     if isinstance(ev, CheckpointStaged) and ev.attempt == attempt and not ev.from_memory:
         staged = (ev.timeline, ev.step)
-    own, restarted = -1, []
+    own, steps, restarted = -1, [-1], []
     for r in dict.fromkeys((rank, *peers, 0)):
         step = await store.last(subjects.TELEMETRY, subjects.telemetry(job_id, r, "StepCompleted"))
         back = await store.last(subjects.TELEMETRY, subjects.telemetry(job_id, r, "RolledBack"))
         done = step.event if step is not None else None
-        if r == rank and isinstance(done, StepCompleted) and done.attempt == attempt:
-            own = done.step
+        if isinstance(done, StepCompleted) and done.attempt == attempt:
+            steps.append(done.step)
+            own = done.step if r == rank else own
         rolled = back.event if back is not None else None
         if isinstance(rolled, RolledBack) and rolled.attempt == attempt and back is not None \
                 and (step is None or back.seq > step.seq):
             restarted.append(rolled.to_step - 1)  # nothing of the new timeline on record past this
-    return staged, min(restarted) if restarted else own
+    if restarted:
+        return staged, min(restarted), min(restarted)
+    return staged, own, max(steps)
 
 
 async def restores_in_memory(root: Path, objects: ObjectStore, args: SpawnArgs) -> dict[int, Path]:

@@ -238,9 +238,9 @@ def test_snapshots_space_out_to_keep_within_their_share_of_the_training_time(tmp
 
 async def test_a_restarted_agent_reads_what_its_dead_ranks_had_on_record_from_the_history() -> None:
     """What the links knew before the agent died, rebuilt from the history: the rank's own staging (not one an
-    agent persisted), the newest step the rank itself has on record (a peer's newer one does not stand for it: the
-    rank's own report of that step may have died with the agent, and the lineage would lack it), and a rollback
-    after that: nothing of the new timeline past its restore point is on record."""
+    agent persisted), the newest step the rank itself has on record (tried first: its own report of a newer step
+    may have died with the agent, and the lineage would lack it) and the newest of its peers' or rank 0's, and a
+    rollback after that: nothing of the new timeline past its restore point is on record."""
 
     store = MemoryStore()
 
@@ -251,15 +251,15 @@ async def test_a_restarted_agent_reads_what_its_dead_ranks_had_on_record_from_th
         return StepCompleted(job_id="j", rank=rank, attempt=attempt, step=n, loss=1.0, grad_norm=0.0, lr=0.0,
                              tokens_per_s=0.0, step_time_s=0.1)
 
-    assert await agent_snaps.recorded(store, "j", 2, 1, [1, 2]) == (None, -1)
+    assert await agent_snaps.recorded(store, "j", 2, 1, [1, 2]) == (None, -1, -1)
     staged = CheckpointStaged(job_id="j", rank=1, attempt=2, step=20, world_size=3, staging_dir="/s", shards=[],
                               data=DataPosition(next_batch=20), stall_s=0.0, write_s=0.0, timeline=1)
     for event in (step(1, 30), step(2, 33), step(0, 31), step(0, 90, attempt=1), staged):
         await put(event)
-    assert await agent_snaps.recorded(store, "j", 2, 1, [1, 2]) == ((1, 20), 30)
+    assert await agent_snaps.recorded(store, "j", 2, 1, [1, 2]) == ((1, 20), 30, 33)
     await put(msgspec.structs.replace(staged, step=34, from_memory=True))  # an agent's persist: not the rank's own
     await put(RolledBack(job_id="j", rank=2, attempt=2, checkpoint_id="c", to_step=20, skip_from=20, skip_to=24))
-    assert await agent_snaps.recorded(store, "j", 2, 1, [1, 2]) == (None, 19)
+    assert await agent_snaps.recorded(store, "j", 2, 1, [1, 2]) == (None, 19, 19)
 
 
 def test_what_only_the_optimizer_writes_is_copied_beside_training_and_the_slot_holds_the_state_it_was_taken_at(
