@@ -108,10 +108,8 @@ async def persist_orphans(store: EventStore, spawner: Spawner,
         spawner.shipper.watch(job_id, attempt, ranks, await spawner.shipper.start_seq())
         for rank in ranks:
             staged, own, peers = await snapshots.recorded(store, job_id, attempt, rank, ranks)
-            under_own = await asyncio.to_thread(snapshots.choose, root, job_id, attempt, rank, staged, own)
-            reported = own if own >= 0 and isinstance(under_own, list) else peers
-            await snapshots.persist(root, store, job_id, attempt, rank, staged, reported, node=spawner.node,
-                                    producer=spawner.producer, again=again)
+            await snapshots.persist(root, store, job_id, attempt, rank, staged, own if own >= 0 else peers,
+                                    node=spawner.node, producer=spawner.producer, again=again, fallback=peers)
     return list(lost)
 
 

@@ -116,12 +116,15 @@ def persist_event(header: fmt.Header, folder: Path, *, node: str, producer: str,
 
 
 async def persisting(root: Path, job_id: str, attempt: int, rank: int, staged: tuple[int, int] | None,
-                     reported: int | None = None, *, node: str, producer: str,
-                     again: str = "") -> list[CheckpointStaged]:
+                     reported: int | None = None, *, node: str, producer: str, again: str = "",
+                     fallback: int | None = None) -> list[CheckpointStaged]:
     """The stagings of the rank's snapshots to publish, newest first; none when nothing is newer than its own
-    checkpoints, or every slot is bad (logged)."""
+    checkpoints, or every slot is bad (logged). `fallback`: the step bound to try when none qualifies under
+    `reported` (`recorded`: the peers' bound after the rank's own)."""
     started = time.perf_counter()
     chosen = await asyncio.to_thread(choose, root, job_id, attempt, rank, staged, reported)
+    if not isinstance(chosen, list) and fallback is not None and fallback != reported:
+        chosen = await asyncio.to_thread(choose, root, job_id, attempt, rank, staged, fallback)
     if chosen is None or isinstance(chosen, str):
         if chosen:
             log.error("no snapshot of the rank can be persisted", job_id=job_id, attempt=attempt, rank=rank,
@@ -173,11 +176,11 @@ def forget_attempts_before(root: Path, job_id: str, attempt: int, keep: set[Path
 
 
 async def persist(root: Path, store: EventStore, job_id: str, attempt: int, rank: int, staged: tuple[int, int] | None,
-                  reported: int, *, node: str, producer: str, again: str = "") -> None:
+                  reported: int, *, node: str, producer: str, again: str = "", fallback: int | None = None) -> None:
     """Stage a gone rank's snapshot for the node's shipper (`persisting`), on the rank's own subject."""
     try:
         events = await persisting(root, job_id, attempt, rank, staged, reported, node=node, producer=producer,
-                                  again=again)
+                                  again=again, fallback=fallback)
     except Exception as exc:  # the store's checkpoints still stand: the restart restores the newest
         log.error("persisting the rank's snapshot failed", job_id=job_id, rank=rank, error=repr(exc))
         return
