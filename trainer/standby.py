@@ -17,7 +17,7 @@ import traceback
 from collections.abc import Callable
 from types import TracebackType
 
-from events.nodelocal import ASSIGNMENT_DECODER, LATE_ENV, MAX_MESSAGE, OWN_ENV_PREFIX, READY, Assignment
+from events.nodelocal import ASSIGNMENT_DECODER, MAX_MESSAGE, READY, Assignment, acts_early
 
 # Everything `python -m trainer` imports (trainer/__main__.py's imports and what they load on first use), but
 # not trainer.__main__ itself: runpy warns when the module it runs as __main__ is already imported.
@@ -34,7 +34,7 @@ def warm_target(a: Assignment, baseline: dict[str, str]) -> tuple[str, str] | No
     if len(a.argv) < 2 or a.argv[0] != sys.executable:
         return None
     changed = {k for k in a.env.keys() | baseline.keys() if a.env.get(k) != baseline.get(k)}
-    if {k for k in changed - LATE_ENV if not k.startswith(OWN_ENV_PREFIX)}:
+    if any(acts_early(k) for k in changed):
         return None
     if a.argv[1] == "-m" and len(a.argv) >= 3:
         if os.path.realpath(a.cwd) != os.path.realpath(os.getcwd()):

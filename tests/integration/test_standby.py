@@ -135,22 +135,26 @@ async def test_an_entrypoint_script_runs_warm_as_python_would_run_it_and_its_exi
     script = jobs / "train.py"
     script.write_text("import os, sys\nimport helper\nassert 'torch' in sys.modules\n"
                       f"assert sys.argv == [{str(script)!r}, '--lr', '3e-4'], sys.argv\n"
-                      "print('script ran', helper.VALUE, os.getpid(), os.getcwd(), flush=True)\n"
+                      "print('script ran', helper.VALUE, os.getpid(), os.getcwd(), os.environ.get('HF_HUB_OFFLINE'), "
+                      "flush=True)\n"
                       "sys.exit(int(os.environ['RANK']))\n")
-    for rank in (0, 3):  # RANK is read late (LATE_ENV): a different one still runs warm; it is the exit code here
+    # RANK is read late (LATE_ENV): a different one still runs warm; it is the exit code here. A job's own variable
+    # (entrypoint.env) keeps the warm start too: it is set before the script runs (nodelocal.acts_early).
+    for rank, offline in ((0, None), (3, "1")):
         standby = await ready_one(pool)
         assert pool.take() is standby
         log = tmp_path / f"rank-{rank}.log"
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:
             argv = [sys.executable, str(script), "--lr", "3e-4"]
-            assert pool.assign(standby, argv, {**pool.env, "RANK": str(rank)}, tmp_path, fd)
+            job_env = {"HF_HUB_OFFLINE": offline} if offline else {}
+            assert pool.assign(standby, argv, {**pool.env, **job_env, "RANK": str(rank)}, tmp_path, fd)
         finally:
             os.close(fd)
         async with asyncio.timeout(60):
             code = await standby.proc.wait()
         text = log.read_text()
-        assert code == rank and f"script ran 7 {standby.proc.pid} {tmp_path}" in text, text
+        assert code == rank and f"script ran 7 {standby.proc.pid} {tmp_path} {offline}" in text, text
 
 
 @pytest.mark.timeout(240)
