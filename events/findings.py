@@ -12,8 +12,12 @@ class Finding(JobEvent, frozen=True, kw_only=True):
 
 
 class RankLost(Finding, frozen=True, kw_only=True):
+    SCHEMA = 2  # 2 added `never_heard`; a loss without it is still written as version 1
+
     reason: str  # "heartbeats stopped" or "exited with code N"
     last_seen: float
+    # No sign of life since its start: the script never called flightdeck.init() (or was stuck before it).
+    never_heard: bool = False
 
 
 class RankHung(Finding, frozen=True, kw_only=True):

@@ -70,6 +70,11 @@ class RankExit(msgspec.Struct, frozen=True, kw_only=True):
     cause: str = ""
     unrunnable: bool = False
     planned: bool = False  # its agent stopped it while shutting down (a drain, `flightdeck down`): not the job's fault
+    # What it died of in one line: its uncaught error as the rank recorded it, else its traceback's last line.
+    error: str = ""
+    early: bool = False  # it ended before completing a step of its attempt (as far as its agent heard)
+    usage: bool = False  # its error was the trainer API refusing a call (RankFault.usage): no restart helps
+    unlinked: bool = False  # it never called flightdeck.init(): an exit 0 then is no completion
 
 
 class WorkersExited(JobEvent, frozen=True, kw_only=True):
@@ -77,7 +82,7 @@ class WorkersExited(JobEvent, frozen=True, kw_only=True):
     appends one of these per node, not per rank. `rank` and the fields after it are the record's first failed
     rank (or its first rank when none failed); `others` are the rest, by rank."""
 
-    SCHEMA = 2  # 2 added `others`; a record of one rank is still written as version 1
+    SCHEMA = 3  # 2 added `others`, 3 `error`, `early`, `usage`, `unlinked`; written at the least version it needs
 
     node: str
     attempt: int
@@ -89,24 +94,37 @@ class WorkersExited(JobEvent, frozen=True, kw_only=True):
     unrunnable: bool = False  # the command cannot be found or executed: no restart can help
     others: list[RankExit] = []
     planned: bool = False  # as RankExit.planned, for the headline rank
+    error: str = ""  # as RankExit's, for the headline rank
+    early: bool = False
+    usage: bool = False
+    unlinked: bool = False
 
     def exits(self) -> list[RankExit]:
         """Every rank this record covers, its headline rank first."""
         first = RankExit(rank=self.rank, exit_code=self.exit_code, cause=self.cause, unrunnable=self.unrunnable,
-                         planned=self.planned)
+                         planned=self.planned, error=self.error, early=self.early, usage=self.usage,
+                         unlinked=self.unlinked)
         return [first, *self.others]
 
 
 def exits_record(exits: list[RankExit], *, job_id: str, node: str, attempt: int, event_id: str, occurred_at: float,
                  causation_id: str = "", producer: str = "") -> WorkersExited:
     """One node's exits as one record: the first failed one (in the order given) heads it, the rest by rank."""
-    head = next((x for x in exits if x.exit_code != 0), exits[0])
+    head = next((x for x in exits if failed(x)), exits[0])
     others = sorted((x for x in exits if x is not head), key=lambda x: x.rank)
+    told = any(x.error or x.early or x.usage or x.unlinked for x in exits)
     return WorkersExited(job_id=job_id, node=node, attempt=attempt, rank=head.rank, exit_code=head.exit_code,
                          cause=head.cause, unrunnable=head.unrunnable, planned=head.planned, others=others,
+                         error=head.error, early=head.early, usage=head.usage, unlinked=head.unlinked,
                          event_id=event_id,
                          occurred_at=occurred_at, causation_id=causation_id, producer=producer,
-                         schema_version=2 if others else 1)
+                         schema_version=3 if told else 2 if others else 1)
+
+
+def failed(x: RankExit) -> bool:
+    """Whether a rank's end is a fault: any exit but 0, and an exit 0 of a script that never called
+    flightdeck.init() (it reported no step, so "every step ran" cannot be what its 0 says)."""
+    return x.exit_code != 0 or x.unlinked
 
 
 class JobResumed(JobEvent, frozen=True, kw_only=True):

@@ -41,6 +41,9 @@ class TrainSpec(Spec, frozen=True, kw_only=True):
 
 class PolicySpec(Spec, frozen=True, kw_only=True):
     max_restarts: Annotated[int, Meta(ge=0, le=1000)] = 3
+    # no restart is spent where one cannot help: the trainer API refused the script's call, or an attempt failed
+    # the same way before its first step as the attempt before it (the same error, or never calling init())
+    fail_fast: bool = True
     min_slots: Annotated[int, Meta(ge=0, le=65536)] = 0  # smallest world size to shrink to; 0 means the job's slots
     heartbeat_interval_s: Annotated[float, Meta(gt=0.0, le=3600.0)] = 1.0
     heartbeat_misses: Annotated[int, Meta(ge=1, le=1000)] = 5

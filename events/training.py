@@ -23,10 +23,15 @@ class Heartbeat(RankEvent, frozen=True, kw_only=True):
 
 
 class RankFault(RankEvent, frozen=True, kw_only=True):
+    SCHEMA = 2  # 2 added `usage`; a fault without it is still written as version 1
+
     kind: Literal["exception", "nonfinite", "cuda", "signal"]
     error_type: str
     message: str
     step: int
+    # The trainer API refused how the script called it (a wrong type, a call out of order): the same code fails the
+    # same way on any restart, so none is spent on it.
+    usage: bool = False
 
 
 class FaultInjected(RankEvent, frozen=True, kw_only=True):

@@ -11,6 +11,7 @@ import structlog
 from events.nodelocal import STOPPED_EXIT
 from events.training import RankFault
 from trainer.session import Run
+from trainer.usage import is_refusal
 
 log = structlog.get_logger("trainer")
 
@@ -22,8 +23,10 @@ def fail_hook(run: Run) -> Any:
     def hook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
         text = f"{kind.__name__}: {exc}"
         if not run.closed:
+            usage = is_refusal(exc)
             run.emitter.emit(RankFault(kind="cuda" if "CUDA" in text else "exception", error_type=kind.__name__,
-                                       message=str(exc)[:4000], step=run.step, **run.emitter.envelope))
+                                       message=str(exc)[:4000], step=run.step, usage=usage,
+                                       **run.emitter.envelope, schema_version=2 if usage else 1))
             run.finished = False
             run.failed = True
             run.closed = True  # do not wait on a checkpoint write or collectives of a failed rank at exit

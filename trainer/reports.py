@@ -19,6 +19,7 @@ from events import codec
 from events.base import RankEvent
 from events.training import RankFault, StepCompleted
 from trainer.link import uuid4_hex
+from trainer.usage import refused
 
 
 class Publisher(Protocol):
@@ -192,18 +193,21 @@ def checked_value(name: str, value: object) -> torch.Tensor | float:
     """A value `report` takes: a number, or a one-element tensor (read later); else a TypeError naming it."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
-            raise ValueError(f"report({name}=...) takes one number; got a tensor of shape {tuple(value.shape)}")
+            raise refused(ValueError(f"report({name}=...) takes one number; got a tensor of shape "
+                                     f"{tuple(value.shape)}"))
         return value
     if isinstance(value, Real) and not isinstance(value, bool):
         return float(value)
-    raise TypeError(f"report({name}=...) takes a number or a one-element tensor, got {type(value).__name__}")
+    raise refused(TypeError(f"report({name}=...) takes a number or a one-element tensor, "
+                            f"got {type(value).__name__}"))
 
 
 def check_metric_names(names: frozenset[str]) -> None:
     """Custom metric names a StepCompleted may carry (codec.BOUNDS checks them again on every read)."""
     if len(names) > codec.MAX_METRICS:
-        raise ValueError(f"report(...) takes at most {codec.MAX_METRICS} custom metrics, got {len(names)}")
+        raise refused(ValueError(f"report(...) takes at most {codec.MAX_METRICS} custom metrics, "
+                                 f"got {len(names)}"))
     for name in names:
         if name in RESERVED_METRICS or not METRIC_NAME.match(name):
-            raise ValueError(f"report(...): metric name {name!r} must match {METRIC_NAME.pattern} "
-                             f"and not be one of {sorted(RESERVED_METRICS)}")
+            raise refused(ValueError(f"report(...): metric name {name!r} must match {METRIC_NAME.pattern} "
+                             f"and not be one of {sorted(RESERVED_METRICS)}"))

@@ -46,6 +46,7 @@ from trainer.replay import Replay
 from trainer.reports import SPIKE_FACTOR, Emitter, StepReporter, check_metric_names, checked_value
 from trainer.snapshotting import Cadence
 from trainer.state import Stateful, TrainState
+from trainer.usage import refused
 
 log = structlog.get_logger("trainer")
 PAUSE_POLL_S = 0.2
@@ -127,8 +128,8 @@ class Run:
                  **extras: Stateful) -> None:
         """The state a checkpoint holds; call once, before `restore()` or `steps()`."""
         if self.restored:
-            raise RuntimeError("register(...) comes before restore() and steps(): the state to restore into "
-                               "must be known first")
+            raise refused(RuntimeError("register(...) comes before restore() and steps(): the state to restore "
+                                       "into must be known first"))
         self.state = TrainState(model, optimizer, extras, rank=self.rank, device=self.device)
         if optimizer is not None:
             # The optimizer's step is the first write to state a CUDA snapshot, or a host snapshot's copy beside
@@ -213,7 +214,8 @@ class Run:
                lr: float | None = None, tokens: int | None = None, **metrics: torch.Tensor | float) -> None:
         """Publish one step's loss and metrics. Tensors are read later (never a host sync on CUDA)."""
         if isinstance(step, bool) or not isinstance(step, int):
-            raise TypeError(f"report(step=...) takes the int step from steps(), got {type(step).__name__}")
+            raise refused(TypeError(f"report(step=...) takes the int step from steps(), "
+                                    f"got {type(step).__name__}"))
         values: dict[str, torch.Tensor | float] = {"loss": checked_value("loss", loss),
                                                    "grad_norm": 0.0 if grad_norm is None else
                                                    checked_value("grad_norm", grad_norm)}

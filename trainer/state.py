@@ -17,6 +17,8 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from trainer.usage import refused
+
 
 @runtime_checkable
 class Stateful(Protocol):
@@ -45,17 +47,19 @@ class TrainState:
     def __init__(self, model: nn.Module | None, optimizer: torch.optim.Optimizer | None,
                  extras: Mapping[str, Stateful], *, rank: int, device: torch.device) -> None:
         if model is None and optimizer is not None:
-            raise TypeError("register(optimizer=...) needs the model it optimizes: register(model, optimizer)")
+            raise refused(TypeError("register(optimizer=...) needs the model it optimizes: "
+                                    "register(model, optimizer)"))
         if model is not None and not isinstance(model, nn.Module):
-            raise TypeError(f"register(model=...) takes a torch.nn.Module, got {type(model).__name__}")
+            raise refused(TypeError(f"register(model=...) takes a torch.nn.Module, got {type(model).__name__}"))
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"register(optimizer=...) takes a torch.optim.Optimizer, got {type(optimizer).__name__}")
+            raise refused(TypeError(f"register(optimizer=...) takes a torch.optim.Optimizer, "
+                                    f"got {type(optimizer).__name__}"))
         for name, extra in extras.items():
             if not name.isidentifier():
-                raise ValueError(f"register(...): extra name {name!r} must be a Python identifier")
+                raise refused(ValueError(f"register(...): extra name {name!r} must be a Python identifier"))
             if not isinstance(extra, Stateful):
-                raise TypeError(f"register({name}=...) needs an object with state_dict() and load_state_dict(), "
-                                f"got {type(extra).__name__}")
+                raise refused(TypeError(f"register({name}=...) needs an object with state_dict() and "
+                                        f"load_state_dict(), got {type(extra).__name__}"))
         self.model, self.optimizer, self.extras = model, optimizer, dict(extras)
         self.rank, self.device = rank, device
         # get_state_dict's flat items, while the same tensors hold the state (see _gathered)

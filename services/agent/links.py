@@ -17,6 +17,7 @@ import struct
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import nats
@@ -29,7 +30,7 @@ from events.catalog import RANK_TYPES
 from events.checkpoint import CheckpointStaged
 from events.plan import ParallelPlan
 from events.store import EventStore
-from events.training import RolledBack, StepCompleted
+from events.training import RankFault, RolledBack, StepCompleted
 from services.shell.connection import TRANSIENT
 
 log = structlog.get_logger("flightdeck.agent.links")
@@ -64,6 +65,11 @@ class _Job:
     commands: list[bytes] = field(default_factory=list)
 
 
+# RankExit's fields from the link, for an agent without links
+NOT_TOLD: dict[str, Any] = {"error": "", "early": False, "usage": False, "unlinked": False}
+MAX_ERROR = 500  # of a rank's error line, in its exit record
+
+
 class RankLinks:
     def __init__(self, *, node: str, store: EventStore, admit: Admit | None = None, address: str | None = None) -> None:
         self.node, self.store, self.admit = node, store, admit
@@ -75,6 +81,8 @@ class RankLinks:
         # a rank's last reported step (in order; a rollback's landing starts over from its step): a persisted
         # snapshot never runs ahead of the rank's record
         self.stepped: dict[Key, int] = {}
+        self.linked: set[Key] = set()  # ranks that said Hello: they called flightdeck.init()
+        self.faults: dict[Key, RankFault] = {}  # a rank's uncaught error, as it recorded it on its way out
         self._server: socket.socket | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -116,6 +124,21 @@ class RankLinks:
             del self.staged[key]
         for key in [k for k in self.stepped if k[0] == job_id]:
             del self.stepped[key]
+        self.linked = {k for k in self.linked if k[0] != job_id}
+        for key in [k for k in self.faults if k[0] == job_id]:
+            del self.faults[key]
+
+    def told(self, key: Key, beat_stepped: bool) -> dict[str, Any]:
+        """What a rank that just exited told through its link, as RankExit's fields: whether it ever called
+        flightdeck.init(), whether it completed a step of its attempt (its reports, or `beat_stepped`: its
+        heartbeats timed one, where ranks leave their steps to the agent), and the error it recorded (RankFault).
+        Forgotten once read."""
+        linked = key in self.linked
+        self.linked.discard(key)
+        fault = self.faults.pop(key, None)
+        error = f"{fault.error_type}: {fault.message}".splitlines()[0][:MAX_ERROR] if fault is not None else ""
+        return {"error": error, "early": key not in self.stepped and not beat_stepped,
+                "usage": fault is not None and fault.usage, "unlinked": not linked}
 
     def _tell(self, job_id: str, attempt: int | None, msg: msgspec.Struct) -> None:
         data = ranklink.ENCODER.encode(msg)
@@ -167,6 +190,7 @@ class RankLinks:
                 return
             key = (hello.job_id, hello.attempt, hello.rank)
             r = self._open(key, sock)
+            self.linked.add(key)
             await loop.sock_sendall(sock, ranklink.ENCODER.encode(ranklink.Welcome()))
             job = self.jobs.get(hello.job_id)
             if job is not None and job.plan is not None:
@@ -236,6 +260,8 @@ class RankLinks:
                 self.stepped[r.key] = event.step
             elif isinstance(event, RolledBack):
                 self.stepped[r.key] = event.to_step - 1
+            elif isinstance(event, RankFault) and event.kind in ("exception", "cuda"):
+                self.faults[r.key] = event
         self.refused += refused
         r.wake.set()
         return refused

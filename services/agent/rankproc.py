@@ -98,3 +98,16 @@ def last_lines(path: Path, max_bytes: int = 2048, max_lines: int = 20) -> str:
         return ""
     lines = data.decode(errors="replace").splitlines()[-max_lines:]
     return "\n".join(lines).strip()
+
+
+
+def error_line(tail: str) -> str:
+    """The exception a Python traceback in `tail` ends with ("ModuleNotFoundError: No module named 'x'"), or "":
+    the first unindented line after the last "Traceback (most recent call last):" (its frames are indented; what
+    follows the exception's first line, its message's rest or lines printed after it, is not the error)."""
+    lines = tail.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last):")]
+    if not starts:
+        return ""
+    after = (line for line in lines[starts[-1] + 1:] if line.strip() and not line[0].isspace())
+    return next(after, "").strip()[:500]  # as links.MAX_ERROR

@@ -47,9 +47,9 @@ from services.agent.core import (
 from services.agent.exits import ExitRecorder
 from services.agent.inventory import Verdict, recheck
 from services.agent.launch import Launch, Paths, detached, die_with_agent, rank_command, rank_env_of
-from services.agent.links import RankLinks
+from services.agent.links import NOT_TOLD, RankLinks
 from services.agent.output import OutputPump, store_publisher
-from services.agent.rankproc import RankProc, last_lines, retrying, runnable_problem, signal_rank
+from services.agent.rankproc import RankProc, error_line, last_lines, retrying, runnable_problem, signal_rank
 from services.agent.shipping import Shipper
 from services.agent.standbys import StandbyPool
 from services.core import EffectHandler, Emit
@@ -80,6 +80,7 @@ class Spawner:
         self.exits = ExitRecorder(store, node, producer, self.watched, retrying)
         self.going: dict[int, asyncio.Future[None]] = {}  # a rank from a standby -> set once its beats show a step
         self.beat_steps: dict[tuple[str, int, int], int] = {}  # a rank's newest step its heartbeats carried
+        self.beat_stepped: set[tuple[str, int, int]] = set()  # ranks whose beats timed a step: one completed
         # The node's self-check (inventory.selfcheck with the agent's interpreter, slots and fork server), run again
         # when a spike's diagnosis suspects this node; set by the agent once it knows them.
         self.recheck: Callable[[], Awaitable[Verdict]] | None = None
@@ -261,6 +262,8 @@ class Spawner:
         if ok:  # the steps a rank reports this way (--step-reports rank0) count as recorded (_persist)
             key = (beat.job_id, beat.attempt, beat.rank)
             self.beat_steps[key] = beat.step
+            if beat.step_time_s > 0:  # a beat's step counts from before the first step; its time only after one
+                self.beat_stepped.add(key)
         if ok and beat.step >= 0:  # past its restore (a resumed rank's step) or its first step: the start is done
             self._got_going(pid)
         return ok
@@ -316,15 +319,20 @@ class Spawner:
             # The agent stopped it (it checkpoints and exits on SIGTERM): recorded as the signal that ended it.
             code = -signal.SIGTERM
         log.info("rank exited", exit_code=code, returncode=p.proc.returncode)
+        key = (p.job_id, p.attempt, p.ref.rank)
+        told = self.links.told(key, key in self.beat_stepped) if self.links is not None else dict(NOT_TOLD)
+        self.beat_stepped.discard(key)
         tail = ""
-        if code != 0:
+        if code != 0 or told["unlinked"]:
             tail = await asyncio.to_thread(last_lines, self.paths.log(p.job_id, p.attempt, p.ref.rank))
+        if code != 0 and not told["error"]:
+            told["error"] = error_line(tail)
         if code != 0 and self.paths.snapshots is not None:
             await self._persist(p)
         if code == nl.RESTORE_REFUSED_EXIT and p.restore is not None:
             await self._rejected(p.job_id, p.attempt, p.restore, f"rank {p.ref.rank} refused it when loading: {tail}",
                                  p.cause)
-        exit_ = RankExit(rank=p.ref.rank, exit_code=code, cause=tail, planned=p.shutdown)
+        exit_ = RankExit(rank=p.ref.rank, exit_code=code, cause=tail, planned=p.shutdown, **told)
         await self.exits.record(p.job_id, p.attempt, [exit_], p.cause)
         self.procs.pop((p.job_id, p.attempt, p.ref.rank), None)
         if not any((q.job_id, q.attempt) == (p.job_id, p.attempt) for q in self.procs.values()):

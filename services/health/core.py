@@ -298,7 +298,9 @@ def _tick(state: State, tick: ClockTick, out: list[Output]) -> None:
                 job.gone(r)
                 if job.first(r.rank, "RankLost"):
                     _emit(out, RankLost(job_id=job.job_id, rank=r.rank, attempt=job.attempt, evidence=evidence,
-                                          reason=verdict.reason, last_seen=verdict.last_seen))
+                                          reason=verdict.reason, last_seen=verdict.last_seen,
+                                          never_heard=verdict.never_heard,
+                                          schema_version=2 if verdict.never_heard else 1))
             else:
                 r.hung = True
                 if job.first(r.rank, "RankHung"):

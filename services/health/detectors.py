@@ -24,6 +24,7 @@ class Lost:
     reason: str
     last_seen: float
     evidence: tuple[str, ...]
+    never_heard: bool = False  # no sign of life since its start (RankLost.never_heard)
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,8 +156,9 @@ class RankWatch:
         elif self.started_id:
             waited = age(now, self.started_at, self.started_folded)
             if waited > max(policy.startup_grace_s, policy.hang_min_s + dead_after):
-                return Lost(self.rank, f"no heartbeat within {waited:.0f}s of start", self.started_at,
-                            (self.started_id,))
+                return Lost(self.rank, f"no heartbeat within {waited:.0f}s of start: it never called "
+                            "flightdeck.init(), or was stuck before it", self.started_at, (self.started_id,),
+                            never_heard=True)
             return None
         elif self.never_started(policy, now):
             waited = age(now, self.granted_at, self.granted_folded)

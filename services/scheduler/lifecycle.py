@@ -22,9 +22,20 @@ from events.job import (
     JobSubmitted,
     WorkersExited,
     WorkersStarted,
+    failed,
 )
 from services.scheduler import commit_wait
-from services.scheduler.policy import Fail, Restart, after_bad_checkpoint, after_fault, fault_reason
+from services.scheduler.policy import (
+    NEVER_HEARD,
+    Fail,
+    Restart,
+    after_bad_checkpoint,
+    after_fault,
+    early_way,
+    fault_reason,
+    no_retry,
+    same_again,
+)
 from services.scheduler.state import Job
 from services.scheduler.tx import Tx
 
@@ -96,15 +107,18 @@ def exited(tx: Tx, ev: WorkersExited) -> None:
     if not exits:
         return
     ranks = {x.rank for x in exits}
-    failed = next((x for x in exits if x.exit_code != 0), None)
+    bad = next((x for x in exits if failed(x)), None)
     if job.stop:
         ranks_gone(tx, job, ranks)
-    elif failed is not None and failed.unrunnable:  # the same command fails the same way on any slot: no restart
+    elif bad is not None and bad.unrunnable:  # the same command fails the same way on any slot: no restart
         job = tx.update(job, exited=job.exited | ranks, faults=(*job.faults, ev.event_id))
         fail(tx, job, f"{fault_reason(ev)}; not restarted: the job's command cannot run", job.faults)
-    elif failed is not None:
-        planned = all(x.planned for x in exits if x.exit_code != 0)
-        fault(tx, job, ev.event_id, fault_reason(ev), ranks, planned=planned)
+    elif bad is not None and (why := no_retry(job, bad)):
+        job = tx.update(job, exited=job.exited | ranks, faults=(*job.faults, ev.event_id))
+        fail(tx, job, f"{fault_reason(ev)}; {why}", job.faults)
+    elif bad is not None:
+        planned = all(x.planned for x in exits if failed(x))
+        fault(tx, job, ev.event_id, fault_reason(ev), ranks, planned=planned, early=early_way(bad))
     else:
         job = tx.update(job, exited=job.exited | ranks)
         if job.ranks <= job.exited:  # every rank finished with 0, and nobody asked it to stop
@@ -127,7 +141,12 @@ def finding(tx: Tx, ev: RankLost | RankHung | StragglerDetected) -> None:
         # A hung rank trained nothing for stalled_s, a silent one nothing since it was last heard of: what a wait
         # for its snapshots could save ends there, not at the finding.
         until = (ev.occurred_at or tx.at) - ev.stalled_s if isinstance(ev, RankHung) else ev.last_seen
-        fault(tx, job, ev.event_id, fault_reason(ev), {ev.rank}, trained_until=until)
+        way = NEVER_HEARD if isinstance(ev, RankLost) and ev.never_heard else ""
+        if why := same_again(job, way):
+            job = tx.update(job, exited=job.exited | {ev.rank}, faults=(*job.faults, ev.event_id))
+            fail(tx, job, f"{fault_reason(ev)}; {why}", job.faults)
+            return
+        fault(tx, job, ev.event_id, fault_reason(ev), {ev.rank}, trained_until=until, early=way)
 
 
 def node_lost(tx: Tx, node: str, reason: str, cause_id: str) -> None:
@@ -143,14 +162,15 @@ def node_lost(tx: Tx, node: str, reason: str, cause_id: str) -> None:
 
 
 def fault(tx: Tx, job: Job, cause_id: str, reason: str, gone: Iterable[int], *, lost_node: str = "",
-          planned: bool = False, trained_until: float = 0.0) -> None:
+          planned: bool = False, trained_until: float = 0.0, early: str = "") -> None:
     """Restart the job on fresh slots, or fail it once the restart budget is spent. Surviving ranks are
     told to stop first (no checkpoint: the newest committed one is the restore point, or the one on its way
     when waiting for it loses less: commit_wait.py); releasing the allocation makes the node agents kill
     whatever does not stop. `planned`: the platform stopped the ranks itself (an agent shutting down), which
     costs the job no restart, and its ranks saved a checkpoint on the way out that the restart waits for.
-    `trained_until`: when the job last made progress, if before now (a hung rank)."""
-    job = tx.update(job, exited=job.exited | frozenset(gone), faults=(*job.faults, cause_id))
+    `trained_until`: when the job last made progress, if before now (a hung rank). `early`: how the attempt
+    failed before its first step ("" if it did not), for the next attempt's failure to be compared with."""
+    job = tx.update(job, exited=job.exited | frozenset(gone), faults=(*job.faults, cause_id), early_failure=early)
     free = bool(job.bad_restore) or planned
     if planned:
         recovery: Restart | Fail = Restart(f"{reason}; the node agent stopped them as it shut down: restarting, "

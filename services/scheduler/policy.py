@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from events.findings import RankHung, RankLost, StragglerDetected
-from events.job import WorkersExited
-from events.nodelocal import STOPPED_EXIT
+from events.job import RankExit, WorkersExited, failed
+from events.nodelocal import RESTORE_REFUSED_EXIT, STOPPED_EXIT
 from services.scheduler.state import Job
 
 
@@ -29,17 +29,21 @@ Recovery = Restart | Fail
 def fault_reason(event: WorkersExited | RankLost | RankHung | StragglerDetected) -> str:
     """Why an input counts as a fault, in words for the record ("" if it is not one)."""
     match event:
-        case WorkersExited(rank=rank, exit_code=code, cause=cause, unrunnable=unrunnable, others=others) if code != 0:
+        case WorkersExited(rank=rank, exit_code=code, cause=cause, unrunnable=unrunnable, others=others) \
+                if failed(event.exits()[0]):
             how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
             if code == STOPPED_EXIT:
                 how = (f"stopped before its last step (exit {code}: a SIGTERM from outside the platform, e.g. an "
                        "eviction or a node shutting down, or a script that left run.steps() early)")
             if unrunnable:
                 how = "could not be started"
-            also = [x.rank for x in others if x.exit_code != 0]
+            if event.unlinked and code == 0:  # a failed one's error says more
+                how += " without calling flightdeck.init()"
+            also = [x.rank for x in others if failed(x)]
             which = f"rank {also[0]}" if len(also) == 1 else f"ranks {', '.join(map(str, also))}"
             with_them = f" (with {which} on {event.node})" if also else ""
-            return f"rank {rank} {how}{with_them}" + (f": {quoted(cause)}" if cause else "")
+            said = event.error or quoted(cause)  # the error itself when the agent found it, else the last lines
+            return f"rank {rank} {how}{with_them}" + (f": {said}" if said else "")
         case RankLost(rank=rank, reason=why):
             return f"rank {rank} lost: {why}"
         case RankHung(rank=rank, step=step, stalled_s=stalled, deadline_s=deadline):
@@ -67,6 +71,35 @@ def after_bad_checkpoint(job: Job, reason: str) -> Recovery:
         return Fail(f"{job.bad_restore}; no good checkpoint is left to restore ({reason})")
     return Restart(f"{job.bad_restore}; restarting from {good.checkpoint_id} (step {good.step}), the newest good "
                    "checkpoint, without spending the restart budget")
+
+
+def early_way(x: RankExit) -> str:
+    """How a rank failed before its first step, in words compared across attempts ("" if it did not, or if its
+    way says nothing of the code: a signal or a stop from outside, a checkpoint it refused)."""
+    if not x.early or x.exit_code < 0 or x.exit_code in (STOPPED_EXIT, RESTORE_REFUSED_EXIT) or x.unrunnable:
+        return ""
+    return f"exit {x.exit_code}" + (" without calling flightdeck.init()" if x.unlinked else "") + \
+        (f": {x.error}" if x.error else "")
+
+
+NEVER_HEARD = "no sign of life since its start: it never called flightdeck.init()"
+
+
+def no_retry(job: Job, x: RankExit) -> str:
+    """Why no restart can help a rank's failure ("" if one may): the trainer API refused the script's call, or
+    the attempt failed before its first step exactly as the one before it did (policy.fail_fast)."""
+    if not job.spec.policy.fail_fast:
+        return ""
+    if x.usage:
+        return "not restarted: the trainer API refused the script's call, and a restart runs the same code"
+    return same_again(job, early_way(x))
+
+
+def same_again(job: Job, way: str) -> str:
+    if job.spec.policy.fail_fast and way and way == job.early_failure:
+        return (f"not restarted: attempt {job.attempt - 1} failed the same way before its first step, so a restart "
+                "cannot fix it")
+    return ""
 
 
 def after_fault(job: Job, reason: str) -> Recovery:

@@ -107,6 +107,9 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     # deadline; once none is owed, it lasts no longer than `memory_until` (what the training it saves took).
     memory_owed: frozenset[int] = frozenset()
     memory_until: float = 0.0
+    # How the attempt before `attempt` failed before its first step (policy.early_way; "": it did not): the same
+    # again fails the job rather than spend another restart on it (policy.fail_fast)
+    early_failure: str = ""
 
     @property
     def ranks(self) -> frozenset[int]:

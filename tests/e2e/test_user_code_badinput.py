@@ -59,13 +59,17 @@ async def test_a_script_that_fails_at_import_is_retried_then_failed_quoting_its_
     script.write_text("import flightdeck\nimport no_such_module_for_flightdeck_tests\n")
     p.agent("n1", "--slots", "1")
     await p.ready("n1")
-    await p.submit(user_job("imports", ["python", str(script)], restarts=1), job)
+    await p.submit(user_job("imports", ["python", str(script)], restarts=3), job)
     failed = await ended(p, job)
     assert isinstance(failed, JobFailed)
-    assert "ModuleNotFoundError: No module named 'no_such_module_for_flightdeck_tests'" in failed.reason
-    assert "restart budget of 1 spent" in failed.reason
-    assert [e.exit_code for e in p.seen(WorkersExited, job)] == [1, 1]
-    assert all("Traceback" in e.cause for e in p.seen(WorkersExited, job))
+    said = "ModuleNotFoundError: No module named 'no_such_module_for_flightdeck_tests'"
+    # One restart (the first failure may be the node's), not the whole budget: the same error before the first
+    # step again cannot be fixed by another (policy.fail_fast).
+    assert failed.reason == (f"rank 0 exited with code 1: {said}; not restarted: attempt 0 failed the same way "
+                             "before its first step, so a restart cannot fix it"), failed.reason
+    exits = p.seen(WorkersExited, job)
+    assert [(e.exit_code, e.error, e.early, e.unlinked) for e in exits] == [(1, said, True, True)] * 2
+    assert all("Traceback" in e.cause for e in exits)
 
 
 async def test_a_script_reporting_a_wrong_type_fails_with_a_named_rank_fault(drill: Platform, tmp_path: Path) -> None:
@@ -75,14 +79,17 @@ async def test_a_script_reporting_a_wrong_type_fails_with_a_named_rank_fault(dri
                       "    run.report(step, loss='low')\n")
     p.agent("n1", "--slots", "1")
     await p.ready("n1")
-    await p.submit(user_job("wrongtype", ["python", str(script)], restarts=0), job)
+    await p.submit(user_job("wrongtype", ["python", str(script)], restarts=3), job)
     failed = await ended(p, job)
     assert isinstance(failed, JobFailed)
     said = "TypeError: report(loss=...) takes a number or a one-element tensor, got str"
-    assert said in failed.reason
+    assert failed.reason == (f"rank 0 exited with code 1: {said}; not restarted: the trainer API refused the "
+                             "script's call, and a restart runs the same code"), failed.reason
+    (exit_,) = p.seen(WorkersExited, job)  # no restart spent
+    assert (exit_.error, exit_.usage, exit_.early, exit_.unlinked) == (said, True, True, False)
     await p.until(lambda: bool(p.seen(RankFault, job, stream=subjects.TELEMETRY)), 30, "the rank fault", job)
     (fault,) = p.seen(RankFault, job, stream=subjects.TELEMETRY)
-    assert (fault.kind, fault.error_type, fault.step) == ("exception", "TypeError", 0)
+    assert (fault.kind, fault.error_type, fault.step, fault.usage) == ("exception", "TypeError", 0, True)
 
 
 async def test_a_script_that_never_calls_the_api_is_found_silent_like_a_lost_rank(
@@ -93,9 +100,29 @@ async def test_a_script_that_never_calls_the_api_is_found_silent_like_a_lost_ran
     p.agent("n1", "--slots", "1", "--grace-s", "1")
     await p.ready("n1")
     # The grace covers the agent's start of the rank too: 4 s was too little for it on a loaded CI box.
-    await p.submit(user_job("silent", ["python", str(script)], restarts=0, startup_grace_s=12.0), job)
+    await p.submit(user_job("silent", ["python", str(script)], restarts=3, startup_grace_s=12.0), job)
     failed = await ended(p, job)
     assert isinstance(failed, JobFailed)
-    (lost,) = p.seen(RankLost, job)
-    assert lost.rank == 0 and "no heartbeat within" in lost.reason
-    assert "rank 0 lost" in failed.reason
+    lost = p.seen(RankLost, job)
+    assert [(x.rank, x.attempt, x.never_heard) for x in lost] == [(0, 0, True), (0, 1, True)]
+    assert "it never called flightdeck.init()" in lost[0].reason
+    assert failed.reason.startswith("rank 0 lost: no heartbeat within") and failed.reason.endswith(
+        "it never called flightdeck.init(), or was stuck before it; not restarted: attempt 0 failed the same way "
+        "before its first step, so a restart cannot fix it"), failed.reason
+
+
+async def test_a_script_that_exits_0_without_calling_the_api_is_no_completion(
+        drill: Platform, tmp_path: Path) -> None:
+    """Exit 0 means every step ran; a script that never called flightdeck.init() ran none that anyone saw."""
+    p, job = drill, "noinit-000001"
+    script = tmp_path / "train.py"
+    script.write_text("print('trained, says the script', flush=True)\n")
+    p.agent("n1", "--slots", "1")
+    await p.ready("n1")
+    await p.submit(user_job("noinit", ["python", str(script)], restarts=3), job)
+    failed = await ended(p, job)
+    assert isinstance(failed, JobFailed), kinds(p.job(job))
+    assert failed.reason == ("rank 0 exited with code 0 without calling flightdeck.init(): trained, says the "
+                             "script; not restarted: attempt 0 failed the same way before its first step, so a "
+                             "restart cannot fix it"), failed.reason
+    assert [(e.exit_code, e.unlinked, e.early) for e in p.seen(WorkersExited, job)] == [(0, True, True)] * 2
