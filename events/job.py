@@ -99,6 +99,10 @@ class WorkersExited(JobEvent, frozen=True, kw_only=True):
     usage: bool = False
     unlinked: bool = False
 
+    def is_fault(self) -> bool:
+        """Whether this record's headline rank ended in a fault (events.job.failed): what the scheduler acts on."""
+        return failed(self.exits()[0])
+
     def exits(self) -> list[RankExit]:
         """Every rank this record covers, its headline rank first."""
         first = RankExit(rank=self.rank, exit_code=self.exit_code, cause=self.cause, unrunnable=self.unrunnable,

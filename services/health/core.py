@@ -32,6 +32,7 @@ from events.job import (
     JobSubmitted,
     WorkersExited,
     WorkersStarted,
+    failed,
 )
 from events.training import Heartbeat, RankFault, RankStarted, RolledBack, SpikeReplayed, StepCompleted
 from services.core import Emit, Output, Service
@@ -140,11 +141,12 @@ def _exited(state: State, ev: WorkersExited, out: list[Output]) -> None:
         if r.gone:
             continue
         job.gone(r)
-        if x.exit_code == 0 or job.quiet or not job.first(r.rank, "RankLost"):
+        if not failed(x) or job.quiet or not job.first(r.rank, "RankLost"):
             continue
         evidence = list(dict.fromkeys(i for i in (ev.event_id, r.fault_id, r.seen_id) if i))
+        how = " without calling flightdeck.init()" if x.unlinked and x.exit_code == 0 else ""
         _emit(out, RankLost(job_id=job.job_id, rank=r.rank, attempt=job.attempt, evidence=evidence,
-                              reason=f"exited with code {x.exit_code}", last_seen=r.seen_at or r.started_at))
+                              reason=f"exited with code {x.exit_code}{how}", last_seen=r.seen_at or r.started_at))
 
 
 def _diagnosed(out: list[Output], verdict: SpikeDiagnosed | None) -> None:

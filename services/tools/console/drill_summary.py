@@ -59,7 +59,7 @@ def _incident(fault: FaultInjected, later: list[Event], base: float) -> Incident
                   if isinstance(e, SpikeDiagnosed) and e.attempt == attempt), "")
     signs = [e for e in later if (isinstance(e, Finding) and not isinstance(e, StragglerDetected | SpikeDiagnosed)
                                   and e.attempt == attempt)
-             or (isinstance(e, WorkersExited) and e.attempt == attempt and e.exit_code != 0)]
+             or (isinstance(e, WorkersExited) and e.attempt == attempt and e.is_fault())]
     findings = tuple(type(e).__name__ for e in signs if isinstance(e, Finding))
     detected = None
     if signs:

@@ -161,7 +161,7 @@ def _telemetry_entries(history: History, cut: Cut, base: float) -> list[Entry]:
 def _kind(event: Event) -> str:
     if isinstance(event, Finding):
         return "finding"
-    if isinstance(event, WorkersExited) and event.exit_code == 0:
+    if isinstance(event, WorkersExited) and not event.is_fault():
         return ""
     return _KINDS.get(type(event), "")
 

@@ -81,7 +81,7 @@ class _Draft:
 def _is_trigger(ev: Event) -> bool:
     if isinstance(ev, SpikeDiagnosed):  # a conclusion about an incident's finding, not a fault of its own
         return False
-    return isinstance(ev, Finding | NodeLost) or (isinstance(ev, WorkersExited) and ev.exit_code != 0)
+    return isinstance(ev, Finding | NodeLost) or (isinstance(ev, WorkersExited) and ev.is_fault())
 
 
 def _drafts(sc: Scan, caused: dict[str, list[Control]]) -> list[_Draft]:
