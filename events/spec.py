@@ -100,6 +100,7 @@ class FaultSpec(Spec, frozen=True, kw_only=True):
 
 ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]{0,127}\Z"
 NO_NUL_PATTERN = r"^[^\x00]*\Z"
+CODE_PATTERN = r"^(sha256:[0-9a-f]{64})?\Z"  # a shipped archive's content address, or ""
 EnvName = Annotated[str, Meta(pattern=ENV_NAME_PATTERN)]
 Arg = Annotated[str, Meta(max_length=4096, pattern=NO_NUL_PATTERN)]  # execve cannot pass a NUL
 # Set by the node agent for every rank: a job may not override how its ranks find each other or the platform.
@@ -113,8 +114,14 @@ class EntrypointSpec(Spec, frozen=True, kw_only=True):
     (`import flightdeck`). "python" as the program is the node's Python (the one with torch and Flightdeck)."""
 
     command: Annotated[list[Arg], Meta(min_length=1, max_length=256)]
-    cwd: Annotated[str, Meta(max_length=4096, pattern=NO_NUL_PATTERN)] = ""  # "": the agent's working directory
+    # Where the ranks run. With `code`: a folder inside the shipped code ("": its top). Without: a path on the node
+    # (relative to the agent's working directory; "": that directory), for code trees too large to ship.
+    cwd: Annotated[str, Meta(max_length=4096, pattern=NO_NUL_PATTERN)] = ""
     env: Annotated[dict[EnvName, Arg], Meta(max_length=256)] = {}
+    # The job's code as `flightdeck submit` shipped it (services/tools/codeship.py): the sha256 of its archive in
+    # the object store, which every node agent fetches, checks and unpacks before it starts a rank; "": none.
+    code: Annotated[str, Meta(pattern=CODE_PATTERN)] = ""
+    code_bytes: Annotated[int, Meta(ge=0, le=1 << 40)] = 0  # the archive's size
 
 
 class JobSpec(Spec, frozen=True, kw_only=True):
@@ -137,6 +144,7 @@ PATTERN_WORDS = {
     NAME_PATTERN: "lowercase letters, digits and '-', starting with a letter or digit, at most 63 characters",
     ENV_NAME_PATTERN: "letters, digits and '_', not starting with a digit, at most 128 characters",
     NO_NUL_PATTERN: "text without a NUL character",
+    CODE_PATTERN: "'sha256:' and 64 lowercase hex digits (set by `flightdeck submit`), or empty",
 }
 
 
@@ -206,6 +214,9 @@ def check(spec: JobSpec) -> JobSpec:
 def _check_entrypoint(entry: EntrypointSpec, spec: JobSpec) -> JobSpec:
     if not entry.command[0].strip():
         raise InvalidSpec("entrypoint.command[0] is empty: name the program to run, e.g. [\"python\", \"train.py\"]")
+    if entry.code and (entry.cwd.startswith("/") or ".." in entry.cwd.split("/")):
+        raise InvalidSpec(f"entrypoint.cwd ({entry.cwd!r}) must be a folder inside the shipped code: relative, "
+                          "without '..' (or ship no code and name a path on the nodes)")
     for key in entry.env:
         if key in RESERVED_ENV or key.startswith(RESERVED_ENV_PREFIX):
             raise InvalidSpec(f"entrypoint.env.{key} is set by the node agent for every rank and may not be "

@@ -8,15 +8,13 @@ config (nothing downloaded), trained byte-level on the corpus Flightdeck ships, 
 Needs `transformers` (pip install "flightdeck[examples]"; `make install` includes it).
 """
 
-from pathlib import Path
-
 import torch
 from torch.nn.parallel import DistributedDataParallel
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import flightdeck  # flightdeck
+from trainer.data import CORPUS  # the text Flightdeck installs with its trainer: any file of yours does as well
 
-CORPUS = Path(__file__).resolve().parents[2] / "trainer" / "data" / "kjv-genesis-ruth.txt"
 SEQ, GLOBAL_BATCH = 64, 8
 
 

@@ -17,8 +17,10 @@ import msgspec
 import structlog
 
 from events import nodelocal as nl
-from events import ranklink
+from events import ranklink, subjects
 from events.job import SlotRef
+from events.store import EventStore
+from events.training import FaultInjected
 from services.agent.core import SpawnArgs
 from services.shell.objects import manifest
 from services.shell.security.credentials import rank_env
@@ -95,15 +97,18 @@ def detached(producer: str, **context: Any) -> None:
     structlog.contextvars.bind_contextvars(service=producer, **context)
 
 
-def rank_command(args: SpawnArgs, launch: Launch) -> tuple[list[str], Path]:
+def rank_command(args: SpawnArgs, launch: Launch, code_dir: Path | None = None) -> tuple[list[str], Path]:
     """What a rank runs, and where: the job's entrypoint, or the built-in trainer. "python" is this node's
-    Python (the one with torch and Flightdeck); a relative cwd is taken from the agent's working directory."""
+    Python (the one with torch and Flightdeck). A job that shipped its code runs in `code_dir` (this node's copy,
+    codecache.py); one that did not, in its cwd on the node (relative: to the agent's working directory)."""
     entry = args.spec.entrypoint
     if entry is None:
         return [launch.python, "-m", "trainer"], REPO
     argv = list(entry.command)
     if argv[0] in ("python", "python3"):
         argv[0] = launch.python
+    if code_dir is not None:
+        return argv, code_dir
     return argv, Path.cwd() / entry.cwd if entry.cwd else Path.cwd()
 
 
@@ -140,3 +145,18 @@ def rank_env_of(args: SpawnArgs, ref: SlotRef, spec_file: Path, restore: Path | 
     if launch.beats:
         env[nl.BEATS_ENV], env[nl.STEP_REPORTS_ENV] = launch.beats, launch.step_reports
     return env
+
+
+async def fired_faults(store: EventStore, args: SpawnArgs) -> frozenset[int]:
+    """The spec's unpinned drill faults that an earlier attempt fired, by index (trainer/faults.py): read
+    from the job's FaultInjected events, which a rank stores before it acts on the fault, so before the
+    exit or finding that led to this attempt."""
+    if args.attempt == 0 or all(f.attempt is not None for f in args.spec.faults):
+        return frozenset()
+    fired: set[int] = set()
+    async for batch in store.read(subjects.TELEMETRY, [subjects.telemetry_of(args.job_id, "FaultInjected")]):
+        for stored in batch:
+            ev = stored.event
+            if isinstance(ev, FaultInjected) and ev.attempt < args.attempt and ev.fault >= 0:
+                fired.add(ev.fault)
+    return frozenset(fired)

@@ -42,6 +42,7 @@ class RankProc:
     shutdown: bool = False  # stopped because the agent is going away, not because the job let it go
     watcher: asyncio.Task[None] | None = None
     output: asyncio.Task[None] | None = None  # its OutputPump: the log file and FD_LOGS
+    code: str = ""  # the sha256 of the shipped code it runs in (codecache.py keeps that copy), "": none
 
     @property
     def alive(self) -> bool:

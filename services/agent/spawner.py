@@ -16,7 +16,7 @@ from typing import Any
 import structlog
 
 from events import nodelocal as nl
-from events import ranklink, subjects
+from events import ranklink
 from events.checkpoint import CheckpointRejected
 from events.codec import MAX_CAUSE
 from events.heartbeats import LocalBeat
@@ -24,11 +24,11 @@ from events.history import append_to_job
 from events.job import RankExit, SlotRef, WorkersStarted
 from events.spec import spec_toml
 from events.store import EventStore
-from events.training import FaultInjected
 from services.agent import snapshots
 from services.agent.beats import BeatRelay
 from services.agent.cache import CheckpointCache
 from services.agent.closing import close_within
+from services.agent.codecache import CodeCache
 from services.agent.core import (
     EVICT,
     PREFETCH,
@@ -46,7 +46,7 @@ from services.agent.core import (
 )
 from services.agent.exits import ExitRecorder
 from services.agent.inventory import Verdict, recheck
-from services.agent.launch import Launch, Paths, detached, die_with_agent, rank_command, rank_env_of
+from services.agent.launch import Launch, Paths, detached, die_with_agent, fired_faults, rank_command, rank_env_of
 from services.agent.links import NOT_TOLD, RankLinks
 from services.agent.output import OutputPump, store_publisher
 from services.agent.rankproc import RankProc, error_line, last_lines, retrying, runnable_problem, signal_rank
@@ -54,7 +54,8 @@ from services.agent.shipping import Shipper
 from services.agent.standbys import StandbyPool
 from services.core import EffectHandler, Emit
 from services.shell.objects import manifest
-from services.shell.objects.store import ObjectStore
+from services.shell.objects.code import CodeError
+from services.shell.objects.store import ObjectStore, ObjectStoreError
 
 log = structlog.get_logger("flightdeck.agent")
 
@@ -71,6 +72,7 @@ class Spawner:
         self.procs: dict[tuple[str, int, int], RankProc] = {}
         self.pids: dict[int, tuple[str, int, int]] = {}  # a live rank's pid -> (job, attempt, rank), from its start
         self.cache = CheckpointCache(node_paths=paths, objects=objects, producer=producer)
+        self.codes = CodeCache(root=paths.root, objects=objects)
         self.shipper = Shipper(node=node, producer=producer, store=store, objects=objects, staging=paths.staging,
                                snapshots=paths.snapshots)
         self.relay: BeatRelay | None = None  # the heartbeat relay (node heartbeats): it beats for live attempts
@@ -140,7 +142,13 @@ class Spawner:
         await self._clear_slots(args)
         if args.plan is not None and self.links is not None:
             self.links.plan(args.job_id, args.plan)  # known here before the ranks ask (an agent restarted since)
-        cmd, cwd = rank_command(args, self.launch)
+        try:
+            code_dir = await self.codes.folder(args.spec, {p.code for p in self.procs.values() if p.alive})
+        except CodeError as exc:  # missing, damaged or unsafe: a restart would fetch the same
+            return await self._not_started(args, f"cannot run the job's code: {exc}", unrunnable=True)
+        except ObjectStoreError as exc:
+            return await self._not_started(args, f"fetching the job's code failed: {exc!r}")
+        cmd, cwd = rank_command(args, self.launch, code_dir)
         entry_env = args.spec.entrypoint.env if args.spec.entrypoint is not None else {}
         if (problem := runnable_problem(cmd, cwd, entry_env.get("PATH") or os.environ.get("PATH", ""))) is not None:
             return await self._not_started(args, problem, unrunnable=True)
@@ -154,13 +162,14 @@ class Spawner:
                 return await self._not_started(args, f"restore {args.restore.checkpoint_id} failed: {exc!r}")
             except Exception as exc:  # a checkpoint we cannot verify is never loaded, nor silently skipped
                 return await self._not_started(args, f"restore {args.restore.checkpoint_id} failed: {exc!r}")
-        fired = await retrying("reading which drill faults fired", lambda: self.fired_faults(args))
+        fired = await retrying("reading which drill faults fired", lambda: fired_faults(self.store, args))
         ship_from = await retrying("reading where the telemetry stream ends", self.shipper.start_seq)
         started: list[RankProc] = []
         try:
             spec_file = await asyncio.to_thread(self._write_spec, args)
             for ref in args.ranks:
-                started.append(await self._start_rank(args, ref, spec_file, from_memory.get(ref.rank, restore), fired))
+                started.append(await self._start_rank(args, ref, spec_file, from_memory.get(ref.rank, restore), fired,
+                                                      (cmd, cwd)))
         except Exception as exc:  # recorded as exits, so the scheduler sees a fault instead of waiting forever
             for p in started:
                 signal_rank(p, signal.SIGKILL)
@@ -205,20 +214,6 @@ class Spawner:
         if doomed:  # the slots are free once the processes are gone; their watchers record the exits meanwhile
             await asyncio.wait([asyncio.ensure_future(p.proc.wait()) for p in doomed])
 
-    async def fired_faults(self, args: SpawnArgs) -> frozenset[int]:
-        """The spec's unpinned drill faults that an earlier attempt fired, by index (trainer/faults.py): read
-        from the job's FaultInjected events, which a rank stores before it acts on the fault, so before the
-        exit or finding that led to this attempt."""
-        if args.attempt == 0 or all(f.attempt is not None for f in args.spec.faults):
-            return frozenset()
-        fired: set[int] = set()
-        async for batch in self.store.read(subjects.TELEMETRY, [subjects.telemetry_of(args.job_id, "FaultInjected")]):
-            for stored in batch:
-                ev = stored.event
-                if isinstance(ev, FaultInjected) and ev.attempt < args.attempt and ev.fault >= 0:
-                    fired.add(ev.fault)
-        return frozenset(fired)
-
     def _write_spec(self, args: SpawnArgs) -> Path:
         path = self.paths.spec(args.job_id)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -228,10 +223,10 @@ class Spawner:
         return path
 
     async def _start_rank(self, args: SpawnArgs, ref: SlotRef, spec_file: Path, restore: Path | None,
-                          fired: frozenset[int]) -> RankProc:
+                          fired: frozenset[int], command: tuple[list[str], Path]) -> RankProc:
         env = rank_env_of(args, ref, spec_file, restore, fired, node=self.node, paths=self.paths, launch=self.launch,
                           link=self.links.address if self.links is not None else "")
-        cmd, cwd = rank_command(args, self.launch)
+        cmd, cwd = command
         log_path = self.paths.log(args.job_id, args.attempt, ref.rank)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         read_end, out = os.pipe()  # the rank's stdout and stderr, read by its OutputPump
@@ -254,7 +249,8 @@ class Spawner:
         pump = OutputPump(read_end, log_path, store_publisher(self.store), job_id=args.job_id, attempt=args.attempt,
                           rank=ref.rank, node=self.node, producer=self.producer)
         return RankProc(job_id=args.job_id, attempt=args.attempt, ref=ref, proc=proc, cause=args.grant_id,
-                        restore=args.restore if restore is not None else None, output=asyncio.create_task(pump.run()))
+                        restore=args.restore if restore is not None else None, output=asyncio.create_task(pump.run()),
+                        code=args.spec.entrypoint.code.removeprefix("sha256:") if args.spec.entrypoint else "")
 
     def speaks_for(self, beat: LocalBeat, pid: int) -> bool:
         """Whether process `pid` is the rank `beat` claims to be (a heartbeat relayed for anyone else is refused)."""

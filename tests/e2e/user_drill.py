@@ -54,7 +54,7 @@ async def survives_every_drill_fault(drill: Platform, example: str) -> None:
     p, job = drill, f"{example.replace('_', '-')}-000001"
     p.agent("n1", "--grace-s", "5", *(("--preload", PRELOAD[example]) if example in PRELOAD else ()))
     await p.ready("n1")
-    await p.submit(drilled(example), job)
+    await p.submit(await p.objects.ship(drilled(example), EXAMPLES / example), job)  # its folder, as submit ships it
 
     # attempt 0: the spike is found and rolled back past, then rank 1 crashes
     await p.until(lambda: bool(p.seen(JobResumed, job)), 180, "the crash's restart", job)

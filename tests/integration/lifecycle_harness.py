@@ -24,10 +24,12 @@ from pathlib import Path
 import pytest
 
 from events.jetstream import JetStreamStore
+from events.spec import JobSpec
 from services.shell import broker as broker_mod
 from services.shell.objects import manifest as mf
 from services.shell.objects.open import OBJECTS_ENV, open_store
 from services.shell.objects.store import ObjectStore
+from services.tools import codeship
 from tests.integration.s3_fixture import MotoS3
 from tests.integration.test_lifecycle_services import ROOT, Cluster
 
@@ -65,6 +67,11 @@ class Objects:
     async def manifest_bytes(self, job_id: str, checkpoint_id: str) -> bytes:
         async with self.open() as store:
             return await store.get_bytes(mf.manifest_key(job_id, checkpoint_id))
+
+    async def ship(self, spec: JobSpec, folder: Path) -> JobSpec:
+        """`spec` with `folder` shipped as its code, as `flightdeck submit` does (services/tools/codeship.py)."""
+        async with self.open() as store:
+            return await codeship.ship(spec, folder, store)
 
 
 @dataclass

@@ -1,29 +1,67 @@
-"""`flightdeck submit SPEC.toml`: check a job spec and append JobSubmitted (services/tools/client.py); prints the
-job id alone on stdout (so `JOB=$(flightdeck submit job.toml)` works)."""
+"""`flightdeck submit SPEC.toml`: check a job spec, ship its folder (services/tools/codeship.py) and append
+JobSubmitted (services/tools/client.py); prints the job id alone on stdout (so `JOB=$(flightdeck submit job.toml)`
+works)."""
 
 import argparse
 import asyncio
+import os
 from pathlib import Path
 
 from services.shell.broker import nats_url
-from services.tools.cli import Command, add_nats_argument
+from services.shell.objects.code import CodeError
+from services.shell.objects.open import OBJECTS_ENV, objects_url, open_store
+from services.shell.objects.store import ObjectStoreError
+from services.tools import codeship
+from services.tools.cli import EXIT_INVALID, Command, UserError, add_nats_argument
 from services.tools.client import Client, read_spec
+from services.tools.console import upstate
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("spec", metavar="SPEC.toml", help="the job spec (see examples/drill.toml)")
+    parser.add_argument("--code", metavar="DIR", default=None,
+                        help="the folder to ship to every node with an entrypoint job (default: the spec's folder; "
+                        "leave files out in its .flightdeckignore, else .gitignore); the ranks run in their node's "
+                        "copy, in entrypoint.cwd inside it")
+    parser.add_argument("--no-code", action="store_true",
+                        help="ship nothing: the code is on every node already (entrypoint.cwd names where)")
     parser.add_argument("--wait", action="store_true", help="then follow it live until it ends, as `flightdeck "
                         "watch` does (exit 0 only if it completed)")
     add_nats_argument(parser)
 
 
+def store_url(broker: str) -> str:
+    """The object store the platform at `broker` reads code from: `$FLIGHTDECK_OBJECTS`, else what the
+    `flightdeck up` serving that broker recorded, else this folder's `.flightdeck/objects` if it exists."""
+    if os.environ.get(OBJECTS_ENV):
+        return os.environ[OBJECTS_ENV]
+    data_dir = upstate.find_by_url(broker)
+    state = upstate.read_state(data_dir) if data_dir is not None else None
+    if state is not None:
+        return state.objects or str(Path(state.data_dir) / "objects")
+    url = objects_url()
+    if "://" not in url and not Path(url).is_dir():
+        raise CodeError(f"where does the platform at {broker} keep its objects? No `flightdeck up` here serves "
+                        f"it and {url} does not exist: set ${OBJECTS_ENV} to the platform's object store (a folder "
+                        "every node reads, or s3://bucket)")
+    return url
+
+
 def run(args: argparse.Namespace) -> int:
     spec = read_spec(Path(args.spec))
     url = nats_url(args.nats)
+    folder = Path(args.code) if args.code else Path(args.spec).resolve().parent
 
     async def go() -> str:
         async with await Client.connect(url) as fd:
-            return await fd.submit(spec)
+            shipped = spec
+            if codeship.ships(spec) and not args.no_code:
+                try:
+                    async with open_store(store_url(url)) as objects:
+                        shipped = await codeship.ship(spec, folder, objects)
+                except (CodeError, ObjectStoreError, ValueError) as exc:
+                    raise UserError(f"{args.spec}: the job's code cannot be shipped: {exc}", EXIT_INVALID) from None
+            return await fd.submit(shipped)
 
     job_id = asyncio.run(go())
     print(job_id, flush=True)

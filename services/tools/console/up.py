@@ -22,6 +22,7 @@ import structlog
 
 from services import registry
 from services.shell import broker as broker_mod
+from services.shell.objects.open import DATA_DIR_ENV, objects_url
 from services.shell.security import permissions
 from services.shell.security.__main__ import rendered
 from services.shell.security.credentials import PASSWORD_FILE, USER
@@ -186,7 +187,8 @@ class _Up:
             pid=os.getpid(), url=self.url, data_dir=str(self.data_dir),
             port=self.broker.port if self.broker else None,
             broker_pid=self.broker.proc.pid if self.broker else None,
-            processes=self.supervisor.pids(), status=self.status, started_at=self.started_at))
+            processes=self.supervisor.pids(), status=self.status, started_at=self.started_at,
+            objects=objects_url({**os.environ, DATA_DIR_ENV: str(self.data_dir)})))
 
     def run(self, stopping: _StopFlag) -> None:
         self.supervisor.start()

@@ -30,6 +30,7 @@ class UpState(msgspec.Struct, kw_only=True):
     processes: dict[str, int | None]
     status: Literal["starting", "ready", "stopping"]
     started_at: float
+    objects: str = ""  # its object store's URL, for a `submit` from elsewhere that ships a job's code there
 
 
 def index_dir() -> Path:
