@@ -8,6 +8,7 @@ checkpointed and healed by Flightdeck. The whole API:
         x, y = my_batch(step.batch)              # read global batch `step.batch` (a rollback skips some)
         ...                                      # forward, backward, optimizer step: your code
         run.report(step, loss, lr=lr, **metrics) # tensors are read later: no host sync
+    for step, (x, y) in run.batches(loader):     # or: your data loader, kept at step.batch (trainer/loaders.py)
 
 `run.rank`, `run.world_size`, `run.local_rank`, `run.device` say where this rank runs; `run.plan` is the
 parallel layout Flightdeck recorded for this world size (dp, tp, pp, micro-batches); `run.spec` the job spec.

@@ -12,10 +12,10 @@ and loads are collective.
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import FrameType
-from typing import NoReturn, Protocol
+from typing import NoReturn, Protocol, TypeVar
 
 import msgspec
 import structlog
@@ -37,7 +37,7 @@ from events.plan import ParallelPlan
 from events.ranklink import RollbackReady
 from events.spec import JobSpec
 from events.training import FaultInjected, RankStarted, SnapshotsOff
-from trainer import checkpointing, faults, restore_points, rollback, snapshots
+from trainer import checkpointing, faults, loaders, restore_points, rollback, snapshots
 from trainer.config import RunConfig
 from trainer.cursor import BatchCursor, Step
 from trainer.distributed import Dist
@@ -48,6 +48,7 @@ from trainer.snapshotting import Cadence
 from trainer.state import Stateful, TrainState
 from trainer.usage import refused
 
+T = TypeVar("T")
 log = structlog.get_logger("trainer")
 PAUSE_POLL_S = 0.2
 
@@ -209,6 +210,10 @@ class Run:
             self.snapshots.close()
         self.finished = self.ran_all = True
         log.info("training finished", steps=self.step)
+
+    def batches(self, loader: Iterable[T], total: int | None = None) -> Iterator[tuple[Step, T]]:
+        """`steps(total)`, each step with `loader`'s batch for its global batch index (trainer/loaders.py)."""
+        return loaders.batches(self, loader, total)
 
     def report(self, step: int, loss: torch.Tensor | float, *, grad_norm: torch.Tensor | float | None = None,
                lr: float | None = None, tokens: int | None = None, **metrics: torch.Tensor | float) -> None:
