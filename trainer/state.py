@@ -58,8 +58,9 @@ class TrainState:
             if not name.isidentifier():
                 raise refused(ValueError(f"register(...): extra name {name!r} must be a Python identifier"))
             if not isinstance(extra, Stateful):
+                hint = "; a data loader goes to run.batches(loader) instead" if hasattr(extra, "__iter__") else ""
                 raise refused(TypeError(f"register({name}=...) needs an object with state_dict() and "
-                                        f"load_state_dict(), got {type(extra).__name__}"))
+                                        f"load_state_dict(), got {type(extra).__name__}{hint}"))
         self.model, self.optimizer, self.extras = model, optimizer, dict(extras)
         self.rank, self.device = rank, device
         # get_state_dict's flat items, while the same tensors hold the state (see _gathered)

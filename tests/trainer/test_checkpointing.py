@@ -197,5 +197,8 @@ def test_registering_what_cannot_be_checkpointed_is_refused_by_name() -> None:
     m = torch.nn.Linear(2, 2)
     with pytest.raises(TypeError, match=r"register\(data=\.\.\.\) needs an object with state_dict"):
         TrainState(m, None, {"data": 3}, rank=0, device=torch.device("cpu"))  # type: ignore[dict-item]
+    loader = torch.utils.data.DataLoader(list(range(4)))  # README's old example: a plain loader as an extra
+    with pytest.raises(TypeError, match=r"got DataLoader; a data loader goes to run.batches\(loader\) instead"):
+        TrainState(m, None, {"loader": loader}, rank=0, device=torch.device("cpu"))  # type: ignore[dict-item]
     with pytest.raises(TypeError, match=r"register\(optimizer=\.\.\.\) takes a torch.optim.Optimizer"):
         TrainState(m, "adam", {}, rank=0, device=torch.device("cpu"))  # type: ignore[arg-type]
