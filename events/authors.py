@@ -23,7 +23,7 @@ JOB_TYPES: dict[str, tuple[str, ...]] = {
     "agent": ("WorkersStarted", "WorkersExited", "CheckpointRejected"),
     # A person's requests: submit and cancel jobs, ask ranks to checkpoint, pause or resume.
     "console": ("JobSubmitted", "CancelRequested", "CheckpointRequested", "PauseRequested", "ResumeRequested",
-                "RollbackAsked"),
+                "RollbackAsked", "CheckpointAdopted"),
 }
 NODE_TYPES: dict[str, tuple[str, ...]] = {
     "resources": ("NodeCordoned", "NodeUncordoned"),  # a loss cordon lifted when the node is back (resources core)

@@ -166,5 +166,15 @@ class RollbackAsked(JobEvent, frozen=True, kw_only=True):
     reason: str = ""
 
 
+class CheckpointAdopted(JobEvent, frozen=True, kw_only=True):
+    """A new job starts from this (ended) job's checkpoint (its spec's `init_from`, as `flightdeck submit` resolved
+    it): recorded in the history of the job whose checkpoint it is, beside the new job's own JobSubmitted."""
+
+    by_job: str  # the new job
+    checkpoint_id: str
+    step: int
+    what: str = "all"  # "all" (continued) or "model" (its weights only)
+
+
 class JobCancelled(JobEvent, frozen=True, kw_only=True):
     reason: str = ""

@@ -39,14 +39,17 @@ STOPPED_EXIT = 75  # EX_TEMPFAIL: try again
 # Batch windows a restore skips on top of its checkpoint's own ("40:45,50:60"): rollbacks decided back to that
 # checkpoint after it was written (events/lineage.restore_skips).
 RESTORE_SKIPS_ENV = "FLIGHTDECK_RESTORE_SKIPS"
+# "model": the restore loads the checkpoint's weights only and the run starts at step 0 (a job initialised from
+# another job's checkpoint, spec init_from.what = "model"); unset: everything, from its step.
+RESTORE_ONLY_ENV = "FLIGHTDECK_RESTORE_ONLY"
 DEVICE_ENV = "FLIGHTDECK_DEVICE"  # "cpu", "cuda" or "auto"
 SYNC_EVERY_ENV = "FLIGHTDECK_SYNC_EVERY"  # steps between the collectives that agree on commands
 EVENTS_LOG_ENV = "FLIGHTDECK_EVENTS_LOG"  # every event a rank emits, also as JSON lines here
 PLAN_ENV = "FLIGHTDECK_PLAN"  # a ParallelPlan as JSON: the agent's when it knows this world's at the start
 FIRED_ENV = "FLIGHTDECK_FIRED_FAULTS"  # indices of the spec's unpinned drill faults an earlier attempt fired: "0,3"
-RUN_ENV = (JOB_ENV, ATTEMPT_ENV, NODE_ENV, LINK_ENV, SPEC_ENV, STAGING_ENV, RESTORE_ENV, MANIFEST_ENV, CACHE_ENV,
-           DEVICE_ENV, SYNC_EVERY_ENV, EVENTS_LOG_ENV, PLAN_ENV, FIRED_ENV, BEATS_ENV, STEP_REPORTS_ENV, SNAPSHOTS_ENV,
-           SNAPSHOTS_OFF_ENV)
+RUN_ENV = (JOB_ENV, ATTEMPT_ENV, NODE_ENV, LINK_ENV, SPEC_ENV, STAGING_ENV, RESTORE_ENV, RESTORE_ONLY_ENV,
+           MANIFEST_ENV, CACHE_ENV, DEVICE_ENV, SYNC_EVERY_ENV, EVENTS_LOG_ENV, PLAN_ENV, FIRED_ENV, BEATS_ENV,
+           STEP_REPORTS_ENV, SNAPSHOTS_ENV, SNAPSHOTS_OFF_ENV)
 
 READY = b"R"
 MAX_MESSAGE = 1 << 20  # an assignment is the rank's command line and environment: a few KB

@@ -100,6 +100,8 @@ class FaultSpec(Spec, frozen=True, kw_only=True):
 
 ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]{0,127}\Z"
 NO_NUL_PATTERN = r"^[^\x00]*\Z"
+JOB_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}\Z"  # a job id: one subject token
+RESOLVED_PATTERN = r"^([A-Za-z0-9][A-Za-z0-9_-]{0,127})?\Z"  # a checkpoint id, or "" before the client resolves it
 CODE_PATTERN = r"^(sha256:[0-9a-f]{64})?\Z"  # a shipped archive's content address, or ""
 EnvName = Annotated[str, Meta(pattern=ENV_NAME_PATTERN)]
 Arg = Annotated[str, Meta(max_length=4096, pattern=NO_NUL_PATTERN)]  # execve cannot pass a NUL
@@ -124,6 +126,20 @@ class EntrypointSpec(Spec, frozen=True, kw_only=True):
     code_bytes: Annotated[int, Meta(ge=0, le=1 << 40)] = 0  # the archive's size
 
 
+class InitFrom(Spec, frozen=True, kw_only=True):
+    """Where a job's first attempt starts: a committed checkpoint of another job (`flightdeck submit
+    --resume-from JOB`, or `[init_from]` in the spec). The client resolves it before the job is submitted: the
+    checkpoint's id, step and manifest hash are recorded with the spec, so every node restores exactly that one."""
+
+    job: Annotated[str, Meta(pattern=JOB_ID_PATTERN)]
+    step: Annotated[int, Meta(ge=-1)] = -1  # its newest good checkpoint at or before this step; -1: its newest
+    # "all": model, optimizer, data position and step (continue it); "model": the weights only, from step 0
+    what: Literal["all", "model"] = "all"
+    checkpoint_id: Annotated[str, Meta(pattern=RESOLVED_PATTERN)] = ""  # resolved by the client
+    checkpoint_step: Annotated[int, Meta(ge=-1)] = -1
+    manifest_sha256: Annotated[str, Meta(pattern=r"^([0-9a-f]{64})?\Z")] = ""
+
+
 class JobSpec(Spec, frozen=True, kw_only=True):
     name: Name
     priority: Annotated[int, Meta(ge=0, le=1000)] = 50
@@ -133,6 +149,7 @@ class JobSpec(Spec, frozen=True, kw_only=True):
     policy: PolicySpec = PolicySpec()
     faults: Annotated[list[FaultSpec], Meta(max_length=MAX_FAULTS)] = []
     entrypoint: EntrypointSpec | None = None  # None: the built-in trainer (`python -m trainer`), which reads [model]
+    init_from: InitFrom | None = None  # None: the first attempt starts from scratch
 
 
 class InvalidSpec(ValueError):
@@ -144,6 +161,8 @@ PATTERN_WORDS = {
     NAME_PATTERN: "lowercase letters, digits and '-', starting with a letter or digit, at most 63 characters",
     ENV_NAME_PATTERN: "letters, digits and '_', not starting with a digit, at most 128 characters",
     NO_NUL_PATTERN: "text without a NUL character",
+    JOB_ID_PATTERN: "a job id as `flightdeck submit` printed it (letters, digits, '-' and '_')",
+    RESOLVED_PATTERN: "a checkpoint id (letters, digits, '-' and '_'), or empty",
     CODE_PATTERN: "'sha256:' and 64 lowercase hex digits (set by `flightdeck submit`), or empty",
 }
 

@@ -246,8 +246,10 @@ def verify(path: Path, shards: list[ShardInfo]) -> None:
                                     f"{shard.sha256}; the file is damaged, restore another checkpoint")
 
 
-def load(path: Path, state: TrainState, dist: Dist, shards: list[ShardInfo] | None = None) -> tuple[int, DataPosition]:
-    """Load a checkpoint into the registered state (any saved world size); returns its step and data position."""
+def load(path: Path, state: TrainState, dist: Dist, shards: list[ShardInfo] | None = None, *,
+         model_only: bool = False) -> tuple[int, DataPosition]:
+    """Load a checkpoint into the registered state (any saved world size); returns its step and data position.
+    `model_only`: the model's weights alone (the optimizer, RNG and extras stay as they are)."""
     if shards is not None:
         verify(path, shards)
     reader: dcp.StorageReader
@@ -262,7 +264,7 @@ def load(path: Path, state: TrainState, dist: Dist, shards: list[ShardInfo] | No
                                 f"not a checkpoint): {exc}") from None
     if META_KEY not in saved:
         raise CorruptCheckpoint(f"checkpoint {path} was not written by Flightdeck's trainer API (no {META_KEY!r} item)")
-    dest = state.load_target(saved)
+    dest = state.load_target(saved, model_only=model_only)
     missing = sorted(keys(dest) - set(saved))
     if missing:
         raise CorruptCheckpoint(f"checkpoint {path} does not fit the registered state: it lacks {missing[:3]} "
@@ -274,7 +276,7 @@ def load(path: Path, state: TrainState, dist: Dist, shards: list[ShardInfo] | No
         raise CorruptCheckpoint(f"cannot load checkpoint {path}: {_cause(exc)}") from exc
     meta = json.loads(str(dest.pop(META_KEY)))
     try:
-        state.apply(dest)
+        state.apply(dest, model_only=model_only)
     except Exception as exc:
         raise CorruptCheckpoint(f"checkpoint {path} does not fit the registered state: {type(exc).__name__}: "
                                 f"{exc}") from exc

@@ -43,6 +43,7 @@ class RunConfig:
     platform: bool = True  # started by a node agent (a job id was given)
     resume_local: bool = False  # no-platform mode after a torchrun restart: resume from the newest staged set
     restore_skips: tuple[tuple[int, int], ...] = ()  # batch windows to skip beyond what `restore` recorded
+    restore_model_only: bool = False  # `restore` is another job's: its weights only, from step 0 (init_from)
     snapshots: Path | None = None  # the node's snapshot root (events/snapshot.py); None: no host snapshots
     snapshots_off: str = ""  # why none: its node's snapshot memory has no room for them (AllocationGranted)
 
@@ -100,7 +101,7 @@ def from_env(env: Mapping[str, str] | None = None) -> RunConfig:
         job_id=job_id or LOCAL_JOB, spec=spec, attempt=attempt, node=env.get(nl.NODE_ENV, "") or socket.gethostname(),
         agent=env.get(ranklink.LINK_ENV) or None if job_id else None,
         staging=Path(env.get(nl.STAGING_ENV, "") or ".flightdeck/staging"), restore=restore, manifest=manifest,
-        restore_skips=skips,
+        restore_skips=skips, restore_model_only=env.get(nl.RESTORE_ONLY_ENV, "") == "model" and restore is not None,
         checkpoints=Path(env[nl.CACHE_ENV]) if env.get(nl.CACHE_ENV) else None,
         rank=_int(env, "RANK", 0), world_size=world_size, local_rank=_int(env, "LOCAL_RANK", 0), device=device,
         sync_every=sync_every, events_log=Path(env[nl.EVENTS_LOG_ENV]) if env.get(nl.EVENTS_LOG_ENV) else None,

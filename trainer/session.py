@@ -392,6 +392,8 @@ class Run:
         self.emitter.emit(SnapshotsOff(step=self.step, reason=reason[:2000], **self.emitter.envelope))
 
     def _load(self, path: Path, shards: list[ShardInfo] | None) -> None:
-        step, position = checkpointing.load(path, self.state, self.dist, shards)
-        self.step = step
-        self.cursor.seek(position)
+        model_only = self.cfg.restore_model_only and path == self.cfg.restore
+        step, position = checkpointing.load(path, self.state, self.dist, shards, model_only=model_only)
+        if not model_only:  # another job's weights to start from: this run's own steps begin at 0
+            self.step = step
+            self.cursor.seek(position)

@@ -143,10 +143,13 @@ class TrainState:
             flat[f"extras.{self.rank}.{name}"] = _pack(extra.state_dict())
         return flat
 
-    def load_target(self, saved: Mapping[str, object]) -> dict[str, Any]:
+    def load_target(self, saved: Mapping[str, object], *, model_only: bool = False) -> dict[str, Any]:
         """What to load, nested as `get_state_dict` gives it (DCP loads into it in place): the model and
-        optimizer items (all required), this rank's RNG and extras when they were saved."""
+        optimizer items (all required), this rank's RNG and extras when they were saved; the model's alone with
+        `model_only`."""
         dest: dict[str, Any] = self._model_state()
+        if model_only:
+            return {"model": dest["model"]} if "model" in dest else {}
         for kind in ("cpu", "cuda"):
             key = f"rng.{kind}.{self.rank}"
             md = saved.get(key)
@@ -165,8 +168,11 @@ class TrainState:
                     break
         return dest
 
-    def apply(self, loaded: dict[str, Any]) -> None:
+    def apply(self, loaded: dict[str, Any], *, model_only: bool = False) -> None:
         """Put what `load_target` received into the live objects."""
+        if self.model is not None and model_only:
+            set_state_dict(self.model, (), model_state_dict=loaded["model"], optim_state_dict={})
+            return
         if self.model is not None:
             optims = (self.optimizer,) if self.optimizer is not None else ()
             set_state_dict(self.model, optims, model_state_dict=loaded["model"],

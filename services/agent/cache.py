@@ -56,8 +56,8 @@ class CheckpointCache:
         downloaded again. A copy that fails in the store too raises CorruptCheckpoint."""
         path = await self.fetch(job_id, checkpoint)
         try:
-            await asyncio.to_thread(manifest.verify_local, path, job_id=job_id, checkpoint_id=checkpoint.checkpoint_id,
-                                    expected_sha256=checkpoint.manifest_sha256)
+            await asyncio.to_thread(manifest.verify_local, path, job_id=checkpoint.job_id or job_id,
+                                    checkpoint_id=checkpoint.checkpoint_id, expected_sha256=checkpoint.manifest_sha256)
             return path
         except manifest.CorruptCheckpoint as exc:
             log.warning("cached checkpoint damaged; downloading it again", job_id=job_id,
@@ -76,7 +76,8 @@ class CheckpointCache:
         if dest.exists():  # a copy someone removed part of: fetched again
             await asyncio.to_thread(shutil.rmtree, dest, True)
         started = time.perf_counter()
-        got = await manifest.download(self.objects, job_id, checkpoint.checkpoint_id, dest,
+        # another job's checkpoint (the spec's init_from) is read from that job's keys, kept under this job's
+        got = await manifest.download(self.objects, checkpoint.job_id or job_id, checkpoint.checkpoint_id, dest,
                                       expected_sha256=checkpoint.manifest_sha256)
         log.info("checkpoint cached", bytes=got.bytes, seconds=round(time.perf_counter() - started, 3))
         return dest

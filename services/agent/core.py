@@ -43,6 +43,8 @@ class Restore(msgspec.Struct, frozen=True, kw_only=True):
     attempt: int = 0  # the attempt that staged it
     timeline: int = 0  # rollbacks that attempt had applied then
     from_memory: bool = False  # persisted from the ranks' snapshots: a node holding them restores from memory
+    job_id: str = ""  # the job whose checkpoint it is, when not this one (the spec's init_from)
+    model_only: bool = False  # load the weights only (init_from's what = "model"): the run starts at step 0
 
 
 class SpawnArgs(msgspec.Struct, frozen=True, kw_only=True):
@@ -140,6 +142,16 @@ def newest(checkpoints: tuple[Restore, ...], forks: tuple[lineage.Fork, ...] = (
     return best
 
 
+def adopted(spec: JobSpec) -> Restore | None:
+    """The other job's checkpoint a job starts from until it has one of its own (its spec's init_from, resolved
+    when it was submitted)."""
+    init = spec.init_from
+    if init is None or not init.checkpoint_id:
+        return None
+    return Restore(checkpoint_id=init.checkpoint_id, step=init.checkpoint_step, manifest_sha256=init.manifest_sha256,
+                   job_id=init.job, model_only=init.what == "model")
+
+
 Transition = tuple[State, tuple[Output, ...]]
 
 
@@ -165,6 +177,7 @@ def _granted(state: State, ev: AllocationGranted) -> Transition:
         return _put(state, ev.job_id, msgspec.structs.replace(view, held=None), *outs)
     restore = newest(view.checkpoints, view.forks)
     skips = lineage.restore_skips(view.forks, restore.attempt, restore.timeline, restore.step) if restore else ()
+    restore = restore or adopted(view.spec)
     outs.append(Effect(SPAWN, SpawnArgs(
         job_id=ev.job_id, attempt=ev.attempt, node=state.node, ranks=list(mine), world_size=len(ev.assignments),
         master_addr=ev.master_addr, master_port=ev.master_port, spec=view.spec, restore=restore,

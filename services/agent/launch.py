@@ -123,7 +123,7 @@ def rank_env_of(args: SpawnArgs, ref: SlotRef, spec_file: Path, restore: Path | 
            nl.JOB_ENV: args.job_id, nl.ATTEMPT_ENV: str(args.attempt), nl.NODE_ENV: node,
            nl.SPEC_ENV: str(spec_file), nl.STAGING_ENV: str(paths.staging),
            nl.CACHE_ENV: str(paths.root / "cache"), nl.DEVICE_ENV: launch.device}
-    for stale in (nl.RESTORE_ENV, nl.MANIFEST_ENV, nl.RESTORE_SKIPS_ENV, nl.PLAN_ENV, nl.FIRED_ENV,
+    for stale in (nl.RESTORE_ENV, nl.RESTORE_ONLY_ENV, nl.MANIFEST_ENV, nl.RESTORE_SKIPS_ENV, nl.PLAN_ENV, nl.FIRED_ENV,
                   nl.EVENTS_LOG_ENV, nl.SYNC_EVERY_ENV, nl.SNAPSHOTS_ENV, nl.SNAPSHOTS_OFF_ENV):
         env.pop(stale, None)  # never inherited from the agent's own environment
     if fired:
@@ -134,6 +134,8 @@ def rank_env_of(args: SpawnArgs, ref: SlotRef, spec_file: Path, restore: Path | 
         env[nl.SNAPSHOTS_ENV] = str(paths.snapshots)
     if restore is not None:
         env[nl.RESTORE_ENV] = str(restore)
+        if args.restore is not None and args.restore.model_only:
+            env[nl.RESTORE_ONLY_ENV] = "model"
         if paths.snapshots is None or not restore.is_relative_to(paths.snapshots):  # a slot: its crc32s, no manifest
             env[nl.MANIFEST_ENV] = str(restore / manifest.MANIFEST)
         if args.skips:

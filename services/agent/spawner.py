@@ -142,6 +142,9 @@ class Spawner:
         await self._clear_slots(args)
         if args.plan is not None and self.links is not None:
             self.links.plan(args.job_id, args.plan)  # known here before the ranks ask (an agent restarted since)
+        if (init := args.spec.init_from) is not None and not init.checkpoint_id and args.restore is None:
+            return await self._not_started(args, f"init_from names job {init.job} but no checkpoint of it: submit the "
+                                           "spec with `flightdeck submit`, which chooses one", unrunnable=True)
         try:
             code_dir = await self.codes.folder(args.spec, {p.code for p in self.procs.values() if p.alive})
         except CodeError as exc:  # missing, damaged or unsafe: a restart would fetch the same

@@ -33,14 +33,14 @@ from events.base import Event, JobEvent, NodeEvent, RankEvent
 from events.commands import CheckpointRequested, PauseRequested, ResumeRequested
 from events.history import HistoryGap, append_to_job, check_contiguous, read_job
 from events.jetstream import JetStreamStore
-from events.job import CancelRequested, JobSubmitted, RollbackAsked
+from events.job import CancelRequested, CheckpointAdopted, JobSubmitted, RollbackAsked
 from events.spec import MAX_SPEC_BYTES, InvalidSpec, JobSpec, check, parse_spec
 from events.store import EventStore, Stored
 from events.training import StepCompleted
 from services.shell.broker import nats_url
 from services.tools.cli import EXIT_ERROR, EXIT_INVALID, EXIT_NOT_FOUND, UserError
 from services.tools.connect import connect
-from services.tools.history import jobview
+from services.tools.history import adoption, jobview
 from services.tools.history.jobview import ENDED, JobView
 
 ClientError = UserError  # one message, and the exit code the CLI would use
@@ -75,9 +75,15 @@ class Client:
     # -- jobs ------------------------------------------------------------------------------------------------
 
     async def submit(self, spec: JobSpec | str | Path, *, now: float | None = None) -> str:
-        """Append JobSubmitted under a job id no history uses yet (`<name>-<6 hex>`); returns that id."""
+        """Append JobSubmitted under a job id no history uses yet (`<name>-<6 hex>`); returns that id. A spec that
+        starts from another job's checkpoint (`init_from`) has it resolved first (services/tools/adoption.py), and
+        that job's history records the adoption (CheckpointAdopted)."""
         if not isinstance(spec, JobSpec):
             spec = read_spec(Path(spec))
+        if (init := spec.init_from) is not None and not init.checkpoint_id:
+            check_job_id(init.job)
+            init = adoption.resolved(init, await self.status(init.job), await self.history(init.job))
+            spec = msgspec.structs.replace(spec, init_from=init)
         try:
             spec = check(spec)  # what every reader checks: a spec no rank could run would be dead-lettered
         except InvalidSpec as exc:
@@ -89,7 +95,17 @@ class Client:
         else:
             raise ClientError(f"no unused job id for {spec.name!r} after {ID_TRIES} tries: is the store full of them?")
         await append_to_job(self.store, self._stamped(JobSubmitted(job_id=job_id, spec=spec), now))
+        if (init := spec.init_from) is not None:
+            await append_to_job(self.store, self._stamped(CheckpointAdopted(
+                job_id=init.job, by_job=job_id, checkpoint_id=init.checkpoint_id, step=init.checkpoint_step,
+                what=init.what), now))
         return job_id
+
+    async def resume_from(self, job_id: str, *, now: float | None = None) -> str:
+        """Submit a new job that continues ended job `job_id` from its newest good checkpoint (`submit
+        --resume-from`): its own spec, model, optimizer, data position and step; returns the new job's id."""
+        check_job_id(job_id)
+        return await self.submit(adoption.continuing(job_id, await self.history(job_id)), now=now)
 
     async def status(self, job_id: str) -> JobView:
         """The job as its history says now (phase, step and loss, restarts, checkpoints, why it waits or ended)."""

@@ -18,7 +18,11 @@ from services.tools.console import upstate
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("spec", metavar="SPEC.toml", help="the job spec (see examples/drill.toml)")
+    parser.add_argument("spec", metavar="SPEC.toml", nargs="?", help="the job spec (see examples/drill.toml); "
+                        "its [init_from] starts it from another (ended) job's checkpoint")
+    parser.add_argument("--resume-from", metavar="JOB", default=None,
+                        help="instead of a spec: a new job that continues the ended JOB (failed, cancelled) from its "
+                        "newest good checkpoint, with JOB's spec and code; recorded in both histories")
     parser.add_argument("--code", metavar="DIR", default=None,
                         help="the folder to ship to every node with an entrypoint job (default: the spec's folder; "
                         "leave files out in its .flightdeckignore, else .gitignore); the ranks run in their node's "
@@ -48,8 +52,15 @@ def store_url(broker: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    spec = read_spec(Path(args.spec))
+    if (args.spec is None) == (args.resume_from is None):
+        raise UserError("name a job spec (SPEC.toml) or --resume-from JOB, one of them", EXIT_INVALID)
     url = nats_url(args.nats)
+    if args.resume_from is not None:
+        async def resume() -> str:
+            async with await Client.connect(url) as fd:
+                return await fd.resume_from(args.resume_from)
+        return _submitted(asyncio.run(resume()), url, args.wait)
+    spec = read_spec(Path(args.spec))
     folder = Path(args.code) if args.code else Path(args.spec).resolve().parent
 
     async def go() -> str:
@@ -63,9 +74,12 @@ def run(args: argparse.Namespace) -> int:
                     raise UserError(f"{args.spec}: the job's code cannot be shipped: {exc}", EXIT_INVALID) from None
             return await fd.submit(shipped)
 
-    job_id = asyncio.run(go())
+    return _submitted(asyncio.run(go()), url, args.wait)
+
+
+def _submitted(job_id: str, url: str, wait: bool) -> int:
     print(job_id, flush=True)
-    if args.wait:
+    if wait:
         from services.tools.console.watch_cmd import watch  # rich loads only for a watch
 
         return watch(url, job_id)
