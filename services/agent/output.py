@@ -1,6 +1,12 @@
-"""What a rank prints: read by its node agent from the rank's stdout/stderr pipe, appended whole to the rank's
-log file on the node, and shipped to FD_LOGS as RankOutput batches within a per-rank budget of lines and bytes
-a second, so `flightdeck logs` shows it from any machine and a chatty script cannot crowd out telemetry."""
+"""What a rank prints: read by its node agent from the rank's stdout/stderr pipe, appended to the rank's log file
+on the node, and shipped to FD_LOGS as RankOutput batches within a per-rank budget of lines and bytes a second,
+so `flightdeck logs` shows it from any machine and a chatty script cannot crowd out telemetry.
+
+Over the budget a rank's last lines are held, not dropped: HELD_LINES of them wait, and whatever of them is still
+held when the rank ends (or goes quiet long enough for the budget to refill) is shipped, so its final words (a
+traceback after a flood) reach `flightdeck logs`. Each line is shipped or counted as left out, once. The node's
+file takes everything up to LOG_FILE_BYTES (and the read that crosses it), then moves to `<name>.1` (replacing the
+one before): a rank printing 6 MB/s once filled 100 MB in 16 s with no cap."""
 
 import asyncio
 import contextlib
@@ -25,6 +31,9 @@ FLUSH_S = 0.2  # a batch goes out at most this long after its first line
 MAX_PENDING = 64  # batches waiting for the broker; past that the oldest is dropped (and counted)
 PUBLISH_TIMEOUT_S = 5.0
 READ_CHUNK = 64 * 1024
+HELD_LINES = 100  # a flooding rank's last lines, kept back to ship when it ends
+LOG_FILE_MB_ENV = "FLIGHTDECK_RANK_LOG_MB"
+LOG_FILE_BYTES = int(float(os.environ.get(LOG_FILE_MB_ENV) or 64) * 1e6)  # a rank's node log file, then rotated
 
 Publish = Callable[[RankOutput], Awaitable[None]]
 
@@ -88,6 +97,9 @@ class OutputPump:
         self.num_dropped = 0
         self.num_shipped = 0
         self.pending: deque[RankOutput] = deque()
+        self.held: deque[str] = deque()  # over-budget lines since the last shipped one, the newest HELD_LINES
+        self.held_from = 0  # number of the first held line
+        self.log_bytes = LOG_FILE_BYTES
         self._wake = asyncio.Event()
         self._eof = False
 
@@ -99,25 +111,34 @@ class OutputPump:
         transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader),
                                                     os.fdopen(self.fd, "rb", buffering=0))
         splitter = Lines()
+        out = self.log_path.open("ab", buffering=0)
+        written = out.tell()
         try:
-            with self.log_path.open("ab", buffering=0) as out:
-                while True:
-                    try:
-                        async with asyncio.timeout(FLUSH_S):  # not wait_for: on 3.11 it can swallow a cancel
-                            chunk = await reader.read(READ_CHUNK)
-                    except TimeoutError:
-                        self._flush_if_due(force=bool(self.batch) or bool(self.dropped))
-                        continue
-                    if not chunk:
-                        break
-                    out.write(chunk)  # the node's copy is whole: the budget is for the broker only
-                    for line in splitter.feed(chunk):
-                        self._offer(line)
-                    self._flush_if_due()
-                for line in splitter.finish():
+            while True:
+                try:
+                    async with asyncio.timeout(FLUSH_S):  # not wait_for: on 3.11 it can swallow a cancel
+                        chunk = await reader.read(READ_CHUNK)
+                except TimeoutError:
+                    self._release_held()
+                    self._flush_if_due(force=bool(self.batch) or bool(self.dropped))
+                    continue
+                if not chunk:
+                    break
+                if written and written + len(chunk) > self.log_bytes:  # the node's copy: rotated, never unbounded
+                    out.close()
+                    os.replace(self.log_path, rotated(self.log_path))
+                    out, written = self.log_path.open("ab", buffering=0), 0
+                out.write(chunk)  # the budget is for the broker only
+                written += len(chunk)
+                for line in splitter.feed(chunk):
                     self._offer(line)
+                self._flush_if_due()
+            for line in splitter.finish():
+                self._offer(line)
         finally:
+            out.close()
             transport.close()
+            self._release_held(final=True)
             self._flush_if_due(force=True)
             self._eof = True
             self._wake.set()
@@ -131,14 +152,40 @@ class OutputPump:
         if not (self.lines_budget.take(now, 1) and self.bytes_budget.take(now, len(line) + 1)):
             if self.batch:  # first: a batch's `dropped` counts lines left out *before* it, never after
                 self._flush_if_due(force=True)
-            self.dropped += 1
-            self.num_dropped += 1
+            if not self.held:
+                self.held_from = number
+            self.held.append(line)
+            if len(self.held) > HELD_LINES:  # no longer among the last: left out
+                self.held.popleft()
+                self.held_from += 1
+                self._left_out(1)
             return
+        if self.held:  # a line within the budget after held ones: those were not the last after all
+            if self.batch:  # held lines released since: a batch is contiguous, and the rest comes before this one
+                self._flush_if_due(force=True)
+            self._left_out(len(self.held))
+            self.held.clear()
+        self._add(number, line, now)
+
+    def _add(self, number: int, line: str, now: float) -> None:
         if not self.batch:
             self.first_line, self.batch_since = number, now
         self.batch.append(line)
         if len(self.batch) >= MAX_LINES:
             self._flush_if_due(force=True)
+
+    def _left_out(self, n: int) -> None:
+        self.dropped += n
+        self.num_dropped += n
+
+    def _release_held(self, final: bool = False) -> None:
+        """Ship the held lines the budget allows again (all of them when the rank has ended): a rank's last lines,
+        which came after those left out (and counted) before them."""
+        now = time.monotonic()
+        while self.held and (final or (self.lines_budget.take(now, 1)
+                                       and self.bytes_budget.take(now, len(self.held[0]) + 1))):
+            self._add(self.held_from, self.held.popleft(), now)
+            self.held_from += 1
 
     def _flush_if_due(self, force: bool = False) -> None:
         if not self.batch and force and self.dropped:  # say how many were left out even if none follow
@@ -180,6 +227,11 @@ class OutputPump:
                 return
             self._wake.clear()
             await self._wake.wait()
+
+
+def rotated(path: Path) -> Path:
+    """Where a rank's log file goes when it reaches LOG_FILE_BYTES (rankproc.last_lines reads it too)."""
+    return path.with_name(path.name + ".1")
 
 
 def store_publisher(store: EventStore) -> Publish:

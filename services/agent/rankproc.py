@@ -90,13 +90,18 @@ def runnable_problem(cmd: list[str], cwd: Path, search_path: str) -> str | None:
 
 
 def last_lines(path: Path, max_bytes: int = 2048, max_lines: int = 20) -> str:
-    """The end of a rank's output: what a failed rank said last (usually its traceback)."""
+    """The end of a rank's output: what a failed rank said last (usually its traceback), read on into the rotated
+    file before it (output.rotated) when the current one holds less."""
     try:
         with path.open("rb") as f:
             f.seek(max(f.seek(0, os.SEEK_END) - max_bytes, 0))
             data = f.read()
     except OSError:
         return ""
+    if len(data) < max_bytes and (before := path.with_name(path.name + ".1")).is_file():
+        with contextlib.suppress(OSError), before.open("rb") as f:
+            f.seek(max(f.seek(0, os.SEEK_END) - (max_bytes - len(data)), 0))
+            data = f.read() + data
     lines = data.decode(errors="replace").splitlines()[-max_lines:]
     return "\n".join(lines).strip()
 

@@ -11,6 +11,7 @@ import pytest
 from events.logs import MAX_LINE, RankOutput
 from services.agent import output
 from services.agent.output import Budget, Lines, OutputPump, cut
+from services.agent.rankproc import last_lines
 
 
 def test_lines_split_on_newlines_and_carriage_returns_and_keep_the_unfinished_one() -> None:
@@ -64,9 +65,10 @@ async def test_a_pump_ships_every_line_or_counts_it_and_keeps_every_byte(
 
 async def test_counts_of_lines_left_out_come_before_their_place_and_never_take_a_batchs_id(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A burst over the budget, a pause (the count goes out alone), lines again, and a last burst: read in order,
-    each event's `dropped` lines sit just before its `first_line`, so the events tile every line printed, and
-    no two events share an id (the broker would drop the second as a resend)."""
+    """A burst over the budget, a pause (held lines go out as the budget refills), lines again, and a last burst
+    (held, and shipped once the rank ends: its final words): read in order, each event's `dropped` lines sit just
+    before its `first_line`, so the events tile every line printed, and no two events share an id (the broker
+    would drop the second as a resend)."""
     monkeypatch.setattr(output, "LINE_BURST", 5.0)
     monkeypatch.setattr(output, "LINES_PER_S", 10.0)
     got: list[RankOutput] = []
@@ -92,4 +94,34 @@ async def test_counts_of_lines_left_out_come_before_their_place_and_never_take_a
         assert e.lines == [f"line {n}" for n in range(e.first_line, e.first_line + len(e.lines))]
         at = e.first_line + len(e.lines)
     assert at == printed
-    assert any(not e.lines and e.dropped for e in got[:-1])  # the count that went out alone in the pause
+    shipped = {n for e in got for n in range(e.first_line, e.first_line + len(e.lines))}
+    assert 5 in shipped  # held over the first burst, shipped in the pause as the budget refilled
+    assert set(range(printed - 10, printed)) <= shipped  # the last burst, over the budget: held, shipped at the end
+
+
+async def test_a_flood_ends_with_its_traceback_shipped_and_the_node_file_bounded(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank printing far past its budget (6 MB/s in the trial: 4 of 202 of its own status lines survived) and
+    then crashing: the traceback it ends with reaches FD_LOGS whole, every line is shipped or counted once, and
+    its node file is rotated at the cap instead of growing (100 MB per rank in 16 s in the trial)."""
+    monkeypatch.setattr(output, "LOG_FILE_BYTES", 50_000)
+    got: list[RankOutput] = []
+
+    async def publish(event: RankOutput) -> None:
+        got.append(event)
+
+    read, write = os.pipe()
+    log = tmp_path / "rank.log"
+    pump = OutputPump(read, log, publish, job_id="j", attempt=0, rank=0, node="n", producer="a")
+    task = asyncio.create_task(pump.run())
+    flood = "".join(f"spam {i} " + "x" * 40 + "\n" for i in range(20_000))
+    tail = "Traceback (most recent call last):\n  File \"train.py\", line 9, in <module>\nRuntimeError: boom\n"
+    await asyncio.to_thread(os.write, write, (flood + tail).encode())
+    os.close(write)
+    await asyncio.wait_for(task, 60)
+    shipped = [line for e in got for line in e.lines]
+    assert shipped[-3:] == tail.splitlines()
+    assert len(shipped) + sum(e.dropped for e in got) == 20_003
+    bound = 50_000 + output.READ_CHUNK  # the cap, and one read that began below it
+    assert 0 < log.stat().st_size <= bound and 0 < output.rotated(log).stat().st_size <= bound
+    assert last_lines(log).endswith("RuntimeError: boom")
