@@ -124,6 +124,12 @@ class EntrypointSpec(Spec, frozen=True, kw_only=True):
     # the object store, which every node agent fetches, checks and unpacks before it starts a rank; "": none.
     code: Annotated[str, Meta(pattern=CODE_PATTERN)] = ""
     code_bytes: Annotated[int, Meta(ge=0, le=1 << 40)] = 0  # the archive's size
+    # The job's own Python: an interpreter or a virtual environment's folder on every node ("": the node's, with
+    # torch and Flightdeck), run as "python" in `command`.
+    python: Annotated[str, Meta(max_length=4096, pattern=NO_NUL_PATTERN)] = ""
+    # Packages beyond the node's (pip requirement specifiers; a path is read from the shipped code): installed once
+    # per node into an environment made from that Python that still sees the node's packages (torch stays).
+    requirements: Annotated[list[Arg], Meta(max_length=256)] = []
 
 
 class InitFrom(Spec, frozen=True, kw_only=True):

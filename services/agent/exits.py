@@ -17,10 +17,12 @@ from dataclasses import dataclass, field
 import msgspec
 import structlog
 
+from events.checkpoint import CheckpointRejected
 from events.codec import MAX_CAUSE
 from events.history import append_to_job
 from events.job import RankExit, exits_record
 from events.store import EventStore
+from services.agent.core import Restore
 from services.agent.launch import exit_msg_id
 
 log = structlog.get_logger("flightdeck.agent.exits")
@@ -52,6 +54,16 @@ class ExitRecorder:
         self.handed: dict[Key, set[int]] = {}  # ranks whose exits were handed over, recorded or on their way
         self.pending: dict[Key, _Batch] = {}
         self.inflight: dict[Key, asyncio.Task[None]] = {}
+
+    async def rejected(self, job_id: str, attempt: int, checkpoint: Restore, why: str, causation_id: str) -> None:
+        """Record a bad checkpoint before the exits it causes: the scheduler then restarts from an older one
+        without spending the job's restart budget, and a postmortem names it. Once per attempt and checkpoint."""
+        log.error("checkpoint rejected", job_id=job_id, checkpoint_id=checkpoint.checkpoint_id, cause=why)
+        mid = f"{self.producer}:reject:{job_id}:{attempt}:{checkpoint.checkpoint_id}"
+        event = CheckpointRejected(job_id=job_id, checkpoint_id=checkpoint.checkpoint_id, step=checkpoint.step,
+                                   attempt=attempt, node=self.node, cause=why[-MAX_CAUSE:], event_id=mid,
+                                   occurred_at=time.time(), causation_id=causation_id, producer=self.producer)
+        await self.retrying("recording CheckpointRejected", lambda: append_to_job(self.store, event, msg_id=mid))
 
     def stopping(self, job_id: str, attempt: int) -> None:
         self.stopped.add((job_id, attempt))

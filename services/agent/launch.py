@@ -97,16 +97,18 @@ def detached(producer: str, **context: Any) -> None:
     structlog.contextvars.bind_contextvars(service=producer, **context)
 
 
-def rank_command(args: SpawnArgs, launch: Launch, code_dir: Path | None = None) -> tuple[list[str], Path]:
-    """What a rank runs, and where: the job's entrypoint, or the built-in trainer. "python" is this node's
-    Python (the one with torch and Flightdeck). A job that shipped its code runs in `code_dir` (this node's copy,
-    codecache.py); one that did not, in its cwd on the node (relative: to the agent's working directory)."""
+def rank_command(args: SpawnArgs, launch: Launch, code_dir: Path | None = None,
+                 python: str | None = None) -> tuple[list[str], Path]:
+    """What a rank runs, and where: the job's entrypoint, or the built-in trainer. "python" is `python` (the job's
+    own, envs.py), else this node's Python (the one with torch and Flightdeck). A job that shipped its code runs in
+    `code_dir` (this node's copy, codecache.py); one that did not, in its cwd on the node (relative: to the agent's
+    working directory)."""
     entry = args.spec.entrypoint
     if entry is None:
         return [launch.python, "-m", "trainer"], REPO
     argv = list(entry.command)
     if argv[0] in ("python", "python3"):
-        argv[0] = launch.python
+        argv[0] = python or launch.python
     if code_dir is not None:
         return argv, code_dir
     return argv, Path.cwd() / entry.cwd if entry.cwd else Path.cwd()

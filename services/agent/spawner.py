@@ -17,8 +17,6 @@ import structlog
 
 from events import nodelocal as nl
 from events import ranklink
-from events.checkpoint import CheckpointRejected
-from events.codec import MAX_CAUSE
 from events.heartbeats import LocalBeat
 from events.history import append_to_job
 from events.job import RankExit, SlotRef, WorkersStarted
@@ -38,12 +36,12 @@ from services.agent.core import (
     TELL,
     EvictArgs,
     PrefetchArgs,
-    Restore,
     SelfCheckArgs,
     SpawnArgs,
     StopArgs,
     TellArgs,
 )
+from services.agent.envs import EnvCache, EnvError
 from services.agent.exits import ExitRecorder
 from services.agent.inventory import Verdict, recheck
 from services.agent.launch import Launch, Paths, detached, die_with_agent, fired_faults, rank_command, rank_env_of
@@ -73,6 +71,7 @@ class Spawner:
         self.pids: dict[int, tuple[str, int, int]] = {}  # a live rank's pid -> (job, attempt, rank), from its start
         self.cache = CheckpointCache(node_paths=paths, objects=objects, producer=producer)
         self.codes = CodeCache(root=paths.root, objects=objects)
+        self.envs = EnvCache(root=paths.root)
         self.shipper = Shipper(node=node, producer=producer, store=store, objects=objects, staging=paths.staging,
                                snapshots=paths.snapshots)
         self.relay: BeatRelay | None = None  # the heartbeat relay (node heartbeats): it beats for live attempts
@@ -147,11 +146,15 @@ class Spawner:
                                            "spec with `flightdeck submit`, which chooses one", unrunnable=True)
         try:
             code_dir = await self.codes.folder(args.spec, {p.code for p in self.procs.values() if p.alive})
+            python = await self.envs.python(args.spec.entrypoint, code_dir, self.launch.python) \
+                if args.spec.entrypoint else None
         except CodeError as exc:  # missing, damaged or unsafe: a restart would fetch the same
             return await self._not_started(args, f"cannot run the job's code: {exc}", unrunnable=True)
+        except EnvError as exc:  # the same again in the next attempt fails the job (policy.fail_fast)
+            return await self._not_started(args, str(exc), error=exc.error)
         except ObjectStoreError as exc:
             return await self._not_started(args, f"fetching the job's code failed: {exc!r}")
-        cmd, cwd = rank_command(args, self.launch, code_dir)
+        cmd, cwd = rank_command(args, self.launch, code_dir, python)
         entry_env = args.spec.entrypoint.env if args.spec.entrypoint is not None else {}
         if (problem := runnable_problem(cmd, cwd, entry_env.get("PATH") or os.environ.get("PATH", ""))) is not None:
             return await self._not_started(args, problem, unrunnable=True)
@@ -161,7 +164,7 @@ class Spawner:
             try:
                 restore = await self.cache.verified_copy(args.job_id, args.restore)
             except (manifest.CorruptCheckpoint, manifest.CheckpointMissing) as exc:
-                await self._rejected(args.job_id, args.attempt, args.restore, str(exc), args.grant_id)
+                await self.exits.rejected(args.job_id, args.attempt, args.restore, str(exc), args.grant_id)
                 return await self._not_started(args, f"restore {args.restore.checkpoint_id} failed: {exc!r}")
             except Exception as exc:  # a checkpoint we cannot verify is never loaded, nor silently skipped
                 return await self._not_started(args, f"restore {args.restore.checkpoint_id} failed: {exc!r}")
@@ -288,20 +291,11 @@ class Spawner:
         if (going := self.going.pop(pid, None)) is not None and not going.done():
             going.set_result(None)
 
-    async def _rejected(self, job_id: str, attempt: int, checkpoint: Restore, why: str, causation_id: str) -> None:
-        """Record a bad checkpoint before the exits it causes: the scheduler then restarts from an older one
-        without spending the job's restart budget, and a postmortem names it. Once per attempt and checkpoint."""
-        log.error("checkpoint rejected", job_id=job_id, checkpoint_id=checkpoint.checkpoint_id, cause=why)
-        mid = f"{self.producer}:reject:{job_id}:{attempt}:{checkpoint.checkpoint_id}"
-        event = CheckpointRejected(job_id=job_id, checkpoint_id=checkpoint.checkpoint_id, step=checkpoint.step,
-                                   attempt=attempt, node=self.node, cause=why[-MAX_CAUSE:], event_id=mid,
-                                   occurred_at=time.time(), causation_id=causation_id, producer=self.producer)
-        await retrying("recording CheckpointRejected", lambda: append_to_job(self.store, event, msg_id=mid))
-
-    async def _not_started(self, args: SpawnArgs, reason: str, *, unrunnable: bool = False) -> list[Emit]:
+    async def _not_started(self, args: SpawnArgs, reason: str, *, unrunnable: bool = False,
+                           error: str = "") -> list[Emit]:
         log.error("ranks not started", job_id=args.job_id, attempt=args.attempt, reason=reason)
-        exits = [RankExit(rank=ref.rank, exit_code=START_FAILED_EXIT, cause=reason, unrunnable=unrunnable)
-                 for ref in args.ranks]
+        exits = [RankExit(rank=ref.rank, exit_code=START_FAILED_EXIT, cause=reason, unrunnable=unrunnable,
+                          error=error, early=bool(error)) for ref in args.ranks]
         await self.exits.record(args.job_id, args.attempt, exits, args.grant_id)
         return []
 
@@ -329,8 +323,8 @@ class Spawner:
         if code != 0 and self.paths.snapshots is not None:
             await self._persist(p)
         if code == nl.RESTORE_REFUSED_EXIT and p.restore is not None:
-            await self._rejected(p.job_id, p.attempt, p.restore, f"rank {p.ref.rank} refused it when loading: {tail}",
-                                 p.cause)
+            await self.exits.rejected(p.job_id, p.attempt, p.restore,
+                                      f"rank {p.ref.rank} refused it when loading: {tail}", p.cause)
         exit_ = RankExit(rank=p.ref.rank, exit_code=code, cause=tail, planned=p.shutdown, **told)
         await self.exits.record(p.job_id, p.attempt, [exit_], p.cause)
         self.procs.pop((p.job_id, p.attempt, p.ref.rank), None)

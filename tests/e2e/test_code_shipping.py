@@ -127,3 +127,39 @@ async def test_code_that_cannot_be_shipped_or_run_says_why(drill: Platform, tmp_
     (failed,) = p.seen(JobFailed, job)
     assert "cannot run the job's code" in failed.reason and "not restarted: the job's command cannot run" in \
         failed.reason
+
+
+async def test_a_job_s_requirements_are_installed_on_the_node_and_kept(drill: Platform, tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`requirements` in the spec: the agent installs them once into an environment the ranks run in, the node's
+    torch and Flightdeck still theirs; the next job asking for the same gets that environment as it is."""
+    from tests.integration.test_job_envs import a_wheel
+
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # the agent's pip: everything it needs is in the shipped folder
+    p = drill
+    folder = tmp_path / "project"
+    folder.mkdir()
+    a_wheel(folder)
+    (folder / "train.py").write_text(
+        "import fdtestpkg, torch, flightdeck\nrun = flightdeck.init()\n"
+        "print('job env says', fdtestpkg.VALUE, 'torch', torch.__version__, flush=True)\n"
+        "for step in run.steps():\n    run.report(step, 1.0)\n")
+    (folder / "job.toml").write_text('name = "envjob"\nslots = 1\n[entrypoint]\ncommand = ["python", "train.py"]\n'
+                                     'requirements = ["./fdtestpkg-1.0-py3-none-any.whl"]\n'
+                                     '[train]\nsteps = 3\ncheckpoint_every = 3\n')
+    p.agent("n1", "--slots", "1")
+    await p.ready("n1")
+    jobs = []
+    for _ in range(2):
+        done = submit(p, folder)
+        assert done.returncode == 0, done.stderr
+        job = done.stdout.strip()
+        jobs.append(job)
+        await p.until(lambda: bool(p.seen(JobCompleted, job) or p.seen(JobFailed, job)), 180, "the job", job)  # noqa: B023
+        assert p.seen(JobCompleted, job), kinds(p.job(job))
+        import torch
+
+        said = (p.data / "logs" / f"{job}-a0-r0.log").read_text()
+        assert f"job env says from the job env torch {torch.__version__}" in said, said[-2000:]
+    made = [line for line in (p.root / "agent-n1.log").read_text().splitlines() if "job environment made" in line]
+    assert len(made) == 1, made  # the second job took the environment the first one made
