@@ -31,6 +31,18 @@ async def ended(p: Platform, job: str) -> JobFailed | JobCompleted:
     return (p.seen(JobFailed, job) or p.seen(JobCompleted, job))[0]
 
 
+async def script_job(p: Platform, tmp_path: Path, name: str, source: str, *agent: str,
+                     **policy: float) -> tuple[str, JobFailed | JobCompleted]:
+    """A job of one rank running `source` as its script, on a fresh one-slot agent, with 3 restarts; its end."""
+    script = tmp_path / "train.py"
+    script.write_text(source)
+    p.agent("n1", "--slots", "1", *agent)
+    await p.ready("n1")
+    job = f"{name}-000001"
+    await p.submit(user_job(name, ["python", str(script)], restarts=3, **policy), job)
+    return job, await ended(p, job)
+
+
 async def test_a_command_that_is_not_there_fails_the_job_once_naming_it(drill: Platform, tmp_path: Path) -> None:
     p = drill
     p.agent("n1", "--slots", "1")
@@ -54,13 +66,9 @@ async def test_a_command_that_is_not_there_fails_the_job_once_naming_it(drill: P
 
 async def test_a_script_that_fails_at_import_is_retried_then_failed_quoting_its_traceback(
         drill: Platform, tmp_path: Path) -> None:
-    p, job = drill, "imports-000001"
-    script = tmp_path / "train.py"
-    script.write_text("import flightdeck\nimport no_such_module_for_flightdeck_tests\n")
-    p.agent("n1", "--slots", "1")
-    await p.ready("n1")
-    await p.submit(user_job("imports", ["python", str(script)], restarts=3), job)
-    failed = await ended(p, job)
+    p = drill
+    job, failed = await script_job(p, tmp_path, "imports",
+                                   "import flightdeck\nimport no_such_module_for_flightdeck_tests\n")
     assert isinstance(failed, JobFailed)
     said = "ModuleNotFoundError: No module named 'no_such_module_for_flightdeck_tests'"
     # One restart (the first failure may be the node's), not the whole budget: the same error before the first
@@ -73,14 +81,9 @@ async def test_a_script_that_fails_at_import_is_retried_then_failed_quoting_its_
 
 
 async def test_a_script_reporting_a_wrong_type_fails_with_a_named_rank_fault(drill: Platform, tmp_path: Path) -> None:
-    p, job = drill, "wrongtype-000001"
-    script = tmp_path / "train.py"
-    script.write_text("import flightdeck\nrun = flightdeck.init()\nfor step in run.steps():\n"
-                      "    run.report(step, loss='low')\n")
-    p.agent("n1", "--slots", "1")
-    await p.ready("n1")
-    await p.submit(user_job("wrongtype", ["python", str(script)], restarts=3), job)
-    failed = await ended(p, job)
+    p = drill
+    job, failed = await script_job(p, tmp_path, "wrongtype", "import flightdeck\nrun = flightdeck.init()\n"
+                                   "for step in run.steps():\n    run.report(step, loss='low')\n")
     assert isinstance(failed, JobFailed)
     said = "TypeError: report(loss=...) takes a number or a one-element tensor, got str"
     assert failed.reason == (f"rank 0 exited with code 1: {said}; not restarted: the trainer API refused the "
@@ -94,14 +97,10 @@ async def test_a_script_reporting_a_wrong_type_fails_with_a_named_rank_fault(dri
 
 async def test_a_script_that_never_calls_the_api_is_found_silent_like_a_lost_rank(
         drill: Platform, tmp_path: Path) -> None:
-    p, job = drill, "silent-000001"
-    script = tmp_path / "train.py"
-    script.write_text("import time\nprint('training without telling anyone', flush=True)\ntime.sleep(600)\n")
-    p.agent("n1", "--slots", "1", "--grace-s", "1")
-    await p.ready("n1")
+    p = drill
     # The grace covers the agent's start of the rank too: 4 s was too little for it on a loaded CI box.
-    await p.submit(user_job("silent", ["python", str(script)], restarts=3, startup_grace_s=12.0), job)
-    failed = await ended(p, job)
+    job, failed = await script_job(p, tmp_path, "silent", "import time\nprint('training without telling anyone', "
+                                   "flush=True)\ntime.sleep(600)\n", "--grace-s", "1", startup_grace_s=12.0)
     assert isinstance(failed, JobFailed)
     lost = p.seen(RankLost, job)
     assert [(x.rank, x.attempt, x.never_heard) for x in lost] == [(0, 0, True), (0, 1, True)]
@@ -114,13 +113,8 @@ async def test_a_script_that_never_calls_the_api_is_found_silent_like_a_lost_ran
 async def test_a_script_that_exits_0_without_calling_the_api_is_no_completion(
         drill: Platform, tmp_path: Path) -> None:
     """Exit 0 means every step ran; a script that never called flightdeck.init() ran none that anyone saw."""
-    p, job = drill, "noinit-000001"
-    script = tmp_path / "train.py"
-    script.write_text("print('trained, says the script', flush=True)\n")
-    p.agent("n1", "--slots", "1")
-    await p.ready("n1")
-    await p.submit(user_job("noinit", ["python", str(script)], restarts=3), job)
-    failed = await ended(p, job)
+    p = drill
+    job, failed = await script_job(p, tmp_path, "noinit", "print('trained, says the script', flush=True)\n")
     assert isinstance(failed, JobFailed), kinds(p.job(job))
     assert failed.reason == ("rank 0 exited with code 0 without calling flightdeck.init(): trained, says the "
                              "script; not restarted: attempt 0 failed the same way before its first step, so a "
