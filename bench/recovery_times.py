@@ -7,6 +7,11 @@ after 3 s, a checkpoint every 5 steps) with the fault, and reads the job's histo
     .venv/bin/python bench/recovery_times.py                      # crash, hang, lost_node, spike; 2 runs each
     .venv/bin/python bench/recovery_times.py --faults crash --runs 3 --out bench/results/cpu-recovery.json
     .venv/bin/python bench/recovery_times.py --faults crash,hang --snapshot-every 0,1 --checkpoint-every 25
+    .venv/bin/python bench/recovery_times.py --faults crash --envs none,HF_HUB_OFFLINE=1,PYTHONHASHSEED=0 --runs 3
+
+`--envs` runs each fault as an entrypoint job (`python -m trainer`, the built-in trainer as a user's command) once
+per setting, interleaved: `none` with no `entrypoint.env`, `NAME=VALUE` with that one variable. A variable read only
+after the script starts keeps the warm standbys; one that acts before it (nodelocal.acts_early) starts ranks cold.
 
 `--snapshot-every 0,1` runs each fault without host snapshots and with one every step (train.snapshot_every),
 interleaved; every run reports `redone`: the steps rank 0 had done before the fault that the job did again (its
@@ -57,7 +62,7 @@ from events.commands import RollbackRequested  # noqa: E402
 from events.findings import LossSpikeDetected  # noqa: E402
 from events.fleet import NodeLost  # noqa: E402
 from events.job import AllocationGranted, JobCompleted, JobFailed, JobResumed, WorkersExited, WorkersStarted  # noqa: E402
-from events.spec import FaultSpec, JobSpec  # noqa: E402
+from events.spec import EntrypointSpec, FaultSpec, JobSpec  # noqa: E402
 from events.training import FaultInjected, RankStarted, RolledBack, StepCompleted  # noqa: E402
 from services.shell import broker  # noqa: E402
 from tests.e2e.drill_harness import (  # noqa: E402
@@ -141,9 +146,19 @@ def arrival(p: Platform, kind: type, job_id: str, pick: Any = lambda e: True) ->
                 and subjects.job_of(s.stored.subject) == job_id and pick(s.stored.event))
 
 
+def as_entrypoint(spec: JobSpec, setting: str) -> JobSpec:
+    """`spec` run as a user's command would be: the built-in trainer named in [entrypoint], with `setting`
+    ("NAME=VALUE", or "none") as its only `entrypoint.env`."""
+    env = dict([setting.split("=", 1)]) if setting != "none" else {}
+    entry = EntrypointSpec(command=["python", "-m", "trainer"], cwd=str(ROOT), env=env)
+    return msgspec.structs.replace(spec, entrypoint=entry)
+
+
 async def one_run(fault: str, n: int, standby: int | None = None, snapshot_every: int = 1,
-                  checkpoint_every: int = 5, overhead: float = 0.02) -> dict[str, float]:
+                  checkpoint_every: int = 5, overhead: float = 0.02, env: str = "") -> dict[str, float]:
     spec = spec_for(fault, snapshot_every, checkpoint_every, overhead)
+    if env:
+        spec = as_entrypoint(spec, env)
     job = f"{spec.name}-{n:06x}"
     offset = time.time() - time.monotonic()  # rank clocks (wall) onto the bench's monotonic timeline
     with tempfile.TemporaryDirectory(prefix="fd-recovery-") as tmp:
@@ -223,16 +238,17 @@ def spike_marks(p: Platform, job: str, offset: float) -> dict[str, float]:
 
 
 async def bench(faults: list[str], runs: int, standby: int | None = None, snapshots: tuple[int, ...] = (1,),
-                checkpoint_every: int = 5, overhead: float = 0.02) -> dict[str, list[dict[str, float]]]:
-    def label(fault: str, every: int) -> str:
-        return fault if len(snapshots) == 1 else f"{fault}/snap{every}"
+                checkpoint_every: int = 5, overhead: float = 0.02,
+                envs: tuple[str, ...] = ("",)) -> dict[str, list[dict[str, float]]]:
+    def label(fault: str, every: int, env: str) -> str:
+        return (fault if len(snapshots) == 1 else f"{fault}/snap{every}") + (f"/{env}" if env else "")
 
-    results: dict[str, list[dict[str, float]]] = {label(f, s): [] for f in faults for s in snapshots}
+    results: dict[str, list[dict[str, float]]] = {label(f, s, e): [] for f in faults for s in snapshots for e in envs}
     for n in range(1, runs + 1):  # interleaved, so a busy spell of the box does not land on one fault only
         for fault in faults:
-            for every in snapshots:
-                key = label(fault, every)
-                results[key].append(await one_run(fault, n, standby, every, checkpoint_every, overhead))
+            for every, env in ((s, e) for s in snapshots for e in envs):
+                key = label(fault, every, env)
+                results[key].append(await one_run(fault, n, standby, every, checkpoint_every, overhead, env))
                 print(f"{key} run {n}: " + json.dumps({k: round(v, 3) for k, v in results[key][-1].items()}),
                       flush=True)
     return results
@@ -249,20 +265,25 @@ def main() -> int:
                     help="comma-separated train.snapshot_every values to run each fault with (0: none)")
     ap.add_argument("--checkpoint-every", type=int, default=5, help="train.checkpoint_every of the crash and hang jobs")
     ap.add_argument("--snapshot-max-overhead", type=float, default=0.02, help="train.snapshot_max_overhead (1: no cap)")
+    ap.add_argument("--envs", default="", help="comma-separated entrypoint.env settings to run each fault with, as "
+                    "an entrypoint job: 'none' or NAME=VALUE")
     args = ap.parse_args()
     snapshots = tuple(int(s) for s in args.snapshot_every.split(",") if s.strip())
     faults = [f for f in args.faults.split(",") if f]
     if args.runs < 1 or not faults or set(faults) - set(FAULTS):
         ap.error(f"--runs must be at least 1 and --faults a list of {', '.join(FAULTS)}")
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
+    envs = tuple(e for e in args.envs.split(",") if e) or ("",)
+    if any(e != "none" and "=" not in e for e in envs if e):
+        ap.error("--envs takes 'none' or NAME=VALUE settings, comma-separated")
     results = asyncio.run(bench(faults, args.runs, args.standby, snapshots, args.checkpoint_every,
-                                args.snapshot_max_overhead))
+                                args.snapshot_max_overhead, envs))
     median = {f: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for f, rs in results.items()}
     report = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                           "platform": platform.platform()},
               "policy": {"heartbeat_interval_s": 0.5, "heartbeat_misses": 4, "hang_min_s": 3.0,
                          "checkpoint_every": args.checkpoint_every, "snapshot_every": list(snapshots),
-                         "snapshot_max_overhead": args.snapshot_max_overhead,
+                         "snapshot_max_overhead": args.snapshot_max_overhead, "envs": list(envs),
                          "health_tick_s": 0.5, "agent_grace_s": 2.0},
               "runs": results, "median": median}
     printed: set[str] = set()
