@@ -3,6 +3,7 @@ job's weights alone (`[init_from] what = "model"`): the new job restores exactly
 both histories say so, and the continued job runs only the steps the failed one had not. Before, `resume` and
 `rollback` refused a failed job and the workaround was loading its store folder by hand."""
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -35,8 +36,9 @@ async def test_a_failed_job_is_continued_and_another_starts_from_its_weights(dri
     assert newest.step >= 10, kinds(p.job(old))
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-m", "services.tools.console", "submit", "--resume-from", old,
-                           "--nats", p.url], env=env, capture_output=True, text=True, timeout=120)
+    done = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "services.tools.console", "submit",
+                                                    "--resume-from", old, "--nats", p.url],
+                                   env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     new = done.stdout.strip()
     await p.until(lambda: bool(p.seen(JobCompleted, new) or p.seen(JobFailed, new)), 180, "the continuation", new)

@@ -2,6 +2,7 @@
 Python that still sees the node's torch and Flightdeck, kept for the next attempt and any job with the same list;
 a requirement that cannot be installed is one clear error, and leaves nothing half made."""
 
+import asyncio
 import subprocess
 import sys
 import zipfile
@@ -41,8 +42,9 @@ async def test_requirements_are_installed_once_beside_the_node_s_torch(tmp_path:
     assert python is not None and Path(python).parent.parent.parent == tmp_path / "node" / "envs"
     import torch
 
-    ran = subprocess.run([python, "-c", "import fdtestpkg, torch; print(fdtestpkg.VALUE, torch.__version__)"],
-                         capture_output=True, text=True, timeout=120)
+    ran = await asyncio.to_thread(subprocess.run, [python, "-c", "import fdtestpkg, torch; "
+                                                   "print(fdtestpkg.VALUE, torch.__version__)"],
+                                  capture_output=True, text=True, timeout=120)
     assert ran.stdout.split() == ["from", "the", "job", "env", torch.__version__], ran.stderr
     marker = Path(python).parent.parent / "kept"
     marker.touch()
@@ -59,7 +61,8 @@ async def test_requirements_are_installed_once_beside_the_node_s_torch(tmp_path:
 async def test_the_job_s_own_interpreter_is_used_as_named(tmp_path: Path) -> None:
     assert interpreter(EntrypointSpec(command=["python"], python=sys.executable)) == sys.executable
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
+                            timeout=120)
     assert interpreter(EntrypointSpec(command=["python"], python=str(venv))) == str(venv / "bin" / "python")
     cache = EnvCache(root=tmp_path / "node")
     assert await cache.python(EntrypointSpec(command=["python"], python=str(venv)), None) == str(venv / "bin/python")

@@ -16,7 +16,6 @@ import pytest
 from events import nodelocal as nl
 from tests.trainer import ranks
 
-
 STEPS, EVERY, CRASH_AT = 30, 5, 17
 SCRIPT = """\
 import json, os, sys
