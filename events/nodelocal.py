@@ -36,10 +36,6 @@ RESTORE_REFUSED_EXIT = 65  # EX_DATAERR
 # outside the platform such as an eviction, or a script that left run.steps() early) exits with this, so its
 # exit reads as a fault to restart, never as the job's completion.
 STOPPED_EXIT = 75  # EX_TEMPFAIL: try again
-# A rank whose collective broke because another rank went away (a crash, a lost node) exits with this at once, with
-# one line saying so: the first news of a lost node's ranks, so it restarts the job as fast as any exit, but it is
-# not a failure of this rank (no RankFault, no traceback in its output).
-PEER_GONE_EXIT = 76
 # Batch windows a restore skips on top of its checkpoint's own ("40:45,50:60"): rollbacks decided back to that
 # checkpoint after it was written (events/lineage.restore_skips).
 RESTORE_SKIPS_ENV = "FLIGHTDECK_RESTORE_SKIPS"

@@ -4,11 +4,13 @@ whether every step ran (0 only then: events/nodelocal.py STOPPED_EXIT)."""
 import contextlib
 import os
 import sys
+import time
 from typing import Any
 
 import structlog
 
-from events.nodelocal import PEER_GONE_EXIT, STOPPED_EXIT
+from events.commands import StopRequested
+from events.nodelocal import STOPPED_EXIT
 from events.training import RankFault
 from trainer.session import Run
 from trainer.usage import is_refusal
@@ -19,6 +21,7 @@ log = structlog.get_logger("trainer")
 # A peer's death breaks every collective it was in: this is how torch says so on the ranks that survive it.
 PEER_GONE = ("This is typically caused by a remote worker crashing", "Connection closed by peer",
              "Connection reset by peer", "NCCL communicator was aborted")
+PEER_STOP_WAIT_S = 15.0  # for the platform's stop, after a collective broke under a surviving rank
 
 
 def peer_broke(exc: BaseException) -> bool:
@@ -27,23 +30,34 @@ def peer_broke(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(sign in text for sign in PEER_GONE)
 
 
+def stopped_with_job(run: Run, wait_s: float = PEER_STOP_WAIT_S) -> bool:
+    """Whether the platform stops this attempt within `wait_s`: a StopRequested down the link, a SIGTERM from the
+    agent, or the agent gone. The scheduler decides on the peer's exit in well under a second."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if run.sigterm or run.inbox.gone or any(isinstance(c, StopRequested) for c in run.inbox.poll()):
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def fail_hook(run: Run) -> Any:
     """A sys.excepthook that records an uncaught exception as RankFault before Python prints it. A survivor whose
-    collective broke because a peer went away is not failed: it exits at once with PEER_GONE_EXIT and a line saying
-    so (its exit is the first news of a lost node), instead of a traceback that read as a second failure."""
+    collective broke because a peer died is not failed: once the platform stops the job it exits as stopped, saying
+    so in a line, instead of a traceback that read as a second failure in `flightdeck logs`."""
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
         text = f"{kind.__name__}: {exc}"
-        if not run.closed and run.cfg.platform and peer_broke(exc):
-            log.warning("stopping: another rank of this job went away and broke the collective this rank was in; "
-                        "not a fault of this rank", step=run.step, error=text.splitlines()[0][:300])
+        if not run.closed and run.cfg.platform and peer_broke(exc) and stopped_with_job(run):
+            log.warning("stopping with the job: a peer of this rank failed and broke the collective it was in; not "
+                        "a fault of this rank", step=run.step, error=text.splitlines()[0][:300])
             run.finished, run.stopped, run.closed = False, True, True
             run.emitter.close()
             for stream in (sys.stdout, sys.stderr):
                 with contextlib.suppress(Exception):
                     stream.flush()
-            os._exit(PEER_GONE_EXIT)
+            os._exit(STOPPED_EXIT)
         if not run.closed:
             usage = is_refusal(exc)
             run.emitter.emit(RankFault(kind="cuda" if "CUDA" in text else "exception", error_type=kind.__name__,

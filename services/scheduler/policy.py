@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from events.findings import RankHung, RankLost, StragglerDetected
 from events.job import RankExit, WorkersExited, failed
-from events.nodelocal import PEER_GONE_EXIT, RESTORE_REFUSED_EXIT, STOPPED_EXIT
+from events.nodelocal import RESTORE_REFUSED_EXIT, STOPPED_EXIT
 from services.scheduler.state import Job
 
 
@@ -32,9 +32,6 @@ def fault_reason(event: WorkersExited | RankLost | RankHung | StragglerDetected)
         case WorkersExited(rank=rank, exit_code=code, cause=cause, unrunnable=unrunnable, others=others) \
                 if failed(event.exits()[0]):
             how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-            if code == PEER_GONE_EXIT:
-                how = (f"stopped (exit {code}): another rank went away and broke the collective it was in, not a "
-                       "fault of its own")
             if code == STOPPED_EXIT:
                 how = (f"stopped before its last step (exit {code}: a SIGTERM from outside the platform, e.g. an "
                        "eviction or a node shutting down, or a script that left run.steps() early)")
@@ -79,8 +76,7 @@ def after_bad_checkpoint(job: Job, reason: str) -> Recovery:
 def early_way(x: RankExit) -> str:
     """How a rank failed before its first step, in words compared across attempts ("" if it did not, or if its
     way says nothing of the code: a signal or a stop from outside, a checkpoint it refused)."""
-    if not x.early or x.exit_code < 0 or x.exit_code in (STOPPED_EXIT, PEER_GONE_EXIT, RESTORE_REFUSED_EXIT) \
-            or x.unrunnable:
+    if not x.early or x.exit_code < 0 or x.exit_code in (STOPPED_EXIT, RESTORE_REFUSED_EXIT) or x.unrunnable:
         return ""
     return f"exit {x.exit_code}" + (" without calling flightdeck.init()" if x.unlinked else "") + \
         (f": {x.error}" if x.error else "")

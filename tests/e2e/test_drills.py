@@ -9,7 +9,7 @@ from events.checkpoint import CheckpointCommitted, CheckpointDeleted
 from events.findings import RankHung, RankLost
 from events.heartbeats import RankHeartbeats
 from events.job import AllocationGranted, JobCompleted, JobFailed, JobResumed, WorkersExited
-from events.nodelocal import PEER_GONE_EXIT
+from events.nodelocal import STOPPED_EXIT
 from events.spec import FaultSpec
 from events.training import FaultInjected, Heartbeat, RankFault, RankStarted
 from tests.e2e.drill_harness import CRASH_AT, crash_spec, drill_spec, lineage_gaps, wait_lineage
@@ -45,9 +45,9 @@ async def test_a_crashed_rank_is_restarted_from_the_newest_checkpoint(drill: Pla
     assert p.seen(JobCompleted, job), kinds(p.job(job))
     exits = {(e.attempt, e.rank): e.exit_code for e in p.rank_exits(job)}
     assert exits[(0, 1)] == 3 and exits[(1, 0)] == exits[(1, 1)] == 0
-    # The survivor's collective broke when rank 1 died: it stops, saying so, and is not failed (its exit is
-    # PEER_GONE_EXIT or the stop's signal, never 1; no RankFault of its own; no traceback in its log).
-    assert exits[(0, 0)] in (PEER_GONE_EXIT, -15, -9), exits
+    # The survivor's collective broke when rank 1 died: it stops with the job, saying so, and is not failed (its
+    # exit is 75 or the stop's signal, never 1; no RankFault of its own; no traceback in its log).
+    assert exits[(0, 0)] in (STOPPED_EXIT, -15, -9), exits
     assert not [e for e in p.seen(RankFault, job, stream=subjects.TELEMETRY) if e.rank == 0]
     assert "Traceback" not in (p.data / "logs" / f"{job}-a0-r0.log").read_text()
     (resumed,) = p.seen(JobResumed, job)

@@ -63,7 +63,6 @@ def test_a_different_error_a_failure_after_a_step_or_a_signal_keeps_the_retries(
         ({"error": IMPORT, "early": False}, {"error": IMPORT, "early": True}, 1),
         ({"early": True}, {"early": True}, -9),  # killed from outside, twice: a retry may land elsewhere
         ({"early": True}, {"early": True}, 75),  # a SIGTERM from outside (STOPPED_EXIT)
-        ({"early": True}, {"early": True}, 76),  # a peer went away and broke its collective (PEER_GONE_EXIT)
     ]
     for first, second, code in cases:
         state = attempt(None, 0)
@@ -133,11 +132,3 @@ def test_a_rank_never_heard_from_since_its_start_twice_fails_the_job() -> None:
     lost = RankLost(job_id="j-1", rank=0, attempt=1, reason="heartbeats stopped", last_seen=3.0, event_id="l1")
     state, outs = run([lost], state)
     assert failure(outs) is None and state.jobs["j-1"].restarts == 2
-
-
-def test_a_survivor_whose_collective_a_peer_broke_is_named_so_not_failed() -> None:
-    state = attempt(None, 0)
-    state, outs = run([dies(0, 76, early=False)], state)
-    (release,) = [e for e in events_of(outs) if isinstance(e, AllocationReleased)]
-    assert release.reason.startswith("rank 0 stopped (exit 76): another rank went away and broke the collective it "
-                                     "was in, not a fault of its own (with rank 1 on a)")
