@@ -25,7 +25,7 @@ constraints:
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m services.tools.console.demo
+	$(BIN)/python -m flightdeck.services.tools.console.demo
 
 # Whole files go to one of 3 workers (--dist loadfile): a file's tests may share a module-scoped platform.
 TEST_WORKERS ?= 3
@@ -52,7 +52,7 @@ test-integration: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check events services trainer flightdeck tests bench examples
-	$(BIN)/mypy events services trainer flightdeck
+	$(BIN)/mypy -p flightdeck
 
 chaos: $(STAMP)
 	$(PYTEST) -q tests/chaos
@@ -63,11 +63,11 @@ chaos: $(STAMP)
 SOAK_S ?= 3600
 NEMESIS_SCHEDULES ?= 10
 soak: $(STAMP)
-	$(BIN)/python -m services.tools.explore --from 100000 --seeds 100000000 --budget-s $(SOAK_S) --jobs 2
+	$(BIN)/python -m flightdeck.services.tools.explore --from 100000 --seeds 100000000 --budget-s $(SOAK_S) --jobs 2
 	FLIGHTDECK_NEMESIS_SCHEDULES=$(NEMESIS_SCHEDULES) $(PYTEST) -q -p no:cacheprovider tests/nemesis
 
 explore: $(STAMP)
-	$(BIN)/python -m services.tools.explore --seeds 1000
+	$(BIN)/python -m flightdeck.services.tools.explore --seeds 1000
 
 # bench/vs_peers.py: Flightdeck against torchrun, DLRover and torchft on the same script and faults, in a venv of
 # its own (the peers' dependencies stay out of the tested install). About 40 minutes on 2 cores.

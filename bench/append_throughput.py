@@ -22,10 +22,10 @@ import nats
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from events import codec, subjects
-from events.jetstream import JetStreamStore
-from events.training import StepCompleted
-from services.shell import broker
+from flightdeck.events import codec, subjects
+from flightdeck.events.jetstream import JetStreamStore
+from flightdeck.events.training import StepCompleted
+from flightdeck.services.shell import broker
 
 
 def steps(n: int, tag: str) -> list[tuple[str, StepCompleted]]:

@@ -22,18 +22,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from flightdeck.events import subjects
+from flightdeck.events.archive import HistoryArchived
+from flightdeck.events.base import Event
+from flightdeck.events.heartbeats import RankBeat, RankHeartbeats
+from flightdeck.events.jetstream import JetStreamStore
+from flightdeck.events.training import StepCompleted
+from flightdeck.services.archiver.core import Ask
+from flightdeck.services.archiver.service import archive
+from flightdeck.services.shell import broker
+from flightdeck.services.shell.objects.local import LocalStore
+from flightdeck.services.tools.history.archived import stream_rows
+
 from bench.read_history import config_without_fsync
-from events import subjects
-from events.archive import HistoryArchived
-from events.base import Event
-from events.heartbeats import RankBeat, RankHeartbeats
-from events.jetstream import JetStreamStore
-from events.training import StepCompleted
-from services.archiver.core import Ask
-from services.archiver.service import archive
-from services.shell import broker
-from services.shell.objects.local import LocalStore
-from services.tools.history.archived import stream_rows
 
 JOB, OTHER, RANKS = "bench-000001", "other-000001", 8
 

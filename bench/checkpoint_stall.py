@@ -25,10 +25,10 @@ import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from events.base import RankEvent
-from trainer import distributed
-from trainer.checkpointing import Checkpointer
-from trainer.cursor import BatchCursor
+from flightdeck.events.base import RankEvent
+from flightdeck.trainer import distributed
+from flightdeck.trainer.checkpointing import Checkpointer
+from flightdeck.trainer.cursor import BatchCursor
 
 CHUNK = 1 << 22  # elements per tensor: a model's state is many tensors, not one
 

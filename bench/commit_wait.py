@@ -28,12 +28,13 @@ import msgspec
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from events import subjects  # noqa: E402
-from events.checkpoint import CheckpointCommitted, CheckpointPending  # noqa: E402
-from events.job import AllocationRequested, JobCompleted, JobFailed, JobQueued, JobResumed  # noqa: E402
-from events.spec import FaultSpec, ModelSpec  # noqa: E402
-from events.training import FaultInjected, StepCompleted  # noqa: E402
-from services.shell import broker  # noqa: E402
+from flightdeck.events import subjects  # noqa: E402
+from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointPending  # noqa: E402
+from flightdeck.events.job import AllocationRequested, JobCompleted, JobFailed, JobQueued, JobResumed  # noqa: E402
+from flightdeck.events.spec import FaultSpec, ModelSpec  # noqa: E402
+from flightdeck.events.training import FaultInjected, StepCompleted  # noqa: E402
+from flightdeck.services.shell import broker  # noqa: E402
+
 from tests.e2e.drill_harness import drill_spec, paced, start_drill  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "cpu-commit-wait.json"

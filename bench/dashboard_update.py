@@ -22,15 +22,15 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from events.fleet import NodeRegistered
-from events.heartbeats import RankBeat, RankHeartbeats
-from events.job import JobSubmitted
-from events.spec import JobSpec, TrainSpec
-from events.store import Stored
-from events.training import StepCompleted
-from services.tools.web.figures import Figures
-from services.tools.web.metrics import Live
-from services.tools.web.page import snapshot
+from flightdeck.events.fleet import NodeRegistered
+from flightdeck.events.heartbeats import RankBeat, RankHeartbeats
+from flightdeck.events.job import JobSubmitted
+from flightdeck.events.spec import JobSpec, TrainSpec
+from flightdeck.events.store import Stored
+from flightdeck.events.training import StepCompleted
+from flightdeck.services.tools.web.figures import Figures
+from flightdeck.services.tools.web.metrics import Live
+from flightdeck.services.tools.web.page import snapshot
 
 JOB = "big-000001"
 PER_NODE = 8

@@ -24,13 +24,14 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from flightdeck.events import subjects
+from flightdeck.events.history import append_to_job, version_of
+from flightdeck.events.jetstream import JetStreamStore
+from flightdeck.events.job import WorkersStarted
+from flightdeck.events.store import ConcurrencyConflict
+from flightdeck.services.shell.logging import configure
+
 from bench.sim import platform as plat
-from events import subjects
-from events.history import append_to_job, version_of
-from events.jetstream import JetStreamStore
-from events.job import WorkersStarted
-from events.store import ConcurrencyConflict
-from services.shell.logging import configure
 
 
 def record(job: str, k: int) -> WorkersStarted:

@@ -31,10 +31,10 @@ import structlog
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from services.agent.forkserver import ForkServer
-from services.agent.inventory import Inventory, selfcheck
-from services.agent.launch import REPO, die_with_agent, standby_env
-from services.agent.standbys import StandbyPool
+from flightdeck.services.agent.forkserver import ForkServer
+from flightdeck.services.agent.inventory import Inventory, selfcheck
+from flightdeck.services.agent.launch import REPO, die_with_agent, standby_env
+from flightdeck.services.agent.standbys import StandbyPool
 
 
 def children_cpu() -> float:

@@ -18,9 +18,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from events.clock import ClockTick
-from events.spec import PolicySpec
-from services.health.core import NAME
+from flightdeck.events.clock import ClockTick
+from flightdeck.events.spec import PolicySpec
+from flightdeck.services.health.core import NAME
+
 from tests.unit.health_synth import SERVICE, Cluster, steady_second
 
 

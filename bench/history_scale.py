@@ -6,7 +6,7 @@ ranks run `--steps-per-turn` steps per simulated 0.1 s (so the history grows wit
 cost): steps, heartbeat batches, the health monitor's ticks with their telemetry positions, checkpoints every
 `--checkpoint-every` steps and their commits. The job's history is then checked as the CLI does it, in process:
 
-    verify      services.tools.audit.verify.verify over the store, the four cores the explorer verifies
+    verify      flightdeck.services.tools.audit.verify.verify over the store, the four cores the explorer verifies
     resumed     the same, going on from the mark of a clean verify of the history cut at 90% of its control
                 (services/tools/audit/resume.py), over what the CLI reads then: what came after the mark
     postmortem  services.tools.history.read.job_history, then services.tools.postmortem.analysis.analyse
@@ -33,18 +33,18 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from events import subjects
-from events.clock import ClockTick
-from events.spec import JobSpec, TrainSpec
-from events.store import MemoryStore
-from services import registry
-from services.tools.audit import cores, resume
-from services.tools.audit.verify import verify
-from services.tools.explore.invariants import VERIFIED
-from services.tools.explore.ranks import Attempt, Ranks
-from services.tools.explore.world import POLICY, Plan, World
-from services.tools.history.read import job_history
-from services.tools.postmortem.analysis import analyse
+from flightdeck.events import subjects
+from flightdeck.events.clock import ClockTick
+from flightdeck.events.spec import JobSpec, TrainSpec
+from flightdeck.events.store import MemoryStore
+from flightdeck.services import registry
+from flightdeck.services.tools.audit import cores, resume
+from flightdeck.services.tools.audit.verify import verify
+from flightdeck.services.tools.explore.invariants import VERIFIED
+from flightdeck.services.tools.explore.ranks import Attempt, Ranks
+from flightdeck.services.tools.explore.world import POLICY, Plan, World
+from flightdeck.services.tools.history.read import job_history
+from flightdeck.services.tools.postmortem.analysis import analyse
 
 RESULTS = Path(__file__).resolve().parent / "results" / "cpu-history-scale.json"
 EVENTS_PER_STEP = 2.0  # two ranks' StepCompleted, and per 200 steps a few heartbeat batches and ticks: measured

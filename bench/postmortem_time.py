@@ -4,8 +4,8 @@ A synthetic history (services/tools/postmortem/synthetic.py: N ranks' steps, hea
 monitor's clock, a crash, a loss spike and a hang with their detections, decisions and recoveries) is written as
 an .fdh file, then timed end to end as `flightdeck postmortem --from FILE` does it:
 
-    load      services.tools.history.fdh.load: parse, check and decode every row
-    analyse   services.tools.postmortem.analyse: the single pass, incidents, goodput, timeline
+    load      flightdeck.services.tools.history.fdh.load: parse, check and decode every row
+    analyse   flightdeck.services.tools.postmortem.analyse: the single pass, incidents, goodput, timeline
     plots     the three PNGs (curves reduced to at most 2,000 points)
     report    report.md and report.html (PNGs inlined)
 
@@ -31,12 +31,12 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from events import codec
-from services.tools.history import fdh
-from services.tools.postmortem.analysis import analyse
-from services.tools.postmortem.plots import draw_all
-from services.tools.postmortem.report import blocks, html_page, markdown
-from services.tools.postmortem.synthetic import Scenario, synthesise
+from flightdeck.events import codec
+from flightdeck.services.tools.history import fdh
+from flightdeck.services.tools.postmortem.analysis import analyse
+from flightdeck.services.tools.postmortem.plots import draw_all
+from flightdeck.services.tools.postmortem.report import blocks, html_page, markdown
+from flightdeck.services.tools.postmortem.synthetic import Scenario, synthesise
 
 RESULTS = Path(__file__).resolve().parent / "results" / "cpu-postmortem-time.json"
 

@@ -22,7 +22,8 @@ args = ap.parse_args()
 root = args.tree.resolve()
 sys.path.insert(0, str(root))
 
-from services.shell import broker as broker_mod  # noqa: E402
+from flightdeck.services.shell import broker as broker_mod  # noqa: E402
+
 from tests.conftest import ensure_streams_at  # noqa: E402
 from tests.trainer import ranks  # noqa: E402
 
@@ -43,7 +44,7 @@ try:
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(broker_mod.free_port()), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
     log = tmp / "events.jsonl"
-    cmd = [sys.executable, "-m", "trainer", "--job-id", "job-t", "--spec", str(spec), "--device", "cpu",
+    cmd = [sys.executable, "-m", "flightdeck.trainer", "--job-id", "job-t", "--spec", str(spec), "--device", "cpu",
            "--staging", str(tmp / "staging"), "--events-log", str(log), *flags]
     with (tmp / "rank.log").open("wb") as out:
         proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT)

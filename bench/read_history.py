@@ -23,12 +23,12 @@ from nats.aio.msg import Msg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from events import codec, subjects
-from events.base import Event
-from events.clock import ClockTick
-from events.jetstream import JetStreamStore
-from events.job import AllocationRequested, JobQueued, WorkersExited
-from services.shell import broker
+from flightdeck.events import codec, subjects
+from flightdeck.events.base import Event
+from flightdeck.events.clock import ClockTick
+from flightdeck.events.jetstream import JetStreamStore
+from flightdeck.events.job import AllocationRequested, JobQueued, WorkersExited
+from flightdeck.services.shell import broker
 
 
 def history(n: int, jobs: int = 100) -> list[tuple[str, Event]]:

@@ -1,17 +1,18 @@
 """Recovery times on CPU: how long the platform takes to notice a fault and to have the job training again, for
 a crashed rank, a hung rank, a lost node and a loss spike, split into the parts the event log can tell apart.
-Each run starts a fresh nats-server, every service (`python -m services NAME`) and the drill's node agents, runs a
-2-rank tiny job (tests/e2e/drill_harness.py: the drill policy, heartbeats every 0.5 s, lost after 4 misses, hung
-after 3 s, a checkpoint every 5 steps) with the fault, and reads the job's history.
+Each run starts a fresh nats-server, every service (`python -m flightdeck.services NAME`) and the drill's node
+agents, runs a 2-rank tiny job (tests/e2e/drill_harness.py: the drill policy, heartbeats every 0.5 s, lost after 4
+misses, hung after 3 s, a checkpoint every 5 steps) with the fault, and reads the job's history.
 
     .venv/bin/python bench/recovery_times.py                      # crash, hang, lost_node, spike; 2 runs each
     .venv/bin/python bench/recovery_times.py --faults crash --runs 3 --out bench/results/cpu-recovery.json
     .venv/bin/python bench/recovery_times.py --faults crash,hang --snapshot-every 0,1 --checkpoint-every 25
     .venv/bin/python bench/recovery_times.py --faults crash --envs none,HF_HUB_OFFLINE=1,PYTHONHASHSEED=0 --runs 3
 
-`--envs` runs each fault as an entrypoint job (`python -m trainer`, the built-in trainer as a user's command) once
-per setting, interleaved: `none` with no `entrypoint.env`, `NAME=VALUE` with that one variable. A variable read only
-after the script starts keeps the warm standbys; one that acts before it (nodelocal.acts_early) starts ranks cold.
+`--envs` runs each fault as an entrypoint job (`python -m flightdeck.trainer`, the built-in trainer as a user's
+command) once per setting, interleaved: `none` with no `entrypoint.env`, `NAME=VALUE` with that one variable. A
+variable read only after the script starts keeps the warm standbys; one that acts before it (nodelocal.acts_early)
+starts ranks cold.
 
 `--snapshot-every 0,1` runs each fault without host snapshots and with one every step (train.snapshot_every),
 interleaved; every run reports `redone`: the steps rank 0 had done before the fault that the job did again (its
@@ -27,7 +28,7 @@ which is this machine's):
     first step  its first StepCompleted
 Parts: detect = detected - fault, decide = granted - detected (the scheduler's restart decision and the grant;
 for lost_node also the wasted restart on both nodes and the wait for NodeLost), spawn, startup (ready - spawned)
-and first_step; recover = first step - fault. For reference, `import_s` is `python -c "import trainer.loop"`
+and first_step; recover = first step - fault. For reference, `import_s` is `python -c "import flightdeck.trainer.loop"`
 alone and `restore_s` one in-process load of the checkpoint the job resumed from (after imports): the parts of
 `startup` that are importing and restoring.
 
@@ -57,14 +58,15 @@ import structlog
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from events import subjects  # noqa: E402
-from events.commands import RollbackRequested  # noqa: E402
-from events.findings import LossSpikeDetected  # noqa: E402
-from events.fleet import NodeLost  # noqa: E402
-from events.job import AllocationGranted, JobCompleted, JobFailed, JobResumed, WorkersExited, WorkersStarted  # noqa: E402
-from events.spec import EntrypointSpec, FaultSpec, JobSpec  # noqa: E402
-from events.training import FaultInjected, RankStarted, RolledBack, StepCompleted  # noqa: E402
-from services.shell import broker  # noqa: E402
+from flightdeck.events import subjects  # noqa: E402
+from flightdeck.events.commands import RollbackRequested  # noqa: E402
+from flightdeck.events.findings import LossSpikeDetected  # noqa: E402
+from flightdeck.events.fleet import NodeLost  # noqa: E402
+from flightdeck.events.job import AllocationGranted, JobCompleted, JobFailed, JobResumed, WorkersExited, WorkersStarted  # noqa: E402
+from flightdeck.events.spec import EntrypointSpec, FaultSpec, JobSpec  # noqa: E402
+from flightdeck.events.training import FaultInjected, RankStarted, RolledBack, StepCompleted  # noqa: E402
+from flightdeck.services.shell import broker  # noqa: E402
+
 from tests.e2e.drill_harness import (  # noqa: E402
     drill_spec,
     kill_agent_mid_run,
@@ -100,7 +102,7 @@ def spec_for(fault: str, snapshot_every: int = 1, checkpoint_every: int = 5, ove
 
 def import_seconds() -> float:
     started = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import trainer.loop"], cwd=ROOT, check=True)
+    subprocess.run([sys.executable, "-c", "import flightdeck.trainer.loop"], cwd=ROOT, check=True)
     return time.perf_counter() - started
 
 
@@ -110,10 +112,10 @@ def restore_seconds(spec_file: Path, checkpoint: Path) -> float:
         "import sys, time\n"
         "from pathlib import Path\n"
         "import torch\n"
-        "from events.spec import parse_spec\n"
-        "from trainer import checkpointing, model\n"
-        "from trainer.distributed import Dist\n"
-        "from trainer.state import TrainState\n"
+        "from flightdeck.events.spec import parse_spec\n"
+        "from flightdeck.trainer import checkpointing, model\n"
+        "from flightdeck.trainer.distributed import Dist\n"
+        "from flightdeck.trainer.state import TrainState\n"
         "spec = parse_spec(Path(sys.argv[1]).read_bytes())\n"
         "m = model.build(spec.model, spec.train.seed, torch.device('cpu'))\n"
         "opt = torch.optim.AdamW(m.parameters(), lr=spec.train.lr, fused=True)\n"
@@ -150,7 +152,7 @@ def as_entrypoint(spec: JobSpec, setting: str) -> JobSpec:
     """`spec` run as a user's command would be: the built-in trainer named in [entrypoint], with `setting`
     ("NAME=VALUE", or "none") as its only `entrypoint.env`."""
     env = dict([setting.split("=", 1)]) if setting != "none" else {}
-    entry = EntrypointSpec(command=["python", "-m", "trainer"], cwd=str(ROOT), env=env)
+    entry = EntrypointSpec(command=["python", "-m", "flightdeck.trainer"], cwd=str(ROOT), env=env)
     return msgspec.structs.replace(spec, entrypoint=entry)
 
 

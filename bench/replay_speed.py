@@ -12,7 +12,7 @@ job's lifecycle on FD_CONTROL; a second job's telemetry (a tenth of the stream) 
   the reused msgspec decoder) -> `History` (the read-only store over the rows) -> the replay fold
   (`replay_cmd.replayed`: the job's state at the end and its timeline);
 - raw: nats-py ordered consumers with a callback (its fastest documented path) over the same selection,
-  each message turned into the same record the store returns (events.store.decoded: the same decoder, the
+  each message turned into the same record the store returns (flightdeck.events.store.decoded: the same decoder, the
   sequence from the message's metadata, the msg id from its headers), kept in a list; no fold at all.
 
 Goal: ours / raw >= 1.0 in events per second. Populating skips `sync_interval: always` (fsync does not change
@@ -34,12 +34,12 @@ from nats.aio.msg import Msg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from events import subjects
-from events.base import Event
-from events.checkpoint import CheckpointCommitted, DataPosition
-from events.clock import ClockTick
-from events.jetstream import JetStreamStore
-from events.job import (
+from flightdeck.events import subjects
+from flightdeck.events.base import Event
+from flightdeck.events.checkpoint import CheckpointCommitted, DataPosition
+from flightdeck.events.clock import ClockTick
+from flightdeck.events.jetstream import JetStreamStore
+from flightdeck.events.job import (
     AllocationGranted,
     AllocationRequested,
     JobCompleted,
@@ -48,13 +48,13 @@ from events.job import (
     SlotRef,
     WorkersStarted,
 )
-from events.spec import JobSpec
-from events.store import Stored, decoded
-from events.training import Heartbeat, StepCompleted
-from services.shell import broker
-from services.tools.console.replay_cmd import replayed
-from services.tools.history import History
-from services.tools.history.read import job_rows
+from flightdeck.events.spec import JobSpec
+from flightdeck.events.store import Stored, decoded
+from flightdeck.events.training import Heartbeat, StepCompleted
+from flightdeck.services.shell import broker
+from flightdeck.services.tools.console.replay_cmd import replayed
+from flightdeck.services.tools.history import History
+from flightdeck.services.tools.history.read import job_rows
 
 JOB, OTHER, RANKS = "bench-000001", "other-000002", 4
 T0 = 1.7e9
@@ -148,7 +148,7 @@ async def raw(url: str, control: int, n: int) -> tuple[float, float]:
         done = asyncio.Event()
 
         async def on_msg(msg: Msg, want: int = want, done: asyncio.Event = done, stream: str = stream) -> None:
-            # the same record the store's reader builds (events.store.decoded), from nats-py's own parsing
+            # the same record the store's reader builds (flightdeck.events.store.decoded), from nats-py's own parsing
             headers = msg.headers or {}
             events.append(decoded(stream, msg.metadata.sequence.stream, msg.subject, msg.data,
                                   headers.get("Nats-Msg-Id", "")))

@@ -17,12 +17,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from events.checkpoint import DataPosition, ShardInfo
-from services.checkpoints.scrubber import scrub
-from services.checkpoints.state import ScrubArgs
-from services.shell.objects import manifest as mf
-from services.shell.objects.open import open_store
-from services.shell.objects.store import hash_file
+from flightdeck.events.checkpoint import DataPosition, ShardInfo
+from flightdeck.services.checkpoints.scrubber import scrub
+from flightdeck.services.checkpoints.state import ScrubArgs
+from flightdeck.services.shell.objects import manifest as mf
+from flightdeck.services.shell.objects.open import open_store
+from flightdeck.services.shell.objects.store import hash_file
 
 JOB, CID = "bench-000001", "step000000100-a0"
 

@@ -22,13 +22,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from events.checkpoint import CheckpointStaged, DataPosition, ShardInfo, ShardsUploaded, checkpoint_id
-from services.agent.shipping import store_rank
-from services.checkpoints import core
-from services.checkpoints.state import CommitArgs, Settings
-from services.checkpoints.uploader import commit
-from services.shell.objects.local import LocalStore
-from services.shell.objects.store import hash_file
+from flightdeck.events.checkpoint import CheckpointStaged, DataPosition, ShardInfo, ShardsUploaded, checkpoint_id
+from flightdeck.services.agent.shipping import store_rank
+from flightdeck.services.checkpoints import core
+from flightdeck.services.checkpoints.state import CommitArgs, Settings
+from flightdeck.services.checkpoints.uploader import commit
+from flightdeck.services.shell.objects.local import LocalStore
+from flightdeck.services.shell.objects.store import hash_file
 
 JOB = "bench-000001"
 

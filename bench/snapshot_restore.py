@@ -28,14 +28,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from events import snapshot as fmt
-from events.checkpoint import DataPosition, ShardInfo
-from events.spec import ModelSpec
-from services.agent.snapshots import _sha256
-from services.shell.objects import manifest as mf
-from services.shell.objects.open import open_store
-from trainer import checkpointing, distributed, model, snapshots
-from trainer.state import TrainState
+from flightdeck.events import snapshot as fmt
+from flightdeck.events.checkpoint import DataPosition, ShardInfo
+from flightdeck.events.spec import ModelSpec
+from flightdeck.services.agent.snapshots import _sha256
+from flightdeck.services.shell.objects import manifest as mf
+from flightdeck.services.shell.objects.open import open_store
+from flightdeck.trainer import checkpointing, distributed, model, snapshots
+from flightdeck.trainer.state import TrainState
 
 
 def state_of(spec: ModelSpec, seed: int) -> TrainState:

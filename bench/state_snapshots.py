@@ -5,7 +5,7 @@ monitor's ticks (each recording its telemetry position) every 50 of them, checkp
 lifecycle on FD_CONTROL. A service rebuilds to the end of it as its shell does at a start
 (services/shell/runtime.py):
 
-- refold: `services.shell.fold.rebuild` from the first event (every start before snapshots);
+- refold: `flightdeck.services.shell.fold.rebuild` from the first event (every start before snapshots);
 - snapshot: `services.shell.snapshots.load` of a snapshot written `--behind` inputs before the end (the most a
   restart folds with the default of one snapshot every 10,000 inputs), then `rebuild` from it to the end.
 
@@ -30,12 +30,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from flightdeck.events import subjects
+from flightdeck.events.jetstream import JetStreamStore
+from flightdeck.services import registry
+from flightdeck.services.shell import broker, snapshots
+from flightdeck.services.shell.fold import Folder, rebuild, replay
+
 from bench.replay_speed import config_without_fsync, history, populate
-from events import subjects
-from events.jetstream import JetStreamStore
-from services import registry
-from services.shell import broker, snapshots
-from services.shell.fold import Folder, rebuild, replay
 
 RESULTS = Path(__file__).resolve().parent / "results" / "cpu-state-snapshots.json"
 SERVICES = ("health",)  # the core that folds every telemetry message: the longest rebuild by far
@@ -121,9 +122,10 @@ async def one_length(events: int, rounds: int, behind: int) -> dict[str, Any]:
 def take_at_scale(num_ranks: int, seconds: int = 20) -> dict[str, float]:
     """Taking a snapshot holds the service's loop: the health monitor's state after `seconds` of a healthy
     `num_ranks`-rank job at 1 Hz (tests/unit/health_synth.py), pickled as `snapshots.take` does, and read back."""
-    from events.clock import ClockTick
-    from events.spec import PolicySpec
-    from services.health.core import NAME
+    from flightdeck.events.clock import ClockTick
+    from flightdeck.events.spec import PolicySpec
+    from flightdeck.services.health.core import NAME
+
     from tests.unit.health_synth import SERVICE, Cluster, steady_second
 
     c = Cluster(num_ranks=num_ranks, policy=PolicySpec(straggler_window=3))

@@ -1,6 +1,6 @@
 """Submit to first step: how long a 2-rank tiny job waits between `JobSubmitted` and its first
 `StepCompleted`, split into the parts the event log can tell apart. A fresh nats-server, every service
-(`python -m services NAME`) and one node agent (2 CPU slots) are started once; N jobs then run one after
+(`python -m flightdeck.services NAME`) and one node agent (2 CPU slots) are started once; N jobs then run one after
 another on them, and the median of each part is printed.
 
     python bench/submit_to_first_step.py              # 3 runs
@@ -11,7 +11,7 @@ Parts (each from the previous mark):
     spawn       -> WorkersStarted                   the agent writes the spec and starts both rank processes
     startup     -> RankStarted (the later rank)     interpreter, imports (torch), gloo rendezvous, model, restore
     first step  -> first StepCompleted              the first forward/backward/all-reduce/optimizer step
-For reference, `import_s` is how long `python -c "import trainer.loop"` (torch and the trainer's imports)
+For reference, `import_s` is how long `python -c "import flightdeck.trainer.loop"` (torch and the trainer's imports)
 takes alone on this machine, measured after each run: the part of `startup` that is importing.
 
 Times: JobSubmitted, WorkersStarted, RankStarted and StepCompleted carry their producer's wall clock
@@ -33,11 +33,12 @@ import structlog
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from events import subjects
-from events.job import AllocationGranted, JobCompleted, JobSubmitted, WorkersStarted
-from events.spec import JobSpec, ModelSpec, TrainSpec
-from events.training import RankStarted, StepCompleted
-from services.shell import broker
+from flightdeck.events import subjects
+from flightdeck.events.job import AllocationGranted, JobCompleted, JobSubmitted, WorkersStarted
+from flightdeck.events.spec import JobSpec, ModelSpec, TrainSpec
+from flightdeck.events.training import RankStarted, StepCompleted
+from flightdeck.services.shell import broker
+
 from tests.integration.lifecycle_harness import Objects, Platform, open_platform
 
 PARTS = ("scheduling", "spawn", "startup", "first_step")
@@ -47,7 +48,7 @@ SPEC = JobSpec(name="bench", slots=2, model=ModelSpec(d_model=32),
 
 def import_seconds() -> float:
     started = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import trainer.loop"], cwd=Path(__file__).resolve().parent.parent,
+    subprocess.run([sys.executable, "-c", "import flightdeck.trainer.loop"], cwd=Path(__file__).resolve().parent.parent,
                    check=True)
     return time.perf_counter() - started
 

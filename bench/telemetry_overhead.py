@@ -30,20 +30,20 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch.nn.functional as F
+from flightdeck.events.spec import JobSpec, ModelSpec, TrainSpec
+from flightdeck.events.streams import ensure_streams
+from flightdeck.services.shell import broker
+from flightdeck.trainer import distributed
+from flightdeck.trainer import model as model_mod
+from flightdeck.trainer.config import RunConfig
+from flightdeck.trainer.data import TokenStream, load_tokens
+from flightdeck.trainer.link import AgentLink, Offline
+from flightdeck.trainer.loop import GRAD_CLIP, lr_at, train
+from flightdeck.trainer.model import num_params
+from flightdeck.trainer.reports import Emitter
+from flightdeck.trainer.session import Run
 
-from events.spec import JobSpec, ModelSpec, TrainSpec
-from events.streams import ensure_streams
-from services.shell import broker
 from tests.trainer.linkhost import NODE, LinkHost
-from trainer import distributed
-from trainer import model as model_mod
-from trainer.config import RunConfig
-from trainer.data import TokenStream, load_tokens
-from trainer.link import AgentLink, Offline
-from trainer.loop import GRAD_CLIP, lr_at, train
-from trainer.model import num_params
-from trainer.reports import Emitter
-from trainer.session import Run
 
 WARMUP_STEPS = 10
 
@@ -195,7 +195,7 @@ def main() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         if shm is not None:
             shutil.rmtree(shm, ignore_errors=True)
-    from trainer.model import GPT
+    from flightdeck.trainer.model import GPT
 
     with torch.device("meta"):
         n_params = num_params(GPT(model))

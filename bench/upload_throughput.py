@@ -30,7 +30,7 @@ from aiobotocore.config import AioConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from services.shell.objects.s3 import S3Store
+from flightdeck.services.shell.objects.s3 import S3Store
 
 MiB = 1 << 20
 BUCKET = "fd-bench"

@@ -5,19 +5,19 @@ and from warm standbys: seconds from the crash to the first training step after 
     .venv/bin/python bench/vs_torchrun.py                         # 2 runs of each side, interleaved
     .venv/bin/python bench/vs_torchrun.py --runs 5 --out bench/results/cpu-vs-torchrun.json
 
-The script is `python -m trainer` (2 CPU ranks, gloo, the tiny model of the drills) with a drill fault: rank 1
-crashes at step 160 of attempt 0 only; attempt 0 is paced at ~20 steps/s so checkpoints exist before the crash,
+The script is `python -m flightdeck.trainer` (2 CPU ranks, gloo, the tiny model of the drills) with a drill fault:
+rank 1 crashes at step 160 of attempt 0 only; attempt 0 is paced at ~20 steps/s so checkpoints exist before the crash,
 and (8 s) so the standbys refilled after attempt 0's start are warm when it comes, as on a job that has run a while.
-    torchrun    `torchrun --standalone --nproc-per-node 2 --max-restarts 1 -m trainer --spec S ...` (defaults:
-                --monitor-interval 0.1 s), with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, without which the restart
-                fails here. On a worker failure it kills the whole group and starts every rank again; the
+    torchrun    `torchrun --standalone --nproc-per-node 2 --max-restarts 1 -m flightdeck.trainer --spec S ...`
+                (defaults: --monitor-interval 0.1 s), with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, without which the
+                restart fails here. On a worker failure it kills the whole group and starts every rank again; the
                 trainer reads the restart count from TORCHELASTIC_RESTART_COUNT. It has no notion of a committed
                 checkpoint, so the restart begins at step 0. Events go to a JSON-lines file (--events-log), no
                 broker: no telemetry publishing in its ranks.
     flightdeck  every service and one node agent (2 CPU slots) on a fresh nats-server, the drill policy
                 (tests/e2e/drill_harness.py); the agent records the exit, the scheduler restarts the job, the
                 agent starts both ranks again, which restore the newest committed checkpoint. Two sides:
-                `cold` (`--standby 0`: every rank a fresh `python -m trainer`) and `warm` (the default, one
+                `cold` (`--standby 0`: every rank a fresh `python -m flightdeck.trainer`) and `warm` (the default, one
                 standby per slot: the restarted ranks are handed to processes that imported torch already;
                 `standbys_ready` says how many of them had finished importing when handed a rank).
 Both: crash = the crashing rank's FaultInjected, first step = the earliest StepCompleted of attempt 1, each by
@@ -47,11 +47,12 @@ import tomli_w
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from events import subjects  # noqa: E402
-from events.job import JobCompleted, JobFailed, WorkersStarted  # noqa: E402
-from events.spec import FaultSpec, JobSpec  # noqa: E402
-from events.training import FaultInjected, RankStarted, StepCompleted  # noqa: E402
-from services import broker  # noqa: E402
+from flightdeck.events import subjects  # noqa: E402
+from flightdeck.events.job import JobCompleted, JobFailed, WorkersStarted  # noqa: E402
+from flightdeck.events.spec import FaultSpec, JobSpec  # noqa: E402
+from flightdeck.events.training import FaultInjected, RankStarted, StepCompleted  # noqa: E402
+from flightdeck.services import broker  # noqa: E402
+
 from tests.e2e.drill_harness import drill_spec, start_drill  # noqa: E402
 
 CRASH_AT = 160
@@ -76,7 +77,7 @@ def torchrun_once(n: int) -> dict[str, float]:
         # ("connectFullMesh ... Connection refused"; pytorch/pytorch#135712): TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
         # is the documented way out. A static --master-port failed the same way.
         cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
-               "-m", "trainer", "--job-id", f"vs-torchrun-{n}",
+               "-m", "flightdeck.trainer", "--job-id", f"vs-torchrun-{n}",
                "--spec", str(spec_file), "--staging", str(root / "staging"), "--device", "cpu",
                "--events-log", str(events)]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),  # OMP: as the node agent sets it

@@ -9,11 +9,11 @@ be forged or replayed: refused, like an event under another job's subject, inste
 A version that jumps ahead is admitted: it is a gap (lost messages), which `check_contiguous` reports.
 """
 
-from events import subjects
-from events.base import Event, JobEvent, NodeEvent, RankEvent
-from events.clock import ClockTick, CoreConfigured, DeadLettered
-from events.codec import type_name
-from events.store import Stored
+from flightdeck.events import subjects
+from flightdeck.events.base import Event, JobEvent, NodeEvent, RankEvent
+from flightdeck.events.clock import ClockTick, CoreConfigured, DeadLettered
+from flightdeck.events.codec import type_name
+from flightdeck.events.store import Stored
 
 
 def mismatch(subject: str, event: Event) -> str:

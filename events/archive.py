@@ -1,7 +1,7 @@
 """The archiver's record: which of a job's telemetry and output is kept in the object store past the streams'
 age-out, and what was already gone when it looked."""
 
-from events.base import JobEvent
+from flightdeck.events.base import JobEvent
 
 
 class HistoryArchived(JobEvent, frozen=True, kw_only=True):

@@ -2,7 +2,7 @@
 (events/catalog.py), the subject grammar (events/subjects.py) and who authors what (events/authors.py), so it cannot
 drift from the code (tests/contract/test_asyncapi.py holds the checked-in file equal to this output).
 
-    .venv/bin/python -m events.asyncapi > docs/contract/asyncapi.json
+    .venv/bin/python -m flightdeck.events.asyncapi > docs/contract/asyncapi.json
 
 Payload schemas are events/contract.py's, under `components.schemas`.
 """
@@ -11,13 +11,13 @@ import json
 import sys
 from typing import Any
 
-from events import subjects
-from events.authors import JOB_TYPES, NODE_TYPES, RANK_TELEMETRY, TELEMETRY_TYPES
-from events.base import Event, JobEvent, NodeEvent, RankEvent
-from events.catalog import ALL_TYPES
-from events.clock import ClockTick, CoreConfigured, DeadLettered
-from events.contract import components
-from events.logs import RankOutput
+from flightdeck.events import subjects
+from flightdeck.events.authors import JOB_TYPES, NODE_TYPES, RANK_TELEMETRY, TELEMETRY_TYPES
+from flightdeck.events.base import Event, JobEvent, NodeEvent, RankEvent
+from flightdeck.events.catalog import ALL_TYPES
+from flightdeck.events.clock import ClockTick, CoreConfigured, DeadLettered
+from flightdeck.events.contract import components
+from flightdeck.events.logs import RankOutput
 
 CONTENT_TYPE = "application/msgpack"
 RANKS = "trainer"  # a job's ranks: every telemetry type no one else authors

@@ -5,8 +5,8 @@ kind; the facts a postmortem needs (faults, drills, checkpoints staged, rollback
 import threading
 from collections import deque
 
-from events.base import Event, RankEvent
-from events.training import Heartbeat, StepCompleted
+from flightdeck.events.base import Event, RankEvent
+from flightdeck.events.training import Heartbeat, StepCompleted
 
 DROPPABLE: tuple[type[Event], ...] = (Heartbeat, StepCompleted)
 

@@ -1,8 +1,20 @@
 """Every concrete message type, in one tuple: the codec's union and the fixture tests read it from here."""
 
-from events import archive, checkpoint, clock, commands, findings, fleet, heartbeats, job, logs, plan, training
-from events.authors import RANK_TELEMETRY
-from events.base import Event, RankEvent
+from flightdeck.events import (
+    archive,
+    checkpoint,
+    clock,
+    commands,
+    findings,
+    fleet,
+    heartbeats,
+    job,
+    logs,
+    plan,
+    training,
+)
+from flightdeck.events.authors import RANK_TELEMETRY
+from flightdeck.events.base import Event, RankEvent
 
 ALL_TYPES: tuple[type[Event], ...] = (
     # job

@@ -1,8 +1,7 @@
 """Checkpoints: staged by ranks, committed (or failed) by the checkpoint service."""
 
 import msgspec
-
-from events.base import JobEvent, RankEvent
+from flightdeck.events.base import JobEvent, RankEvent
 
 
 class ShardInfo(msgspec.Struct, frozen=True, kw_only=True):

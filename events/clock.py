@@ -1,6 +1,6 @@
 """Time and bookkeeping records written by the service shell itself."""
 
-from events.base import Event
+from flightdeck.events.base import Event
 
 
 class ClockTick(Event, frozen=True, kw_only=True):

@@ -13,13 +13,12 @@ import typing
 from typing import Annotated, Any, Union
 
 import msgspec
+from flightdeck.events.base import Event
+from flightdeck.events.catalog import ALL_TYPES, BY_NAME
+from flightdeck.events.job import JobSubmitted
+from flightdeck.events.logs import MAX_LINE, MAX_LINES
+from flightdeck.events.spec import InvalidSpec, check
 from msgspec import Meta
-
-from events.base import Event
-from events.catalog import ALL_TYPES, BY_NAME
-from events.job import JobSubmitted
-from events.logs import MAX_LINE, MAX_LINES
-from events.spec import InvalidSpec, check
 
 AnyEvent = Union[ALL_TYPES]  # type: ignore[valid-type]  # noqa: UP007 (a tuple unpacks only into Union)
 
@@ -40,8 +39,8 @@ class InvalidEvent(UndecodableEvent):
     """A well-formed event with a value outside the bounds every reader relies on (see `BOUNDS`)."""
 
 
-MAX_SLOTS = 65_536  # the most slots a job may ask for (events.spec) or a node may offer; ranks are below it
-_TOKEN = r"[A-Za-z0-9_-]"  # the subject-token grammar (events.subjects): no dots, slashes, spaces or NULs
+MAX_SLOTS = 65_536  # the most slots a job may ask for (flightdeck.events.spec) or a node may offer; ranks are below it
+_TOKEN = r"[A-Za-z0-9_-]"  # the subject-token grammar (flightdeck.events.subjects): no dots, slashes, spaces or NULs
 Token = Annotated[str, Meta(pattern=rf"^{_TOKEN}{{1,128}}\Z")]
 OptionalToken = Annotated[str, Meta(pattern=rf"^{_TOKEN}{{0,128}}\Z")]
 Count = Annotated[int, Meta(ge=0)]

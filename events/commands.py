@@ -1,6 +1,6 @@
 """Commands to a job's ranks, obeyed at step boundaries; recorded in the job's history like any decision."""
 
-from events.base import JobEvent
+from flightdeck.events.base import JobEvent
 
 
 class CheckpointRequested(JobEvent, frozen=True, kw_only=True):

@@ -2,7 +2,7 @@
 
 from typing import Literal
 
-from events.base import JobEvent
+from flightdeck.events.base import JobEvent
 
 
 class Finding(JobEvent, frozen=True, kw_only=True):

@@ -2,7 +2,7 @@
 
 from typing import Literal
 
-from events.base import NodeEvent
+from flightdeck.events.base import NodeEvent
 
 
 class NodeRegistered(NodeEvent, frozen=True, kw_only=True):

@@ -6,9 +6,8 @@ Why it works this way: docs/internals.md, "1. The event log".
 from typing import Annotated
 
 import msgspec
+from flightdeck.events.base import RankEvent
 from msgspec import Meta
-
-from events.base import RankEvent
 
 
 class RankBeat(msgspec.Struct, frozen=True, kw_only=True):

@@ -12,12 +12,11 @@ them in stream order among the rest.
 
 import msgspec
 import structlog
-
-from events import codec, subjects
-from events.admission import Admission
-from events.base import JobEvent
-from events.codec import type_name
-from events.store import AppendResult, ConcurrencyConflict, EventStore, Stored
+from flightdeck.events import codec, subjects
+from flightdeck.events.admission import Admission
+from flightdeck.events.base import JobEvent
+from flightdeck.events.codec import type_name
+from flightdeck.events.store import AppendResult, ConcurrencyConflict, EventStore, Stored
 
 log = structlog.get_logger(__name__)
 

@@ -7,17 +7,16 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import structlog
+from flightdeck.events import codec
+from flightdeck.events.base import Event
+from flightdeck.events.jsreader import Replay, StoreClient, cancellable, is_unavailable
+from flightdeck.events.store import AppendResult, ConcurrencyConflict, Stored, StoreUnavailable, decoded
+from flightdeck.events.streams import check_server_version, ensure_streams, server_list
+from flightdeck.events.subjects import stream_of
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
 from nats.js.errors import BadRequestError
-
-from events import codec
-from events.base import Event
-from events.jsreader import Replay, StoreClient, cancellable, is_unavailable
-from events.store import AppendResult, ConcurrencyConflict, Stored, StoreUnavailable, decoded
-from events.streams import check_server_version, ensure_streams, server_list
-from events.subjects import stream_of
 
 log = structlog.get_logger(__name__)
 

@@ -1,9 +1,8 @@
 """Job lifecycle: submission, queueing, placement, workers, and how a job ends."""
 
 import msgspec
-
-from events.base import JobEvent
-from events.spec import JobSpec
+from flightdeck.events.base import JobEvent
+from flightdeck.events.spec import JobSpec
 
 
 class SlotRef(msgspec.Struct, frozen=True, kw_only=True):

@@ -5,8 +5,7 @@ Why it works this way: docs/internals.md, "5. Checkpoints".
 """
 
 import msgspec
-
-from events.commands import RollbackRequested
+from flightdeck.events.commands import RollbackRequested
 
 
 class Fork(msgspec.Struct, frozen=True, kw_only=True):

@@ -1,7 +1,7 @@
 """What ranks print: their stdout and stderr, shipped line by line by the node agent that runs them, on the
 FD_LOGS stream (size- and age-limited, apart from telemetry so a chatty script cannot crowd it out)."""
 
-from events.base import RankEvent
+from flightdeck.events.base import RankEvent
 
 MAX_LINE = 2048  # characters of one line; a longer one is cut, saying how much was cut
 MAX_LINES = 512  # lines in one RankOutput

@@ -10,10 +10,9 @@ import os
 import socket
 
 import msgspec
-
-from events.heartbeats import LocalBeat
-from events.ranklink import LINK_ENV
-from events.snapshot import SNAPSHOTS_ENV, SNAPSHOTS_OFF_ENV
+from flightdeck.events.heartbeats import LocalBeat
+from flightdeck.events.ranklink import LINK_ENV
+from flightdeck.events.snapshot import SNAPSHOTS_ENV, SNAPSHOTS_OFF_ENV
 
 BEATS_ENV = "FLIGHTDECK_BEATS"  # the agent's heartbeat socket, set for the ranks it starts
 STEP_REPORTS_ENV = "FLIGHTDECK_STEP_REPORTS"  # "all" (default) or "rank0": who publishes StepCompleted
@@ -53,7 +52,7 @@ RUN_ENV = (JOB_ENV, ATTEMPT_ENV, NODE_ENV, LINK_ENV, SPEC_ENV, STAGING_ENV, REST
 
 READY = b"R"
 MAX_MESSAGE = 1 << 20  # an assignment is the rank's command line and environment: a few KB
-# What a rank's run reads from the environment only after the assignment (torch.distributed, trainer.config).
+# What a rank's run reads from the environment only after the assignment (torch.distributed, flightdeck.trainer.config).
 LATE_ENV = frozenset({"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
                       "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT"})
 # What acts before an assignment reaches a standby: the interpreter's start (PYTHON*, the locale), the dynamic

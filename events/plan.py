@@ -1,8 +1,7 @@
 """Parallel plans: how a job's model is laid out over the slots it has."""
 
 import msgspec
-
-from events.base import JobEvent
+from flightdeck.events.base import JobEvent
 
 
 class ParallelPlan(msgspec.Struct, frozen=True, kw_only=True):

@@ -14,9 +14,8 @@ import socket
 from typing import Annotated
 
 import msgspec
+from flightdeck.events.plan import ParallelPlan
 from msgspec import Meta
-
-from events.plan import ParallelPlan
 
 LINK_ENV = "FLIGHTDECK_AGENT"  # the agent's link socket (@name: abstract), set for the ranks it starts
 MAX_MESSAGE = 1 << 20  # the broker's own payload limit: an event larger than this could never be stored
@@ -65,7 +64,7 @@ class Taken(msgspec.Struct, frozen=True, kw_only=True, tag="taken"):
 
 
 class Command(msgspec.Struct, frozen=True, kw_only=True, tag="command"):
-    """A command of the job's history for this attempt, as stored (events.codec bytes)."""
+    """A command of the job's history for this attempt, as stored (flightdeck.events.codec bytes)."""
 
     event: bytes
 

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import msgspec
 import xxhash
-
-from events.checkpoint import DataPosition
+from flightdeck.events.checkpoint import DataPosition
 
 FORMAT = "flightdeck-snapshot/2"  # items summed with xxh3_64, ~5x faster than zlib's crc32 on the same bytes
 FORMAT_CRC32 = "flightdeck-snapshot/1"  # items summed with zlib's crc32: sets persisted by earlier versions

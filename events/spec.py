@@ -154,7 +154,8 @@ class JobSpec(Spec, frozen=True, kw_only=True):
     train: TrainSpec = TrainSpec()
     policy: PolicySpec = PolicySpec()
     faults: Annotated[list[FaultSpec], Meta(max_length=MAX_FAULTS)] = []
-    entrypoint: EntrypointSpec | None = None  # None: the built-in trainer (`python -m trainer`), which reads [model]
+    # None: the built-in trainer (`python -m flightdeck.trainer`), which reads [model]
+    entrypoint: EntrypointSpec | None = None
     init_from: InitFrom | None = None  # None: the first attempt starts from scratch
 
 

@@ -9,9 +9,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from events import codec
-from events.base import Event
-from events.subjects import STREAM_SUBJECTS, matches, matches_any, stream_of
+from flightdeck.events import codec
+from flightdeck.events.base import Event
+from flightdeck.events.subjects import STREAM_SUBJECTS, matches, matches_any, stream_of
 
 DEDUP_WINDOW_S = 120.0  # the JetStream default duplicate window
 

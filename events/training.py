@@ -2,7 +2,7 @@
 
 from typing import Literal
 
-from events.base import RankEvent
+from flightdeck.events.base import RankEvent
 
 
 class StepCompleted(RankEvent, frozen=True, kw_only=True):

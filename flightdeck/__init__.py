@@ -5,14 +5,14 @@ automation (services/tools/client.py). The trainer API loads on first use, so a 
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from trainer.api import CorruptCheckpoint, Run, Stateful, Step, init
+    from flightdeck.trainer.api import CorruptCheckpoint, Run, Stateful, Step, init
 
 __all__ = ["CorruptCheckpoint", "Run", "Stateful", "Step", "init"]
 
 
 def __getattr__(name: str) -> Any:
     if name in __all__:
-        from trainer import api
+        from flightdeck.trainer import api
 
         return getattr(api, name)
     raise AttributeError(f"module 'flightdeck' has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""`python -m services NAME [--nats URL]`: run one service until SIGTERM/SIGINT, then drain and exit 0."""
+"""`python -m flightdeck.services NAME [--nats URL]`: run one service until SIGTERM/SIGINT, then drain and exit 0."""
 
 import argparse
 import asyncio
@@ -7,14 +7,13 @@ import sys
 from typing import Any
 
 import structlog
-
-from events.streams import ServerTooOld
-from services import registry
-from services.core import Service
-from services.shell.broker import nats_url
-from services.shell.logging import configure
-from services.shell.runtime import ConsumerPolicy, PublishDenied, run_service
-from services.shell.stacks import dump_on_signal
+from flightdeck.events.streams import ServerTooOld
+from flightdeck.services import registry
+from flightdeck.services.core import Service
+from flightdeck.services.shell.broker import nats_url
+from flightdeck.services.shell.logging import configure
+from flightdeck.services.shell.runtime import ConsumerPolicy, PublishDenied, run_service
+from flightdeck.services.shell.stacks import dump_on_signal
 
 log = structlog.get_logger("flightdeck.service")
 
@@ -35,7 +34,7 @@ async def _run(service: Service[Any], url: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m services", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m flightdeck.services", description=__doc__)
     parser.add_argument("name", help=f"the service to run: one of {', '.join(registry.names())}")
     parser.add_argument("--nats", help="broker URL (default: $FLIGHTDECK_NATS_URL or nats://127.0.0.1:4222)")
     args = parser.parse_args(argv)
@@ -43,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         service = registry.build(args.name)
     except registry.UnknownService as exc:
-        print(f"python -m services: {exc}", file=sys.stderr)
+        print(f"python -m flightdeck.services: {exc}", file=sys.stderr)
         return 2
     return asyncio.run(_run(service, nats_url(args.nats)))
 

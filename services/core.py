@@ -7,8 +7,8 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from events.base import Event
-from events.store import EventStore
+from flightdeck.events.base import Event
+from flightdeck.events.store import EventStore
 
 S = TypeVar("S")
 

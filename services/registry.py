@@ -10,9 +10,9 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from events import subjects
-from events.base import Event
-from services.core import Emit, Service
+from flightdeck.events import subjects
+from flightdeck.events.base import Event
+from flightdeck.services.core import Emit, Service
 
 BUILTIN = subjects.SERVICES
 EXTRA_ENV = "FLIGHTDECK_EXTRA_SERVICES"
@@ -61,11 +61,11 @@ def build(name: str, env: Mapping[str, str] | None = None) -> Service[Any]:
     if name in extra:
         service = _load(extra[name])()
     elif name in BUILTIN:
-        module = f"services.{name}.service"
+        module = f"flightdeck.services.{name}.service"
         try:
             service = _load(f"{module}:build")(env)
         except ModuleNotFoundError as exc:
-            if exc.name not in (module, f"services.{name}"):
+            if exc.name not in (module, f"flightdeck.services.{name}"):
                 raise  # the module exists but something it imports does not: a real error
             service = idle(name)
     else:

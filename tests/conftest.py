@@ -10,9 +10,8 @@ from pathlib import Path
 
 import nats
 import pytest
-
-from events.streams import ensure_streams
-from services.shell import broker as broker_mod
+from flightdeck.events.streams import ensure_streams
+from flightdeck.services.shell import broker as broker_mod
 
 # Node agents the tests start keep the product's default of warm standby ranks (one per slot and one more), forked
 # from the node's fork server: torch is imported once per agent, not once per rank and self-check, which was most

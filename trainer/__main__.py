@@ -1,4 +1,4 @@
-"""`python -m trainer`: run one rank of the built-in trainer (a user of the trainer API, trainer/loop.py).
+"""`python -m flightdeck.trainer`: run one rank of the built-in trainer (a user of the trainer API, trainer/loop.py).
 
 Exit 0: all steps done, stopped on command, or preempted by SIGTERM after saving a checkpoint.
 Any other code: the rank failed (an exception is reported as RankFault first, by the API's exit hook).
@@ -7,9 +7,10 @@ Any other code: the rank failed (an exception is reported as RankFault first, by
 import os
 import sys
 
+from flightdeck.trainer import config
+from flightdeck.trainer.loop import train
+
 import flightdeck
-from trainer import config
-from trainer.loop import train
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,17 +22,16 @@ import sys
 from typing import Any
 
 import structlog
-
-from events.nodelocal import BeatChannel
-from trainer import config, distributed
-from trainer.beats import steps_to_bus
-from trainer.checkpointing import CorruptCheckpoint
-from trainer.cursor import Step
-from trainer.exits import at_exit, fail_hook
-from trainer.link import AgentLink, Offline
-from trainer.reports import Emitter
-from trainer.session import Run
-from trainer.state import Stateful
+from flightdeck.events.nodelocal import BeatChannel
+from flightdeck.trainer import config, distributed
+from flightdeck.trainer.beats import steps_to_bus
+from flightdeck.trainer.checkpointing import CorruptCheckpoint
+from flightdeck.trainer.cursor import Step
+from flightdeck.trainer.exits import at_exit, fail_hook
+from flightdeck.trainer.link import AgentLink, Offline
+from flightdeck.trainer.reports import Emitter
+from flightdeck.trainer.session import Run
+from flightdeck.trainer.state import Stateful
 
 __all__ = ["CorruptCheckpoint", "Run", "Stateful", "Step", "init"]
 

@@ -3,7 +3,7 @@ batches (the protocol itself is events/nodelocal.py)."""
 
 import os
 
-from events.nodelocal import STEP_REPORTS, STEP_REPORTS_ENV, BeatChannel
+from flightdeck.events.nodelocal import STEP_REPORTS, STEP_REPORTS_ENV, BeatChannel
 
 
 def steps_to_bus(rank: int, channel: BeatChannel | None) -> bool:

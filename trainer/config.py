@@ -11,12 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
-
-from events import nodelocal as nl
-from events import ranklink
-from events.plan import ParallelPlan
-from events.snapshot import SNAPSHOTS_ENV, SNAPSHOTS_OFF_ENV
-from events.spec import JobSpec, check, parse_spec
+from flightdeck.events import nodelocal as nl
+from flightdeck.events import ranklink
+from flightdeck.events.plan import ParallelPlan
+from flightdeck.events.snapshot import SNAPSHOTS_ENV, SNAPSHOTS_OFF_ENV
+from flightdeck.events.spec import JobSpec, check, parse_spec
 
 LOCAL_JOB = "local"
 
@@ -113,7 +112,7 @@ def from_env(env: Mapping[str, str] | None = None) -> RunConfig:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m trainer",
+        prog="python -m flightdeck.trainer",
         description="Run one rank of the built-in trainer. The node agent sets these through the environment "
                     "(events/nodelocal.py); the flags are for running it by hand, and override the environment.")
     p.add_argument("--job-id")
@@ -141,7 +140,7 @@ FLAG_ENV = {"job_id": nl.JOB_ENV, "spec": nl.SPEC_ENV, "attempt": nl.ATTEMPT_ENV
 
 
 def flags_to_env(argv: list[str] | None, env: dict[str, str] | os._Environ[str]) -> None:
-    """Put `python -m trainer`'s flags into `env`, where the trainer API reads them."""
+    """Put `python -m flightdeck.trainer`'s flags into `env`, where the trainer API reads them."""
     args = parser().parse_args(argv)
     for name, var in FLAG_ENV.items():
         value = getattr(args, name)

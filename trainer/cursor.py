@@ -2,7 +2,7 @@
 checkpoint records. A rollback's skip window lands here, so it works for any data pipeline that reads
 batch `step.batch` (trainer API) as a function of that index."""
 
-from events.checkpoint import DataPosition, batch_at
+from flightdeck.events.checkpoint import DataPosition, batch_at
 
 
 class BatchCursor:

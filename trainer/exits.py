@@ -8,12 +8,11 @@ import time
 from typing import Any
 
 import structlog
-
-from events.commands import StopRequested
-from events.nodelocal import STOPPED_EXIT
-from events.training import RankFault
-from trainer.session import Run
-from trainer.usage import is_refusal
+from flightdeck.events.commands import StopRequested
+from flightdeck.events.nodelocal import STOPPED_EXIT
+from flightdeck.events.training import RankFault
+from flightdeck.trainer.session import Run
+from flightdeck.trainer.usage import is_refusal
 
 log = structlog.get_logger("trainer")
 

@@ -3,7 +3,7 @@
     crash       exit with CRASH_EXIT_CODE at the step
     hang        stop stepping at the step (heartbeats go on) until SIGTERM
     loss_spike  global batches [step, step + SPIKE_BATCHES) are poisoned: every rank's reported loss for them is
-                multiplied by trainer.reports.SPIKE_FACTOR; a rollback that skips that window removes it,
+                multiplied by flightdeck.trainer.reports.SPIKE_FACTOR; a rollback that skips that window removes it,
                 which is the recovery being drilled
     nonfinite   the rank reports a NaN loss at the step
     slow        the rank sleeps `seconds` per step from the step on
@@ -23,8 +23,7 @@ import time
 from collections.abc import Callable
 
 import torch
-
-from events.spec import FaultSpec
+from flightdeck.events.spec import FaultSpec
 
 CRASH_EXIT_CODE = 3
 HANG_EXIT_CODE = 143  # a hung rank told to stop exits as if SIGTERM had killed it: it saved nothing

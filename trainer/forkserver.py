@@ -2,7 +2,8 @@
 and its self-check from itself. Each then costs a fork (milliseconds) instead of an interpreter start and
 `import torch` (about 3 CPU-seconds on CPU, most of a restart's CPU on a small node).
 
-    python -m trainer.forkserver --fd K [--preload M1,M2]    (started by the node agent: services/agent/forkserver.py)
+    python -m flightdeck.trainer.forkserver --fd K [--preload M1,M2]
+        (started by the node agent: services/agent/forkserver.py)
 
 Over the agent's SOCK_SEQPACKET pair (messages: events/nodelocal.py) we say ServerReady once warm, answer each
 ForkRequest with Forked(pid) (or ForkRefused) in order, and send ChildExited when a child ends: we are its parent,
@@ -30,8 +31,7 @@ from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 import msgspec
-
-from events.nodelocal import (
+from flightdeck.events.nodelocal import (
     FORK_REQUEST_DECODER,
     MAX_MESSAGE,
     ChildExited,
@@ -41,7 +41,7 @@ from events.nodelocal import (
     ForkServerMessage,
     ServerReady,
 )
-from trainer.standby import WARM_MODULES, agent_socket, become, wait_and_become, warm_up
+from flightdeck.trainer.standby import WARM_MODULES, agent_socket, become, wait_and_become, warm_up
 
 PR_SET_PDEATHSIG = 1
 # What the node's self-check needs (trainer/selfcheck.py): the server says so once these are in, and forks the
@@ -235,7 +235,7 @@ def cuda_initialised() -> bool:
 
 
 def main(argv: list[str] | None = None) -> int | Child:
-    sock, args = agent_socket("python -m trainer.forkserver", __doc__, argv, _preload_option)
+    sock, args = agent_socket("python -m flightdeck.trainer.forkserver", __doc__, argv, _preload_option)
     preload = [name for name in args.preload.split(",") if name]
     baseline = dict(os.environ)
     started = time.perf_counter()

@@ -16,21 +16,20 @@ from typing import Any
 
 import msgspec
 import structlog
-
-from events import codec, ranklink
-from events.backlog import Backlog
-from events.base import Event, RankEvent
-from events.heartbeats import LocalBeat
-from events.nodelocal import BeatChannel
-from events.plan import ParallelPlan
-from events.training import Heartbeat
+from flightdeck.events import codec, ranklink
+from flightdeck.events.backlog import Backlog
+from flightdeck.events.base import Event, RankEvent
+from flightdeck.events.heartbeats import LocalBeat
+from flightdeck.events.nodelocal import BeatChannel
+from flightdeck.events.plan import ParallelPlan
+from flightdeck.events.training import Heartbeat
 
 HELLO_WAIT_S = 120.0  # a loaded agent may take a while to record the start it is asked to confirm
 PLAN_WAIT_S = 30.0  # for the resharder's plan of a new world, recorded a moment after the grant that starts it
 IDLE_WAKE_S = 0.5
 BATCH = 256
 
-log = structlog.get_logger("trainer.link")
+log = structlog.get_logger("flightdeck.trainer.link")
 
 
 def uuid4_hex() -> str:

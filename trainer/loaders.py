@@ -15,13 +15,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import structlog
 import torch
-
-from trainer.cursor import Step
-from trainer.state import Stateful
-from trainer.usage import refused
+from flightdeck.trainer.cursor import Step
+from flightdeck.trainer.state import Stateful
+from flightdeck.trainer.usage import refused
 
 if TYPE_CHECKING:
-    from trainer.session import Run
+    from flightdeck.trainer.session import Run
 
 log = structlog.get_logger("trainer")
 

@@ -1,12 +1,11 @@
-"""A small GPT (pre-norm transformer decoder, tied embeddings) sized by events.spec.ModelSpec."""
+"""A small GPT (pre-norm transformer decoder, tied embeddings) sized by flightdeck.events.spec.ModelSpec."""
 
 import math
 
 import torch
 import torch.nn.functional as F
+from flightdeck.events.spec import ModelSpec
 from torch import nn
-
-from events.spec import ModelSpec
 
 
 class Block(nn.Module):

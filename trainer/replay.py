@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from events.commands import RollbackRequested
+from flightdeck.events.commands import RollbackRequested
 
 
 @dataclass(slots=True)

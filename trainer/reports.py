@@ -14,16 +14,15 @@ from typing import IO, Any, Protocol
 
 import msgspec
 import torch
-
-from events import codec
-from events.base import RankEvent
-from events.training import RankFault, StepCompleted
-from trainer.link import uuid4_hex
-from trainer.usage import refused
+from flightdeck.events import codec
+from flightdeck.events.base import RankEvent
+from flightdeck.events.training import RankFault, StepCompleted
+from flightdeck.trainer.link import uuid4_hex
+from flightdeck.trainer.usage import refused
 
 
 class Publisher(Protocol):
-    """The part of trainer.link.AgentLink the loop uses."""
+    """The part of flightdeck.trainer.link.AgentLink the loop uses."""
 
     def emit(self, event: RankEvent) -> None:
         """Queue one event without blocking."""

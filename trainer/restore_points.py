@@ -6,11 +6,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import structlog
-
-from events.ranklink import RollbackReady
-from trainer import checkpointing
-from trainer.config import RunConfig
-from trainer.distributed import Dist
+from flightdeck.events.ranklink import RollbackReady
+from flightdeck.trainer import checkpointing
+from flightdeck.trainer.config import RunConfig
+from flightdeck.trainer.distributed import Dist
 
 log = structlog.get_logger("trainer")
 ROLLBACK_WAIT_S = 30.0  # for the node agent's download of a rollback's checkpoint to land

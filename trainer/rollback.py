@@ -8,15 +8,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import structlog
-
-from events.checkpoint import CheckpointRefused
-from events.commands import RollbackRequested
-from events.training import RolledBack, SpikeReplayed
-from trainer import checkpointing, restore_points
-from trainer.replay import Replay
+from flightdeck.events.checkpoint import CheckpointRefused
+from flightdeck.events.commands import RollbackRequested
+from flightdeck.events.training import RolledBack, SpikeReplayed
+from flightdeck.trainer import checkpointing, restore_points
+from flightdeck.trainer.replay import Replay
 
 if TYPE_CHECKING:
-    from trainer.session import Run
+    from flightdeck.trainer.session import Run
 
 log = structlog.get_logger("trainer")
 

@@ -1,7 +1,7 @@
 """A node's self-check, run by the node agent before it reports ready: a matmul with a known answer
 on every local device and an all-reduce across the local slots. Prints one JSON line; exit 0 = healthy.
 
-    python -m trainer.selfcheck --slots 2 [--device cpu|cuda] [--timeout 60]
+    python -m flightdeck.trainer.selfcheck --slots 2 [--device cpu|cuda] [--timeout 60]
 """
 
 import argparse
@@ -64,7 +64,7 @@ def run(slots: int, use_cuda: bool) -> dict[str, object]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainer.selfcheck")
+    parser = argparse.ArgumentParser(prog="python -m flightdeck.trainer.selfcheck")
     parser.add_argument("--slots", type=int, default=1)
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     args = parser.parse_args()

@@ -20,33 +20,32 @@ from typing import NoReturn, Protocol, TypeVar
 import msgspec
 import structlog
 import torch
-from torch import nn
-
-from events import codec
-from events.base import Event
-from events.checkpoint import ShardInfo
-from events.commands import (
+from flightdeck.events import codec
+from flightdeck.events.base import Event
+from flightdeck.events.checkpoint import ShardInfo
+from flightdeck.events.commands import (
     CheckpointRequested,
     PauseRequested,
     ResumeRequested,
     RollbackRequested,
     StopRequested,
 )
-from events.nodelocal import RESTORE_REFUSED_EXIT, STOPPED_EXIT
-from events.plan import ParallelPlan
-from events.ranklink import RollbackReady
-from events.spec import JobSpec
-from events.training import FaultInjected, RankStarted, SnapshotsOff
-from trainer import checkpointing, faults, loaders, restore_points, rollback, snapshots
-from trainer.config import RunConfig
-from trainer.cursor import BatchCursor, Step
-from trainer.distributed import Dist
-from trainer.link import PLAN_WAIT_S
-from trainer.replay import Replay
-from trainer.reports import SPIKE_FACTOR, Emitter, StepReporter, check_metric_names, checked_value
-from trainer.snapshotting import Cadence
-from trainer.state import Stateful, TrainState
-from trainer.usage import refused
+from flightdeck.events.nodelocal import RESTORE_REFUSED_EXIT, STOPPED_EXIT
+from flightdeck.events.plan import ParallelPlan
+from flightdeck.events.ranklink import RollbackReady
+from flightdeck.events.spec import JobSpec
+from flightdeck.events.training import FaultInjected, RankStarted, SnapshotsOff
+from flightdeck.trainer import checkpointing, faults, loaders, restore_points, rollback, snapshots
+from flightdeck.trainer.config import RunConfig
+from flightdeck.trainer.cursor import BatchCursor, Step
+from flightdeck.trainer.distributed import Dist
+from flightdeck.trainer.link import PLAN_WAIT_S
+from flightdeck.trainer.replay import Replay
+from flightdeck.trainer.reports import SPIKE_FACTOR, Emitter, StepReporter, check_metric_names, checked_value
+from flightdeck.trainer.snapshotting import Cadence
+from flightdeck.trainer.state import Stateful, TrainState
+from flightdeck.trainer.usage import refused
+from torch import nn
 
 T = TypeVar("T")
 log = structlog.get_logger("trainer")

@@ -12,10 +12,9 @@ from typing import Any
 
 import structlog
 import torch
-
-from events.checkpoint import DataPosition
-from trainer import checkpointing
-from trainer.snapshots import Snapshots, SnapshotsOff
+from flightdeck.events.checkpoint import DataPosition
+from flightdeck.trainer import checkpointing
+from flightdeck.trainer.snapshots import Snapshots, SnapshotsOff
 
 log = structlog.get_logger("trainer")
 MAX_SPACING = 1 << 20  # snapshots so costly that none would fit: one in a million steps

@@ -1,5 +1,5 @@
 """A warm standby rank: a process that has already imported torch and the trainer, waiting for one assignment
-from its node agent; it then becomes that rank exactly as `python -m trainer ...` (or an entrypoint job's
+from its node agent; it then becomes that rank exactly as `python -m flightdeck.trainer ...` (or an entrypoint job's
 `python train.py ...`) would have run it.
 
 Why it works this way: docs/internals.md, "7. The node agent and the ranks it runs".
@@ -17,15 +17,15 @@ import traceback
 from collections.abc import Callable
 from types import TracebackType
 
-from events.nodelocal import ASSIGNMENT_DECODER, MAX_MESSAGE, READY, Assignment, acts_early
+from flightdeck.events.nodelocal import ASSIGNMENT_DECODER, MAX_MESSAGE, READY, Assignment, acts_early
 
-# Everything `python -m trainer` imports (trainer/__main__.py's imports and what they load on first use), but
-# not trainer.__main__ itself: runpy warns when the module it runs as __main__ is already imported.
+# Everything `python -m flightdeck.trainer` imports (trainer/__main__.py's imports and what they load on first use), but
+# not flightdeck.trainer.__main__ itself: runpy warns when the module it runs as __main__ is already imported.
 # torch._dynamo: torch.optim's Optimizer.__init__ imports it on first use (as much time again as `import torch`).
 WARM_MODULES = ("torch", "torch._dynamo", "torch.distributed", "torch.distributed.checkpoint", "torch.nn.parallel",
-                "flightdeck", "trainer.config", "trainer.distributed", "trainer.link", "trainer.loop",
-                "trainer.reports", "trainer.session", "trainer.checkpointing", "trainer.state",
-                "trainer.model", "trainer.data")
+                "flightdeck", *(f"flightdeck.trainer.{m}" for m in (
+                    "config", "distributed", "link", "loop", "reports", "session", "checkpointing", "state", "model",
+                    "data")))
 
 
 def warm_target(a: Assignment, baseline: dict[str, str]) -> tuple[str, str] | None:
@@ -150,7 +150,7 @@ def agent_socket(prog: str, doc: str | None, argv: list[str] | None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    sock, _ = agent_socket("python -m trainer.standby", __doc__, argv)
+    sock, _ = agent_socket("python -m flightdeck.trainer.standby", __doc__, argv)
     baseline = dict(os.environ)
     return wait_and_become(sock, baseline, warm_up("standby"))
 

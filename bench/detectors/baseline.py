@@ -5,8 +5,8 @@ a spike kept out of the baseline, no judgment before step 20 or with fewer than 
 import math
 from collections import deque
 
-from services.health.spikes import robust_z
-from services.health.window import RobustWindow
+from flightdeck.services.health.spikes import robust_z
+from flightdeck.services.health.window import RobustWindow
 
 Z, WINDOW, WARMUP, MIN_BASELINE = 6.0, 50, 20, 8
 

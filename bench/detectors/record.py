@@ -26,7 +26,7 @@ CURVES = Path(__file__).resolve().parent / "curves"
 @dataclass(frozen=True)
 class Source:
     name: str
-    script: str  # run under torchrun; "-m trainer" for the built-in trainer
+    script: str  # run under torchrun; "-m flightdeck.trainer" for the built-in trainer
     ranks: int
     spec: str  # TOML: the job's own spec file, its [train] table rewritten below
     train: dict[str, object]  # [train] keys set for this recording
@@ -42,13 +42,13 @@ SOURCES = [
            "the shipped FSDP2 example: a residual MLP regressor, AdamW"),
     Source("hf_causal_lm", "examples/hf_causal_lm/train.py", 2, "examples/hf_causal_lm/job.toml", EXAMPLE_TRAIN,
            "the shipped Hugging Face example: a tiny Llama on bytes"),
-    Source("builtin-b8-lr3e-3-s1", "-m trainer", 1, BUILTIN, {"batch_size": 8, "lr": 3e-3, "seed": 1},
+    Source("builtin-b8-lr3e-3-s1", "-m flightdeck.trainer", 1, BUILTIN, {"batch_size": 8, "lr": 3e-3, "seed": 1},
            "the built-in trainer (warm-up, cosine decay), the drill's settings"),
-    Source("builtin-b2-lr1e-2-s2", "-m trainer", 1, BUILTIN, {"batch_size": 2, "lr": 1e-2, "seed": 2},
+    Source("builtin-b2-lr1e-2-s2", "-m flightdeck.trainer", 1, BUILTIN, {"batch_size": 2, "lr": 1e-2, "seed": 2},
            "the built-in trainer, tiny batches and a high LR: the noisiest"),
-    Source("builtin-b16-lr1e-3-s3", "-m trainer", 1, BUILTIN, {"batch_size": 16, "lr": 1e-3, "seed": 3},
+    Source("builtin-b16-lr1e-3-s3", "-m flightdeck.trainer", 1, BUILTIN, {"batch_size": 16, "lr": 1e-3, "seed": 3},
            "the built-in trainer, bigger batches and a low LR"),
-    Source("builtin-b4-lr3e-3-s4-synthetic", "-m trainer", 1, BUILTIN,
+    Source("builtin-b4-lr3e-3-s4-synthetic", "-m flightdeck.trainer", 1, BUILTIN,
            {"batch_size": 4, "lr": 3e-3, "seed": 4, "data": "synthetic"}, "the built-in trainer on synthetic tokens"),
 ]
 

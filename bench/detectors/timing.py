@@ -14,9 +14,10 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
+from flightdeck.events.spec import PolicySpec
+from flightdeck.services.health.detectors import HANG_WINDOW, StragglerWatch, hang_deadline
+
 from bench.detectors.corpus import CURVES
-from events.spec import PolicySpec
-from services.health.detectors import HANG_WINDOW, StragglerWatch, hang_deadline
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """The real control plane a simulation runs against: the shipped nats-server config, services as their own
-processes (`python -m services NAME`), a fleet of simulated nodes registered as their agents would, and the
+processes (`python -m flightdeck.services NAME`), a fleet of simulated nodes registered as their agents would, and the
 job submitted as `flightdeck submit` does."""
 
 import os
@@ -9,13 +9,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from events import subjects
-from events.fleet import NodeRegistered, SelfCheckPassed
-from events.history import append_to_job
-from events.job import JobSubmitted
-from events.spec import JobSpec, PolicySpec, TrainSpec
-from events.store import EventStore
-from services.shell import broker as broker_mod
+from flightdeck.events import subjects
+from flightdeck.events.fleet import NodeRegistered, SelfCheckPassed
+from flightdeck.events.history import append_to_job
+from flightdeck.events.job import JobSubmitted
+from flightdeck.events.spec import JobSpec, PolicySpec, TrainSpec
+from flightdeck.events.store import EventStore
+from flightdeck.services.shell import broker as broker_mod
 
 ROOT = Path(__file__).resolve().parents[2]
 SLOTS_PER_NODE = 8
@@ -52,7 +52,7 @@ def start_services(platform: Platform, names: tuple[str, ...], **env: str) -> No
     for name in names:
         log = open(platform.root / f"{name}.log", "ab")
         platform.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "services", name, "--nats", platform.broker.url], cwd=ROOT,
+            [sys.executable, "-m", "flightdeck.services", name, "--nats", platform.broker.url], cwd=ROOT,
             env={**os.environ, "PYTHONPATH": str(ROOT), **env}, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True)
         log.close()

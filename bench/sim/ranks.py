@@ -19,16 +19,17 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
+from flightdeck.events import subjects
+from flightdeck.events.heartbeats import LocalBeat, RankHeartbeats
+from flightdeck.events.history import append_to_job
+from flightdeck.events.job import RankExit, WorkersExited, WorkersStarted, exits_record
+from flightdeck.events.nodelocal import BeatChannel
+from flightdeck.events.store import EventStore
+from flightdeck.events.training import Heartbeat, RankStarted, StepCompleted
+from flightdeck.services.agent.beats import BeatRelay
+from flightdeck.services.agent.launch import exit_msg_id
+
 from bench.sim.publisher import Publisher
-from events import subjects
-from events.heartbeats import LocalBeat, RankHeartbeats
-from events.history import append_to_job
-from events.job import RankExit, WorkersExited, WorkersStarted, exits_record
-from events.nodelocal import BeatChannel
-from events.store import EventStore
-from events.training import Heartbeat, RankStarted, StepCompleted
-from services.agent.beats import BeatRelay
-from services.agent.launch import exit_msg_id
 
 Mode = Literal["rank", "node"]
 

@@ -35,11 +35,11 @@ from urllib.parse import urlsplit
 import aiohttp
 import msgspec
 import structlog
+from flightdeck.events.base import Event, JobEvent
+from flightdeck.events.catalog import BY_NAME
+from flightdeck.events.findings import LossSpikeDetected
+from flightdeck.events.job import JobFailed
 
-from events.base import Event, JobEvent
-from events.catalog import BY_NAME
-from events.findings import LossSpikeDetected
-from events.job import JobFailed
 from flightdeck.client import Client, ClientError
 
 log = structlog.get_logger("flightdeck.notifier")

@@ -1,8 +1,8 @@
-"""`python -m services.agent [--help]`: run this host's node agent (bootstrap.py)."""
+"""`python -m flightdeck.services.agent [--help]`: run this host's node agent (bootstrap.py)."""
 
 import sys
 
-from services.agent.bootstrap import main
+from flightdeck.services.agent.bootstrap import main
 
 if __name__ == "__main__":
     sys.exit(main())

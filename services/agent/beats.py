@@ -17,11 +17,10 @@ from dataclasses import dataclass, field
 
 import msgspec
 import structlog
-
-from events import subjects
-from events.heartbeats import LocalBeat, RankBeat, RankHeartbeats
-from events.store import EventStore
-from services.shell.connection import TRANSIENT
+from flightdeck.events import subjects
+from flightdeck.events.heartbeats import LocalBeat, RankBeat, RankHeartbeats
+from flightdeck.events.store import EventStore
+from flightdeck.services.shell.connection import TRANSIENT
 
 log = structlog.get_logger("flightdeck.agent.beats")
 
@@ -106,7 +105,7 @@ class Batches:
 
 
 def new_address(node: str) -> str:
-    """A fresh abstract socket name for this agent process (see events.nodelocal.sockaddr)."""
+    """A fresh abstract socket name for this agent process (see flightdeck.events.nodelocal.sockaddr)."""
     return f"@flightdeck-beats-{node}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 

@@ -1,4 +1,4 @@
-"""The node agent's one start-up, shared by `python -m services.agent` and `flightdeck agent`: its arguments,
+"""The node agent's one start-up, shared by `python -m flightdeck.services.agent` and `flightdeck agent`: its arguments,
 their defaults from the environment `flightdeck up` sets, and the run until SIGTERM/SIGINT."""
 
 import argparse
@@ -7,14 +7,14 @@ import os
 import signal
 import sys
 
-from events import subjects
-from events.nodelocal import STEP_REPORTS, STEP_REPORTS_ENV
-from services.agent import snapshots
-from services.agent.inventory import DEFAULT_CPU_SLOTS, AgentError
-from services.agent.main import HEARTBEATS, HEARTBEATS_ENV, PRELOAD_ENV, STANDBY_ENV, AgentOptions, run_agent
-from services.shell.logging import configure
-from services.shell.objects.open import DATA_DIR_ENV, OBJECTS_ENV
-from services.shell.stacks import dump_on_signal
+from flightdeck.events import subjects
+from flightdeck.events.nodelocal import STEP_REPORTS, STEP_REPORTS_ENV
+from flightdeck.services.agent import snapshots
+from flightdeck.services.agent.inventory import DEFAULT_CPU_SLOTS, AgentError
+from flightdeck.services.agent.main import HEARTBEATS, HEARTBEATS_ENV, PRELOAD_ENV, STANDBY_ENV, AgentOptions, run_agent
+from flightdeck.services.shell.logging import configure
+from flightdeck.services.shell.objects.open import DATA_DIR_ENV, OBJECTS_ENV
+from flightdeck.services.shell.stacks import dump_on_signal
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -81,10 +81,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m services.agent", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m flightdeck.services.agent", description=__doc__)
     add_arguments(p)
     try:
         return run(p.parse_args(argv))
     except AgentError as exc:
-        print(f"python -m services.agent: {exc}", file=sys.stderr)
+        print(f"python -m flightdeck.services.agent: {exc}", file=sys.stderr)
         return 2

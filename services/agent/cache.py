@@ -13,11 +13,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import structlog
-
-from services.agent.core import Restore
-from services.agent.launch import Paths, detached
-from services.shell.objects import manifest
-from services.shell.objects.store import ObjectStore
+from flightdeck.services.agent.core import Restore
+from flightdeck.services.agent.launch import Paths, detached
+from flightdeck.services.shell.objects import manifest
+from flightdeck.services.shell.objects.store import ObjectStore
 
 log = structlog.get_logger("flightdeck.agent")
 Ready = Callable[[str, str], None]  # (path, problem): where a rollback's copy is, or why there is none

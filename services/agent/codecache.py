@@ -15,10 +15,9 @@ from collections.abc import Collection
 from pathlib import Path
 
 import structlog
-
-from events.spec import JobSpec
-from services.shell.objects import code
-from services.shell.objects.store import ObjectNotFound, ObjectStore, ObjectTooLarge
+from flightdeck.events.spec import JobSpec
+from flightdeck.services.shell.objects import code
+from flightdeck.services.shell.objects.store import ObjectNotFound, ObjectStore, ObjectTooLarge
 
 log = structlog.get_logger("flightdeck.agent")
 

@@ -4,14 +4,13 @@ Why it works this way: docs/internals.md, "7. The node agent and the ranks it ru
 """
 
 import msgspec
-
-from events import codec, lineage, subjects
-from events.base import Event, JobEvent
-from events.catalog import COMMAND_TYPES
-from events.checkpoint import CheckpointCommitted, CheckpointDeleted, CheckpointRejected
-from events.commands import RollbackRequested
-from events.findings import SpikeDiagnosed
-from events.job import (
+from flightdeck.events import codec, lineage, subjects
+from flightdeck.events.base import Event, JobEvent
+from flightdeck.events.catalog import COMMAND_TYPES
+from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointDeleted, CheckpointRejected
+from flightdeck.events.commands import RollbackRequested
+from flightdeck.events.findings import SpikeDiagnosed
+from flightdeck.events.job import (
     AllocationGranted,
     AllocationReleased,
     JobCancelled,
@@ -22,9 +21,9 @@ from events.job import (
     WorkersExited,
     WorkersStarted,
 )
-from events.plan import ParallelPlan, ReshardPlanned
-from events.spec import JobSpec
-from services.core import Effect, EffectHandler, Output, Service
+from flightdeck.events.plan import ParallelPlan, ReshardPlanned
+from flightdeck.events.spec import JobSpec
+from flightdeck.services.core import Effect, EffectHandler, Output, Service
 
 SPAWN, STOP, PREFETCH, EVICT, SELFCHECK, TELL = "spawn", "stop", "prefetch", "evict", "selfcheck", "tell"
 EFFECTS = (SPAWN, STOP, PREFETCH, EVICT, SELFCHECK, TELL)
@@ -94,7 +93,7 @@ class TellArgs(msgspec.Struct, frozen=True, kw_only=True):
 
     job_id: str
     attempt: int = -1  # a command's attempt; -1: every attempt's ranks (a plan)
-    command: bytes = b""  # a command as stored (events.codec)
+    command: bytes = b""  # a command as stored (flightdeck.events.codec)
     plan: ParallelPlan | None = None
 
 

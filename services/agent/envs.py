@@ -3,7 +3,7 @@ as "python", and the packages it needs beyond the node's, installed once per nod
 for every job that asks for the same ones.
 
 The environment is made from the job's Python (else the node's) and sees the node's packages after its own (a
-`.pth` file naming the node's site-packages), so torch and Flightdeck stay the node's: pip finds them installed
+`.pth` file adding the node's site-packages), so torch and Flightdeck stay the node's: pip finds them installed
 and a constraint pins torch to the node's version. It is built in a temporary folder renamed into place, so one
 that exists is whole; a requirement given as a path (`./vendored`) is read from the job's shipped code.
 """
@@ -20,8 +20,7 @@ from importlib import metadata
 from pathlib import Path
 
 import structlog
-
-from events.spec import EntrypointSpec
+from flightdeck.events.spec import EntrypointSpec
 
 log = structlog.get_logger("flightdeck.agent")
 
@@ -90,7 +89,7 @@ class EnvCache:
     def key(base: str, requirements: list[str], code_dir: Path | None) -> str:
         """What an environment is made of: its interpreter, the node's packages, the requirements in order, and
         the shipped code a requirement's path is read from."""
-        parts = {"python": os.path.realpath(base), "node": _node_sites(), "torch": _torch_version(),
+        parts = {"layout": 2, "python": os.path.realpath(base), "node": _node_sites(), "torch": _torch_version(),
                  "requirements": requirements, "code": str(code_dir) if any(_is_path(r) for r in requirements) else ""}
         return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
 
@@ -99,7 +98,9 @@ class EnvCache:
         py = where / "bin" / "python"
         sites = json.loads((await _run([str(py), "-c", "import json, site; print(json.dumps(site.getsitepackages()))"],
                                        None, "finding its site-packages")).strip())
-        (Path(sites[0]) / "flightdeck-node.pth").write_text("".join(f"{d}\n" for d in _node_sites()))
+        # addsitedir, not a bare path: the node's own .pth files run too (an editable Flightdeck is one)
+        (Path(sites[0]) / "flightdeck-node.pth").write_text("".join(f"import site; site.addsitedir({d!r})\n"
+                                                                    for d in _node_sites()))
         pins = where / "node-constraints.txt"
         pins.write_text(f"torch=={_torch_version()}\n" if _torch_version() else "")
         # the node's pip installs into it (`--python`): no copy of pip in every environment

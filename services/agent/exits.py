@@ -16,14 +16,13 @@ from dataclasses import dataclass, field
 
 import msgspec
 import structlog
-
-from events.checkpoint import CheckpointRejected
-from events.codec import MAX_CAUSE
-from events.history import append_to_job
-from events.job import RankExit, exits_record
-from events.store import EventStore
-from services.agent.core import Restore
-from services.agent.launch import exit_msg_id
+from flightdeck.events.checkpoint import CheckpointRejected
+from flightdeck.events.codec import MAX_CAUSE
+from flightdeck.events.history import append_to_job
+from flightdeck.events.job import RankExit, exits_record
+from flightdeck.events.store import EventStore
+from flightdeck.services.agent.core import Restore
+from flightdeck.services.agent.launch import exit_msg_id
 
 log = structlog.get_logger("flightdeck.agent.exits")
 

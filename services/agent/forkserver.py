@@ -17,8 +17,7 @@ from pathlib import Path
 
 import msgspec
 import structlog
-
-from events.nodelocal import (
+from flightdeck.events.nodelocal import (
     FORK_SERVER_DECODER,
     MAX_MESSAGE,
     Assignment,
@@ -127,7 +126,8 @@ class ForkServer:
             try:
                 preload = ["--preload", ",".join(self.preload)] if self.preload else []
                 self.proc = await asyncio.create_subprocess_exec(
-                    self.python, "-m", "trainer.forkserver", "--fd", str(theirs.fileno()), *preload, cwd=self.cwd,
+                    self.python, "-m", "flightdeck.trainer.forkserver", "--fd", str(theirs.fileno()), *preload,
+                    cwd=self.cwd,
                     env=self.env, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT,
                     start_new_session=True, preexec_fn=self.preexec, pass_fds=(theirs.fileno(),))
             finally:

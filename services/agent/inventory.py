@@ -1,5 +1,5 @@
 """What a node offers and whether it works: its slots (GPUs listed by nvidia-smi, else CPU slots; the agent
-never imports torch) and the self-check it runs before registering (`python -m trainer.selfcheck`)."""
+never imports torch) and the self-check it runs before registering (`python -m flightdeck.trainer.selfcheck`)."""
 
 import asyncio
 import contextlib
@@ -17,14 +17,12 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import structlog
-
-from events import subjects
-from events.fleet import SelfCheckFailed, SelfCheckPassed
-from events.nodelocal import Assignment
-from services.agent.core import SelfCheckArgs
-from services.agent.forkserver import ForkedProc, ForkServer, ForkServerGone
-from services.agent.launch import REPO
-from services.core import Emit
+from flightdeck.events import subjects
+from flightdeck.events.fleet import SelfCheckFailed, SelfCheckPassed
+from flightdeck.events.nodelocal import Assignment
+from flightdeck.services.agent.core import SelfCheckArgs
+from flightdeck.services.agent.forkserver import ForkedProc, ForkServer, ForkServerGone
+from flightdeck.services.core import Emit
 
 log = structlog.get_logger("flightdeck.agent")
 DEFAULT_CPU_SLOTS = 2
@@ -101,17 +99,17 @@ class Verdict:
 
 
 async def selfcheck(python: str, inv: Inventory, timeout_s: float, forks: ForkServer | None = None) -> Verdict:
-    """`python -m trainer.selfcheck` (matmul with a known answer, all-reduce across the slots) in its own session:
-    forked from the node's fork server when it has one (torch imported once), else started cold."""
+    """`python -m flightdeck.trainer.selfcheck` (matmul with a known answer, all-reduce across the slots) in its own
+    session: forked from the node's fork server when it has one (torch imported once), else started cold."""
     started = time.perf_counter()
-    argv = [python, "-m", "trainer.selfcheck", "--slots", str(inv.slots), "--device",
+    argv = [python, "-m", "flightdeck.trainer.selfcheck", "--slots", str(inv.slots), "--device",
             "cuda" if inv.kind == "gpu" else "cpu"]
     try:
         if forks is not None and await asyncio.wait_for(forks.wait_ready(complete=False), timeout_s):
             with contextlib.suppress(ForkServerGone):  # then cold
                 return await _forked_selfcheck(forks, argv, started, timeout_s)
         proc = await asyncio.create_subprocess_exec(
-            *argv, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdin=asyncio.subprocess.DEVNULL,
+            *argv, cwd=Path.cwd(), env={**os.environ, "OMP_NUM_THREADS": "1"}, stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True)
     except TimeoutError:
         return Verdict(False, time.perf_counter() - started, f"self-check did not finish in {timeout_s:g}s")

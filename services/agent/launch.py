@@ -15,17 +15,15 @@ from typing import Any
 
 import msgspec
 import structlog
+from flightdeck.events import nodelocal as nl
+from flightdeck.events import ranklink, subjects
+from flightdeck.events.job import SlotRef
+from flightdeck.events.store import EventStore
+from flightdeck.events.training import FaultInjected
+from flightdeck.services.agent.core import SpawnArgs
+from flightdeck.services.shell.objects import manifest
+from flightdeck.services.shell.security.credentials import rank_env
 
-from events import nodelocal as nl
-from events import ranklink, subjects
-from events.job import SlotRef
-from events.store import EventStore
-from events.training import FaultInjected
-from services.agent.core import SpawnArgs
-from services.shell.objects import manifest
-from services.shell.security.credentials import rank_env
-
-REPO = Path(__file__).resolve().parents[2]
 PR_SET_PDEATHSIG = 1
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
 
@@ -72,8 +70,7 @@ def exit_msg_id(producer: str, job_id: str, attempt: int, rank: int) -> str:
 def rank_base_env() -> dict[str, str]:
     """What every rank's environment holds besides its rendezvous variables (a standby starts with this): the
     agent's, less anything of the broker (security/credentials.rank_env)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",  # a rank's lines reach its log as printed
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}  # a rank's lines reach its log as printed
     return dict(rank_env(env))
 
 
@@ -105,7 +102,7 @@ def rank_command(args: SpawnArgs, launch: Launch, code_dir: Path | None = None,
     working directory)."""
     entry = args.spec.entrypoint
     if entry is None:
-        return [launch.python, "-m", "trainer"], REPO
+        return [launch.python, "-m", "flightdeck.trainer"], Path.cwd()
     argv = list(entry.command)
     if argv[0] in ("python", "python3"):
         argv[0] = python or launch.python

@@ -22,16 +22,15 @@ from typing import Any
 import msgspec
 import nats
 import structlog
-
-from events import codec, ranklink, subjects
-from events.backlog import Backlog
-from events.base import RankEvent
-from events.catalog import RANK_TYPES
-from events.checkpoint import CheckpointStaged
-from events.plan import ParallelPlan
-from events.store import EventStore
-from events.training import RankFault, RolledBack, StepCompleted
-from services.shell.connection import TRANSIENT
+from flightdeck.events import codec, ranklink, subjects
+from flightdeck.events.backlog import Backlog
+from flightdeck.events.base import RankEvent
+from flightdeck.events.catalog import RANK_TYPES
+from flightdeck.events.checkpoint import CheckpointStaged
+from flightdeck.events.plan import ParallelPlan
+from flightdeck.events.store import EventStore
+from flightdeck.events.training import RankFault, RolledBack, StepCompleted
+from flightdeck.services.shell.connection import TRANSIENT
 
 log = structlog.get_logger("flightdeck.agent.links")
 

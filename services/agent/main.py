@@ -18,20 +18,19 @@ from pathlib import Path
 from typing import Any
 
 import structlog
-
-from events import subjects
-from events.base import NodeEvent
-from events.fleet import NodeRegistered, SelfCheckFailed, SelfCheckPassed
-from events.job import RankExit
-from events.nodelocal import STEP_REPORTS, STEP_REPORTS_ENV
-from events.store import EventStore
-from events.streams import ServerTooOld
-from services.agent import core as agentcore
-from services.agent import snapshots
-from services.agent.beats import BeatRelay, new_address, store_publisher
-from services.agent.closing import close_within
-from services.agent.forkserver import ForkServer
-from services.agent.inventory import (
+from flightdeck.events import subjects
+from flightdeck.events.base import NodeEvent
+from flightdeck.events.fleet import NodeRegistered, SelfCheckFailed, SelfCheckPassed
+from flightdeck.events.job import RankExit
+from flightdeck.events.nodelocal import STEP_REPORTS, STEP_REPORTS_ENV
+from flightdeck.events.store import EventStore
+from flightdeck.events.streams import ServerTooOld
+from flightdeck.services.agent import core as agentcore
+from flightdeck.services.agent import snapshots
+from flightdeck.services.agent.beats import BeatRelay, new_address, store_publisher
+from flightdeck.services.agent.closing import close_within
+from flightdeck.services.agent.forkserver import ForkServer
+from flightdeck.services.agent.inventory import (
     AgentError,
     Device,
     Inventory,
@@ -40,16 +39,16 @@ from services.agent.inventory import (
     detect,
     selfcheck,
 )
-from services.agent.launch import REPO, Launch, Paths, die_with_agent, standby_env
-from services.agent.links import RankLinks
-from services.agent.nodeview import NodeView
-from services.agent.spawner import Spawner, retrying
-from services.agent.standbys import StandbyPool
-from services.shell.broker import nats_url
-from services.shell.connection import Connection
-from services.shell.fold import rebuild
-from services.shell.objects.open import open_store
-from services.shell.runtime import ConsumerPolicy, PublishDenied, run_service
+from flightdeck.services.agent.launch import Launch, Paths, die_with_agent, standby_env
+from flightdeck.services.agent.links import RankLinks
+from flightdeck.services.agent.nodeview import NodeView
+from flightdeck.services.agent.spawner import Spawner, retrying
+from flightdeck.services.agent.standbys import StandbyPool
+from flightdeck.services.shell.broker import nats_url
+from flightdeck.services.shell.connection import Connection
+from flightdeck.services.shell.fold import rebuild
+from flightdeck.services.shell.objects.open import open_store
+from flightdeck.services.shell.runtime import ConsumerPolicy, PublishDenied, run_service
 
 log = structlog.get_logger("flightdeck.agent")
 
@@ -68,7 +67,7 @@ def kill_if_rank(pid: int, job_id: str) -> None:
         cold = b"trainer" in cmdline and job_id.encode() in cmdline
         # A rank started by a standby keeps the standby's command line (or the fork server's, which forked it); its
         # stdout is the rank's log.
-        standby = b"trainer.standby" in cmdline or b"trainer.forkserver" in cmdline
+        standby = b"flightdeck.trainer.standby" in cmdline or b"flightdeck.trainer.forkserver" in cmdline
         log_name = Path(os.readlink(f"/proc/{pid}/fd/1")).name if standby else ""
         warm = re.fullmatch(rf"{re.escape(job_id)}-a\d+-r\d+\.log", log_name) is not None
         if cold or warm:
@@ -183,7 +182,7 @@ async def run_agent(options: AgentOptions, stop_event: asyncio.Event | None = No
     python = sys.executable
     # The standbys and the self-check are forked from one warm process: torch is imported once on this node. On GPU
     # nodes too: the server's imports never initialise the CUDA driver (tests/gpu), so its children still get CUDA.
-    forks = ForkServer(python=python, env=standby_env(), cwd=REPO, log_file=Paths(root).standby_log,
+    forks = ForkServer(python=python, env=standby_env(), cwd=Path.cwd(), log_file=Paths(root).standby_log,
                        preexec=die_with_agent(os.getpid()), preload=preload) if standbys > 0 else None
     verdict_task = asyncio.create_task(selfcheck(python, inv, selfcheck_timeout_s, forks))
     conn = Connection(producer)
@@ -204,7 +203,7 @@ async def run_agent(options: AgentOptions, stop_event: asyncio.Event | None = No
             launch = Launch(device="cuda" if inv.kind == "gpu" else "cpu", grace_s=grace_s,
                             beats=beats,
                             step_reports=step_reports)
-            pool = StandbyPool(size=standbys, python=python, env=standby_env(), cwd=REPO,
+            pool = StandbyPool(size=standbys, python=python, env=standby_env(), cwd=Path.cwd(),
                                log_file=Paths(root).standby_log, preexec=die_with_agent(os.getpid()), producer=producer,
                                forks=forks)
             paths = Paths(root, snapshots=snapshot_root(o.snapshots, root, node))

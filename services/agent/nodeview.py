@@ -9,11 +9,10 @@ import uuid
 from collections.abc import Callable
 
 import structlog
-
-from events import subjects
-from events.fleet import NodeHeartbeat
-from events.store import EventStore
-from services.shell.connection import TRANSIENT
+from flightdeck.events import subjects
+from flightdeck.events.fleet import NodeHeartbeat
+from flightdeck.events.store import EventStore
+from flightdeck.services.shell.connection import TRANSIENT
 
 log = structlog.get_logger("flightdeck.agent")
 REPORT_AFTER_S = 0.2  # changes within this window make one event

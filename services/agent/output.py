@@ -17,11 +17,10 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import structlog
-
-from events import subjects
-from events.logs import MAX_LINE, MAX_LINES, RankOutput
-from events.store import EventStore
-from services.shell.connection import TRANSIENT
+from flightdeck.events import subjects
+from flightdeck.events.logs import MAX_LINE, MAX_LINES, RankOutput
+from flightdeck.events.store import EventStore
+from flightdeck.services.shell.connection import TRANSIENT
 
 log = structlog.get_logger("flightdeck.agent")
 

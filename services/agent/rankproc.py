@@ -11,10 +11,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import structlog
-
-from events.job import SlotRef
-from services.agent.core import Restore
-from services.shell.connection import TRANSIENT
+from flightdeck.events.job import SlotRef
+from flightdeck.services.agent.core import Restore
+from flightdeck.services.shell.connection import TRANSIENT
 
 log = structlog.get_logger("flightdeck.agent")
 

@@ -15,13 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
-
-from events import subjects
-from events.checkpoint import CheckpointStaged, ShardInfo, ShardsUploaded, checkpoint_id
-from events.store import EventStore, Stored
-from services.agent.launch import detached
-from services.shell.objects import manifest as mf
-from services.shell.objects.store import ObjectStore, local_path
+from flightdeck.events import subjects
+from flightdeck.events.checkpoint import CheckpointStaged, ShardInfo, ShardsUploaded, checkpoint_id
+from flightdeck.events.store import EventStore, Stored
+from flightdeck.services.agent.launch import detached
+from flightdeck.services.shell.objects import manifest as mf
+from flightdeck.services.shell.objects.store import ObjectStore, local_path
 
 log = structlog.get_logger("flightdeck.agent.shipping")
 

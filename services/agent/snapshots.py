@@ -15,16 +15,15 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import structlog
-
-from events import snapshot as fmt
-from events import subjects
-from events.checkpoint import CheckpointStaged, ShardInfo
-from events.store import EventStore
-from events.training import RolledBack, StepCompleted
-from services.agent.core import SpawnArgs
-from services.agent.rankproc import retrying
-from services.shell.objects import manifest
-from services.shell.objects.store import ObjectStore
+from flightdeck.events import snapshot as fmt
+from flightdeck.events import subjects
+from flightdeck.events.checkpoint import CheckpointStaged, ShardInfo
+from flightdeck.events.store import EventStore
+from flightdeck.events.training import RolledBack, StepCompleted
+from flightdeck.services.agent.core import SpawnArgs
+from flightdeck.services.agent.rankproc import retrying
+from flightdeck.services.shell.objects import manifest
+from flightdeck.services.shell.objects.store import ObjectStore
 
 log = structlog.get_logger("flightdeck.agent.snapshots")
 

@@ -14,20 +14,19 @@ from pathlib import Path
 from typing import Any
 
 import structlog
-
-from events import nodelocal as nl
-from events import ranklink
-from events.heartbeats import LocalBeat
-from events.history import append_to_job
-from events.job import RankExit, SlotRef, WorkersStarted
-from events.spec import spec_toml
-from events.store import EventStore
-from services.agent import snapshots
-from services.agent.beats import BeatRelay
-from services.agent.cache import CheckpointCache
-from services.agent.closing import close_within
-from services.agent.codecache import CodeCache
-from services.agent.core import (
+from flightdeck.events import nodelocal as nl
+from flightdeck.events import ranklink
+from flightdeck.events.heartbeats import LocalBeat
+from flightdeck.events.history import append_to_job
+from flightdeck.events.job import RankExit, SlotRef, WorkersStarted
+from flightdeck.events.spec import spec_toml
+from flightdeck.events.store import EventStore
+from flightdeck.services.agent import snapshots
+from flightdeck.services.agent.beats import BeatRelay
+from flightdeck.services.agent.cache import CheckpointCache
+from flightdeck.services.agent.closing import close_within
+from flightdeck.services.agent.codecache import CodeCache
+from flightdeck.services.agent.core import (
     EVICT,
     PREFETCH,
     SELFCHECK,
@@ -41,19 +40,27 @@ from services.agent.core import (
     StopArgs,
     TellArgs,
 )
-from services.agent.envs import EnvCache, EnvError
-from services.agent.exits import ExitRecorder
-from services.agent.inventory import Verdict, recheck
-from services.agent.launch import Launch, Paths, detached, die_with_agent, fired_faults, rank_command, rank_env_of
-from services.agent.links import NOT_TOLD, RankLinks
-from services.agent.output import OutputPump, store_publisher
-from services.agent.rankproc import RankProc, error_line, last_lines, retrying, runnable_problem, signal_rank
-from services.agent.shipping import Shipper
-from services.agent.standbys import StandbyPool
-from services.core import EffectHandler, Emit
-from services.shell.objects import manifest
-from services.shell.objects.code import CodeError
-from services.shell.objects.store import ObjectStore, ObjectStoreError
+from flightdeck.services.agent.envs import EnvCache, EnvError
+from flightdeck.services.agent.exits import ExitRecorder
+from flightdeck.services.agent.inventory import Verdict, recheck
+from flightdeck.services.agent.launch import (
+    Launch,
+    Paths,
+    detached,
+    die_with_agent,
+    fired_faults,
+    rank_command,
+    rank_env_of,
+)
+from flightdeck.services.agent.links import NOT_TOLD, RankLinks
+from flightdeck.services.agent.output import OutputPump, store_publisher
+from flightdeck.services.agent.rankproc import RankProc, error_line, last_lines, retrying, runnable_problem, signal_rank
+from flightdeck.services.agent.shipping import Shipper
+from flightdeck.services.agent.standbys import StandbyPool
+from flightdeck.services.core import EffectHandler, Emit
+from flightdeck.services.shell.objects import manifest
+from flightdeck.services.shell.objects.code import CodeError
+from flightdeck.services.shell.objects.store import ObjectStore, ObjectStoreError
 
 log = structlog.get_logger("flightdeck.agent")
 

@@ -15,10 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
-
-from events.nodelocal import ASSIGNMENT_ENCODER, READY, Assignment
-from services.agent.forkserver import ForkedProc, ForkServer, ForkServerGone
-from services.agent.rankproc import Proc
+from flightdeck.events.nodelocal import ASSIGNMENT_ENCODER, READY, Assignment
+from flightdeck.services.agent.forkserver import ForkedProc, ForkServer, ForkServerGone
+from flightdeck.services.agent.rankproc import Proc
 
 log = structlog.get_logger("flightdeck.agent")
 
@@ -181,7 +180,7 @@ class StandbyPool:
                         proc = await self.forks.standby(out, theirs.fileno())
                 if proc is None:
                     proc = await asyncio.create_subprocess_exec(
-                        self.python, "-m", "trainer.standby", "--fd", str(theirs.fileno()), cwd=self.cwd,
+                        self.python, "-m", "flightdeck.trainer.standby", "--fd", str(theirs.fileno()), cwd=self.cwd,
                         env=self.env, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT,
                         start_new_session=True, preexec_fn=self.preexec, pass_fds=(theirs.fileno(),))
             finally:

@@ -8,15 +8,14 @@ Why it works this way: docs/internals.md, "9. The whole history".
 from collections.abc import Callable, Mapping
 
 import msgspec
-
-from events import subjects
-from events.archive import HistoryArchived
-from events.base import Event
-from events.clock import ClockTick, CoreConfigured
-from events.job import JobCancelled, JobCompleted, JobFailed, JobSubmitted
-from events.store import EventStore
-from services.core import Effect, EffectHandler, Output, Service
-from services.shell.objects.segments import ARCHIVED
+from flightdeck.events import subjects
+from flightdeck.events.archive import HistoryArchived
+from flightdeck.events.base import Event
+from flightdeck.events.clock import ClockTick, CoreConfigured
+from flightdeck.events.job import JobCancelled, JobCompleted, JobFailed, JobSubmitted
+from flightdeck.events.store import EventStore
+from flightdeck.services.core import Effect, EffectHandler, Output, Service
+from flightdeck.services.shell.objects.segments import ARCHIVED
 
 NAME = "archiver"
 ARCHIVE = "archive"

@@ -10,15 +10,14 @@ from collections.abc import Mapping
 from typing import Any
 
 import structlog
-
-from events import subjects
-from events.archive import HistoryArchived
-from events.store import EventStore
-from services.archiver.core import ARCHIVE, Ask, Settings, State, core_service
-from services.core import Emit, Service
-from services.shell.objects import segments
-from services.shell.objects.open import objects_url, open_store
-from services.shell.objects.store import ObjectStore
+from flightdeck.events import subjects
+from flightdeck.events.archive import HistoryArchived
+from flightdeck.events.store import EventStore
+from flightdeck.services.archiver.core import ARCHIVE, Ask, Settings, State, core_service
+from flightdeck.services.core import Emit, Service
+from flightdeck.services.shell.objects import segments
+from flightdeck.services.shell.objects.open import objects_url, open_store
+from flightdeck.services.shell.objects.store import ObjectStore
 
 log = structlog.get_logger("flightdeck.archiver")
 

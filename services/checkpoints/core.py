@@ -6,11 +6,9 @@ Why it works this way: docs/internals.md, "5. Checkpoints".
 from collections.abc import Sequence
 
 import msgspec
-from msgspec.structs import replace
-
-from events import subjects
-from events.base import Event
-from events.checkpoint import (
+from flightdeck.events import subjects
+from flightdeck.events.base import Event
+from flightdeck.events.checkpoint import (
     CheckpointCommitted,
     CheckpointDeleted,
     CheckpointFailed,
@@ -22,13 +20,13 @@ from events.checkpoint import (
     ShardsUploaded,
     checkpoint_id,
 )
-from events.clock import ClockTick, CoreConfigured
-from events.commands import RollbackRequested
-from events.fleet import NodeLost, NodeRegistered
-from events.job import AllocationGranted, JobCancelled, JobCompleted, JobFailed, JobResumed, JobSubmitted
-from events.lineage import forked, thrown_away
-from events.training import RankStarted, RolledBack
-from services.checkpoints.state import (
+from flightdeck.events.clock import ClockTick, CoreConfigured
+from flightdeck.events.commands import RollbackRequested
+from flightdeck.events.fleet import NodeLost, NodeRegistered
+from flightdeck.events.job import AllocationGranted, JobCancelled, JobCompleted, JobFailed, JobResumed, JobSubmitted
+from flightdeck.events.lineage import forked, thrown_away
+from flightdeck.events.training import RankStarted, RolledBack
+from flightdeck.services.checkpoints.state import (
     NOTHING_DUE,
     CommitArgs,
     Committed,
@@ -43,7 +41,8 @@ from services.checkpoints.state import (
     Staging,
     State,
 )
-from services.core import Effect, EffectHandler, Emit, Output, Service
+from flightdeck.services.core import Effect, EffectHandler, Emit, Output, Service
+from msgspec.structs import replace
 
 SERVICE = "checkpoints"
 COMMIT = "commit"

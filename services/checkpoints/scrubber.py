@@ -8,13 +8,12 @@ import time
 from typing import Any
 
 import structlog
-
-from events import subjects
-from events.checkpoint import CheckpointScrubbed
-from services.checkpoints.state import ScrubArgs
-from services.core import Emit
-from services.shell.objects import manifest as mf
-from services.shell.objects.store import ObjectNotFound, ObjectStore
+from flightdeck.events import subjects
+from flightdeck.events.checkpoint import CheckpointScrubbed
+from flightdeck.services.checkpoints.state import ScrubArgs
+from flightdeck.services.core import Emit
+from flightdeck.services.shell.objects import manifest as mf
+from flightdeck.services.shell.objects.store import ObjectNotFound, ObjectStore
 
 log = structlog.get_logger("flightdeck.checkpoints")
 

@@ -8,12 +8,12 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from services.checkpoints import uploader
-from services.checkpoints.core import COMMIT, DELETE, SCRUB, core_service
-from services.checkpoints.state import Settings, State
-from services.core import EffectHandler, Emit, Service
-from services.shell.objects.open import objects_url, open_store
-from services.shell.objects.store import ObjectStore
+from flightdeck.services.checkpoints import uploader
+from flightdeck.services.checkpoints.core import COMMIT, DELETE, SCRUB, core_service
+from flightdeck.services.checkpoints.state import Settings, State
+from flightdeck.services.core import EffectHandler, Emit, Service
+from flightdeck.services.shell.objects.open import objects_url, open_store
+from flightdeck.services.shell.objects.store import ObjectStore
 
 SCRUB_EVERY_ENV = "FLIGHTDECK_SCRUB_EVERY_S"  # re-verify each committed checkpoint this often; 0 turns scrubs off
 SCRUB_MB_S_ENV = "FLIGHTDECK_SCRUB_MB_S"  # the scrubber's read rate bound

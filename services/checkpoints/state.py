@@ -4,9 +4,8 @@ what one input made due. Frozen values only."""
 from typing import Literal
 
 import msgspec
-
-from events.checkpoint import CheckpointFailed, CheckpointPending, CheckpointStaged, DataPosition, ShardInfo
-from events.lineage import Fork
+from flightdeck.events.checkpoint import CheckpointFailed, CheckpointPending, CheckpointStaged, DataPosition, ShardInfo
+from flightdeck.events.lineage import Fork
 
 DEFAULT_KEEP = 3
 

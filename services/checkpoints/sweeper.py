@@ -7,10 +7,9 @@ from dataclasses import dataclass
 from datetime import datetime
 
 import structlog
-
-from services.shell.objects.local import LocalStore
-from services.shell.objects.s3 import S3Store
-from services.shell.objects.store import ObjectStore
+from flightdeck.services.shell.objects.local import LocalStore
+from flightdeck.services.shell.objects.s3 import S3Store
+from flightdeck.services.shell.objects.store import ObjectStore
 
 DEFAULT_OLDER_THAN_S = 6 * 3600.0  # far longer than any upload in progress takes
 

@@ -8,14 +8,13 @@ import time
 from typing import Any
 
 import structlog
-
-from events import subjects
-from events.checkpoint import CheckpointCommitted, CheckpointFailed, ShardInfo
-from services.checkpoints import scrubber
-from services.checkpoints.state import CommitArgs, DeleteArgs, StagedRank
-from services.core import EffectHandler, Emit
-from services.shell.objects import manifest as mf
-from services.shell.objects.store import (
+from flightdeck.events import subjects
+from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointFailed, ShardInfo
+from flightdeck.services.checkpoints import scrubber
+from flightdeck.services.checkpoints.state import CommitArgs, DeleteArgs, StagedRank
+from flightdeck.services.core import EffectHandler, Emit
+from flightdeck.services.shell.objects import manifest as mf
+from flightdeck.services.shell.objects.store import (
     ObjectAlreadyExists,
     ObjectNotFound,
     ObjectStore,

@@ -5,11 +5,11 @@ Why it works this way: docs/internals.md, "6. The health monitor".
 
 from dataclasses import dataclass, replace
 
-from events import subjects
-from events.fleet import NodeLost
-from events.spec import PolicySpec
-from services.core import Emit
-from services.health.detectors import RankWatch, age, lost_deadline
+from flightdeck.events import subjects
+from flightdeck.events.fleet import NodeLost
+from flightdeck.events.spec import PolicySpec
+from flightdeck.services.core import Emit
+from flightdeck.services.health.detectors import RankWatch, age, lost_deadline
 
 EXIT_RECORD_S = 10.0  # least time an agent is given to record the exits of ranks it was told to kill
 

@@ -6,11 +6,11 @@ Why it works this way: docs/internals.md, "6. The health monitor".
 import math
 from collections import deque
 
-from events import subjects
-from events.base import Event
-from events.clock import ClockTick, CoreConfigured
-from events.commands import PauseRequested, ResumeRequested, RollbackRequested, StopRequested
-from events.findings import (
+from flightdeck.events import subjects
+from flightdeck.events.base import Event
+from flightdeck.events.clock import ClockTick, CoreConfigured
+from flightdeck.events.commands import PauseRequested, ResumeRequested, RollbackRequested, StopRequested
+from flightdeck.events.findings import (
     Finding,
     LossSpikeDetected,
     NonFiniteLoss,
@@ -20,8 +20,8 @@ from events.findings import (
     StragglerDetected,
     spike_onset,
 )
-from events.heartbeats import RankHeartbeats
-from events.job import (
+from flightdeck.events.heartbeats import RankHeartbeats
+from flightdeck.events.job import (
     AllocationGranted,
     AllocationReleased,
     CancelRequested,
@@ -34,11 +34,11 @@ from events.job import (
     WorkersStarted,
     failed,
 )
-from events.training import Heartbeat, RankFault, RankStarted, RolledBack, SpikeReplayed, StepCompleted
-from services.core import Emit, Output, Service
-from services.health import agents
-from services.health.detectors import EVIDENCE_MAX, Hung, Lost, RankWatch
-from services.health.state import INITIAL, STOPPING, JobWatch, State, job_watch, new_attempt, snapshot
+from flightdeck.events.training import Heartbeat, RankFault, RankStarted, RolledBack, SpikeReplayed, StepCompleted
+from flightdeck.services.core import Emit, Output, Service
+from flightdeck.services.health import agents
+from flightdeck.services.health.detectors import EVIDENCE_MAX, Hung, Lost, RankWatch
+from flightdeck.services.health.state import INITIAL, STOPPING, JobWatch, State, job_watch, new_attempt, snapshot
 
 NAME = "health"
 CONTROL_TYPES = (

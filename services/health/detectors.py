@@ -10,8 +10,8 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-from events.spec import PolicySpec
-from services.health.window import median_without
+from flightdeck.events.spec import PolicySpec
+from flightdeck.services.health.window import median_without
 
 STARTUP_GRACE_S = PolicySpec().startup_grace_s  # the default least time to a started rank's first sign of life
 HANG_WINDOW = 16  # recent step times per rank behind its hang deadline

@@ -11,9 +11,9 @@ import math
 import statistics
 from dataclasses import dataclass, field, replace
 
-from events.commands import RollbackRequested
-from events.findings import LossSpikeDetected, SpikeDiagnosed, Verdict, spike_onset
-from events.training import RolledBack, SpikeReplayed
+from flightdeck.events.commands import RollbackRequested
+from flightdeck.events.findings import LossSpikeDetected, SpikeDiagnosed, Verdict, spike_onset
+from flightdeck.events.training import RolledBack, SpikeReplayed
 
 DIVERGED = math.log(2.0)  # a rank whose loss is twice its peers' median (or more) over the spike left them
 REPRODUCED = 0.5  # a re-run that rises this part of the spike's height above its baseline (log scale) spiked again
@@ -218,7 +218,7 @@ def judge(p: Pending, recurred: LossSpikeDetected | None) -> tuple[Verdict, str,
         return "hardware", (
             f"{where} did not come back when its batches were trained again, so neither the data nor the "
             f"optimisation made it: a fault that passed{rerun}{rank_line}; suspect {named}: run its self-check "
-            f"(python -m trainer.selfcheck) or cordon it (flightdeck cordon)"), suspects
+            f"(python -m flightdeck.trainer.selfcheck) or cordon it (flightdeck cordon)"), suspects
     if p.replay == "done" and p.through >= 0:
         share = f" (in rank {d.rank}'s share of them)" if d is not None else ""
         return "data", (

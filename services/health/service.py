@@ -6,9 +6,9 @@
 
 from collections.abc import Mapping
 
-from services.core import Service
-from services.health.core import State, core_service
-from services.shell.envconfig import float_env
+from flightdeck.services.core import Service
+from flightdeck.services.health.core import State, core_service
+from flightdeck.services.shell.envconfig import float_env
 
 TICK_ENV = "FLIGHTDECK_HEALTH_TICK_S"
 DEFAULT_TICK_S = 1.0

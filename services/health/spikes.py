@@ -7,9 +7,9 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from events.spec import PolicySpec
-from services.health.detectors import EVIDENCE_MAX
-from services.health.window import RobustWindow
+from flightdeck.events.spec import PolicySpec
+from flightdeck.services.health.detectors import EVIDENCE_MAX
+from flightdeck.services.health.window import RobustWindow
 
 MAD_SCALE = 1.4826  # MAD x this estimates the standard deviation of normal noise
 REL_EPS = 1e-3  # scale floor, relative to the baseline: a rise below spike_z x 0.1% is never a spike

@@ -4,11 +4,11 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from events.spec import PolicySpec
-from services.health import agents
-from services.health.detectors import EVIDENCE_MAX, NonFiniteWatch, RankWatch, StragglerWatch
-from services.health.diagnosis import Diagnoses
-from services.health.spikes import SpikeWatch
+from flightdeck.events.spec import PolicySpec
+from flightdeck.services.health import agents
+from flightdeck.services.health.detectors import EVIDENCE_MAX, NonFiniteWatch, RankWatch, StragglerWatch
+from flightdeck.services.health.diagnosis import Diagnoses
+from flightdeck.services.health.spikes import SpikeWatch
 
 
 @dataclass(slots=True)

@@ -7,17 +7,16 @@ import math
 from collections import Counter
 
 import msgspec
-
-from events import subjects
-from events.base import Event
-from events.fleet import NodeRegistered
-from events.job import AllocationGranted, JobCancelled, JobCompleted, JobFailed, JobSubmitted
-from events.plan import ParallelPlan, ReshardPlanned
-from services.core import Emit, Service
-from services.resharder import gpus
-from services.resharder.gpus import GpuType
-from services.resharder.planner import PlanError, Slots, plan
-from services.resharder.shapes import ModelShape, from_spec
+from flightdeck.events import subjects
+from flightdeck.events.base import Event
+from flightdeck.events.fleet import NodeRegistered
+from flightdeck.events.job import AllocationGranted, JobCancelled, JobCompleted, JobFailed, JobSubmitted
+from flightdeck.events.plan import ParallelPlan, ReshardPlanned
+from flightdeck.services.core import Emit, Service
+from flightdeck.services.resharder import gpus
+from flightdeck.services.resharder.gpus import GpuType
+from flightdeck.services.resharder.planner import PlanError, Slots, plan
+from flightdeck.services.resharder.shapes import ModelShape, from_spec
 
 NAME = "resharder"
 CONTROL_TYPES = ("JobSubmitted", "AllocationGranted", "JobCompleted", "JobFailed", "JobCancelled")

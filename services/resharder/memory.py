@@ -5,8 +5,8 @@ Why it works this way: docs/internals.md, "4. Resources and the resharder".
 
 from dataclasses import dataclass
 
-from services.resharder.gpus import GpuType
-from services.resharder.shapes import ModelShape
+from flightdeck.services.resharder.gpus import GpuType
+from flightdeck.services.resharder.shapes import ModelShape
 
 GB = 1e9
 WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2, 2, 12

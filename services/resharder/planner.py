@@ -8,11 +8,11 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from events.plan import ParallelPlan
-from services.resharder import memory
-from services.resharder.gpus import GpuType
-from services.resharder.memory import MemoryEstimate
-from services.resharder.shapes import ModelShape
+from flightdeck.events.plan import ParallelPlan
+from flightdeck.services.resharder import memory
+from flightdeck.services.resharder.gpus import GpuType
+from flightdeck.services.resharder.memory import MemoryEstimate
+from flightdeck.services.resharder.shapes import ModelShape
 
 MIN_MICRO_BATCHES_PER_STAGE = 4
 ZERO_STAGES = (0, 1, 2, 3)

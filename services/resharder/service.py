@@ -2,8 +2,8 @@
 
 from collections.abc import Mapping
 
-from services.core import Service
-from services.resharder.core import State, core_service
+from flightdeck.services.core import Service
+from flightdeck.services.resharder.core import State, core_service
 
 
 def build(env: Mapping[str, str] | None = None) -> Service[State]:

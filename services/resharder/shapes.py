@@ -10,7 +10,7 @@ and tensor parallelism up to 8 divides them), else of 128; a head is 128 wide.
 import math
 from dataclasses import dataclass
 
-from events.spec import ModelSpec
+from flightdeck.events.spec import ModelSpec
 
 HEAD_DIM = 128
 ASPECT = 128  # hidden / layers in GPT-3's larger models

@@ -7,11 +7,10 @@ import zlib
 from typing import Literal
 
 import msgspec
-
-from events import snapshot, subjects
-from events.base import Event
-from events.clock import CoreConfigured
-from events.fleet import (
+from flightdeck.events import snapshot, subjects
+from flightdeck.events.base import Event
+from flightdeck.events.clock import CoreConfigured
+from flightdeck.events.fleet import (
     NodeCordoned,
     NodeLost,
     NodeRegistered,
@@ -19,7 +18,7 @@ from events.fleet import (
     SelfCheckFailed,
     SelfCheckPassed,
 )
-from events.job import (
+from flightdeck.events.job import (
     AllocationDenied,
     AllocationGranted,
     AllocationReleased,
@@ -29,10 +28,10 @@ from events.job import (
     JobFailed,
     SlotRef,
 )
-from services.core import Emit, Service
-from services.resources import ledger as ledger_mod
-from services.resources.ledger import Ledger
-from services.resources.placement import Candidate, Unplaceable, place
+from flightdeck.services.core import Emit, Service
+from flightdeck.services.resources import ledger as ledger_mod
+from flightdeck.services.resources.ledger import Ledger
+from flightdeck.services.resources.placement import Candidate, Unplaceable, place
 
 NAME = "resources"
 

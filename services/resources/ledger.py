@@ -7,8 +7,7 @@ a double booking is a bug in placement, not a condition to handle: placement onl
 from collections.abc import Iterable
 
 import msgspec
-
-from events.job import SlotRef
+from flightdeck.events.job import SlotRef
 
 
 class Allocation(msgspec.Struct, frozen=True, kw_only=True):

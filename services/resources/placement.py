@@ -6,7 +6,7 @@ Why it works this way: docs/internals.md, "4. Resources and the resharder".
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from events.job import SlotRef
+from flightdeck.events.job import SlotRef
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,9 +7,9 @@ the environment.
 
 from collections.abc import Mapping
 
-from services.core import Service
-from services.resources.core import Ports, State, core_service
-from services.shell.envconfig import int_env
+from flightdeck.services.core import Service
+from flightdeck.services.resources.core import Ports, State, core_service
+from flightdeck.services.shell.envconfig import int_env
 
 PORT_BASE_ENV = "FLIGHTDECK_MASTER_PORT_BASE"
 PORT_SPAN_ENV = "FLIGHTDECK_MASTER_PORT_SPAN"

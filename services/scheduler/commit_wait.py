@@ -7,10 +7,10 @@ after the restart). So the restart stays queued until the commit lands, fails, o
 and never longer than the steps it would save took to train: waiting can cost at most what it may save.
 """
 
-from events.checkpoint import CheckpointCommitted, CheckpointFailed, CheckpointPending
-from events.job import JobQueued, WorkersExited
-from services.scheduler.state import Job, Pending
-from services.scheduler.tx import Tx
+from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointFailed, CheckpointPending
+from flightdeck.events.job import JobQueued, WorkersExited
+from flightdeck.services.scheduler.state import Job, Pending
+from flightdeck.services.scheduler.tx import Tx
 
 # Announced sets remembered until they settle; more than this many unsettled means commits have stopped.
 MAX_STAGED = 8

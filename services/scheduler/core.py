@@ -4,10 +4,9 @@ Why it works this way: docs/internals.md, "3. The scheduler and its recovery rec
 """
 
 import msgspec
-
-from events import subjects
-from events.base import Event
-from events.checkpoint import (
+from flightdeck.events import subjects
+from flightdeck.events.base import Event
+from flightdeck.events.checkpoint import (
     CheckpointCommitted,
     CheckpointDeleted,
     CheckpointFailed,
@@ -15,10 +14,10 @@ from events.checkpoint import (
     CheckpointRefused,
     CheckpointRejected,
 )
-from events.clock import ClockTick, CoreConfigured
-from events.findings import LossSpikeDetected, NonFiniteLoss, RankHung, RankLost, StragglerDetected
-from events.fleet import NodeCordoned, NodeLost, NodeRegistered, NodeUncordoned, SelfCheckFailed
-from events.job import (
+from flightdeck.events.clock import ClockTick, CoreConfigured
+from flightdeck.events.findings import LossSpikeDetected, NonFiniteLoss, RankHung, RankLost, StragglerDetected
+from flightdeck.events.fleet import NodeCordoned, NodeLost, NodeRegistered, NodeUncordoned, SelfCheckFailed
+from flightdeck.events.job import (
     AllocationDenied,
     AllocationGranted,
     CancelRequested,
@@ -27,11 +26,11 @@ from events.job import (
     WorkersExited,
     WorkersStarted,
 )
-from events.training import RolledBack
-from services.core import Output, Service
-from services.scheduler import commit_wait, lifecycle, queue, recovery
-from services.scheduler.state import Settings, State
-from services.scheduler.tx import Tx
+from flightdeck.events.training import RolledBack
+from flightdeck.services.core import Output, Service
+from flightdeck.services.scheduler import commit_wait, lifecycle, queue, recovery
+from flightdeck.services.scheduler.state import Settings, State
+from flightdeck.services.scheduler.tx import Tx
 
 NAME = "scheduler"
 

@@ -5,11 +5,11 @@ Why it works this way: docs/internals.md, "3. The scheduler and its recovery rec
 
 from collections.abc import Iterable
 
-from events import lineage
-from events.checkpoint import CheckpointDeleted, CheckpointRejected
-from events.commands import StopRequested
-from events.findings import RankHung, RankLost, StragglerDetected
-from events.job import (
+from flightdeck.events import lineage
+from flightdeck.events.checkpoint import CheckpointDeleted, CheckpointRejected
+from flightdeck.events.commands import StopRequested
+from flightdeck.events.findings import RankHung, RankLost, StragglerDetected
+from flightdeck.events.job import (
     AllocationDenied,
     AllocationGranted,
     AllocationReleased,
@@ -24,8 +24,8 @@ from events.job import (
     WorkersStarted,
     failed,
 )
-from services.scheduler import commit_wait
-from services.scheduler.policy import (
+from flightdeck.services.scheduler import commit_wait
+from flightdeck.services.scheduler.policy import (
     NEVER_HEARD,
     Fail,
     Restart,
@@ -36,8 +36,8 @@ from services.scheduler.policy import (
     no_retry,
     same_again,
 )
-from services.scheduler.state import Job
-from services.scheduler.tx import Tx
+from flightdeck.services.scheduler.state import Job
+from flightdeck.services.scheduler.tx import Tx
 
 
 def submitted(tx: Tx, ev: JobSubmitted) -> None:

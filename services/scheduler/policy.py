@@ -6,10 +6,10 @@ Why it works this way: docs/internals.md, "3. The scheduler and its recovery rec
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from events.findings import RankHung, RankLost, StragglerDetected
-from events.job import RankExit, WorkersExited, failed
-from events.nodelocal import RESTORE_REFUSED_EXIT, STOPPED_EXIT
-from services.scheduler.state import Job
+from flightdeck.events.findings import RankHung, RankLost, StragglerDetected
+from flightdeck.events.job import RankExit, WorkersExited, failed
+from flightdeck.events.nodelocal import RESTORE_REFUSED_EXIT, STOPPED_EXIT
+from flightdeck.services.scheduler.state import Job
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,13 +3,13 @@
 Why it works this way: docs/internals.md, "3. The scheduler and its recovery recipes".
 """
 
-from events import spec as spec_mod
-from events.commands import StopRequested
-from events.job import AllocationRequested, JobPreempted
-from services.scheduler import commit_wait, recipes
-from services.scheduler.policy import Victim, choose_victims, work_lost_s
-from services.scheduler.state import Job
-from services.scheduler.tx import Tx
+from flightdeck.events import spec as spec_mod
+from flightdeck.events.commands import StopRequested
+from flightdeck.events.job import AllocationRequested, JobPreempted
+from flightdeck.services.scheduler import commit_wait, recipes
+from flightdeck.services.scheduler.policy import Victim, choose_victims, work_lost_s
+from flightdeck.services.scheduler.state import Job
+from flightdeck.services.scheduler.tx import Tx
 
 
 def capacity(tx: Tx, spares: bool) -> int:

@@ -5,11 +5,11 @@ Why it works this way: docs/internals.md, "3. The scheduler and its recovery rec
 
 from dataclasses import dataclass
 
-from events import lineage
-from events.checkpoint import DataPosition
-from events.findings import LossSpikeDetected, NonFiniteLoss, spike_onset, spike_summary
-from services.scheduler.policy import Fail
-from services.scheduler.state import Checkpoint, Incident, Job
+from flightdeck.events import lineage
+from flightdeck.events.checkpoint import DataPosition
+from flightdeck.events.findings import LossSpikeDetected, NonFiniteLoss, spike_onset, spike_summary
+from flightdeck.services.scheduler.policy import Fail
+from flightdeck.services.scheduler.state import Checkpoint, Incident, Job
 
 LossFinding = LossSpikeDetected | NonFiniteLoss
 SPIKES_TO_FAIL = 3  # spikes in one incident: the third fails the job

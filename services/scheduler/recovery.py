@@ -4,17 +4,16 @@ Why it works this way: docs/internals.md, "3. The scheduler and its recovery rec
 """
 
 import msgspec
-
-from events import lineage
-from events.checkpoint import CheckpointCommitted, CheckpointRefused
-from events.commands import PauseRequested, RollbackRequested, StopRequested
-from events.job import RollbackAsked
-from events.training import RolledBack
-from services.scheduler import commit_wait, queue, recipes
-from services.scheduler.lifecycle import fail
-from services.scheduler.policy import Fail
-from services.scheduler.state import Checkpoint, Job, Rollback
-from services.scheduler.tx import Tx
+from flightdeck.events import lineage
+from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointRefused
+from flightdeck.events.commands import PauseRequested, RollbackRequested, StopRequested
+from flightdeck.events.job import RollbackAsked
+from flightdeck.events.training import RolledBack
+from flightdeck.services.scheduler import commit_wait, queue, recipes
+from flightdeck.services.scheduler.lifecycle import fail
+from flightdeck.services.scheduler.policy import Fail
+from flightdeck.services.scheduler.state import Checkpoint, Job, Rollback
+from flightdeck.services.scheduler.tx import Tx
 
 
 def in_flight(job: Job, now: float, landing_timeout_s: float) -> bool:

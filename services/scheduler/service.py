@@ -6,10 +6,10 @@
 
 from collections.abc import Mapping
 
-from services.core import Service
-from services.scheduler.core import core_service
-from services.scheduler.state import State
-from services.shell.envconfig import float_env
+from flightdeck.services.core import Service
+from flightdeck.services.scheduler.core import core_service
+from flightdeck.services.scheduler.state import State
+from flightdeck.services.shell.envconfig import float_env
 
 STOP_TIMEOUT_ENV = "FLIGHTDECK_STOP_TIMEOUT_S"
 DEFAULT_STOP_TIMEOUT_S = 120.0

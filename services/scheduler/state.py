@@ -3,11 +3,10 @@
 from typing import Literal
 
 import msgspec
-
-from events import lineage
-from events.checkpoint import DataPosition
-from events.job import SlotRef
-from events.spec import JobSpec
+from flightdeck.events import lineage
+from flightdeck.events.checkpoint import DataPosition
+from flightdeck.events.job import SlotRef
+from flightdeck.events.spec import JobSpec
 
 Phase = Literal["queued", "placing", "running", "stopping", "preempted", "recovering",
                 "completed", "failed", "cancelled"]

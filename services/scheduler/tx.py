@@ -7,12 +7,11 @@ of (state, event) even though the handlers write to it step by step.
 import bisect
 
 import msgspec
-
-from events import subjects
-from events.base import JobEvent
-from events.job import AllocationReleased
-from services.core import Emit
-from services.scheduler.state import Job, NodeView, Phase, State
+from flightdeck.events import subjects
+from flightdeck.events.base import JobEvent
+from flightdeck.events.job import AllocationReleased
+from flightdeck.services.core import Emit
+from flightdeck.services.scheduler.state import Job, NodeView, Phase, State
 
 
 def queue_key(job: Job) -> tuple[int, int]:

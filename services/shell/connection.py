@@ -8,10 +8,9 @@ import contextlib
 import nats.errors
 import nats.js.errors
 import structlog
-
-from events.jetstream import JetStreamStore
-from events.store import StoreUnavailable
-from services.shell.security.credentials import check_url, client_options
+from flightdeck.events.jetstream import JetStreamStore
+from flightdeck.events.store import StoreUnavailable
+from flightdeck.services.shell.security.credentials import check_url, client_options
 
 log = structlog.get_logger("flightdeck.shell")
 

@@ -4,7 +4,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from events import subjects
+from flightdeck.events import subjects
 
 
 @dataclass(frozen=True)

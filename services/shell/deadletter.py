@@ -7,9 +7,9 @@ import json
 import time
 from dataclasses import dataclass
 
-from events import subjects
-from events.clock import DeadLettered
-from events.store import EventStore, Stored
+from flightdeck.events import subjects
+from flightdeck.events.clock import DeadLettered
+from flightdeck.events.store import EventStore, Stored
 
 GIVEN_UP = "max_deliver"  # the server stopped delivering an input the service never folded
 FOLDED_ANYWAY = "max_deliver_folded"  # ... one the service did fold, but whose acks never arrived

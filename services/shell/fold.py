@@ -13,15 +13,14 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import msgspec
-
-from events import subjects
-from events.admission import Admission, mismatch
-from events.base import Event
-from events.clock import ClockTick
-from events.codec import type_name
-from events.store import EventStore, Stored
-from services.core import Effect, Emit, Service
-from services.shell.deadletter import given_up
+from flightdeck.events import subjects
+from flightdeck.events.admission import Admission, mismatch
+from flightdeck.events.base import Event
+from flightdeck.events.clock import ClockTick
+from flightdeck.events.codec import type_name
+from flightdeck.events.store import EventStore, Stored
+from flightdeck.services.core import Effect, Emit, Service
+from flightdeck.services.shell.deadletter import given_up
 
 S = TypeVar("S")
 

@@ -1,9 +1,9 @@
 """Where a restarted service may rebuild to, silently: the rules the shell (runtime.py) and the fault explorer
 (services/tools/explore) share. Every input up to the position was folded and its outputs stored before."""
 
-from events import subjects
-from events.clock import ClockTick
-from events.store import Stored
+from flightdeck.events import subjects
+from flightdeck.events.clock import ClockTick
+from flightdeck.events.store import Stored
 
 
 def rebuild_until(service: str, reply_floor: int, info_floor: int, last_tick: Stored | None) -> int:

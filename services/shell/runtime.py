@@ -19,23 +19,22 @@ from typing import Any, TypeVar
 
 import nats.errors
 import structlog
+from flightdeck.events import subjects
+from flightdeck.events.admission import mismatch
+from flightdeck.events.base import JobEvent
+from flightdeck.events.clock import ClockTick, CoreConfigured
+from flightdeck.events.history import append_to_job
+from flightdeck.events.jetstream import JetStreamStore
+from flightdeck.events.store import EventStore, Stored, decoded
+from flightdeck.services.core import Effect, Emit, Service
+from flightdeck.services.shell import deadletter, position, snapshots
+from flightdeck.services.shell.connection import TRANSIENT, Connection, PublishDenied, sleep_or_stop
+from flightdeck.services.shell.consumer import ConsumerPolicy, consumer_name, filters
+from flightdeck.services.shell.fold import Folder, Output, Step, failure, rebuild, replay, stamp
+from flightdeck.services.shell.tap import TelemetryTap
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig
-
-from events import subjects
-from events.admission import mismatch
-from events.base import JobEvent
-from events.clock import ClockTick, CoreConfigured
-from events.history import append_to_job
-from events.jetstream import JetStreamStore
-from events.store import EventStore, Stored, decoded
-from services.core import Effect, Emit, Service
-from services.shell import deadletter, position, snapshots
-from services.shell.connection import TRANSIENT, Connection, PublishDenied, sleep_or_stop
-from services.shell.consumer import ConsumerPolicy, consumer_name, filters
-from services.shell.fold import Folder, Output, Step, failure, rebuild, replay, stamp
-from services.shell.tap import TelemetryTap
 
 log = structlog.get_logger("flightdeck.shell")
 T = TypeVar("T")

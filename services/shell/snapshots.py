@@ -28,11 +28,10 @@ from typing import Any
 
 import msgspec
 import structlog
-
-from events import subjects
-from events.store import EventStore
-from services.core import Service
-from services.shell.fold import Folder
+from flightdeck.events import subjects
+from flightdeck.events.store import EventStore
+from flightdeck.services.core import Service
+from flightdeck.services.shell.fold import Folder
 
 log = structlog.get_logger("flightdeck.shell.snapshots")
 

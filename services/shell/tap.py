@@ -10,9 +10,8 @@ from collections import deque
 from collections.abc import Sequence
 
 import structlog
-
-from events.store import EventStore, Stored
-from events.subjects import TELEMETRY
+from flightdeck.events.store import EventStore, Stored
+from flightdeck.events.subjects import TELEMETRY
 
 log = structlog.get_logger("flightdeck.shell")
 

@@ -4,7 +4,7 @@ import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.shell import broker
+from flightdeck.services.shell import broker
 
 EXIT_ERROR = 1  # something the user can fix in the environment: broker unreachable, port taken
 EXIT_NOT_FOUND = 2  # the thing named does not exist: an unknown job

@@ -26,22 +26,21 @@ from types import TracebackType
 from typing import TypeVar
 
 import msgspec
-
-from events import subjects
-from events.admission import Admission, admitted_events
-from events.base import Event, JobEvent, NodeEvent, RankEvent
-from events.commands import CheckpointRequested, PauseRequested, ResumeRequested
-from events.history import HistoryGap, append_to_job, check_contiguous, read_job
-from events.jetstream import JetStreamStore
-from events.job import CancelRequested, CheckpointAdopted, JobSubmitted, RollbackAsked
-from events.spec import MAX_SPEC_BYTES, InvalidSpec, JobSpec, check, parse_spec
-from events.store import EventStore, Stored
-from events.training import StepCompleted
-from services.shell.broker import nats_url
-from services.tools.cli import EXIT_ERROR, EXIT_INVALID, EXIT_NOT_FOUND, UserError
-from services.tools.connect import connect
-from services.tools.history import adoption, jobview
-from services.tools.history.jobview import ENDED, JobView
+from flightdeck.events import subjects
+from flightdeck.events.admission import Admission, admitted_events
+from flightdeck.events.base import Event, JobEvent, NodeEvent, RankEvent
+from flightdeck.events.commands import CheckpointRequested, PauseRequested, ResumeRequested
+from flightdeck.events.history import HistoryGap, append_to_job, check_contiguous, read_job
+from flightdeck.events.jetstream import JetStreamStore
+from flightdeck.events.job import CancelRequested, CheckpointAdopted, JobSubmitted, RollbackAsked
+from flightdeck.events.spec import MAX_SPEC_BYTES, InvalidSpec, JobSpec, check, parse_spec
+from flightdeck.events.store import EventStore, Stored
+from flightdeck.events.training import StepCompleted
+from flightdeck.services.shell.broker import nats_url
+from flightdeck.services.tools.cli import EXIT_ERROR, EXIT_INVALID, EXIT_NOT_FOUND, UserError
+from flightdeck.services.tools.connect import connect
+from flightdeck.services.tools.history import adoption, jobview
+from flightdeck.services.tools.history.jobview import ENDED, JobView
 
 ClientError = UserError  # one message, and the exit code the CLI would use
 ID_TRIES = 8

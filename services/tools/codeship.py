@@ -12,10 +12,9 @@ from pathlib import Path
 
 import msgspec
 import structlog
-
-from events.spec import JobSpec
-from services.shell.objects import code
-from services.shell.objects.store import ObjectStore
+from flightdeck.events.spec import JobSpec
+from flightdeck.services.shell.objects import code
+from flightdeck.services.shell.objects.store import ObjectStore
 
 log = structlog.get_logger("flightdeck.submit")
 

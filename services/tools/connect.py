@@ -3,11 +3,11 @@
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from events.jetstream import JetStreamStore
-from events.store import StoreUnavailable
-from events.streams import ServerTooOld
-from services.shell.security.credentials import CredentialsError, client_options
-from services.tools.cli import UserError, unreachable
+from flightdeck.events.jetstream import JetStreamStore
+from flightdeck.events.store import StoreUnavailable
+from flightdeck.events.streams import ServerTooOld
+from flightdeck.services.shell.security.credentials import CredentialsError, client_options
+from flightdeck.services.tools.cli import UserError, unreachable
 
 CONNECT_TIMEOUT_S = 3.0
 

@@ -11,23 +11,23 @@ from contextlib import contextmanager
 from typing import Any
 
 import msgspec
+from flightdeck.events import subjects
+from flightdeck.events.base import Event
+from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointStaged, DataPosition, ShardInfo
+from flightdeck.events.clock import ClockTick
+from flightdeck.events.job import JobSubmitted
+from flightdeck.events.store import Stored, decoded
+from flightdeck.events.training import Heartbeat, RankStarted, StepCompleted
+from flightdeck.services.agent.core import EFFECTS as AGENT_EFFECTS
+from flightdeck.services.agent.core import core_service as agent
+from flightdeck.services.checkpoints.core import core_service as checkpoints
+from flightdeck.services.core import Emit, Service
+from flightdeck.services.health.core import core_service as health
+from flightdeck.services.resharder.core import core_service as resharder
+from flightdeck.services.resources.core import core_service as resources
+from flightdeck.services.scheduler.core import core_service as scheduler
+from flightdeck.services.shell.fold import Folder
 
-from events import subjects
-from events.base import Event
-from events.checkpoint import CheckpointCommitted, CheckpointStaged, DataPosition, ShardInfo
-from events.clock import ClockTick
-from events.job import JobSubmitted
-from events.store import Stored, decoded
-from events.training import Heartbeat, RankStarted, StepCompleted
-from services.agent.core import EFFECTS as AGENT_EFFECTS
-from services.agent.core import core_service as agent
-from services.checkpoints.core import core_service as checkpoints
-from services.core import Emit, Service
-from services.health.core import core_service as health
-from services.resharder.core import core_service as resharder
-from services.resources.core import core_service as resources
-from services.scheduler.core import core_service as scheduler
-from services.shell.fold import Folder
 from tests.badinput.hostile import JOB, NODE
 from tests.badinput.hostile import subject_for as subject_for
 from tests.unit.helpers import Agents, Bus, register, submit
@@ -76,7 +76,7 @@ PREFIX = _prefix()
 
 
 def stored(event: Event, seq: int, subject: str | None = None) -> Stored:
-    from events.codec import encode
+    from flightdeck.events.codec import encode
 
     subj = subject or subject_for(event)
     return decoded(subjects.stream_of(subj) if subj.startswith("fd.") else subjects.CONTROL, seq, subj,

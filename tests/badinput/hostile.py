@@ -9,13 +9,12 @@ import functools
 from typing import Any
 
 import msgspec
+from flightdeck.events import codec
+from flightdeck.events.base import Event
+from flightdeck.events.catalog import ALL_TYPES
+from flightdeck.events.spec import JobSpec, PolicySpec, TrainSpec
 from hypothesis import strategies as st
 from msgspec import inspect as mi
-
-from events import codec
-from events.base import Event
-from events.catalog import ALL_TYPES
-from events.spec import JobSpec, PolicySpec, TrainSpec
 
 JOB, NODE, RANK, ATTEMPT = "j-1", "n0", 0, 0
 SANE: dict[str, Any] = {"job_id": JOB, "node": NODE, "rank": RANK, "attempt": ATTEMPT, "service": "health",

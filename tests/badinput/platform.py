@@ -11,25 +11,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from events import subjects
-from events.fleet import NodeRegistered, SelfCheckPassed
-from events.history import append_to_job
-from events.jetstream import JetStreamStore
-from events.job import AllocationGranted, JobSubmitted, WorkersStarted
-from events.spec import JobSpec, PolicySpec, TrainSpec
-from events.store import Stored
-from services.agent.core import core_service as agent
-from services.agent.launch import Launch, Paths
-from services.agent.spawner import Spawner
-from services.checkpoints import uploader
-from services.checkpoints.core import core_service as checkpoints
-from services.core import Service
-from services.health.core import core_service as health
-from services.resharder.core import core_service as resharder
-from services.resources.core import core_service as resources
-from services.scheduler.core import core_service as scheduler
-from services.shell.objects.local import LocalStore
-from services.shell.runtime import ConsumerPolicy, consumer_name, run_service
+from flightdeck.events import subjects
+from flightdeck.events.fleet import NodeRegistered, SelfCheckPassed
+from flightdeck.events.history import append_to_job
+from flightdeck.events.jetstream import JetStreamStore
+from flightdeck.events.job import AllocationGranted, JobSubmitted, WorkersStarted
+from flightdeck.events.spec import JobSpec, PolicySpec, TrainSpec
+from flightdeck.events.store import Stored
+from flightdeck.services.agent.core import core_service as agent
+from flightdeck.services.agent.launch import Launch, Paths
+from flightdeck.services.agent.spawner import Spawner
+from flightdeck.services.checkpoints import uploader
+from flightdeck.services.checkpoints.core import core_service as checkpoints
+from flightdeck.services.core import Service
+from flightdeck.services.health.core import core_service as health
+from flightdeck.services.resharder.core import core_service as resharder
+from flightdeck.services.resources.core import core_service as resources
+from flightdeck.services.scheduler.core import core_service as scheduler
+from flightdeck.services.shell.objects.local import LocalStore
+from flightdeck.services.shell.runtime import ConsumerPolicy, consumer_name, run_service
+
 from tests.integration.runtime_helpers import eventually, read_all
 
 SPEC = JobSpec(name="fuzz", slots=2, train=TrainSpec(steps=10_000),

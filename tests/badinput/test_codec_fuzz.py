@@ -6,16 +6,16 @@ import math
 
 import msgspec
 import pytest
+from flightdeck.events import codec
+from flightdeck.events.base import Event
+from flightdeck.events.catalog import ALL_TYPES
+from flightdeck.events.checkpoint import CheckpointDeleted
+from flightdeck.events.fleet import NodeRegistered
+from flightdeck.events.job import AllocationGranted, SlotRef, WorkersStarted
+from flightdeck.events.training import Heartbeat, StepCompleted
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from events import codec
-from events.base import Event
-from events.catalog import ALL_TYPES
-from events.checkpoint import CheckpointDeleted
-from events.fleet import NodeRegistered
-from events.job import AllocationGranted, SlotRef, WorkersStarted
-from events.training import Heartbeat, StepCompleted
 from tests.badinput import hostile
 
 MANY = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow,

@@ -6,13 +6,13 @@ import shutil
 from pathlib import Path
 
 import pytest
+from flightdeck.events import codec
+from flightdeck.events.base import Event
+from flightdeck.events.commands import CheckpointRequested, RollbackRequested
+from flightdeck.trainer.session import admitted
 from structlog.testing import capture_logs
 
-from events import codec
-from events.base import Event
-from events.commands import CheckpointRequested, RollbackRequested
 from tests.trainer import ranks
-from trainer.session import admitted
 
 pytestmark = pytest.mark.timeout(60)
 JOB = ranks.JOB

@@ -7,12 +7,12 @@ from typing import Any
 
 import msgspec
 import pytest
+from flightdeck.events import subjects
+from flightdeck.events.base import JobEvent
+from flightdeck.events.catalog import BY_NAME
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from events import subjects
-from events.base import JobEvent
-from events.catalog import BY_NAME
 from tests.badinput import cores, hostile
 
 EXAMPLES = 120
@@ -57,8 +57,8 @@ def test_hostile_events_never_break_a_core(name: str, data: st.DataObject) -> No
 def test_a_node_announcing_a_billion_slots_is_refused_before_placement_loops_over_them() -> None:
     """Found by this fuzz: resources folded NodeRegistered(slots=10**9) and the next AllocationRequested
     spent minutes listing free slots. The bounds refuse it at decode now."""
-    from events.fleet import NodeRegistered
-    from events.job import AllocationRequested
+    from flightdeck.events.fleet import NodeRegistered
+    from flightdeck.events.job import AllocationRequested
 
     folder = copy.deepcopy(PRIMED["resources"])
     step = folder._fold(cores.stored(NodeRegistered(node="n9", kind="cpu", slots=10**9, event_id="big"), 100))

@@ -10,17 +10,17 @@ import tracemalloc
 from pathlib import Path
 
 import pytest
+from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointFailed, DataPosition, ShardInfo
+from flightdeck.events.codec import MAX_SLOTS
+from flightdeck.services.checkpoints.state import CommitArgs, StagedRank
+from flightdeck.services.checkpoints.uploader import commit
+from flightdeck.services.shell.objects import manifest as mf
+from flightdeck.services.shell.objects.local import LocalStore
+from flightdeck.services.shell.objects.store import ObjectStore, ObjectTooLarge
+from flightdeck.trainer import checkpointing
 
-from events.checkpoint import CheckpointCommitted, CheckpointFailed, DataPosition, ShardInfo
-from events.codec import MAX_SLOTS
-from services.checkpoints.state import CommitArgs, StagedRank
-from services.checkpoints.uploader import commit
-from services.shell.objects import manifest as mf
-from services.shell.objects.local import LocalStore
-from services.shell.objects.store import ObjectStore, ObjectTooLarge
 from tests.integration.s3_fixture import moto_s3, store
 from tests.integration.shipping_helpers import ship_and_commit, staged_files
-from trainer import checkpointing
 
 __all__ = ["moto_s3", "store"]
 pytestmark = pytest.mark.timeout(60)

@@ -8,16 +8,16 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from flightdeck.events import codec, subjects
+from flightdeck.events.catalog import BY_NAME
+from flightdeck.events.clock import DeadLettered
+from flightdeck.events.history import append_to_job, read_job
+from flightdeck.events.job import CancelRequested, JobCancelled, JobQueued, JobSubmitted
+from flightdeck.services.shell import broker as broker_mod
+from flightdeck.services.shell.fold import mismatch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from events import codec, subjects
-from events.catalog import BY_NAME
-from events.clock import DeadLettered
-from events.history import append_to_job, read_job
-from events.job import CancelRequested, JobCancelled, JobQueued, JobSubmitted
-from services.shell import broker as broker_mod
-from services.shell.fold import mismatch
 from tests.badinput import hostile
 from tests.badinput.platform import SPEC, Platform, platform
 from tests.conftest import ensure_streams_at

@@ -6,15 +6,15 @@ import time
 from pathlib import Path
 
 import pytest
+from flightdeck.events import codec, subjects
+from flightdeck.events.jetstream import JetStreamStore
+from flightdeck.events.job import JobSubmitted
+from flightdeck.events.spec import MAX_SPEC_BYTES, InvalidSpec, JobSpec, ModelSpec, TrainSpec, parse_spec
+from flightdeck.services.shell import broker as broker_mod
+from flightdeck.services.tools.console.__main__ import main
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from events import codec, subjects
-from events.jetstream import JetStreamStore
-from events.job import JobSubmitted
-from events.spec import MAX_SPEC_BYTES, InvalidSpec, JobSpec, ModelSpec, TrainSpec, parse_spec
-from services.shell import broker as broker_mod
-from services.tools.console.__main__ import main
 from tests.conftest import ensure_streams_at
 
 OK = 'name = "ok"\n'
@@ -79,7 +79,7 @@ def test_any_text_is_a_spec_or_an_invalid_spec(text: str | bytes) -> None:
        n_layer=st.integers(1, 256), batch=st.integers(1, 1_000_000))
 def test_an_accepted_spec_fits_in_a_rank(seq_len: int, d_model: int, n_layer: int, batch: int) -> None:
     """The memory guard is the only thing between a spec and a rank's allocations: whatever passes it fits."""
-    from events.spec import MAX_RANK_BYTES, check, rank_memory_bytes
+    from flightdeck.events.spec import MAX_RANK_BYTES, check, rank_memory_bytes
     spec = JobSpec(name="m", model=ModelSpec(seq_len=seq_len, d_model=d_model, n_layer=n_layer, n_head=1),
                    train=TrainSpec(batch_size=batch))
     try:

@@ -12,9 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-
-from events import subjects
-from events.checkpoint import (
+from flightdeck.events import subjects
+from flightdeck.events.checkpoint import (
     CheckpointCommitted,
     CheckpointFailed,
     CheckpointStaged,
@@ -22,16 +21,17 @@ from events.checkpoint import (
     ShardInfo,
     ShardsUploaded,
 )
-from events.history import append_to_job
-from events.jetstream import JetStreamStore
-from events.job import JobSubmitted
-from events.spec import JobSpec, TrainSpec
-from services.agent.shipping import Shipper
-from services.checkpoints import service as checkpoint_service
-from services.shell import broker as broker_mod
-from services.shell.objects.local import LocalStore
-from services.shell.objects.open import OBJECTS_ENV
-from services.shell.runtime import ConsumerPolicy, run_service
+from flightdeck.events.history import append_to_job
+from flightdeck.events.jetstream import JetStreamStore
+from flightdeck.events.job import JobSubmitted
+from flightdeck.events.spec import JobSpec, TrainSpec
+from flightdeck.services.agent.shipping import Shipper
+from flightdeck.services.checkpoints import service as checkpoint_service
+from flightdeck.services.shell import broker as broker_mod
+from flightdeck.services.shell.objects.local import LocalStore
+from flightdeck.services.shell.objects.open import OBJECTS_ENV
+from flightdeck.services.shell.runtime import ConsumerPolicy, run_service
+
 from tests.integration.runtime_helpers import eventually, read_all
 from tests.integration.shipping_helpers import ship_and_commit
 

@@ -17,13 +17,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from events import subjects
-from events.base import Event
-from events.checkpoint import CheckpointCommitted, CheckpointDeleted
-from events.commands import RollbackRequested
-from events.findings import RankHung, RankLost
-from events.jetstream import JetStreamStore
-from events.job import (
+from flightdeck.events import subjects
+from flightdeck.events.base import Event
+from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointDeleted
+from flightdeck.events.commands import RollbackRequested
+from flightdeck.events.findings import RankHung, RankLost
+from flightdeck.events.jetstream import JetStreamStore
+from flightdeck.events.job import (
     AllocationGranted,
     AllocationReleased,
     AllocationRequested,
@@ -34,9 +34,9 @@ from events.job import (
     WorkersExited,
     WorkersStarted,
 )
-from events.store import EventStore, Stored, StoreUnavailable
-from events.training import StepCompleted
-from services.tools.audit.settle import verify_live
+from flightdeck.events.store import EventStore, Stored, StoreUnavailable
+from flightdeck.events.training import StepCompleted
+from flightdeck.services.tools.audit.settle import verify_live
 
 RECORD_ENV = "FLIGHTDECK_CHAOS_RECORD"  # a JSON-lines file each drill's outcome is appended to (optional)
 

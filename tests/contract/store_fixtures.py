@@ -5,13 +5,12 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
 
 import pytest
-
-from events import subjects
-from events.clock import ClockTick
-from events.jetstream import JetStreamStore
-from events.job import JobQueued
-from events.store import MemoryStore, Stored
-from events.training import StepCompleted
+from flightdeck.events import subjects
+from flightdeck.events.clock import ClockTick
+from flightdeck.events.jetstream import JetStreamStore
+from flightdeck.events.job import JobQueued
+from flightdeck.events.store import MemoryStore, Stored
+from flightdeck.events.training import StepCompleted
 
 AnyStore = MemoryStore | JetStreamStore
 T = TypeVar("T")

@@ -10,10 +10,9 @@ from typing import Any
 
 import msgspec
 import pytest
-
-from events import asyncapi, subjects
-from events.catalog import ALL_TYPES
-from services.shell.security import permissions
+from flightdeck.events import asyncapi, subjects
+from flightdeck.events.catalog import ALL_TYPES
+from flightdeck.services.shell.security import permissions
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC_FILE = ROOT / "docs" / "contract" / "asyncapi.json"
@@ -44,7 +43,7 @@ def pattern(address: str) -> re.Pattern[str]:
 
 def test_the_checked_in_document_is_the_generated_one_and_every_reference_resolves() -> None:
     assert DOC_FILE.read_text() == asyncapi.render(), \
-        "regenerate it: .venv/bin/python -m events.asyncapi > docs/contract/asyncapi.json"
+        "regenerate it: .venv/bin/python -m flightdeck.events.asyncapi > docs/contract/asyncapi.json"
     assert DOC["asyncapi"] == "3.0.0"
     for ref in refs(DOC):
         assert ref.startswith("#/") and resolve(ref) is not None, ref

@@ -20,11 +20,10 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-
-from services import registry
-from services.agent import bootstrap
-from services.shell.security.__main__ import build_parser
-from services.tools.console.__main__ import commands as cli_commands
+from flightdeck.services import registry
+from flightdeck.services.agent import bootstrap
+from flightdeck.services.shell.security.__main__ import build_parser
+from flightdeck.services.tools.console.__main__ import commands as cli_commands
 
 ROOT = Path(__file__).resolve().parents[2]
 INFRA = ROOT / "infra"
@@ -127,7 +126,7 @@ def manifests_of_kind(kind: str) -> Iterator[tuple[str, dict[str, Any]]]:
 def test_every_command_is_an_entry_point_that_takes_its_flags() -> None:
     services = set(registry.names())
     verbs = {c.name for c in cli_commands()}
-    agent_parser = argparse.ArgumentParser(prog="python -m services.agent", exit_on_error=False)
+    agent_parser = argparse.ArgumentParser(prog="python -m flightdeck.services.agent", exit_on_error=False)
     bootstrap.add_arguments(agent_parser)
     security_parser = build_parser()
     security_parser.exit_on_error = False
@@ -145,13 +144,13 @@ def test_every_command_is_an_entry_point_that_takes_its_flags() -> None:
         elif "-m" in argv:
             module, rest = argv[argv.index("-m") + 1], argv[argv.index("-m") + 2:]
             seen.add(module)
-            if module == "services":
+            if module == "flightdeck.services":
                 if rest[:1] == [] or rest[0] not in services:
-                    problems.append(f"{where}: `python -m services {' '.join(rest)}` names no service of {services}")
-            elif module == "services.agent":
+                    problems.append(f"{where}: `python -m {module} {' '.join(rest)}` names no service of {services}")
+            elif module == "flightdeck.services.agent":
                 if (problem := _parses(agent_parser, rest)) is not None:
                     problems.append(f"{where}: {problem}")
-            elif module == "services.shell.security":
+            elif module == "flightdeck.services.shell.security":
                 if (problem := _parses(security_parser, rest)) is not None:
                     problems.append(f"{where}: {problem}")
             else:
@@ -159,7 +158,7 @@ def test_every_command_is_an_entry_point_that_takes_its_flags() -> None:
         else:
             problems.append(f"{where}: not a command we ship: {argv}")
     assert problems == []
-    assert {"services", "services.agent", "flightdeck"} <= seen, seen  # each kind checked
+    assert {"flightdeck.services", "flightdeck.services.agent", "flightdeck"} <= seen, seen  # each kind checked
 
 
 def _set_variables() -> Iterator[tuple[str, str, str]]:

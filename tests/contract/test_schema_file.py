@@ -8,9 +8,8 @@ from typing import Any
 import jsonschema
 import msgspec
 import pytest
-
-from events import contract
-from events.catalog import ALL_TYPES
+from flightdeck.events import contract
+from flightdeck.events.catalog import ALL_TYPES
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_FILE = ROOT / "docs" / "contract" / "events.schema.json"
@@ -21,7 +20,7 @@ VALIDATOR = jsonschema.Draft202012Validator(contract.schema())
 def test_the_checked_in_schema_is_the_generated_one() -> None:
     jsonschema.Draft202012Validator.check_schema(contract.schema())
     assert SCHEMA_FILE.read_text() == contract.render(), \
-        "regenerate it: .venv/bin/python -m events.contract > docs/contract/events.schema.json"
+        "regenerate it: .venv/bin/python -m flightdeck.events.contract > docs/contract/events.schema.json"
     assert {d["$ref"].rsplit("/", 1)[-1] for d in contract.schema()["oneOf"]} == {t.__name__ for t in ALL_TYPES}
 
 

@@ -24,16 +24,16 @@ from typing import Any
 
 import msgspec
 import pytest
+from flightdeck.events import codec, subjects
+from flightdeck.events.jetstream import JetStreamStore
+from flightdeck.events.job import JobResumed
+from flightdeck.events.spec import FaultSpec, JobSpec, ModelSpec, PolicySpec, TrainSpec
+from flightdeck.events.store import Stored
+from flightdeck.events.training import StepCompleted
+from flightdeck.services.shell import broker as broker_mod
+from flightdeck.services.tools.audit.settle import verify_live
+from flightdeck.services.tools.console import verify_cmd
 
-from events import codec, subjects
-from events.jetstream import JetStreamStore
-from events.job import JobResumed
-from events.spec import FaultSpec, JobSpec, ModelSpec, PolicySpec, TrainSpec
-from events.store import Stored
-from events.training import StepCompleted
-from services.shell import broker as broker_mod
-from services.tools.audit.settle import verify_live
-from services.tools.console import verify_cmd
 from tests.integration.lifecycle_harness import SERVICES, Objects, Platform, open_platform
 
 HEALTH_TICK_S = "0.5"

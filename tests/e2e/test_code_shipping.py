@@ -9,15 +9,16 @@ import sys
 from pathlib import Path
 
 import pytest
+from flightdeck.events.job import JobCompleted, JobFailed, JobSubmitted, WorkersExited
+from flightdeck.services.shell.objects import code
+from flightdeck.services.shell.objects.open import OBJECTS_ENV
 
-from events.job import JobCompleted, JobFailed, JobSubmitted, WorkersExited
-from services.shell.objects import code
-from services.shell.objects.open import OBJECTS_ENV
 from tests.integration.lifecycle_harness import Platform
 from tests.integration.test_lifecycle_services import kinds
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parents[2]
+CLI = (sys.executable, "-m", "flightdeck.services.tools.console")
 
 SCRIPT = """\
 import os
@@ -66,7 +67,7 @@ def a_project(folder: Path) -> Path:
 def submit(p: Platform, folder: Path, **env: str) -> subprocess.CompletedProcess[str]:
     """`flightdeck submit job.toml` run from `folder`, told of the platform's object store as a user would be."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), OBJECTS_ENV: p.objects.url, **p.objects.env, **env}
-    return subprocess.run([sys.executable, "-m", "services.tools.console", "submit", "job.toml", "--nats", p.url],
+    return subprocess.run([*CLI, "submit", "job.toml", "--nats", p.url],
                           cwd=folder, env=env, capture_output=True, text=True, timeout=120)
 
 

@@ -11,11 +11,12 @@ import time
 from pathlib import Path
 
 import pytest
-
-from services.tools.console import upstate
+from flightdeck.services.tools.console import upstate
 
 ROOT = Path(__file__).resolve().parents[2]
-STANDBY_ENV = "FLIGHTDECK_STANDBY"  # services.agent.main's (not imported: it pulls in the agent)
+CLI = (sys.executable, "-m", "flightdeck.services.tools.console")
+DEMO = (sys.executable, "-m", "flightdeck.services.tools.console.demo")
+STANDBY_ENV = "FLIGHTDECK_STANDBY"  # flightdeck.services.agent.main's (not imported: it pulls in the agent)
 TIMEOUT_S = 300  # the job takes about a minute on an idle 2-core box; the rest is slack for a busy one
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(TIMEOUT_S + 150)]
@@ -27,7 +28,7 @@ def run_demo(data_dir: Path, log: Path) -> tuple[int, str]:
     # As `make demo` runs: the agents' default of warm standbys, whatever the suite was told (tests/conftest.py).
     env = {k: v for k, v in os.environ.items() if k != STANDBY_ENV}
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "services.tools.console.demo", "--data-dir", str(data_dir),
+        proc = subprocess.Popen([*DEMO, "--data-dir", str(data_dir),
                                  "--timeout-s", str(TIMEOUT_S - 60)], stdout=out, stderr=subprocess.STDOUT,
                                 text=True, cwd=ROOT, env=env)
         try:
@@ -39,7 +40,7 @@ def run_demo(data_dir: Path, log: Path) -> tuple[int, str]:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-            subprocess.run([sys.executable, "-m", "services.tools.console", "down", "--data-dir", str(data_dir)],
+            subprocess.run([*CLI, "down", "--data-dir", str(data_dir)],
                            capture_output=True, timeout=60, cwd=ROOT)
     return proc.returncode, log.read_text()
 

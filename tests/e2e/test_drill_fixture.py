@@ -8,19 +8,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from events import codec, subjects
-from events.checkpoint import CheckpointCommitted
-from events.clock import ClockTick, CoreConfigured
-from events.commands import RollbackRequested
-from events.findings import LossSpikeDetected
-from events.store import MemoryStore, Stored
-from services.core import Service
-from services.health.core import core_service as health
-from services.resharder.core import core_service as resharder
-from services.resources.core import core_service as resources
-from services.scheduler.core import core_service as scheduler
-from services.shell.fold import replay, same_decision
+from flightdeck.events import codec, subjects
+from flightdeck.events.checkpoint import CheckpointCommitted
+from flightdeck.events.clock import ClockTick, CoreConfigured
+from flightdeck.events.commands import RollbackRequested
+from flightdeck.events.findings import LossSpikeDetected
+from flightdeck.events.store import MemoryStore, Stored
+from flightdeck.services.core import Service
+from flightdeck.services.health.core import core_service as health
+from flightdeck.services.resharder.core import core_service as resharder
+from flightdeck.services.resources.core import core_service as resources
+from flightdeck.services.scheduler.core import core_service as scheduler
+from flightdeck.services.shell.fold import replay, same_decision
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "histories" / "spike.fdh.jsonl"
 

@@ -6,12 +6,11 @@ No step is lost on the way and every step trains on the same global batch, whate
 import time
 
 import pytest
-
-from events import subjects
-from events.checkpoint import CheckpointCommitted
-from events.commands import StopRequested
-from events.fleet import NodeLost
-from events.job import (
+from flightdeck.events import subjects
+from flightdeck.events.checkpoint import CheckpointCommitted
+from flightdeck.events.commands import StopRequested
+from flightdeck.events.fleet import NodeLost
+from flightdeck.events.job import (
     AllocationGranted,
     AllocationRequested,
     JobCompleted,
@@ -20,8 +19,9 @@ from events.job import (
     JobResumed,
     WorkersStarted,
 )
-from events.plan import ReshardPlanned
-from events.training import RankStarted, StepCompleted
+from flightdeck.events.plan import ReshardPlanned
+from flightdeck.events.training import RankStarted, StepCompleted
+
 from tests.e2e.drill_harness import (
     GROW_STEPS,
     grow_back_spec,

@@ -7,15 +7,15 @@ import re
 
 import msgspec
 import pytest
+from flightdeck.events import subjects
+from flightdeck.events.checkpoint import CheckpointCommitted
+from flightdeck.events.commands import PauseRequested, RollbackRequested
+from flightdeck.events.findings import LossSpikeDetected
+from flightdeck.events.job import AllocationGranted, JobCompleted, JobFailed, JobResumed
+from flightdeck.events.spec import FaultSpec
+from flightdeck.events.training import FaultInjected, RolledBack, StepCompleted
+from flightdeck.services.tools.client import Client
 
-from events import subjects
-from events.checkpoint import CheckpointCommitted
-from events.commands import PauseRequested, RollbackRequested
-from events.findings import LossSpikeDetected
-from events.job import AllocationGranted, JobCompleted, JobFailed, JobResumed
-from events.spec import FaultSpec
-from events.training import FaultInjected, RolledBack, StepCompleted
-from services.tools.client import Client
 from tests.e2e.drill_harness import SPIKE_AT, spike_spec, wait_lineage
 from tests.integration.lifecycle_harness import Platform
 from tests.integration.test_lifecycle_services import kinds
@@ -23,7 +23,7 @@ from tests.integration.test_lifecycle_services import kinds
 pytestmark = [pytest.mark.slow]
 STEPS = 60
 CRASH_AFTER_ROLLBACK = 41  # on the redone timeline (the rollback lands at the step-40 boundary), before a new commit
-NOISY = 3  # trainer.faults.SPIKE_BATCHES
+NOISY = 3  # flightdeck.trainer.faults.SPIKE_BATCHES
 
 
 @pytest.mark.timeout(180)

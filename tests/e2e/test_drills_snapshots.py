@@ -4,12 +4,12 @@ the restarted ranks load it from memory. Checkpoints every 50 steps: only the sn
 
 import msgspec
 import pytest
+from flightdeck.events import subjects
+from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointStaged
+from flightdeck.events.job import JobCompleted, JobQueued, JobResumed
+from flightdeck.events.spec import FaultSpec, JobSpec
+from flightdeck.events.training import FaultInjected, RankStarted, StepCompleted
 
-from events import subjects
-from events.checkpoint import CheckpointCommitted, CheckpointStaged
-from events.job import JobCompleted, JobQueued, JobResumed
-from events.spec import FaultSpec, JobSpec
-from events.training import FaultInjected, RankStarted, StepCompleted
 from tests.e2e.drill_harness import drill_spec, paced, wait_lineage
 from tests.e2e.test_drills import run_to_end
 from tests.integration.lifecycle_harness import Platform
@@ -64,8 +64,9 @@ async def test_a_hung_rank_killed_leaves_its_snapshot_and_the_job_redoes_at_most
 async def test_a_lost_node_under_data_parallelism_restores_the_survivors_replica_from_memory(drill: Platform) -> None:
     """n2's agent is SIGKILLed (its rank dies with it, and its memory): rank 0's snapshot on n1 is a full replica,
     so the set of it alone commits once n2 is known lost, and the job resumes from it on n1, loaded from memory."""
-    from events.fleet import NodeLost
-    from events.training import StepCompleted
+    from flightdeck.events.fleet import NodeLost
+    from flightdeck.events.training import StepCompleted
+
     from tests.e2e.drill_harness import kill_agent_mid_run, start_two_nodes
 
     p, job = drill, "lostmem-000001"
@@ -93,9 +94,9 @@ async def test_a_lost_node_under_data_parallelism_restores_the_survivors_replica
 async def test_a_node_without_room_for_the_snapshots_runs_its_ranks_without_them_and_says_why(drill: Platform) -> None:
     """The agent caps its snapshot memory at 1 KiB (`--snapshot-memory`): every grant finds no room there, says so,
     and the ranks record SnapshotsOff with that reason; a crash then restores from the store, as before snapshots."""
-    from events.fleet import NodeRegistered
-    from events.job import AllocationGranted
-    from events.training import SnapshotsOff
+    from flightdeck.events.fleet import NodeRegistered
+    from flightdeck.events.job import AllocationGranted
+    from flightdeck.events.training import SnapshotsOff
 
     p, job = drill, "snaproom-000001"
     p.agent("n1", "--grace-s", "2", "--snapshot-memory", "1K")

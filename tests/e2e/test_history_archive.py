@@ -11,17 +11,17 @@ import contextlib
 from pathlib import Path
 
 import pytest
+from flightdeck.events import subjects
+from flightdeck.events.archive import HistoryArchived
+from flightdeck.events.job import JobCompleted
+from flightdeck.events.store import Stored
+from flightdeck.services.shell import broker as broker_mod
+from flightdeck.services.tools.audit.verify import verify
+from flightdeck.services.tools.history import fdh
+from flightdeck.services.tools.history.library import History, file_history, from_broker
+from flightdeck.services.tools.postmortem.analysis import analyse
+from flightdeck.services.tools.postmortem.report import blocks, markdown
 
-from events import subjects
-from events.archive import HistoryArchived
-from events.job import JobCompleted
-from events.store import Stored
-from services.shell import broker as broker_mod
-from services.tools.audit.verify import verify
-from services.tools.history import fdh
-from services.tools.history.library import History, file_history, from_broker
-from services.tools.postmortem.analysis import analyse
-from services.tools.postmortem.report import blocks, markdown
 from tests.e2e.drill_harness import crash_spec, start_drill, wait_lineage
 
 pytestmark = pytest.mark.timeout(300)

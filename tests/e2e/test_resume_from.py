@@ -10,13 +10,13 @@ import sys
 
 import msgspec
 import pytest
+from flightdeck.events import subjects
+from flightdeck.events.checkpoint import CheckpointCommitted
+from flightdeck.events.job import CheckpointAdopted, JobCompleted, JobFailed, JobSubmitted
+from flightdeck.events.spec import FaultSpec, InitFrom
+from flightdeck.events.training import RankStarted, StepCompleted
+from flightdeck.services.tools.client import Client
 
-from events import subjects
-from events.checkpoint import CheckpointCommitted
-from events.job import CheckpointAdopted, JobCompleted, JobFailed, JobSubmitted
-from events.spec import FaultSpec, InitFrom
-from events.training import RankStarted, StepCompleted
-from services.tools.client import Client
 from tests.e2e.drill_harness import drill_spec, paced
 from tests.integration.lifecycle_harness import Platform
 from tests.integration.test_lifecycle_services import ROOT, kinds
@@ -36,7 +36,7 @@ async def test_a_failed_job_is_continued_and_another_starts_from_its_weights(dri
     assert newest.step >= 10, kinds(p.job(old))
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "services.tools.console", "submit",
+    done = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "flightdeck.services.tools.console", "submit",
                                                     "--resume-from", old, "--nats", p.url],
                                    env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

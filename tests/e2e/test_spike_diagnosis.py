@@ -8,14 +8,14 @@ import math
 
 import msgspec
 import pytest
+from flightdeck.events import subjects
+from flightdeck.events.commands import RollbackRequested
+from flightdeck.events.findings import LossSpikeDetected, SpikeDiagnosed
+from flightdeck.events.fleet import SelfCheckFailed, SelfCheckPassed
+from flightdeck.events.job import JobCompleted, JobFailed, WorkersStarted
+from flightdeck.events.spec import FaultSpec
+from flightdeck.events.training import RolledBack, SpikeReplayed
 
-from events import subjects
-from events.commands import RollbackRequested
-from events.findings import LossSpikeDetected, SpikeDiagnosed
-from events.fleet import SelfCheckFailed, SelfCheckPassed
-from events.job import JobCompleted, JobFailed, WorkersStarted
-from events.spec import FaultSpec
-from events.training import RolledBack, SpikeReplayed
 from tests.e2e.drill_harness import (
     SPIKE_AT,
     assert_verified,

@@ -6,15 +6,14 @@ import dataclasses
 from typing import Any
 
 import pytest
-
-from events import subjects
-from events.job import JobCompleted, WorkersExited
-from events.nodelocal import STOPPED_EXIT
-from services.core import Emit, Service
-from services.scheduler.core import core_service as scheduler_core
-from services.tools.explore.__main__ import explore
-from services.tools.explore.invariants import violations
-from services.tools.explore.world import FAULT_KINDS_V1, plan, simulate
+from flightdeck.events import subjects
+from flightdeck.events.job import JobCompleted, WorkersExited
+from flightdeck.events.nodelocal import STOPPED_EXIT
+from flightdeck.services.core import Emit, Service
+from flightdeck.services.scheduler.core import core_service as scheduler_core
+from flightdeck.services.tools.explore.__main__ import explore
+from flightdeck.services.tools.explore.invariants import violations
+from flightdeck.services.tools.explore.world import FAULT_KINDS_V1, plan, simulate
 
 pytestmark = pytest.mark.timeout(900)
 SEEDS_PER_TEST = 250  # four tests, so the suite's workers share the thousand

@@ -1,5 +1,5 @@
 """The whole platform on a real broker for lifecycle tests and benches: every service as
-`python -m services NAME` (scheduler, resources, checkpoints, health, resharder) and one node agent, with
+`python -m flightdeck.services NAME` (scheduler, resources, checkpoints, health, resharder) and one node agent, with
 the checkpoint service and the agent sharing an object store named by FLIGHTDECK_OBJECTS: a local folder,
 or a bucket on the moto S3 server (tests/integration/s3_fixture.py).
 
@@ -22,14 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from flightdeck.events.jetstream import JetStreamStore
+from flightdeck.events.spec import JobSpec
+from flightdeck.services.shell import broker as broker_mod
+from flightdeck.services.shell.objects import manifest as mf
+from flightdeck.services.shell.objects.open import OBJECTS_ENV, open_store
+from flightdeck.services.shell.objects.store import ObjectStore
+from flightdeck.services.tools import codeship
 
-from events.jetstream import JetStreamStore
-from events.spec import JobSpec
-from services.shell import broker as broker_mod
-from services.shell.objects import manifest as mf
-from services.shell.objects.open import OBJECTS_ENV, open_store
-from services.shell.objects.store import ObjectStore
-from services.tools import codeship
 from tests.integration.s3_fixture import MotoS3
 from tests.integration.test_lifecycle_services import ROOT, Cluster
 

@@ -13,15 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flightdeck.events import subjects
+from flightdeck.events.fleet import NodeHeartbeat
+from flightdeck.events.jetstream import JetStreamStore
+from flightdeck.events.job import JobQueued, JobSubmitted
+from flightdeck.events.spec import JobSpec
+from flightdeck.events.store import Stored
 from nats.aio.client import Client
 from nats.js.client import JetStreamContext
-
-from events import subjects
-from events.fleet import NodeHeartbeat
-from events.jetstream import JetStreamStore
-from events.job import JobQueued, JobSubmitted
-from events.spec import JobSpec
-from events.store import Stored
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = JobSpec(name="toy")
@@ -88,11 +87,11 @@ def assert_exactly_once(control: list[Stored], inputs: list[tuple[str, JobSubmit
 
 
 def spawn_service(name: str, url: str, log_path: Path, **env_extra: str) -> subprocess.Popen[bytes]:
-    """`python -m services NAME` as its own process, the toy services registered through the environment."""
+    """`python -m flightdeck.services NAME` as its own process, the toy services registered through the environment."""
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'tests' / 'integration'}{os.pathsep}{ROOT}",
            "FLIGHTDECK_EXTRA_SERVICES": "toy=toy_service:build,toytel=toy_service:build_telemetry", **env_extra}
     with open(log_path, "ab") as log:
-        return subprocess.Popen([sys.executable, "-m", "services", name, "--nats", url], cwd=ROOT, env=env,
+        return subprocess.Popen([sys.executable, "-m", "flightdeck.services", name, "--nats", url], cwd=ROOT, env=env,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 

@@ -14,12 +14,11 @@ from pathlib import Path
 
 import boto3
 import pytest
+from flightdeck.services.shell.objects.local import LocalStore
+from flightdeck.services.shell.objects.retry import RetryPolicy
+from flightdeck.services.shell.objects.s3 import MIN_PART_SIZE, S3Store
+from flightdeck.services.shell.objects.store import ObjectStore
 from moto.server import ThreadedMotoServer
-
-from services.shell.objects.local import LocalStore
-from services.shell.objects.retry import RetryPolicy
-from services.shell.objects.s3 import MIN_PART_SIZE, S3Store
-from services.shell.objects.store import ObjectStore
 
 
 @dataclass(frozen=True)

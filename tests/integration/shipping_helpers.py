@@ -7,7 +7,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from events.checkpoint import (
+from flightdeck.events.checkpoint import (
     CheckpointCommitted,
     CheckpointFailed,
     CheckpointStaged,
@@ -15,11 +15,11 @@ from events.checkpoint import (
     ShardInfo,
     ShardsUploaded,
 )
-from services.agent.shipping import NotStored, store_rank
-from services.checkpoints import core, uploader
-from services.checkpoints.state import CommitArgs, DeleteArgs, Settings
-from services.core import Effect, Emit
-from services.shell.objects.store import ObjectStore
+from flightdeck.services.agent.shipping import NotStored, store_rank
+from flightdeck.services.checkpoints import core, uploader
+from flightdeck.services.checkpoints.state import CommitArgs, DeleteArgs, Settings
+from flightdeck.services.core import Effect, Emit
+from flightdeck.services.shell.objects.store import ObjectStore
 
 LIVE = core.State(settings=Settings(shards_from="agents"))
 

@@ -2,18 +2,18 @@
 job's subject is refused by the services and by every view alike, and never stalls the service for other jobs."""
 
 import pytest
+from flightdeck.events import subjects
+from flightdeck.events.clock import DeadLettered
+from flightdeck.events.codec import encode
+from flightdeck.events.findings import StragglerDetected
+from flightdeck.events.history import read_job
+from flightdeck.events.job import JobCompleted, JobSubmitted
+from flightdeck.events.spec import JobSpec
+from flightdeck.services.shell import broker as broker_mod
+from flightdeck.services.tools.client import Client
+from flightdeck.services.tools.history.library import History
+from flightdeck.services.tools.history.read import job_rows
 
-from events import subjects
-from events.clock import DeadLettered
-from events.codec import encode
-from events.findings import StragglerDetected
-from events.history import read_job
-from events.job import JobCompleted, JobSubmitted
-from events.spec import JobSpec
-from services.shell import broker as broker_mod
-from services.tools.client import Client
-from services.tools.history.library import History
-from services.tools.history.read import job_rows
 from tests.integration import toy_service
 from tests.integration.runtime_helpers import Bus, bus_at, eventually, read_all, submissions
 from tests.integration.test_runtime import start, stop_service

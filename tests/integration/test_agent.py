@@ -7,13 +7,12 @@ import signal
 import time
 
 import pytest
-
-from events import subjects
-from events.checkpoint import CheckpointCommitted, CheckpointRejected, DataPosition
-from events.fleet import NodeCordoned, NodeRegistered, SelfCheckFailed
-from events.heartbeats import RankHeartbeats
-from events.history import append_to_job
-from events.job import (
+from flightdeck.events import subjects
+from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointRejected, DataPosition
+from flightdeck.events.fleet import NodeCordoned, NodeRegistered, SelfCheckFailed
+from flightdeck.events.heartbeats import RankHeartbeats
+from flightdeck.events.history import append_to_job
+from flightdeck.events.job import (
     AllocationGranted,
     AllocationRequested,
     JobCompleted,
@@ -22,9 +21,10 @@ from events.job import (
     WorkersExited,
     WorkersStarted,
 )
-from events.spec import JobSpec, PolicySpec, TrainSpec
-from events.training import Heartbeat, StepCompleted
-from services.agent.spawner import START_FAILED_EXIT
+from flightdeck.events.spec import JobSpec, PolicySpec, TrainSpec
+from flightdeck.events.training import Heartbeat, StepCompleted
+from flightdeck.services.agent.spawner import START_FAILED_EXIT
+
 from tests.integration.test_lifecycle_services import ENDLESS, TINY, Cluster, cluster, exits, gone
 
 __all__ = ["cluster"]  # the fixture, shared with the lifecycle tests

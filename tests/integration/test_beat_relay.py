@@ -12,25 +12,25 @@ import time
 from pathlib import Path
 
 import pytest
+from flightdeck.events import codec, subjects
+from flightdeck.events.heartbeats import LocalBeat, RankHeartbeats
+from flightdeck.events.jetstream import JetStreamStore
+from flightdeck.events.nodelocal import BeatChannel, sockaddr
+from flightdeck.events.training import Heartbeat
+from flightdeck.services.agent.beats import BeatRelay, store_publisher
+from flightdeck.services.agent.links import RankLinks
+from flightdeck.services.shell import broker as broker_mod
+from flightdeck.trainer.link import AgentLink
 
-from events import codec, subjects
-from events.heartbeats import LocalBeat, RankHeartbeats
-from events.jetstream import JetStreamStore
-from events.nodelocal import BeatChannel, sockaddr
-from events.training import Heartbeat
-from services.agent.beats import BeatRelay, store_publisher
-from services.agent.links import RankLinks
-from services.shell import broker as broker_mod
 from tests.conftest import ensure_streams_at
-from trainer.link import AgentLink
 
 JOB = "beats-000001"
 ROOT = Path(__file__).resolve().parents[2]
 
 FORGER = """
 import sys
-from events.heartbeats import LocalBeat
-from events.nodelocal import BeatChannel
+from flightdeck.events.heartbeats import LocalBeat
+from flightdeck.events.nodelocal import BeatChannel
 ch = BeatChannel(sys.argv[1])
 ch.send(LocalBeat(job_id="beats-000001", attempt=0, rank=0, step=5, occurred_at=1.0, interval_s=0.2))
 """

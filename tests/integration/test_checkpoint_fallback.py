@@ -16,20 +16,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from flightdeck.events import subjects
+from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointDeleted, CheckpointRefused, CheckpointRejected
+from flightdeck.events.commands import RollbackRequested
+from flightdeck.events.job import AllocationReleased, JobCompleted, JobFailed, JobResumed, WorkersExited, WorkersStarted
+from flightdeck.events.nodelocal import RESTORE_REFUSED_EXIT
+from flightdeck.events.spec import EntrypointSpec, FaultSpec, JobSpec, ModelSpec, PolicySpec, TrainSpec
+from flightdeck.events.training import RankStarted, RolledBack
+from flightdeck.services.agent.spawner import START_FAILED_EXIT
+from flightdeck.services.checkpoints.core import REJECTED, checkpoint_id
+from flightdeck.services.shell import broker as broker_mod
+from flightdeck.services.shell.objects import manifest as mf
+from flightdeck.services.tools.audit.settle import verify_live
 from msgspec.structs import replace
 
-from events import subjects
-from events.checkpoint import CheckpointCommitted, CheckpointDeleted, CheckpointRefused, CheckpointRejected
-from events.commands import RollbackRequested
-from events.job import AllocationReleased, JobCompleted, JobFailed, JobResumed, WorkersExited, WorkersStarted
-from events.nodelocal import RESTORE_REFUSED_EXIT
-from events.spec import EntrypointSpec, FaultSpec, JobSpec, ModelSpec, PolicySpec, TrainSpec
-from events.training import RankStarted, RolledBack
-from services.agent.spawner import START_FAILED_EXIT
-from services.checkpoints.core import REJECTED, checkpoint_id
-from services.shell import broker as broker_mod
-from services.shell.objects import manifest as mf
-from services.tools.audit.settle import verify_live
 from tests.integration.lifecycle_harness import Objects, Platform, local_objects, objects, open_platform
 from tests.integration.s3_fixture import moto_s3
 from tests.integration.test_lifecycle_services import ROOT, kinds
@@ -291,7 +291,7 @@ if restore and os.environ["FLIGHTDECK_ATTEMPT"] == "1":
         done.touch()
     while not done.exists():
         time.sleep(0.05)
-runpy.run_module("trainer", run_name="__main__")
+runpy.run_module("flightdeck.trainer", run_name="__main__")
 """
 
 

@@ -8,15 +8,15 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointDeleted, CheckpointScrubbed
+from flightdeck.events.job import JobCompleted
+from flightdeck.events.spec import JobSpec, ModelSpec, TrainSpec
+from flightdeck.services.checkpoints.core import SCRUBBED_BAD, checkpoint_id
+from flightdeck.services.checkpoints.service import SCRUB_EVERY_ENV, SCRUB_MB_S_ENV
+from flightdeck.services.shell import broker as broker_mod
+from flightdeck.services.shell.objects import manifest as mf
+from flightdeck.services.tools.audit.settle import verify_live
 
-from events.checkpoint import CheckpointCommitted, CheckpointDeleted, CheckpointScrubbed
-from events.job import JobCompleted
-from events.spec import JobSpec, ModelSpec, TrainSpec
-from services.checkpoints.core import SCRUBBED_BAD, checkpoint_id
-from services.checkpoints.service import SCRUB_EVERY_ENV, SCRUB_MB_S_ENV
-from services.shell import broker as broker_mod
-from services.shell.objects import manifest as mf
-from services.tools.audit.settle import verify_live
 from tests.integration.lifecycle_harness import Objects, objects, open_platform
 from tests.integration.s3_fixture import moto_s3
 from tests.integration.test_checkpoint_fallback import flipped

@@ -22,20 +22,19 @@ import jsonschema
 import msgspec
 import nats
 import pytest
-
-from events import subjects
-from events.history import append_to_job
-from events.jetstream import JetStreamStore
-from events.job import JobCompleted, JobQueued, JobSubmitted
-from events.spec import JobSpec
-from events.training import StepCompleted
-from services import registry
-from services.shell import broker
-from services.tools.console import up as up_mod
-from services.tools.console import upstate
+from flightdeck.events import subjects
+from flightdeck.events.history import append_to_job
+from flightdeck.events.jetstream import JetStreamStore
+from flightdeck.events.job import JobCompleted, JobQueued, JobSubmitted
+from flightdeck.events.spec import JobSpec
+from flightdeck.events.training import StepCompleted
+from flightdeck.services import registry
+from flightdeck.services.shell import broker
+from flightdeck.services.tools.console import up as up_mod
+from flightdeck.services.tools.console import upstate
 
 pytestmark = pytest.mark.timeout(240)  # a hang guard: `up` starts five services and a broker
-CLI = (sys.executable, "-m", "services.tools.console")
+CLI = (sys.executable, "-m", "flightdeck.services.tools.console")
 CONTRACT = Path(__file__).resolve().parents[2] / "docs" / "contract"
 
 

@@ -6,9 +6,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
-from services.registry import BUILTIN
-from services.shell.security import permissions
+from flightdeck.services.registry import BUILTIN
+from flightdeck.services.shell.security import permissions
 
 INFRA = Path(__file__).resolve().parents[2] / "infra"
 PASSWORD_FILE = "FLIGHTDECK_NATS_PASSWORD_FILE"
@@ -32,13 +31,13 @@ def test_compose_runs_nats_every_service_and_an_agent_each_as_its_own_user() -> 
     assert "nats" in services and "agent" in services
     for name in BUILTIN:
         svc = services[name]
-        assert svc["command"] == ["python", "-m", "services", name]
+        assert svc["command"] == ["python", "-m", "flightdeck.services", name]
         assert svc["environment"]["FLIGHTDECK_NATS_USER"] == name
         assert svc["environment"][PASSWORD_FILE] == f"/run/secrets/{name}"
         assert svc["secrets"] == [name]
         assert compose["secrets"][name]["file"] == f"./secrets/{name}.password"
     agent = services["agent"]
-    assert agent["command"][:3] == ["python", "-m", "services.agent"]
+    assert agent["command"][:3] == ["python", "-m", "flightdeck.services.agent"]
     user = agent["environment"]["FLIGHTDECK_NATS_USER"]
     assert user == permissions.agent_user(agent["command"][agent["command"].index("--node") + 1])
     assert not any(k.startswith("FLIGHTDECK_JOB") for k in agent["environment"])  # its ranks get no credential
@@ -55,7 +54,7 @@ def test_kubernetes_has_a_singleton_deployment_and_a_secret_per_service() -> Non
         assert spec["replicas"] == 1 and spec["strategy"]["type"] == "Recreate"  # never two on one durable
         pod = spec["template"]["spec"]
         (container,) = pod["containers"]
-        assert container["args"] == ["python", "-m", "services", name]
+        assert container["args"] == ["python", "-m", "flightdeck.services", name]
         env = env_of(container)
         assert env["FLIGHTDECK_NATS_USER"] == name
         folder, key = env[PASSWORD_FILE].rsplit("/", 1)
@@ -71,7 +70,7 @@ def test_kubernetes_runs_the_agent_on_every_gpu_node_and_nats_from_its_helm_char
     assert "nvidia.com/gpu" in " ".join(pod["nodeSelector"]) and pod["hostNetwork"] is True
     assert any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
     (container,) = pod["containers"]
-    assert "services.agent" in " ".join(container["args"])
+    assert "flightdeck.services.agent" in " ".join(container["args"])
     assert env_of(container)["FLIGHTDECK_NATS_USER"] == permissions.AGENT
     assert "nvidia.com/gpu" in container["resources"]["limits"]
     values = yaml.safe_load((INFRA / "k8s" / "nats-values.yaml").read_text())
@@ -87,7 +86,7 @@ def test_systemd_has_a_unit_per_service_and_the_agent() -> None:
         path = INFRA / "systemd" / f"flightdeck-{name}.service"
         unit.read_string(path.read_text().replace("\\\n", " "))
         service = unit["Service"]
-        target = "services" if name != "agent" else "services.agent"
+        target = "services" if name != "agent" else "flightdeck.services.agent"
         assert f"-m {target} {name if name != 'agent' else ''}".strip() in service["ExecStart"], path
         assert service["Restart"] == "always" and service["EnvironmentFile"].startswith("/etc/flightdeck/")
         text = path.read_text()

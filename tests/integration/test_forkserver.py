@@ -14,13 +14,15 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
+from flightdeck.events.nodelocal import Assignment, ForkRequest
+from flightdeck.services.agent.forkserver import ForkedProc, ForkServer, ForkServerGone
+from flightdeck.services.agent.inventory import Inventory, selfcheck
+from flightdeck.services.agent.launch import die_with_agent, standby_env
+from flightdeck.services.agent.standbys import StandbyPool
 
-from events.nodelocal import Assignment, ForkRequest
-from services.agent.forkserver import ForkedProc, ForkServer, ForkServerGone
-from services.agent.inventory import Inventory, selfcheck
-from services.agent.launch import REPO, die_with_agent, standby_env
-from services.agent.standbys import StandbyPool
 from tests.integration.test_lifecycle_services import gone
+
+REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -1,6 +1,6 @@
 """The health service on a real nats-server: synthetic rank telemetry on FD_TELEMETRY and job events in
 the job's history; RankLost when a rank's heartbeats stop, RankHung when its steps freeze under live
-heartbeats, a lost rank from a non-zero exit through `python -m services health`; and a replay of what
+heartbeats, a lost rank from a non-zero exit through `python -m flightdeck.services health`; and a replay of what
 was recorded gives the findings that were stored."""
 
 import asyncio
@@ -11,19 +11,19 @@ import time
 from pathlib import Path
 
 import pytest
+from flightdeck.events import subjects
+from flightdeck.events.base import JobEvent
+from flightdeck.events.findings import Finding, RankHung, RankLost
+from flightdeck.events.history import append_to_job
+from flightdeck.events.jetstream import JetStreamStore
+from flightdeck.events.job import AllocationGranted, JobSubmitted, SlotRef, WorkersExited, WorkersStarted
+from flightdeck.events.spec import JobSpec, PolicySpec
+from flightdeck.events.training import Heartbeat, RankStarted, StepCompleted
+from flightdeck.services.health.core import core_service
+from flightdeck.services.shell import broker as broker_mod
+from flightdeck.services.shell.fold import comparable, outputs_of, replay
+from flightdeck.services.shell.runtime import run_service
 
-from events import subjects
-from events.base import JobEvent
-from events.findings import Finding, RankHung, RankLost
-from events.history import append_to_job
-from events.jetstream import JetStreamStore
-from events.job import AllocationGranted, JobSubmitted, SlotRef, WorkersExited, WorkersStarted
-from events.spec import JobSpec, PolicySpec
-from events.training import Heartbeat, RankStarted, StepCompleted
-from services.health.core import core_service
-from services.shell import broker as broker_mod
-from services.shell.fold import comparable, outputs_of, replay
-from services.shell.runtime import run_service
 from tests.integration.runtime_helpers import bus_at, eventually, read_all, spawn_service
 
 pytestmark = pytest.mark.timeout(180)  # starts real ranks: a minute on a loaded 2-core box

@@ -16,13 +16,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from flightdeck.events import subjects
+from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointFailed, CheckpointStaged, ShardsUploaded
+from flightdeck.events.job import WorkersExited
+from flightdeck.events.spec import FaultSpec, JobSpec, ModelSpec, PolicySpec, TrainSpec
+from flightdeck.services.checkpoints.core import checkpoint_id
+from flightdeck.services.shell import broker as broker_mod
 
-from events import subjects
-from events.checkpoint import CheckpointCommitted, CheckpointFailed, CheckpointStaged, ShardsUploaded
-from events.job import WorkersExited
-from events.spec import FaultSpec, JobSpec, ModelSpec, PolicySpec, TrainSpec
-from services.checkpoints.core import checkpoint_id
-from services.shell import broker as broker_mod
 from tests.integration.lifecycle_harness import SERVICES, Objects, local_objects, open_platform
 from tests.integration.test_lifecycle_services import ROOT
 
@@ -83,7 +83,7 @@ async def test_a_corrupted_shard_fails_its_checkpoint_and_the_previous_one_stays
         assert await local_objects.manifests(JOB) == [good]
         assert (Path(local_objects.url) / "checkpoints" / JOB / good / "MANIFEST.json").is_file()
 
-        cli = [sys.executable, "-m", "services.tools.console", "checkpoints", JOB, "--json", "--nats", c.url]
+        cli = [sys.executable, "-m", "flightdeck.services.tools.console", "checkpoints", JOB, "--json", "--nats", c.url]
         out = await asyncio.to_thread(subprocess.run, cli, cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         listed = json.loads(out.stdout)

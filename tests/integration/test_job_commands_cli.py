@@ -7,14 +7,14 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from flightdeck.events import subjects
+from flightdeck.events.checkpoint import CheckpointCommitted
+from flightdeck.events.commands import CheckpointRequested, PauseRequested, ResumeRequested, RollbackRequested
+from flightdeck.events.job import JobCompleted, RollbackAsked
+from flightdeck.events.spec import FaultSpec, JobSpec, ModelSpec, TrainSpec
+from flightdeck.events.training import RolledBack, StepCompleted
+from flightdeck.services.shell import broker as broker_mod
 
-from events import subjects
-from events.checkpoint import CheckpointCommitted
-from events.commands import CheckpointRequested, PauseRequested, ResumeRequested, RollbackRequested
-from events.job import JobCompleted, RollbackAsked
-from events.spec import FaultSpec, JobSpec, ModelSpec, TrainSpec
-from events.training import RolledBack, StepCompleted
-from services.shell import broker as broker_mod
 from tests.integration.lifecycle_harness import Objects, local_objects, open_platform
 from tests.integration.test_postmortem_cli import CLI
 

@@ -9,9 +9,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
-from events.spec import EntrypointSpec
-from services.agent.envs import EnvCache, EnvError, interpreter
+from flightdeck.events.spec import EntrypointSpec
+from flightdeck.services.agent.envs import EnvCache, EnvError, interpreter
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -1,5 +1,5 @@
-"""`flightdeck submit / status / cancel / checkpoints` as a user runs them (`python -m services.tools.console`),
-against a real nats-server holding histories written with append_to_job. No services run: what a verb
+"""`flightdeck submit / status / cancel / checkpoints` as a user runs them (the CLI in a subprocess), against a
+real nats-server holding histories written with append_to_job. No services run: what a verb
 shows comes only from the events these tests wrote."""
 
 import asyncio
@@ -16,14 +16,13 @@ from pathlib import Path
 
 import nats
 import pytest
-
-from events import subjects
-from events.base import Event, JobEvent, RankEvent
-from events.checkpoint import CheckpointCommitted, CheckpointDeleted, DataPosition
-from events.fleet import NodeRegistered
-from events.history import append_to_job, read_job
-from events.jetstream import JetStreamStore
-from events.job import (
+from flightdeck.events import subjects
+from flightdeck.events.base import Event, JobEvent, RankEvent
+from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointDeleted, DataPosition
+from flightdeck.events.fleet import NodeRegistered
+from flightdeck.events.history import append_to_job, read_job
+from flightdeck.events.jetstream import JetStreamStore
+from flightdeck.events.job import (
     AllocationGranted,
     AllocationRequested,
     CancelRequested,
@@ -33,13 +32,13 @@ from events.job import (
     SlotRef,
     WorkersStarted,
 )
-from events.spec import parse_spec
-from events.training import StepCompleted
-from services.shell import broker
+from flightdeck.events.spec import parse_spec
+from flightdeck.events.training import StepCompleted
+from flightdeck.services.shell import broker
 
 pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parents[2]
-CLI = (sys.executable, "-m", "services.tools.console")
+CLI = (sys.executable, "-m", "flightdeck.services.tools.console")
 
 
 def flightdeck(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:

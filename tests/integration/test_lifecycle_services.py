@@ -1,5 +1,5 @@
 """A job's whole lifecycle through running services on a real broker: the scheduler and the resource manager
-as `python -m services NAME`, one node agent (`python -m services.agent`, 2 CPU slots) starting
+as `python -m flightdeck.services NAME`, one node agent (`python -m flightdeck.services.agent`, 2 CPU slots) starting
 real trainer ranks. `Cluster` is shared with test_agent.py."""
 
 import asyncio
@@ -15,14 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from events import subjects
-from events.base import Event
-from events.checkpoint import CheckpointCommitted
-from events.fleet import SelfCheckPassed
-from events.history import append_to_job
-from events.jetstream import JetStreamStore
-from events.job import (
+from flightdeck.events import subjects
+from flightdeck.events.base import Event
+from flightdeck.events.checkpoint import CheckpointCommitted
+from flightdeck.events.fleet import SelfCheckPassed
+from flightdeck.events.history import append_to_job
+from flightdeck.events.jetstream import JetStreamStore
+from flightdeck.events.job import (
     AllocationGranted,
     AllocationReleased,
     CancelRequested,
@@ -33,15 +32,15 @@ from events.job import (
     WorkersExited,
     WorkersStarted,
 )
-from events.nodelocal import STOPPED_EXIT
-from events.spec import FaultSpec, JobSpec, ModelSpec, TrainSpec
-from events.store import Stored
-from events.training import FaultInjected, RankStarted, StepCompleted
-from services.checkpoints.core import core_service as checkpoints_core
-from services.checkpoints.uploader import handlers as checkpoint_handlers
-from services.shell import broker as broker_mod
-from services.shell.objects.local import LocalStore
-from services.shell.runtime import run_service
+from flightdeck.events.nodelocal import STOPPED_EXIT
+from flightdeck.events.spec import FaultSpec, JobSpec, ModelSpec, TrainSpec
+from flightdeck.events.store import Stored
+from flightdeck.events.training import FaultInjected, RankStarted, StepCompleted
+from flightdeck.services.checkpoints.core import core_service as checkpoints_core
+from flightdeck.services.checkpoints.uploader import handlers as checkpoint_handlers
+from flightdeck.services.shell import broker as broker_mod
+from flightdeck.services.shell.objects.local import LocalStore
+from flightdeck.services.shell.runtime import run_service
 
 ROOT = Path(__file__).resolve().parents[2]
 LOG_TAIL = 3000  # characters of each log shown with a failure
@@ -109,10 +108,10 @@ class Cluster:
         return proc
 
     def service(self, name: str) -> subprocess.Popen[bytes]:
-        return self._start(name, ["-m", "services", name, "--nats", self.url])
+        return self._start(name, ["-m", "flightdeck.services", name, "--nats", self.url])
 
     def agent(self, node: str = "n1", *extra: str) -> subprocess.Popen[bytes]:
-        return self._start(f"agent-{node}", ["-m", "services.agent", "--nats", self.url, "--node", node,
+        return self._start(f"agent-{node}", ["-m", "flightdeck.services.agent", "--nats", self.url, "--node", node,
                                              "--slots", "2", "--device", "cpu", "--data-dir", str(self.data),
                                              "--grace-s", "5", *extra])
 

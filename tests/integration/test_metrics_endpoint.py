@@ -16,23 +16,23 @@ from pathlib import Path
 import aiohttp
 import pytest
 import yaml
+from flightdeck.events import subjects
+from flightdeck.events.base import JobEvent
+from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointStaged
+from flightdeck.events.clock import ClockTick, DeadLettered
+from flightdeck.events.fleet import NodeRegistered
+from flightdeck.events.jetstream import JetStreamStore
+from flightdeck.events.job import JobSubmitted
+from flightdeck.events.store import Stored
+from flightdeck.events.training import StepCompleted
+from flightdeck.services.shell import broker as broker_mod
+from flightdeck.services.tools.history import fdh, jobview
+from flightdeck.services.tools.postmortem import analyse
+from flightdeck.services.tools.web.figures import Figures, IncidentRow, JobAnalysis
+from flightdeck.services.tools.web.metrics import Live, exposition
+from flightdeck.services.tools.web.server import serve
 from prometheus_client.parser import text_string_to_metric_families
 
-from events import subjects
-from events.base import JobEvent
-from events.checkpoint import CheckpointCommitted, CheckpointStaged
-from events.clock import ClockTick, DeadLettered
-from events.fleet import NodeRegistered
-from events.jetstream import JetStreamStore
-from events.job import JobSubmitted
-from events.store import Stored
-from events.training import StepCompleted
-from services.shell import broker as broker_mod
-from services.tools.history import fdh, jobview
-from services.tools.postmortem import analyse
-from services.tools.web.figures import Figures, IncidentRow, JobAnalysis
-from services.tools.web.metrics import Live, exposition
-from services.tools.web.server import serve
 from tests.conftest import ensure_streams_at
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -194,7 +194,7 @@ async def _broker_up_is(url: str, want: float) -> bool:
 
 
 def test_the_cli_refuses_a_bad_port_and_an_unreachable_broker(tmp_path: Path) -> None:
-    cli = [sys.executable, "-m", "services.tools.console", "ui"]
+    cli = [sys.executable, "-m", "flightdeck.services.tools.console", "ui"]
     bad = subprocess.run([*cli, "--port", "70000"], capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "--port 70000: choose 0-65535" in bad.stderr
     gone = subprocess.run([*cli, "--nats", "nats://127.0.0.1:9", "--port", "0"], capture_output=True, text=True,

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import msgspec
 import pytest
-
-from events import subjects
-from events.checkpoint import (
+from flightdeck.events import subjects
+from flightdeck.events.checkpoint import (
     CheckpointCommitted,
     CheckpointFailed,
     CheckpointStaged,
@@ -21,12 +20,13 @@ from events.checkpoint import (
     ShardInfo,
     ShardsUploaded,
 )
-from services.checkpoints import core
-from services.checkpoints.state import CommitArgs, DeleteArgs
-from services.checkpoints.uploader import handlers
-from services.core import Emit
-from services.shell.objects import manifest as mf
-from services.shell.objects.store import ObjectStore
+from flightdeck.services.checkpoints import core
+from flightdeck.services.checkpoints.state import CommitArgs, DeleteArgs
+from flightdeck.services.checkpoints.uploader import handlers
+from flightdeck.services.core import Emit
+from flightdeck.services.shell.objects import manifest as mf
+from flightdeck.services.shell.objects.store import ObjectStore
+
 from tests.integration.s3_fixture import moto_s3, store
 from tests.integration.shipping_helpers import fold, ship, ship_and_commit
 

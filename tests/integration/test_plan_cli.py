@@ -7,7 +7,7 @@ import sys
 import pytest
 
 pytestmark = pytest.mark.timeout(60)
-CLI = (sys.executable, "-m", "services.tools.console", "plan")
+CLI = (sys.executable, "-m", "flightdeck.services.tools.console", "plan")
 GPT3 = ("--params", "175e9", "--tokens", "10e12", "--gpus", "8192", "--gpu", "h100", "--mfu", "0.5")
 
 

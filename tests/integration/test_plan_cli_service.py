@@ -5,17 +5,16 @@ and a shrink, and nothing for an identical re-grant."""
 import asyncio
 
 import pytest
-
-from events import subjects
-from events.fleet import NodeRegistered
-from events.history import append_to_job, read_job
-from events.jetstream import JetStreamStore
-from events.job import AllocationGranted, JobSubmitted, SlotRef
-from events.plan import ReshardPlanned
-from events.spec import JobSpec
-from services.resharder.service import build
-from services.shell import broker as broker_mod
-from services.shell.runtime import run_service
+from flightdeck.events import subjects
+from flightdeck.events.fleet import NodeRegistered
+from flightdeck.events.history import append_to_job, read_job
+from flightdeck.events.jetstream import JetStreamStore
+from flightdeck.events.job import AllocationGranted, JobSubmitted, SlotRef
+from flightdeck.events.plan import ReshardPlanned
+from flightdeck.events.spec import JobSpec
+from flightdeck.services.resharder.service import build
+from flightdeck.services.shell import broker as broker_mod
+from flightdeck.services.shell.runtime import run_service
 
 pytestmark = pytest.mark.timeout(60)
 

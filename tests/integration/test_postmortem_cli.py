@@ -1,5 +1,5 @@
-"""`flightdeck postmortem` as a user runs it (`python -m services.tools.console`): from a history file, from a job's
-history on a real broker, and the one-line errors."""
+"""`flightdeck postmortem` as a user runs it (the CLI in a subprocess): from a history file, from a job's history on a
+real broker, and the one-line errors."""
 
 import asyncio
 import subprocess
@@ -7,13 +7,12 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from events.jetstream import JetStreamStore
-from services.shell import broker
-from services.tools.postmortem.synthetic import Scenario, synthesise
+from flightdeck.events.jetstream import JetStreamStore
+from flightdeck.services.shell import broker
+from flightdeck.services.tools.postmortem.synthetic import Scenario, synthesise
 
 ROOT = Path(__file__).resolve().parents[2]
-CLI = (sys.executable, "-m", "services.tools.console")
+CLI = (sys.executable, "-m", "flightdeck.services.tools.console")
 FIXTURE = ROOT / "tests" / "fixtures" / "histories" / "spike.fdh.jsonl"
 
 

@@ -3,11 +3,10 @@ saves a final checkpoint on the way out; the high job runs to completion; the lo
 resumes from exactly that checkpoint, then completes."""
 
 import pytest
-
-from events import subjects
-from events.checkpoint import CheckpointCommitted, CheckpointStaged
-from events.commands import StopRequested
-from events.job import (
+from flightdeck.events import subjects
+from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointStaged
+from flightdeck.events.commands import StopRequested
+from flightdeck.events.job import (
     AllocationGranted,
     AllocationReleased,
     JobCompleted,
@@ -17,10 +16,11 @@ from events.job import (
     JobSubmitted,
     WorkersStarted,
 )
-from events.nodelocal import STOPPED_EXIT
-from events.spec import FaultSpec, JobSpec, ModelSpec, TrainSpec
-from events.training import RankStarted, StepCompleted
-from services.checkpoints.core import checkpoint_id
+from flightdeck.events.nodelocal import STOPPED_EXIT
+from flightdeck.events.spec import FaultSpec, JobSpec, ModelSpec, TrainSpec
+from flightdeck.events.training import RankStarted, StepCompleted
+from flightdeck.services.checkpoints.core import checkpoint_id
+
 from tests.integration.lifecycle_harness import Objects, Platform, local_objects, platform
 from tests.integration.test_lifecycle_services import exits, kinds
 

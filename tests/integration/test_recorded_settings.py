@@ -7,15 +7,15 @@ import signal
 from pathlib import Path
 
 import pytest
+from flightdeck.events import subjects
+from flightdeck.events.clock import CoreConfigured
+from flightdeck.events.fleet import NodeRegistered
+from flightdeck.events.history import append_to_job
+from flightdeck.events.job import AllocationGranted, AllocationRequested
+from flightdeck.services import registry
+from flightdeck.services.shell import broker as broker_mod
+from flightdeck.services.shell.fold import comparable, replay
 
-from events import subjects
-from events.clock import CoreConfigured
-from events.fleet import NodeRegistered
-from events.history import append_to_job
-from events.job import AllocationGranted, AllocationRequested
-from services import registry
-from services.shell import broker as broker_mod
-from services.shell.fold import comparable, replay
 from tests.integration.runtime_helpers import bus_at, eventually, read_all, spawn_service
 
 pytestmark = pytest.mark.timeout(120)

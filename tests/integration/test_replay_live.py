@@ -12,14 +12,13 @@ from typing import Any
 
 import pytest
 import structlog
-
-from events import subjects
-from events.base import Event, RankEvent
-from events.checkpoint import CheckpointCommitted, DataPosition
-from events.clock import ClockTick
-from events.history import append_to_job
-from events.jetstream import JetStreamStore
-from events.job import (
+from flightdeck.events import subjects
+from flightdeck.events.base import Event, RankEvent
+from flightdeck.events.checkpoint import CheckpointCommitted, DataPosition
+from flightdeck.events.clock import ClockTick
+from flightdeck.events.history import append_to_job
+from flightdeck.events.jetstream import JetStreamStore
+from flightdeck.events.job import (
     AllocationGranted,
     AllocationRequested,
     JobCompleted,
@@ -28,17 +27,18 @@ from events.job import (
     SlotRef,
     WorkersStarted,
 )
-from events.logs import RankOutput
-from events.spec import parse_spec
-from events.store import Stored
-from events.training import StepCompleted
-from services.shell import broker
-from services.tools.console.__main__ import main
-from services.tools.history import fdh
-from services.tools.history.read import job_rows
+from flightdeck.events.logs import RankOutput
+from flightdeck.events.spec import parse_spec
+from flightdeck.events.store import Stored
+from flightdeck.events.training import StepCompleted
+from flightdeck.services.shell import broker
+from flightdeck.services.tools.console.__main__ import main
+from flightdeck.services.tools.history import fdh
+from flightdeck.services.tools.history.read import job_rows
 
 pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parents[2]
+CLI = (sys.executable, "-m", "flightdeck.services.tools.console")
 
 
 def ids() -> str:
@@ -176,7 +176,7 @@ def test_export_then_import_replays_the_same_without_the_broker(nats_server: bro
     data_dir = tmp_path / "data"
 
     # the real CLI, writing to a pipe as `flightdeck export JOB > job.fdh` does
-    exported = subprocess.run([sys.executable, "-m", "services.tools.console", "export", "a-000001", "--nats",
+    exported = subprocess.run([*CLI, "export", "a-000001", "--nats",
                                nats_server.url, "--data-dir", str(data_dir)], capture_output=True, cwd=ROOT,
                               timeout=30)
     assert exported.returncode == 0, exported.stderr

@@ -7,10 +7,9 @@ import signal
 
 import nats.errors
 import pytest
-
-from events.jetstream import JetStreamStore
-from events.jsreader import StoreClient
-from services.shell import broker as broker_mod
+from flightdeck.events.jetstream import JetStreamStore
+from flightdeck.events.jsreader import StoreClient
+from flightdeck.services.shell import broker as broker_mod
 
 NEVER_S = 600.0  # longer than the test may run: only the lost connection can end a request sent with it
 

@@ -13,20 +13,20 @@ from typing import Any
 
 import msgspec
 import pytest
+from flightdeck.events import subjects
+from flightdeck.events.clock import ClockTick, CoreConfigured, DeadLettered
+from flightdeck.events.codec import encode
+from flightdeck.events.commands import CheckpointRequested
+from flightdeck.events.fleet import NodeHeartbeat
+from flightdeck.events.job import CancelRequested, JobQueued, JobSubmitted
+from flightdeck.events.store import StoreUnavailable
+from flightdeck.events.training import StepCompleted
+from flightdeck.services.core import Service
+from flightdeck.services.shell import broker as broker_mod
+from flightdeck.services.shell.fold import comparable, outputs_of, replay
+from flightdeck.services.shell.runtime import ConsumerPolicy, PublishDenied, consumer_name, run_service
+from flightdeck.services.shell.security import credentials
 
-from events import subjects
-from events.clock import ClockTick, CoreConfigured, DeadLettered
-from events.codec import encode
-from events.commands import CheckpointRequested
-from events.fleet import NodeHeartbeat
-from events.job import CancelRequested, JobQueued, JobSubmitted
-from events.store import StoreUnavailable
-from events.training import StepCompleted
-from services.core import Service
-from services.shell import broker as broker_mod
-from services.shell.fold import comparable, outputs_of, replay
-from services.shell.runtime import ConsumerPolicy, PublishDenied, consumer_name, run_service
-from services.shell.security import credentials
 from tests.conftest import restart_broker
 from tests.integration import toy_service
 from tests.integration.runtime_helpers import (
@@ -323,7 +323,7 @@ async def test_a_service_started_before_its_broker_waits_for_it(tmp_path: Path) 
 
 
 def test_an_unknown_service_name_is_refused_with_the_choices(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "services", "nosuch", "--nats", "nats://127.0.0.1:1"],
+    proc = subprocess.run([sys.executable, "-m", "flightdeck.services", "nosuch", "--nats", "nats://127.0.0.1:1"],
                           capture_output=True, text=True, timeout=30, cwd=Path(__file__).resolve().parents[2])
     assert proc.returncode == 2
     assert "no service called 'nosuch'" in proc.stderr and "scheduler" in proc.stderr

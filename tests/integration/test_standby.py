@@ -15,17 +15,19 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from flightdeck.events import subjects
+from flightdeck.events.fleet import NodeHeartbeat
+from flightdeck.events.job import JobCompleted, WorkersStarted
+from flightdeck.events.spec import FaultSpec, JobSpec
+from flightdeck.events.training import RankStarted, StepCompleted
+from flightdeck.services.agent.forkserver import ForkedProc, ForkServer
+from flightdeck.services.agent.launch import die_with_agent, standby_env
+from flightdeck.services.agent.main import STANDBY_ENV, kill_if_rank
+from flightdeck.services.agent.standbys import Standby, StandbyPool
 
-from events import subjects
-from events.fleet import NodeHeartbeat
-from events.job import JobCompleted, WorkersStarted
-from events.spec import FaultSpec, JobSpec
-from events.training import RankStarted, StepCompleted
-from services.agent.forkserver import ForkedProc, ForkServer
-from services.agent.launch import REPO, die_with_agent, standby_env
-from services.agent.main import STANDBY_ENV, kill_if_rank
-from services.agent.standbys import Standby, StandbyPool
 from tests.integration.test_lifecycle_services import ENDLESS, TINY, Cluster, cluster, exits, gone
+
+REPO = Path(__file__).resolve().parents[2]
 
 __all__ = ["cluster"]  # the fixture, shared with the lifecycle tests
 CRASH_EXIT_CODE = 3  # trainer/faults.py (the test does not import the trainer: it would import torch)
@@ -272,7 +274,7 @@ async def test_ranks_from_a_standby_and_the_fork_server_are_recorded_alike(clust
 
 @pytest.mark.timeout(60)
 def test_a_bad_standby_count_says_what_to_change() -> None:
-    base = [sys.executable, "-m", "services.agent", "--nats", "nats://127.0.0.1:9", "--device", "cpu"]
+    base = [sys.executable, "-m", "flightdeck.services.agent", "--nats", "nats://127.0.0.1:9", "--device", "cpu"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     out = subprocess.run([*base, "--standby", "-1"], cwd=REPO, env=env, capture_output=True, text=True, timeout=30)
     assert out.returncode == 2 and "--standby must be 0 or more" in out.stderr

@@ -7,12 +7,11 @@ import asyncio
 import random
 
 import pytest
-
-from events import subjects
-from events.jetstream import JetStreamStore
-from events.job import JobSubmitted
-from events.spec import JobSpec
-from services.shell import broker as broker_mod
+from flightdeck.events import subjects
+from flightdeck.events.jetstream import JetStreamStore
+from flightdeck.events.job import JobSubmitted
+from flightdeck.events.spec import JobSpec
+from flightdeck.services.shell import broker as broker_mod
 
 CANCELS = 300  # with the cancel dropped 1 time in 16, all 300 stopping by chance is about 1 in 10^8
 

@@ -14,16 +14,16 @@ from typing import Any
 
 import pytest
 import structlog
+from flightdeck.events import subjects
+from flightdeck.events.clock import ClockTick
+from flightdeck.events.commands import CheckpointRequested
+from flightdeck.events.store import Stored
+from flightdeck.events.training import Heartbeat, StepCompleted
+from flightdeck.services.shell import broker as broker_mod
+from flightdeck.services.shell.connection import TRANSIENT
+from flightdeck.services.shell.fold import Output, comparable, outputs_of, replay
+from flightdeck.services.shell.runtime import run_service
 
-from events import subjects
-from events.clock import ClockTick
-from events.commands import CheckpointRequested
-from events.store import Stored
-from events.training import Heartbeat, StepCompleted
-from services.shell import broker as broker_mod
-from services.shell.connection import TRANSIENT
-from services.shell.fold import Output, comparable, outputs_of, replay
-from services.shell.runtime import run_service
 from tests.integration import toy_service
 from tests.integration.runtime_helpers import Bus, bus_at, eventually, read_all
 

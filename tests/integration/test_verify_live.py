@@ -8,16 +8,15 @@ from pathlib import Path
 import msgspec
 import pytest
 import structlog
-
-from events import codec
-from events.commands import RollbackRequested
-from events.history import append_to_job
-from events.jetstream import JetStreamStore
-from events.job import JobFailed
-from events.store import Stored
-from services.shell import broker
-from services.tools.console.__main__ import main as cli_main
-from services.tools.history import fdh
+from flightdeck.events import codec
+from flightdeck.events.commands import RollbackRequested
+from flightdeck.events.history import append_to_job
+from flightdeck.events.jetstream import JetStreamStore
+from flightdeck.events.job import JobFailed
+from flightdeck.events.store import Stored
+from flightdeck.services.shell import broker
+from flightdeck.services.tools.console.__main__ import main as cli_main
+from flightdeck.services.tools.history import fdh
 
 pytestmark = pytest.mark.timeout(60)
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "histories" / "spike.fdh.jsonl"

@@ -1,4 +1,4 @@
-"""Toy deciders the runtime tests run through the real shell (also as `python -m services toy`, registered
+"""Toy deciders the runtime tests run through the real shell (also as `python -m flightdeck.services toy`, registered
 with FLIGHTDECK_EXTRA_SERVICES="toy=toy_service:build" and this folder on PYTHONPATH).
 
 `toy` answers every JobSubmitted with a JobQueued (numbered by how many it has seen: outputs depend on
@@ -13,14 +13,14 @@ import asyncio
 import os
 from dataclasses import dataclass, replace
 
-from events import subjects
-from events.base import Event
-from events.clock import ClockTick
-from events.commands import CheckpointRequested
-from events.fleet import NodeHeartbeat
-from events.job import CancelRequested, JobQueued, JobSubmitted
-from events.training import StepCompleted
-from services.core import Effect, Emit, Service
+from flightdeck.events import subjects
+from flightdeck.events.base import Event
+from flightdeck.events.clock import ClockTick
+from flightdeck.events.commands import CheckpointRequested
+from flightdeck.events.fleet import NodeHeartbeat
+from flightdeck.events.job import CancelRequested, JobQueued, JobSubmitted
+from flightdeck.events.training import StepCompleted
+from flightdeck.services.core import Effect, Emit, Service
 
 TICK_S = float(os.environ.get("TOY_TICK_S", "0.2"))
 DIE = os.environ.get("TOY_DIE") == "1"

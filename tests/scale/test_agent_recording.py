@@ -3,13 +3,13 @@ WorkersExited per rank into one job history takes longer than EXIT_RECORD_S, and
 call the node lost while its agent works through them (found by the scale simulation at 2,048 ranks). An agent
 that records nothing is still found lost."""
 
-from events.base import Event
-from events.clock import ClockTick
-from events.fleet import NodeLost
-from events.job import AllocationGranted, JobSubmitted, SlotRef, WorkersExited, WorkersStarted
-from events.spec import JobSpec, PolicySpec, TrainSpec
-from events.training import Heartbeat
-from services.health.core import NAME, core_service
+from flightdeck.events.base import Event
+from flightdeck.events.clock import ClockTick
+from flightdeck.events.fleet import NodeLost
+from flightdeck.events.job import AllocationGranted, JobSubmitted, SlotRef, WorkersExited, WorkersStarted
+from flightdeck.events.spec import JobSpec, PolicySpec, TrainSpec
+from flightdeck.events.training import Heartbeat
+from flightdeck.services.health.core import NAME, core_service
 
 SERVICE = core_service()
 JOB = "job-1"

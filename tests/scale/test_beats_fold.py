@@ -2,11 +2,12 @@
 the batches is lost (the batch that last carried it is the evidence), a rank whose step stops moving while it
 beats is hung, and step times carried in the beats feed the straggler watch."""
 
-from events.clock import ClockTick
-from events.findings import Finding, RankHung, RankLost, StragglerDetected
-from events.heartbeats import RankBeat, RankHeartbeats
-from events.spec import PolicySpec
-from services.health.core import NAME, core_service
+from flightdeck.events.clock import ClockTick
+from flightdeck.events.findings import Finding, RankHung, RankLost, StragglerDetected
+from flightdeck.events.heartbeats import RankBeat, RankHeartbeats
+from flightdeck.events.spec import PolicySpec
+from flightdeck.services.health.core import NAME, core_service
+
 from tests.unit.health_synth import Cluster
 
 SERVICE = core_service()

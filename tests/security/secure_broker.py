@@ -13,13 +13,12 @@ from typing import Any
 
 import nats
 import pytest
-
-from events.jetstream import JetStreamStore
-from services.shell import broker as broker_mod
-from services.shell.security import permissions
-from services.shell.security.__main__ import rendered
-from services.shell.security.credentials import PASSWORD_FILE, USER, client_options
-from services.shell.security.passwords import SecretsDir
+from flightdeck.events.jetstream import JetStreamStore
+from flightdeck.services.shell import broker as broker_mod
+from flightdeck.services.shell.security import permissions
+from flightdeck.services.shell.security.__main__ import rendered
+from flightdeck.services.shell.security.credentials import PASSWORD_FILE, USER, client_options
+from flightdeck.services.shell.security.passwords import SecretsDir
 
 NODES = ("n1",)
 # nats-py waits 2 s for the server's answer to CONNECT by default; a loaded CI box (bcrypt) has taken longer,

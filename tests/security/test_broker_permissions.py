@@ -8,14 +8,14 @@ import time
 import nats
 import nats.errors
 import pytest
+from flightdeck.events import subjects
+from flightdeck.events.commands import StopRequested
+from flightdeck.events.history import append_to_job
+from flightdeck.events.job import JobQueued
+from flightdeck.events.training import Heartbeat
+from flightdeck.services.shell.security import permissions
+from flightdeck.services.shell.security.credentials import client_options, rank_env
 
-from events import subjects
-from events.commands import StopRequested
-from events.history import append_to_job
-from events.job import JobQueued
-from events.training import Heartbeat
-from services.shell.security import permissions
-from services.shell.security.credentials import client_options, rank_env
 from tests.security.secure_broker import CONNECT_TIMEOUT_S, SecureBroker, secure_broker  # noqa: F401 (the fixture)
 
 JOB, OTHER = "alpha-000001", "beta-000002"

@@ -10,16 +10,15 @@ import warnings
 from pathlib import Path
 
 import pytest
-
-from events import codec, subjects
-from events.base import JobEvent
-from events.catalog import ALL_TYPES
-from events.clock import ClockTick, CoreConfigured, DeadLettered
-from services.registry import BUILTIN
-from services.shell import broker as broker_mod
-from services.shell.security import permissions, render
-from services.shell.security.__main__ import SHIPPED, rendered, shipped
-from services.shell.security.credentials import (
+from flightdeck.events import codec, subjects
+from flightdeck.events.base import JobEvent
+from flightdeck.events.catalog import ALL_TYPES
+from flightdeck.events.clock import ClockTick, CoreConfigured, DeadLettered
+from flightdeck.services.registry import BUILTIN
+from flightdeck.services.shell import broker as broker_mod
+from flightdeck.services.shell.security import permissions, render
+from flightdeck.services.shell.security.__main__ import SHIPPED, rendered, shipped
+from flightdeck.services.shell.security.credentials import (
     PASSWORD_FILE,
     USER,
     CredentialsError,
@@ -27,7 +26,7 @@ from services.shell.security.credentials import (
     client_options,
     rank_env,
 )
-from services.shell.security.passwords import SecretsDir
+from flightdeck.services.shell.security.passwords import SecretsDir
 
 ROOT = Path(__file__).resolve().parents[2]
 HISTORY = ROOT / "tests" / "fixtures" / "histories" / "spike.fdh.jsonl"
@@ -86,7 +85,7 @@ def test_a_recorded_drill_history_passes_its_producers_permissions_and_no_one_el
 
 def test_the_shipped_config_is_the_rendered_one_and_the_server_accepts_it(tmp_path: Path) -> None:
     assert SHIPPED.read_text() == shipped(), \
-        "run `python -m services.shell.security shipped` after changing permissions"
+        "run `python -m flightdeck.services.shell.security shipped` after changing permissions"
     conf = tmp_path / "server.conf"
     conf.write_text(broker_mod.CONFIG.read_text() + f'\ninclude "{SHIPPED.name}"\n')
     (tmp_path / SHIPPED.name).write_text(SHIPPED.read_text())

@@ -8,15 +8,15 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from flightdeck.events import subjects
+from flightdeck.events.checkpoint import CheckpointCommitted
+from flightdeck.events.history import append_to_job
+from flightdeck.events.job import AllocationGranted, AllocationReleased, JobCompleted, JobSubmitted, WorkersStarted
+from flightdeck.events.plan import ReshardPlanned
+from flightdeck.events.spec import JobSpec, ModelSpec, TrainSpec
+from flightdeck.events.training import StepCompleted
+from flightdeck.services.shell.security import permissions
 
-from events import subjects
-from events.checkpoint import CheckpointCommitted
-from events.history import append_to_job
-from events.job import AllocationGranted, AllocationReleased, JobCompleted, JobSubmitted, WorkersStarted
-from events.plan import ReshardPlanned
-from events.spec import JobSpec, ModelSpec, TrainSpec
-from events.training import StepCompleted
-from services.shell.security import permissions
 from tests.integration.lifecycle_harness import Objects, Platform
 from tests.integration.test_lifecycle_services import kinds
 from tests.security.secure_broker import SecureBroker, secure_broker  # noqa: F401 (the fixture)

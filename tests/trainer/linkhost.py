@@ -12,11 +12,11 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from events import ranklink, subjects
-from events.base import Event
-from events.jetstream import JetStreamStore
-from services.agent.links import RankLinks
-from trainer.link import AgentLink
+from flightdeck.events import ranklink, subjects
+from flightdeck.events.base import Event
+from flightdeck.events.jetstream import JetStreamStore
+from flightdeck.services.agent.links import RankLinks
+from flightdeck.trainer.link import AgentLink
 
 JOB = "job-l"
 NODE = "node-a"
@@ -38,7 +38,7 @@ class LinkHost:
         return self.links.address
 
     def args(self) -> tuple[str, ...]:
-        """`python -m trainer`'s flags for a rank linked here."""
+        """`python -m flightdeck.trainer`'s flags for a rank linked here."""
         return ("--agent", self.address, "--node", NODE)
 
     def __enter__(self) -> "LinkHost":

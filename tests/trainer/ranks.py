@@ -1,4 +1,4 @@
-"""Helpers for trainer tests: write a tiny job spec, start real `python -m trainer` ranks as processes
+"""Helpers for trainer tests: write a tiny job spec, start real `python -m flightdeck.trainer` ranks as processes
 (torchrun's variables, a free MASTER_PORT), and read the JSON-lines events they log."""
 
 import contextlib
@@ -11,15 +11,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from events.base import Event
-from events.spec import parse_spec
-from services.shell.broker import free_port
-from trainer import distributed
-from trainer.config import RunConfig
-from trainer.link import Offline
-from trainer.loop import train
-from trainer.reports import Emitter
-from trainer.session import Run
+from flightdeck.events.base import Event
+from flightdeck.events.spec import parse_spec
+from flightdeck.services.shell.broker import free_port
+from flightdeck.trainer import distributed
+from flightdeck.trainer.config import RunConfig
+from flightdeck.trainer.link import Offline
+from flightdeck.trainer.loop import train
+from flightdeck.trainer.reports import Emitter
+from flightdeck.trainer.session import Run
 
 JOB = "job-c"
 REPO = Path(__file__).resolve().parents[2]
@@ -61,7 +61,7 @@ def start(tmp: Path, spec: Path, *, world: int, job_id: str = "job-1", args: tup
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
                "PYTHONUNBUFFERED": "1"}
-        cmd = [sys.executable, "-m", "trainer", "--job-id", job_id, "--spec", str(spec), "--device", "cpu",
+        cmd = [sys.executable, "-m", "flightdeck.trainer", "--job-id", job_id, "--spec", str(spec), "--device", "cpu",
                "--staging", str(tmp / "staging"), "--events-log", str(tmp / log_name), *args]
         out = (tmp / f"rank-{rank}.log").open("ab")
         procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT))

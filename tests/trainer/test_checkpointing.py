@@ -4,14 +4,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from events.base import RankEvent
-from events.checkpoint import CheckpointStaged, DataPosition
-from events.spec import ModelSpec
-from trainer import checkpointing, distributed, model
-from trainer.cursor import BatchCursor
-from trainer.data import TokenStream, load_tokens
-from trainer.state import TrainState
+from flightdeck.events.base import RankEvent
+from flightdeck.events.checkpoint import CheckpointStaged, DataPosition
+from flightdeck.events.spec import ModelSpec
+from flightdeck.trainer import checkpointing, distributed, model
+from flightdeck.trainer.cursor import BatchCursor
+from flightdeck.trainer.data import TokenStream, load_tokens
+from flightdeck.trainer.state import TrainState
 
 SPEC = ModelSpec(n_layer=1, n_head=2, d_model=16, seq_len=16, vocab_size=64)
 

@@ -1,14 +1,13 @@
-"""What a rank is told: the node agent's variables, the flags of `python -m trainer` over them, and the
+"""What a rank is told: the node agent's variables, the flags of `python -m flightdeck.trainer` over them, and the
 attempt: $FLIGHTDECK_ATTEMPT when the agent sets it, else torchrun's restart count (a plain torchrun restart
 re-runs the same command line, so drill faults of attempt 0 must not fire again)."""
 
 from pathlib import Path
 
 import pytest
-
-from events import nodelocal as nl
-from events.ranklink import LINK_ENV
-from trainer.config import LOCAL_JOB, flags_to_env, from_env
+from flightdeck.events import nodelocal as nl
+from flightdeck.events.ranklink import LINK_ENV
+from flightdeck.trainer.config import LOCAL_JOB, flags_to_env, from_env
 
 SPEC = 'name = "t"\n[train]\ndata = "synthetic"\n'
 

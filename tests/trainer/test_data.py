@@ -1,10 +1,9 @@
 """The token stream: deterministic, the same global batch at any world size; the batch cursor: skip windows, seek."""
 
 import torch
-
-from events.checkpoint import DataPosition
-from trainer.cursor import BatchCursor
-from trainer.data import CORPUS, TokenStream, load_tokens
+from flightdeck.events.checkpoint import DataPosition
+from flightdeck.trainer.cursor import BatchCursor
+from flightdeck.trainer.data import CORPUS, TokenStream, load_tokens
 
 
 def stream(tokens: torch.Tensor, rank: int, world: int, batch: int = 6) -> TokenStream:

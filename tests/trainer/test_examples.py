@@ -11,10 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from events import nodelocal as nl
-from events.ranklink import LINK_ENV
-from services.shell.broker import free_port
+from flightdeck.events import nodelocal as nl
+from flightdeck.events.ranklink import LINK_ENV
+from flightdeck.services.shell.broker import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 REPO = Path(__file__).resolve().parents[2]

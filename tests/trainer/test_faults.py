@@ -9,15 +9,15 @@ from pathlib import Path
 
 import nats
 import pytest
+from flightdeck.events import subjects
+from flightdeck.events.commands import RollbackRequested
+from flightdeck.events.streams import ensure_streams
+from flightdeck.events.training import Heartbeat
+from flightdeck.services.shell import broker as broker_mod
+from flightdeck.trainer.faults import CRASH_EXIT_CODE, HANG_EXIT_CODE, SPIKE_BATCHES
 
-from events import subjects
-from events.commands import RollbackRequested
-from events.streams import ensure_streams
-from events.training import Heartbeat
-from services.shell import broker as broker_mod
 from tests.trainer import ranks
 from tests.trainer.linkhost import JOB, LinkHost, read_telemetry
-from trainer.faults import CRASH_EXIT_CODE, HANG_EXIT_CODE, SPIKE_BATCHES
 
 pytestmark = pytest.mark.timeout(300)  # hang guards: each test starts ranks (torch) on a loaded box
 

@@ -6,8 +6,7 @@ import itertools
 
 import pytest
 import torch
-
-from trainer.hostcopy import THREADS_ENV, HostCopier, default_threads, split
+from flightdeck.trainer.hostcopy import THREADS_ENV, HostCopier, default_threads, split
 
 
 def state() -> dict[str, torch.Tensor]:

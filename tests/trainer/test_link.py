@@ -10,20 +10,20 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from flightdeck.events import codec, subjects
+from flightdeck.events.backlog import Backlog
+from flightdeck.events.base import Event, RankEvent
+from flightdeck.events.checkpoint import CheckpointStaged, DataPosition
+from flightdeck.events.commands import CheckpointRequested, StopRequested
+from flightdeck.events.plan import ParallelPlan
+from flightdeck.events.ranklink import Hello
+from flightdeck.events.training import FaultInjected, Heartbeat, RankFault, RankStarted, StepCompleted
+from flightdeck.services.shell import broker as broker_mod
+from flightdeck.trainer.link import AgentLink, AgentUnreachable, Offline
 
-from events import codec, subjects
-from events.backlog import Backlog
-from events.base import Event, RankEvent
-from events.checkpoint import CheckpointStaged, DataPosition
-from events.commands import CheckpointRequested, StopRequested
-from events.plan import ParallelPlan
-from events.ranklink import Hello
-from events.training import FaultInjected, Heartbeat, RankFault, RankStarted, StepCompleted
-from services.shell import broker as broker_mod
 from tests.conftest import ensure_streams_at, restart_broker
 from tests.trainer.linkhost import JOB, NODE, LinkHost
 from tests.trainer.linkhost import read_telemetry as _read
-from trainer.link import AgentLink, AgentUnreachable, Offline
 
 pytestmark = pytest.mark.timeout(120)
 TWO = ParallelPlan(world_size=2, dp=2, micro_batches=2)
@@ -262,8 +262,9 @@ def test_no_platform_is_offline_and_starts_no_thread() -> None:
 
 NO_BROKER_IN_A_RANK = """
 import sys
-import flightdeck, trainer.api, trainer.link, trainer.session, trainer.loop, trainer.checkpointing
-bad = sorted(m for m in sys.modules if m == "nats" or m.startswith("nats.") or m.startswith("services."))
+import flightdeck, flightdeck.trainer.api, flightdeck.trainer.link, flightdeck.trainer.session
+import flightdeck.trainer.loop, flightdeck.trainer.checkpointing
+bad = sorted(m for m in sys.modules if m == "nats" or m.startswith("nats.") or m.startswith("flightdeck.services."))
 print(",".join(bad))
 """
 
@@ -276,8 +277,8 @@ def test_a_rank_imports_no_broker_client_and_no_platform_service() -> None:
 
 DYING_RANK = """
 import os, signal, sys, time
-from events.training import FaultInjected
-from trainer.link import AgentLink
+from flightdeck.events.training import FaultInjected
+from flightdeck.trainer.link import AgentLink
 link = AgentLink(sys.argv[1], "job-l", 3, 0, "node-a", heartbeat_s=0.1)
 link.connect(timeout=60)
 link.start()

@@ -1,5 +1,5 @@
 """The loop obeys commands at step boundaries: one rank in this process, a hand-written scripted inbox,
-events read back from the JSON-lines log; then once through a real broker and `python -m trainer`."""
+events read back from the JSON-lines log; then once through a real broker and `python -m flightdeck.trainer`."""
 
 import json
 import shutil
@@ -7,16 +7,22 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from flightdeck.events import codec
+from flightdeck.events.base import Event
+from flightdeck.events.commands import (
+    CheckpointRequested,
+    PauseRequested,
+    ResumeRequested,
+    RollbackRequested,
+    StopRequested,
+)
+from flightdeck.events.nodelocal import STOPPED_EXIT
+from flightdeck.services.shell import broker as broker_mod
+from flightdeck.trainer.session import PAUSE_POLL_S
 
-from events import codec
-from events.base import Event
-from events.commands import CheckpointRequested, PauseRequested, ResumeRequested, RollbackRequested, StopRequested
-from events.nodelocal import STOPPED_EXIT
-from services.shell import broker as broker_mod
 from tests.conftest import ensure_streams_at
 from tests.trainer import ranks
 from tests.trainer.linkhost import LinkHost
-from trainer.session import PAUSE_POLL_S
 
 JOB = ranks.JOB
 

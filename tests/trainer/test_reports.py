@@ -3,10 +3,11 @@
 import time
 from pathlib import Path
 
-from events.base import RankEvent
-from events.training import RankFault, StepCompleted
+from flightdeck.events.base import RankEvent
+from flightdeck.events.training import RankFault, StepCompleted
+from flightdeck.trainer.reports import Emitter
+
 from tests.trainer import ranks
-from trainer.reports import Emitter
 
 ENV = {"job_id": "j", "rank": 1, "attempt": 0, "node": "n"}
 

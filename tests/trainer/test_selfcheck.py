@@ -8,7 +8,7 @@ import pytest
 
 
 def _run(*args: str) -> tuple[int, dict[str, object]]:
-    cmd = [sys.executable, "-m", "trainer.selfcheck", *args]
+    cmd = [sys.executable, "-m", "flightdeck.trainer.selfcheck", *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     return proc.returncode, json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -10,17 +10,16 @@ from typing import Any
 import msgspec
 import pytest
 import torch
-
-from events import snapshot as fmt
-from events import subjects
-from events.checkpoint import CheckpointStaged, DataPosition
-from events.store import MemoryStore
-from events.training import RolledBack, StepCompleted
-from services.agent import snapshots as agent_snaps
-from trainer import checkpointing, distributed, snapshots
-from trainer.hostcopy import HostCopier
-from trainer.snapshotting import Cadence
-from trainer.state import TrainState
+from flightdeck.events import snapshot as fmt
+from flightdeck.events import subjects
+from flightdeck.events.checkpoint import CheckpointStaged, DataPosition
+from flightdeck.events.store import MemoryStore
+from flightdeck.events.training import RolledBack, StepCompleted
+from flightdeck.services.agent import snapshots as agent_snaps
+from flightdeck.trainer import checkpointing, distributed, snapshots
+from flightdeck.trainer.hostcopy import HostCopier
+from flightdeck.trainer.snapshotting import Cadence
+from flightdeck.trainer.state import TrainState
 
 from .test_checkpointing import Counter, flat_tensors, parts, state, train
 

@@ -11,14 +11,14 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from events.base import Event
-from events.clock import ClockTick
-from events.findings import Finding
-from events.job import AllocationGranted, JobSubmitted, SlotRef, WorkersExited, WorkersStarted
-from events.spec import JobSpec, PolicySpec, TrainSpec
-from events.training import Heartbeat, RankStarted, StepCompleted
-from services.core import Emit
-from services.health.core import NAME, State, core_service
+from flightdeck.events.base import Event
+from flightdeck.events.clock import ClockTick
+from flightdeck.events.findings import Finding
+from flightdeck.events.job import AllocationGranted, JobSubmitted, SlotRef, WorkersExited, WorkersStarted
+from flightdeck.events.spec import JobSpec, PolicySpec, TrainSpec
+from flightdeck.events.training import Heartbeat, RankStarted, StepCompleted
+from flightdeck.services.core import Emit
+from flightdeck.services.health.core import NAME, State, core_service
 
 SERVICE = core_service()
 

@@ -10,15 +10,14 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import msgspec
-
-from events import subjects
-from events.admission import versioned
-from events.base import Event, JobEvent, NodeEvent
-from events.clock import ClockTick, CoreConfigured
-from events.commands import StopRequested
-from events.fleet import NodeLost, NodeRegistered, NodeUncordoned
-from events.history import append_to_job
-from events.job import (
+from flightdeck.events import subjects
+from flightdeck.events.admission import versioned
+from flightdeck.events.base import Event, JobEvent, NodeEvent
+from flightdeck.events.clock import ClockTick, CoreConfigured
+from flightdeck.events.commands import StopRequested
+from flightdeck.events.fleet import NodeLost, NodeRegistered, NodeUncordoned
+from flightdeck.events.history import append_to_job
+from flightdeck.events.job import (
     AllocationGranted,
     AllocationReleased,
     CancelRequested,
@@ -27,9 +26,9 @@ from events.job import (
     WorkersExited,
     WorkersStarted,
 )
-from events.spec import JobSpec, PolicySpec, TrainSpec
-from events.store import AppendResult, EventStore
-from services.core import Emit, Service
+from flightdeck.events.spec import JobSpec, PolicySpec, TrainSpec
+from flightdeck.events.store import AppendResult, EventStore
+from flightdeck.services.core import Emit, Service
 
 S = TypeVar("S")
 E = TypeVar("E", bound=Event)

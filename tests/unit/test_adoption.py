@@ -5,15 +5,15 @@ restore exactly that one until the new job has its own (services/agent/core.adop
 
 import msgspec
 import pytest
+from flightdeck.events.commands import RollbackRequested
+from flightdeck.events.job import AllocationGranted, JobSubmitted, SlotRef
+from flightdeck.events.spec import InitFrom, JobSpec, TrainSpec
+from flightdeck.services.agent import core as agentcore
+from flightdeck.services.agent.core import Restore, SpawnArgs, State
+from flightdeck.services.tools.cli import UserError
+from flightdeck.services.tools.history.adoption import continuing, resolved
+from flightdeck.services.tools.history.jobview import JobView
 
-from events.commands import RollbackRequested
-from events.job import AllocationGranted, JobSubmitted, SlotRef
-from events.spec import InitFrom, JobSpec, TrainSpec
-from services.agent import core as agentcore
-from services.agent.core import Restore, SpawnArgs, State
-from services.tools.cli import UserError
-from services.tools.history.adoption import continuing, resolved
-from services.tools.history.jobview import JobView
 from tests.unit.test_agentcore import committed
 
 SPEC = JobSpec(name="j", slots=1, train=TrainSpec(steps=50, data="synthetic"))

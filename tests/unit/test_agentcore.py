@@ -4,14 +4,12 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
-from msgspec.structs import replace
-
-from events import codec, subjects
-from events import nodelocal as nl
-from events.base import Event
-from events.checkpoint import CheckpointCommitted, CheckpointDeleted, DataPosition
-from events.commands import CheckpointRequested, PauseRequested, RollbackRequested, StopRequested
-from events.job import (
+from flightdeck.events import codec, subjects
+from flightdeck.events import nodelocal as nl
+from flightdeck.events.base import Event
+from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointDeleted, DataPosition
+from flightdeck.events.commands import CheckpointRequested, PauseRequested, RollbackRequested, StopRequested
+from flightdeck.events.job import (
     AllocationGranted,
     AllocationReleased,
     JobCancelled,
@@ -21,11 +19,11 @@ from events.job import (
     WorkersExited,
     WorkersStarted,
 )
-from events.plan import ParallelPlan, ReshardPlanned
-from events.spec import JobSpec, TrainSpec
-from events.store import MemoryStore, Stored
-from services.agent import core as agentcore
-from services.agent.core import (
+from flightdeck.events.plan import ParallelPlan, ReshardPlanned
+from flightdeck.events.spec import JobSpec, TrainSpec
+from flightdeck.events.store import MemoryStore, Stored
+from flightdeck.services.agent import core as agentcore
+from flightdeck.services.agent.core import (
     EVICT,
     PREFETCH,
     SPAWN,
@@ -39,11 +37,13 @@ from services.agent.core import (
     StopArgs,
     TellArgs,
 )
-from services.agent.launch import Launch, Paths, rank_env_of
-from services.agent.spawner import Spawner
-from services.core import Effect
-from services.shell.fold import Folder
-from services.shell.objects.local import LocalStore
+from flightdeck.services.agent.launch import Launch, Paths, rank_env_of
+from flightdeck.services.agent.spawner import Spawner
+from flightdeck.services.core import Effect
+from flightdeck.services.shell.fold import Folder
+from flightdeck.services.shell.objects.local import LocalStore
+from msgspec.structs import replace
+
 from tests.unit.helpers import numbered
 
 SPEC = JobSpec(name="j", slots=3, train=TrainSpec(steps=20, data="synthetic"))

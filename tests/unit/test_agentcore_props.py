@@ -1,15 +1,14 @@
 """Properties of the agent core over any order of grants, releases, ends and commits (hypothesis)."""
 
+from flightdeck.events.base import Event
+from flightdeck.events.checkpoint import CheckpointCommitted, DataPosition
+from flightdeck.events.job import AllocationGranted, AllocationReleased, JobCancelled, JobFailed, JobSubmitted, SlotRef
+from flightdeck.events.spec import JobSpec
+from flightdeck.services.agent import core as agentcore
+from flightdeck.services.agent.core import SPAWN, STOP, SpawnArgs, State, StopArgs
+from flightdeck.services.core import Effect
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from events.base import Event
-from events.checkpoint import CheckpointCommitted, DataPosition
-from events.job import AllocationGranted, AllocationReleased, JobCancelled, JobFailed, JobSubmitted, SlotRef
-from events.spec import JobSpec
-from services.agent import core as agentcore
-from services.agent.core import SPAWN, STOP, SpawnArgs, State, StopArgs
-from services.core import Effect
 
 JOBS = ("j", "k")
 

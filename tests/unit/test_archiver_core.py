@@ -2,14 +2,14 @@
 `every_s` while the job runs, one at a time, picked up where the last record ended, and a final one once the job
 has ended and settled; then it forgets the job."""
 
-from events.archive import HistoryArchived
-from events.base import Event
-from events.clock import ClockTick, CoreConfigured
-from events.job import JobCompleted, JobSubmitted
-from events.spec import JobSpec
-from events.subjects import LOGS, TELEMETRY
-from services.archiver.core import ARCHIVE, SETTLE_S, Ask, State, core_service
-from services.core import Effect
+from flightdeck.events.archive import HistoryArchived
+from flightdeck.events.base import Event
+from flightdeck.events.clock import ClockTick, CoreConfigured
+from flightdeck.events.job import JobCompleted, JobSubmitted
+from flightdeck.events.spec import JobSpec
+from flightdeck.events.subjects import LOGS, TELEMETRY
+from flightdeck.services.archiver.core import ARCHIVE, SETTLE_S, Ask, State, core_service
+from flightdeck.services.core import Effect
 
 SERVICE = core_service({ARCHIVE: lambda args: None}, every_s=60.0)  # type: ignore[dict-item]
 

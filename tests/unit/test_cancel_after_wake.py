@@ -6,8 +6,8 @@ import ast
 import asyncio
 from pathlib import Path
 
-from events.heartbeats import RankHeartbeats
-from services.agent.beats import BeatRelay
+from flightdeck.events.heartbeats import RankHeartbeats
+from flightdeck.services.agent.beats import BeatRelay
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = "wake-000001"

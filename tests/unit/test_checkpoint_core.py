@@ -6,10 +6,9 @@ from collections.abc import Iterable, Sequence
 
 import msgspec
 import pytest
-
-from events import subjects
-from events.base import Event
-from events.checkpoint import (
+from flightdeck.events import subjects
+from flightdeck.events.base import Event
+from flightdeck.events.checkpoint import (
     CheckpointCommitted,
     CheckpointDeleted,
     CheckpointFailed,
@@ -19,18 +18,19 @@ from events.checkpoint import (
     ShardInfo,
     ShardsUploaded,
 )
-from events.clock import ClockTick
-from events.codec import encode
-from events.commands import RollbackRequested
-from events.job import JobCancelled, JobCompleted, JobFailed, JobResumed, JobSubmitted
-from events.spec import JobSpec, PolicySpec, TrainSpec
-from events.store import Stored
-from events.training import RankStarted, RolledBack
-from services.checkpoints import core
-from services.checkpoints.core import checkpoint_id
-from services.checkpoints.state import CommitArgs, DeleteArgs, Settings, State
-from services.core import Effect, Emit, Output
-from services.shell.fold import Folder
+from flightdeck.events.clock import ClockTick
+from flightdeck.events.codec import encode
+from flightdeck.events.commands import RollbackRequested
+from flightdeck.events.job import JobCancelled, JobCompleted, JobFailed, JobResumed, JobSubmitted
+from flightdeck.events.spec import JobSpec, PolicySpec, TrainSpec
+from flightdeck.events.store import Stored
+from flightdeck.events.training import RankStarted, RolledBack
+from flightdeck.services.checkpoints import core
+from flightdeck.services.checkpoints.core import checkpoint_id
+from flightdeck.services.checkpoints.state import CommitArgs, DeleteArgs, Settings, State
+from flightdeck.services.core import Effect, Emit, Output
+from flightdeck.services.shell.fold import Folder
+
 from tests.unit.helpers import numbered
 
 JOB = "llm-abc123"
@@ -381,7 +381,7 @@ def test_a_set_persisted_from_memory_commits_as_such_and_never_mixes_with_a_rank
 
 
 def _granted(attempt: int, nodes: dict[int, str]) -> Event:
-    from events.job import AllocationGranted, SlotRef
+    from flightdeck.events.job import AllocationGranted, SlotRef
     return AllocationGranted(job_id=JOB, attempt=attempt,
                              assignments=[SlotRef(node=n, slot=0, rank=r) for r, n in sorted(nodes.items())])
 
@@ -390,7 +390,7 @@ def test_a_lost_nodes_ranks_leave_a_replicated_set_to_the_survivors_and_a_sharde
     """After a node is lost its ranks' memory is gone: the survivors' snapshots commit alone when each is a full
     replica (plain data parallel), whichever comes first, the loss or their stagings; a sharded set fails at once,
     so that no restart waits for it."""
-    from events.fleet import NodeLost
+    from flightdeck.events.fleet import NodeLost
 
     def memory(rank: int, replicated: bool) -> CheckpointStaged:
         return msgspec.structs.replace(staged(rank, 27, 4), from_memory=True, replicated=replicated,

@@ -1,15 +1,15 @@
 """Properties of the checkpoint core over generated histories: the all-ranks rule and retention."""
 
+from flightdeck.events.base import Event
+from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointDeleted, DataPosition
+from flightdeck.events.commands import RollbackRequested
+from flightdeck.events.training import RolledBack
+from flightdeck.services.checkpoints import core
+from flightdeck.services.checkpoints.core import checkpoint_id
+from flightdeck.services.core import Effect, Emit
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from events.base import Event
-from events.checkpoint import CheckpointCommitted, CheckpointDeleted, DataPosition
-from events.commands import RollbackRequested
-from events.training import RolledBack
-from services.checkpoints import core
-from services.checkpoints.core import checkpoint_id
-from services.core import Effect, Emit
 from tests.unit.test_checkpoint_core import JOB, LIVE, staged, stored, submitted
 
 WORLD = 2

@@ -1,15 +1,16 @@
 """A restart after an in-place rollback restores a checkpoint of the rolled-back timeline: the scheduler (what
 JobResumed names) and the node agent (what its ranks load) pick the same one, never one the rollback threw away."""
 
-from events.base import Event
-from events.checkpoint import CheckpointCommitted
-from events.commands import RollbackRequested
-from events.findings import RankLost
-from events.job import AllocationGranted, JobSubmitted, SlotRef
-from events.lineage import forked, thrown_away
-from services.agent import core as agentcore
-from services.agent.core import SPAWN, SpawnArgs
-from services.scheduler.state import State
+from flightdeck.events.base import Event
+from flightdeck.events.checkpoint import CheckpointCommitted
+from flightdeck.events.commands import RollbackRequested
+from flightdeck.events.findings import RankLost
+from flightdeck.events.job import AllocationGranted, JobSubmitted, SlotRef
+from flightdeck.events.lineage import forked, thrown_away
+from flightdeck.services.agent import core as agentcore
+from flightdeck.services.agent.core import SPAWN, SpawnArgs
+from flightdeck.services.scheduler.state import State
+
 from tests.unit.test_recovery_recipes import JOB, cid, commit, landed, only_rollback, run, running, spec, spike
 
 REFS = [SlotRef(node="a", slot=s, rank=s) for s in range(2)]

@@ -5,11 +5,12 @@ import subprocess
 import sys
 
 import pytest
+from flightdeck.services.tools.console.__main__ import VERBS, command, parser
 
-from services.tools.console.__main__ import VERBS, command, parser
 from tests.integration.test_lifecycle_services import ROOT
 
-HEAVY = ("matplotlib", "numpy", "services.tools.web", "services.agent.main", "services.tools.postmortem")
+HEAVY = ("matplotlib", "numpy", "flightdeck.services.tools.web", "flightdeck.services.agent.main",
+         "flightdeck.services.tools.postmortem")
 
 
 def test_every_verb_is_registered_under_its_commands_own_name() -> None:
@@ -18,7 +19,7 @@ def test_every_verb_is_registered_under_its_commands_own_name() -> None:
 
 @pytest.mark.parametrize("verb", ["status", "submit", "pause", "events", "logs", "verify"])
 def test_a_command_imports_its_own_verb_and_nothing_heavy(verb: str) -> None:
-    probe = ("import sys\nfrom services.tools.console.__main__ import parser\n"
+    probe = ("import sys\nfrom flightdeck.services.tools.console.__main__ import parser\n"
              f"parser({verb!r})\nprint(sorted(m for m in sys.modules if m.startswith({HEAVY!r})))")
     done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

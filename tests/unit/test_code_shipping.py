@@ -10,15 +10,14 @@ import tarfile
 from pathlib import Path
 
 import pytest
-
-from events.spec import EntrypointSpec, InvalidSpec, JobSpec, check
-from services.agent.codecache import CodeCache
-from services.shell.objects import code
-from services.shell.objects.local import LocalStore
-from services.shell.objects.open import DATA_DIR_ENV, OBJECTS_ENV
-from services.tools.codeship import ship, ships
-from services.tools.console import upstate
-from services.tools.console.submit import store_url
+from flightdeck.events.spec import EntrypointSpec, InvalidSpec, JobSpec, check
+from flightdeck.services.agent.codecache import CodeCache
+from flightdeck.services.shell.objects import code
+from flightdeck.services.shell.objects.local import LocalStore
+from flightdeck.services.shell.objects.open import DATA_DIR_ENV, OBJECTS_ENV
+from flightdeck.services.tools.codeship import ship, ships
+from flightdeck.services.tools.console import upstate
+from flightdeck.services.tools.console.submit import store_url
 
 
 def project(root: Path) -> Path:

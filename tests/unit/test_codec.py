@@ -6,14 +6,13 @@ from typing import Any
 
 import msgspec
 import pytest
+from flightdeck.events import codec
+from flightdeck.events.base import Event
+from flightdeck.events.catalog import ALL_TYPES
+from flightdeck.events.training import StepCompleted
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from msgspec import inspect as mi
-
-from events import codec
-from events.base import Event
-from events.catalog import ALL_TYPES
-from events.training import StepCompleted
 
 INT64 = (-(2**63), 2**63 - 1)  # what msgpack carries as a signed integer
 

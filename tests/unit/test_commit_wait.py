@@ -5,13 +5,12 @@ work it saves) instead of restoring the older checkpoint and redoing the steps i
 from typing import TypeVar
 
 import msgspec
-
-from events.base import Event
-from events.checkpoint import CheckpointCommitted, CheckpointFailed, CheckpointPending, DataPosition
-from events.clock import ClockTick
-from events.findings import RankHung, RankLost
-from events.fleet import NodeLost
-from events.job import (
+from flightdeck.events.base import Event
+from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointFailed, CheckpointPending, DataPosition
+from flightdeck.events.clock import ClockTick
+from flightdeck.events.findings import RankHung, RankLost
+from flightdeck.events.fleet import NodeLost
+from flightdeck.events.job import (
     AllocationGranted,
     AllocationRequested,
     JobQueued,
@@ -21,13 +20,14 @@ from events.job import (
     WorkersExited,
     WorkersStarted,
 )
-from events.spec import JobSpec, PolicySpec, TrainSpec
-from services.checkpoints import core as checkpoints
-from services.checkpoints.state import Settings
-from services.checkpoints.state import State as CheckpointState
-from services.core import Emit
-from services.scheduler.core import core_service
-from services.scheduler.state import State
+from flightdeck.events.spec import JobSpec, PolicySpec, TrainSpec
+from flightdeck.services.checkpoints import core as checkpoints
+from flightdeck.services.checkpoints.state import Settings
+from flightdeck.services.checkpoints.state import State as CheckpointState
+from flightdeck.services.core import Emit
+from flightdeck.services.scheduler.core import core_service
+from flightdeck.services.scheduler.state import State
+
 from tests.unit.helpers import events_of, fold, register, submit
 from tests.unit.test_checkpoint_core import staged, stored
 

@@ -13,13 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from events.base import Event
-from services.core import Service
-from services.shell.fold import Folder, comparable, replay
-from services.tools.audit.cores import ADDED_LATER, cores
-from services.tools.history import fdh
-from services.tools.history.library import History
+from flightdeck.events.base import Event
+from flightdeck.services.core import Service
+from flightdeck.services.shell.fold import Folder, comparable, replay
+from flightdeck.services.tools.audit.cores import ADDED_LATER, cores
+from flightdeck.services.tools.history import fdh
+from flightdeck.services.tools.history.library import History
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "histories"
 DRILLS = ("spike", "crash")

@@ -6,16 +6,15 @@ import math
 from pathlib import Path
 
 import msgspec
-
-from events.job import JobFailed, JobSubmitted
-from events.spec import JobSpec
-from events.store import Stored
-from services.tools.history import fdh
-from services.tools.postmortem.analysis import analyse
-from services.tools.web import page
-from services.tools.web.figures import CURVE_POINTS, Curve, Figures
-from services.tools.web.metrics import Live
-from services.tools.web.server import job_analysis
+from flightdeck.events.job import JobFailed, JobSubmitted
+from flightdeck.events.spec import JobSpec
+from flightdeck.events.store import Stored
+from flightdeck.services.tools.history import fdh
+from flightdeck.services.tools.postmortem.analysis import analyse
+from flightdeck.services.tools.web import page
+from flightdeck.services.tools.web.figures import CURVE_POINTS, Curve, Figures
+from flightdeck.services.tools.web.metrics import Live
+from flightdeck.services.tools.web.server import job_analysis
 
 ROOT = Path(__file__).resolve().parents[2]
 

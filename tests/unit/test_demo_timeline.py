@@ -4,14 +4,13 @@ telemetry from a second later was already read (CI saw 12.7 s printed before thr
 import time
 
 import pytest
-
-from events import subjects
-from events.findings import RankLost
-from events.job import JobSubmitted
-from events.spec import JobSpec
-from events.store import Stored
-from events.training import StepCompleted
-from services.tools.console.demo import Timeline
+from flightdeck.events import subjects
+from flightdeck.events.findings import RankLost
+from flightdeck.events.job import JobSubmitted
+from flightdeck.events.spec import JobSpec
+from flightdeck.events.store import Stored
+from flightdeck.events.training import StepCompleted
+from flightdeck.services.tools.console.demo import Timeline
 
 
 def stored(stream: str, seq: int, event: object) -> Stored:

@@ -1,7 +1,7 @@
 """How a timeline (postmortem, history) says what a node agent did with its ranks' staged shards."""
 
-from events.checkpoint import ShardsUploaded
-from services.tools.postmortem.describe import describe
+from flightdeck.events.checkpoint import ShardsUploaded
+from flightdeck.services.tools.postmortem.describe import describe
 
 
 def report(ranks: list[int], failed: str = "") -> ShardsUploaded:

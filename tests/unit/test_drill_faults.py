@@ -4,10 +4,9 @@ once, in the first attempt that reaches its step, which later attempts learn fro
 from pathlib import Path
 
 import pytest
-
-from events.spec import FaultSpec, parse_spec, spec_toml
-from trainer.config import from_env
-from trainer.faults import Faults, live
+from flightdeck.events.spec import FaultSpec, parse_spec, spec_toml
+from flightdeck.trainer.config import from_env
+from flightdeck.trainer.faults import Faults, live
 
 CRASH = FaultSpec(kind="crash", step=8, rank=1)
 SPIKE = FaultSpec(kind="loss_spike", step=20, rank=0)

@@ -1,12 +1,12 @@
 """The demo's incident summary: each injected fault matched to its detection, decision and resumed training."""
 
-from events.base import Event
-from events.commands import RollbackRequested
-from events.findings import LossSpikeDetected, RankHung, RankLost, SpikeDiagnosed
-from events.job import AllocationRequested, JobCompleted, JobResumed, JobSubmitted, WorkersExited
-from events.spec import JobSpec
-from events.training import FaultInjected, RolledBack, StepCompleted
-from services.tools.console.drill_summary import incidents, render
+from flightdeck.events.base import Event
+from flightdeck.events.commands import RollbackRequested
+from flightdeck.events.findings import LossSpikeDetected, RankHung, RankLost, SpikeDiagnosed
+from flightdeck.events.job import AllocationRequested, JobCompleted, JobResumed, JobSubmitted, WorkersExited
+from flightdeck.events.spec import JobSpec
+from flightdeck.events.training import FaultInjected, RolledBack, StepCompleted
+from flightdeck.services.tools.console.drill_summary import incidents, render
 
 J = "demo-1"
 

@@ -3,10 +3,10 @@ event's own field of the same name (HistoryArchived's `stream` names the stream 
 
 import json
 
-from events import codec, subjects
-from events.archive import HistoryArchived
-from events.store import decoded
-from services.tools.console.output import json_line
+from flightdeck.events import codec, subjects
+from flightdeck.events.archive import HistoryArchived
+from flightdeck.events.store import decoded
+from flightdeck.services.tools.console.output import json_line
 
 
 def test_an_events_own_stream_field_does_not_replace_where_it_is_stored() -> None:

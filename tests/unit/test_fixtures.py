@@ -9,9 +9,8 @@ from typing import Any
 
 import msgspec
 import pytest
-
-from events import codec
-from events.catalog import ALL_TYPES, BY_NAME
+from flightdeck.events import codec
+from flightdeck.events.catalog import ALL_TYPES, BY_NAME
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "events"
 FILES = sorted(FIXTURES.glob("*.msgpack"))

@@ -4,21 +4,21 @@ import asyncio
 from dataclasses import dataclass, replace
 
 import msgspec
+from flightdeck.events import subjects
+from flightdeck.events.base import Event
+from flightdeck.events.clock import ClockTick
+from flightdeck.events.codec import encode
+from flightdeck.events.commands import CheckpointRequested
+from flightdeck.events.job import CancelRequested, JobQueued, JobSubmitted
+from flightdeck.events.spec import JobSpec
+from flightdeck.events.store import MemoryStore, Stored, decoded
+from flightdeck.events.training import StepCompleted
+from flightdeck.services.core import Effect, Emit, Service
+from flightdeck.services.shell.fold import Folder, Step, comparable, outputs_of, rebuild, replay
+from flightdeck.services.shell.tap import TelemetryTap
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from events import subjects
-from events.base import Event
-from events.clock import ClockTick
-from events.codec import encode
-from events.commands import CheckpointRequested
-from events.job import CancelRequested, JobQueued, JobSubmitted
-from events.spec import JobSpec
-from events.store import MemoryStore, Stored, decoded
-from events.training import StepCompleted
-from services.core import Effect, Emit, Service
-from services.shell.fold import Folder, Step, comparable, outputs_of, rebuild, replay
-from services.shell.tap import TelemetryTap
 from tests.unit.helpers import append
 
 

@@ -4,19 +4,26 @@ losses, ticks wanted, and findings that fire once and name inputs that exist."""
 import math
 
 import pytest
+from flightdeck.events.clock import ClockTick
+from flightdeck.events.commands import PauseRequested, ResumeRequested, RollbackRequested, StopRequested
+from flightdeck.events.findings import Finding, NonFiniteLoss, RankHung, RankLost
+from flightdeck.events.job import (
+    AllocationGranted,
+    AllocationReleased,
+    JobCompleted,
+    JobPreempted,
+    SlotRef,
+    WorkersStarted,
+)
+from flightdeck.events.spec import PolicySpec
+from flightdeck.events.training import Heartbeat, RankFault, StepCompleted
+from flightdeck.services import registry
+from flightdeck.services.health import service as health_service
+from flightdeck.services.health.core import INITIAL, MAX_FINDINGS_PER_TICK, NAME, snapshot, wants_tick
+from flightdeck.services.health.detectors import STARTUP_GRACE_S
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from events.clock import ClockTick
-from events.commands import PauseRequested, ResumeRequested, RollbackRequested, StopRequested
-from events.findings import Finding, NonFiniteLoss, RankHung, RankLost
-from events.job import AllocationGranted, AllocationReleased, JobCompleted, JobPreempted, SlotRef, WorkersStarted
-from events.spec import PolicySpec
-from events.training import Heartbeat, RankFault, StepCompleted
-from services import registry
-from services.health import service as health_service
-from services.health.core import INITIAL, MAX_FINDINGS_PER_TICK, NAME, snapshot, wants_tick
-from services.health.detectors import STARTUP_GRACE_S
 from tests.unit.health_synth import SERVICE, Cluster, RankPlan, evidence_exists, fold, fold_pairs, of
 
 POLICY = PolicySpec(heartbeat_interval_s=1.0, heartbeat_misses=5, hang_min_s=5.0, hang_factor=10.0)

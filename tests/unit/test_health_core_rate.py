@@ -6,9 +6,10 @@ Its speed (events/s, the cost of a tick, and whether a beat's cost grows with th
 
 import time
 
-from events.clock import ClockTick
-from events.spec import PolicySpec
-from services.health.core import NAME
+from flightdeck.events.clock import ClockTick
+from flightdeck.events.spec import PolicySpec
+from flightdeck.services.health.core import NAME
+
 from tests.unit.health_synth import SERVICE, Cluster, steady_second
 
 NUM_RANKS = 4096

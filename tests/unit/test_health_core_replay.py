@@ -3,16 +3,17 @@ findings that were recorded, from scratch or from a rebuild half way."""
 
 import math
 
-from events import subjects
-from events.base import Event, JobEvent
-from events.clock import ClockTick
-from events.findings import Finding, LossSpikeDetected, RankHung, RankLost
-from events.history import append_to_job
-from events.spec import PolicySpec
-from events.store import MemoryStore
-from events.training import StepCompleted
-from services.health.core import TELEMETRY_TYPES
-from services.shell.fold import comparable, outputs_of, rebuild, replay
+from flightdeck.events import subjects
+from flightdeck.events.base import Event, JobEvent
+from flightdeck.events.clock import ClockTick
+from flightdeck.events.findings import Finding, LossSpikeDetected, RankHung, RankLost
+from flightdeck.events.history import append_to_job
+from flightdeck.events.spec import PolicySpec
+from flightdeck.events.store import MemoryStore
+from flightdeck.events.training import StepCompleted
+from flightdeck.services.health.core import TELEMETRY_TYPES
+from flightdeck.services.shell.fold import comparable, outputs_of, rebuild, replay
+
 from tests.unit.health_synth import SERVICE, Cluster, RankPlan, fold, loss_curve
 
 POLICY = PolicySpec(heartbeat_interval_s=1.0, heartbeat_misses=3, hang_min_s=4.0, hang_factor=10.0, spike_warmup=10)

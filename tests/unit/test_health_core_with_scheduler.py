@@ -4,15 +4,15 @@ restarted attempt is watched afresh, and the exits of ranks stopped on purpose a
 from typing import Any
 
 import msgspec
+from flightdeck.events.base import Event
+from flightdeck.events.clock import ClockTick
+from flightdeck.events.findings import Finding, RankHung, RankLost
+from flightdeck.events.job import AllocationGranted, JobResumed, WorkersExited
+from flightdeck.events.training import Heartbeat, RankStarted, StepCompleted
+from flightdeck.services.health.core import NAME, State
+from flightdeck.services.resources.core import core_service as resources
+from flightdeck.services.scheduler.core import core_service as scheduler
 
-from events.base import Event
-from events.clock import ClockTick
-from events.findings import Finding, RankHung, RankLost
-from events.job import AllocationGranted, JobResumed, WorkersExited
-from events.training import Heartbeat, RankStarted, StepCompleted
-from services.health.core import NAME, State
-from services.resources.core import core_service as resources
-from services.scheduler.core import core_service as scheduler
 from tests.unit.health_synth import SERVICE as HEALTH
 from tests.unit.helpers import Agents, Bus, register, step, submit
 

@@ -2,14 +2,15 @@
 a busy host (found by the crash drill, tests/e2e/test_drills.py, where heartbeats every 0.5 s are lost after 2 s
 and a finished rank took ~2-3 s to exit). Only one silent for the startup grace is lost then."""
 
-from events.base import Event
-from events.clock import ClockTick
-from events.findings import RankHung, RankLost
-from events.job import AllocationGranted, JobSubmitted, SlotRef, WorkersStarted
-from events.spec import JobSpec, PolicySpec, TrainSpec
-from events.training import Heartbeat, StepCompleted
-from services.health.core import NAME
-from services.health.detectors import STARTUP_GRACE_S, Lost, RankWatch
+from flightdeck.events.base import Event
+from flightdeck.events.clock import ClockTick
+from flightdeck.events.findings import RankHung, RankLost
+from flightdeck.events.job import AllocationGranted, JobSubmitted, SlotRef, WorkersStarted
+from flightdeck.events.spec import JobSpec, PolicySpec, TrainSpec
+from flightdeck.events.training import Heartbeat, StepCompleted
+from flightdeck.services.health.core import NAME
+from flightdeck.services.health.detectors import STARTUP_GRACE_S, Lost, RankWatch
+
 from tests.unit.health_synth import fold, of
 
 POLICY = PolicySpec(heartbeat_interval_s=0.5, heartbeat_misses=4, hang_min_s=3.0)

@@ -4,15 +4,16 @@ on both nodes, and nothing on the dead node records the old rank's exit or start
 
 from typing import Any
 
-from events.base import Event
-from events.clock import ClockTick
-from events.fleet import NodeLost
-from events.job import AllocationGranted, JobSubmitted, SlotRef, WorkersExited, WorkersStarted
-from events.spec import JobSpec, PolicySpec, TrainSpec
-from events.training import Heartbeat
-from services.core import Emit
-from services.health.agents import EXIT_RECORD_S
-from services.health.core import NAME
+from flightdeck.events.base import Event
+from flightdeck.events.clock import ClockTick
+from flightdeck.events.fleet import NodeLost
+from flightdeck.events.job import AllocationGranted, JobSubmitted, SlotRef, WorkersExited, WorkersStarted
+from flightdeck.events.spec import JobSpec, PolicySpec, TrainSpec
+from flightdeck.events.training import Heartbeat
+from flightdeck.services.core import Emit
+from flightdeck.services.health.agents import EXIT_RECORD_S
+from flightdeck.services.health.core import NAME
+
 from tests.unit.health_synth import SERVICE
 
 POLICY = PolicySpec(heartbeat_interval_s=0.5, heartbeat_misses=4, hang_min_s=3.0)

@@ -5,18 +5,18 @@ reports, so such a rank is not lost; one that really died is still found, one de
 
 from typing import Any
 
+from flightdeck.events.base import Event
+from flightdeck.events.clock import ClockTick
+from flightdeck.events.findings import RankLost
+from flightdeck.events.job import AllocationGranted, JobSubmitted, SlotRef, WorkersStarted
+from flightdeck.events.spec import JobSpec, PolicySpec, TrainSpec
+from flightdeck.events.training import Heartbeat
+from flightdeck.services.core import Emit
+from flightdeck.services.health.core import NAME
+from flightdeck.services.health.detectors import lost_deadline
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from events.base import Event
-from events.clock import ClockTick
-from events.findings import RankLost
-from events.job import AllocationGranted, JobSubmitted, SlotRef, WorkersStarted
-from events.spec import JobSpec, PolicySpec, TrainSpec
-from events.training import Heartbeat
-from services.core import Emit
-from services.health.core import NAME
-from services.health.detectors import lost_deadline
 from tests.unit.health_synth import SERVICE
 
 POLICY = PolicySpec(heartbeat_interval_s=0.5, heartbeat_misses=4, hang_min_s=3.0)  # the drills': lost after 2 s

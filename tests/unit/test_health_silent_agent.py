@@ -4,17 +4,18 @@ RankLost of its rank, so the restart never lands on it again (services/health/ag
 whose ranks hang or crash keeps batching: no NodeLost."""
 
 
-from events.base import Event
-from events.clock import ClockTick
-from events.commands import StopRequested
-from events.findings import RankHung, RankLost
-from events.fleet import NodeLost
-from events.heartbeats import RankBeat, RankHeartbeats
-from events.job import AllocationReleased, JobSubmitted, WorkersExited
-from events.spec import JobSpec, TrainSpec
-from events.training import StepCompleted
-from services.core import Emit
-from services.health.core import wants_tick
+from flightdeck.events.base import Event
+from flightdeck.events.clock import ClockTick
+from flightdeck.events.commands import StopRequested
+from flightdeck.events.findings import RankHung, RankLost
+from flightdeck.events.fleet import NodeLost
+from flightdeck.events.heartbeats import RankBeat, RankHeartbeats
+from flightdeck.events.job import AllocationReleased, JobSubmitted, WorkersExited
+from flightdeck.events.spec import JobSpec, TrainSpec
+from flightdeck.events.training import StepCompleted
+from flightdeck.services.core import Emit
+from flightdeck.services.health.core import wants_tick
+
 from tests.unit import test_health_lost_agent as lost_agent
 from tests.unit.health_synth import SERVICE
 from tests.unit.test_health_lost_agent import POLICY, grant, started, tick

@@ -2,8 +2,8 @@
 redone steps, earlier in training, are not spikes against the lower losses that came after them (found by the
 loss-spike drill, tests/e2e/test_drills_loss.py, where the redone step 15 read 5.2 against a median of 4.8)."""
 
-from events.spec import PolicySpec
-from services.health.spikes import SpikeWatch
+from flightdeck.events.spec import PolicySpec
+from flightdeck.services.health.spikes import SpikeWatch
 
 POLICY = PolicySpec(spike_window=10, spike_warmup=10)
 

@@ -6,13 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
-
-from events import codec, subjects
-from events.clock import ClockTick
-from events.job import JobQueued
-from events.store import Stored, decoded
-from services.tools.history import fdh, library
-from services.tools.history.recorded import ReadOnlyHistory, RecordedStore
+from flightdeck.events import codec, subjects
+from flightdeck.events.clock import ClockTick
+from flightdeck.events.job import JobQueued
+from flightdeck.events.store import Stored, decoded
+from flightdeck.services.tools.history import fdh, library
+from flightdeck.services.tools.history.recorded import ReadOnlyHistory, RecordedStore
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "histories" / "spike.fdh.jsonl"
 JOB = "spike-000001"

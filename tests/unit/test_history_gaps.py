@@ -5,18 +5,17 @@ what was archived and is still in the stream is read once."""
 from pathlib import Path
 
 import pytest
-
-from events import codec, subjects
-from events.archive import HistoryArchived
-from events.store import MemoryStore, Stored
-from events.training import StepCompleted
-from services.archiver.core import Ask
-from services.archiver.service import archive
-from services.shell.objects.local import LocalStore
-from services.tools.cli import EXIT_INCOMPLETE
-from services.tools.console.__main__ import main as console_main
-from services.tools.history import fdh
-from services.tools.history.archived import AGED_OUT, Gap, stream_rows
+from flightdeck.events import codec, subjects
+from flightdeck.events.archive import HistoryArchived
+from flightdeck.events.store import MemoryStore, Stored
+from flightdeck.events.training import StepCompleted
+from flightdeck.services.archiver.core import Ask
+from flightdeck.services.archiver.service import archive
+from flightdeck.services.shell.objects.local import LocalStore
+from flightdeck.services.tools.cli import EXIT_INCOMPLETE
+from flightdeck.services.tools.console.__main__ import main as console_main
+from flightdeck.services.tools.history import fdh
+from flightdeck.services.tools.history.archived import AGED_OUT, Gap, stream_rows
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "histories"
 

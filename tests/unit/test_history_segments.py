@@ -3,11 +3,10 @@ segment altered, cut short, moved to another range or holding another job's mess
 
 import msgspec
 import pytest
-
-from events import codec, subjects
-from events.archive import HistoryArchived
-from events.training import StepCompleted
-from services.shell.objects import segments
+from flightdeck.events import codec, subjects
+from flightdeck.events.archive import HistoryArchived
+from flightdeck.events.training import StepCompleted
+from flightdeck.services.shell.objects import segments
 
 
 def message(seq: int, job: str = "j", step: int = 0) -> segments.Message:

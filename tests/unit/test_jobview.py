@@ -1,16 +1,17 @@
 """JobView: a job's control history folded into what `flightdeck status` shows, with the histories made by
 the real scheduler and resource cores (tests/unit/helpers.Bus) rather than written by hand."""
 
-from events.base import Event
-from events.checkpoint import CheckpointCommitted, CheckpointDeleted, DataPosition
-from events.commands import PauseRequested, ResumeRequested, RollbackRequested
-from events.job import AllocationReleased, CancelRequested, JobQueued, WorkersExited
-from events.training import StepCompleted
-from services.resources.core import core_service as resources
-from services.scheduler.core import core_service as scheduler
-from services.tools.console.status import details
-from services.tools.history import jobview
-from services.tools.history.jobview import JobView
+from flightdeck.events.base import Event
+from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointDeleted, DataPosition
+from flightdeck.events.commands import PauseRequested, ResumeRequested, RollbackRequested
+from flightdeck.events.job import AllocationReleased, CancelRequested, JobQueued, WorkersExited
+from flightdeck.events.training import StepCompleted
+from flightdeck.services.resources.core import core_service as resources
+from flightdeck.services.scheduler.core import core_service as scheduler
+from flightdeck.services.tools.console.status import details
+from flightdeck.services.tools.history import jobview
+from flightdeck.services.tools.history.jobview import JobView
+
 from tests.unit.helpers import Agents, Bus, register, submit
 
 

@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ("scheduler", "resources", "checkpoints", "health", "resharder", "archiver")
 TOOLS = ("history", "postmortem", "audit", "client", "web", "console")  # lowest first; cli.py and connect.py sit below
 TORCH = ("torch",)
+PACKAGES = ("events", "services", "trainer")  # folders installed as flightdeck.events, .services, .trainer
 
 
 @dataclass(frozen=True)
@@ -30,14 +31,17 @@ class Import:
     line: int
 
 
-def imports_of(module: str, source: str) -> list[Import]:
-    """Every absolute import in `source`, also those inside functions; `from a import b` as `a.b`."""
+def imports_of(module: str, source: str, relative: bool = False) -> list[Import]:
+    """Every absolute import in `source`, also those inside functions; `from a import b` as `a.b`. A relative
+    import fails unless `relative` (tests import their helpers so), and is then left out."""
     found: list[Import] = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             found += [Import(module, a.name, node.lineno) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            assert node.level == 0, f"{module}:{node.lineno}: relative import (write it absolute)"
+            assert relative or node.level == 0, f"{module}:{node.lineno}: relative import (write it absolute)"
+            if node.level:
+                continue
             base = node.module or ""
             found += [Import(module, f"{base}.{a.name}", node.lineno) for a in node.names]
     return found
@@ -47,6 +51,10 @@ def place(name: str) -> tuple[str, ...]:
     """Where a dotted name lives: ('events',), ('core',), ('shell',), ('service', NAME), ('agent',), ('wiring',),
     ('tools', RANK, PART), ('trainer',), ('torch',) or ('other',)."""
     parts = name.split(".")
+    if parts[0] in PACKAGES:
+        return ("bare",)  # installed only as flightdeck.<name>: a bare import works in the checkout alone
+    if parts[0] == "flightdeck" and parts[1:2] and parts[1] in PACKAGES:
+        parts = parts[1:]
     top = parts[0]
     if top in ("events", "trainer"):
         return (top,)
@@ -79,6 +87,8 @@ def place(name: str) -> tuple[str, ...]:
 def why_not(imp: Import) -> str:
     """Why `imp` breaks a rule, or ""."""
     src, dst = place(imp.module), place(imp.target)
+    if dst == ("bare",):
+        return f"import it as flightdeck.{imp.target}: the wheel installs no top-level {imp.target.split('.')[0]}"
     if dst == ("other",):
         return ""  # the standard library and third-party packages (torch is its own place)
     kind, target = src[0], dst[0]
@@ -112,7 +122,7 @@ def modules() -> dict[str, str]:
     for top in ("events", "services", "trainer", "flightdeck"):
         for path in sorted((ROOT / top).rglob("*.py")):
             name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
-            found[name] = path.read_text()
+            found[name if top == "flightdeck" else f"flightdeck.{name}"] = path.read_text()
     return found
 
 
@@ -123,31 +133,47 @@ def test_the_tree_keeps_its_layers() -> None:
 
 
 def test_every_module_has_a_place() -> None:
-    assert [name for name in modules() if place(name) == ("other",) and name != "services"] == []
+    assert [name for name in modules() if place(name) == ("other",) and name != "flightdeck.services"] == []
 
 
 @pytest.mark.parametrize(("module", "target", "rule"), [
-    ("services.scheduler.recipes", "services.checkpoints.core.COMMIT", "imports the checkpoints service"),
-    ("services.tools.history.timeline", "services.tools.console.jobview.JobView", "a tool above it"),
-    ("services.agent.spawner", "trainer.beats.BEATS_ENV", "nothing outside trainer/"),
-    ("services.health.core", "torch", "never imports torch"),
-    ("services.shell.runtime", "services.health.core.State", "shell may not import service"),
-    ("services.agent.main", "services.checkpoints.service.OBJECTS_ENV", "agent may not import service"),
-    ("events.codec", "services.core.Emit", "lowest layer"),
-    ("trainer.loop", "services.shell.objects.manifest", "the trainer imports no service"),
-    ("services.health.core", "services.registry.BUILTIN", "health may not import wiring"),
+    ("fd.services.scheduler.recipes", "fd.services.checkpoints.core.COMMIT", "imports the checkpoints service"),
+    ("fd.services.tools.history.timeline", "fd.services.tools.console.jobview.JobView", "a tool above it"),
+    ("fd.services.agent.spawner", "fd.trainer.beats.BEATS_ENV", "nothing outside trainer/"),
+    ("fd.services.health.core", "torch", "never imports torch"),
+    ("fd.services.shell.runtime", "fd.services.health.core.State", "shell may not import service"),
+    ("fd.services.agent.main", "fd.services.checkpoints.service.OBJECTS_ENV", "agent may not import service"),
+    ("fd.events.codec", "fd.services.core.Emit", "lowest layer"),
+    ("fd.trainer.loop", "fd.services.shell.objects.manifest", "the trainer imports no service"),
+    ("fd.services.health.core", "fd.services.registry.BUILTIN", "health may not import wiring"),
+    ("fd.services.scheduler.core", "events.codec", "import it as flightdeck.events.codec"),
+    ("fd.trainer.loop", "trainer.config.parse", "installs no top-level trainer"),
 ])
 def test_each_rule_catches_what_it_forbids(module: str, target: str, rule: str) -> None:
-    assert rule in why_not(Import(module, target, 1))
+    """(`fd.` is short for `flightdeck.` here.)"""
+    assert rule in why_not(Import(full(module), full(target), 1))
+
+
+def full(name: str) -> str:
+    return "flightdeck." + name.removeprefix("fd.") if name.startswith("fd.") else name
 
 
 @pytest.mark.parametrize(("module", "target"), [
-    ("services.scheduler.recipes", "events.lineage.thrown_away"),
-    ("services.tools.console.status", "services.tools.history.jobview.JobView"),
-    ("services.tools.audit.verify", "services.checkpoints.core.COMMIT"),
-    ("services.agent.spawner", "events.nodelocal.BEATS_ENV"),
-    ("trainer.standby", "events.nodelocal.Assignment"),
-    ("services.registry", "services.health.service.build"),
+    ("flightdeck.services.scheduler.recipes", "flightdeck.events.lineage.thrown_away"),
+    ("flightdeck.services.tools.console.status", "flightdeck.services.tools.history.jobview.JobView"),
+    ("flightdeck.services.tools.audit.verify", "flightdeck.services.checkpoints.core.COMMIT"),
+    ("flightdeck.services.agent.spawner", "flightdeck.events.nodelocal.BEATS_ENV"),
+    ("flightdeck.trainer.standby", "flightdeck.events.nodelocal.Assignment"),
+    ("flightdeck.services.registry", "flightdeck.services.health.service.build"),
 ])
 def test_what_the_layers_allow(module: str, target: str) -> None:
     assert why_not(Import(module, target, 1)) == ""
+
+
+def test_tests_benchmarks_and_examples_import_the_installed_names() -> None:
+    """Outside the package too: a bare `events`/`services`/`trainer` import works from the checkout's root only,
+    and loads a second copy of the module beside flightdeck.*'s (two `Event` classes, two registries)."""
+    bare = [f"{path.relative_to(ROOT)}:{i.line} imports {i.target}"
+            for top in ("tests", "bench", "examples") for path in sorted((ROOT / top).rglob("*.py"))
+            for i in imports_of(str(path), path.read_text(), relative=True) if place(i.target) == ("bare",)]
+    assert bare == []

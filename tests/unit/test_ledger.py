@@ -2,12 +2,9 @@
 resources core under any sequence of requests, releases, cordons, node losses and re-registrations."""
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from events.base import Event
-from events.fleet import NodeCordoned, NodeLost, NodeRegistered, NodeUncordoned, SelfCheckFailed
-from events.job import (
+from flightdeck.events.base import Event
+from flightdeck.events.fleet import NodeCordoned, NodeLost, NodeRegistered, NodeUncordoned, SelfCheckFailed
+from flightdeck.events.job import (
     AllocationDenied,
     AllocationGranted,
     AllocationReleased,
@@ -17,8 +14,11 @@ from events.job import (
     JobFailed,
     SlotRef,
 )
-from services.resources import ledger
-from services.resources.core import State, core_service
+from flightdeck.services.resources import ledger
+from flightdeck.services.resources.core import State, core_service
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from tests.unit.helpers import step
 
 

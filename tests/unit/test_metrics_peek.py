@@ -3,10 +3,10 @@ and "settled" only once the server has folded both the job's end and postmortem'
 
 from pathlib import Path
 
-from services.tools.console.metrics_peek import job_lines, settled
-from services.tools.history import fdh
-from services.tools.web.figures import Figures, IncidentRow, JobAnalysis
-from services.tools.web.metrics import Live, exposition
+from flightdeck.services.tools.console.metrics_peek import job_lines, settled
+from flightdeck.services.tools.history import fdh
+from flightdeck.services.tools.web.figures import Figures, IncidentRow, JobAnalysis
+from flightdeck.services.tools.web.metrics import Live, exposition
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = "crash-000001"

@@ -5,11 +5,10 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 import pytest
-
-from events import codec, subjects
-from events.commands import StopRequested
-from events.findings import RankLost
-from events.job import (
+from flightdeck.events import codec, subjects
+from flightdeck.events.commands import StopRequested
+from flightdeck.events.findings import RankLost
+from flightdeck.events.job import (
     AllocationGranted,
     AllocationReleased,
     JobCompleted,
@@ -20,12 +19,13 @@ from events.job import (
     WorkersStarted,
     exits_record,
 )
-from events.store import MemoryStore
-from services.agent import exits as exits_mod
-from services.agent.exits import ExitRecorder
-from services.agent.spawner import retrying
-from services.health.core import core_service as health_service
-from services.scheduler.core import core_service as scheduler_service
+from flightdeck.events.store import MemoryStore
+from flightdeck.services.agent import exits as exits_mod
+from flightdeck.services.agent.exits import ExitRecorder
+from flightdeck.services.agent.spawner import retrying
+from flightdeck.services.health.core import core_service as health_service
+from flightdeck.services.scheduler.core import core_service as scheduler_service
+
 from tests.unit.helpers import events_of, fold, register, submit
 from tests.unit.test_scheduler_lifecycle import grant, started
 

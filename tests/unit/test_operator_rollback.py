@@ -3,8 +3,9 @@ job back to its newest checkpoint at or before the step asked for, skipping the 
 its trigger; it starts no loss incident and spends no restart. Nothing is decided for a job with a rollback in
 flight, or without such a checkpoint; a refused target is replaced by the next older one, the same window."""
 
-from events.commands import RollbackRequested
-from events.job import RollbackAsked
+from flightdeck.events.commands import RollbackRequested
+from flightdeck.events.job import RollbackAsked
+
 from tests.unit.helpers import events_of
 from tests.unit.test_recovery_recipes import JOB, cid, landed, only_rollback, run, spike, with_commits
 from tests.unit.test_rollback_refused import refusal

@@ -2,11 +2,10 @@
 
 from itertools import combinations
 
+from flightdeck.events.job import SlotRef
+from flightdeck.services.resources.placement import Candidate, Unplaceable, place
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from events.job import SlotRef
-from services.resources.placement import Candidate, Unplaceable, place
 
 
 def node(name: str, free: int, *, spare: bool = False, offset: int = 0) -> Candidate:

@@ -2,9 +2,8 @@
 the memory model's byte counts, shapes derived from a parameter count, and the GPU table."""
 
 import pytest
-
-from services.resharder import gpus, memory, planner, shapes
-from services.resharder.planner import PlanError, Slots
+from flightdeck.services.resharder import gpus, memory, planner, shapes
+from flightdeck.services.resharder.planner import PlanError, Slots
 
 H100 = gpus.lookup("h100")
 

@@ -8,17 +8,16 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
-
-from events.base import Event
-from events.checkpoint import CheckpointCommitted
-from events.clock import ClockTick
-from events.commands import RollbackRequested
-from events.findings import LossSpikeDetected
-from events.job import AllocationGranted, JobCompleted, JobSubmitted
-from events.store import Stored
-from events.training import FaultInjected, RolledBack, StepCompleted
-from services.tools.history import fdh
-from services.tools.postmortem import Postmortem, analyse, write_report
+from flightdeck.events.base import Event
+from flightdeck.events.checkpoint import CheckpointCommitted
+from flightdeck.events.clock import ClockTick
+from flightdeck.events.commands import RollbackRequested
+from flightdeck.events.findings import LossSpikeDetected
+from flightdeck.events.job import AllocationGranted, JobCompleted, JobSubmitted
+from flightdeck.events.store import Stored
+from flightdeck.events.training import FaultInjected, RolledBack, StepCompleted
+from flightdeck.services.tools.history import fdh
+from flightdeck.services.tools.postmortem import Postmortem, analyse, write_report
 
 E = TypeVar("E", bound=Event)
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "histories" / "spike.fdh.jsonl"

@@ -5,15 +5,14 @@ import math
 from pathlib import Path
 
 import pytest
+from flightdeck.events import codec, subjects
+from flightdeck.events.job import AllocationReleased, JobFailed, WorkersExited
+from flightdeck.events.store import decoded
+from flightdeck.services.tools.postmortem import analyse, write_report
+from flightdeck.services.tools.postmortem.goodput import BADPUT, PARTS
+from flightdeck.services.tools.postmortem.synthetic import Scenario, synthesise
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-
-from events import codec, subjects
-from events.job import AllocationReleased, JobFailed, WorkersExited
-from events.store import decoded
-from services.tools.postmortem import analyse, write_report
-from services.tools.postmortem.goodput import BADPUT, PARTS
-from services.tools.postmortem.synthetic import Scenario, synthesise
 
 EVERY = 10
 

@@ -2,7 +2,7 @@
 exception its traceback ended with, not the log lines around it (a reason read "rank 1 exited with code 3:
 2026-11-28 10:50:49 [info] bus.connected ...")."""
 
-from services.agent.rankproc import error_line
+from flightdeck.services.agent.rankproc import error_line
 
 
 def test_the_error_is_the_last_unindented_line_after_the_last_traceback() -> None:

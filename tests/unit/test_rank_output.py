@@ -7,11 +7,10 @@ import os
 from pathlib import Path
 
 import pytest
-
-from events.logs import MAX_LINE, RankOutput
-from services.agent import output
-from services.agent.output import Budget, Lines, OutputPump, cut
-from services.agent.rankproc import last_lines
+from flightdeck.events.logs import MAX_LINE, RankOutput
+from flightdeck.services.agent import output
+from flightdeck.services.agent.output import Budget, Lines, OutputPump, cut
+from flightdeck.services.agent.rankproc import last_lines
 
 
 def test_lines_split_on_newlines_and_carriage_returns_and_keep_the_unfinished_one() -> None:

@@ -1,8 +1,8 @@
 """A reason on one line: a restart's quoted rank output (many lines) is left out, the fault and the decision stay."""
 
-from events.job import WorkersExited
-from services.scheduler.policy import fault_reason
-from services.tools.history.reasons import headline
+from flightdeck.events.job import WorkersExited
+from flightdeck.services.scheduler.policy import fault_reason
+from flightdeck.services.tools.history.reasons import headline
 
 
 def test_a_restart_quoting_many_lines_of_output_keeps_the_fault_and_the_decision() -> None:

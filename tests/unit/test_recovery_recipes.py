@@ -2,15 +2,14 @@
 which batches it skips, when a spike widens the skip or fails the job, and which findings change nothing."""
 
 import msgspec
-
-from events import subjects
-from events.base import Event, JobEvent
-from events.checkpoint import CheckpointCommitted, CheckpointDeleted, DataPosition
-from events.clock import ClockTick
-from events.codec import encode
-from events.commands import PauseRequested, RollbackRequested, StopRequested
-from events.findings import LossSpikeDetected, NonFiniteLoss, RankLost
-from events.job import (
+from flightdeck.events import subjects
+from flightdeck.events.base import Event, JobEvent
+from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointDeleted, DataPosition
+from flightdeck.events.clock import ClockTick
+from flightdeck.events.codec import encode
+from flightdeck.events.commands import PauseRequested, RollbackRequested, StopRequested
+from flightdeck.events.findings import LossSpikeDetected, NonFiniteLoss, RankLost
+from flightdeck.events.job import (
     AllocationGranted,
     AllocationReleased,
     CancelRequested,
@@ -20,13 +19,14 @@ from events.job import (
     WorkersExited,
     WorkersStarted,
 )
-from events.spec import JobSpec, PolicySpec, TrainSpec
-from events.store import Stored, decoded
-from events.training import RolledBack
-from services.core import Emit
-from services.scheduler.core import core_service
-from services.scheduler.state import State
-from services.shell.fold import Folder
+from flightdeck.events.spec import JobSpec, PolicySpec, TrainSpec
+from flightdeck.events.store import Stored, decoded
+from flightdeck.events.training import RolledBack
+from flightdeck.services.core import Emit
+from flightdeck.services.scheduler.core import core_service
+from flightdeck.services.scheduler.state import State
+from flightdeck.services.shell.fold import Folder
+
 from tests.unit.helpers import events_of, fold, register, subject_of
 
 SVC = core_service(stop_timeout_s=30.0, landing_timeout_s=60.0)

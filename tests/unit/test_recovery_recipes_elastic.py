@@ -1,11 +1,11 @@
 """Shrinking to fewer slots when a lost node leaves no room, growing back at the next checkpoint once it
 returns, and stragglers recorded or replaced: the scheduler and resources cores over one log."""
 
-from events.checkpoint import CheckpointCommitted, DataPosition
-from events.commands import StopRequested
-from events.findings import RankLost, StragglerDetected
-from events.fleet import NodeLost, NodeUncordoned
-from events.job import (
+from flightdeck.events.checkpoint import CheckpointCommitted, DataPosition
+from flightdeck.events.commands import StopRequested
+from flightdeck.events.findings import RankLost, StragglerDetected
+from flightdeck.events.fleet import NodeLost, NodeUncordoned
+from flightdeck.events.job import (
     AllocationDenied,
     AllocationGranted,
     AllocationReleased,
@@ -17,10 +17,11 @@ from events.job import (
     SlotRef,
     WorkersStarted,
 )
-from events.spec import JobSpec, PolicySpec, TrainSpec, snapshot_bytes
-from services.resources.core import core_service as resources
-from services.scheduler.core import core_service as scheduler
-from services.scheduler.recipes import pick_world
+from flightdeck.events.spec import JobSpec, PolicySpec, TrainSpec, snapshot_bytes
+from flightdeck.services.resources.core import core_service as resources
+from flightdeck.services.scheduler.core import core_service as scheduler
+from flightdeck.services.scheduler.recipes import pick_world
+
 from tests.unit.helpers import Agents, Bus, events_of, fold, register
 
 

@@ -5,22 +5,22 @@ random traffic, every rollback naming a live checkpoint at or before its trigger
 from typing import Any
 
 import msgspec
+from flightdeck.events.base import Event
+from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointDeleted, DataPosition
+from flightdeck.events.commands import RollbackRequested
+from flightdeck.events.findings import LossSpikeDetected, NonFiniteLoss, StragglerDetected
+from flightdeck.events.job import AllocationRequested, JobCancelled, JobCompleted, JobFailed, JobSubmitted
+from flightdeck.events.spec import JobSpec, PolicySpec, TrainSpec
+from flightdeck.events.training import RolledBack
+from flightdeck.services.resources.core import core_service as resources
+from flightdeck.services.scheduler.core import core_service as scheduler
+from flightdeck.services.scheduler.recipes import batch_after
+from flightdeck.trainer.cursor import BatchCursor
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from events.base import Event
-from events.checkpoint import CheckpointCommitted, CheckpointDeleted, DataPosition
-from events.commands import RollbackRequested
-from events.findings import LossSpikeDetected, NonFiniteLoss, StragglerDetected
-from events.job import AllocationRequested, JobCancelled, JobCompleted, JobFailed, JobSubmitted
-from events.spec import JobSpec, PolicySpec, TrainSpec
-from events.training import RolledBack
-from services.resources.core import core_service as resources
-from services.scheduler.core import core_service as scheduler
-from services.scheduler.recipes import batch_after
 from tests.unit.helpers import Agents, Bus, Fleet, register, step
 from tests.unit.test_scheduler_invariants import check
-from trainer.cursor import BatchCursor
 
 WINDOWS = st.lists(st.tuples(st.integers(0, 60), st.integers(0, 30)).map(lambda w: (w[0], w[0] + w[1])), max_size=4)
 

@@ -16,22 +16,21 @@ from typing import Any
 
 import msgspec
 import pytest
-
-from events import subjects
-from events.clock import ClockTick, CoreConfigured
-from events.training import FaultInjected, StepCompleted
-from services.core import Service
-from services.health.core import core_service as health
-from services.health.core import snapshot as health_snapshot
-from services.resharder.core import core_service as resharder
-from services.resources.core import core_service as resources
-from services.scheduler.core import core_service as scheduler
-from services.shell.fold import Folder, rebuild, replay, same_decision
-from services.tools.console.replay_cmd import replayed, text
-from services.tools.history import History, jobview, library
-from services.tools.history.jobview import JobView
-from services.tools.history.timeline import job_view_at
-from services.tools.history.until import BadUntil, Cut, parse_until, resolve, submitted_at, tick_position
+from flightdeck.events import subjects
+from flightdeck.events.clock import ClockTick, CoreConfigured
+from flightdeck.events.training import FaultInjected, StepCompleted
+from flightdeck.services.core import Service
+from flightdeck.services.health.core import core_service as health
+from flightdeck.services.health.core import snapshot as health_snapshot
+from flightdeck.services.resharder.core import core_service as resharder
+from flightdeck.services.resources.core import core_service as resources
+from flightdeck.services.scheduler.core import core_service as scheduler
+from flightdeck.services.shell.fold import Folder, rebuild, replay, same_decision
+from flightdeck.services.tools.console.replay_cmd import replayed, text
+from flightdeck.services.tools.history import History, jobview, library
+from flightdeck.services.tools.history.jobview import JobView
+from flightdeck.services.tools.history.timeline import job_view_at
+from flightdeck.services.tools.history.until import BadUntil, Cut, parse_until, resolve, submitted_at, tick_position
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "histories" / "spike.fdh.jsonl"
 JOB = "spike-000001"
@@ -45,7 +44,7 @@ def history() -> History:
 def frozen(state: Any) -> Any:
     """A value that later folds cannot change and that compares by content (health's state is mutable for speed,
     and some of its watches are slotted classes without __eq__)."""
-    if type(state).__module__ == "services.health.state":
+    if type(state).__module__ == "flightdeck.services.health.state":
         return plain(health_snapshot(state))
     return copy.copy(state)
 
@@ -75,7 +74,7 @@ def input_seq(msg_id: str) -> int:
     return int(seq)
 
 
-@pytest.mark.parametrize("build", [scheduler, health, resources, resharder], ids=lambda b: b.__module__.split(".")[1])
+@pytest.mark.parametrize("build", [scheduler, health, resources, resharder], ids=lambda b: b.__module__.split(".")[2])
 async def test_every_control_sequence_folds_to_the_live_state_and_its_recorded_decisions(
         history: History, build: Any) -> None:
     service: Service[Any] = build()

@@ -4,17 +4,18 @@ scheduler and resources cores, where a restart onto a node of the same kind chan
 
 import asyncio
 
-from events import subjects
-from events.base import Event
-from events.fleet import NodeLost, NodeRegistered
-from events.job import AllocationGranted, JobCompleted, JobSubmitted, SlotRef
-from events.plan import ReshardPlanned
-from events.spec import JobSpec, ModelSpec, TrainSpec
-from events.store import MemoryStore
-from services.resharder.core import UNKNOWN_SLOT_GB, core_service
-from services.resources.core import core_service as resources
-from services.scheduler.core import core_service as scheduler
-from services.shell.fold import comparable, outputs_of, replay
+from flightdeck.events import subjects
+from flightdeck.events.base import Event
+from flightdeck.events.fleet import NodeLost, NodeRegistered
+from flightdeck.events.job import AllocationGranted, JobCompleted, JobSubmitted, SlotRef
+from flightdeck.events.plan import ReshardPlanned
+from flightdeck.events.spec import JobSpec, ModelSpec, TrainSpec
+from flightdeck.events.store import MemoryStore
+from flightdeck.services.resharder.core import UNKNOWN_SLOT_GB, core_service
+from flightdeck.services.resources.core import core_service as resources
+from flightdeck.services.scheduler.core import core_service as scheduler
+from flightdeck.services.shell.fold import comparable, outputs_of, replay
+
 from tests.unit.helpers import Agents, Bus, append, events_of, fold, register, submit
 
 SERVICE = core_service()

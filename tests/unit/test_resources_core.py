@@ -2,17 +2,25 @@
 
 import zlib
 
-from events.fleet import NodeCordoned, NodeLost, NodeRegistered, NodeUncordoned, SelfCheckFailed, SelfCheckPassed
-from events.job import (
+from flightdeck.events.fleet import (
+    NodeCordoned,
+    NodeLost,
+    NodeRegistered,
+    NodeUncordoned,
+    SelfCheckFailed,
+    SelfCheckPassed,
+)
+from flightdeck.events.job import (
     AllocationDenied,
     AllocationGranted,
     AllocationReleased,
     AllocationRequested,
     JobCompleted,
 )
-from services.resources import core as rcore
-from services.resources import ledger
-from services.resources.core import Ports, State, core_service, master_port
+from flightdeck.services.resources import core as rcore
+from flightdeck.services.resources import ledger
+from flightdeck.services.resources.core import Ports, State, core_service, master_port
+
 from tests.unit.helpers import events_of, fold, step
 
 SVC = core_service()

@@ -2,19 +2,19 @@
 which slots, the queue holds exactly the waiting jobs in order, and every decision is recorded once."""
 
 import msgspec
+from flightdeck.events import subjects
+from flightdeck.events.codec import encode
+from flightdeck.events.fleet import NodeLost
+from flightdeck.events.job import AllocationRequested, JobCancelled, JobCompleted, JobFailed, JobSubmitted
+from flightdeck.events.store import decoded
+from flightdeck.services.resources.core import core_service as resources
+from flightdeck.services.scheduler.core import core_service as scheduler
+from flightdeck.services.scheduler.state import WAITING, State
+from flightdeck.services.scheduler.tx import queue_key
+from flightdeck.services.shell.fold import Folder, comparable
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from events import subjects
-from events.codec import encode
-from events.fleet import NodeLost
-from events.job import AllocationRequested, JobCancelled, JobCompleted, JobFailed, JobSubmitted
-from events.store import decoded
-from services.resources.core import core_service as resources
-from services.scheduler.core import core_service as scheduler
-from services.scheduler.state import WAITING, State
-from services.scheduler.tx import queue_key
-from services.shell.fold import Folder, comparable
 from tests.unit.helpers import Agents, Bus, Fleet, register, subject_of, submit
 
 ACTIONS = st.lists(st.tuples(st.sampled_from(["submit", "submit", "finish", "crash", "cancel", "lose", "add",
@@ -74,7 +74,7 @@ def test_states_survive_a_snapshot_round_trip() -> None:
 
 
 def test_the_shell_s_fold_replays_the_same_decisions() -> None:
-    """Feed the recorded log, encoded and decoded as on the wire, through services.shell.fold.Folder: the
+    """Feed the recorded log, encoded and decoded as on the wire, through flightdeck.services.shell.fold.Folder: the
     subject grammar holds for every output and each service decides again exactly what it decided."""
     b = Bus([scheduler(memory_wait=False), resources()])
     agents = Agents(b)

@@ -1,10 +1,10 @@
 """A job's life through the scheduler core alone, with hand-built inputs: queue, place, run, end, cancel."""
 
-from events.base import Event
-from events.checkpoint import CheckpointCommitted, CheckpointDeleted, DataPosition
-from events.clock import ClockTick
-from events.commands import StopRequested
-from events.job import (
+from flightdeck.events.base import Event
+from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointDeleted, DataPosition
+from flightdeck.events.clock import ClockTick
+from flightdeck.events.commands import StopRequested
+from flightdeck.events.job import (
     AllocationDenied,
     AllocationGranted,
     AllocationReleased,
@@ -19,10 +19,11 @@ from events.job import (
     WorkersExited,
     WorkersStarted,
 )
-from events.spec import snapshot_bytes
-from services.core import Emit
-from services.scheduler.core import core_service
-from services.scheduler.state import State
+from flightdeck.events.spec import snapshot_bytes
+from flightdeck.services.core import Emit
+from flightdeck.services.scheduler.core import core_service
+from flightdeck.services.scheduler.state import State
+
 from tests.unit.helpers import events_of, fold, register, submit
 
 SVC = core_service(stop_timeout_s=30.0)

@@ -1,9 +1,6 @@
 """Admission through the scheduler and resources cores together: priority, FIFO, gang, no backfill."""
 
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from events.job import (
+from flightdeck.events.job import (
     AllocationGranted,
     AllocationReleased,
     AllocationRequested,
@@ -12,8 +9,11 @@ from events.job import (
     JobQueued,
     JobSubmitted,
 )
-from services.resources.core import core_service as resources
-from services.scheduler.core import core_service as scheduler
+from flightdeck.services.resources.core import core_service as resources
+from flightdeck.services.scheduler.core import core_service as scheduler
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from tests.unit.helpers import Agents, Bus, register, submit
 
 

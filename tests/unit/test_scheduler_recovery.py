@@ -2,16 +2,13 @@
 are spent; the next fault fails it with the chain of fault events as causes."""
 
 import msgspec
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from events import spec as spec_mod
-from events.base import Event
-from events.checkpoint import CheckpointCommitted, DataPosition
-from events.commands import StopRequested
-from events.findings import RankHung, RankLost
-from events.fleet import NodeLost
-from events.job import (
+from flightdeck.events import spec as spec_mod
+from flightdeck.events.base import Event
+from flightdeck.events.checkpoint import CheckpointCommitted, DataPosition
+from flightdeck.events.commands import StopRequested
+from flightdeck.events.findings import RankHung, RankLost
+from flightdeck.events.fleet import NodeLost
+from flightdeck.events.job import (
     AllocationGranted,
     AllocationReleased,
     AllocationRequested,
@@ -19,8 +16,11 @@ from events.job import (
     JobResumed,
     WorkersExited,
 )
-from services.resources.core import core_service as resources
-from services.scheduler.core import core_service as scheduler
+from flightdeck.services.resources.core import core_service as resources
+from flightdeck.services.scheduler.core import core_service as scheduler
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from tests.unit.helpers import Agents, Bus, register, submit
 
 KINDS = ("exit", "signal", "lost", "hung", "node")

@@ -2,8 +2,7 @@
 message that names the field (unknown keys, negative or huge sizes, unsafe names, faults on absent ranks)."""
 
 import pytest
-
-from events.spec import FaultSpec, InvalidSpec, JobSpec, parse_spec
+from flightdeck.events.spec import FaultSpec, InvalidSpec, JobSpec, parse_spec
 
 EXAMPLE = """\
 name = "tiny-drill"

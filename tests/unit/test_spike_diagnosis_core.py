@@ -3,10 +3,10 @@ holds: each verdict from the evidence that makes it, once per incident, and neve
 
 import math
 
-from events.commands import RollbackRequested
-from events.findings import LossSpikeDetected, SpikeDiagnosed
-from events.training import RolledBack, SpikeReplayed
-from services.health.diagnosis import Diagnoses, divergence, reproduced
+from flightdeck.events.commands import RollbackRequested
+from flightdeck.events.findings import LossSpikeDetected, SpikeDiagnosed
+from flightdeck.events.training import RolledBack, SpikeReplayed
+from flightdeck.services.health.diagnosis import Diagnoses, divergence, reproduced
 
 JOB = "j-000001"
 NODES = {0: "n1", 1: "n2"}

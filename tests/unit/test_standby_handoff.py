@@ -7,8 +7,8 @@ import os
 import socket
 import sys
 
-from events.nodelocal import ASSIGNMENT_DECODER, ASSIGNMENT_ENCODER, READY, Assignment, acts_early
-from trainer.standby import receive, warm_target
+from flightdeck.events.nodelocal import ASSIGNMENT_DECODER, ASSIGNMENT_ENCODER, READY, Assignment, acts_early
+from flightdeck.trainer.standby import receive, warm_target
 
 
 def test_an_assignment_sent_over_an_unread_ready_is_still_received() -> None:

@@ -7,8 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from services.tools.console.supervisor import Backoff, ProcessSpec, Supervisor
+from flightdeck.services.tools.console.supervisor import Backoff, ProcessSpec, Supervisor
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -152,7 +151,7 @@ def test_children_die_when_the_supervisor_is_killed(tmp_path: Path) -> None:
     script = (
         "import sys, time\n"
         "from pathlib import Path\n"
-        "from services.tools.console.supervisor import ProcessSpec, Supervisor\n"
+        "from flightdeck.services.tools.console.supervisor import ProcessSpec, Supervisor\n"
         f"sup = Supervisor([ProcessSpec('sleeper', {SLEEPER!r})], Path({str(tmp_path)!r}))\n"
         "sup.start()\n"
         "print('PID', sup.pids()['sleeper'], flush=True)\n"

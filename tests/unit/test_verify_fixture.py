@@ -8,18 +8,17 @@ from pathlib import Path
 import msgspec
 import pytest
 import structlog
-
-from events import codec, subjects
-from events.base import Event
-from events.commands import RollbackRequested
-from events.findings import LossSpikeDetected
-from events.job import JobFailed
-from events.store import Stored
-from events.training import StepCompleted
-from services.tools.audit.verify import Verdict, verify
-from services.tools.console.__main__ import main as cli_main
-from services.tools.history import fdh
-from services.tools.history.library import History
+from flightdeck.events import codec, subjects
+from flightdeck.events.base import Event
+from flightdeck.events.commands import RollbackRequested
+from flightdeck.events.findings import LossSpikeDetected
+from flightdeck.events.job import JobFailed
+from flightdeck.events.store import Stored
+from flightdeck.events.training import StepCompleted
+from flightdeck.services.tools.audit.verify import Verdict, verify
+from flightdeck.services.tools.console.__main__ import main as cli_main
+from flightdeck.services.tools.history import fdh
+from flightdeck.services.tools.history.library import History
 
 # The spike drill as recorded by tests/fixtures/record_drill.py spike (tests/unit/test_fixtures_verify.py keeps it
 # verifying with the current cores).

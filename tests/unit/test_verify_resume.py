@@ -8,15 +8,15 @@ from typing import Any
 
 import msgspec
 import pytest
+from flightdeck.events import subjects
+from flightdeck.events.clock import ClockTick
+from flightdeck.events.codec import encode
+from flightdeck.events.job import JobFailed
+from flightdeck.events.store import MemoryStore, Stored
+from flightdeck.services.shell import snapshots
+from flightdeck.services.tools.audit import cores, resume
+from flightdeck.services.tools.audit.verify import Verdict, verify
 
-from events import subjects
-from events.clock import ClockTick
-from events.codec import encode
-from events.job import JobFailed
-from events.store import MemoryStore, Stored
-from services.shell import snapshots
-from services.tools.audit import cores, resume
-from services.tools.audit.verify import Verdict, verify
 from tests.e2e.test_drill_fixture import loaded
 
 JOB = "spike-000001"

@@ -5,17 +5,17 @@ recorded them verifies with the defaults and says so."""
 from pathlib import Path
 
 import pytest
+from flightdeck.events import codec
+from flightdeck.events.clock import CoreConfigured
+from flightdeck.events.fleet import NodeRegistered
+from flightdeck.events.job import AllocationGranted, AllocationRequested
+from flightdeck.services import registry
+from flightdeck.services.resources.core import Ports, master_port
+from flightdeck.services.tools.audit.cores import cores
+from flightdeck.services.tools.audit.verify import verify
+from flightdeck.services.tools.history import fdh
+from flightdeck.services.tools.history.library import History
 
-from events import codec
-from events.clock import CoreConfigured
-from events.fleet import NodeRegistered
-from events.job import AllocationGranted, AllocationRequested
-from services import registry
-from services.resources.core import Ports, master_port
-from services.tools.audit.cores import cores
-from services.tools.audit.verify import verify
-from services.tools.history import fdh
-from services.tools.history.library import History
 from tests.unit.helpers import Bus
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "histories" / "crash.fdh.jsonl"  # recorded before

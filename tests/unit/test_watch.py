@@ -3,15 +3,14 @@ incident, plain lines without a terminal and a rich bar on one."""
 
 import io
 
+from flightdeck.events import subjects
+from flightdeck.events.base import Event
+from flightdeck.events.job import JobCompleted, JobResumed, JobSubmitted, WorkersExited
+from flightdeck.events.spec import JobSpec, TrainSpec
+from flightdeck.events.store import Stored
+from flightdeck.events.training import StepCompleted
+from flightdeck.services.tools.console.watch_cmd import Bar, Plain, Watch
 from rich.console import Console
-
-from events import subjects
-from events.base import Event
-from events.job import JobCompleted, JobResumed, JobSubmitted, WorkersExited
-from events.spec import JobSpec, TrainSpec
-from events.store import Stored
-from events.training import StepCompleted
-from services.tools.console.watch_cmd import Bar, Plain, Watch
 
 JOB = "j-000001"
 T0 = 1_800_000_000.0

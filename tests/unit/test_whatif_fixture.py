@@ -6,16 +6,15 @@ from pathlib import Path
 
 import pytest
 import structlog
-
-from events.commands import RollbackRequested
-from events.findings import LossSpikeDetected, SpikeDiagnosed
-from events.job import AllocationRequested, JobCompleted, JobFailed, JobSubmitted
-from events.training import RolledBack
-from services.tools.audit import settings
-from services.tools.audit.whatif import whatif
-from services.tools.console.__main__ import main as cli_main
-from services.tools.history import fdh
-from services.tools.postmortem.analysis import analyse
+from flightdeck.events.commands import RollbackRequested
+from flightdeck.events.findings import LossSpikeDetected, SpikeDiagnosed
+from flightdeck.events.job import AllocationRequested, JobCompleted, JobFailed, JobSubmitted
+from flightdeck.events.training import RolledBack
+from flightdeck.services.tools.audit import settings
+from flightdeck.services.tools.audit.whatif import whatif
+from flightdeck.services.tools.console.__main__ import main as cli_main
+from flightdeck.services.tools.history import fdh
+from flightdeck.services.tools.postmortem.analysis import analyse
 
 HISTORIES = Path(__file__).resolve().parents[1] / "fixtures" / "histories"
 SPIKE, CRASH = HISTORIES / "spike.fdh.jsonl", HISTORIES / "crash.fdh.jsonl"

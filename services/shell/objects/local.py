@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from services.shell.objects.store import (
+from flightdeck.services.shell.objects.store import (
     HASH_CHUNK,
     InvalidKey,
     ObjectAlreadyExists,

@@ -16,10 +16,9 @@ from pathlib import Path
 
 import msgspec
 import structlog
-
-from events.checkpoint import DataPosition, ShardInfo
-from events.codec import MAX_SLOTS
-from services.shell.objects.store import (
+from flightdeck.events.checkpoint import DataPosition, ShardInfo
+from flightdeck.events.codec import MAX_SLOTS
+from flightdeck.services.shell.objects.store import (
     InvalidKey,
     ObjectNotFound,
     ObjectStore,

@@ -13,9 +13,9 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from services.shell.objects.local import DEFAULT_ROOT, LocalStore
-from services.shell.objects.s3 import DEFAULT_PART_SIZE, S3Store
-from services.shell.objects.store import ObjectStore
+from flightdeck.services.shell.objects.local import DEFAULT_ROOT, LocalStore
+from flightdeck.services.shell.objects.s3 import DEFAULT_PART_SIZE, S3Store
+from flightdeck.services.shell.objects.store import ObjectStore
 
 OBJECTS_ENV = "FLIGHTDECK_OBJECTS"  # where committed checkpoints live (a folder, file:// or s3:// URL)
 DATA_DIR_ENV = "FLIGHTDECK_DATA_DIR"  # a platform's data dir; its objects/ is the default store

@@ -20,9 +20,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import structlog
-
-from services.shell.objects.retry import RetryPolicy, error_code
-from services.shell.objects.store import (
+from flightdeck.services.shell.objects.retry import RetryPolicy, error_code
+from flightdeck.services.shell.objects.store import (
     HASH_CHUNK,
     ObjectAlreadyExists,
     ObjectNotFound,

@@ -10,10 +10,9 @@ import hashlib
 import zlib
 
 import msgspec
-
-from events import subjects
-from events.archive import HistoryArchived
-from events.store import Stored, decoded
+from flightdeck.events import subjects
+from flightdeck.events.archive import HistoryArchived
+from flightdeck.events.store import Stored, decoded
 
 FORMAT = 1
 LEVEL = 6  # zlib: telemetry is repetitive msgpack, ~4-8x smaller; faster levels gain little here

@@ -9,9 +9,9 @@ import signal
 import sys
 from pathlib import Path
 
-from events.subjects import InvalidSubjectToken
-from services.shell.security import permissions, render
-from services.shell.security.passwords import DEFAULT_COST, SecretsDir, bcrypt, write_private
+from flightdeck.events.subjects import InvalidSubjectToken
+from flightdeck.services.shell.security import permissions, render
+from flightdeck.services.shell.security.passwords import DEFAULT_COST, SecretsDir, bcrypt, write_private
 
 SHIPPED = Path(__file__).resolve().parents[3] / "infra" / "nats" / "accounts.conf"
 
@@ -26,7 +26,7 @@ def shipped() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m services.shell.security", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m flightdeck.services.shell.security", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     verbs = p.add_subparsers(dest="verb", required=True)
     r = verbs.add_parser("render", help="a deployment's users config, with hashed passwords")
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.reload:
                 os.kill(int(args.reload.read_text().strip()), signal.SIGHUP)
     except (ValueError, InvalidSubjectToken, OSError) as exc:
-        print(f"python -m services.shell.security: {exc}", file=sys.stderr)
+        print(f"python -m flightdeck.services.shell.security: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {args.out}", file=sys.stderr)
     return 0

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from services.shell.security.passwords import read_secret
-from services.shell.security.permissions import inbox
+from flightdeck.services.shell.security.passwords import read_secret
+from flightdeck.services.shell.security.permissions import inbox
 
 USER, PASSWORD_FILE, CREDS = "FLIGHTDECK_NATS_USER", "FLIGHTDECK_NATS_PASSWORD_FILE", "FLIGHTDECK_NATS_CREDS"
 TLS_CA, TLS_CERT, TLS_KEY = "FLIGHTDECK_NATS_TLS_CA", "FLIGHTDECK_NATS_TLS_CERT", "FLIGHTDECK_NATS_TLS_KEY"

@@ -11,7 +11,7 @@ import secrets
 import warnings
 from pathlib import Path
 
-from events import subjects
+from flightdeck.events import subjects
 
 # bcrypt work factor. The server checks it on every connect and reconnect; the secrets made here are 256 random
 # bits, which no work factor makes harder to guess, while cost 11 (130 ms of CPU each) took the broker over the

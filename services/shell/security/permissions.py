@@ -10,9 +10,9 @@ A job's ranks have no user at all: their node agent is their only link (events/r
 
 from dataclasses import dataclass
 
-from events import subjects
-from events.authors import JOB_TYPES, NODE_TYPES, TELEMETRY_TYPES
-from events.subjects import CONTROL
+from flightdeck.events import subjects
+from flightdeck.events.authors import JOB_TYPES, NODE_TYPES, TELEMETRY_TYPES
+from flightdeck.events.subjects import CONTROL
 
 # the scheduler's alone; a command it shares with a person (a pause) is not a decision only it may publish
 SCHEDULER_DECISIONS = tuple(t for t in JOB_TYPES["scheduler"]

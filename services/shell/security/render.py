@@ -9,11 +9,11 @@ import json
 import re
 from collections.abc import Callable, Sequence
 
-from services.shell.security.permissions import Permissions
+from flightdeck.services.shell.security.permissions import Permissions
 
 HEADER = """\
 # Flightdeck's NATS users: one per service and per node agent, plus console and admin. A job's ranks have none.
-# Written by `python -m services.shell.security` from services/shell/security/permissions.py; do not edit by hand.
+# Written by `python -m flightdeck.services.shell.security` from its permissions.py; do not edit by hand.
 # Include it from the server config (`include accounts.conf`); after adding a node, reload the server
 # (`nats-server --signal reload`, or SIGHUP): existing connections are kept.
 """

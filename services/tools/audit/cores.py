@@ -9,12 +9,12 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from events import subjects
-from events.base import Event
-from events.clock import ClockTick, CoreConfigured
-from events.store import Stored
-from services import registry
-from services.core import Service
+from flightdeck.events import subjects
+from flightdeck.events.base import Event
+from flightdeck.events.clock import ClockTick, CoreConfigured
+from flightdeck.events.store import Stored
+from flightdeck.services import registry
+from flightdeck.services.core import Service
 
 # Events the checkpoint service's "commit" effect records: the outcome of I/O (upload, verify), not a decision
 # a core can re-derive, so replays take them as recorded inputs.

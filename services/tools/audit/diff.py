@@ -1,4 +1,4 @@
-"""Field-by-field differences between two events (as `services.shell.fold.comparable` gives them)."""
+"""Field-by-field differences between two events (as `flightdeck.services.shell.fold.comparable` gives them)."""
 
 from typing import Any
 

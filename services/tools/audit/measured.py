@@ -10,12 +10,12 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from events.checkpoint import CheckpointCommitted, CheckpointStaged
-from events.commands import RollbackRequested
-from events.job import AllocationRequested, JobCancelled, JobCompleted, JobFailed, JobResumed, JobSubmitted
-from events.store import Stored
-from events.training import RolledBack, StepCompleted
-from services.tools.postmortem.analysis import analyse
+from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointStaged
+from flightdeck.events.commands import RollbackRequested
+from flightdeck.events.job import AllocationRequested, JobCancelled, JobCompleted, JobFailed, JobResumed, JobSubmitted
+from flightdeck.events.store import Stored
+from flightdeck.events.training import RolledBack, StepCompleted
+from flightdeck.services.tools.postmortem.analysis import analyse
 
 
 @dataclass(frozen=True, slots=True)

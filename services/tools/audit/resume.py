@@ -24,11 +24,10 @@ from typing import Any
 
 import msgspec
 import structlog
-
-from events import subjects
-from services.core import Service
-from services.shell import snapshots
-from services.shell.fold import Folder
+from flightdeck.events import subjects
+from flightdeck.services.core import Service
+from flightdeck.services.shell import snapshots
+from flightdeck.services.shell.fold import Folder
 
 log = structlog.get_logger("flightdeck.verify.resume")
 

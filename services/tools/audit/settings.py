@@ -10,8 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgspec
-
-from events.spec import InvalidSpec, JobSpec, PolicySpec, parse_spec, spec_builtins
+from flightdeck.events.spec import InvalidSpec, JobSpec, PolicySpec, parse_spec, spec_builtins
 
 TRAINER_KEYS = ("train.checkpoint_every",)
 CHANGEABLE = (*(f"policy.{name}" for name in PolicySpec.__struct_fields__), *TRAINER_KEYS)

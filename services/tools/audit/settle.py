@@ -9,15 +9,14 @@ import asyncio
 import time
 
 import nats.errors
+from flightdeck.events import subjects
+from flightdeck.events.jetstream import JetStreamStore
+from flightdeck.services import registry
+from flightdeck.services.shell.runtime import consumer_name
+from flightdeck.services.tools.audit.verify import NoSuchJob, Verdict, verify
+from flightdeck.services.tools.history.read import job_rows
+from flightdeck.services.tools.history.recorded import RecordedStore
 from nats.js.errors import NotFoundError, ServiceUnavailableError
-
-from events import subjects
-from events.jetstream import JetStreamStore
-from services import registry
-from services.shell.runtime import consumer_name
-from services.tools.audit.verify import NoSuchJob, Verdict, verify
-from services.tools.history.read import job_rows
-from services.tools.history.recorded import RecordedStore
 
 
 class NotSettled(TimeoutError):

@@ -9,20 +9,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-
-from events import codec, subjects
-from events.base import Event
-from events.clock import ClockTick, DeadLettered
-from events.commands import RollbackRequested
-from events.job import JobSubmitted, WorkersStarted
-from events.spec import JobSpec
-from events.store import Stored
-from events.training import RolledBack
-from services.core import Service
-from services.shell.deadletter import GIVEN_UP
-from services.shell.fold import Folder, comparable, recorded_fields, same_decision
-from services.tools.audit import cores
-from services.tools.audit.diff import field_diff
+from flightdeck.events import codec, subjects
+from flightdeck.events.base import Event
+from flightdeck.events.clock import ClockTick, DeadLettered
+from flightdeck.events.commands import RollbackRequested
+from flightdeck.events.job import JobSubmitted, WorkersStarted
+from flightdeck.events.spec import JobSpec
+from flightdeck.events.store import Stored
+from flightdeck.events.training import RolledBack
+from flightdeck.services.core import Service
+from flightdeck.services.shell.deadletter import GIVEN_UP
+from flightdeck.services.shell.fold import Folder, comparable, recorded_fields, same_decision
+from flightdeck.services.tools.audit import cores
+from flightdeck.services.tools.audit.diff import field_diff
 
 Position = tuple[int, int, int]  # (recorded FD_CONTROL seq, depth of new decisions after it, order)
 

@@ -13,22 +13,22 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from events import subjects
-from events.archive import HistoryArchived
-from events.base import Event
-from events.checkpoint import CheckpointCommitted, CheckpointFailed, CheckpointScrubbed
-from events.clock import DeadLettered
-from events.store import EventStore, Stored
-from services.archiver.core import ARCHIVE, Ask
-from services.checkpoints.core import COMMIT, SCRUB
-from services.checkpoints.state import CommitArgs, ScrubArgs
-from services.core import Effect, Service
-from services.shell.deadletter import FOLDED_ANYWAY, GIVEN_UP
-from services.shell.fold import Folder, Step, comparable, recorded_fields, replay, same_decision
-from services.tools.audit import cores
-from services.tools.audit.cores import settings_notes, unrecorded_settings
-from services.tools.audit.diff import field_diff
-from services.tools.audit.resume import Resume
+from flightdeck.events import subjects
+from flightdeck.events.archive import HistoryArchived
+from flightdeck.events.base import Event
+from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointFailed, CheckpointScrubbed
+from flightdeck.events.clock import DeadLettered
+from flightdeck.events.store import EventStore, Stored
+from flightdeck.services.archiver.core import ARCHIVE, Ask
+from flightdeck.services.checkpoints.core import COMMIT, SCRUB
+from flightdeck.services.checkpoints.state import CommitArgs, ScrubArgs
+from flightdeck.services.core import Effect, Service
+from flightdeck.services.shell.deadletter import FOLDED_ANYWAY, GIVEN_UP
+from flightdeck.services.shell.fold import Folder, Step, comparable, recorded_fields, replay, same_decision
+from flightdeck.services.tools.audit import cores
+from flightdeck.services.tools.audit.cores import settings_notes, unrecorded_settings
+from flightdeck.services.tools.audit.diff import field_diff
+from flightdeck.services.tools.audit.resume import Resume
 
 # a service's live dead letters: (input stream, input seq, cause) -> the input's subject
 Letters = dict[tuple[str, int, str], str]

@@ -12,15 +12,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from events import subjects
-from events.commands import RollbackRequested
-from events.findings import LossSpikeDetected, NonFiniteLoss
-from events.job import AllocationRequested, JobCompleted, JobFailed
-from events.store import Stored
-from services.tools.audit import settings as setting
-from services.tools.audit.cores import cores, settings_notes, unrecorded_settings
-from services.tools.audit.measured import Measured, measure
-from services.tools.audit.simulate import Change, Outcome, simulate, submitted_spec
+from flightdeck.events import subjects
+from flightdeck.events.commands import RollbackRequested
+from flightdeck.events.findings import LossSpikeDetected, NonFiniteLoss
+from flightdeck.events.job import AllocationRequested, JobCompleted, JobFailed
+from flightdeck.events.store import Stored
+from flightdeck.services.tools.audit import settings as setting
+from flightdeck.services.tools.audit.cores import cores, settings_notes, unrecorded_settings
+from flightdeck.services.tools.audit.measured import Measured, measure
+from flightdeck.services.tools.audit.simulate import Change, Outcome, simulate, submitted_spec
 
 CAVEATS = (
     "Decisions up to the first change are exact: every input before it happened as recorded.",

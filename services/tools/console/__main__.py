@@ -7,11 +7,10 @@ import os
 import sys
 
 import structlog
-
-from events.store import StoreUnavailable
-from services.shell.broker import BrokerError
-from services.shell.logging import CurrentStderr
-from services.tools.cli import EXIT_ERROR, Command, UserError
+from flightdeck.events.store import StoreUnavailable
+from flightdeck.services.shell.broker import BrokerError
+from flightdeck.services.shell.logging import CurrentStderr
+from flightdeck.services.tools.cli import EXIT_ERROR, Command, UserError
 
 # Verb -> (module under services.tools.console, attribute), in the order `--help` lists them. Only the verb that runs
 # is imported (`flightdeck --help` imports them all): `status` need not load the dashboard's server, the node agent
@@ -36,7 +35,7 @@ VERBS: dict[str, tuple[str, str]] = {
 
 def command(verb: str) -> Command:
     module, attribute = VERBS[verb]
-    found: Command = getattr(importlib.import_module(f"services.tools.console.{module}"), attribute)
+    found: Command = getattr(importlib.import_module(f"flightdeck.services.tools.console.{module}"), attribute)
     return found
 
 

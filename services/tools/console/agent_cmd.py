@@ -1,11 +1,11 @@
 """`flightdeck agent`: run a node agent in the foreground, so another host's slots join the fleet; the same
-start-up as `python -m services.agent` (services/agent/bootstrap.py), which `flightdeck up` runs too."""
+start-up as `python -m flightdeck.services.agent` (services/agent/bootstrap.py), which `flightdeck up` runs too."""
 
 import argparse
 
-from services.agent import bootstrap
-from services.agent.inventory import AgentError
-from services.tools.cli import EXIT_NOT_FOUND, Command, UserError
+from flightdeck.services.agent import bootstrap
+from flightdeck.services.agent.inventory import AgentError
+from flightdeck.services.tools.cli import EXIT_NOT_FOUND, Command, UserError
 
 
 def run(args: argparse.Namespace) -> int:

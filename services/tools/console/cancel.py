@@ -4,9 +4,9 @@ records JobCancelled. A job that has already ended is left as it is (exit 0, say
 import argparse
 import asyncio
 
-from services.shell.broker import nats_url
-from services.tools.cli import Command, add_nats_argument
-from services.tools.client import Client
+from flightdeck.services.shell.broker import nats_url
+from flightdeck.services.tools.cli import Command, add_nats_argument
+from flightdeck.services.tools.client import Client
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -6,9 +6,9 @@ import argparse
 import asyncio
 from collections.abc import Awaitable, Callable
 
-from services.shell.broker import nats_url
-from services.tools.cli import Command, add_nats_argument
-from services.tools.client import Client
+from flightdeck.services.shell.broker import nats_url
+from flightdeck.services.tools.cli import Command, add_nats_argument
+from flightdeck.services.tools.client import Client
 
 Send = Callable[[Client, str, str], Awaitable[None]]
 

@@ -6,7 +6,7 @@ timeline of the job's events (phases, faults, findings, exits, checkpoints, roll
 of each incident (drill_summary.py), then `flightdeck status` and `flightdeck checkpoints`, and always
 `flightdeck down`. Exit code 0 only if the job completed.
 
-    python -m services.tools.console.demo [--spec FILE] [--data-dir DIR] [--timeout-s 300]
+    python -m flightdeck.services.tools.console.demo [--spec FILE] [--data-dir DIR] [--timeout-s 300]
 """
 
 import argparse
@@ -22,28 +22,28 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
-from events import subjects
-from events.base import Event
-from events.checkpoint import CheckpointCommitted, CheckpointDeleted
-from events.commands import RollbackRequested, StopRequested
-from events.findings import Finding
-from events.job import JobCompleted, JobResumed, JobSubmitted, WorkersExited, WorkersStarted
-from events.spec import JobSpec, parse_spec
-from events.store import Stored
-from events.training import FaultInjected, Heartbeat, RankFault, RolledBack, StepCompleted
-from services.shell import broker
-from services.tools.cli import UserError
-from services.tools.console import drill_summary, metrics_peek, ui_cmd, up, upstate
-from services.tools.console.checkpoints_cmd import size
-from services.tools.console.following import follow
-from services.tools.console.status import duration
-from services.tools.history import jobview
-from services.tools.history.jobview import JobView
-from services.tools.history.reasons import headline
+from flightdeck.events import subjects
+from flightdeck.events.base import Event
+from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointDeleted
+from flightdeck.events.commands import RollbackRequested, StopRequested
+from flightdeck.events.findings import Finding
+from flightdeck.events.job import JobCompleted, JobResumed, JobSubmitted, WorkersExited, WorkersStarted
+from flightdeck.events.spec import JobSpec, parse_spec
+from flightdeck.events.store import Stored
+from flightdeck.events.training import FaultInjected, Heartbeat, RankFault, RolledBack, StepCompleted
+from flightdeck.services.shell import broker
+from flightdeck.services.tools.cli import UserError
+from flightdeck.services.tools.console import drill_summary, metrics_peek, ui_cmd, up, upstate
+from flightdeck.services.tools.console.checkpoints_cmd import size
+from flightdeck.services.tools.console.following import follow
+from flightdeck.services.tools.console.status import duration
+from flightdeck.services.tools.history import jobview
+from flightdeck.services.tools.history.jobview import JobView
+from flightdeck.services.tools.history.reasons import headline
 
 REPO = Path(__file__).resolve().parents[3]
 DEMO_ROOT = REPO / ".flightdeck-demo"
-CLI = (sys.executable, "-m", "services.tools.console")
+CLI = (sys.executable, "-m", "flightdeck.services.tools.console")
 LABEL = 11
 HOLD_S = 1.0  # a line waits until both streams are this far past it: a late, earlier line still goes first
 WALL_HOLD_S = 5.0  # ... or has waited this long, when one stream is quiet
@@ -224,7 +224,7 @@ def _past_deadline(signum: int, frame: FrameType | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m services.tools.console.demo", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m flightdeck.services.tools.console.demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--spec", type=Path, default=REPO / "examples" / "demo.toml")
     p.add_argument("--data-dir", type=Path, default=None, help="default: a fresh folder under .flightdeck-demo/")

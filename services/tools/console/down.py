@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from services.tools.cli import EXIT_NOT_FOUND, Command, UserError
-from services.tools.console import upstate
-from services.tools.console.up import DEFAULT_DATA_DIR
+from flightdeck.services.tools.cli import EXIT_NOT_FOUND, Command, UserError
+from flightdeck.services.tools.console import upstate
+from flightdeck.services.tools.console.up import DEFAULT_DATA_DIR
 
 NATS_URL_ENV = "FLIGHTDECK_NATS_URL"
 STOP_TIMEOUT_S = 30.0  # the supervisor gives each process 10 s, then the broker 10 s

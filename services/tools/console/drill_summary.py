@@ -5,11 +5,11 @@ telemetry as `make demo` saw them. Times are relative to the submission; "+" is 
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from events.base import Event
-from events.commands import RollbackRequested
-from events.findings import Finding, SpikeDiagnosed, StragglerDetected, diagnosis_summary
-from events.job import AllocationRequested, JobCompleted, JobResumed, JobSubmitted, WorkersExited
-from events.training import FaultInjected, RolledBack, StepCompleted
+from flightdeck.events.base import Event
+from flightdeck.events.commands import RollbackRequested
+from flightdeck.events.findings import Finding, SpikeDiagnosed, StragglerDetected, diagnosis_summary
+from flightdeck.events.job import AllocationRequested, JobCompleted, JobResumed, JobSubmitted, WorkersExited
+from flightdeck.events.training import FaultInjected, RolledBack, StepCompleted
 
 LABEL = 10
 

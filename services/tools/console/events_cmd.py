@@ -10,12 +10,12 @@ import sys
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
-from events import subjects
-from events.store import EventStore, Stored
-from services.shell.broker import nats_url
-from services.tools.cli import EXIT_NOT_FOUND, Command, UserError, add_nats_argument
-from services.tools.connect import open_store
-from services.tools.console import output
+from flightdeck.events import subjects
+from flightdeck.events.store import EventStore, Stored
+from flightdeck.services.shell.broker import nats_url
+from flightdeck.services.tools.cli import EXIT_NOT_FOUND, Command, UserError, add_nats_argument
+from flightdeck.services.tools.connect import open_store
+from flightdeck.services.tools.console import output
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -6,9 +6,9 @@ import asyncio
 import sys
 from pathlib import Path
 
-from events import subjects
-from services.tools.cli import EXIT_ERROR, Command, UserError
-from services.tools.history import add_history_arguments, fdh, history_from_args
+from flightdeck.events import subjects
+from flightdeck.services.tools.cli import EXIT_ERROR, Command, UserError
+from flightdeck.services.tools.history import add_history_arguments, fdh, history_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

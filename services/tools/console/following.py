@@ -6,10 +6,10 @@ import asyncio
 import contextlib
 from typing import Protocol
 
-from events.admission import Admission
-from events.store import Stored
-from services.tools.client import Client
-from services.tools.history.jobview import JobView
+from flightdeck.events.admission import Admission
+from flightdeck.events.store import Stored
+from flightdeck.services.tools.client import Client
+from flightdeck.services.tools.history.jobview import JobView
 
 
 class Sink(Protocol):

@@ -5,9 +5,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from events import subjects
-from services.tools.cli import EXIT_ERROR, Command, UserError
-from services.tools.history import fdh, library
+from flightdeck.events import subjects
+from flightdeck.services.tools.cli import EXIT_ERROR, Command, UserError
+from flightdeck.services.tools.history import fdh, library
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -7,13 +7,13 @@ import asyncio
 import json
 import sys
 
-from events import subjects
-from events.logs import RankOutput
-from events.store import Stored
-from services.shell.broker import nats_url
-from services.tools.cli import EXIT_NOT_FOUND, Command, UserError, add_nats_argument
-from services.tools.connect import open_store
-from services.tools.console.events_cmd import follow_all, read_all, until_interrupted
+from flightdeck.events import subjects
+from flightdeck.events.logs import RankOutput
+from flightdeck.events.store import Stored
+from flightdeck.services.shell.broker import nats_url
+from flightdeck.services.tools.cli import EXIT_NOT_FOUND, Command, UserError, add_nats_argument
+from flightdeck.services.tools.connect import open_store
+from flightdeck.services.tools.console.events_cmd import follow_all, read_all, until_interrupted
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

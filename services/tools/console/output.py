@@ -3,8 +3,8 @@
 import json
 from typing import Any
 
-from events import codec
-from events.store import Stored
+from flightdeck.events import codec
+from flightdeck.events.store import Stored
 
 # Envelope fields every event has; a human line leaves them out (`--json` keeps them).
 _ENVELOPE = frozenset({"type", "event_id", "occurred_at", "causation_id", "producer", "schema_version",

@@ -13,9 +13,9 @@ import math
 import sys
 from typing import Any
 
-from services.resharder import gpus, planner, shapes
-from services.resharder.memory import usable_gb
-from services.tools.cli import Command, UserError
+from flightdeck.services.resharder import gpus, planner, shapes
+from flightdeck.services.resharder.memory import usable_gb
+from flightdeck.services.tools.cli import Command, UserError
 
 EXIT_NO_PLAN = 2  # no layout fits, or a shape/GPU the planner cannot use: the request must change
 DEFAULT_MFU = 0.4  # large dense runs report ~35-55% model FLOPs utilization

@@ -6,11 +6,11 @@ import asyncio
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from services.tools.cli import EXIT_NOT_FOUND, Command, UserError
-from services.tools.history import add_history_arguments, history_from_args
+from flightdeck.services.tools.cli import EXIT_NOT_FOUND, Command, UserError
+from flightdeck.services.tools.history import add_history_arguments, history_from_args
 
 if TYPE_CHECKING:
-    from services.tools.postmortem import Postmortem
+    from flightdeck.services.tools.postmortem import Postmortem
 
 INCIDENT_LINES = 3  # the summary names this many incidents; the report has them all
 
@@ -25,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
     if args.out.exists() and not args.out.is_dir():
         raise UserError(f"--out {args.out} is a file; name a folder for the report")
     # numpy and matplotlib load here, not when the CLI starts: every other verb would pay for them
-    from services.tools.postmortem import analyse, write_report
+    from flightdeck.services.tools.postmortem import analyse, write_report
 
     history = asyncio.run(history_from_args(args))
     try:
@@ -47,8 +47,8 @@ def run(args: argparse.Namespace) -> int:
 
 def summary(pm: "Postmortem") -> list[str]:
     """Five to ten lines: outcome, time, steps, goodput, the biggest badput parts, the first incidents."""
-    from services.tools.postmortem.goodput import BADPUT
-    from services.tools.postmortem.report import seconds
+    from flightdeck.services.tools.postmortem.goodput import BADPUT
+    from flightdeck.services.tools.postmortem.report import seconds
 
     s, g = pm.summary, pm.goodput
     lines = [f"outcome: {s.outcome}" + (f" ({s.reason})" if s.reason else ""),

@@ -7,16 +7,15 @@ import asyncio
 import sys
 
 import msgspec
-
-from events import codec
-from events.history import HistoryGap, check_contiguous
-from services.tools.cli import EXIT_ERROR, Command, UserError
-from services.tools.console import status
-from services.tools.console.output import relative
-from services.tools.history import History, add_history_arguments, history_from_args
-from services.tools.history.jobview import JobView
-from services.tools.history.timeline import Entry, job_view_at, timeline
-from services.tools.history.until import BadUntil, parse_until, resolve, submitted_at
+from flightdeck.events import codec
+from flightdeck.events.history import HistoryGap, check_contiguous
+from flightdeck.services.tools.cli import EXIT_ERROR, Command, UserError
+from flightdeck.services.tools.console import status
+from flightdeck.services.tools.console.output import relative
+from flightdeck.services.tools.history import History, add_history_arguments, history_from_args
+from flightdeck.services.tools.history.jobview import JobView
+from flightdeck.services.tools.history.timeline import Entry, job_view_at, timeline
+from flightdeck.services.tools.history.until import BadUntil, parse_until, resolve, submitted_at
 
 
 class Replayed(msgspec.Struct, frozen=True, kw_only=True):

@@ -11,14 +11,13 @@ import time
 from typing import Any
 
 import msgspec
-
-from events import codec
-from services.shell.broker import nats_url
-from services.tools.cli import Command, add_nats_argument
-from services.tools.client import Client
-from services.tools.connect import open_store
-from services.tools.history.jobview import JobView
-from services.tools.history.reasons import headline
+from flightdeck.events import codec
+from flightdeck.services.shell.broker import nats_url
+from flightdeck.services.tools.cli import Command, add_nats_argument
+from flightdeck.services.tools.client import Client
+from flightdeck.services.tools.connect import open_store
+from flightdeck.services.tools.history.jobview import JobView
+from flightdeck.services.tools.history.reasons import headline
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -7,14 +7,14 @@ import asyncio
 import os
 from pathlib import Path
 
-from services.shell.broker import nats_url
-from services.shell.objects.code import CodeError
-from services.shell.objects.open import OBJECTS_ENV, objects_url, open_store
-from services.shell.objects.store import ObjectStoreError
-from services.tools import codeship
-from services.tools.cli import EXIT_INVALID, Command, UserError, add_nats_argument
-from services.tools.client import Client, read_spec
-from services.tools.console import upstate
+from flightdeck.services.shell.broker import nats_url
+from flightdeck.services.shell.objects.code import CodeError
+from flightdeck.services.shell.objects.open import OBJECTS_ENV, objects_url, open_store
+from flightdeck.services.shell.objects.store import ObjectStoreError
+from flightdeck.services.tools import codeship
+from flightdeck.services.tools.cli import EXIT_INVALID, Command, UserError, add_nats_argument
+from flightdeck.services.tools.client import Client, read_spec
+from flightdeck.services.tools.console import upstate
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
 def _submitted(job_id: str, url: str, wait: bool) -> int:
     print(job_id, flush=True)
     if wait:
-        from services.tools.console.watch_cmd import watch  # rich loads only for a watch
+        from flightdeck.services.tools.console.watch_cmd import watch  # rich loads only for a watch
 
         return watch(url, job_id)
     return 0

@@ -6,10 +6,10 @@ import argparse
 import asyncio
 import signal
 
-from events.store import StoreUnavailable
-from services.shell.broker import nats_url
-from services.tools.cli import Command, UserError, add_nats_argument, unreachable
-from services.tools.web.server import serve
+from flightdeck.events.store import StoreUnavailable
+from flightdeck.services.shell.broker import nats_url
+from flightdeck.services.tools.cli import Command, UserError, add_nats_argument, unreachable
+from flightdeck.services.tools.web.server import serve
 
 DEFAULT_PORT = 8321
 LOOPBACK = "127.0.0.1"

@@ -19,26 +19,26 @@ from types import FrameType
 from typing import Literal
 
 import structlog
-
-from services import registry
-from services.shell import broker as broker_mod
-from services.shell.objects.open import DATA_DIR_ENV, objects_url
-from services.shell.security import permissions
-from services.shell.security.__main__ import rendered
-from services.shell.security.credentials import PASSWORD_FILE, USER
-from services.shell.security.passwords import SecretsDir, write_private
-from services.tools.cli import Command, UserError, add_nats_argument
-from services.tools.connect import connect
-from services.tools.console import upstate
-from services.tools.console.readiness import listening
-from services.tools.console.supervisor import Backoff, ProcessSpec, Supervisor
-from services.tools.console.ui_cmd import DEFAULT_PORT as DEFAULT_UI_PORT
+from flightdeck.services import registry
+from flightdeck.services.shell import broker as broker_mod
+from flightdeck.services.shell.objects.open import DATA_DIR_ENV, objects_url
+from flightdeck.services.shell.security import permissions
+from flightdeck.services.shell.security.__main__ import rendered
+from flightdeck.services.shell.security.credentials import PASSWORD_FILE, USER
+from flightdeck.services.shell.security.passwords import SecretsDir, write_private
+from flightdeck.services.tools.cli import Command, UserError, add_nats_argument
+from flightdeck.services.tools.connect import connect
+from flightdeck.services.tools.console import upstate
+from flightdeck.services.tools.console.readiness import listening
+from flightdeck.services.tools.console.supervisor import Backoff, ProcessSpec, Supervisor
+from flightdeck.services.tools.console.ui_cmd import DEFAULT_PORT as DEFAULT_UI_PORT
 
 log = structlog.get_logger("flightdeck.up")
 
-# Processes `up` runs beside the services (every name in services.registry): (name, arguments after
+# Processes `up` runs beside the services (every name in flightdeck.services.registry): (name, arguments after
 # the python executable); `--nats URL` is appended to each. One line here adds one (the node agent).
-OTHER_PROCESSES: tuple[tuple[str, tuple[str, ...]], ...] = (("agent", ("-m", "services.tools.console", "agent")),)
+CONSOLE = "flightdeck.services.tools.console"
+OTHER_PROCESSES: tuple[tuple[str, tuple[str, ...]], ...] = (("agent", ("-m", CONSOLE, "agent")),)
 READY_AFTER_S = 1.0  # every process alive this long, and every service reading (readiness.py): ready
 DETACH_TIMEOUT_S = 60.0
 DEFAULT_DATA_DIR = ".flightdeck"
@@ -66,8 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def process_specs(url: str, data_dir: Path, secrets: Path | None = None, ui_port: int = 0) -> list[ProcessSpec]:
     """Every service, the node agent and the web server on `ui_port` (0: none), each as its own broker user with
     `secrets` (the web server as `console`: it only reads)."""
-    ui = [("ui", ("-m", "services.tools.console", "ui", "--port", str(ui_port)))] if ui_port else []
-    table = [*((name, ("-m", "services", name)) for name in registry.names()), *OTHER_PROCESSES, *ui]
+    ui = [("ui", ("-m", "flightdeck.services.tools.console", "ui", "--port", str(ui_port)))] if ui_port else []
+    table = [*((name, ("-m", "flightdeck.services", name)) for name in registry.names()), *OTHER_PROCESSES, *ui]
     env = {"FLIGHTDECK_NATS_URL": url, "FLIGHTDECK_DATA_DIR": str(data_dir)}
     if secrets is None:
         return [ProcessSpec(name, (sys.executable, *args, "--nats", url), env) for name, args in table]
@@ -338,7 +338,7 @@ def detach(args: argparse.Namespace, data_dir: Path) -> int:
         os.close(lock)
     logs = data_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    argv = [sys.executable, "-m", "services.tools.console", "up", "--data-dir", str(data_dir), "--port", str(args.port)]
+    argv = [sys.executable, "-m", CONSOLE, "up", "--data-dir", str(data_dir), "--port", str(args.port)]
     if args.nats is not None:
         argv += ["--nats", args.nats]
     argv += ["--listen", args.listen, "--ui-port", str(args.ui_port)]

@@ -8,17 +8,22 @@ from collections.abc import Sequence
 from typing import Any
 
 import msgspec
-
-from events import codec, subjects
-from events.store import Stored
-from events.subjects import InvalidSubjectToken
-from services.shell.broker import nats_url
-from services.tools.audit import cores, resume
-from services.tools.audit.verify import Divergence, NoSuchJob, Verdict, verify
-from services.tools.cli import EXIT_ERROR, EXIT_INCOMPLETE, EXIT_NOT_FOUND, Command, UserError
-from services.tools.history import add_history_arguments, history_from_args
-from services.tools.history.archived import Gap
-from services.tools.history.library import HistoryNotFound, control_stream_id, data_dir_of, from_broker, library_path
+from flightdeck.events import codec, subjects
+from flightdeck.events.store import Stored
+from flightdeck.events.subjects import InvalidSubjectToken
+from flightdeck.services.shell.broker import nats_url
+from flightdeck.services.tools.audit import cores, resume
+from flightdeck.services.tools.audit.verify import Divergence, NoSuchJob, Verdict, verify
+from flightdeck.services.tools.cli import EXIT_ERROR, EXIT_INCOMPLETE, EXIT_NOT_FOUND, Command, UserError
+from flightdeck.services.tools.history import add_history_arguments, history_from_args
+from flightdeck.services.tools.history.archived import Gap
+from flightdeck.services.tools.history.library import (
+    HistoryNotFound,
+    control_stream_id,
+    data_dir_of,
+    from_broker,
+    library_path,
+)
 
 MAX_VALUE_CHARS = 160
 

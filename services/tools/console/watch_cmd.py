@@ -7,24 +7,23 @@ import asyncio
 import sys
 from typing import Protocol, TextIO
 
+from flightdeck.events import subjects
+from flightdeck.events.checkpoint import CheckpointRefused, CheckpointRejected
+from flightdeck.events.commands import RollbackRequested
+from flightdeck.events.findings import Finding
+from flightdeck.events.job import JobCompleted, JobFailed, JobResumed, WorkersExited
+from flightdeck.events.store import Stored
+from flightdeck.events.training import FaultInjected, RolledBack, StepCompleted
+from flightdeck.services.shell.broker import nats_url
+from flightdeck.services.tools.cli import EXIT_ERROR, Command, add_nats_argument
+from flightdeck.services.tools.client import check_job_id
+from flightdeck.services.tools.console.following import follow
+from flightdeck.services.tools.console.status import duration
+from flightdeck.services.tools.history import jobview
+from flightdeck.services.tools.history.jobview import JobView
+from flightdeck.services.tools.history.reasons import headline
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
-from events import subjects
-from events.checkpoint import CheckpointRefused, CheckpointRejected
-from events.commands import RollbackRequested
-from events.findings import Finding
-from events.job import JobCompleted, JobFailed, JobResumed, WorkersExited
-from events.store import Stored
-from events.training import FaultInjected, RolledBack, StepCompleted
-from services.shell.broker import nats_url
-from services.tools.cli import EXIT_ERROR, Command, add_nats_argument
-from services.tools.client import check_job_id
-from services.tools.console.following import follow
-from services.tools.console.status import duration
-from services.tools.history import jobview
-from services.tools.history.jobview import JobView
-from services.tools.history.reasons import headline
 
 SHORT = 160  # characters of a reason on one line
 PLAIN_LINES = 10  # progress lines a whole run prints without a terminal, about

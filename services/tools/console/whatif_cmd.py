@@ -9,14 +9,13 @@ import sys
 from typing import Any
 
 import msgspec
-
-from events import codec
-from services.tools.audit import settings
-from services.tools.audit.simulate import Change
-from services.tools.audit.whatif import WhatIf, whatif
-from services.tools.cli import Command, UserError
-from services.tools.console.output import relative
-from services.tools.history import add_history_arguments, history_from_args
+from flightdeck.events import codec
+from flightdeck.services.tools.audit import settings
+from flightdeck.services.tools.audit.simulate import Change
+from flightdeck.services.tools.audit.whatif import WhatIf, whatif
+from flightdeck.services.tools.cli import Command, UserError
+from flightdeck.services.tools.console.output import relative
+from flightdeck.services.tools.history import add_history_arguments, history_from_args
 
 EXIT_BAD_SETTING = 2
 _ENVELOPE = {"type", "event_id", "occurred_at", "causation_id", "producer", "schema_version", "job_id", "job_version"}

@@ -1,5 +1,6 @@
-"""Run seeds of the fault explorer: `python -m services.tools.explore --seeds 1000 [--from N]`, or one seed with
-its schedule and outcome: `python -m services.tools.explore --seed N -v`. Exit 1 when any seed broke an invariant."""
+"""Run seeds of the fault explorer: `python -m flightdeck.services.tools.explore --seeds 1000 [--from N]`, or one
+seed with its schedule and outcome: `python -m flightdeck.services.tools.explore --seed N -v`. Exit 1 when any seed
+broke an invariant."""
 
 import argparse
 import asyncio
@@ -9,13 +10,12 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 
 import structlog
-
-from services.tools.explore.invariants import violations
-from services.tools.explore.world import plan, simulate
+from flightdeck.services.tools.explore.invariants import violations
+from flightdeck.services.tools.explore.world import plan, simulate
 
 
 def replay_command(seed: int) -> str:
-    return f".venv/bin/python -m services.tools.explore --seed {seed} -v"
+    return f".venv/bin/python -m flightdeck.services.tools.explore --seed {seed} -v"
 
 
 async def explore(first: int, count: int, *, verbose: bool = False, budget_s: float = 0.0,
@@ -55,7 +55,7 @@ def _worker(first: int, count: int, budget_s: float) -> tuple[int, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m services.tools.explore", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m flightdeck.services.tools.explore", description=__doc__)
     ap.add_argument("--seed", type=int, help="run this one seed")
     ap.add_argument("--from", dest="first", type=int, default=0, help="the first seed (default 0)")
     ap.add_argument("--seeds", type=int, default=100, help="how many seeds (default 100)")

@@ -5,8 +5,8 @@ acked or given up after `max_deliver`), whose positions a broker restart can set
 
 from dataclasses import dataclass, field
 
-from events import subjects
-from events.store import MemoryStore, Stored
+from flightdeck.events import subjects
+from flightdeck.events.store import MemoryStore, Stored
 
 MAX_DELIVER = 5  # the shell's default (ConsumerPolicy.max_deliver)
 

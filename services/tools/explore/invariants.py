@@ -4,16 +4,16 @@ for the one question no record answers: did every step run?)."""
 from collections import Counter
 from typing import Any
 
-from events import subjects
-from events.admission import admitted_events
-from events.commands import RollbackRequested
-from events.findings import LossSpikeDetected, NonFiniteLoss, SpikeDiagnosed
-from events.history import HistoryGap, check_contiguous
-from events.job import JobCancelled, JobCompleted, JobFailed, RollbackAsked
-from events.store import Stored
-from services.shell.deadletter import given_up
-from services.shell.fold import replay, same_decision
-from services.tools.explore.world import Run
+from flightdeck.events import subjects
+from flightdeck.events.admission import admitted_events
+from flightdeck.events.commands import RollbackRequested
+from flightdeck.events.findings import LossSpikeDetected, NonFiniteLoss, SpikeDiagnosed
+from flightdeck.events.history import HistoryGap, check_contiguous
+from flightdeck.events.job import JobCancelled, JobCompleted, JobFailed, RollbackAsked
+from flightdeck.events.store import Stored
+from flightdeck.services.shell.deadletter import given_up
+from flightdeck.services.shell.fold import replay, same_decision
+from flightdeck.services.tools.explore.world import Run
 
 VERIFIED = ("scheduler", "resources", "health", "checkpoints")  # cores whose every decision a replay re-derives
 

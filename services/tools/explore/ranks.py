@@ -6,16 +6,29 @@ As on a real node, a rank's agent is its only link: commands reach rank 0 when i
 
 from dataclasses import dataclass, field
 
-from events import subjects
-from events.base import Event
-from events.checkpoint import CheckpointStaged, DataPosition, ShardInfo, ShardsUploaded, batch_at, checkpoint_id
-from events.commands import CheckpointRequested, PauseRequested, ResumeRequested, RollbackRequested, StopRequested
-from events.heartbeats import RankBeat, RankHeartbeats
-from events.history import append_to_job
-from events.job import RankExit, WorkersStarted, exits_record
-from events.nodelocal import STOPPED_EXIT
-from events.store import MemoryStore
-from events.training import RankStarted, RolledBack, SpikeReplayed, StepCompleted
+from flightdeck.events import subjects
+from flightdeck.events.base import Event
+from flightdeck.events.checkpoint import (
+    CheckpointStaged,
+    DataPosition,
+    ShardInfo,
+    ShardsUploaded,
+    batch_at,
+    checkpoint_id,
+)
+from flightdeck.events.commands import (
+    CheckpointRequested,
+    PauseRequested,
+    ResumeRequested,
+    RollbackRequested,
+    StopRequested,
+)
+from flightdeck.events.heartbeats import RankBeat, RankHeartbeats
+from flightdeck.events.history import append_to_job
+from flightdeck.events.job import RankExit, WorkersStarted, exits_record
+from flightdeck.events.nodelocal import STOPPED_EXIT
+from flightdeck.events.store import MemoryStore
+from flightdeck.events.training import RankStarted, RolledBack, SpikeReplayed, StepCompleted
 
 SPIKE_FACTOR = 10.0
 

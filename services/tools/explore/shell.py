@@ -6,15 +6,15 @@ before the outputs, between two of them, or before the ack; a lost ack redeliver
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from events import subjects
-from events.base import JobEvent
-from events.clock import ClockTick, CoreConfigured
-from events.history import append_to_job
-from events.store import MemoryStore, Stored
-from services.core import Effect, Emit, Service
-from services.shell import deadletter, position, snapshots
-from services.shell.fold import Folder, Output, rebuild, replay, stamp
-from services.tools.explore.broker import SimBroker
+from flightdeck.events import subjects
+from flightdeck.events.base import JobEvent
+from flightdeck.events.clock import ClockTick, CoreConfigured
+from flightdeck.events.history import append_to_job
+from flightdeck.events.store import MemoryStore, Stored
+from flightdeck.services.core import Effect, Emit, Service
+from flightdeck.services.shell import deadletter, position, snapshots
+from flightdeck.services.shell.fold import Folder, Output, rebuild, replay, stamp
+from flightdeck.services.tools.explore.broker import SimBroker
 
 CRASH_POINTS = ("before-outputs", "between-outputs", "before-ack")
 SNAPSHOT_EVERY = 16  # inputs between state snapshots: often, so that most restarts start from one

@@ -7,24 +7,24 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from events import codec, subjects
-from events.checkpoint import CheckpointCommitted
-from events.findings import StragglerDetected
-from events.fleet import NodeRegistered, SelfCheckPassed
-from events.history import append_to_job
-from events.job import JobCompleted, JobSubmitted
-from events.spec import JobSpec, PolicySpec, TrainSpec
-from events.store import MemoryStore
-from services.agent import core as agent_core
-from services.checkpoints import core as checkpoints_core
-from services.checkpoints.state import CommitArgs, DeleteArgs
-from services.core import Effect, Emit, Service
-from services.health.core import core_service as health_core
-from services.resources.core import core_service as resources_core
-from services.scheduler.core import core_service as scheduler_core
-from services.tools.explore.broker import SimBroker
-from services.tools.explore.ranks import Clock, Ranks
-from services.tools.explore.shell import CRASH_POINTS, SimShell
+from flightdeck.events import codec, subjects
+from flightdeck.events.checkpoint import CheckpointCommitted
+from flightdeck.events.findings import StragglerDetected
+from flightdeck.events.fleet import NodeRegistered, SelfCheckPassed
+from flightdeck.events.history import append_to_job
+from flightdeck.events.job import JobCompleted, JobSubmitted
+from flightdeck.events.spec import JobSpec, PolicySpec, TrainSpec
+from flightdeck.events.store import MemoryStore
+from flightdeck.services.agent import core as agent_core
+from flightdeck.services.checkpoints import core as checkpoints_core
+from flightdeck.services.checkpoints.state import CommitArgs, DeleteArgs
+from flightdeck.services.core import Effect, Emit, Service
+from flightdeck.services.health.core import core_service as health_core
+from flightdeck.services.resources.core import core_service as resources_core
+from flightdeck.services.scheduler.core import core_service as scheduler_core
+from flightdeck.services.tools.explore.broker import SimBroker
+from flightdeck.services.tools.explore.ranks import Clock, Ranks
+from flightdeck.services.tools.explore.shell import CRASH_POINTS, SimShell
 
 TURN_S = 0.1
 NODES = ("n0", "n1", "n2")

@@ -3,7 +3,7 @@
 Why it works this way: docs/internals.md, "8. Operator tools".
 """
 
-from services.tools.history.args import add_history_arguments, history_from_args
-from services.tools.history.library import BadHistory, History, HistoryNotFound, open_history
+from flightdeck.services.tools.history.args import add_history_arguments, history_from_args
+from flightdeck.services.tools.history.library import BadHistory, History, HistoryNotFound, open_history
 
 __all__ = ["BadHistory", "History", "HistoryNotFound", "add_history_arguments", "history_from_args", "open_history"]

@@ -9,15 +9,14 @@ Only an ended job's checkpoints are adopted: a running job's retention may still
 from collections.abc import Sequence
 
 import msgspec
-
-from events import lineage
-from events.checkpoint import CheckpointCommitted, CheckpointDeleted, CheckpointRejected
-from events.commands import RollbackRequested
-from events.job import JobSubmitted
-from events.spec import InitFrom, JobSpec
-from services.agent.core import Restore, newest
-from services.tools.cli import EXIT_ERROR, EXIT_NOT_FOUND, UserError
-from services.tools.history.jobview import JobView
+from flightdeck.events import lineage
+from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointDeleted, CheckpointRejected
+from flightdeck.events.commands import RollbackRequested
+from flightdeck.events.job import JobSubmitted
+from flightdeck.events.spec import InitFrom, JobSpec
+from flightdeck.services.agent.core import Restore, newest
+from flightdeck.services.tools.cli import EXIT_ERROR, EXIT_NOT_FOUND, UserError
+from flightdeck.services.tools.history.jobview import JobView
 
 
 def resolved(init: InitFrom, view: JobView, history: Sequence[object]) -> InitFrom:

@@ -8,10 +8,10 @@ Why it works this way: docs/internals.md, "9. The whole history".
 
 from dataclasses import dataclass
 
-from events.archive import HistoryArchived
-from events.store import EventStore, Stored
-from services.shell.objects import segments
-from services.shell.objects.store import ObjectStore
+from flightdeck.events.archive import HistoryArchived
+from flightdeck.events.store import EventStore, Stored
+from flightdeck.services.shell.objects import segments
+from flightdeck.services.shell.objects.store import ObjectStore
 
 AGED_OUT = "aged out of the stream before it was archived"
 

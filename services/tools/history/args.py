@@ -2,8 +2,8 @@
 
 import argparse
 
-from services.tools.cli import add_nats_argument
-from services.tools.history.library import History, open_history
+from flightdeck.services.tools.cli import add_nats_argument
+from flightdeck.services.tools.history.library import History, open_history
 
 
 def add_history_arguments(parser: argparse.ArgumentParser) -> None:

@@ -8,9 +8,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import msgspec
-
-from events import subjects
-from events.store import Stored, decoded
+from flightdeck.events import subjects
+from flightdeck.events.store import Stored, decoded
 
 FORMAT = "flightdeck-history"
 VERSION = 1

@@ -7,18 +7,17 @@ from collections.abc import Iterable
 from typing import Literal
 
 import msgspec
-
-from events.base import Event
-from events.checkpoint import (
+from flightdeck.events.base import Event
+from flightdeck.events.checkpoint import (
     CheckpointCommitted,
     CheckpointDeleted,
     CheckpointFailed,
     CheckpointRejected,
     CheckpointScrubbed,
 )
-from events.commands import PauseRequested, ResumeRequested, RollbackRequested
-from events.findings import SpikeDiagnosed, diagnosis_summary
-from events.job import (
+from flightdeck.events.commands import PauseRequested, ResumeRequested, RollbackRequested
+from flightdeck.events.findings import SpikeDiagnosed, diagnosis_summary
+from flightdeck.events.job import (
     AllocationDenied,
     AllocationGranted,
     AllocationReleased,
@@ -33,8 +32,8 @@ from events.job import (
     JobSubmitted,
     WorkersStarted,
 )
-from events.training import StepCompleted
-from services.scheduler.state import Phase
+from flightdeck.events.training import StepCompleted
+from flightdeck.services.scheduler.state import Phase
 
 ViewPhase = Phase | Literal["submitted"]
 ENDED: frozenset[str] = frozenset({"completed", "failed", "cancelled"})

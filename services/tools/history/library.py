@@ -11,21 +11,21 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from events import subjects
-from events.admission import Admission
-from events.archive import HistoryArchived
-from events.store import Stored
-from events.subjects import InvalidSubjectToken
-from services.shell.broker import nats_url
-from services.shell.objects.open import objects_url as default_objects_url
-from services.shell.objects.open import open_store as open_objects
-from services.shell.objects.store import ObjectStore
-from services.tools.cli import EXIT_NOT_FOUND, UserError
-from services.tools.connect import open_store
-from services.tools.history import fdh
-from services.tools.history.archived import Gap, recorded_gaps
-from services.tools.history.read import JobNotFound, job_history
-from services.tools.history.recorded import RecordedStore
+from flightdeck.events import subjects
+from flightdeck.events.admission import Admission
+from flightdeck.events.archive import HistoryArchived
+from flightdeck.events.store import Stored
+from flightdeck.events.subjects import InvalidSubjectToken
+from flightdeck.services.shell.broker import nats_url
+from flightdeck.services.shell.objects.open import objects_url as default_objects_url
+from flightdeck.services.shell.objects.open import open_store as open_objects
+from flightdeck.services.shell.objects.store import ObjectStore
+from flightdeck.services.tools.cli import EXIT_NOT_FOUND, UserError
+from flightdeck.services.tools.connect import open_store
+from flightdeck.services.tools.history import fdh
+from flightdeck.services.tools.history.archived import Gap, recorded_gaps
+from flightdeck.services.tools.history.read import JobNotFound, job_history
+from flightdeck.services.tools.history.recorded import RecordedStore
 
 DEFAULT_DATA_DIR = ".flightdeck"  # what `flightdeck up` uses (services/tools/console/up.py)
 LIBRARY = "histories"
@@ -170,7 +170,7 @@ async def open_history(job: str | None = None, *, from_file: Path | str | None =
                        data_dir: Path | str | None = None, nats: str | None = None, output: bool = False) -> History:
     """The history every verb reads. With `from_file`: that file (`job` picks one of its jobs if it holds
     several). Else `job` from the library in `data_dir` (see data_dir_of) if imported there, else from the
-    broker at `nats` (see services.shell.broker.nats_url). Errors are UserErrors (one line, an exit code);
+    broker at `nats` (see flightdeck.services.shell.broker.nats_url). Errors are UserErrors (one line, an exit code);
     StoreUnavailable passes through."""
     if job:
         try:

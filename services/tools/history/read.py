@@ -7,12 +7,12 @@ letters (a replay skips the inputs the server gave up on). Telemetry and output 
 the archiver stored of them is read first, then what the streams still hold (history/archived.py).
 """
 
-from events import subjects
-from events.archive import HistoryArchived
-from events.job import JobSubmitted
-from events.store import EventStore, Stored
-from services.shell.objects.store import ObjectStore
-from services.tools.history.archived import Gap, stream_rows
+from flightdeck.events import subjects
+from flightdeck.events.archive import HistoryArchived
+from flightdeck.events.job import JobSubmitted
+from flightdeck.events.store import EventStore, Stored
+from flightdeck.services.shell.objects.store import ObjectStore
+from flightdeck.services.tools.history.archived import Gap, stream_rows
 
 
 class JobNotFound(LookupError):

@@ -10,9 +10,9 @@ import asyncio
 import bisect
 from collections.abc import AsyncIterator, Iterable, Sequence
 
-from events.base import Event
-from events.store import AppendResult, Stored
-from events.subjects import STREAM_SUBJECTS, matches
+from flightdeck.events.base import Event
+from flightdeck.events.store import AppendResult, Stored
+from flightdeck.events.subjects import STREAM_SUBJECTS, matches
 
 BATCH = 4096
 

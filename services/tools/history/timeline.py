@@ -8,15 +8,20 @@ import bisect
 from typing import Any
 
 import msgspec
-
-from events import codec, subjects
-from events.admission import Admission
-from events.base import Event
-from events.checkpoint import CheckpointCommitted, CheckpointFailed, CheckpointPending
-from events.commands import CheckpointRequested, PauseRequested, ResumeRequested, RollbackRequested, StopRequested
-from events.findings import Finding
-from events.fleet import NodeCordoned, NodeLost, NodeUncordoned, SelfCheckFailed
-from events.job import (
+from flightdeck.events import codec, subjects
+from flightdeck.events.admission import Admission
+from flightdeck.events.base import Event
+from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointFailed, CheckpointPending
+from flightdeck.events.commands import (
+    CheckpointRequested,
+    PauseRequested,
+    ResumeRequested,
+    RollbackRequested,
+    StopRequested,
+)
+from flightdeck.events.findings import Finding
+from flightdeck.events.fleet import NodeCordoned, NodeLost, NodeUncordoned, SelfCheckFailed
+from flightdeck.events.job import (
     AllocationDenied,
     AllocationGranted,
     AllocationReleased,
@@ -30,13 +35,13 @@ from events.job import (
     JobSubmitted,
     WorkersExited,
 )
-from events.plan import ReshardPlanned
-from events.store import Stored
-from events.training import FaultInjected, RankFault, RolledBack, StepCompleted
-from services.tools.history import jobview
-from services.tools.history.jobview import JobView
-from services.tools.history.library import History
-from services.tools.history.until import Cut, submitted_at
+from flightdeck.events.plan import ReshardPlanned
+from flightdeck.events.store import Stored
+from flightdeck.events.training import FaultInjected, RankFault, RolledBack, StepCompleted
+from flightdeck.services.tools.history import jobview
+from flightdeck.services.tools.history.jobview import JobView
+from flightdeck.services.tools.history.library import History
+from flightdeck.services.tools.history.until import Cut, submitted_at
 
 _KINDS: dict[type[Event], str] = {
     JobSubmitted: "decision", AllocationRequested: "decision", AllocationGranted: "decision",

@@ -13,11 +13,11 @@ import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from events import subjects
-from events.clock import ClockTick
-from events.job import JobSubmitted
-from events.store import Stored
-from services.tools.history.library import History
+from flightdeck.events import subjects
+from flightdeck.events.clock import ClockTick
+from flightdeck.events.job import JobSubmitted
+from flightdeck.events.store import Stored
+from flightdeck.services.tools.history.library import History
 
 _DURATION = re.compile(r"^(?:(?P<h>\d+(?:\.\d+)?)h)?(?:(?P<m>\d+(?:\.\d+)?)m)?(?:(?P<s>\d+(?:\.\d+)?)s)?$")
 

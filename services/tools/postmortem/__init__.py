@@ -3,7 +3,7 @@
 Why it works this way: docs/internals.md, "8. Operator tools".
 """
 
-from services.tools.postmortem.analysis import Postmortem, analyse
-from services.tools.postmortem.report import write_report
+from flightdeck.services.tools.postmortem.analysis import Postmortem, analyse
+from flightdeck.services.tools.postmortem.report import write_report
 
 __all__ = ["Postmortem", "analyse", "write_report"]

@@ -3,15 +3,15 @@
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from events.base import JobEvent, NodeEvent
-from events.checkpoint import CheckpointCommitted, CheckpointDeleted
-from events.commands import RollbackRequested
-from events.job import AllocationGranted, JobCancelled, JobCompleted, JobFailed, JobResumed, JobSubmitted
-from events.store import Stored
-from services.tools.postmortem.describe import Mark, describe
-from services.tools.postmortem.goodput import Goodput, final_mask, goodput
-from services.tools.postmortem.incidents import Incident, cause_chain, incidents
-from services.tools.postmortem.scan import Scan, scan
+from flightdeck.events.base import JobEvent, NodeEvent
+from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointDeleted
+from flightdeck.events.commands import RollbackRequested
+from flightdeck.events.job import AllocationGranted, JobCancelled, JobCompleted, JobFailed, JobResumed, JobSubmitted
+from flightdeck.events.store import Stored
+from flightdeck.services.tools.postmortem.describe import Mark, describe
+from flightdeck.services.tools.postmortem.goodput import Goodput, final_mask, goodput
+from flightdeck.services.tools.postmortem.incidents import Incident, cause_chain, incidents
+from flightdeck.services.tools.postmortem.scan import Scan, scan
 
 TIMELINE_MAX = 400  # rows; beyond it checkpoint commits and deletions are left out (and counted)
 QUIET = (CheckpointCommitted, CheckpointDeleted)

@@ -2,8 +2,8 @@
 
 from dataclasses import dataclass
 
-from events.base import Event
-from events.checkpoint import (
+from flightdeck.events.base import Event
+from flightdeck.events.checkpoint import (
     CheckpointCommitted,
     CheckpointDeleted,
     CheckpointFailed,
@@ -14,8 +14,14 @@ from events.checkpoint import (
     CheckpointStaged,
     ShardsUploaded,
 )
-from events.commands import CheckpointRequested, PauseRequested, ResumeRequested, RollbackRequested, StopRequested
-from events.findings import (
+from flightdeck.events.commands import (
+    CheckpointRequested,
+    PauseRequested,
+    ResumeRequested,
+    RollbackRequested,
+    StopRequested,
+)
+from flightdeck.events.findings import (
     LossSpikeDetected,
     NonFiniteLoss,
     RankHung,
@@ -25,8 +31,8 @@ from events.findings import (
     diagnosis_summary,
     spike_summary,
 )
-from events.fleet import NodeCordoned, NodeLost, NodeUncordoned, SelfCheckFailed
-from events.job import (
+from flightdeck.events.fleet import NodeCordoned, NodeLost, NodeUncordoned, SelfCheckFailed
+from flightdeck.events.job import (
     AllocationDenied,
     AllocationGranted,
     AllocationReleased,
@@ -42,8 +48,8 @@ from events.job import (
     WorkersExited,
     WorkersStarted,
 )
-from events.plan import ReshardPlanned
-from events.training import FaultInjected, Heartbeat, RankFault, RankStarted, RolledBack, StepCompleted
+from flightdeck.events.plan import ReshardPlanned
+from flightdeck.events.training import FaultInjected, Heartbeat, RankFault, RankStarted, RolledBack, StepCompleted
 
 
 def describe(ev: Event) -> str:

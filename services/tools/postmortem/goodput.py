@@ -7,10 +7,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
-
-from events.job import AllocationGranted, JobCancelled, JobCompleted, JobFailed, JobQueued, JobSubmitted
-from services.tools.postmortem.incidents import Incident
-from services.tools.postmortem.scan import Scan
+from flightdeck.events.job import AllocationGranted, JobCancelled, JobCompleted, JobFailed, JobQueued, JobSubmitted
+from flightdeck.services.tools.postmortem.incidents import Incident
+from flightdeck.services.tools.postmortem.scan import Scan
 
 PARTS = ("detection", "restart", "restore", "checkpoint_stall", "redone", "useful", "startup", "queued",
          "shutdown", "idle")

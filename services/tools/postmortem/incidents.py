@@ -6,9 +6,9 @@ Why it works this way: docs/internals.md, "8. Operator tools".
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
-from events.base import Event, JobEvent
-from events.commands import StopRequested
-from events.findings import (
+from flightdeck.events.base import Event, JobEvent
+from flightdeck.events.commands import StopRequested
+from flightdeck.events.findings import (
     Finding,
     LossSpikeDetected,
     NonFiniteLoss,
@@ -19,8 +19,8 @@ from events.findings import (
     diagnosis_summary,
     spike_onset,
 )
-from events.fleet import NodeLost
-from events.job import (
+from flightdeck.events.fleet import NodeLost
+from flightdeck.events.job import (
     AllocationGranted,
     CancelRequested,
     JobCancelled,
@@ -29,10 +29,10 @@ from events.job import (
     JobPreempted,
     WorkersExited,
 )
-from events.training import FaultInjected, RankFault
-from services.tools.postmortem.describe import Mark, describe, mark
-from services.tools.postmortem.resolution import SKEW_S, resolve
-from services.tools.postmortem.scan import Control, Scan, find
+from flightdeck.events.training import FaultInjected, RankFault
+from flightdeck.services.tools.postmortem.describe import Mark, describe, mark
+from flightdeck.services.tools.postmortem.resolution import SKEW_S, resolve
+from flightdeck.services.tools.postmortem.scan import Control, Scan, find
 
 ENDED = (JobCompleted, JobFailed, JobCancelled)
 STOPPING = (StopRequested, JobPreempted, CancelRequested)

@@ -11,10 +11,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.tools.postmortem.analysis import Postmortem
-from services.tools.postmortem.describe import Mark
-from services.tools.postmortem.goodput import BADPUT, PARTS
-from services.tools.postmortem.plots import draw_all
+from flightdeck.services.tools.postmortem.analysis import Postmortem
+from flightdeck.services.tools.postmortem.describe import Mark
+from flightdeck.services.tools.postmortem.goodput import BADPUT, PARTS
+from flightdeck.services.tools.postmortem.plots import draw_all
 
 
 @dataclass(frozen=True)

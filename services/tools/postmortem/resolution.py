@@ -6,10 +6,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
-
-from events.checkpoint import CheckpointCommitted
-from events.commands import RollbackRequested, StopRequested
-from events.job import (
+from flightdeck.events.checkpoint import CheckpointCommitted
+from flightdeck.events.commands import RollbackRequested, StopRequested
+from flightdeck.events.job import (
     AllocationGranted,
     AllocationReleased,
     AllocationRequested,
@@ -17,9 +16,9 @@ from events.job import (
     JobResumed,
     WorkersStarted,
 )
-from events.plan import ReshardPlanned
-from services.tools.postmortem.describe import Mark, describe, mark
-from services.tools.postmortem.scan import Control, Scan
+from flightdeck.events.plan import ReshardPlanned
+from flightdeck.services.tools.postmortem.describe import Mark, describe, mark
+from flightdeck.services.tools.postmortem.scan import Control, Scan
 
 SKEW_S = 1.0  # a rank's clock may run this far ahead of the services' and still have caused what they saw
 FOLLOW_UPS = (AllocationRequested, AllocationGranted, ReshardPlanned, WorkersStarted, JobResumed)

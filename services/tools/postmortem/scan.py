@@ -12,15 +12,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
-
-from events import subjects
-from events.admission import Admission
-from events.base import Event, JobEvent, NodeEvent
-from events.checkpoint import CheckpointRefused, CheckpointStaged
-from events.clock import ClockTick
-from events.job import JobSubmitted
-from events.store import Stored
-from events.training import FaultInjected, Heartbeat, RankFault, RankStarted, RolledBack, StepCompleted
+from flightdeck.events import subjects
+from flightdeck.events.admission import Admission
+from flightdeck.events.base import Event, JobEvent, NodeEvent
+from flightdeck.events.checkpoint import CheckpointRefused, CheckpointStaged
+from flightdeck.events.clock import ClockTick
+from flightdeck.events.job import JobSubmitted
+from flightdeck.events.store import Stored
+from flightdeck.events.training import FaultInjected, Heartbeat, RankFault, RankStarted, RolledBack, StepCompleted
 
 Floats = npt.NDArray[np.float64]
 Ints = npt.NDArray[np.int64]

@@ -14,15 +14,14 @@ import random
 from dataclasses import dataclass
 
 import msgspec
-
-from events import codec, subjects
-from events.base import Event, JobEvent, RankEvent
-from events.checkpoint import CheckpointCommitted, CheckpointDeleted, CheckpointStaged, DataPosition
-from events.clock import ClockTick
-from events.commands import RollbackRequested, StopRequested
-from events.findings import LossSpikeDetected, RankHung, RankLost
-from events.fleet import NodeRegistered, SelfCheckPassed
-from events.job import (
+from flightdeck.events import codec, subjects
+from flightdeck.events.base import Event, JobEvent, RankEvent
+from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointDeleted, CheckpointStaged, DataPosition
+from flightdeck.events.clock import ClockTick
+from flightdeck.events.commands import RollbackRequested, StopRequested
+from flightdeck.events.findings import LossSpikeDetected, RankHung, RankLost
+from flightdeck.events.fleet import NodeRegistered, SelfCheckPassed
+from flightdeck.events.job import (
     AllocationGranted,
     AllocationReleased,
     AllocationRequested,
@@ -35,10 +34,10 @@ from events.job import (
     WorkersExited,
     WorkersStarted,
 )
-from events.plan import ParallelPlan, ReshardPlanned
-from events.spec import JobSpec, PolicySpec, TrainSpec
-from events.store import Stored
-from events.training import FaultInjected, Heartbeat, RankStarted, RolledBack, StepCompleted
+from flightdeck.events.plan import ParallelPlan, ReshardPlanned
+from flightdeck.events.spec import JobSpec, PolicySpec, TrainSpec
+from flightdeck.events.store import Stored
+from flightdeck.events.training import FaultInjected, Heartbeat, RankStarted, RolledBack, StepCompleted
 
 NODE = "n1"
 KEEP = 3  # committed checkpoints kept by retention

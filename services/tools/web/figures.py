@@ -11,19 +11,19 @@ import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from events import subjects
-from events.admission import Admission
-from events.base import JobEvent, NodeEvent
-from events.checkpoint import CheckpointStaged, ShardsUploaded
-from events.clock import DeadLettered
-from events.fleet import NodeCordoned, NodeHeartbeat, NodeLost, NodeRegistered, NodeUncordoned
-from events.heartbeats import RankHeartbeats
-from events.logs import RankOutput
-from events.store import Stored
-from events.training import StepCompleted
-from services.tools.history import jobview
-from services.tools.history.jobview import JobView
-from services.tools.postmortem.describe import describe
+from flightdeck.events import subjects
+from flightdeck.events.admission import Admission
+from flightdeck.events.base import JobEvent, NodeEvent
+from flightdeck.events.checkpoint import CheckpointStaged, ShardsUploaded
+from flightdeck.events.clock import DeadLettered
+from flightdeck.events.fleet import NodeCordoned, NodeHeartbeat, NodeLost, NodeRegistered, NodeUncordoned
+from flightdeck.events.heartbeats import RankHeartbeats
+from flightdeck.events.logs import RankOutput
+from flightdeck.events.store import Stored
+from flightdeck.events.training import StepCompleted
+from flightdeck.services.tools.history import jobview
+from flightdeck.services.tools.history.jobview import JobView
+from flightdeck.services.tools.postmortem.describe import describe
 
 KEEP_ENDED = 500  # ended jobs whose series stay exported (the oldest go first): a scrape stays bounded
 CURVE_POINTS = 1024  # a job's loss and step-time curve is thinned to at most twice this many points

@@ -6,9 +6,9 @@ any scale and a hostile string cannot swell it."""
 import math
 from typing import Any
 
-from services.tools.history.jobview import ENDED
-from services.tools.web.figures import Figures, JobFigures
-from services.tools.web.metrics import Live
+from flightdeck.services.tools.history.jobview import ENDED
+from flightdeck.services.tools.web.figures import Figures, JobFigures
+from flightdeck.services.tools.web.metrics import Live
 
 JOBS_SHOWN = 200  # the newest jobs listed
 NODES_SHOWN = 1000

@@ -17,20 +17,19 @@ from pathlib import Path
 import msgspec
 import structlog
 from aiohttp import web
-
-from events import subjects
-from events.checkpoint import CheckpointCommitted
-from events.jetstream import JetStreamStore
-from services.shell.connection import TRANSIENT
-from services.shell.objects.open import objects_url
-from services.shell.objects.open import open_store as open_objects
-from services.shell.objects.store import ObjectStore
-from services.shell.security.credentials import client_options
-from services.tools.history.read import JobNotFound, job_rows
-from services.tools.postmortem import Postmortem, analyse
-from services.tools.web.figures import Figures, IncidentRow, JobAnalysis
-from services.tools.web.metrics import Live, exposition
-from services.tools.web.page import snapshot
+from flightdeck.events import subjects
+from flightdeck.events.checkpoint import CheckpointCommitted
+from flightdeck.events.jetstream import JetStreamStore
+from flightdeck.services.shell.connection import TRANSIENT
+from flightdeck.services.shell.objects.open import objects_url
+from flightdeck.services.shell.objects.open import open_store as open_objects
+from flightdeck.services.shell.objects.store import ObjectStore
+from flightdeck.services.shell.security.credentials import client_options
+from flightdeck.services.tools.history.read import JobNotFound, job_rows
+from flightdeck.services.tools.postmortem import Postmortem, analyse
+from flightdeck.services.tools.web.figures import Figures, IncidentRow, JobAnalysis
+from flightdeck.services.tools.web.metrics import Live, exposition
+from flightdeck.services.tools.web.page import snapshot
 
 log = structlog.get_logger("flightdeck.web")
 STREAMS = (subjects.CONTROL, subjects.TELEMETRY, subjects.LOGS, subjects.DEAD)
