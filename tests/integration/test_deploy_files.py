@@ -86,7 +86,7 @@ def test_systemd_has_a_unit_per_service_and_the_agent() -> None:
         path = INFRA / "systemd" / f"flightdeck-{name}.service"
         unit.read_string(path.read_text().replace("\\\n", " "))
         service = unit["Service"]
-        target = "services" if name != "agent" else "flightdeck.services.agent"
+        target = "flightdeck.services" if name != "agent" else "flightdeck.services.agent"
         assert f"-m {target} {name if name != 'agent' else ''}".strip() in service["ExecStart"], path
         assert service["Restart"] == "always" and service["EnvironmentFile"].startswith("/etc/flightdeck/")
         text = path.read_text()
