@@ -4,13 +4,15 @@ so `flightdeck logs` shows it from any machine and a chatty script cannot crowd 
 
 Over the budget a rank's last lines are held, not dropped: HELD_LINES of them wait, and whatever of them is still
 held when the rank ends (or goes quiet long enough for the budget to refill) is shipped, so its final words (a
-traceback after a flood) reach `flightdeck logs`. Each line is shipped or counted as left out, once. The node's
+traceback after a flood) reach `flightdeck logs`. The lines a user reads first go ahead of a flood on a budget of
+their own: the trainer API's (structlog's console lines: time, [level], event) and each traceback, whole. Each line is shipped or counted as left out, once. The node's
 file takes everything up to LOG_FILE_BYTES (and the read that crosses it), then moves to `<name>.1` (replacing the
 one before): a rank printing 6 MB/s once filled 100 MB in 16 s with no cap."""
 
 import asyncio
 import contextlib
 import os
+import re
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -31,6 +33,9 @@ MAX_PENDING = 64  # batches waiting for the broker; past that the oldest is drop
 PUBLISH_TIMEOUT_S = 5.0
 READ_CHUNK = 64 * 1024
 HELD_LINES = 100  # a flooding rank's last lines, kept back to ship when it ends
+NEEDED_PER_S, NEEDED_BURST = 20.0, 400.0  # ... and the lines it needs read (API lines, tracebacks) beyond that
+API_LINE = re.compile(r"^\d{4}-\d\d-\d\d[ T][\d:.]+Z? \[(debug|info|warning|error|critical|exception)\s*\] ")
+TRACEBACK = "Traceback (most recent call last):"
 LOG_FILE_MB_ENV = "FLIGHTDECK_RANK_LOG_MB"
 LOG_FILE_BYTES = int(float(os.environ.get(LOG_FILE_MB_ENV) or 64) * 1e6)  # a rank's node log file, then rotated
 
@@ -88,6 +93,8 @@ class OutputPump:
         self.fd, self.log_path, self.publish = fd, log_path, publish
         self.job_id, self.attempt, self.rank, self.node, self.producer = job_id, attempt, rank, node, producer
         self.lines_budget, self.bytes_budget = Budget(LINES_PER_S, LINE_BURST), Budget(BYTES_PER_S, BYTE_BURST)
+        self.needed_budget = Budget(NEEDED_PER_S, NEEDED_BURST)
+        self.in_traceback = False  # since a TRACEBACK line, up to its exception's line (the first unindented one)
         self.batch: list[str] = []
         self.batch_since = 0.0
         self.next_line = 0  # number of the next line the rank prints, shipped or not
@@ -144,11 +151,23 @@ class OutputPump:
             with contextlib.suppress(asyncio.CancelledError):
                 await sender
 
+    def _needed(self, line: str) -> bool:
+        """Whether the user reads this line first: one of the trainer API's, or one of a traceback's."""
+        if line.startswith(TRACEBACK):
+            self.in_traceback = True
+            return True
+        if self.in_traceback:
+            self.in_traceback = line.startswith(" ")  # the exception's own line ends it, and is shipped too
+            return True
+        return API_LINE.match(line) is not None
+
     def _offer(self, line: str) -> None:
         now = time.monotonic()
         number = self.next_line
         self.next_line += 1
-        if not (self.lines_budget.take(now, 1) and self.bytes_budget.take(now, len(line) + 1)):
+        needed = self._needed(line)
+        if not (self.lines_budget.take(now, 1) and self.bytes_budget.take(now, len(line) + 1)) \
+                and not (needed and self.needed_budget.take(now, 1)):
             if self.batch:  # first: a batch's `dropped` counts lines left out *before* it, never after
                 self._flush_if_due(force=True)
             if not self.held:

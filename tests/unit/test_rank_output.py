@@ -124,3 +124,39 @@ async def test_a_flood_ends_with_its_traceback_shipped_and_the_node_file_bounded
     bound = 50_000 + output.READ_CHUNK  # the cap, and one read that began below it
     assert 0 < log.stat().st_size <= bound and 0 < output.rotated(log).stat().st_size <= bound
     assert last_lines(log).endswith("RuntimeError: boom")
+
+
+async def test_the_api_s_lines_and_a_traceback_go_ahead_of_a_flood(tmp_path: Path) -> None:
+    """In the trial a chatty rank's own status lines drowned among its spam (4 of 202 survived at ~6 MB/s): the
+    trainer API's lines and a traceback printed mid-flood are shipped whole, on their own budget; the spam around
+    them is shipped or counted as before, each line once and in order."""
+    got: list[RankOutput] = []
+
+    async def publish(event: RankOutput) -> None:
+        got.append(event)
+
+    read, write = os.pipe()
+    pump = OutputPump(read, tmp_path / "rank.log", publish, job_id="j", attempt=0, rank=0, node="n", producer="a")
+    task = asyncio.create_task(pump.run())
+    printed: list[str] = []
+    status = [f"2026-11-28 10:50:{s:02d} [info     ] step done                      step={s}" for s in range(200)]
+    trace = ["Traceback (most recent call last):", '  File "train.py", line 9, in <module>', "    boom()",
+             "ValueError: a caught one, printed", "spam after the traceback"]
+    for i, line in enumerate(status):
+        printed += [f"spam {i}.{j} " + "x" * 40 for j in range(100)] + [line]
+        if i == 100:
+            printed += trace
+    await asyncio.to_thread(os.write, write, "".join(f"{line}\n" for line in printed).encode())
+    os.close(write)
+    await asyncio.wait_for(task, 60)
+
+    shipped = [line for e in got for line in e.lines]
+    assert [line for line in shipped if "[info" in line] == status
+    start = shipped.index(trace[0])
+    assert shipped[start:start + 4] == trace[:4]  # whole, up to its exception's line
+    assert len(shipped) + sum(e.dropped for e in got) == len(printed)
+    at = 0
+    for e in got:  # the events still tile the lines printed, in order
+        assert e.first_line - e.dropped == at
+        assert e.lines == printed[e.first_line:e.first_line + len(e.lines)]
+        at = e.first_line + len(e.lines)
