@@ -161,12 +161,15 @@ class Spawner:
             return await self._not_started(args, str(exc), error=exc.error)
         except ObjectStoreError as exc:
             return await self._not_started(args, f"fetching the job's code failed: {exc!r}")
+        if python is not None and self.standbys is not None:  # its own interpreter: warm from a server of its own
+            self.standbys.environment(python)
         cmd, cwd = rank_command(args, self.launch, code_dir, python)
         entry_env = args.spec.entrypoint.env if args.spec.entrypoint is not None else {}
         if (problem := runnable_problem(cmd, cwd, entry_env.get("PATH") or os.environ.get("PATH", ""))) is not None:
             return await self._not_started(args, problem, unrunnable=True)
         restore: Path | None = None
-        from_memory = await self._in_memory(args)
+        from_memory = await snapshots.restores_in_memory(self.paths.snapshots, self.objects, args) \
+            if self.paths.snapshots is not None else {}
         if args.restore is not None and len(from_memory) < len(args.ranks):
             try:
                 restore = await self.cache.verified_copy(args.job_id, args.restore)
@@ -208,11 +211,6 @@ class Spawner:
         bound.info("ranks started", pids=event.pids, restore=str(restore or ""), master_port=args.master_port,
                    from_memory=sorted(from_memory))
         return []
-
-    async def _in_memory(self, args: SpawnArgs) -> dict[int, Path]:
-        if self.paths.snapshots is None:
-            return {}
-        return await snapshots.restores_in_memory(self.paths.snapshots, self.objects, args)
 
     async def _clear_slots(self, args: SpawnArgs) -> None:
         """Kill what still runs on the granted slots, and older attempts of the job, before anything starts."""

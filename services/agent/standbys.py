@@ -6,6 +6,7 @@ Why it works this way: docs/internals.md, "7. The node agent and the ranks it ru
 
 import asyncio
 import contextlib
+import hashlib
 import os
 import signal
 import socket
@@ -24,6 +25,9 @@ log = structlog.get_logger("flightdeck.agent")
 MAX_BACKOFF_S = 60.0
 # A fork server still importing after this long is stuck: the rank starts cold rather than wait on.
 FORK_WAIT_S = 120.0
+# Jobs' own interpreters (services/agent/envs.py) kept warm at once, each a fork server with torch imported (a few
+# hundred MB); the least recently used one with no ranks of its own makes room for the next.
+ENV_SERVERS = 2
 
 
 @dataclass(eq=False)
@@ -50,6 +54,7 @@ class StandbyPool:
         self.filling = False  # the refill task is starting processes (past its wait)
         self.closed = False
         self.on_change: Callable[[], None] = lambda: None  # the ready count may have moved (main.py reports it)
+        self.env_forks: dict[str, ForkServer] = {}  # a job's own interpreter -> its fork server, least recent first
 
     @property
     def ready(self) -> int:
@@ -102,15 +107,41 @@ class StandbyPool:
             standby.sock.close()
         return True
 
+    def environment(self, python: str) -> None:
+        """A job's own interpreter: its ranks are forked from a fork server of its own, started now, so that they
+        start warm as the node's do (the node's standbys run the node's Python)."""
+        if python == self.python or self.closed:
+            return
+        if python in self.env_forks:
+            self.env_forks[python] = self.env_forks.pop(python)  # the most recent now
+            return
+        idle = [p for p, server in self.env_forks.items() if not server.children]
+        if len(self.env_forks) >= ENV_SERVERS:
+            if not idle:
+                return  # every one serves running ranks: this job's start cold
+            asyncio.create_task(self.env_forks.pop(idle[0]).close())
+        key = hashlib.sha256(python.encode()).hexdigest()[:12]
+        server = ForkServer(python=python, env=self.env, cwd=self.cwd, preexec=self.preexec,
+                            log_file=self.log_file.with_name(f"forkserver-{key}.log"))
+        self.env_forks[python] = server
+        server.start()
+        log.info("fork server for a job's interpreter", python=python, log=str(server.log_file))
+
     async def warm_start(self, cmd: list[str], env: dict[str, str], cwd: Path, log_fd: int, rank: int) -> Proc | None:
         """The rank started warm: handed to a standby, else forked from the node's fork server (once all a rank
         imports is in there: waiting for its imports beats a cold start, which would make them all again beside
-        it); None: start it cold."""
+        it), or from its job's interpreter's (`environment`); None: start it cold."""
+        if cmd and cmd[0] != self.python:
+            return await self._fork(self.env_forks.get(cmd[0]), cmd, env, cwd, log_fd, rank)
         while (standby := self.take()) is not None:
             if self.assign(standby, cmd, env, cwd, log_fd):
                 log.info("rank handed to a standby", rank=rank, pid=standby.proc.pid, ready=standby.ready)
                 return standby.proc
-        forks = self.forks
+        return await self._fork(self.forks, cmd, env, cwd, log_fd, rank)
+
+    @staticmethod
+    async def _fork(forks: ForkServer | None, cmd: list[str], env: dict[str, str], cwd: Path, log_fd: int,
+                    rank: int) -> Proc | None:
         if forks is None or forks.gone:
             return None
         try:
@@ -120,7 +151,7 @@ class StandbyPool:
             proc = await forks.run(Assignment(argv=cmd, env=env, cwd=str(cwd)), log_fd, complete=True)
         except (ForkServerGone, TimeoutError):
             return None
-        log.info("rank forked", rank=rank, pid=proc.pid)
+        log.info("rank forked", rank=rank, pid=proc.pid, python=forks.python)
         return proc
 
     async def close(self) -> None:
@@ -135,6 +166,9 @@ class StandbyPool:
             s.sock.close()
         await asyncio.gather(*(s.proc.wait() for s in self.idle), return_exceptions=True)
         self.idle.clear()
+        # The jobs' interpreters' servers are the pool's own: their ranks are stopped by now (spawner.shutdown).
+        await asyncio.gather(*(server.close() for server in self.env_forks.values()), return_exceptions=True)
+        self.env_forks.clear()
         self.on_change()  # the fork server stays: ranks it forked may still be stopping (its owner closes it last)
 
     # -- filling -------------------------------------------------------------------------------------------

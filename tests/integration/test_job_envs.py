@@ -3,6 +3,8 @@ Python that still sees the node's torch and Flightdeck, kept for the next attemp
 a requirement that cannot be installed is one clear error, and leaves nothing half made."""
 
 import asyncio
+import hashlib
+import os
 import subprocess
 import sys
 import zipfile
@@ -11,6 +13,8 @@ from pathlib import Path
 import pytest
 from flightdeck.events.spec import EntrypointSpec
 from flightdeck.services.agent.envs import EnvCache, EnvError, interpreter
+from flightdeck.services.agent.launch import die_with_agent, standby_env
+from flightdeck.services.agent.standbys import ENV_SERVERS, StandbyPool
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -67,3 +71,42 @@ async def test_the_job_s_own_interpreter_is_used_as_named(tmp_path: Path) -> Non
     assert await cache.python(EntrypointSpec(command=["python"], python=str(venv)), None) == str(venv / "bin/python")
     with pytest.raises(EnvError, match="is not an interpreter on this node"):
         await cache.python(EntrypointSpec(command=["python"], python=str(tmp_path / "nope")), None)
+
+
+async def test_a_job_s_interpreter_gets_a_fork_server_of_its_own_so_its_ranks_start_warm(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job with its own packages kept its warm starts: its ranks are forked from a server running its
+    environment's Python, torch already imported, with its packages importable; a command that is no job's Python
+    starts cold, and the least recently used server with no ranks makes room for a third environment."""
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    code = tmp_path / "code"
+    code.mkdir()
+    a_wheel(code)
+    python = await EnvCache(root=tmp_path / "node").python(
+        EntrypointSpec(command=["python", "train.py"], requirements=["./fdtestpkg-1.0-py3-none-any.whl"]), code)
+    assert python is not None
+    (code / "train.py").write_text("import sys\nwarm = 'torch' in sys.modules\nimport fdtestpkg\n"
+                                   "print('ran', sys.executable, warm, fdtestpkg.VALUE, flush=True)\n")
+    pool = StandbyPool(size=0, python=sys.executable, env=standby_env(), cwd=tmp_path, log_file=tmp_path / "sb.log",
+                       preexec=die_with_agent(os.getpid()), producer="agent-test")
+    try:
+        pool.environment(python)
+        log = tmp_path / "rank.log"
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            proc = await pool.warm_start([python, "train.py"], {**pool.env, "RANK": "0"}, code, fd, rank=0)
+            assert await pool.warm_start(["/bin/true"], dict(pool.env), code, fd, rank=1) is None  # cold
+        finally:
+            os.close(fd)
+        assert proc is not None
+        async with asyncio.timeout(60):
+            assert await proc.wait() == 0, log.read_text()
+        assert f"ran {python} True from the job env" in log.read_text()
+        assert (tmp_path / f"forkserver-{hashlib.sha256(python.encode()).hexdigest()[:12]}.log").exists()
+
+        for other in ("/nonexistent/a/bin/python", "/nonexistent/b/bin/python"):
+            pool.environment(other)  # never starts (no such file): it still holds a place
+        assert list(pool.env_forks) == ["/nonexistent/a/bin/python", "/nonexistent/b/bin/python"][-ENV_SERVERS:]
+    finally:
+        await pool.close()
+    assert pool.env_forks == {}
