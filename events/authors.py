@@ -34,7 +34,7 @@ NODE_TYPES: dict[str, tuple[str, ...]] = {
 # What a job's ranks author and their node agent publishes for them, for any job (services/agent/links.py checks
 # each against the rank that sent it). It starts any job's ranks already, so this trusts it with nothing new.
 RANK_TELEMETRY = ("StepCompleted", "Heartbeat", "RankFault", "FaultInjected", "RolledBack", "RankStarted",
-                  "SpikeReplayed", "CheckpointStaged", "CheckpointRefused", "SnapshotsOff")
+                  "SpikeReplayed", "CheckpointStaged", "CheckpointRefused", "SnapshotsOff", "ModelRegistered")
 # Telemetry a producer other than the job's ranks publishes, for any job: a node agent relays its ranks'
 # heartbeats in one batch per node (events/heartbeats.py), and their own telemetry.
 TELEMETRY_TYPES: dict[str, tuple[str, ...]] = {"agent": ("RankHeartbeats", "ShardsUploaded", *RANK_TELEMETRY)}

@@ -27,7 +27,7 @@ ALL_TYPES: tuple[type[Event], ...] = (
     fleet.NodeCordoned, fleet.NodeUncordoned, fleet.NodeLost,
     # training telemetry
     training.StepCompleted, training.Heartbeat, training.RankFault, training.FaultInjected,
-    training.RolledBack, training.RankStarted, training.SpikeReplayed, training.SnapshotsOff,
+    training.RolledBack, training.RankStarted, training.SpikeReplayed, training.SnapshotsOff, training.ModelRegistered,
     heartbeats.RankHeartbeats,  # a node's ranks' heartbeats, batched by its agent
     logs.RankOutput,  # what a rank printed, shipped by its agent
     # checkpoint

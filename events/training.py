@@ -78,3 +78,23 @@ class SnapshotsOff(RankEvent, frozen=True, kw_only=True):
 
     step: int
     reason: str
+
+
+class ModelRegistered(RankEvent, frozen=True, kw_only=True):
+    """What rank 0 saw of the script's model at `register` and its first training step, for the planner
+    (services/resharder): the parameter count, the transformer shape where the model says it, and the batch the
+    script feeds. 0 is "not found"; `source` says where the shape came from."""
+
+    params: int  # every parameter once, a sharded one (FSDP2's DTensor) at its full size
+    trainable: int
+    param_bytes: int
+    layers: int = 0
+    heads: int = 0
+    hidden: int = 0
+    vocab: int = 0
+    seq_len: int = 0
+    # The first training step's: sequences in one forward on this rank, and forwards per optimizer step.
+    micro_batch: int = 0
+    grad_accum: int = 0
+    world_size: int = 1
+    source: Literal["config", "modules", ""] = ""  # model.config (Hugging Face style), the module tree, none

@@ -35,7 +35,7 @@ from flightdeck.events.plan import ParallelPlan
 from flightdeck.events.ranklink import RollbackReady
 from flightdeck.events.spec import JobSpec
 from flightdeck.events.training import FaultInjected, RankStarted, SnapshotsOff
-from flightdeck.trainer import checkpointing, faults, loaders, restore_points, rollback, snapshots
+from flightdeck.trainer import checkpointing, faults, loaders, modelinfo, restore_points, rollback, snapshots
 from flightdeck.trainer.config import RunConfig
 from flightdeck.trainer.cursor import BatchCursor, Step
 from flightdeck.trainer.distributed import Dist
@@ -131,6 +131,8 @@ class Run:
             raise refused(RuntimeError("register(...) comes before restore() and steps(): the state to restore "
                                        "into must be known first"))
         self.state = TrainState(model, optimizer, extras, rank=self.rank, device=self.device)
+        if self.rank == 0:  # the planner learns the model and the batch it is fed (trainer/modelinfo.py)
+            modelinfo.watch(model, optimizer, self.emitter.emit, self.emitter.envelope, self.world_size)
         if optimizer is not None:
             # The optimizer's step is the first write to state a CUDA snapshot, or a host snapshot's copy beside
             # training, may still be reading.

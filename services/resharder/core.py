@@ -1,26 +1,34 @@
-"""The resharder's pure core: a job's parallel plan for the slots it was granted, re-planned when they change.
+"""The resharder's pure core: a job's parallel plan for the slots it was granted, re-planned when they change, and
+once more when the job's script reports the model it registered (a script's spec holds no [model] of its own).
 
 Why it works this way: docs/internals.md, "4. Resources and the resharder".
 """
 
 import math
 from collections import Counter
+from collections.abc import Callable
 
 import msgspec
 from flightdeck.events import subjects
 from flightdeck.events.base import Event
+from flightdeck.events.clock import ClockTick
 from flightdeck.events.fleet import NodeRegistered
 from flightdeck.events.job import AllocationGranted, JobCancelled, JobCompleted, JobFailed, JobSubmitted
 from flightdeck.events.plan import ParallelPlan, ReshardPlanned
+from flightdeck.events.training import ModelRegistered
 from flightdeck.services.core import Emit, Service
 from flightdeck.services.resharder import gpus
 from flightdeck.services.resharder.gpus import GpuType
-from flightdeck.services.resharder.planner import PlanError, Slots, plan
-from flightdeck.services.resharder.shapes import ModelShape, from_spec
+from flightdeck.services.resharder.planner import PlanError, Slots, count, plan
+from flightdeck.services.resharder.shapes import InvalidShape, ModelShape, from_spec, reported
 
 NAME = "resharder"
 CONTROL_TYPES = ("JobSubmitted", "AllocationGranted", "JobCompleted", "JobFailed", "JobCancelled")
 FLEET_TYPES = ("NodeRegistered",)
+TELEMETRY_TYPES = ("ModelRegistered",)
+# Telemetry is folded at ticks: tick this long after a grant while its script's model is unreported (a report
+# arriving later is folded at the next grant's ticks).
+REPORT_WAIT_S = 300.0
 UNKNOWN_SLOT_GB = 4.0  # a slot whose memory no registration told us (unregistered node, unread meminfo)
 
 
@@ -33,6 +41,11 @@ class JobPlan(msgspec.Struct, frozen=True, kw_only=True):
     global_batch: int
     plan: ParallelPlan | None = None
     refused: str = ""  # why the latest grant got no plan, "" when it got one
+    slots: Slots | None = None  # the latest grant's, planned again when the script reports its model
+    granted_at: float = 0.0
+    # `model` and `global_batch` are the script's (ModelRegistered), or need no report: the built-in trainer's
+    # model is the spec's [model] itself
+    reported: bool = False
 
 
 class State(msgspec.Struct, frozen=True, kw_only=True):
@@ -77,15 +90,47 @@ def granted(state: State, grant: AllocationGranted) -> Transition:
     if job is None or not grant.assignments:
         return state, ()
     slots = slots_of(state, grant)
+    job = msgspec.structs.replace(job, slots=slots, granted_at=grant.occurred_at)
+    return _replanned(state, grant.job_id, job, lambda new: reason(job.plan, new, grant, slots))
+
+
+def _replanned(state: State, job_id: str, job: JobPlan, why: Callable[[ParallelPlan], str]) -> Transition:
+    """`job` planned for its latest slots; a ReshardPlanned when the plan changes."""
+    if job.slots is None:
+        return _with_job(state, job_id, job)
     try:
-        new = plan(job.model, slots, job.global_batch).plan
+        new = plan(job.model, job.slots, job.global_batch).plan
     except PlanError as exc:
-        return _with_job(state, grant.job_id, msgspec.structs.replace(job, refused=str(exc)))
+        return _with_job(state, job_id, msgspec.structs.replace(job, refused=str(exc)))
     if new == job.plan:
-        return _with_job(state, grant.job_id, msgspec.structs.replace(job, refused=""))
-    event = ReshardPlanned(job_id=grant.job_id, old=job.plan, new=new, reason=reason(job.plan, new, grant, slots))
-    return _with_job(state, grant.job_id, msgspec.structs.replace(job, plan=new, refused=""),
-                     Emit(subjects.job(grant.job_id, "ReshardPlanned"), event))
+        return _with_job(state, job_id, msgspec.structs.replace(job, refused=""))
+    event = ReshardPlanned(job_id=job_id, old=job.plan, new=new, reason=why(new))
+    return _with_job(state, job_id, msgspec.structs.replace(job, plan=new, refused=""),
+                     Emit(subjects.job(job_id, "ReshardPlanned"), event))
+
+
+def registered(state: State, ev: ModelRegistered) -> Transition:
+    """A script's own model and batch replace the spec's [model] defaults, once per job (the built-in trainer's
+    report says what its spec did)."""
+    job = state.jobs.get(ev.job_id)
+    if job is None or job.reported:
+        return state, ()
+    try:
+        model = reported(ev)
+    except InvalidShape as exc:
+        return _with_job(state, ev.job_id, msgspec.structs.replace(
+            job, reported=True, refused=f"the model the script registered cannot be planned: {exc}"))
+    accum = max(1, ev.grad_accum)
+    batch = ev.micro_batch * accum * ev.world_size if ev.micro_batch > 0 else job.global_batch
+    fed = (f"{batch} sequences a step ({ev.micro_batch} a forward x {accum} accumulated x {ev.world_size} ranks)"
+           if ev.micro_batch > 0 else f"the spec's {batch} sequences a step")
+    said = f"from its {ev.source}: " if ev.source else ""
+    why = (f"the model the script registered: {count(model.params)} parameters ({said}{model.layers} layers, "
+           f"{model.heads} heads, hidden {model.hidden}, sequence {model.seq_len}), {fed}; planned before from the "
+           f"spec's [model] ({count(job.model.params)}); ranks that read run.plan from now on, and later attempts, "
+           "get this one")
+    return _replanned(state, ev.job_id, msgspec.structs.replace(job, model=model, global_batch=batch, reported=True),
+                      lambda new: why)
 
 
 def _with_job(state: State, job_id: str, job: JobPlan | None, *outputs: Emit) -> Transition:
@@ -98,24 +143,37 @@ def _with_job(state: State, job_id: str, job: JobPlan | None, *outputs: Emit) ->
 def transition(state: State, event: Event) -> Transition:
     match event:
         case JobSubmitted(job_id=job_id, spec=spec):
-            return _with_job(state, job_id, JobPlan(model=from_spec(spec.model), global_batch=spec.train.batch_size))
+            return _with_job(state, job_id, JobPlan(model=from_spec(spec.model), global_batch=spec.train.batch_size,
+                                                    reported=spec.entrypoint is None))
         case AllocationGranted():
             return granted(state, event)
         case NodeRegistered(node=name):
             nodes = {**state.nodes, name: NodeInfo(device=device_of(event))}
             return msgspec.structs.replace(state, nodes=nodes), ()
+        case ModelRegistered():
+            return registered(state, event)
         case JobCompleted(job_id=job_id) | JobFailed(job_id=job_id) | JobCancelled(job_id=job_id):
             return _with_job(state, job_id, None)
+        case ClockTick():  # it only brings the telemetry folded before it
+            return state, ()
     return state, ()
 
 
+def wants_tick(state: State, now: float) -> bool:
+    """Tick (to fold the scripts' ModelRegistered) while a granted job's model is unreported, for a while."""
+    return any(not job.reported and job.slots is not None and now - job.granted_at < REPORT_WAIT_S
+               for job in state.jobs.values())
+
+
 def core_service() -> Service[State]:
-    """The resharder core wired as a Service; it never needs a clock tick."""
+    """The resharder core wired as a Service; it ticks only to fold the scripts' model reports."""
     return Service(
         name=NAME,
         initial=State(),
         transition=transition,
         control_subjects=(*subjects.job_types(*CONTROL_TYPES),
                           *(f"fd.ctl.node.*.{t}" for t in FLEET_TYPES)),
-        wants_tick=lambda state, now: False,
+        telemetry_subjects=tuple(f"fd.tel.*.*.{t}" for t in TELEMETRY_TYPES),
+        prompt_types=frozenset(TELEMETRY_TYPES),
+        wants_tick=wants_tick,
     )

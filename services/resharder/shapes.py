@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 from flightdeck.events.spec import ModelSpec
+from flightdeck.events.training import ModelRegistered
 
 HEAD_DIM = 128
 ASPECT = 128  # hidden / layers in GPT-3's larger models
@@ -81,3 +82,11 @@ def from_spec(model: ModelSpec) -> ModelShape:
 def default_global_batch(seq_len: int) -> int:
     """Sequences per optimizer step when none is given: ~4M tokens."""
     return max(1, DEFAULT_BATCH_TOKENS // seq_len)
+
+
+def reported(model: ModelRegistered) -> ModelShape:
+    """The model a script registered (trainer/modelinfo.py): its parameter count, the shape it stated, the rest by
+    the rule above. A model with no token embedding or token ids seen has no vocabulary or sequence to charge."""
+    heads = model.heads if model.heads and model.hidden and model.hidden % model.heads == 0 else None
+    return derive(float(model.params), layers=model.layers or None, heads=heads, hidden=model.hidden or None,
+                  seq_len=model.seq_len or 1, vocab=model.vocab or 1)

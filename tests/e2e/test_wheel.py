@@ -8,6 +8,7 @@ environment whose only other packages are the third-party ones of this one (a fo
 of Flightdeck's files); then `flightdeck up`, `submit --wait`, `logs` and `down` run from it, and the job's script
 is a trainer.py beside a decoy events.py and services.py."""
 
+import json
 import os
 import shutil
 import site
@@ -160,6 +161,10 @@ def test_a_job_whose_script_is_trainer_py_runs_from_the_installed_wheel(venv: Pa
         (said,) = [line for line in logs.stdout.splitlines() if "flightdeck from" in line]
         assert f"flightdeck from {next((venv / 'lib').glob('python3.*/site-packages'))}/flightdeck" in said
         assert "script trainer.py" in said and f"python {venv}" in said
+        # rank 0 told the planner of its model (trainer/modelinfo.py): Linear(4, 1), one sequence a forward
+        told = flightdeck("events", job, "--telemetry", "--json")
+        (model,) = [e for e in map(json.loads, told.stdout.splitlines()) if e.get("type") == "ModelRegistered"]
+        assert (model["params"], model["micro_batch"], model["grad_accum"], model["rank"]) == (5, 1, 1, 0), model
     finally:
         down = flightdeck("down", "--data-dir", str(data))
     assert down.returncode == 0, down.stderr

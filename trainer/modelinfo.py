@@ -1,0 +1,144 @@
+"""What rank 0 tells the planner about the script's model (events.training.ModelRegistered): the parameters counted
+at `register`, the transformer shape where the model says it, and the batch the script feeds read off its first
+training step: sequences in one forward, and forwards per optimizer step (its gradient accumulation). Sent once;
+the hooks that watch the first step are removed with it, so later steps pay nothing."""
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import torch
+from flightdeck.events.base import Event
+from flightdeck.events.training import ModelRegistered
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+# Where a model states its shape: a `config` (Hugging Face, nanoGPT) or a `spec` (the built-in GPT), by these names.
+NAMES = {
+    "layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
+    "heads": ("num_attention_heads", "n_head", "num_heads", "n_heads"),
+    "hidden": ("hidden_size", "n_embd", "d_model", "dim"),
+    "vocab": ("vocab_size",),
+    "seq_len": ("max_position_embeddings", "n_positions", "block_size", "seq_len", "max_seq_len"),
+}
+HEAD_ATTRS = ("num_heads", "n_head", "n_heads", "num_attention_heads")  # on an attention module
+
+
+@dataclass(frozen=True)
+class Described:
+    params: int
+    trainable: int
+    param_bytes: int
+    layers: int = 0
+    heads: int = 0
+    hidden: int = 0
+    vocab: int = 0
+    seq_len: int = 0
+    source: str = ""
+    micro_batch: int = 0
+    grad_accum: int = 0
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside DDP or torch.compile's wrapper (FSDP2 shards in place: nothing to unwrap)."""
+    while True:
+        inner = getattr(model, "_orig_mod", None) or (getattr(model, "module", None)
+                                                     if type(model).__name__ in ("DistributedDataParallel",
+                                                                                 "DataParallel") else None)
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
+
+
+def describe(model: nn.Module) -> Described:
+    """Counts every parameter once (a tied embedding once; FSDP2's DTensor at its full size, which numel gives)."""
+    model = unwrap(model)
+    params = list(model.parameters())
+    found = Described(params=sum(p.numel() for p in params),
+                      trainable=sum(p.numel() for p in params if p.requires_grad),
+                      param_bytes=sum(p.numel() * p.element_size() for p in params))
+    stated = _stated(model)
+    if stated:
+        return replace(found, source="config", **stated)
+    seen = _from_modules(model)
+    return replace(found, source="modules", **seen) if seen else found
+
+
+def _stated(model: nn.Module) -> dict[str, int]:
+    for holder in (getattr(model, "config", None), getattr(model, "spec", None)):
+        if holder is None:
+            continue
+        values = {field: next((v for n in names if isinstance(v := getattr(holder, n, None), int) and v > 0), 0)
+                  for field, names in NAMES.items()}
+        if values["layers"] and values["hidden"]:
+            return values
+    return {}
+
+
+def _from_modules(model: nn.Module) -> dict[str, int]:
+    """The token embedding (the one with the most rows) gives vocabulary and width; the longest list of blocks of
+    one class the depth; an attention module its heads."""
+    found: dict[str, int] = {}
+    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    if embeddings:
+        token = max(embeddings, key=lambda e: e.num_embeddings)
+        found |= {"vocab": token.num_embeddings, "hidden": token.embedding_dim}
+    stacks = [len(m) for m in model.modules() if isinstance(m, nn.ModuleList | nn.Sequential) and len(m) > 1
+              and len({type(c) for c in m}) == 1 and any(True for _ in m[0].parameters())]
+    if stacks:
+        found["layers"] = max(stacks)
+    heads = next((v for m in model.modules() for n in HEAD_ATTRS
+                  if isinstance(v := getattr(m, n, None), int) and v > 0), 0)
+    if heads:
+        found["heads"] = heads
+    return found
+
+
+class FirstStep:
+    """Watches the script's first optimizer step: how many training forwards it took and the batch the first one
+    read (its first tensor argument: `input_ids` when named), then hands the description on and unhooks."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, described: Described,
+                 send: Callable[[Described], None]) -> None:
+        self.described, self.send = described, send
+        self.forwards, self.micro_batch, self.seq_len = 0, 0, 0
+        self.hooks: list[RemovableHandle] = [model.register_forward_pre_hook(self._forward, with_kwargs=True),
+                                             optimizer.register_step_post_hook(self._stepped)]
+
+    def _forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not module.training:
+            return
+        self.forwards += 1
+        if self.forwards == 1 and (batch := next(_tensors(kwargs.get("input_ids"), *args, *kwargs.values()),
+                                                 None)) is not None and batch.dim() >= 1:
+            self.micro_batch = int(batch.shape[0])
+            if batch.dim() >= 2 and not batch.is_floating_point():  # token ids: (batch, sequence)
+                self.seq_len = int(batch.shape[1])
+
+    def _stepped(self, *_: Any) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
+        seen = replace(self.described, micro_batch=self.micro_batch, grad_accum=self.forwards)
+        self.send(replace(seen, seq_len=self.seq_len) if self.seq_len else seen)
+
+
+def _tensors(*values: Any) -> Iterator[torch.Tensor]:
+    return (v for v in values if isinstance(v, torch.Tensor))
+
+
+def watch(model: nn.Module | None, optimizer: torch.optim.Optimizer | None, emit: Callable[[Event], None],
+          envelope: Mapping[str, Any], world_size: int) -> FirstStep | None:
+    """Describe `model` now; send its ModelRegistered at once without an optimizer to watch, else after the
+    optimizer's first step."""
+    if model is None:
+        return None
+
+    def send(d: Described) -> None:
+        emit(ModelRegistered(**asdict(d), world_size=world_size, **envelope))
+
+    described = describe(model)
+    if optimizer is None:
+        send(described)
+        return None
+    return FirstStep(model, optimizer, described, send)
