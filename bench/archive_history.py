@@ -22,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.read_history import config_without_fsync
 from flightdeck.events import subjects
 from flightdeck.events.archive import HistoryArchived
 from flightdeck.events.base import Event
@@ -33,8 +34,6 @@ from flightdeck.services.archiver.service import archive
 from flightdeck.services.shell import broker
 from flightdeck.services.shell.objects.local import LocalStore
 from flightdeck.services.tools.history.archived import stream_rows
-
-from bench.read_history import config_without_fsync
 
 JOB, OTHER, RANKS = "bench-000001", "other-000001", 8
 

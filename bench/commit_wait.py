@@ -34,7 +34,6 @@ from flightdeck.events.job import AllocationRequested, JobCompleted, JobFailed, 
 from flightdeck.events.spec import FaultSpec, ModelSpec  # noqa: E402
 from flightdeck.events.training import FaultInjected, StepCompleted  # noqa: E402
 from flightdeck.services.shell import broker  # noqa: E402
-
 from tests.e2e.drill_harness import drill_spec, paced, start_drill  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "cpu-commit-wait.json"

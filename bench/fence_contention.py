@@ -24,14 +24,13 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.sim import platform as plat
 from flightdeck.events import subjects
 from flightdeck.events.history import append_to_job, version_of
 from flightdeck.events.jetstream import JetStreamStore
 from flightdeck.events.job import WorkersStarted
 from flightdeck.events.store import ConcurrencyConflict
 from flightdeck.services.shell.logging import configure
-
-from bench.sim import platform as plat
 
 
 def record(job: str, k: int) -> WorkersStarted:

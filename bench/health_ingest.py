@@ -21,7 +21,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from flightdeck.events.clock import ClockTick
 from flightdeck.events.spec import PolicySpec
 from flightdeck.services.health.core import NAME
-
 from tests.unit.health_synth import SERVICE, Cluster, steady_second
 
 

@@ -23,7 +23,6 @@ root = args.tree.resolve()
 sys.path.insert(0, str(root))
 
 from flightdeck.services.shell import broker as broker_mod  # noqa: E402
-
 from tests.conftest import ensure_streams_at  # noqa: E402
 from tests.trainer import ranks  # noqa: E402
 

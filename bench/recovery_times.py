@@ -66,7 +66,6 @@ from flightdeck.events.job import AllocationGranted, JobCompleted, JobFailed, Jo
 from flightdeck.events.spec import EntrypointSpec, FaultSpec, JobSpec  # noqa: E402
 from flightdeck.events.training import FaultInjected, RankStarted, RolledBack, StepCompleted  # noqa: E402
 from flightdeck.services.shell import broker  # noqa: E402
-
 from tests.e2e.drill_harness import (  # noqa: E402
     drill_spec,
     kill_agent_mid_run,

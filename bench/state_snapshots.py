@@ -30,13 +30,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.replay_speed import config_without_fsync, history, populate
 from flightdeck.events import subjects
 from flightdeck.events.jetstream import JetStreamStore
 from flightdeck.services import registry
 from flightdeck.services.shell import broker, snapshots
 from flightdeck.services.shell.fold import Folder, rebuild, replay
-
-from bench.replay_speed import config_without_fsync, history, populate
 
 RESULTS = Path(__file__).resolve().parent / "results" / "cpu-state-snapshots.json"
 SERVICES = ("health",)  # the core that folds every telemetry message: the longest rebuild by far
@@ -125,7 +124,6 @@ def take_at_scale(num_ranks: int, seconds: int = 20) -> dict[str, float]:
     from flightdeck.events.clock import ClockTick
     from flightdeck.events.spec import PolicySpec
     from flightdeck.services.health.core import NAME
-
     from tests.unit.health_synth import SERVICE, Cluster, steady_second
 
     c = Cluster(num_ranks=num_ranks, policy=PolicySpec(straggler_window=3))

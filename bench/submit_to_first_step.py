@@ -38,7 +38,6 @@ from flightdeck.events.job import AllocationGranted, JobCompleted, JobSubmitted,
 from flightdeck.events.spec import JobSpec, ModelSpec, TrainSpec
 from flightdeck.events.training import RankStarted, StepCompleted
 from flightdeck.services.shell import broker
-
 from tests.integration.lifecycle_harness import Objects, Platform, open_platform
 
 PARTS = ("scheduling", "spawn", "startup", "first_step")

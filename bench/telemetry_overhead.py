@@ -30,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch.nn.functional as F
+
 from flightdeck.events.spec import JobSpec, ModelSpec, TrainSpec
 from flightdeck.events.streams import ensure_streams
 from flightdeck.services.shell import broker
@@ -42,7 +43,6 @@ from flightdeck.trainer.loop import GRAD_CLIP, lr_at, train
 from flightdeck.trainer.model import num_params
 from flightdeck.trainer.reports import Emitter
 from flightdeck.trainer.session import Run
-
 from tests.trainer.linkhost import NODE, LinkHost
 
 WARMUP_STEPS = 10

@@ -67,7 +67,6 @@ sys.path.insert(0, str(ROOT))
 
 from flightdeck.events.spec import EntrypointSpec, TrainSpec  # noqa: E402
 from flightdeck.services.shell import broker  # noqa: E402
-
 from tests.e2e.drill_harness import drill_spec, start_drill, start_two_nodes  # noqa: E402
 
 SIDES = ("flightdeck-warm", "flightdeck-cold", "torchrun", "dlrover", "torchft")

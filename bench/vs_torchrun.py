@@ -52,7 +52,6 @@ from flightdeck.events.job import JobCompleted, JobFailed, WorkersStarted  # noq
 from flightdeck.events.spec import FaultSpec, JobSpec  # noqa: E402
 from flightdeck.events.training import FaultInjected, RankStarted, StepCompleted  # noqa: E402
 from flightdeck.services import broker  # noqa: E402
-
 from tests.e2e.drill_harness import drill_spec, start_drill  # noqa: E402
 
 CRASH_AT = 160

@@ -1,6 +1,7 @@
 """Checkpoints: staged by ranks, committed (or failed) by the checkpoint service."""
 
 import msgspec
+
 from flightdeck.events.base import JobEvent, RankEvent
 
 

@@ -13,12 +13,13 @@ import typing
 from typing import Annotated, Any, Union
 
 import msgspec
+from msgspec import Meta
+
 from flightdeck.events.base import Event
 from flightdeck.events.catalog import ALL_TYPES, BY_NAME
 from flightdeck.events.job import JobSubmitted
 from flightdeck.events.logs import MAX_LINE, MAX_LINES
 from flightdeck.events.spec import InvalidSpec, check
-from msgspec import Meta
 
 AnyEvent = Union[ALL_TYPES]  # type: ignore[valid-type]  # noqa: UP007 (a tuple unpacks only into Union)
 

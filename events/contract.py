@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 import msgspec
+
 from flightdeck.events.catalog import ALL_TYPES
 
 SCHEMA_URI = "https://json-schema.org/draft/2020-12/schema"

@@ -6,8 +6,9 @@ Why it works this way: docs/internals.md, "1. The event log".
 from typing import Annotated
 
 import msgspec
-from flightdeck.events.base import RankEvent
 from msgspec import Meta
+
+from flightdeck.events.base import RankEvent
 
 
 class RankBeat(msgspec.Struct, frozen=True, kw_only=True):

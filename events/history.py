@@ -12,6 +12,7 @@ them in stream order among the rest.
 
 import msgspec
 import structlog
+
 from flightdeck.events import codec, subjects
 from flightdeck.events.admission import Admission
 from flightdeck.events.base import JobEvent

@@ -7,16 +7,17 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import structlog
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import PubAck
+from nats.js.errors import BadRequestError
+
 from flightdeck.events import codec
 from flightdeck.events.base import Event
 from flightdeck.events.jsreader import Replay, StoreClient, cancellable, is_unavailable
 from flightdeck.events.store import AppendResult, ConcurrencyConflict, Stored, StoreUnavailable, decoded
 from flightdeck.events.streams import check_server_version, ensure_streams, server_list
 from flightdeck.events.subjects import stream_of
-from nats.aio.msg import Msg
-from nats.js import JetStreamContext
-from nats.js.api import PubAck
-from nats.js.errors import BadRequestError
 
 log = structlog.get_logger(__name__)
 

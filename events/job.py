@@ -1,6 +1,7 @@
 """Job lifecycle: submission, queueing, placement, workers, and how a job ends."""
 
 import msgspec
+
 from flightdeck.events.base import JobEvent
 from flightdeck.events.spec import JobSpec
 

@@ -15,12 +15,13 @@ from typing import TypeVar
 
 import nats.errors
 import structlog
-from flightdeck.events.store import Stored, StoreUnavailable, decoded
 from nats.aio.client import Client
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import APIError, ServerError, ServiceUnavailableError
+
+from flightdeck.events.store import Stored, StoreUnavailable, decoded
 
 log = structlog.get_logger(__name__)
 

@@ -5,6 +5,7 @@ Why it works this way: docs/internals.md, "5. Checkpoints".
 """
 
 import msgspec
+
 from flightdeck.events.commands import RollbackRequested
 
 

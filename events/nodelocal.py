@@ -10,6 +10,7 @@ import os
 import socket
 
 import msgspec
+
 from flightdeck.events.heartbeats import LocalBeat
 from flightdeck.events.ranklink import LINK_ENV
 from flightdeck.events.snapshot import SNAPSHOTS_ENV, SNAPSHOTS_OFF_ENV

@@ -1,6 +1,7 @@
 """Parallel plans: how a job's model is laid out over the slots it has."""
 
 import msgspec
+
 from flightdeck.events.base import JobEvent
 
 

@@ -14,8 +14,9 @@ import socket
 from typing import Annotated
 
 import msgspec
-from flightdeck.events.plan import ParallelPlan
 from msgspec import Meta
+
+from flightdeck.events.plan import ParallelPlan
 
 LINK_ENV = "FLIGHTDECK_AGENT"  # the agent's link socket (@name: abstract), set for the ranks it starts
 MAX_MESSAGE = 1 << 20  # the broker's own payload limit: an event larger than this could never be stored

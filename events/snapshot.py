@@ -17,6 +17,7 @@ from pathlib import Path
 
 import msgspec
 import xxhash
+
 from flightdeck.events.checkpoint import DataPosition
 
 FORMAT = "flightdeck-snapshot/2"  # items summed with xxh3_64, ~5x faster than zlib's crc32 on the same bytes

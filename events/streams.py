@@ -7,11 +7,12 @@ import os
 from typing import Any
 
 import structlog
-from flightdeck.events.subjects import CONTROL, DEAD, LOGS, STATE, STREAM_SUBJECTS, TELEMETRY
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError, NotFoundError
+
+from flightdeck.events.subjects import CONTROL, DEAD, LOGS, STATE, STREAM_SUBJECTS, TELEMETRY
 
 log = structlog.get_logger(__name__)
 

@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 import structlog
+
 from flightdeck.events.streams import ServerTooOld
 from flightdeck.services import registry
 from flightdeck.services.core import Service

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import nats
 import pytest
+
 from flightdeck.events.streams import ensure_streams
 from flightdeck.services.shell import broker as broker_mod
 

@@ -7,10 +7,9 @@ Any other code: the rank failed (an exception is reported as RankFault first, by
 import os
 import sys
 
+import flightdeck
 from flightdeck.trainer import config
 from flightdeck.trainer.loop import train
-
-import flightdeck
 
 
 def main(argv: list[str] | None = None) -> int:

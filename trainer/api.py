@@ -22,6 +22,7 @@ import sys
 from typing import Any
 
 import structlog
+
 from flightdeck.events.nodelocal import BeatChannel
 from flightdeck.trainer import config, distributed
 from flightdeck.trainer.beats import steps_to_bus

@@ -18,15 +18,16 @@ import msgspec
 import structlog
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
+
 from flightdeck.events.base import RankEvent
 from flightdeck.events.checkpoint import CheckpointStaged, DataPosition, ShardInfo
 from flightdeck.trainer import snapshots
 from flightdeck.trainer.distributed import Dist
 from flightdeck.trainer.hostcopy import HostCopier
 from flightdeck.trainer.state import TrainState, keys
-from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.tensor import DTensor
 
 log = structlog.get_logger(__name__)
 # DCP warns on every single-process save and load; one rank alone is a supported way to run here.

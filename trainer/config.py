@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
+
 from flightdeck.events import nodelocal as nl
 from flightdeck.events import ranklink
 from flightdeck.events.plan import ParallelPlan

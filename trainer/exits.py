@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 import structlog
+
 from flightdeck.events.commands import StopRequested
 from flightdeck.events.nodelocal import STOPPED_EXIT
 from flightdeck.events.training import RankFault

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 
 import torch
+
 from flightdeck.events.spec import FaultSpec
 
 CRASH_EXIT_CODE = 3

@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 import msgspec
+
 from flightdeck.events.nodelocal import (
     FORK_REQUEST_DECODER,
     MAX_MESSAGE,

@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 import structlog
+
 from flightdeck.events import codec, ranklink
 from flightdeck.events.backlog import Backlog
 from flightdeck.events.base import Event, RankEvent

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import structlog
 import torch
+
 from flightdeck.trainer.cursor import Step
 from flightdeck.trainer.state import Stateful
 from flightdeck.trainer.usage import refused

@@ -9,11 +9,11 @@ import math
 
 import torch
 import torch.nn.functional as F
-from flightdeck.trainer import model
-from flightdeck.trainer.data import TokenStream, load_tokens
 from torch.nn.parallel import DistributedDataParallel
 
 import flightdeck
+from flightdeck.trainer import model
+from flightdeck.trainer.data import TokenStream, load_tokens
 
 GRAD_CLIP = 1.0
 

@@ -4,8 +4,9 @@ import math
 
 import torch
 import torch.nn.functional as F
-from flightdeck.events.spec import ModelSpec
 from torch import nn
+
+from flightdeck.events.spec import ModelSpec
 
 
 class Block(nn.Module):

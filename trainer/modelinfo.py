@@ -8,10 +8,11 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
-from flightdeck.events.base import Event
-from flightdeck.events.training import ModelRegistered
 from torch import nn
 from torch.utils.hooks import RemovableHandle
+
+from flightdeck.events.base import RankEvent
+from flightdeck.events.training import ModelRegistered
 
 # Where a model states its shape: a `config` (Hugging Face, nanoGPT) or a `spec` (the built-in GPT), by these names.
 NAMES = {
@@ -127,7 +128,7 @@ def _tensors(*values: Any) -> Iterator[torch.Tensor]:
     return (v for v in values if isinstance(v, torch.Tensor))
 
 
-def watch(model: nn.Module | None, optimizer: torch.optim.Optimizer | None, emit: Callable[[Event], None],
+def watch(model: nn.Module | None, optimizer: torch.optim.Optimizer | None, emit: Callable[[RankEvent], None],
           envelope: Mapping[str, Any], world_size: int) -> FirstStep | None:
     """Describe `model` now; send its ModelRegistered at once without an optimizer to watch, else after the
     optimizer's first step."""

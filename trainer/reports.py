@@ -14,6 +14,7 @@ from typing import IO, Any, Protocol
 
 import msgspec
 import torch
+
 from flightdeck.events import codec
 from flightdeck.events.base import RankEvent
 from flightdeck.events.training import RankFault, StepCompleted

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import structlog
+
 from flightdeck.events.ranklink import RollbackReady
 from flightdeck.trainer import checkpointing
 from flightdeck.trainer.config import RunConfig

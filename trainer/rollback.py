@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import structlog
+
 from flightdeck.events.checkpoint import CheckpointRefused
 from flightdeck.events.commands import RollbackRequested
 from flightdeck.events.training import RolledBack, SpikeReplayed

@@ -20,6 +20,8 @@ from typing import NoReturn, Protocol, TypeVar
 import msgspec
 import structlog
 import torch
+from torch import nn
+
 from flightdeck.events import codec
 from flightdeck.events.base import Event
 from flightdeck.events.checkpoint import ShardInfo
@@ -45,7 +47,6 @@ from flightdeck.trainer.reports import SPIKE_FACTOR, Emitter, StepReporter, chec
 from flightdeck.trainer.snapshotting import Cadence
 from flightdeck.trainer.state import Stateful, TrainState
 from flightdeck.trainer.usage import refused
-from torch import nn
 
 T = TypeVar("T")
 log = structlog.get_logger("trainer")
@@ -134,8 +135,7 @@ class Run:
         if self.rank == 0:  # the planner learns the model and the batch it is fed (trainer/modelinfo.py)
             modelinfo.watch(model, optimizer, self.emitter.emit, self.emitter.envelope, self.world_size)
         if optimizer is not None:
-            # The optimizer's step is the first write to state a CUDA snapshot, or a host snapshot's copy beside
-            # training, may still be reading.
+            # its step is the first write to state that a snapshot being copied beside training may still read
             optimizer.register_step_pre_hook(lambda *_: self._before_update())
             if any(f.kind == "high_lr" for f in self.spec.faults):  # a drill's learning rate too high, then restored
                 optimizer.register_step_pre_hook(lambda opt, *_: faults.scale_lr(opt, self._lr_boost))

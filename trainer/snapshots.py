@@ -24,9 +24,6 @@ from typing import Any
 import msgspec
 import structlog
 import torch
-from flightdeck.events import snapshot as fmt
-from flightdeck.events.checkpoint import DataPosition
-from flightdeck.trainer.hostcopy import HostCopier
 from torch.distributed.checkpoint import StorageReader
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -40,6 +37,10 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.planner_helpers import _create_chunk_from_dtensor
 from torch.distributed.tensor import DTensor
 from torch.futures import Future as TorchFuture
+
+from flightdeck.events import snapshot as fmt
+from flightdeck.events.checkpoint import DataPosition
+from flightdeck.trainer.hostcopy import HostCopier
 
 log = structlog.get_logger("trainer")
 ALIGN = 64

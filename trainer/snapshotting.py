@@ -12,6 +12,7 @@ from typing import Any
 
 import structlog
 import torch
+
 from flightdeck.events.checkpoint import DataPosition
 from flightdeck.trainer import checkpointing
 from flightdeck.trainer.snapshots import Snapshots, SnapshotsOff

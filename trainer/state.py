@@ -12,11 +12,12 @@ from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-from flightdeck.trainer.usage import refused
 from torch import nn
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from flightdeck.trainer.usage import refused
 
 
 @runtime_checkable

@@ -15,13 +15,12 @@ import json
 import time
 from pathlib import Path
 
-from flightdeck.events.spec import PolicySpec
-from flightdeck.services.health.spikes import SpikeWatch
-
 from bench.detectors.baseline import SingleStepZ
 from bench.detectors.corpus import recorded, synthetic, trials
 from bench.detectors.score import Score, score
 from bench.detectors.timing import measure
+from flightdeck.events.spec import PolicySpec
+from flightdeck.services.health.spikes import SpikeWatch
 
 
 class Shipped:

@@ -7,9 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from flightdeck.events.spec import PolicySpec
-
 from bench.detectors.corpus import SHAPES, Trial
+from flightdeck.events.spec import PolicySpec
 
 GRACE = 10  # steps after an injected spike ends in which a finding still names it
 QUIET = 0.10  # curves whose per-step noise (corpus.Curve.noise) is at most this: x2 stands 7 noise sigmas out

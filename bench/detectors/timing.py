@@ -14,10 +14,9 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
+from bench.detectors.corpus import CURVES
 from flightdeck.events.spec import PolicySpec
 from flightdeck.services.health.detectors import HANG_WINDOW, StragglerWatch, hang_deadline
-
-from bench.detectors.corpus import CURVES
 
 
 @dataclass(frozen=True)

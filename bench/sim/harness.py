@@ -17,15 +17,15 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+
+from bench.sim import platform as plat
+from bench.sim import worker
+from bench.sim.ranks import Mode, Timing
 from flightdeck.events import subjects
 from flightdeck.events.clock import ClockTick
 from flightdeck.events.findings import Finding, RankLost
 from flightdeck.events.jetstream import JetStreamStore
 from flightdeck.events.spec import PolicySpec
-
-from bench.sim import platform as plat
-from bench.sim import worker
-from bench.sim.ranks import Mode, Timing
 
 log = structlog.get_logger("flightdeck.sim")
 SERVICES = ("health", "scheduler", "resources")

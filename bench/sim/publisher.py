@@ -6,10 +6,11 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from flightdeck.events import codec
-from flightdeck.events.base import Event
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
+
+from flightdeck.events import codec
+from flightdeck.events.base import Event
 
 MAX_PENDING = 3000  # unacknowledged publishes per connection before droppable events are dropped
 

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
+from bench.sim.publisher import Publisher
 from flightdeck.events import subjects
 from flightdeck.events.heartbeats import LocalBeat, RankHeartbeats
 from flightdeck.events.history import append_to_job
@@ -28,8 +29,6 @@ from flightdeck.events.store import EventStore
 from flightdeck.events.training import Heartbeat, RankStarted, StepCompleted
 from flightdeck.services.agent.beats import BeatRelay
 from flightdeck.services.agent.launch import exit_msg_id
-
-from bench.sim.publisher import Publisher
 
 Mode = Literal["rank", "node"]
 

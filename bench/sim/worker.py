@@ -15,14 +15,13 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from bench.sim.publisher import Publisher
+from bench.sim.ranks import Mode, SimNode, Timing
 from flightdeck.events import subjects
 from flightdeck.events.history import append_to_job
 from flightdeck.events.jetstream import JetStreamStore
 from flightdeck.events.job import AllocationGranted, AllocationReleased
 from flightdeck.services.shell.logging import configure
-
-from bench.sim.publisher import Publisher
-from bench.sim.ranks import Mode, SimNode, Timing
 
 STATS_S = 1.0
 KILLED_EXIT = -9  # an older attempt's ranks are killed at once when a newer one is granted (agentcore)

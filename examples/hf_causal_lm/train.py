@@ -9,13 +9,13 @@ Needs `transformers` (pip install "flightdeck[examples]"; `make install` include
 """
 
 import torch
-from flightdeck.trainer.data import (
-    CORPUS,  # the text Flightdeck installs with its trainer: any file of yours does as well
-)
 from torch.nn.parallel import DistributedDataParallel
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import flightdeck  # flightdeck
+from flightdeck.trainer.data import (
+    CORPUS,  # the text Flightdeck installs with its trainer: any file of yours does as well
+)
 
 SEQ, GLOBAL_BATCH = 64, 8
 

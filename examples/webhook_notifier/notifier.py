@@ -35,12 +35,12 @@ from urllib.parse import urlsplit
 import aiohttp
 import msgspec
 import structlog
+
+from flightdeck.client import Client, ClientError
 from flightdeck.events.base import Event, JobEvent
 from flightdeck.events.catalog import BY_NAME
 from flightdeck.events.findings import LossSpikeDetected
 from flightdeck.events.job import JobFailed
-
-from flightdeck.client import Client, ClientError
 
 log = structlog.get_logger("flightdeck.notifier")
 DEFAULT_ON = ("JobFailed", "LossSpikeDetected")

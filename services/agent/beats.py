@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 import structlog
+
 from flightdeck.events import subjects
 from flightdeck.events.heartbeats import LocalBeat, RankBeat, RankHeartbeats
 from flightdeck.events.store import EventStore

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import structlog
+
 from flightdeck.services.agent.core import Restore
 from flightdeck.services.agent.launch import Paths, detached
 from flightdeck.services.shell.objects import manifest

@@ -9,6 +9,7 @@ import asyncio
 from collections.abc import Awaitable
 
 import structlog
+
 from flightdeck.services.shell.stacks import awaiting_chain
 
 log = structlog.get_logger("flightdeck.agent")

@@ -15,6 +15,7 @@ from collections.abc import Collection
 from pathlib import Path
 
 import structlog
+
 from flightdeck.events.spec import JobSpec
 from flightdeck.services.shell.objects import code
 from flightdeck.services.shell.objects.store import ObjectNotFound, ObjectStore, ObjectTooLarge

@@ -4,6 +4,7 @@ Why it works this way: docs/internals.md, "7. The node agent and the ranks it ru
 """
 
 import msgspec
+
 from flightdeck.events import codec, lineage, subjects
 from flightdeck.events.base import Event, JobEvent
 from flightdeck.events.catalog import COMMAND_TYPES

@@ -20,6 +20,7 @@ from importlib import metadata
 from pathlib import Path
 
 import structlog
+
 from flightdeck.events.spec import EntrypointSpec
 
 log = structlog.get_logger("flightdeck.agent")

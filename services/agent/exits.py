@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 import structlog
+
 from flightdeck.events.checkpoint import CheckpointRejected
 from flightdeck.events.codec import MAX_CAUSE
 from flightdeck.events.history import append_to_job

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import msgspec
 import structlog
+
 from flightdeck.events.nodelocal import (
     FORK_SERVER_DECODER,
     MAX_MESSAGE,

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import structlog
+
 from flightdeck.events import subjects
 from flightdeck.events.fleet import SelfCheckFailed, SelfCheckPassed
 from flightdeck.events.nodelocal import Assignment

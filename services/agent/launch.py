@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 import structlog
+
 from flightdeck.events import nodelocal as nl
 from flightdeck.events import ranklink, subjects
 from flightdeck.events.job import SlotRef

@@ -22,6 +22,7 @@ from typing import Any
 import msgspec
 import nats
 import structlog
+
 from flightdeck.events import codec, ranklink, subjects
 from flightdeck.events.backlog import Backlog
 from flightdeck.events.base import RankEvent

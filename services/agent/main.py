@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+
 from flightdeck.events import subjects
 from flightdeck.events.base import NodeEvent
 from flightdeck.events.fleet import NodeRegistered, SelfCheckFailed, SelfCheckPassed

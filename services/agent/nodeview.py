@@ -9,6 +9,7 @@ import uuid
 from collections.abc import Callable
 
 import structlog
+
 from flightdeck.events import subjects
 from flightdeck.events.fleet import NodeHeartbeat
 from flightdeck.events.store import EventStore

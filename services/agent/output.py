@@ -5,9 +5,10 @@ so `flightdeck logs` shows it from any machine and a chatty script cannot crowd 
 Over the budget a rank's last lines are held, not dropped: HELD_LINES of them wait, and whatever of them is still
 held when the rank ends (or goes quiet long enough for the budget to refill) is shipped, so its final words (a
 traceback after a flood) reach `flightdeck logs`. The lines a user reads first go ahead of a flood on a budget of
-their own: the trainer API's (structlog's console lines: time, [level], event) and each traceback, whole. Each line is shipped or counted as left out, once. The node's
-file takes everything up to LOG_FILE_BYTES (and the read that crosses it), then moves to `<name>.1` (replacing the
-one before): a rank printing 6 MB/s once filled 100 MB in 16 s with no cap."""
+their own: the trainer API's (structlog's console lines: time, [level], event) and each traceback, whole. Each
+line is shipped or counted as left out, once. The node's file takes everything up to LOG_FILE_BYTES (and the read
+that crosses it), then moves to `<name>.1` (replacing the one before): a rank printing 6 MB/s once filled 100 MB in
+16 s with no cap."""
 
 import asyncio
 import contextlib
@@ -19,6 +20,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import structlog
+
 from flightdeck.events import subjects
 from flightdeck.events.logs import MAX_LINE, MAX_LINES, RankOutput
 from flightdeck.events.store import EventStore

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import structlog
+
 from flightdeck.events.job import SlotRef
 from flightdeck.services.agent.core import Restore
 from flightdeck.services.shell.connection import TRANSIENT

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
+
 from flightdeck.events import subjects
 from flightdeck.events.checkpoint import CheckpointStaged, ShardInfo, ShardsUploaded, checkpoint_id
 from flightdeck.events.store import EventStore, Stored

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import structlog
+
 from flightdeck.events import snapshot as fmt
 from flightdeck.events import subjects
 from flightdeck.events.checkpoint import CheckpointStaged, ShardInfo

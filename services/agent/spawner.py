@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+
 from flightdeck.events import nodelocal as nl
 from flightdeck.events import ranklink
 from flightdeck.events.heartbeats import LocalBeat

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
+
 from flightdeck.events.nodelocal import ASSIGNMENT_ENCODER, READY, Assignment
 from flightdeck.services.agent.forkserver import ForkedProc, ForkServer, ForkServerGone
 from flightdeck.services.agent.rankproc import Proc
@@ -55,6 +56,7 @@ class StandbyPool:
         self.closed = False
         self.on_change: Callable[[], None] = lambda: None  # the ready count may have moved (main.py reports it)
         self.env_forks: dict[str, ForkServer] = {}  # a job's own interpreter -> its fork server, least recent first
+        self.closing: set[asyncio.Task[None]] = set()
 
     @property
     def ready(self) -> int:
@@ -119,7 +121,9 @@ class StandbyPool:
         if len(self.env_forks) >= ENV_SERVERS:
             if not idle:
                 return  # every one serves running ranks: this job's start cold
-            asyncio.create_task(self.env_forks.pop(idle[0]).close())
+            closing = asyncio.create_task(self.env_forks.pop(idle[0]).close())
+            self.closing.add(closing)  # a reference until it is done: the loop holds tasks weakly
+            closing.add_done_callback(self.closing.discard)
         key = hashlib.sha256(python.encode()).hexdigest()[:12]
         server = ForkServer(python=python, env=self.env, cwd=self.cwd, preexec=self.preexec,
                             log_file=self.log_file.with_name(f"forkserver-{key}.log"))

@@ -8,6 +8,7 @@ Why it works this way: docs/internals.md, "9. The whole history".
 from collections.abc import Callable, Mapping
 
 import msgspec
+
 from flightdeck.events import subjects
 from flightdeck.events.archive import HistoryArchived
 from flightdeck.events.base import Event

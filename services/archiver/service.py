@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import structlog
+
 from flightdeck.events import subjects
 from flightdeck.events.archive import HistoryArchived
 from flightdeck.events.store import EventStore

@@ -6,6 +6,8 @@ Why it works this way: docs/internals.md, "5. Checkpoints".
 from collections.abc import Sequence
 
 import msgspec
+from msgspec.structs import replace
+
 from flightdeck.events import subjects
 from flightdeck.events.base import Event
 from flightdeck.events.checkpoint import (
@@ -42,7 +44,6 @@ from flightdeck.services.checkpoints.state import (
     State,
 )
 from flightdeck.services.core import Effect, EffectHandler, Emit, Output, Service
-from msgspec.structs import replace
 
 SERVICE = "checkpoints"
 COMMIT = "commit"

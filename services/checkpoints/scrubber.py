@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 import structlog
+
 from flightdeck.events import subjects
 from flightdeck.events.checkpoint import CheckpointScrubbed
 from flightdeck.services.checkpoints.state import ScrubArgs

@@ -4,6 +4,7 @@ what one input made due. Frozen values only."""
 from typing import Literal
 
 import msgspec
+
 from flightdeck.events.checkpoint import CheckpointFailed, CheckpointPending, CheckpointStaged, DataPosition, ShardInfo
 from flightdeck.events.lineage import Fork
 

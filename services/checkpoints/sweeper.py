@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 import structlog
+
 from flightdeck.services.shell.objects.local import LocalStore
 from flightdeck.services.shell.objects.s3 import S3Store
 from flightdeck.services.shell.objects.store import ObjectStore

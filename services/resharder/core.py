@@ -9,6 +9,7 @@ from collections import Counter
 from collections.abc import Callable
 
 import msgspec
+
 from flightdeck.events import subjects
 from flightdeck.events.base import Event
 from flightdeck.events.clock import ClockTick

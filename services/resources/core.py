@@ -7,6 +7,7 @@ import zlib
 from typing import Literal
 
 import msgspec
+
 from flightdeck.events import snapshot, subjects
 from flightdeck.events.base import Event
 from flightdeck.events.clock import CoreConfigured

@@ -7,6 +7,7 @@ a double booking is a bug in placement, not a condition to handle: placement onl
 from collections.abc import Iterable
 
 import msgspec
+
 from flightdeck.events.job import SlotRef
 
 

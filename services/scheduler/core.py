@@ -4,6 +4,7 @@ Why it works this way: docs/internals.md, "3. The scheduler and its recovery rec
 """
 
 import msgspec
+
 from flightdeck.events import subjects
 from flightdeck.events.base import Event
 from flightdeck.events.checkpoint import (

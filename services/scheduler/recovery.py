@@ -4,6 +4,7 @@ Why it works this way: docs/internals.md, "3. The scheduler and its recovery rec
 """
 
 import msgspec
+
 from flightdeck.events import lineage
 from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointRefused
 from flightdeck.events.commands import PauseRequested, RollbackRequested, StopRequested

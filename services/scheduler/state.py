@@ -3,6 +3,7 @@
 from typing import Literal
 
 import msgspec
+
 from flightdeck.events import lineage
 from flightdeck.events.checkpoint import DataPosition
 from flightdeck.events.job import SlotRef

@@ -7,6 +7,7 @@ of (state, event) even though the handlers write to it step by step.
 import bisect
 
 import msgspec
+
 from flightdeck.events import subjects
 from flightdeck.events.base import JobEvent
 from flightdeck.events.job import AllocationReleased

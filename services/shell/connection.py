@@ -8,6 +8,7 @@ import contextlib
 import nats.errors
 import nats.js.errors
 import structlog
+
 from flightdeck.events.jetstream import JetStreamStore
 from flightdeck.events.store import StoreUnavailable
 from flightdeck.services.shell.security.credentials import check_url, client_options

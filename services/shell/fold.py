@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import msgspec
+
 from flightdeck.events import subjects
 from flightdeck.events.admission import Admission, mismatch
 from flightdeck.events.base import Event

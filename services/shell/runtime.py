@@ -19,6 +19,10 @@ from typing import Any, TypeVar
 
 import nats.errors
 import structlog
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig
+
 from flightdeck.events import subjects
 from flightdeck.events.admission import mismatch
 from flightdeck.events.base import JobEvent
@@ -32,9 +36,6 @@ from flightdeck.services.shell.connection import TRANSIENT, Connection, PublishD
 from flightdeck.services.shell.consumer import ConsumerPolicy, consumer_name, filters
 from flightdeck.services.shell.fold import Folder, Output, Step, failure, rebuild, replay, stamp
 from flightdeck.services.shell.tap import TelemetryTap
-from nats.aio.client import Client
-from nats.aio.msg import Msg
-from nats.js.api import AckPolicy, ConsumerConfig
 
 log = structlog.get_logger("flightdeck.shell")
 T = TypeVar("T")

@@ -28,6 +28,7 @@ from typing import Any
 
 import msgspec
 import structlog
+
 from flightdeck.events import subjects
 from flightdeck.events.store import EventStore
 from flightdeck.services.core import Service

@@ -10,6 +10,7 @@ from collections import deque
 from collections.abc import Sequence
 
 import structlog
+
 from flightdeck.events.store import EventStore, Stored
 from flightdeck.events.subjects import TELEMETRY
 

@@ -26,6 +26,7 @@ from types import TracebackType
 from typing import TypeVar
 
 import msgspec
+
 from flightdeck.events import subjects
 from flightdeck.events.admission import Admission, admitted_events
 from flightdeck.events.base import Event, JobEvent, NodeEvent, RankEvent

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import msgspec
 import structlog
+
 from flightdeck.events.spec import JobSpec
 from flightdeck.services.shell.objects import code
 from flightdeck.services.shell.objects.store import ObjectStore

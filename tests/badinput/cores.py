@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import msgspec
+
 from flightdeck.events import subjects
 from flightdeck.events.base import Event
 from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointStaged, DataPosition, ShardInfo
@@ -27,7 +28,6 @@ from flightdeck.services.resharder.core import core_service as resharder
 from flightdeck.services.resources.core import core_service as resources
 from flightdeck.services.scheduler.core import core_service as scheduler
 from flightdeck.services.shell.fold import Folder
-
 from tests.badinput.hostile import JOB, NODE
 from tests.badinput.hostile import subject_for as subject_for
 from tests.unit.helpers import Agents, Bus, register, submit

@@ -9,12 +9,13 @@ import functools
 from typing import Any
 
 import msgspec
+from hypothesis import strategies as st
+from msgspec import inspect as mi
+
 from flightdeck.events import codec
 from flightdeck.events.base import Event
 from flightdeck.events.catalog import ALL_TYPES
 from flightdeck.events.spec import JobSpec, PolicySpec, TrainSpec
-from hypothesis import strategies as st
-from msgspec import inspect as mi
 
 JOB, NODE, RANK, ATTEMPT = "j-1", "n0", 0, 0
 SANE: dict[str, Any] = {"job_id": JOB, "node": NODE, "rank": RANK, "attempt": ATTEMPT, "service": "health",

@@ -30,7 +30,6 @@ from flightdeck.services.resources.core import core_service as resources
 from flightdeck.services.scheduler.core import core_service as scheduler
 from flightdeck.services.shell.objects.local import LocalStore
 from flightdeck.services.shell.runtime import ConsumerPolicy, consumer_name, run_service
-
 from tests.integration.runtime_helpers import eventually, read_all
 
 SPEC = JobSpec(name="fuzz", slots=2, train=TrainSpec(steps=10_000),

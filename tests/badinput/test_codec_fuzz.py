@@ -6,6 +6,9 @@ import math
 
 import msgspec
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from flightdeck.events import codec
 from flightdeck.events.base import Event
 from flightdeck.events.catalog import ALL_TYPES
@@ -13,9 +16,6 @@ from flightdeck.events.checkpoint import CheckpointDeleted
 from flightdeck.events.fleet import NodeRegistered
 from flightdeck.events.job import AllocationGranted, SlotRef, WorkersStarted
 from flightdeck.events.training import Heartbeat, StepCompleted
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from tests.badinput import hostile
 
 MANY = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow,

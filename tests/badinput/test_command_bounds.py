@@ -6,12 +6,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
+
 from flightdeck.events import codec
 from flightdeck.events.base import Event
 from flightdeck.events.commands import CheckpointRequested, RollbackRequested
 from flightdeck.trainer.session import admitted
-from structlog.testing import capture_logs
-
 from tests.trainer import ranks
 
 pytestmark = pytest.mark.timeout(60)

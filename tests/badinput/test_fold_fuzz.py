@@ -7,12 +7,12 @@ from typing import Any
 
 import msgspec
 import pytest
-from flightdeck.events import subjects
-from flightdeck.events.base import JobEvent
-from flightdeck.events.catalog import BY_NAME
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from flightdeck.events import subjects
+from flightdeck.events.base import JobEvent
+from flightdeck.events.catalog import BY_NAME
 from tests.badinput import cores, hostile
 
 EXAMPLES = 120

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import msgspec
 import pytest
+
 from flightdeck.events.checkpoint import CheckpointCommitted, DataPosition, ShardInfo
 from flightdeck.services.checkpoints.state import CommitArgs
 from flightdeck.services.checkpoints.uploader import commit
 from flightdeck.services.shell.objects import manifest as mf
 from flightdeck.services.shell.objects.store import ObjectStore
-
 from tests.integration.s3_fixture import moto_s3, store
 from tests.integration.shipping_helpers import fold, ship, staged_files
 

@@ -10,6 +10,7 @@ import tracemalloc
 from pathlib import Path
 
 import pytest
+
 from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointFailed, DataPosition, ShardInfo
 from flightdeck.events.codec import MAX_SLOTS
 from flightdeck.services.checkpoints.state import CommitArgs, StagedRank
@@ -18,7 +19,6 @@ from flightdeck.services.shell.objects import manifest as mf
 from flightdeck.services.shell.objects.local import LocalStore
 from flightdeck.services.shell.objects.store import ObjectStore, ObjectTooLarge
 from flightdeck.trainer import checkpointing
-
 from tests.integration.s3_fixture import moto_s3, store
 from tests.integration.shipping_helpers import ship_and_commit, staged_files
 

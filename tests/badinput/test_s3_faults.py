@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
 from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointFailed, CheckpointStaged, checkpoint_id
 from flightdeck.services.shell.objects import manifest as mf
 from flightdeck.services.shell.objects.retry import RetryPolicy
 from flightdeck.services.shell.objects.s3 import MIN_PART_SIZE, S3Store
-
 from tests.badinput.faultproxy import FaultProxy
 from tests.integration.s3_fixture import MotoS3, moto_s3
 from tests.integration.shipping_helpers import ship_and_commit, staged_files

@@ -8,6 +8,9 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
 from flightdeck.events import codec, subjects
 from flightdeck.events.catalog import BY_NAME
 from flightdeck.events.clock import DeadLettered
@@ -15,9 +18,6 @@ from flightdeck.events.history import append_to_job, read_job
 from flightdeck.events.job import CancelRequested, JobCancelled, JobQueued, JobSubmitted
 from flightdeck.services.shell import broker as broker_mod
 from flightdeck.services.shell.fold import mismatch
-from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis import strategies as st
-
 from tests.badinput import hostile
 from tests.badinput.platform import SPEC, Platform, platform
 from tests.conftest import ensure_streams_at

@@ -6,15 +6,15 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from flightdeck.events import codec, subjects
 from flightdeck.events.jetstream import JetStreamStore
 from flightdeck.events.job import JobSubmitted
 from flightdeck.events.spec import MAX_SPEC_BYTES, InvalidSpec, JobSpec, ModelSpec, TrainSpec, parse_spec
 from flightdeck.services.shell import broker as broker_mod
 from flightdeck.services.tools.console.__main__ import main
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from tests.conftest import ensure_streams_at
 
 OK = 'name = "ok"\n'

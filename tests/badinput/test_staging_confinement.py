@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
 from flightdeck.events import subjects
 from flightdeck.events.checkpoint import (
     CheckpointCommitted,
@@ -31,7 +32,6 @@ from flightdeck.services.shell import broker as broker_mod
 from flightdeck.services.shell.objects.local import LocalStore
 from flightdeck.services.shell.objects.open import OBJECTS_ENV
 from flightdeck.services.shell.runtime import ConsumerPolicy, run_service
-
 from tests.integration.runtime_helpers import eventually, read_all
 from tests.integration.shipping_helpers import ship_and_commit
 

@@ -19,12 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from flightdeck.events import subjects
 from flightdeck.events.job import WorkersStarted
 from flightdeck.events.spec import FaultSpec, JobSpec
 from flightdeck.events.training import StepCompleted
 from flightdeck.services.shell import broker as broker_mod
-
 from tests.chaos.checks import Outcome, check, record
 from tests.e2e.drill_harness import drill_spec, export, start_drill
 from tests.integration.lifecycle_harness import Platform

@@ -13,12 +13,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from flightdeck.events import subjects
 from flightdeck.events.jetstream import JetStreamStore
 from flightdeck.events.jsreader import is_unavailable
 from flightdeck.events.streams import REPLICAS_ENV, ensure_streams, server_list
 from flightdeck.services.shell import broker as broker_mod
-
 from tests.chaos.checks import check, record
 from tests.chaos.harness import chaos_spec, ended, progress, step_reached
 from tests.e2e.drill_harness import export, start_drill, wait_lineage

@@ -7,11 +7,11 @@ twice, and no decision is taken twice."""
 import asyncio
 
 import pytest
+
 from flightdeck.events import subjects
 from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointStaged
 from flightdeck.events.fleet import SelfCheckPassed
 from flightdeck.events.job import AllocationGranted
-
 from tests.chaos.harness import Chaos, chaos_spec, progress, rank_pids, restart, sigkill, step_reached
 from tests.e2e.drill_harness import wait_lineage
 from tests.integration.test_lifecycle_services import gone

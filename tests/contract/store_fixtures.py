@@ -5,6 +5,7 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
 
 import pytest
+
 from flightdeck.events import subjects
 from flightdeck.events.clock import ClockTick
 from flightdeck.events.jetstream import JetStreamStore

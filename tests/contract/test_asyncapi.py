@@ -10,6 +10,7 @@ from typing import Any
 
 import msgspec
 import pytest
+
 from flightdeck.events import asyncapi, subjects
 from flightdeck.events.catalog import ALL_TYPES
 from flightdeck.services.shell.security import permissions

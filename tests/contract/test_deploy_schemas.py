@@ -20,6 +20,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+
 from flightdeck.services import registry
 from flightdeck.services.agent import bootstrap
 from flightdeck.services.shell.security.__main__ import build_parser

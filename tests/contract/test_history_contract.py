@@ -4,11 +4,11 @@ import asyncio
 
 import msgspec
 import pytest
+
 from flightdeck.events import subjects
 from flightdeck.events.admission import admitted_events
 from flightdeck.events.history import HistoryGap, append_to_job, junk, node_record, read_job, version_of
 from flightdeck.events.job import JobCompleted, JobQueued, WorkersStarted
-
 from tests.contract.store_fixtures import AnyStore, queued, store
 
 __all__ = ["store"]

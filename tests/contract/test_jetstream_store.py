@@ -6,15 +6,15 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import pytest
+from nats.aio.client import ServerVersion
+from nats.js.api import DiscardPolicy, StorageType
+
 from flightdeck.events import subjects
 from flightdeck.events.jetstream import JetStreamStore
 from flightdeck.events.store import StoreUnavailable
 from flightdeck.events.streams import LOGS_MAX_AGE_S, LOGS_MAX_BYTES, ServerTooOld, check_server_version, ensure_streams
 from flightdeck.events.subjects import CONTROL, DEAD, LOGS, STATE, TELEMETRY
 from flightdeck.services.shell.broker import Broker, free_port
-from nats.aio.client import ServerVersion
-from nats.js.api import DiscardPolicy, StorageType
-
 from tests.conftest import restart_broker
 from tests.contract.store_fixtures import collect, queued, read_all, within
 

@@ -8,6 +8,7 @@ from typing import Any
 import jsonschema
 import msgspec
 import pytest
+
 from flightdeck.events import contract
 from flightdeck.events.catalog import ALL_TYPES
 

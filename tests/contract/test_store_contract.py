@@ -4,10 +4,10 @@ import asyncio
 import contextlib
 
 import pytest
+
 from flightdeck.events import subjects
 from flightdeck.events.store import ConcurrencyConflict
 from flightdeck.events.subjects import CONTROL, DEAD, TELEMETRY
-
 from tests.contract.store_fixtures import AnyStore, collect, queued, read_all, step, store, tick, within
 
 __all__ = ["store"]  # the parametrised fixture, imported so pytest finds it here

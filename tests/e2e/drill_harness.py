@@ -24,6 +24,7 @@ from typing import Any
 
 import msgspec
 import pytest
+
 from flightdeck.events import codec, subjects
 from flightdeck.events.jetstream import JetStreamStore
 from flightdeck.events.job import JobResumed
@@ -33,7 +34,6 @@ from flightdeck.events.training import StepCompleted
 from flightdeck.services.shell import broker as broker_mod
 from flightdeck.services.tools.audit.settle import verify_live
 from flightdeck.services.tools.console import verify_cmd
-
 from tests.integration.lifecycle_harness import SERVICES, Objects, Platform, open_platform
 
 HEALTH_TICK_S = "0.5"

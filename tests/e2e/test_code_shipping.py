@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from flightdeck.events.job import JobCompleted, JobFailed, JobSubmitted, WorkersExited
 from flightdeck.services.shell.objects import code
 from flightdeck.services.shell.objects.open import OBJECTS_ENV
-
 from tests.integration.lifecycle_harness import Platform
 from tests.integration.test_lifecycle_services import kinds
 

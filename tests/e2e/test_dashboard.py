@@ -10,13 +10,13 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from playwright.async_api import Page, async_playwright
+
 from flightdeck.events.history import append_to_job
 from flightdeck.events.jetstream import JetStreamStore
 from flightdeck.events.job import CancelRequested
 from flightdeck.services.shell import broker as broker_mod
 from flightdeck.services.tools.web.server import serve
-from playwright.async_api import Page, async_playwright
-
 from tests.e2e.drill_harness import crash_spec
 from tests.integration.lifecycle_harness import Platform
 

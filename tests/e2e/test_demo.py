@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from flightdeck.services.tools.console import upstate
 
 ROOT = Path(__file__).resolve().parents[2]

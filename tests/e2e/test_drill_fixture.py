@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from flightdeck.events import codec, subjects
 from flightdeck.events.checkpoint import CheckpointCommitted
 from flightdeck.events.clock import ClockTick, CoreConfigured

@@ -3,6 +3,7 @@ trainer ranks, and a drill fault. Each drill checks the recovery the platform ma
 keeps each job's whole history as `<tmp>/<job>.history.jsonl` (tests/e2e/drill_harness.py)."""
 
 import pytest
+
 from flightdeck.events import subjects
 from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointDeleted
 from flightdeck.events.findings import RankHung, RankLost
@@ -11,7 +12,6 @@ from flightdeck.events.job import AllocationGranted, JobCompleted, JobFailed, Jo
 from flightdeck.events.nodelocal import STOPPED_EXIT
 from flightdeck.events.spec import FaultSpec
 from flightdeck.events.training import FaultInjected, Heartbeat, RankFault, RankStarted
-
 from tests.e2e.drill_harness import CRASH_AT, crash_spec, drill_spec, lineage_gaps, wait_lineage
 from tests.integration.lifecycle_harness import Platform
 from tests.integration.test_lifecycle_services import kinds

@@ -6,13 +6,13 @@ found lost, the job is resharded 2 -> 1, resumes from a committed checkpoint on 
 import time
 
 import pytest
+
 from flightdeck.events import subjects
 from flightdeck.events.checkpoint import CheckpointCommitted
 from flightdeck.events.fleet import NodeLost
 from flightdeck.events.job import AllocationRequested, JobCompleted, JobFailed, JobResumed
 from flightdeck.events.plan import ReshardPlanned
 from flightdeck.events.training import RankStarted
-
 from tests.e2e.drill_harness import kill_agent_mid_run, lost_node_spec, start_two_nodes, wait_lineage
 from tests.integration.lifecycle_harness import Platform
 from tests.integration.test_lifecycle_services import kinds

@@ -6,6 +6,7 @@ No step is lost on the way and every step trains on the same global batch, whate
 import time
 
 import pytest
+
 from flightdeck.events import subjects
 from flightdeck.events.checkpoint import CheckpointCommitted
 from flightdeck.events.commands import StopRequested
@@ -21,7 +22,6 @@ from flightdeck.events.job import (
 )
 from flightdeck.events.plan import ReshardPlanned
 from flightdeck.events.training import RankStarted, StepCompleted
-
 from tests.e2e.drill_harness import (
     GROW_STEPS,
     grow_back_spec,

@@ -7,6 +7,7 @@ import re
 
 import msgspec
 import pytest
+
 from flightdeck.events import subjects
 from flightdeck.events.checkpoint import CheckpointCommitted
 from flightdeck.events.commands import PauseRequested, RollbackRequested
@@ -15,7 +16,6 @@ from flightdeck.events.job import AllocationGranted, JobCompleted, JobFailed, Jo
 from flightdeck.events.spec import FaultSpec
 from flightdeck.events.training import FaultInjected, RolledBack, StepCompleted
 from flightdeck.services.tools.client import Client
-
 from tests.e2e.drill_harness import SPIKE_AT, spike_spec, wait_lineage
 from tests.integration.lifecycle_harness import Platform
 from tests.integration.test_lifecycle_services import kinds

@@ -4,12 +4,12 @@ the restarted ranks load it from memory. Checkpoints every 50 steps: only the sn
 
 import msgspec
 import pytest
+
 from flightdeck.events import subjects
 from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointStaged
 from flightdeck.events.job import JobCompleted, JobQueued, JobResumed
 from flightdeck.events.spec import FaultSpec, JobSpec
 from flightdeck.events.training import FaultInjected, RankStarted, StepCompleted
-
 from tests.e2e.drill_harness import drill_spec, paced, wait_lineage
 from tests.e2e.test_drills import run_to_end
 from tests.integration.lifecycle_harness import Platform
@@ -66,7 +66,6 @@ async def test_a_lost_node_under_data_parallelism_restores_the_survivors_replica
     so the set of it alone commits once n2 is known lost, and the job resumes from it on n1, loaded from memory."""
     from flightdeck.events.fleet import NodeLost
     from flightdeck.events.training import StepCompleted
-
     from tests.e2e.drill_harness import kill_agent_mid_run, start_two_nodes
 
     p, job = drill, "lostmem-000001"

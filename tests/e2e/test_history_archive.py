@@ -11,6 +11,7 @@ import contextlib
 from pathlib import Path
 
 import pytest
+
 from flightdeck.events import subjects
 from flightdeck.events.archive import HistoryArchived
 from flightdeck.events.job import JobCompleted
@@ -21,7 +22,6 @@ from flightdeck.services.tools.history import fdh
 from flightdeck.services.tools.history.library import History, file_history, from_broker
 from flightdeck.services.tools.postmortem.analysis import analyse
 from flightdeck.services.tools.postmortem.report import blocks, markdown
-
 from tests.e2e.drill_harness import crash_spec, start_drill, wait_lineage
 
 pytestmark = pytest.mark.timeout(300)

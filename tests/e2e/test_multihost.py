@@ -12,13 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
 from flightdeck.events import subjects
 from flightdeck.events.checkpoint import CheckpointCommitted, ShardsUploaded
 from flightdeck.events.fleet import NodeLost
 from flightdeck.events.jetstream import JetStreamStore
 from flightdeck.events.job import AllocationRequested, JobCompleted, JobFailed, JobResumed
 from flightdeck.services.shell import broker as broker_mod
-
 from tests.e2e.drill_harness import HEALTH_TICK_S, assert_verified, export, kill_agent_mid_run, lost_node_spec
 from tests.e2e.hosts import Hosts, isolated_hosts, unavailable
 from tests.integration.lifecycle_harness import SERVICES, Objects, Platform

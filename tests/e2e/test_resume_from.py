@@ -10,13 +10,13 @@ import sys
 
 import msgspec
 import pytest
+
 from flightdeck.events import subjects
 from flightdeck.events.checkpoint import CheckpointCommitted
 from flightdeck.events.job import CheckpointAdopted, JobCompleted, JobFailed, JobSubmitted
 from flightdeck.events.spec import FaultSpec, InitFrom
 from flightdeck.events.training import RankStarted, StepCompleted
 from flightdeck.services.tools.client import Client
-
 from tests.e2e.drill_harness import drill_spec, paced
 from tests.integration.lifecycle_harness import Platform
 from tests.integration.test_lifecycle_services import ROOT, kinds

@@ -8,6 +8,7 @@ import math
 
 import msgspec
 import pytest
+
 from flightdeck.events import subjects
 from flightdeck.events.commands import RollbackRequested
 from flightdeck.events.findings import LossSpikeDetected, SpikeDiagnosed
@@ -15,7 +16,6 @@ from flightdeck.events.fleet import SelfCheckFailed, SelfCheckPassed
 from flightdeck.events.job import JobCompleted, JobFailed, WorkersStarted
 from flightdeck.events.spec import FaultSpec
 from flightdeck.events.training import RolledBack, SpikeReplayed
-
 from tests.e2e.drill_harness import (
     SPIKE_AT,
     assert_verified,

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import msgspec
 import pytest
+
 from flightdeck.events.checkpoint import CheckpointCommitted
 from flightdeck.events.job import JobCompleted, JobFailed, JobResumed, WorkersStarted
 from flightdeck.events.nodelocal import STOPPED_EXIT
 from flightdeck.events.spec import EntrypointSpec, JobSpec, TrainSpec
 from flightdeck.events.training import StepCompleted
-
 from tests.e2e.drill_harness import DRILL_POLICY, drill_spec, paced
 from tests.integration.lifecycle_harness import Platform
 from tests.integration.test_agent import running

@@ -6,13 +6,13 @@ from pathlib import Path
 
 import msgspec
 import pytest
+
 from flightdeck.events import subjects
 from flightdeck.events.findings import RankLost
 from flightdeck.events.job import JobCompleted, JobFailed, JobResumed, WorkersExited
 from flightdeck.events.spec import EntrypointSpec, JobSpec, ModelSpec, TrainSpec
 from flightdeck.events.training import RankFault
 from flightdeck.services.agent.spawner import START_FAILED_EXIT
-
 from tests.e2e.drill_harness import DRILL_POLICY
 from tests.integration.lifecycle_harness import Platform
 from tests.integration.test_lifecycle_services import kinds

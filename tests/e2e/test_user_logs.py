@@ -10,13 +10,13 @@ from pathlib import Path
 
 import msgspec
 import pytest
+
 from flightdeck.events import subjects
 from flightdeck.events.job import JobCompleted, JobFailed
 from flightdeck.events.logs import RankOutput
 from flightdeck.events.spec import EntrypointSpec, JobSpec, TrainSpec
 from flightdeck.events.training import StepCompleted
 from flightdeck.services.agent.output import LINE_BURST, LINES_PER_S
-
 from tests.e2e.drill_harness import DRILL_POLICY
 from tests.integration.lifecycle_harness import Platform
 from tests.integration.test_lifecycle_services import kinds

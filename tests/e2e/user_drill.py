@@ -9,6 +9,7 @@ Run by tests/e2e/test_user_code.py."""
 from pathlib import Path
 
 import msgspec
+
 from flightdeck.events import subjects
 from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointStaged
 from flightdeck.events.commands import RollbackRequested, StopRequested
@@ -18,7 +19,6 @@ from flightdeck.events.nodelocal import STOPPED_EXIT
 from flightdeck.events.plan import ReshardPlanned
 from flightdeck.events.spec import FaultSpec, JobSpec, ModelSpec, TrainSpec, parse_spec
 from flightdeck.events.training import FaultInjected, RolledBack
-
 from tests.e2e.drill_harness import DRILL_POLICY, wait_lineage
 from tests.integration.lifecycle_harness import Platform
 from tests.integration.test_lifecycle_services import kinds

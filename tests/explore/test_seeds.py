@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 import pytest
+
 from flightdeck.events import subjects
 from flightdeck.events.job import JobCompleted, WorkersExited
 from flightdeck.events.nodelocal import STOPPED_EXIT

@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from flightdeck.services.agent.forkserver import ForkServer, ForkServerGone
 from flightdeck.services.agent.inventory import Inventory, _nvidia_gpus, selfcheck
-
 from tests.integration.test_forkserver import forks, run, warm_server
 
 __all__ = ["forks"]  # the fixture: a warm fork server, as the CPU tests use it

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
 from flightdeck.events.jetstream import JetStreamStore
 from flightdeck.events.spec import JobSpec
 from flightdeck.services.shell import broker as broker_mod
@@ -29,7 +30,6 @@ from flightdeck.services.shell.objects import manifest as mf
 from flightdeck.services.shell.objects.open import OBJECTS_ENV, open_store
 from flightdeck.services.shell.objects.store import ObjectStore
 from flightdeck.services.tools import codeship
-
 from tests.integration.s3_fixture import MotoS3
 from tests.integration.test_lifecycle_services import ROOT, Cluster
 

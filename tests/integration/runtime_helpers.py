@@ -13,14 +13,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nats.aio.client import Client
+from nats.js.client import JetStreamContext
+
 from flightdeck.events import subjects
 from flightdeck.events.fleet import NodeHeartbeat
 from flightdeck.events.jetstream import JetStreamStore
 from flightdeck.events.job import JobQueued, JobSubmitted
 from flightdeck.events.spec import JobSpec
 from flightdeck.events.store import Stored
-from nats.aio.client import Client
-from nats.js.client import JetStreamContext
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = JobSpec(name="toy")

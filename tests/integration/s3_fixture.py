@@ -14,11 +14,12 @@ from pathlib import Path
 
 import boto3
 import pytest
+from moto.server import ThreadedMotoServer
+
 from flightdeck.services.shell.objects.local import LocalStore
 from flightdeck.services.shell.objects.retry import RetryPolicy
 from flightdeck.services.shell.objects.s3 import MIN_PART_SIZE, S3Store
 from flightdeck.services.shell.objects.store import ObjectStore
-from moto.server import ThreadedMotoServer
 
 
 @dataclass(frozen=True)

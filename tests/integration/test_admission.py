@@ -2,6 +2,7 @@
 job's subject is refused by the services and by every view alike, and never stalls the service for other jobs."""
 
 import pytest
+
 from flightdeck.events import subjects
 from flightdeck.events.clock import DeadLettered
 from flightdeck.events.codec import encode
@@ -13,7 +14,6 @@ from flightdeck.services.shell import broker as broker_mod
 from flightdeck.services.tools.client import Client
 from flightdeck.services.tools.history.library import History
 from flightdeck.services.tools.history.read import job_rows
-
 from tests.integration import toy_service
 from tests.integration.runtime_helpers import Bus, bus_at, eventually, read_all, submissions
 from tests.integration.test_runtime import start, stop_service

@@ -7,6 +7,7 @@ import signal
 import time
 
 import pytest
+
 from flightdeck.events import subjects
 from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointRejected, DataPosition
 from flightdeck.events.fleet import NodeCordoned, NodeRegistered, SelfCheckFailed
@@ -24,7 +25,6 @@ from flightdeck.events.job import (
 from flightdeck.events.spec import JobSpec, PolicySpec, TrainSpec
 from flightdeck.events.training import Heartbeat, StepCompleted
 from flightdeck.services.agent.spawner import START_FAILED_EXIT
-
 from tests.integration.test_lifecycle_services import ENDLESS, TINY, Cluster, cluster, exits, gone
 
 __all__ = ["cluster"]  # the fixture, shared with the lifecycle tests

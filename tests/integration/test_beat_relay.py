@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from flightdeck.events import codec, subjects
 from flightdeck.events.heartbeats import LocalBeat, RankHeartbeats
 from flightdeck.events.jetstream import JetStreamStore
@@ -21,7 +22,6 @@ from flightdeck.services.agent.beats import BeatRelay, store_publisher
 from flightdeck.services.agent.links import RankLinks
 from flightdeck.services.shell import broker as broker_mod
 from flightdeck.trainer.link import AgentLink
-
 from tests.conftest import ensure_streams_at
 
 JOB = "beats-000001"

@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from msgspec.structs import replace
+
 from flightdeck.events import subjects
 from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointDeleted, CheckpointRefused, CheckpointRejected
 from flightdeck.events.commands import RollbackRequested
@@ -28,8 +30,6 @@ from flightdeck.services.checkpoints.core import REJECTED, checkpoint_id
 from flightdeck.services.shell import broker as broker_mod
 from flightdeck.services.shell.objects import manifest as mf
 from flightdeck.services.tools.audit.settle import verify_live
-from msgspec.structs import replace
-
 from tests.integration.lifecycle_harness import Objects, Platform, local_objects, objects, open_platform
 from tests.integration.s3_fixture import moto_s3
 from tests.integration.test_lifecycle_services import ROOT, kinds

@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointDeleted, CheckpointScrubbed
 from flightdeck.events.job import JobCompleted
 from flightdeck.events.spec import JobSpec, ModelSpec, TrainSpec
@@ -16,7 +17,6 @@ from flightdeck.services.checkpoints.service import SCRUB_EVERY_ENV, SCRUB_MB_S_
 from flightdeck.services.shell import broker as broker_mod
 from flightdeck.services.shell.objects import manifest as mf
 from flightdeck.services.tools.audit.settle import verify_live
-
 from tests.integration.lifecycle_harness import Objects, objects, open_platform
 from tests.integration.s3_fixture import moto_s3
 from tests.integration.test_checkpoint_fallback import flipped

@@ -8,14 +8,14 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from flightdeck.client import Client, ClientError
 from flightdeck.events.base import JobEvent
 from flightdeck.events.commands import PauseRequested
 from flightdeck.events.job import CancelRequested, JobCancelled, JobCompleted, JobSubmitted, WorkersStarted
 from flightdeck.events.spec import JobSpec, ModelSpec, TrainSpec
 from flightdeck.events.training import StepCompleted
 from flightdeck.services.shell import broker as broker_mod
-
-from flightdeck.client import Client, ClientError
 from tests.integration.lifecycle_harness import Objects, local_objects, open_platform
 
 __all__ = ["local_objects"]  # fixture

@@ -22,6 +22,7 @@ import jsonschema
 import msgspec
 import nats
 import pytest
+
 from flightdeck.events import subjects
 from flightdeck.events.history import append_to_job
 from flightdeck.events.jetstream import JetStreamStore

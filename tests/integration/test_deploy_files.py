@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
 from flightdeck.services.registry import BUILTIN
 from flightdeck.services.shell.security import permissions
 

@@ -6,12 +6,12 @@ missing, none was made twice."""
 from pathlib import Path
 
 import pytest
+
 from flightdeck.events.job import AllocationReleased, JobCompleted, WorkersExited, WorkersStarted
 from flightdeck.events.spec import JobSpec, ModelSpec, TrainSpec
 from flightdeck.services import registry
 from flightdeck.services.shell import broker as broker_mod
 from flightdeck.services.shell.fold import comparable, replay
-
 from tests.integration.lifecycle_harness import Objects, open_platform
 from tests.integration.test_lifecycle_services import kinds
 

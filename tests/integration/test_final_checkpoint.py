@@ -10,6 +10,7 @@ import time
 import uuid
 from typing import Any
 
+from flightdeck.client import Client
 from flightdeck.events.base import JobEvent
 from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointFailed, DataPosition
 from flightdeck.events.history import append_to_job
@@ -17,8 +18,6 @@ from flightdeck.events.jetstream import JetStreamStore
 from flightdeck.events.job import JobCompleted, JobSubmitted
 from flightdeck.events.spec import JobSpec, ModelSpec, TrainSpec
 from flightdeck.services.shell import broker as broker_mod
-
-from flightdeck.client import Client
 from tests.conftest import ensure_streams_at
 
 SPEC = JobSpec(name="final", slots=1, model=ModelSpec(d_model=32),

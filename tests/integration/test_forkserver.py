@@ -14,12 +14,12 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
+
 from flightdeck.events.nodelocal import Assignment, ForkRequest
 from flightdeck.services.agent.forkserver import ForkedProc, ForkServer, ForkServerGone
 from flightdeck.services.agent.inventory import Inventory, selfcheck
 from flightdeck.services.agent.launch import die_with_agent, standby_env
 from flightdeck.services.agent.standbys import StandbyPool
-
 from tests.integration.test_lifecycle_services import gone
 
 REPO = Path(__file__).resolve().parents[2]

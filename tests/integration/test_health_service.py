@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from flightdeck.events import subjects
 from flightdeck.events.base import JobEvent
 from flightdeck.events.findings import Finding, RankHung, RankLost
@@ -23,7 +24,6 @@ from flightdeck.services.health.core import core_service
 from flightdeck.services.shell import broker as broker_mod
 from flightdeck.services.shell.fold import comparable, outputs_of, replay
 from flightdeck.services.shell.runtime import run_service
-
 from tests.integration.runtime_helpers import bus_at, eventually, read_all, spawn_service
 
 pytestmark = pytest.mark.timeout(180)  # starts real ranks: a minute on a loaded 2-core box

@@ -5,12 +5,12 @@ import hashlib
 import re
 
 import pytest
+
 from flightdeck.events import subjects
 from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointDeleted, CheckpointStaged
 from flightdeck.events.job import JobCompleted
 from flightdeck.events.spec import JobSpec, ModelSpec, PolicySpec, TrainSpec
 from flightdeck.services.checkpoints.core import checkpoint_id
-
 from tests.integration.lifecycle_harness import Objects, Platform, objects, platform
 from tests.integration.s3_fixture import moto_s3
 from tests.integration.test_lifecycle_services import exits

@@ -16,13 +16,13 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from flightdeck.events import subjects
 from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointFailed, CheckpointStaged, ShardsUploaded
 from flightdeck.events.job import WorkersExited
 from flightdeck.events.spec import FaultSpec, JobSpec, ModelSpec, PolicySpec, TrainSpec
 from flightdeck.services.checkpoints.core import checkpoint_id
 from flightdeck.services.shell import broker as broker_mod
-
 from tests.integration.lifecycle_harness import SERVICES, Objects, local_objects, open_platform
 from tests.integration.test_lifecycle_services import ROOT
 

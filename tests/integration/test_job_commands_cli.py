@@ -7,6 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from flightdeck.events import subjects
 from flightdeck.events.checkpoint import CheckpointCommitted
 from flightdeck.events.commands import CheckpointRequested, PauseRequested, ResumeRequested, RollbackRequested
@@ -14,7 +15,6 @@ from flightdeck.events.job import JobCompleted, RollbackAsked
 from flightdeck.events.spec import FaultSpec, JobSpec, ModelSpec, TrainSpec
 from flightdeck.events.training import RolledBack, StepCompleted
 from flightdeck.services.shell import broker as broker_mod
-
 from tests.integration.lifecycle_harness import Objects, local_objects, open_platform
 from tests.integration.test_postmortem_cli import CLI
 

@@ -11,6 +11,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+
 from flightdeck.events.spec import EntrypointSpec
 from flightdeck.services.agent.envs import EnvCache, EnvError, interpreter
 from flightdeck.services.agent.launch import die_with_agent, standby_env

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import nats
 import pytest
+
 from flightdeck.events import subjects
 from flightdeck.events.base import Event, JobEvent, RankEvent
 from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointDeleted, DataPosition

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from flightdeck.events import subjects
 from flightdeck.events.base import Event
 from flightdeck.events.checkpoint import CheckpointCommitted

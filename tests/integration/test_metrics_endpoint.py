@@ -16,6 +16,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
 from flightdeck.events import subjects
 from flightdeck.events.base import JobEvent
 from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointStaged
@@ -31,8 +33,6 @@ from flightdeck.services.tools.postmortem import analyse
 from flightdeck.services.tools.web.figures import Figures, IncidentRow, JobAnalysis
 from flightdeck.services.tools.web.metrics import Live, exposition
 from flightdeck.services.tools.web.server import serve
-from prometheus_client.parser import text_string_to_metric_families
-
 from tests.conftest import ensure_streams_at
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+
 from flightdeck.events import subjects
 from flightdeck.events.checkpoint import (
     CheckpointCommitted,
@@ -26,7 +27,6 @@ from flightdeck.services.checkpoints.uploader import handlers
 from flightdeck.services.core import Emit
 from flightdeck.services.shell.objects import manifest as mf
 from flightdeck.services.shell.objects.store import ObjectStore
-
 from tests.integration.s3_fixture import moto_s3, store
 from tests.integration.shipping_helpers import fold, ship, ship_and_commit
 

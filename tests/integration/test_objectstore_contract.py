@@ -6,9 +6,9 @@ import os
 from pathlib import Path
 
 import pytest
+
 from flightdeck.services.shell.objects.s3 import S3Store
 from flightdeck.services.shell.objects.store import InvalidKey, ObjectAlreadyExists, ObjectNotFound, ObjectStore
-
 from tests.integration.s3_fixture import moto_s3, store
 
 __all__ = ["moto_s3", "store"]  # fixtures, imported for pytest

@@ -14,12 +14,12 @@ import aiohttp
 import botocore.exceptions
 import pytest
 from aiohttp import web
+
 from flightdeck.services.checkpoints import sweeper
 from flightdeck.services.shell.objects.local import LocalStore
 from flightdeck.services.shell.objects.open import open_store
 from flightdeck.services.shell.objects.retry import RetryPolicy, is_retryable
 from flightdeck.services.shell.objects.s3 import MIN_PART_SIZE, S3Store
-
 from tests.integration.s3_fixture import MotoS3, moto_s3
 
 __all__ = ["moto_s3"]

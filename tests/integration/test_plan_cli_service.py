@@ -6,6 +6,7 @@ import asyncio
 import time
 
 import pytest
+
 from flightdeck.events import subjects
 from flightdeck.events.fleet import NodeRegistered
 from flightdeck.events.history import append_to_job, read_job

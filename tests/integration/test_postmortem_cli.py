@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from flightdeck.events.jetstream import JetStreamStore
 from flightdeck.services.shell import broker
 from flightdeck.services.tools.postmortem.synthetic import Scenario, synthesise

@@ -3,6 +3,7 @@ saves a final checkpoint on the way out; the high job runs to completion; the lo
 resumes from exactly that checkpoint, then completes."""
 
 import pytest
+
 from flightdeck.events import subjects
 from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointStaged
 from flightdeck.events.commands import StopRequested
@@ -20,7 +21,6 @@ from flightdeck.events.nodelocal import STOPPED_EXIT
 from flightdeck.events.spec import FaultSpec, JobSpec, ModelSpec, TrainSpec
 from flightdeck.events.training import RankStarted, StepCompleted
 from flightdeck.services.checkpoints.core import checkpoint_id
-
 from tests.integration.lifecycle_harness import Objects, Platform, local_objects, platform
 from tests.integration.test_lifecycle_services import exits, kinds
 

@@ -7,6 +7,7 @@ import signal
 from pathlib import Path
 
 import pytest
+
 from flightdeck.events import subjects
 from flightdeck.events.clock import CoreConfigured
 from flightdeck.events.fleet import NodeRegistered
@@ -15,7 +16,6 @@ from flightdeck.events.job import AllocationGranted, AllocationRequested
 from flightdeck.services import registry
 from flightdeck.services.shell import broker as broker_mod
 from flightdeck.services.shell.fold import comparable, replay
-
 from tests.integration.runtime_helpers import bus_at, eventually, read_all, spawn_service
 
 pytestmark = pytest.mark.timeout(120)

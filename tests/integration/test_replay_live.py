@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import structlog
+
 from flightdeck.events import subjects
 from flightdeck.events.base import Event, RankEvent
 from flightdeck.events.checkpoint import CheckpointCommitted, DataPosition

@@ -7,6 +7,7 @@ import signal
 
 import nats.errors
 import pytest
+
 from flightdeck.events.jetstream import JetStreamStore
 from flightdeck.events.jsreader import StoreClient
 from flightdeck.services.shell import broker as broker_mod

@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 import pytest
+
 from flightdeck.events import subjects
 from flightdeck.events.clock import ClockTick, CoreConfigured, DeadLettered
 from flightdeck.events.codec import encode
@@ -26,7 +27,6 @@ from flightdeck.services.shell import broker as broker_mod
 from flightdeck.services.shell.fold import comparable, outputs_of, replay
 from flightdeck.services.shell.runtime import ConsumerPolicy, PublishDenied, consumer_name, run_service
 from flightdeck.services.shell.security import credentials
-
 from tests.conftest import restart_broker
 from tests.integration import toy_service
 from tests.integration.runtime_helpers import (

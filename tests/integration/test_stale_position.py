@@ -8,14 +8,14 @@ import dataclasses
 from typing import Any
 
 import pytest
+from nats.js.api import ConsumerInfo, SequenceInfo
+
 from flightdeck.events import subjects
 from flightdeck.events.jetstream import JetStreamStore
 from flightdeck.events.job import JobQueued
 from flightdeck.services.shell import broker as broker_mod
 from flightdeck.services.shell.connection import Connection
 from flightdeck.services.shell.runtime import ConsumerPolicy, Shell, consumer_name
-from nats.js.api import ConsumerInfo, SequenceInfo
-
 from tests.integration import toy_service
 from tests.integration.runtime_helpers import bus_at, eventually, read_all, submissions
 from tests.integration.test_runtime import start, stop_service

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+
 from flightdeck.events import subjects
 from flightdeck.events.fleet import NodeHeartbeat
 from flightdeck.events.job import JobCompleted, WorkersStarted
@@ -24,7 +25,6 @@ from flightdeck.services.agent.forkserver import ForkedProc, ForkServer
 from flightdeck.services.agent.launch import die_with_agent, standby_env
 from flightdeck.services.agent.main import STANDBY_ENV, kill_if_rank
 from flightdeck.services.agent.standbys import Standby, StandbyPool
-
 from tests.integration.test_lifecycle_services import ENDLESS, TINY, Cluster, cluster, exits, gone
 
 REPO = Path(__file__).resolve().parents[2]

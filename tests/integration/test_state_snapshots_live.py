@@ -7,10 +7,10 @@ from pathlib import Path
 
 import msgspec
 import pytest
+
 from flightdeck.events import subjects
 from flightdeck.services.shell import broker as broker_mod
 from flightdeck.services.shell import snapshots
-
 from tests.integration.runtime_helpers import bus_at, kill_mid_stream_and_restart, submissions
 
 pytestmark = pytest.mark.timeout(120)

@@ -7,6 +7,7 @@ import asyncio
 import random
 
 import pytest
+
 from flightdeck.events import subjects
 from flightdeck.events.jetstream import JetStreamStore
 from flightdeck.events.job import JobSubmitted

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import structlog
+
 from flightdeck.events import subjects
 from flightdeck.events.clock import ClockTick
 from flightdeck.events.commands import CheckpointRequested
@@ -23,7 +24,6 @@ from flightdeck.services.shell import broker as broker_mod
 from flightdeck.services.shell.connection import TRANSIENT
 from flightdeck.services.shell.fold import Output, comparable, outputs_of, replay
 from flightdeck.services.shell.runtime import run_service
-
 from tests.integration import toy_service
 from tests.integration.runtime_helpers import Bus, bus_at, eventually, read_all
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import nats
 import pytest
+
 from flightdeck.events.spec import JobSpec, ModelSpec, TrainSpec, spec_toml
 from flightdeck.services.shell import broker
 from flightdeck.services.tools.console import upstate
-
 from tests.integration.test_console import flightdeck, scraped, wait_for
 from tests.security.secure_broker import CONNECT_TIMEOUT_S
 

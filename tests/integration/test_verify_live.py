@@ -8,6 +8,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import structlog
+
 from flightdeck.events import codec
 from flightdeck.events.commands import RollbackRequested
 from flightdeck.events.history import append_to_job

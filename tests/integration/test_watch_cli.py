@@ -6,8 +6,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from flightdeck.services.shell import broker as broker_mod
 
+from flightdeck.services.shell import broker as broker_mod
 from tests.integration.lifecycle_harness import Objects, local_objects, open_platform
 from tests.integration.test_postmortem_cli import CLI
 

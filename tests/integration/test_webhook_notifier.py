@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
+
 from flightdeck.events.base import JobEvent
 from flightdeck.events.findings import LossSpikeDetected, RankLost
 from flightdeck.events.history import append_to_job
 from flightdeck.events.jetstream import JetStreamStore
 from flightdeck.events.job import JobCompleted, JobFailed
 from flightdeck.services.shell import broker as broker_mod
-
 from tests.conftest import ensure_streams_at
 
 ROOT = Path(__file__).resolve().parents[2]

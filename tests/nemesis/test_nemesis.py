@@ -10,10 +10,10 @@ import random
 import signal
 
 import pytest
+
 from flightdeck.events import subjects
 from flightdeck.events.job import WorkersStarted
 from flightdeck.events.training import StepCompleted
-
 from tests.chaos.harness import Chaos, chaos_spec, rank_pids, restart, sigkill, step_reached
 from tests.e2e.drill_harness import wait_lineage
 from tests.integration.lifecycle_harness import SERVICES, Platform

@@ -7,7 +7,6 @@ from flightdeck.events.findings import Finding, RankHung, RankLost, StragglerDet
 from flightdeck.events.heartbeats import RankBeat, RankHeartbeats
 from flightdeck.events.spec import PolicySpec
 from flightdeck.services.health.core import NAME, core_service
-
 from tests.unit.health_synth import Cluster
 
 SERVICE = core_service()

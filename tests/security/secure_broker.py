@@ -13,6 +13,7 @@ from typing import Any
 
 import nats
 import pytest
+
 from flightdeck.events.jetstream import JetStreamStore
 from flightdeck.services.shell import broker as broker_mod
 from flightdeck.services.shell.security import permissions

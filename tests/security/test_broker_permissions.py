@@ -8,6 +8,7 @@ import time
 import nats
 import nats.errors
 import pytest
+
 from flightdeck.events import subjects
 from flightdeck.events.commands import StopRequested
 from flightdeck.events.history import append_to_job
@@ -15,7 +16,6 @@ from flightdeck.events.job import JobQueued
 from flightdeck.events.training import Heartbeat
 from flightdeck.services.shell.security import permissions
 from flightdeck.services.shell.security.credentials import client_options, rank_env
-
 from tests.security.secure_broker import CONNECT_TIMEOUT_S, SecureBroker, secure_broker  # noqa: F401 (the fixture)
 
 JOB, OTHER = "alpha-000001", "beta-000002"

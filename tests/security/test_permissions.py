@@ -10,6 +10,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+
 from flightdeck.events import codec, subjects
 from flightdeck.events.base import JobEvent
 from flightdeck.events.catalog import ALL_TYPES
@@ -30,9 +31,9 @@ from flightdeck.services.shell.security.passwords import SecretsDir
 
 ROOT = Path(__file__).resolve().parents[2]
 HISTORY = ROOT / "tests" / "fixtures" / "histories" / "spike.fdh.jsonl"
-TELEMETRY_TYPES = {"StepCompleted", "Heartbeat", "RankFault", "FaultInjected", "RolledBack", "RankStarted", "ModelRegistered",
-                   "CheckpointStaged", "CheckpointRefused", "RankHeartbeats", "ShardsUploaded", "SpikeReplayed",
-                   "RankOutput", "SnapshotsOff"}  # RankOutput: on FD_LOGS; RankHeartbeats, ShardsUploaded: from agents
+TELEMETRY_TYPES = {"StepCompleted", "Heartbeat", "RankFault", "FaultInjected", "RolledBack", "RankStarted",
+                   "ModelRegistered", "CheckpointStaged", "CheckpointRefused", "RankHeartbeats", "ShardsUploaded",
+                   "SpikeReplayed", "RankOutput", "SnapshotsOff"}  # RankOutput: on FD_LOGS; RankHeartbeats, ShardsUploaded: from agents
 
 
 def producer_perms(producer: str) -> permissions.Permissions:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+
 from flightdeck.events import subjects
 from flightdeck.events.checkpoint import CheckpointCommitted
 from flightdeck.events.history import append_to_job
@@ -16,7 +17,6 @@ from flightdeck.events.plan import ReshardPlanned
 from flightdeck.events.spec import JobSpec, ModelSpec, TrainSpec
 from flightdeck.events.training import StepCompleted
 from flightdeck.services.shell.security import permissions
-
 from tests.integration.lifecycle_harness import Objects, Platform
 from tests.integration.test_lifecycle_services import kinds
 from tests.security.secure_broker import SecureBroker, secure_broker  # noqa: F401 (the fixture)

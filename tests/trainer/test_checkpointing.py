@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from flightdeck.events.base import RankEvent
 from flightdeck.events.checkpoint import CheckpointStaged, DataPosition
 from flightdeck.events.spec import ModelSpec

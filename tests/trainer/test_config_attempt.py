@@ -5,6 +5,7 @@ re-runs the same command line, so drill faults of attempt 0 must not fire again)
 from pathlib import Path
 
 import pytest
+
 from flightdeck.events import nodelocal as nl
 from flightdeck.events.ranklink import LINK_ENV
 from flightdeck.trainer.config import LOCAL_JOB, flags_to_env, from_env

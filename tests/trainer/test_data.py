@@ -1,6 +1,7 @@
 """The token stream: deterministic, the same global batch at any world size; the batch cursor: skip windows, seek."""
 
 import torch
+
 from flightdeck.events.checkpoint import DataPosition
 from flightdeck.trainer.cursor import BatchCursor
 from flightdeck.trainer.data import CORPUS, TokenStream, load_tokens

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from flightdeck.events import nodelocal as nl
 from flightdeck.events.ranklink import LINK_ENV
 from flightdeck.services.shell.broker import free_port

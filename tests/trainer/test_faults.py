@@ -9,13 +9,13 @@ from pathlib import Path
 
 import nats
 import pytest
+
 from flightdeck.events import subjects
 from flightdeck.events.commands import RollbackRequested
 from flightdeck.events.streams import ensure_streams
 from flightdeck.events.training import Heartbeat
 from flightdeck.services.shell import broker as broker_mod
 from flightdeck.trainer.faults import CRASH_EXIT_CODE, HANG_EXIT_CODE, SPIKE_BATCHES
-
 from tests.trainer import ranks
 from tests.trainer.linkhost import JOB, LinkHost, read_telemetry
 

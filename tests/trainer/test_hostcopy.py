@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 import torch
+
 from flightdeck.trainer.hostcopy import THREADS_ENV, HostCopier, default_threads, split
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+
 from flightdeck.events import codec, subjects
 from flightdeck.events.backlog import Backlog
 from flightdeck.events.base import Event, RankEvent
@@ -20,7 +21,6 @@ from flightdeck.events.ranklink import Hello
 from flightdeck.events.training import FaultInjected, Heartbeat, RankFault, RankStarted, StepCompleted
 from flightdeck.services.shell import broker as broker_mod
 from flightdeck.trainer.link import AgentLink, AgentUnreachable, Offline
-
 from tests.conftest import ensure_streams_at, restart_broker
 from tests.trainer.linkhost import JOB, NODE, LinkHost
 from tests.trainer.linkhost import read_telemetry as _read

@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from flightdeck.events import nodelocal as nl
 
+from flightdeck.events import nodelocal as nl
 from tests.trainer import ranks
 
 STEPS, EVERY, CRASH_AT = 30, 5, 17

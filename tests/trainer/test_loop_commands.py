@@ -7,6 +7,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+
 from flightdeck.events import codec
 from flightdeck.events.base import Event
 from flightdeck.events.commands import (
@@ -19,7 +20,6 @@ from flightdeck.events.commands import (
 from flightdeck.events.nodelocal import STOPPED_EXIT
 from flightdeck.services.shell import broker as broker_mod
 from flightdeck.trainer.session import PAUSE_POLL_S
-
 from tests.conftest import ensure_streams_at
 from tests.trainer import ranks
 from tests.trainer.linkhost import LinkHost

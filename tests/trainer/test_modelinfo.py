@@ -6,11 +6,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
+
 from flightdeck.events.spec import ModelSpec
 from flightdeck.events.training import ModelRegistered
 from flightdeck.trainer import modelinfo
 from flightdeck.trainer.model import GPT
-from torch import nn
 
 
 class Block(nn.Module):

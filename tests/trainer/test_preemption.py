@@ -5,8 +5,8 @@ import signal
 from pathlib import Path
 
 import pytest
-from flightdeck.events.nodelocal import STOPPED_EXIT
 
+from flightdeck.events.nodelocal import STOPPED_EXIT
 from tests.trainer import ranks
 
 pytestmark = pytest.mark.timeout(300)  # hang guards: each test starts ranks (torch) on a loaded box

@@ -6,7 +6,6 @@ from pathlib import Path
 from flightdeck.events.base import RankEvent
 from flightdeck.events.training import RankFault, StepCompleted
 from flightdeck.trainer.reports import Emitter
-
 from tests.trainer import ranks
 
 ENV = {"job_id": "j", "rank": 1, "attempt": 0, "node": "n"}

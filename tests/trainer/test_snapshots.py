@@ -10,6 +10,7 @@ from typing import Any
 import msgspec
 import pytest
 import torch
+
 from flightdeck.events import snapshot as fmt
 from flightdeck.events import subjects
 from flightdeck.events.checkpoint import CheckpointStaged, DataPosition

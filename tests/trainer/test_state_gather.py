@@ -5,9 +5,10 @@ from typing import Any
 
 import pytest
 import torch
-from flightdeck.trainer.state import TrainState
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.state_dict import get_state_dict
+
+from flightdeck.trainer.state import TrainState
 
 
 def fresh(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:

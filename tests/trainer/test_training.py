@@ -7,10 +7,10 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from flightdeck.events import nodelocal as nl
 from flightdeck.events.nodelocal import RESTORE_REFUSED_EXIT
 from flightdeck.services.shell.broker import free_port
-
 from tests.trainer import ranks
 
 STEPS = 30

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import msgspec
+
 from flightdeck.events import subjects
 from flightdeck.events.admission import versioned
 from flightdeck.events.base import Event, JobEvent, NodeEvent

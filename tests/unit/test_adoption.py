@@ -5,6 +5,7 @@ restore exactly that one until the new job has its own (services/agent/core.adop
 
 import msgspec
 import pytest
+
 from flightdeck.events.commands import RollbackRequested
 from flightdeck.events.job import AllocationGranted, JobSubmitted, SlotRef
 from flightdeck.events.spec import InitFrom, JobSpec, TrainSpec
@@ -13,7 +14,6 @@ from flightdeck.services.agent.core import Restore, SpawnArgs, State
 from flightdeck.services.tools.cli import UserError
 from flightdeck.services.tools.history.adoption import continuing, resolved
 from flightdeck.services.tools.history.jobview import JobView
-
 from tests.unit.test_agentcore import committed
 
 SPEC = JobSpec(name="j", slots=1, train=TrainSpec(steps=50, data="synthetic"))

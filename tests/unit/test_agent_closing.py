@@ -5,8 +5,9 @@ awaited to its end."""
 import asyncio
 
 import pytest
-from flightdeck.services.agent.closing import close_within
 from structlog.testing import capture_logs
+
+from flightdeck.services.agent.closing import close_within
 
 
 async def test_a_part_that_never_closes_is_cancelled_named_and_left_behind() -> None:

@@ -4,6 +4,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
+from msgspec.structs import replace
+
 from flightdeck.events import codec, subjects
 from flightdeck.events import nodelocal as nl
 from flightdeck.events.base import Event
@@ -42,8 +44,6 @@ from flightdeck.services.agent.spawner import Spawner
 from flightdeck.services.core import Effect
 from flightdeck.services.shell.fold import Folder
 from flightdeck.services.shell.objects.local import LocalStore
-from msgspec.structs import replace
-
 from tests.unit.helpers import numbered
 
 SPEC = JobSpec(name="j", slots=3, train=TrainSpec(steps=20, data="synthetic"))

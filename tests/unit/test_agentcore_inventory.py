@@ -3,6 +3,7 @@
 import shutil
 
 import pytest
+
 from flightdeck.services.agent.inventory import DEFAULT_CPU_SLOTS, AgentError, Inventory, detect, parse_gpus
 
 # What `nvidia-smi --query-gpu=name,memory.total --format=csv,noheader,nounits` printed on an H100 host.

@@ -1,5 +1,8 @@
 """Properties of the agent core over any order of grants, releases, ends and commits (hypothesis)."""
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from flightdeck.events.base import Event
 from flightdeck.events.checkpoint import CheckpointCommitted, DataPosition
 from flightdeck.events.job import AllocationGranted, AllocationReleased, JobCancelled, JobFailed, JobSubmitted, SlotRef
@@ -7,8 +10,6 @@ from flightdeck.events.spec import JobSpec
 from flightdeck.services.agent import core as agentcore
 from flightdeck.services.agent.core import SPAWN, STOP, SpawnArgs, State, StopArgs
 from flightdeck.services.core import Effect
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 JOBS = ("j", "k")
 

@@ -1,11 +1,12 @@
 """The node agent's heartbeat batches (services/resources/beats.Batches): each rank's newest beat per job and
 attempt, one batch per interval, nothing lost or repeated between batches."""
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from flightdeck.events import codec
 from flightdeck.events.heartbeats import LocalBeat
 from flightdeck.services.agent.beats import IDLE_GROUPS_AFTER, Batches
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 
 def beat(rank: int, at: float, step: int = 3, job: str = "j-000001", attempt: int = 0, interval: float = 1.0,

@@ -6,6 +6,7 @@ from collections.abc import Iterable, Sequence
 
 import msgspec
 import pytest
+
 from flightdeck.events import subjects
 from flightdeck.events.base import Event
 from flightdeck.events.checkpoint import (
@@ -30,7 +31,6 @@ from flightdeck.services.checkpoints.core import checkpoint_id
 from flightdeck.services.checkpoints.state import CommitArgs, DeleteArgs, Settings, State
 from flightdeck.services.core import Effect, Emit, Output
 from flightdeck.services.shell.fold import Folder
-
 from tests.unit.helpers import numbered
 
 JOB = "llm-abc123"

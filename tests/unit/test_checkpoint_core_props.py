@@ -1,5 +1,8 @@
 """Properties of the checkpoint core over generated histories: the all-ranks rule and retention."""
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from flightdeck.events.base import Event
 from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointDeleted, DataPosition
 from flightdeck.events.commands import RollbackRequested
@@ -7,9 +10,6 @@ from flightdeck.events.training import RolledBack
 from flightdeck.services.checkpoints import core
 from flightdeck.services.checkpoints.core import checkpoint_id
 from flightdeck.services.core import Effect, Emit
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from tests.unit.test_checkpoint_core import JOB, LIVE, staged, stored, submitted
 
 WORLD = 2

@@ -10,7 +10,6 @@ from flightdeck.events.lineage import forked, thrown_away
 from flightdeck.services.agent import core as agentcore
 from flightdeck.services.agent.core import SPAWN, SpawnArgs
 from flightdeck.services.scheduler.state import State
-
 from tests.unit.test_recovery_recipes import JOB, cid, commit, landed, only_rollback, run, running, spec, spike
 
 REFS = [SlotRef(node="a", slot=s, rank=s) for s in range(2)]

@@ -2,6 +2,8 @@
 was last verified), oldest-verified first across jobs, one at a time until its outcome or deadline; what a
 finding does: a good one moves the checkpoint to the back, a bad one deletes it as such."""
 
+from msgspec.structs import replace
+
 from flightdeck.events.base import Event
 from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointDeleted, CheckpointScrubbed, DataPosition
 from flightdeck.events.clock import ClockTick, CoreConfigured
@@ -11,7 +13,6 @@ from flightdeck.services.checkpoints import core
 from flightdeck.services.checkpoints.core import SCRUB, SCRUB_SLACK_S, SCRUBBED_BAD
 from flightdeck.services.checkpoints.state import ScrubArgs, Settings
 from flightdeck.services.core import Effect, Emit, Output
-from msgspec.structs import replace
 
 EVERY = 100.0
 MB_S = 2.0

@@ -5,8 +5,8 @@ import subprocess
 import sys
 
 import pytest
-from flightdeck.services.tools.console.__main__ import VERBS, command, parser
 
+from flightdeck.services.tools.console.__main__ import VERBS, command, parser
 from tests.integration.test_lifecycle_services import ROOT
 
 HEAVY = ("matplotlib", "numpy", "flightdeck.services.tools.web", "flightdeck.services.agent.main",

@@ -10,6 +10,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
+
 from flightdeck.events.spec import EntrypointSpec, InvalidSpec, JobSpec, check
 from flightdeck.services.agent.codecache import CodeCache
 from flightdeck.services.shell.objects import code

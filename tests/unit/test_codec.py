@@ -6,13 +6,14 @@ from typing import Any
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from msgspec import inspect as mi
+
 from flightdeck.events import codec
 from flightdeck.events.base import Event
 from flightdeck.events.catalog import ALL_TYPES
 from flightdeck.events.training import StepCompleted
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from msgspec import inspect as mi
 
 INT64 = (-(2**63), 2**63 - 1)  # what msgpack carries as a signed integer
 

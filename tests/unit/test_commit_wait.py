@@ -5,6 +5,7 @@ work it saves) instead of restoring the older checkpoint and redoing the steps i
 from typing import TypeVar
 
 import msgspec
+
 from flightdeck.events.base import Event
 from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointFailed, CheckpointPending, DataPosition
 from flightdeck.events.clock import ClockTick
@@ -27,7 +28,6 @@ from flightdeck.services.checkpoints.state import State as CheckpointState
 from flightdeck.services.core import Emit
 from flightdeck.services.scheduler.core import core_service
 from flightdeck.services.scheduler.state import State
-
 from tests.unit.helpers import events_of, fold, register, submit
 from tests.unit.test_checkpoint_core import staged, stored
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from flightdeck.events.base import Event
 from flightdeck.services.core import Service
 from flightdeck.services.shell.fold import Folder, comparable, replay

@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 import msgspec
+
 from flightdeck.events.job import JobFailed, JobSubmitted
 from flightdeck.events.spec import JobSpec
 from flightdeck.events.store import Stored

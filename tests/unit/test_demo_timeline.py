@@ -4,6 +4,7 @@ telemetry from a second later was already read (CI saw 12.7 s printed before thr
 import time
 
 import pytest
+
 from flightdeck.events import subjects
 from flightdeck.events.findings import RankLost
 from flightdeck.events.job import JobSubmitted

@@ -5,13 +5,12 @@ leaves it visible; and the rule shipped before makes the very false finding issu
 
 import math
 
-from flightdeck.events.spec import PolicySpec
-
 from bench.detectors.__main__ import Shipped
 from bench.detectors.baseline import SingleStepZ
 from bench.detectors.corpus import SHAPES, recorded, synthetic, trials
 from bench.detectors.score import QUIET, findings, score
 from bench.detectors.timing import measure
+from flightdeck.events.spec import PolicySpec
 
 RECORDED = {"pytorch_ddp", "fsdp2", "hf_causal_lm", "builtin-b8-lr3e-3-s1", "builtin-b2-lr1e-2-s2",
             "builtin-b16-lr1e-3-s3", "builtin-b4-lr3e-3-s4-synthetic"}

@@ -3,13 +3,13 @@ RankHung after a deadline drawn from recent step times, and slow progress is nei
 
 import math
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from flightdeck.events.clock import ClockTick
 from flightdeck.events.findings import RankHung, RankLost
 from flightdeck.events.spec import PolicySpec
 from flightdeck.services.health.detectors import STARTUP_GRACE_S, Hung, Lost, RankWatch, hang_deadline, lost_deadline
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from tests.unit.health_synth import Cluster, RankPlan, evidence_exists, fold, fold_pairs, of
 
 POLICY = PolicySpec(heartbeat_interval_s=1.0, heartbeat_misses=5, hang_min_s=5.0, hang_factor=10.0)

@@ -5,12 +5,12 @@ kept out of the baseline, the warm-up respected, and an LR rise taken as the sch
 import math
 import random
 
-from flightdeck.events.findings import LossSpikeDetected
-from flightdeck.events.spec import PolicySpec
-from flightdeck.services.health.spikes import SpikeWatch, robust_z, spike_threshold
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from flightdeck.events.findings import LossSpikeDetected
+from flightdeck.events.spec import PolicySpec
+from flightdeck.services.health.spikes import SpikeWatch, robust_z, spike_threshold
 from tests.unit.health_synth import Cluster, RankPlan, evidence_exists, fold, loss_curve, of
 
 POLICY = PolicySpec()  # spike_z 4, spike_drift 1.5, spike_steps 3, spike_window 50, spike_warmup 20

@@ -3,13 +3,13 @@ straggler_window reports in a row, found once per episode and never before the w
 
 import random
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from flightdeck.events.findings import StragglerDetected
 from flightdeck.events.spec import PolicySpec
 from flightdeck.events.training import StepCompleted
 from flightdeck.services.health.detectors import EVIDENCE_MAX, StragglerWatch
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from tests.unit.health_synth import Cluster, RankPlan, evidence_exists, fold, of
 
 

@@ -2,9 +2,10 @@
 
 import statistics
 
-from flightdeck.services.health.window import RobustWindow, mad_of_sorted, median_without
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from flightdeck.services.health.window import RobustWindow, mad_of_sorted, median_without
 
 values = st.floats(min_value=-1e6, max_value=1e6, allow_nan=False, allow_infinity=False)
 

@@ -4,6 +4,7 @@ once, in the first attempt that reaches its step, which later attempts learn fro
 from pathlib import Path
 
 import pytest
+
 from flightdeck.events.spec import FaultSpec, parse_spec, spec_toml
 from flightdeck.trainer.config import from_env
 from flightdeck.trainer.faults import Faults, live

@@ -1,6 +1,7 @@
 """[entrypoint] in a job spec: what a user's job runs, validated like every field (the error names the field)."""
 
 import pytest
+
 from flightdeck.events.spec import InvalidSpec, parse_spec, spec_toml
 
 BASE = 'name = "byo"\nslots = 2\n'

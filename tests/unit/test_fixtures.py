@@ -9,6 +9,7 @@ from typing import Any
 
 import msgspec
 import pytest
+
 from flightdeck.events import codec
 from flightdeck.events.catalog import ALL_TYPES, BY_NAME
 

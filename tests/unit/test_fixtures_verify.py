@@ -14,10 +14,10 @@ events of the file; tests/integration/test_postmortem_cli.py prints them).
 from pathlib import Path
 
 import pytest
+
 from flightdeck.services.tools.audit.verify import verify
 from flightdeck.services.tools.console.verify_cmd import report
 from flightdeck.services.tools.history import library
-
 from tests.e2e.drill_harness import DRILL_SPECS
 
 HISTORIES = Path(__file__).resolve().parents[1] / "fixtures" / "histories"

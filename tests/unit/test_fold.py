@@ -4,6 +4,9 @@ import asyncio
 from dataclasses import dataclass, replace
 
 import msgspec
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from flightdeck.events import subjects
 from flightdeck.events.base import Event
 from flightdeck.events.clock import ClockTick
@@ -16,9 +19,6 @@ from flightdeck.events.training import StepCompleted
 from flightdeck.services.core import Effect, Emit, Service
 from flightdeck.services.shell.fold import Folder, Step, comparable, outputs_of, rebuild, replay
 from flightdeck.services.shell.tap import TelemetryTap
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from tests.unit.helpers import append
 
 

@@ -4,6 +4,9 @@ losses, ticks wanted, and findings that fire once and name inputs that exist."""
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from flightdeck.events.clock import ClockTick
 from flightdeck.events.commands import PauseRequested, ResumeRequested, RollbackRequested, StopRequested
 from flightdeck.events.findings import Finding, NonFiniteLoss, RankHung, RankLost
@@ -21,9 +24,6 @@ from flightdeck.services import registry
 from flightdeck.services.health import service as health_service
 from flightdeck.services.health.core import INITIAL, MAX_FINDINGS_PER_TICK, NAME, snapshot, wants_tick
 from flightdeck.services.health.detectors import STARTUP_GRACE_S
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from tests.unit.health_synth import SERVICE, Cluster, RankPlan, evidence_exists, fold, fold_pairs, of
 
 POLICY = PolicySpec(heartbeat_interval_s=1.0, heartbeat_misses=5, hang_min_s=5.0, hang_factor=10.0)

@@ -9,7 +9,6 @@ import time
 from flightdeck.events.clock import ClockTick
 from flightdeck.events.spec import PolicySpec
 from flightdeck.services.health.core import NAME
-
 from tests.unit.health_synth import SERVICE, Cluster, steady_second
 
 NUM_RANKS = 4096

@@ -13,7 +13,6 @@ from flightdeck.events.store import MemoryStore
 from flightdeck.events.training import StepCompleted
 from flightdeck.services.health.core import TELEMETRY_TYPES
 from flightdeck.services.shell.fold import comparable, outputs_of, rebuild, replay
-
 from tests.unit.health_synth import SERVICE, Cluster, RankPlan, fold, loss_curve
 
 POLICY = PolicySpec(heartbeat_interval_s=1.0, heartbeat_misses=3, hang_min_s=4.0, hang_factor=10.0, spike_warmup=10)

@@ -4,6 +4,7 @@ restarted attempt is watched afresh, and the exits of ranks stopped on purpose a
 from typing import Any
 
 import msgspec
+
 from flightdeck.events.base import Event
 from flightdeck.events.clock import ClockTick
 from flightdeck.events.findings import Finding, RankHung, RankLost
@@ -12,7 +13,6 @@ from flightdeck.events.training import Heartbeat, RankStarted, StepCompleted
 from flightdeck.services.health.core import NAME, State
 from flightdeck.services.resources.core import core_service as resources
 from flightdeck.services.scheduler.core import core_service as scheduler
-
 from tests.unit.health_synth import SERVICE as HEALTH
 from tests.unit.helpers import Agents, Bus, register, step, submit
 

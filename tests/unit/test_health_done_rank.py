@@ -10,7 +10,6 @@ from flightdeck.events.spec import JobSpec, PolicySpec, TrainSpec
 from flightdeck.events.training import Heartbeat, StepCompleted
 from flightdeck.services.health.core import NAME
 from flightdeck.services.health.detectors import STARTUP_GRACE_S, Lost, RankWatch
-
 from tests.unit.health_synth import fold, of
 
 POLICY = PolicySpec(heartbeat_interval_s=0.5, heartbeat_misses=4, hang_min_s=3.0)

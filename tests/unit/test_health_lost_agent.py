@@ -13,7 +13,6 @@ from flightdeck.events.training import Heartbeat
 from flightdeck.services.core import Emit
 from flightdeck.services.health.agents import EXIT_RECORD_S
 from flightdeck.services.health.core import NAME
-
 from tests.unit.health_synth import SERVICE
 
 POLICY = PolicySpec(heartbeat_interval_s=0.5, heartbeat_misses=4, hang_min_s=3.0)

@@ -5,6 +5,9 @@ reports, so such a rank is not lost; one that really died is still found, one de
 
 from typing import Any
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from flightdeck.events.base import Event
 from flightdeck.events.clock import ClockTick
 from flightdeck.events.findings import RankLost
@@ -14,9 +17,6 @@ from flightdeck.events.training import Heartbeat
 from flightdeck.services.core import Emit
 from flightdeck.services.health.core import NAME
 from flightdeck.services.health.detectors import lost_deadline
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from tests.unit.health_synth import SERVICE
 
 POLICY = PolicySpec(heartbeat_interval_s=0.5, heartbeat_misses=4, hang_min_s=3.0)  # the drills': lost after 2 s

@@ -15,7 +15,6 @@ from flightdeck.events.spec import JobSpec, TrainSpec
 from flightdeck.events.training import StepCompleted
 from flightdeck.services.core import Emit
 from flightdeck.services.health.core import wants_tick
-
 from tests.unit import test_health_lost_agent as lost_agent
 from tests.unit.health_synth import SERVICE
 from tests.unit.test_health_lost_agent import POLICY, grant, started, tick

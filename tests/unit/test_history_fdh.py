@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from flightdeck.events import codec, subjects
 from flightdeck.events.clock import ClockTick
 from flightdeck.events.job import JobQueued

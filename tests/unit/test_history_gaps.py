@@ -5,6 +5,7 @@ what was archived and is still in the stream is read once."""
 from pathlib import Path
 
 import pytest
+
 from flightdeck.events import codec, subjects
 from flightdeck.events.archive import HistoryArchived
 from flightdeck.events.store import MemoryStore, Stored

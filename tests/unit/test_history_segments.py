@@ -3,6 +3,7 @@ segment altered, cut short, moved to another range or holding another job's mess
 
 import msgspec
 import pytest
+
 from flightdeck.events import codec, subjects
 from flightdeck.events.archive import HistoryArchived
 from flightdeck.events.training import StepCompleted

@@ -11,7 +11,6 @@ from flightdeck.services.scheduler.core import core_service as scheduler
 from flightdeck.services.tools.console.status import details
 from flightdeck.services.tools.history import jobview
 from flightdeck.services.tools.history.jobview import JobView
-
 from tests.unit.helpers import Agents, Bus, register, submit
 
 

@@ -1,15 +1,15 @@
 """Property: whatever happens to a fleet of jobs, the phase, restart count and attempt that `flightdeck status`
 reads back from each job's history are the ones the scheduler holds in memory."""
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from flightdeck.events.clock import ClockTick
 from flightdeck.events.fleet import NodeLost
 from flightdeck.events.job import CancelRequested, WorkersExited
 from flightdeck.services.resources.core import core_service as resources
 from flightdeck.services.scheduler.core import core_service as scheduler
 from flightdeck.services.tools.history import jobview
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from tests.unit.helpers import Agents, Bus, register, submit
 
 Action = tuple[str, int, int]  # (what, which, how)

@@ -2,6 +2,9 @@
 resources core under any sequence of requests, releases, cordons, node losses and re-registrations."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from flightdeck.events.base import Event
 from flightdeck.events.fleet import NodeCordoned, NodeLost, NodeRegistered, NodeUncordoned, SelfCheckFailed
 from flightdeck.events.job import (
@@ -16,9 +19,6 @@ from flightdeck.events.job import (
 )
 from flightdeck.services.resources import ledger
 from flightdeck.services.resources.core import State, core_service
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from tests.unit.helpers import step
 
 

@@ -5,6 +5,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 import pytest
+
 from flightdeck.events import codec, subjects
 from flightdeck.events.commands import StopRequested
 from flightdeck.events.findings import RankLost
@@ -25,7 +26,6 @@ from flightdeck.services.agent.exits import ExitRecorder
 from flightdeck.services.agent.spawner import retrying
 from flightdeck.services.health.core import core_service as health_service
 from flightdeck.services.scheduler.core import core_service as scheduler_service
-
 from tests.unit.helpers import events_of, fold, register, submit
 from tests.unit.test_scheduler_lifecycle import grant, started
 

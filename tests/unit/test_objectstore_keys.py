@@ -5,6 +5,9 @@ import posixpath
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from flightdeck.services.shell.objects.manifest import manifest_key, prefix, shard_key
 from flightdeck.services.shell.objects.store import (
     InvalidKey,
@@ -15,8 +18,6 @@ from flightdeck.services.shell.objects.store import (
     validate_key,
     validate_prefix,
 )
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 # text biased towards the characters that make paths dangerous
 tokens = ["a", "b", ".", "..", "/", "\\", "\x00", "\n", "\x7f", "\u202e", "é", " ", "%2e"]

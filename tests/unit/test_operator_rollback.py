@@ -5,7 +5,6 @@ flight, or without such a checkpoint; a refused target is replaced by the next o
 
 from flightdeck.events.commands import RollbackRequested
 from flightdeck.events.job import RollbackAsked
-
 from tests.unit.helpers import events_of
 from tests.unit.test_recovery_recipes import JOB, cid, landed, only_rollback, run, spike, with_commits
 from tests.unit.test_rollback_refused import refusal

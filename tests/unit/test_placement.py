@@ -2,10 +2,11 @@
 
 from itertools import combinations
 
-from flightdeck.events.job import SlotRef
-from flightdeck.services.resources.placement import Candidate, Unplaceable, place
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from flightdeck.events.job import SlotRef
+from flightdeck.services.resources.placement import Candidate, Unplaceable, place
 
 
 def node(name: str, free: int, *, spare: bool = False, offset: int = 0) -> Candidate:

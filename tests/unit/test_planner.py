@@ -2,6 +2,7 @@
 the memory model's byte counts, shapes derived from a parameter count, and the GPU table."""
 
 import pytest
+
 from flightdeck.services.resharder import gpus, memory, planner, shapes
 from flightdeck.services.resharder.planner import PlanError, Slots
 

@@ -2,11 +2,12 @@
 every returned plan obeys the layout rules, keeps the global batch, fits in memory, and is the first fit in
 the documented search order; a refusal happens exactly when nothing fits; more GPUs never mean more days."""
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from flightdeck.events.plan import ParallelPlan
 from flightdeck.services.resharder import gpus, memory, planner, shapes
 from flightdeck.services.resharder.planner import PlanError, Slots
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 HEADS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 96)
 Case = tuple[shapes.ModelShape, Slots, int]

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
+
 from flightdeck.events.base import Event
 from flightdeck.events.checkpoint import CheckpointCommitted
 from flightdeck.events.clock import ClockTick

@@ -5,14 +5,15 @@ import math
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
 from flightdeck.events import codec, subjects
 from flightdeck.events.job import AllocationReleased, JobFailed, WorkersExited
 from flightdeck.events.store import decoded
 from flightdeck.services.tools.postmortem import analyse, write_report
 from flightdeck.services.tools.postmortem.goodput import BADPUT, PARTS
 from flightdeck.services.tools.postmortem.synthetic import Scenario, synthesise
-from hypothesis import HealthCheck, example, given, settings
-from hypothesis import strategies as st
 
 EVERY = 10
 

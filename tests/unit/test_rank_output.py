@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+
 from flightdeck.events.logs import MAX_LINE, RankOutput
 from flightdeck.services.agent import output
 from flightdeck.services.agent.output import Budget, Lines, OutputPump, cut

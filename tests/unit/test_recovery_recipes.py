@@ -2,6 +2,7 @@
 which batches it skips, when a spike widens the skip or fails the job, and which findings change nothing."""
 
 import msgspec
+
 from flightdeck.events import subjects
 from flightdeck.events.base import Event, JobEvent
 from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointDeleted, DataPosition
@@ -26,7 +27,6 @@ from flightdeck.services.core import Emit
 from flightdeck.services.scheduler.core import core_service
 from flightdeck.services.scheduler.state import State
 from flightdeck.services.shell.fold import Folder
-
 from tests.unit.helpers import events_of, fold, register, subject_of
 
 SVC = core_service(stop_timeout_s=30.0, landing_timeout_s=60.0)

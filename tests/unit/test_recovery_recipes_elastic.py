@@ -21,7 +21,6 @@ from flightdeck.events.spec import JobSpec, PolicySpec, TrainSpec, snapshot_byte
 from flightdeck.services.resources.core import core_service as resources
 from flightdeck.services.scheduler.core import core_service as scheduler
 from flightdeck.services.scheduler.recipes import pick_world
-
 from tests.unit.helpers import Agents, Bus, events_of, fold, register
 
 

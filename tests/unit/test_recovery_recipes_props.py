@@ -5,6 +5,9 @@ random traffic, every rollback naming a live checkpoint at or before its trigger
 from typing import Any
 
 import msgspec
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
 from flightdeck.events.base import Event
 from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointDeleted, DataPosition
 from flightdeck.events.commands import RollbackRequested
@@ -16,9 +19,6 @@ from flightdeck.services.resources.core import core_service as resources
 from flightdeck.services.scheduler.core import core_service as scheduler
 from flightdeck.services.scheduler.recipes import batch_after
 from flightdeck.trainer.cursor import BatchCursor
-from hypothesis import event, given, settings
-from hypothesis import strategies as st
-
 from tests.unit.helpers import Agents, Bus, Fleet, register, step
 from tests.unit.test_scheduler_invariants import check
 

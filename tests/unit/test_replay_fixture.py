@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 import pytest
+
 from flightdeck.events import subjects
 from flightdeck.events.clock import ClockTick, CoreConfigured
 from flightdeck.events.training import FaultInjected, StepCompleted

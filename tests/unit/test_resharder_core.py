@@ -19,7 +19,6 @@ from flightdeck.services.resharder.core import REPORT_WAIT_S, UNKNOWN_SLOT_GB, c
 from flightdeck.services.resources.core import core_service as resources
 from flightdeck.services.scheduler.core import core_service as scheduler
 from flightdeck.services.shell.fold import comparable, outputs_of, replay
-
 from tests.unit.helpers import Agents, Bus, append, events_of, fold, register, submit
 
 SERVICE = core_service()
@@ -169,7 +168,7 @@ def test_the_script_s_model_replans_once_with_its_size_and_its_batch() -> None:
 
 
 def test_a_report_before_the_grant_sizes_its_first_plan_and_a_later_grant_keeps_it() -> None:
-    state, outs = fold(SERVICE, [cpu("n0", slots=2, memory_gb=64.0), script(), model(micro_batch=4, grad_accum=1),
+    _, outs = fold(SERVICE, [cpu("n0", slots=2, memory_gb=64.0), script(), model(micro_batch=4, grad_accum=1),
                                  grant({"n0": 2}), grant({"n0": 1}, attempt=1)])
     first, shrink = events_of(outs, ReshardPlanned)
     assert first.reason.startswith("first grant") and first.new.memory_per_gpu_gb > 1.0

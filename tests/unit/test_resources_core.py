@@ -20,7 +20,6 @@ from flightdeck.events.job import (
 from flightdeck.services.resources import core as rcore
 from flightdeck.services.resources import ledger
 from flightdeck.services.resources.core import Ports, State, core_service, master_port
-
 from tests.unit.helpers import events_of, fold, step
 
 SVC = core_service()

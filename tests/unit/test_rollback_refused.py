@@ -2,14 +2,14 @@
 same skip, no restart and no new spike; with none good left the job fails once. The checkpoint service stops
 holding it, deletes it as rejected, and keeps everything older than a target whose restore is not confirmed."""
 
+from msgspec.structs import replace
+
 from flightdeck.events.base import Event
 from flightdeck.events.checkpoint import CheckpointDeleted, CheckpointRefused
 from flightdeck.events.commands import RollbackRequested
 from flightdeck.events.job import JobFailed, JobSubmitted
 from flightdeck.services.checkpoints import core as ckpt
 from flightdeck.services.core import Emit, Output
-from msgspec.structs import replace
-
 from tests.unit.helpers import events_of
 from tests.unit.test_recovery_recipes import (
     JOB,

@@ -5,12 +5,12 @@ different error, a signal from outside. Before, an import error burned the whole
 never called init() took 4 x startup_grace_s (8 minutes) to fail, its reason never saying why."""
 
 import msgspec
+
 from flightdeck.events.base import Event
 from flightdeck.events.findings import RankLost
 from flightdeck.events.job import AllocationReleased, JobCompleted, JobFailed, RankExit, WorkersExited, exits_record
 from flightdeck.services.core import Emit
 from flightdeck.services.scheduler.state import State
-
 from tests.unit.helpers import events_of, register, submit
 from tests.unit.test_scheduler_lifecycle import grant, run, started
 

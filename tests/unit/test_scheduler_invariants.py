@@ -2,6 +2,9 @@
 which slots, the queue holds exactly the waiting jobs in order, and every decision is recorded once."""
 
 import msgspec
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from flightdeck.events import subjects
 from flightdeck.events.codec import encode
 from flightdeck.events.fleet import NodeLost
@@ -12,9 +15,6 @@ from flightdeck.services.scheduler.core import core_service as scheduler
 from flightdeck.services.scheduler.state import WAITING, State
 from flightdeck.services.scheduler.tx import queue_key
 from flightdeck.services.shell.fold import Folder, comparable
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from tests.unit.helpers import Agents, Bus, Fleet, register, subject_of, submit
 
 ACTIONS = st.lists(st.tuples(st.sampled_from(["submit", "submit", "finish", "crash", "cancel", "lose", "add",

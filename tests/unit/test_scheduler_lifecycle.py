@@ -23,7 +23,6 @@ from flightdeck.events.spec import snapshot_bytes
 from flightdeck.services.core import Emit
 from flightdeck.services.scheduler.core import core_service
 from flightdeck.services.scheduler.state import State
-
 from tests.unit.helpers import events_of, fold, register, submit
 
 SVC = core_service(stop_timeout_s=30.0)

@@ -3,15 +3,15 @@ choreography through the scheduler and resources cores."""
 
 from itertools import combinations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from flightdeck.events.checkpoint import CheckpointCommitted, DataPosition
 from flightdeck.events.commands import StopRequested
 from flightdeck.events.job import AllocationRequested, JobPreempted, JobQueued, JobResumed
 from flightdeck.services.resources.core import core_service as resources
 from flightdeck.services.scheduler.core import core_service as scheduler
 from flightdeck.services.scheduler.policy import Victim, choose_victims
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from tests.unit.helpers import Agents, Bus, register, submit
 
 

@@ -1,5 +1,8 @@
 """Admission through the scheduler and resources cores together: priority, FIFO, gang, no backfill."""
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from flightdeck.events.job import (
     AllocationGranted,
     AllocationReleased,
@@ -11,9 +14,6 @@ from flightdeck.events.job import (
 )
 from flightdeck.services.resources.core import core_service as resources
 from flightdeck.services.scheduler.core import core_service as scheduler
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from tests.unit.helpers import Agents, Bus, register, submit
 
 

@@ -2,6 +2,9 @@
 are spent; the next fault fails it with the chain of fault events as causes."""
 
 import msgspec
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from flightdeck.events import spec as spec_mod
 from flightdeck.events.base import Event
 from flightdeck.events.checkpoint import CheckpointCommitted, DataPosition
@@ -18,9 +21,6 @@ from flightdeck.events.job import (
 )
 from flightdeck.services.resources.core import core_service as resources
 from flightdeck.services.scheduler.core import core_service as scheduler
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from tests.unit.helpers import Agents, Bus, register, submit
 
 KINDS = ("exit", "signal", "lost", "hung", "node")

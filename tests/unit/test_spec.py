@@ -2,6 +2,7 @@
 message that names the field (unknown keys, negative or huge sizes, unsafe names, faults on absent ranks)."""
 
 import pytest
+
 from flightdeck.events.spec import FaultSpec, InvalidSpec, JobSpec, parse_spec
 
 EXAMPLE = """\

@@ -8,13 +8,13 @@ from typing import Any
 
 import msgspec
 import pytest
+
 from flightdeck.events import subjects
 from flightdeck.events.store import MemoryStore
 from flightdeck.services import registry
 from flightdeck.services.core import Service
 from flightdeck.services.shell import snapshots
 from flightdeck.services.shell.fold import Folder, Output, rebuild, replay
-
 from tests.e2e.test_drill_fixture import loaded
 
 CORES = ("scheduler", "resources", "checkpoints", "health", "resharder", "archiver")

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from flightdeck.services.tools.console.supervisor import Backoff, ProcessSpec, Supervisor
 
 pytestmark = pytest.mark.timeout(30)

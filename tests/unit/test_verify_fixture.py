@@ -8,6 +8,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import structlog
+
 from flightdeck.events import codec, subjects
 from flightdeck.events.base import Event
 from flightdeck.events.commands import RollbackRequested

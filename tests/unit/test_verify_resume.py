@@ -8,6 +8,7 @@ from typing import Any
 
 import msgspec
 import pytest
+
 from flightdeck.events import subjects
 from flightdeck.events.clock import ClockTick
 from flightdeck.events.codec import encode
@@ -16,7 +17,6 @@ from flightdeck.events.store import MemoryStore, Stored
 from flightdeck.services.shell import snapshots
 from flightdeck.services.tools.audit import cores, resume
 from flightdeck.services.tools.audit.verify import Verdict, verify
-
 from tests.e2e.test_drill_fixture import loaded
 
 JOB = "spike-000001"

@@ -5,6 +5,7 @@ recorded them verifies with the defaults and says so."""
 from pathlib import Path
 
 import pytest
+
 from flightdeck.events import codec
 from flightdeck.events.clock import CoreConfigured
 from flightdeck.events.fleet import NodeRegistered
@@ -15,7 +16,6 @@ from flightdeck.services.tools.audit.cores import cores
 from flightdeck.services.tools.audit.verify import verify
 from flightdeck.services.tools.history import fdh
 from flightdeck.services.tools.history.library import History
-
 from tests.unit.helpers import Bus
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "histories" / "crash.fdh.jsonl"  # recorded before

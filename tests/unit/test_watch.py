@@ -3,6 +3,8 @@ incident, plain lines without a terminal and a rich bar on one."""
 
 import io
 
+from rich.console import Console
+
 from flightdeck.events import subjects
 from flightdeck.events.base import Event
 from flightdeck.events.job import JobCompleted, JobResumed, JobSubmitted, WorkersExited
@@ -10,7 +12,6 @@ from flightdeck.events.spec import JobSpec, TrainSpec
 from flightdeck.events.store import Stored
 from flightdeck.events.training import StepCompleted
 from flightdeck.services.tools.console.watch_cmd import Bar, Plain, Watch
-from rich.console import Console
 
 JOB = "j-000001"
 T0 = 1_800_000_000.0

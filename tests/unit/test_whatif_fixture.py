@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import structlog
+
 from flightdeck.events.commands import RollbackRequested
 from flightdeck.events.findings import LossSpikeDetected, SpikeDiagnosed
 from flightdeck.events.job import AllocationRequested, JobCompleted, JobFailed, JobSubmitted

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import msgspec
 import structlog
+
 from flightdeck.events.checkpoint import DataPosition, ShardInfo
 from flightdeck.events.codec import MAX_SLOTS
 from flightdeck.services.shell.objects.store import (

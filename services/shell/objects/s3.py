@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import structlog
+
 from flightdeck.services.shell.objects.retry import RetryPolicy, error_code
 from flightdeck.services.shell.objects.store import (
     HASH_CHUNK,

@@ -10,6 +10,7 @@ import hashlib
 import zlib
 
 import msgspec
+
 from flightdeck.events import subjects
 from flightdeck.events.archive import HistoryArchived
 from flightdeck.events.store import Stored, decoded

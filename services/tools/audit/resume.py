@@ -24,6 +24,7 @@ from typing import Any
 
 import msgspec
 import structlog
+
 from flightdeck.events import subjects
 from flightdeck.services.core import Service
 from flightdeck.services.shell import snapshots

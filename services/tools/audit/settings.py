@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgspec
+
 from flightdeck.events.spec import InvalidSpec, JobSpec, PolicySpec, parse_spec, spec_builtins
 
 TRAINER_KEYS = ("train.checkpoint_every",)

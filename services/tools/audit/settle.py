@@ -9,6 +9,8 @@ import asyncio
 import time
 
 import nats.errors
+from nats.js.errors import NotFoundError, ServiceUnavailableError
+
 from flightdeck.events import subjects
 from flightdeck.events.jetstream import JetStreamStore
 from flightdeck.services import registry
@@ -16,7 +18,6 @@ from flightdeck.services.shell.runtime import consumer_name
 from flightdeck.services.tools.audit.verify import NoSuchJob, Verdict, verify
 from flightdeck.services.tools.history.read import job_rows
 from flightdeck.services.tools.history.recorded import RecordedStore
-from nats.js.errors import NotFoundError, ServiceUnavailableError
 
 
 class NotSettled(TimeoutError):

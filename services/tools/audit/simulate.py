@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+
 from flightdeck.events import codec, subjects
 from flightdeck.events.base import Event
 from flightdeck.events.clock import ClockTick, DeadLettered

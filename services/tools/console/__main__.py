@@ -7,6 +7,7 @@ import os
 import sys
 
 import structlog
+
 from flightdeck.events.store import StoreUnavailable
 from flightdeck.services.shell.broker import BrokerError
 from flightdeck.services.shell.logging import CurrentStderr

@@ -8,6 +8,7 @@ import sys
 from datetime import UTC, datetime
 
 import msgspec
+
 from flightdeck.events import codec
 from flightdeck.services.shell.broker import nats_url
 from flightdeck.services.tools.cli import Command, add_nats_argument

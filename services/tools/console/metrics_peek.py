@@ -5,8 +5,9 @@ import time
 import urllib.error
 import urllib.request
 
-from flightdeck.services.tools.history.jobview import ENDED
 from prometheus_client.parser import text_string_to_metric_families
+
+from flightdeck.services.tools.history.jobview import ENDED
 
 # The figures a person checks first; the histograms' buckets would drown them.
 SHOWN = ("flightdeck_job_phase", "flightdeck_job_step", "flightdeck_job_restarts_total",

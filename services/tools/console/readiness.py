@@ -4,11 +4,12 @@ which a service only sends once it has connected, rebuilt its state and started 
 from collections.abc import Iterable
 
 import nats
+from nats.js.errors import NotFoundError
+
 from flightdeck.events.jsreader import is_unavailable
 from flightdeck.events.subjects import CONTROL
 from flightdeck.services.shell.runtime import consumer_name
 from flightdeck.services.shell.security.credentials import client_options
-from nats.js.errors import NotFoundError
 
 
 async def listening(url: str, names: Iterable[str]) -> set[str]:

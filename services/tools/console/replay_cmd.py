@@ -7,6 +7,7 @@ import asyncio
 import sys
 
 import msgspec
+
 from flightdeck.events import codec
 from flightdeck.events.history import HistoryGap, check_contiguous
 from flightdeck.services.tools.cli import EXIT_ERROR, Command, UserError

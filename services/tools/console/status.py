@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 import msgspec
+
 from flightdeck.events import codec
 from flightdeck.services.shell.broker import nats_url
 from flightdeck.services.tools.cli import Command, add_nats_argument

@@ -19,6 +19,7 @@ from types import FrameType
 from typing import Literal
 
 import structlog
+
 from flightdeck.services import registry
 from flightdeck.services.shell import broker as broker_mod
 from flightdeck.services.shell.objects.open import DATA_DIR_ENV, objects_url

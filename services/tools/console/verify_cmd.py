@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import msgspec
+
 from flightdeck.events import codec, subjects
 from flightdeck.events.store import Stored
 from flightdeck.events.subjects import InvalidSubjectToken

@@ -7,6 +7,9 @@ import asyncio
 import sys
 from typing import Protocol, TextIO
 
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
 from flightdeck.events import subjects
 from flightdeck.events.checkpoint import CheckpointRefused, CheckpointRejected
 from flightdeck.events.commands import RollbackRequested
@@ -22,8 +25,6 @@ from flightdeck.services.tools.console.status import duration
 from flightdeck.services.tools.history import jobview
 from flightdeck.services.tools.history.jobview import JobView
 from flightdeck.services.tools.history.reasons import headline
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 SHORT = 160  # characters of a reason on one line
 PLAIN_LINES = 10  # progress lines a whole run prints without a terminal, about

@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 import msgspec
+
 from flightdeck.events import codec
 from flightdeck.services.tools.audit import settings
 from flightdeck.services.tools.audit.simulate import Change

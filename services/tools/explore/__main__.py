@@ -10,6 +10,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 
 import structlog
+
 from flightdeck.services.tools.explore.invariants import violations
 from flightdeck.services.tools.explore.world import plan, simulate
 

@@ -9,6 +9,7 @@ Only an ended job's checkpoints are adopted: a running job's retention may still
 from collections.abc import Sequence
 
 import msgspec
+
 from flightdeck.events import lineage
 from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointDeleted, CheckpointRejected
 from flightdeck.events.commands import RollbackRequested

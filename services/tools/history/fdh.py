@@ -8,6 +8,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import msgspec
+
 from flightdeck.events import subjects
 from flightdeck.events.store import Stored, decoded
 

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from typing import Literal
 
 import msgspec
+
 from flightdeck.events.base import Event
 from flightdeck.events.checkpoint import (
     CheckpointCommitted,

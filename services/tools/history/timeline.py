@@ -8,6 +8,7 @@ import bisect
 from typing import Any
 
 import msgspec
+
 from flightdeck.events import codec, subjects
 from flightdeck.events.admission import Admission
 from flightdeck.events.base import Event

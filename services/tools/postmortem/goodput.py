@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
+
 from flightdeck.events.job import AllocationGranted, JobCancelled, JobCompleted, JobFailed, JobQueued, JobSubmitted
 from flightdeck.services.tools.postmortem.incidents import Incident
 from flightdeck.services.tools.postmortem.scan import Scan

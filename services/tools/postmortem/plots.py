@@ -9,11 +9,12 @@ from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
+from matplotlib.figure import Figure
+
 from flightdeck.events.checkpoint import CheckpointCommitted
 from flightdeck.events.findings import LossSpikeDetected, NonFiniteLoss
 from flightdeck.services.tools.postmortem.analysis import Postmortem, resumes
 from flightdeck.services.tools.postmortem.goodput import PARTS, final_mask
-from matplotlib.figure import Figure
 
 MAX_POINTS = 2000
 PIXELS = 1200  # columns of the time strip

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
+
 from flightdeck.events.checkpoint import CheckpointCommitted
 from flightdeck.events.commands import RollbackRequested, StopRequested
 from flightdeck.events.job import (

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
+
 from flightdeck.events import subjects
 from flightdeck.events.admission import Admission
 from flightdeck.events.base import Event, JobEvent, NodeEvent

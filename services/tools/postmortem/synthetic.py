@@ -14,6 +14,7 @@ import random
 from dataclasses import dataclass
 
 import msgspec
+
 from flightdeck.events import codec, subjects
 from flightdeck.events.base import Event, JobEvent, RankEvent
 from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointDeleted, CheckpointStaged, DataPosition

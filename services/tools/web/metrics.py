@@ -8,12 +8,13 @@ import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from flightdeck.events import subjects
-from flightdeck.services.tools.history.jobview import ENDED
-from flightdeck.services.tools.web.figures import Figures, JobAnalysis, JobFigures
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from flightdeck.events import subjects
+from flightdeck.services.tools.history.jobview import ENDED
+from flightdeck.services.tools.web.figures import Figures, JobAnalysis, JobFigures
 
 
 def covering(j: JobFigures) -> JobAnalysis | None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import msgspec
 import structlog
 from aiohttp import web
+
 from flightdeck.events import subjects
 from flightdeck.events.checkpoint import CheckpointCommitted
 from flightdeck.events.jetstream import JetStreamStore
