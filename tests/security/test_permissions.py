@@ -31,9 +31,10 @@ from flightdeck.services.shell.security.passwords import SecretsDir
 
 ROOT = Path(__file__).resolve().parents[2]
 HISTORY = ROOT / "tests" / "fixtures" / "histories" / "spike.fdh.jsonl"
+# RankOutput: on FD_LOGS; RankHeartbeats, ShardsUploaded: from agents
 TELEMETRY_TYPES = {"StepCompleted", "Heartbeat", "RankFault", "FaultInjected", "RolledBack", "RankStarted",
                    "ModelRegistered", "CheckpointStaged", "CheckpointRefused", "RankHeartbeats", "ShardsUploaded",
-                   "SpikeReplayed", "RankOutput", "SnapshotsOff"}  # RankOutput: on FD_LOGS; RankHeartbeats, ShardsUploaded: from agents
+                   "SpikeReplayed", "RankOutput", "SnapshotsOff"}
 
 
 def producer_perms(producer: str) -> permissions.Permissions:
