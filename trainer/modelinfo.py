@@ -117,6 +117,8 @@ class FirstStep:
                 self.seq_len = int(batch.shape[1])
 
     def _stepped(self, *_: Any) -> None:
+        if not self.forwards:  # not the script's: DCP's get_state_dict steps once with zero grads to make state
+            return
         for hook in self.hooks:
             hook.remove()
         self.hooks = []

@@ -95,6 +95,7 @@ def test_the_first_step_gives_the_batch_and_the_accumulation_then_the_hooks_are_
     sent: list[Any] = []
     watching = modelinfo.watch(model, opt, sent.append, {"job_id": "j", "rank": 0}, world_size=4)
     assert watching is not None and sent == []
+    opt.step()  # no forward before it: not the script's (DCP's get_state_dict steps so to make optimizer state)
     model.eval()
     model(torch.zeros(7, 5, dtype=torch.long))  # an evaluation forward is not a training one
     model.train()
