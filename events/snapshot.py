@@ -28,6 +28,7 @@ HEADER_BYTES_MAX = 64 << 20  # a header holds the items' table and the packed ex
 Buffer = bytes | bytearray | memoryview
 SNAPSHOTS_ENV = "FLIGHTDECK_SNAPSHOTS"  # the node's snapshot root (on tmpfs), set by the agent for its ranks
 SNAPSHOTS_OFF_ENV = "FLIGHTDECK_SNAPSHOTS_OFF"  # why they take none: the grant found no room (AllocationGranted)
+RECENT_STEPS = 64  # step reports a header carries (Header.steps)
 
 
 def rank_need(snapshot_bytes: int) -> int:
@@ -66,6 +67,10 @@ class Header(msgspec.Struct, frozen=True, kw_only=True):
     replicated: bool  # every tensor is a full replica (plain data parallel): any rank's holds the model's state
     bin_bytes: int
     items: list[Item]
+    # The rank's newest StepCompleted events (msgpack: a NaN loss survives) as it had sent them when it took the
+    # snapshot. An agent persisting the slot past the rank's record publishes the missing ones again under their
+    # own ids, so the history never resumes past a step it holds no record of (they died in transit with an agent).
+    steps: list[bytes] = []
 
 
 class BadSnapshot(ValueError):

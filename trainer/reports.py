@@ -7,6 +7,7 @@ import os
 import re
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from numbers import Real
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 
 from flightdeck.events import codec
 from flightdeck.events.base import RankEvent
+from flightdeck.events.snapshot import RECENT_STEPS
 from flightdeck.events.training import RankFault, StepCompleted
 from flightdeck.trainer.link import uuid4_hex
 from flightdeck.trainer.usage import refused
@@ -49,6 +51,9 @@ class Emitter:
         self.batch_s = batch_s
         self._lock = threading.Lock()
         self._held: list[RankEvent] = []
+        # The newest step reports, for each host snapshot's header: reports still in transit when the node's agent
+        # dies with its ranks are published again by the agent that persists the snapshot (events/snapshot.py).
+        self._recent: deque[bytes] = deque(maxlen=RECENT_STEPS)  # encoded once, as sent
         self._last_flush = time.monotonic()
         self._log: IO[bytes] | None = None
         if events_log is not None:
@@ -66,6 +71,8 @@ class Emitter:
         if not self.steps_to_bus and isinstance(event, StepCompleted):
             return
         with self._lock:
+            if isinstance(event, StepCompleted):
+                self._recent.append(codec.encode(event))
             self._held.append(event)
             if isinstance(event, StepCompleted) and time.monotonic() - self._last_flush < self.batch_s:
                 return
@@ -81,6 +88,11 @@ class Emitter:
             self.publisher.emit(event)
         self._held.clear()
         self._last_flush = time.monotonic()
+
+    def recent_steps(self) -> list[bytes]:
+        """The newest RECENT_STEPS step reports this rank sent towards the bus, oldest first, encoded."""
+        with self._lock:
+            return list(self._recent)
 
     def set_step(self, step: int, step_time_s: float = 0.0) -> None:
         self.publisher.set_step(step, step_time_s)

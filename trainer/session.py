@@ -100,7 +100,7 @@ class Run:
         self.snapshots: Cadence | None = None  # host snapshots in the node's memory (train.snapshot_every)
         if cfg.snapshots is not None and cfg.spec.train.snapshot_every > 0:
             snaps = snapshots.Snapshots(cfg.snapshots, job_id=cfg.job_id, attempt=cfg.attempt, rank=dist.rank,
-                                        world_size=dist.world_size)
+                                        world_size=dist.world_size, recent=emitter.recent_steps)
             self.snapshots = Cadence(snaps, every=cfg.spec.train.snapshot_every,
                                      max_overhead=cfg.spec.train.snapshot_max_overhead, off=self._snapshots_off)
         self.restored_from = ""

@@ -16,7 +16,7 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -110,8 +110,10 @@ class _Slot:
 class Snapshots:
     """This rank's two slots under `<root>/<job>/`, written in turn."""
 
-    def __init__(self, root: Path, *, job_id: str, attempt: int, rank: int, world_size: int) -> None:
+    def __init__(self, root: Path, *, job_id: str, attempt: int, rank: int, world_size: int,
+                 recent: Callable[[], list[bytes]] = list) -> None:
         self.root, self.job_id, self.attempt, self.rank, self.world_size = root, job_id, attempt, rank, world_size
+        self.recent = recent  # the rank's newest step reports (Emitter.recent_steps), for each header
         self._layout: _Layout | None = None
         self._slots: list[_Slot] = []
         self._offsets: list[int] = []
@@ -180,7 +182,8 @@ class Snapshots:
         chunks = {k: _create_chunk_from_dtensor(t) if isinstance(t, DTensor) else None for k, t in tensors.items()}
         shapes = {k: list(t.shape) for k, t in tensors.items()}
         stall = time.perf_counter() - started
-        args = (slot, step, position, timeline, checkpointing, replicated, others, chunks, shapes, self._copying)
+        args = (slot, step, position, timeline, checkpointing, replicated, others, chunks, shapes, self._copying,
+                self.recent())
         self._worker = threading.Thread(target=self._finish, args=args, name=f"snapshot-{step}", daemon=True)
         self._worker.start()
         self.taken += 1
@@ -190,7 +193,7 @@ class Snapshots:
 
     def _finish(self, slot: _Slot, step: int, position: DataPosition, timeline: int, checkpointing: bool,
                 replicated: bool, others: dict[str, Any], chunks: dict[str, Any], shapes: dict[str, list[int]],
-                copying: list[Future[float]]) -> None:
+                copying: list[Future[float]], steps: list[bytes]) -> None:
         cpu, copy_cpu = time.thread_time(), 0.0
         try:
             for part in copying:
@@ -206,7 +209,8 @@ class Snapshots:
                 items.append(self._packed(key, value))
             header = fmt.Header(format=fmt.FORMAT, job_id=self.job_id, attempt=self.attempt, rank=self.rank,
                                 world_size=self.world_size, step=step, timeline=timeline, data=position,
-                                checkpointing=checkpointing, replicated=replicated, bin_bytes=self._size, items=items)
+                                checkpointing=checkpointing, replicated=replicated, bin_bytes=self._size, items=items,
+                                steps=steps)
             tmp = slot.header.with_suffix(".tmp")
             tmp.write_bytes(msgspec.json.encode(header))
             os.replace(tmp, slot.header)

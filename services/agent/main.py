@@ -107,9 +107,9 @@ async def persist_orphans(store: EventStore, spawner: Spawner,
         ranks = [e.rank for e in exits]
         spawner.shipper.watch(job_id, attempt, ranks, await spawner.shipper.start_seq())
         for rank in ranks:
-            staged, own, peers = await snapshots.recorded(store, job_id, attempt, rank, ranks)
-            await snapshots.persist(root, store, job_id, attempt, rank, staged, own if own >= 0 else peers,
-                                    node=spawner.node, producer=spawner.producer, again=again, fallback=peers)
+            staged, own = await snapshots.recorded(store, job_id, attempt, rank, ranks)
+            await snapshots.persist(root, store, job_id, attempt, rank, staged, own, node=spawner.node,
+                                    producer=spawner.producer, again=again)
     return list(lost)
 
 

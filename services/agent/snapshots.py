@@ -8,6 +8,7 @@ Why it works this way: docs/internals.md, "5. Checkpoints".
 """
 
 import asyncio
+import contextlib
 import hashlib
 import shutil
 import time
@@ -16,11 +17,11 @@ from pathlib import Path
 
 import structlog
 
+from flightdeck.events import codec, subjects
 from flightdeck.events import snapshot as fmt
-from flightdeck.events import subjects
 from flightdeck.events.checkpoint import CheckpointStaged, ShardInfo
 from flightdeck.events.store import EventStore
-from flightdeck.events.training import RolledBack, StepCompleted
+from flightdeck.events.training import RankStarted, RolledBack, StepCompleted
 from flightdeck.services.agent.core import SpawnArgs
 from flightdeck.services.agent.rankproc import retrying
 from flightdeck.services.shell.objects import manifest
@@ -76,9 +77,10 @@ def choose(root: Path, job_id: str, attempt: int, rank: int, staged: tuple[int, 
            reported: int | None = None) -> list[tuple[fmt.Header, Path]] | str | None:
     """The slots to persist for a rank gone without finishing, newest first: its complete ones whose bytes check,
     that are not a step the rank checkpointed itself, are newer than anything it staged (`staged`: its newest
-    (timeline, step)), and follow a step the rank reported (`reported`: its newest; None: not known). Both slots
-    when both qualify: its peers' newest may be one step apart (a rank's last report dies with it), and a set
-    commits only at a step every rank staged. None: nothing newer to persist. A string: why nothing can be."""
+    (timeline, step)), and whose steps are all on record: they follow the newest step the rank's record holds
+    (`reported`; None: not known), or the slot's header carries the reports of the steps between (`missing`
+    gives them, to publish again). Both slots when both qualify: its peers' newest may be one step apart, and a
+    set commits only at a step every rank staged. None: nothing newer to persist. A string: why nothing can be."""
     problems, found = [], []
     slots = fmt.complete_slots(root, job_id, attempt, rank)
     newest = max((h.timeline for h, _ in slots), default=0)
@@ -89,7 +91,7 @@ def choose(root: Path, job_id: str, attempt: int, rank: int, staged: tuple[int, 
             continue
         if header.checkpointing or (staged is not None and (header.timeline, header.step) <= staged):
             continue
-        if reported is not None and header.step > reported + 1:
+        if reported is not None and header.step > reported + 1 and missing(header, reported) is None:
             continue
         try:
             fmt.check_bytes(folder, header)
@@ -99,6 +101,20 @@ def choose(root: Path, job_id: str, attempt: int, rank: int, staged: tuple[int, 
             continue
         found.append((header, folder))
     return found or ("; ".join(problems) if problems else None)
+
+
+def missing(header: fmt.Header, reported: int) -> list[StepCompleted] | None:
+    """The rank's reports of the steps after `reported` up to the slot's, from its header (the newest of each
+    step: a rollback ran some again); None unless the header holds every one of them."""
+    newest: dict[int, StepCompleted] = {}
+    for raw in header.steps:
+        with contextlib.suppress(Exception):  # a report that does not decode is one the header does not hold
+            ev = codec.decode(raw)
+            if isinstance(ev, StepCompleted) and (ev.job_id, ev.attempt, ev.rank) == (
+                    header.job_id, header.attempt, header.rank) and reported < ev.step < header.step:
+                newest[ev.step] = ev
+    wanted = range(reported + 1, header.step)
+    return [newest[s] for s in wanted] if all(s in newest for s in wanted) else None
 
 
 def persist_event(header: fmt.Header, folder: Path, *, node: str, producer: str, seconds: float,
@@ -116,23 +132,22 @@ def persist_event(header: fmt.Header, folder: Path, *, node: str, producer: str,
 
 
 async def persisting(root: Path, job_id: str, attempt: int, rank: int, staged: tuple[int, int] | None,
-                     reported: int | None = None, *, node: str, producer: str, again: str = "",
-                     fallback: int | None = None) -> list[CheckpointStaged]:
-    """The stagings of the rank's snapshots to publish, newest first; none when nothing is newer than its own
-    checkpoints, or every slot is bad (logged). `fallback`: the step bound to try when none qualifies under
-    `reported` (`recorded`: the peers' bound after the rank's own)."""
+                     reported: int | None = None, *, node: str, producer: str,
+                     again: str = "") -> tuple[list[StepCompleted], list[CheckpointStaged]]:
+    """The rank's step reports to publish again (those its record lacks below the newest slot chosen), then the
+    stagings of its snapshots, newest first; none when nothing is newer than its own checkpoints, or every slot is
+    bad (logged)."""
     started = time.perf_counter()
     chosen = await asyncio.to_thread(choose, root, job_id, attempt, rank, staged, reported)
-    if not isinstance(chosen, list) and fallback is not None and fallback != reported:
-        chosen = await asyncio.to_thread(choose, root, job_id, attempt, rank, staged, fallback)
     if chosen is None or isinstance(chosen, str):
         if chosen:
             log.error("no snapshot of the rank can be persisted", job_id=job_id, attempt=attempt, rank=rank,
                       problems=chosen)
-        return []
-    return [await asyncio.to_thread(persist_event, header, folder, node=node, producer=producer,
-                                    seconds=round(time.perf_counter() - started, 4), again=again)
-            for header, folder in chosen]
+        return [], []
+    again_steps = (missing(chosen[0][0], reported) or []) if reported is not None else []
+    return again_steps, [await asyncio.to_thread(persist_event, header, folder, node=node, producer=producer,
+                                                 seconds=round(time.perf_counter() - started, 4), again=again)
+                         for header, folder in chosen]
 
 
 def in_memory(root: Path, job_id: str, checkpoint_id: str, step: int, rank: int,
@@ -176,14 +191,22 @@ def forget_attempts_before(root: Path, job_id: str, attempt: int, keep: set[Path
 
 
 async def persist(root: Path, store: EventStore, job_id: str, attempt: int, rank: int, staged: tuple[int, int] | None,
-                  reported: int, *, node: str, producer: str, again: str = "", fallback: int | None = None) -> None:
-    """Stage a gone rank's snapshot for the node's shipper (`persisting`), on the rank's own subject."""
+                  reported: int | None, *, node: str, producer: str, again: str = "") -> None:
+    """Stage a gone rank's snapshot for the node's shipper (`persisting`), on the rank's own subject, after the
+    rank's reports of the steps before it that its record lacks (under their own ids: the broker drops any copy
+    that did land)."""
     try:
-        events = await persisting(root, job_id, attempt, rank, staged, reported, node=node, producer=producer,
-                                  again=again, fallback=fallback)
+        steps, events = await persisting(root, job_id, attempt, rank, staged, reported, node=node,
+                                         producer=producer, again=again)
     except Exception as exc:  # the store's checkpoints still stand: the restart restores the newest
         log.error("persisting the rank's snapshot failed", job_id=job_id, rank=rank, error=repr(exc))
         return
+    for ev in steps:
+        await retrying("recording the rank's step again", lambda ev=ev: store.append(  # type: ignore[misc]
+            subjects.telemetry(job_id, rank, "StepCompleted"), ev, msg_id=ev.event_id))
+    if steps:
+        log.info("rank's step reports recorded again from its snapshot", job_id=job_id, rank=rank,
+                 steps=[ev.step for ev in steps])
     subject = subjects.telemetry(job_id, rank, "CheckpointStaged")
     for event in events:
         await retrying("staging the rank's snapshot",
@@ -193,34 +216,35 @@ async def persist(root: Path, store: EventStore, job_id: str, attempt: int, rank
 
 
 async def recorded(store: EventStore, job_id: str, attempt: int, rank: int,
-                   peers: Sequence[int]) -> tuple[tuple[int, int] | None, int, int]:
+                   peers: Sequence[int]) -> tuple[tuple[int, int] | None, int]:
     """For a rank an earlier agent on this node ran (it died with that agent): what the rank staged itself, as
-    (timeline, step), the newest step of its attempt the rank's own record holds, and the newest any of its peers'
-    or rank 0's holds, read from the history. Its own last reports may have died in that agent's custody: a
-    snapshot past them would leave the job's lineage without the rank's record of a step, so the own bound is
-    tried first (at most one step redone); the peers' only when nothing is persisted under it (the custody had
-    fallen further behind, and all the work since the last checkpoint would go). A rollback of the rank or of a
-    peer after its last step starts the record again below it."""
+    (timeline, step), and the newest step of its attempt its record holds, read from the history (the step before
+    the one it started from when it holds none). Its last reports may have died in that agent's custody: a
+    snapshot past them is persisted only with the reports between, from its header (`missing`). A rollback of the
+    rank or of a peer after its last step starts the record again below it."""
     staged: tuple[int, int] | None = None
     last = await store.last(subjects.TELEMETRY, subjects.telemetry(job_id, rank, "CheckpointStaged"))
     ev = last.event if last is not None else None
     if isinstance(ev, CheckpointStaged) and ev.attempt == attempt and not ev.from_memory:
         staged = (ev.timeline, ev.step)
-    own, steps, restarted = -1, [-1], []
+    own, restarted = -1, []
     for r in dict.fromkeys((rank, *peers, 0)):
         step = await store.last(subjects.TELEMETRY, subjects.telemetry(job_id, r, "StepCompleted"))
         back = await store.last(subjects.TELEMETRY, subjects.telemetry(job_id, r, "RolledBack"))
         done = step.event if step is not None else None
-        if isinstance(done, StepCompleted) and done.attempt == attempt:
-            steps.append(done.step)
-            own = done.step if r == rank else own
+        if r == rank and isinstance(done, StepCompleted) and done.attempt == attempt:
+            own = done.step
         rolled = back.event if back is not None else None
         if isinstance(rolled, RolledBack) and rolled.attempt == attempt and back is not None \
                 and (step is None or back.seq > step.seq):
             restarted.append(rolled.to_step - 1)  # nothing of the new timeline on record past this
     if restarted:
-        return staged, min(restarted), min(restarted)
-    return staged, own, max(steps)
+        return staged, min(restarted)
+    if own < 0:
+        began = await store.last(subjects.TELEMETRY, subjects.telemetry(job_id, rank, "RankStarted"))
+        if began is not None and isinstance(began.event, RankStarted) and began.event.attempt == attempt:
+            own = began.event.from_step - 1
+    return staged, own
 
 
 async def restores_in_memory(root: Path, objects: ObjectStore, args: SpawnArgs) -> dict[int, Path]:

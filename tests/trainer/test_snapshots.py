@@ -2,6 +2,7 @@
 in turn, each complete only once its header is; a restore from a slot equals the state it took, a restore from
 a set persisted from several ranks' slots too; a torn, edited or foreign slot is refused, never loaded."""
 
+import math
 import os
 import zlib
 from pathlib import Path
@@ -11,11 +12,11 @@ import msgspec
 import pytest
 import torch
 
+from flightdeck.events import codec, subjects
 from flightdeck.events import snapshot as fmt
-from flightdeck.events import subjects
 from flightdeck.events.checkpoint import CheckpointStaged, DataPosition
 from flightdeck.events.store import MemoryStore
-from flightdeck.events.training import RolledBack, StepCompleted
+from flightdeck.events.training import RankStarted, RolledBack, StepCompleted
 from flightdeck.services.agent import snapshots as agent_snaps
 from flightdeck.trainer import checkpointing, distributed, snapshots
 from flightdeck.trainer.hostcopy import HostCopier
@@ -213,6 +214,39 @@ def test_the_agent_never_persists_a_snapshot_ahead_of_the_ranks_reported_steps(t
         assert ([h.step for h, _ in chosen] if isinstance(chosen, list) else chosen) == want, reported
 
 
+def report(n: int, *, rank: int = 0, loss: float = 1.0) -> bytes:
+    return codec.encode(StepCompleted(job_id="j", rank=rank, attempt=0, step=n, loss=loss, grad_norm=0.0, lr=0.0,
+                                      tokens_per_s=0.0, step_time_s=0.1, event_id=f"r{rank}-s{n}-{loss}"))
+
+
+async def test_a_snapshot_past_the_rank_s_record_is_persisted_with_the_reports_between_published_again(
+        tmp_path: Path) -> None:
+    """A node agent killed with its ranks (nemesis seed 2) took the rank's newest step reports with it, while its
+    snapshots were two and three steps further on: before, the restarted agent persisted a slot past the record
+    and the lineage lacked those steps. The header carries the rank's newest reports; the slot qualifies when they
+    cover the steps between, which are published again first (under their own ids: a copy that did land is
+    dropped by the broker), a NaN loss intact; without them, it does not."""
+
+    m, opt, _ = parts(seed=1)
+    sent = [report(n) for n in range(20, 26)] + [report(24, loss=float("nan"))]  # step 24 ran again (a rollback)
+    snaps = snapshots.Snapshots(tmp_path, job_id="j", attempt=0, rank=0, world_size=1, recent=lambda: list(sent))
+    _take(snaps, state(m, opt), 26)
+    _take(snaps, state(m, opt), 27)
+    snaps.close()
+    chosen = agent_snaps.choose(tmp_path, "j", 0, 0, None, 22)  # steps 23..26 are in the headers, 26 is not
+    assert isinstance(chosen, list) and [h.step for h, _ in chosen] == [26]
+    steps = agent_snaps.missing(chosen[0][0], 22)
+    assert steps is not None and [s.step for s in steps] == [23, 24, 25] and math.isnan(steps[1].loss)
+    assert agent_snaps.choose(tmp_path, "j", 0, 0, None, 18) is None  # step 19 is nowhere: nothing qualifies
+
+    store = MemoryStore()
+    await store.append(subjects.telemetry("j", 0, "StepCompleted"), codec.decode(report(23)), msg_id="r0-s23-1.0")
+    await agent_snaps.persist(tmp_path, store, "j", 0, 0, None, 22, node="n", producer="agent-n")
+    rows = [s for batch in [x async for x in store.read(subjects.TELEMETRY, ["fd.tel.j.>"])] for s in batch]
+    assert [(type(s.event).__name__, getattr(s.event, "step", None)) for s in rows] == [
+        ("StepCompleted", 23), ("StepCompleted", 24), ("StepCompleted", 25), ("CheckpointStaged", 26)]
+
+
 def test_snapshots_space_out_to_keep_within_their_share_of_the_training_time(tmp_path: Path) -> None:
     """train.snapshot_max_overhead: a snapshot holding the loop 20 ms beside 100 ms steps is spaced 10 steps apart
     at 2%, 1 at 1 (never capped). The CPU it takes beside training counts only where no core is spare for it (10 ms
@@ -238,9 +272,10 @@ def test_snapshots_space_out_to_keep_within_their_share_of_the_training_time(tmp
 
 async def test_a_restarted_agent_reads_what_its_dead_ranks_had_on_record_from_the_history() -> None:
     """What the links knew before the agent died, rebuilt from the history: the rank's own staging (not one an
-    agent persisted), the newest step the rank itself has on record (tried first: its own report of a newer step
-    may have died with the agent, and the lineage would lack it) and the newest of its peers' or rank 0's, and a
-    rollback after that: nothing of the new timeline past its restore point is on record."""
+    agent persisted), the newest step the rank itself has on record (its own report of a newer step may have died
+    with the agent, and the lineage would lack it; a peer's newer one says nothing of it), the step before the
+    one it started from when it has none, and a rollback after that: nothing of the new timeline past its restore
+    point is on record."""
 
     store = MemoryStore()
 
@@ -251,15 +286,17 @@ async def test_a_restarted_agent_reads_what_its_dead_ranks_had_on_record_from_th
         return StepCompleted(job_id="j", rank=rank, attempt=attempt, step=n, loss=1.0, grad_norm=0.0, lr=0.0,
                              tokens_per_s=0.0, step_time_s=0.1)
 
-    assert await agent_snaps.recorded(store, "j", 2, 1, [1, 2]) == (None, -1, -1)
+    assert await agent_snaps.recorded(store, "j", 2, 1, [1, 2]) == (None, -1)
+    await put(RankStarted(job_id="j", rank=1, attempt=2, world_size=3, from_step=12, device="cpu"))
+    assert await agent_snaps.recorded(store, "j", 2, 1, [1, 2]) == (None, 11)
     staged = CheckpointStaged(job_id="j", rank=1, attempt=2, step=20, world_size=3, staging_dir="/s", shards=[],
                               data=DataPosition(next_batch=20), stall_s=0.0, write_s=0.0, timeline=1)
     for event in (step(1, 30), step(2, 33), step(0, 31), step(0, 90, attempt=1), staged):
         await put(event)
-    assert await agent_snaps.recorded(store, "j", 2, 1, [1, 2]) == ((1, 20), 30, 33)
+    assert await agent_snaps.recorded(store, "j", 2, 1, [1, 2]) == ((1, 20), 30)
     await put(msgspec.structs.replace(staged, step=34, from_memory=True))  # an agent's persist: not the rank's own
     await put(RolledBack(job_id="j", rank=2, attempt=2, checkpoint_id="c", to_step=20, skip_from=20, skip_to=24))
-    assert await agent_snaps.recorded(store, "j", 2, 1, [1, 2]) == (None, 19, 19)
+    assert await agent_snaps.recorded(store, "j", 2, 1, [1, 2]) == (None, 19)
 
 
 def test_what_only_the_optimizer_writes_is_copied_beside_training_and_the_slot_holds_the_state_it_was_taken_at(
