@@ -1,7 +1,7 @@
 """What rank 0 tells the planner about the script's model (events.training.ModelRegistered): the parameters counted
 at `register`, the transformer shape where the model says it, and the batch the script feeds read off its first
 training step: sequences in one forward, and forwards per optimizer step (its gradient accumulation). Sent once;
-the hooks that watch the first step are removed with it, so later steps pay nothing."""
+the hooks that watch the first step are removed at the next forward, so later steps pay nothing."""
 
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, replace
@@ -103,10 +103,16 @@ class FirstStep:
                  send: Callable[[Described], None]) -> None:
         self.described, self.send = described, send
         self.forwards, self.micro_batch, self.seq_len = 0, 0, 0
+        self.sent = False
         self.hooks: list[RemovableHandle] = [model.register_forward_pre_hook(self._forward, with_kwargs=True),
                                              optimizer.register_step_post_hook(self._stepped)]
 
     def _forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self.sent:  # unhooked here, not in the optimizer's hook: torch iterates that dict live (the module's not)
+            for hook in self.hooks:
+                hook.remove()
+            self.hooks = []
+            return
         if not module.training:
             return
         self.forwards += 1
@@ -117,11 +123,9 @@ class FirstStep:
                 self.seq_len = int(batch.shape[1])
 
     def _stepped(self, *_: Any) -> None:
-        if not self.forwards:  # not the script's: DCP's get_state_dict steps once with zero grads to make state
+        if self.sent or not self.forwards:  # not the script's: DCP's get_state_dict steps once with zero grads
             return
-        for hook in self.hooks:
-            hook.remove()
-        self.hooks = []
+        self.sent = True
         seen = replace(self.described, micro_batch=self.micro_batch, grad_accum=self.forwards)
         self.send(replace(seen, seq_len=self.seq_len) if self.seq_len else seen)
 

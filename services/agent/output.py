@@ -5,7 +5,8 @@ so `flightdeck logs` shows it from any machine and a chatty script cannot crowd 
 Over the budget a rank's last lines are held, not dropped: HELD_LINES of them wait, and whatever of them is still
 held when the rank ends (or goes quiet long enough for the budget to refill) is shipped, so its final words (a
 traceback after a flood) reach `flightdeck logs`. The lines a user reads first go ahead of a flood on a budget of
-their own: the trainer API's (structlog's console lines: time, [level], event) and each traceback, whole. Each
+their own: the trainer API's (structlog's console lines: time, [level], event), each traceback whole, and what
+stderr carries by its form (a warning, a logging WARNING or ERROR; the two streams share one pipe). Each
 line is shipped or counted as left out, once. The node's file takes everything up to LOG_FILE_BYTES (and the read
 that crosses it), then moves to `<name>.1` (replacing the one before): a rank printing 6 MB/s once filled 100 MB in
 16 s with no cap."""
@@ -37,6 +38,9 @@ READ_CHUNK = 64 * 1024
 HELD_LINES = 100  # a flooding rank's last lines, kept back to ship when it ends
 NEEDED_PER_S, NEEDED_BURST = 20.0, 400.0  # ... and the lines it needs read (API lines, tracebacks) beyond that
 API_LINE = re.compile(r"^\d{4}-\d\d-\d\d[ T][\d:.]+Z? \[(debug|info|warning|error|critical|exception)\s*\] ")
+# What a script's stderr carries, told by its form (stdout and stderr share the pipe): the warnings module's
+# `file:line: SomeWarning: text`, and the logging module's default `WARNING:name:text` (and worse).
+STDERR_LINE = re.compile(r"^(\S+:\d+: \w*Warning: |(WARNING|ERROR|CRITICAL):[\w.]*:)")
 TRACEBACK = "Traceback (most recent call last):"
 LOG_FILE_MB_ENV = "FLIGHTDECK_RANK_LOG_MB"
 LOG_FILE_BYTES = int(float(os.environ.get(LOG_FILE_MB_ENV) or 64) * 1e6)  # a rank's node log file, then rotated
@@ -161,7 +165,7 @@ class OutputPump:
         if self.in_traceback:
             self.in_traceback = line.startswith(" ")  # the exception's own line ends it, and is shipped too
             return True
-        return API_LINE.match(line) is not None
+        return API_LINE.match(line) is not None or STDERR_LINE.match(line) is not None
 
     def _offer(self, line: str) -> None:
         now = time.monotonic()

@@ -90,11 +90,15 @@ def test_a_model_with_nothing_to_read_is_counted_alone() -> None:
 
 
 def test_the_first_step_gives_the_batch_and_the_accumulation_then_the_hooks_are_gone() -> None:
+    """Ours unhook at the next forward, never inside the optimizer's hooks: torch runs those from the live dict, and
+    removing one there broke the next (the spike drills' high_lr hook: every step raised)."""
     model = Plain()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     sent: list[Any] = []
     watching = modelinfo.watch(model, opt, sent.append, {"job_id": "j", "rank": 0}, world_size=4)
     assert watching is not None and sent == []
+    after: list[int] = []
+    opt.register_step_post_hook(lambda *_: after.append(1))  # a hook of the script's (or a drill's) after ours
     opt.step()  # no forward before it: not the script's (DCP's get_state_dict steps so to make optimizer state)
     model.eval()
     model(torch.zeros(7, 5, dtype=torch.long))  # an evaluation forward is not a training one
@@ -108,7 +112,8 @@ def test_the_first_step_gives_the_batch_and_the_accumulation_then_the_hooks_are_
     assert isinstance(report, ModelRegistered) and (report.job_id, report.rank, report.world_size) == ("j", 0, 4)
     assert (report.micro_batch, report.grad_accum, report.seq_len) == (6, 3, 8)  # the tokens fed, not a maximum
     assert report.params == modelinfo.describe(model).params and report.source == "modules"
-    assert not model._forward_pre_hooks and not opt._optimizer_step_post_hooks
+    assert len(after) == 3  # every step ran the hooks after ours (the drill's high_lr restores its lr in one)
+    assert not model._forward_pre_hooks and [h.__name__ for h in opt._optimizer_step_post_hooks.values()] == ["<lambda>"]
 
 
 def test_without_an_optimizer_it_is_sent_at_once_and_without_a_model_not_at_all() -> None:

@@ -129,8 +129,8 @@ async def test_a_flood_ends_with_its_traceback_shipped_and_the_node_file_bounded
 
 async def test_the_api_s_lines_and_a_traceback_go_ahead_of_a_flood(tmp_path: Path) -> None:
     """In the trial a chatty rank's own status lines drowned among its spam (4 of 202 survived at ~6 MB/s): the
-    trainer API's lines and a traceback printed mid-flood are shipped whole, on their own budget; the spam around
-    them is shipped or counted as before, each line once and in order."""
+    trainer API's lines, a traceback and a warning printed mid-flood are shipped whole, on their own budget; the
+    spam around them is shipped or counted as before, each line once and in order."""
     got: list[RankOutput] = []
 
     async def publish(event: RankOutput) -> None:
@@ -143,10 +143,13 @@ async def test_the_api_s_lines_and_a_traceback_go_ahead_of_a_flood(tmp_path: Pat
     status = [f"2026-11-28 10:50:{s:02d} [info     ] step done                      step={s}" for s in range(200)]
     trace = ["Traceback (most recent call last):", '  File "train.py", line 9, in <module>', "    boom()",
              "ValueError: a caught one, printed", "spam after the traceback"]
+    warned = ["train.py:12: UserWarning: the loader has 0 workers", "WARNING:root:loss scale lowered to 1024"]
     for i, line in enumerate(status):
         printed += [f"spam {i}.{j} " + "x" * 40 for j in range(100)] + [line]
         if i == 100:
             printed += trace
+        if i == 150:
+            printed += warned
     await asyncio.to_thread(os.write, write, "".join(f"{line}\n" for line in printed).encode())
     os.close(write)
     await asyncio.wait_for(task, 60)
@@ -155,6 +158,7 @@ async def test_the_api_s_lines_and_a_traceback_go_ahead_of_a_flood(tmp_path: Pat
     assert [line for line in shipped if "[info" in line] == status
     start = shipped.index(trace[0])
     assert shipped[start:start + 4] == trace[:4]  # whole, up to its exception's line
+    assert all(line in shipped for line in warned)  # stderr's usual lines, by their form
     assert len(shipped) + sum(e.dropped for e in got) == len(printed)
     at = 0
     for e in got:  # the events still tile the lines printed, in order
