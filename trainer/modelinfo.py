@@ -4,9 +4,9 @@ training step: sequences in one forward, and forwards per optimizer step (its gr
 the hooks that watch the first step are removed at the next forward, so later steps pay nothing."""
 
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+import msgspec
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
@@ -25,21 +25,6 @@ NAMES = {
 HEAD_ATTRS = ("num_heads", "n_head", "n_heads", "num_attention_heads")  # on an attention module
 
 
-@dataclass(frozen=True)
-class Described:
-    params: int
-    trainable: int
-    param_bytes: int
-    layers: int = 0
-    heads: int = 0
-    hidden: int = 0
-    vocab: int = 0
-    seq_len: int = 0
-    source: str = ""
-    micro_batch: int = 0
-    grad_accum: int = 0
-
-
 def unwrap(model: nn.Module) -> nn.Module:
     """The user's module inside DDP or torch.compile's wrapper (FSDP2 shards in place: nothing to unwrap)."""
     while True:
@@ -51,18 +36,19 @@ def unwrap(model: nn.Module) -> nn.Module:
         model = inner
 
 
-def describe(model: nn.Module) -> Described:
-    """Counts every parameter once (a tied embedding once; FSDP2's DTensor at its full size, which numel gives)."""
+def describe(model: nn.Module) -> ModelRegistered:
+    """Counts every parameter once (a tied embedding once; FSDP2's DTensor at its full size, which numel gives);
+    the report's envelope (job, rank) is the sender's to fill."""
     model = unwrap(model)
     params = list(model.parameters())
-    found = Described(params=sum(p.numel() for p in params),
-                      trainable=sum(p.numel() for p in params if p.requires_grad),
-                      param_bytes=sum(p.numel() * p.element_size() for p in params))
+    found = ModelRegistered(job_id="", rank=0, params=sum(p.numel() for p in params),
+                            trainable=sum(p.numel() for p in params if p.requires_grad),
+                            param_bytes=sum(p.numel() * p.element_size() for p in params))
     stated = _stated(model)
     if stated:
-        return replace(found, source="config", **stated)
+        return msgspec.structs.replace(found, source="config", **stated)
     seen = _from_modules(model)
-    return replace(found, source="modules", **seen) if seen else found
+    return msgspec.structs.replace(found, source="modules", **seen) if seen else found
 
 
 def _stated(model: nn.Module) -> dict[str, int]:
@@ -99,8 +85,8 @@ class FirstStep:
     """Watches the script's first optimizer step: how many training forwards it took and the batch the first one
     read (its first tensor argument: `input_ids` when named), then hands the description on and unhooks."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, described: Described,
-                 send: Callable[[Described], None]) -> None:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, described: ModelRegistered,
+                 send: Callable[[ModelRegistered], None]) -> None:
         self.described, self.send = described, send
         self.forwards, self.micro_batch, self.seq_len = 0, 0, 0
         self.sent = False
@@ -126,8 +112,8 @@ class FirstStep:
         if self.sent or not self.forwards:  # not the script's: DCP's get_state_dict steps once with zero grads
             return
         self.sent = True
-        seen = replace(self.described, micro_batch=self.micro_batch, grad_accum=self.forwards)
-        self.send(replace(seen, seq_len=self.seq_len) if self.seq_len else seen)
+        seen = msgspec.structs.replace(self.described, micro_batch=self.micro_batch, grad_accum=self.forwards)
+        self.send(msgspec.structs.replace(seen, seq_len=self.seq_len) if self.seq_len else seen)
 
 
 def _tensors(*values: Any) -> Iterator[torch.Tensor]:
@@ -141,8 +127,8 @@ def watch(model: nn.Module | None, optimizer: torch.optim.Optimizer | None, emit
     if model is None:
         return None
 
-    def send(d: Described) -> None:
-        emit(ModelRegistered(**asdict(d), world_size=world_size, **envelope))
+    def send(d: ModelRegistered) -> None:
+        emit(msgspec.structs.replace(d, world_size=world_size, **envelope))
 
     described = describe(model)
     if optimizer is None:
