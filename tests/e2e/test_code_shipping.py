@@ -20,20 +20,21 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parents[2]
 CLI = (sys.executable, "-m", "flightdeck.services.tools.console")
 
-SCRIPT = """\
-import os
 
+
+def tiny_script(imports: str, says: str) -> str:
+    """A user's script: a linear model through the trainer API, saying `says` (a print's arguments) once."""
+    return f"""\
+{imports}
 import torch
 
 import flightdeck
-from lib.helper import GREETING
 
 run = flightdeck.init()
 model = torch.nn.Linear(4, 1)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 run.register(model, opt)
-print(f"rank {run.rank} on {os.environ['FLIGHTDECK_NODE']} runs in {os.getcwd()}: {GREETING}, "
-      f"data shipped: {os.path.exists('data/big.bin')}", flush=True)
+print({says}, flush=True)
 for step in run.steps():
     loss = model(torch.ones(1, 4)).pow(2).mean()
     opt.zero_grad()
@@ -41,6 +42,11 @@ for step in run.steps():
     opt.step()
     run.report(step, loss.detach())
 """
+
+
+SCRIPT = tiny_script("import os\n\nfrom lib.helper import GREETING\n",
+                     "f\"rank {run.rank} on {os.environ['FLIGHTDECK_NODE']} runs in {os.getcwd()}: {GREETING}, \"\n"
+                     "      f\"data shipped: {os.path.exists('data/big.bin')}\"")
 
 SPEC = """\
 name = "shipped"

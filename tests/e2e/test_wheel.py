@@ -21,32 +21,15 @@ from pathlib import Path
 import pytest
 
 from flightdeck.services.shell import broker
+from tests.e2e.test_code_shipping import tiny_script
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ("pyproject.toml", "flightdeck", "events", "services", "trainer", "infra/nats")  # what the wheel holds
 
-SCRIPT = """\
-import os
-import sys
-
-import torch
-
-import flightdeck
-
-run = flightdeck.init()
-model = torch.nn.Linear(4, 1)
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-run.register(model, opt)
-print(f"rank {run.rank}: flightdeck from {os.path.dirname(flightdeck.__file__)}, "
-      f"script {os.path.basename(__file__)}, python {sys.prefix}", flush=True)
-for step in run.steps():
-    loss = model(torch.ones(1, 4)).pow(2).mean()
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    run.report(step, loss.detach())
-"""
+SCRIPT = tiny_script("import os\nimport sys\n",
+                     "f\"rank {run.rank}: flightdeck from {os.path.dirname(flightdeck.__file__)}, \"\n"
+                     "      f\"script {os.path.basename(__file__)}, python {sys.prefix}\"")
 DECOY = "raise ImportError(f'the user\\'s own {__name__}.py was imported in place of Flightdeck\\'s')\n"
 SPEC = """\
 name = "from-the-wheel"
