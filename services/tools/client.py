@@ -152,15 +152,18 @@ class Client:
         return view
 
     async def pause(self, job_id: str, reason: str = "") -> None:
-        """The job's ranks stop stepping at their next step boundary (hang detection pauses too)."""
-        await self._command(job_id, PauseRequested(job_id=job_id, reason=reason or "pause"))
+        """The running job's ranks stop stepping at their next step boundary (hang detection pauses too); a paused
+        job is refused."""
+        await self._command(job_id, PauseRequested(job_id=job_id, reason=reason or "pause"), ("running",))
 
     async def resume(self, job_id: str, reason: str = "") -> None:
-        await self._command(job_id, ResumeRequested(job_id=job_id, reason=reason or "resume"))
+        """A paused job's ranks step on; a job that is not paused is refused."""
+        await self._command(job_id, ResumeRequested(job_id=job_id, reason=reason or "resume"), ("paused",))
 
     async def checkpoint(self, job_id: str, reason: str = "") -> None:
-        """The job's ranks checkpoint at their next step boundary, all at the same step."""
-        await self._command(job_id, CheckpointRequested(job_id=job_id, reason=reason or "checkpoint"))
+        """The job's ranks checkpoint at their next step boundary, all at the same step (paused ranks too)."""
+        await self._command(job_id, CheckpointRequested(job_id=job_id, reason=reason or "checkpoint"),
+                            ("running", "paused"))
 
     async def rollback(self, job_id: str, to_step: int, *, skip: tuple[int, int] | None = None,
                        reason: str = "") -> str:
@@ -172,7 +175,7 @@ class Client:
             raise ClientError(f"a skip window is FROM:TO batch indices with 0 <= FROM < TO, not {skip_from}:{skip_to}",
                               EXIT_INVALID)
         view = await self.status(job_id)
-        if view.phase != "running":
+        if view.phase not in ("running", "paused"):
             raise ClientError(f"{job_id} is {view.phase}: only a running job rolls back; nothing sent", EXIT_ERROR)
         good = [c for c in view.checkpoints if not c.deleted and not c.bad and c.step <= to_step]
         if not good:
@@ -289,11 +292,12 @@ class Client:
 
     # -- internals -------------------------------------------------------------------------------------------
 
-    async def _command(self, job_id: str, command: Command) -> None:
+    async def _command(self, job_id: str, command: Command, takes: tuple[str, ...]) -> None:
+        """Append `command` when the job's recorded phase is one of `takes`; otherwise say why not, sending nothing.
+        (Two people pausing at once may both be sent: a paused rank takes a second pause as a no-op.)"""
         view = await self.status(job_id)
-        if view.phase != "running":
-            raise ClientError(f"{job_id} is {view.phase}: only a running job's ranks take commands; nothing sent",
-                              EXIT_ERROR)
+        if view.phase not in takes:
+            raise ClientError(refusal(job_id, view, type(command).__name__), EXIT_ERROR)
         await append_to_job(self.store, self._stamped(command))
 
     def _stamped(self, event: E, now: float | None = None) -> E:
@@ -303,6 +307,15 @@ class Client:
     async def _newest_step(self, job_id: str) -> StepCompleted | None:
         last = await self.store.last(subjects.TELEMETRY, f"fd.tel.{subjects.token(job_id)}.*.StepCompleted")
         return last.event if last is not None and isinstance(last.event, StepCompleted) else None
+
+
+def refusal(job_id: str, view: JobView, command: str) -> str:
+    """Why a job in `view`'s phase does not take `command`, in words a person can act on."""
+    if view.phase == "paused" and command == "PauseRequested":
+        return f"{job_id} is paused already ({view.paused}); nothing sent"
+    if view.phase == "running" and command == "ResumeRequested":
+        return f"{job_id} is running, not paused; nothing sent"
+    return f"{job_id} is {view.phase}: only a running job's ranks take commands; nothing sent"
 
 
 def read_spec(path: Path) -> JobSpec:

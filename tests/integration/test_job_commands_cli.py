@@ -1,8 +1,10 @@
 """`flightdeck pause`, `checkpoint`, `rollback` and `resume` against a real platform: the ranks stop stepping on a
 pause, checkpoint on request at the step they stand at, roll back while paused, go on after a resume and complete;
-a job that is not running is told so, and nothing is appended."""
+a job that is not running, a pause of a paused job and a resume of a running one are told so, and nothing is
+appended."""
 
 import asyncio
+import json
 import subprocess
 from pathlib import Path
 
@@ -46,9 +48,15 @@ async def test_pause_checkpoint_resume_are_obeyed_in_order(
             return [e.step for e in p.seen(StepCompleted, job, stream=subjects.TELEMETRY) if e.rank == 0]
 
         await p.until(lambda: len(steps()) >= 2, 90, "a few steps", job)
+        early = await cli("resume", job, "--nats", p.url)  # a running job is not paused: nothing to resume
+        assert early.returncode == 1 and f"{job} is running, not paused; nothing sent" in early.stderr, early.stderr
         for verb in ("pause", "checkpoint"):
             done = await cli(verb, job, "--nats", p.url)
             assert done.returncode == 0 and "sent" in done.stdout, done.stdout + done.stderr
+        again = await cli("pause", job, "--nats", p.url)
+        assert again.returncode == 1 and f"{job} is paused already (pause by the user)" in again.stderr, again.stderr
+        shown = await cli("status", job, "--json", "--nats", p.url)
+        assert json.loads(shown.stdout)["phase"] == "paused", shown.stdout + shown.stderr
         await p.until(lambda: bool(p.seen(CheckpointCommitted, job)), 60, "the requested checkpoint", job)
         (commit,) = p.seen(CheckpointCommitted, job)
         assert commit.step == max(steps()) + 1 < SPEC.train.steps  # taken where the paused ranks stand
@@ -73,7 +81,7 @@ async def test_pause_checkpoint_resume_are_obeyed_in_order(
         await p.until(lambda: bool(p.seen(JobCompleted, job)), 180, "the job to complete", job)
         kinds = [type(e).__name__ for e in p.job(job) if isinstance(e, PauseRequested | CheckpointRequested
                                                                     | ResumeRequested)]
-        assert kinds == ["PauseRequested", "CheckpointRequested", "ResumeRequested"]
+        assert kinds == ["PauseRequested", "CheckpointRequested", "ResumeRequested"]  # the refused ones: not sent
         assert all(e.producer == "cli" for e in p.seen(PauseRequested, job))
 
         late = await cli("pause", job, "--nats", p.url)
