@@ -70,7 +70,8 @@ class RankExit(msgspec.Struct, frozen=True, kw_only=True):
     cause: str = ""
     unrunnable: bool = False
     planned: bool = False  # its agent stopped it while shutting down (a drain, `flightdeck down`): not the job's fault
-    # What it died of in one line: its uncaught error as the rank recorded it, else its traceback's last line.
+    # What it died of in one line: its uncaught error as the rank recorded it, else what its output names as the error
+    # (its traceback's exception, or its last line naming one: services/agent/rankproc.error_of); "" if none does.
     error: str = ""
     early: bool = False  # it ended before completing a step of its attempt (as far as its agent heard)
     usage: bool = False  # its error was the trainer API refusing a call (RankFault.usage): no restart helps

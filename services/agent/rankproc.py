@@ -4,6 +4,7 @@ printed last, whether its command can run at all, and retrying the records it le
 import asyncio
 import contextlib
 import os
+import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -117,3 +118,28 @@ def error_line(tail: str) -> str:
         return ""
     after = (line for line in lines[starts[-1] + 1:] if line.strip() and not line[0].isspace())
     return next(after, "").strip()[:500]  # as links.MAX_ERROR
+
+
+# A line a logging library wrote, and its level: structlog's console ("2026-11-28 10:50:49 [info     ] ..."), the
+# standard library's default ("INFO:root:...") and its common formats ("2026-11-28 10:50:49,123 INFO ...").
+LOG_RECORD = re.compile(r"^(?:\S+\s+)?(?:\d{4}-\d\d-\d\d[ T][\d:.,]+\S*\s+)?(?:\[\s*)?"
+                        r"(debug|info|warning|warn|error|critical|fatal|exception)\b[\s:\]-]", re.IGNORECASE)
+QUIET_LEVELS = frozenset({"debug", "info", "warning", "warn"})
+ERROR_WORDS = re.compile(r"error|exception|fatal|abort|segmentation fault|terminate called|killed|panic",
+                         re.IGNORECASE)
+
+
+def error_of(tail: str) -> str:
+    """What a failed rank's output says its error was, on one line, or "": the exception its last traceback ends with,
+    else its last line that names an error (a log record's only when logged at error level or worse: the info and
+    warning records a library writes on the way out are not the error)."""
+    if found := error_line(tail):
+        return found
+    for line in reversed(tail.splitlines()):
+        text = line.strip()
+        record = LOG_RECORD.match(text)
+        if record is not None and record.group(1).lower() in QUIET_LEVELS:
+            continue
+        if record is not None or ERROR_WORDS.search(text):
+            return text[:500]
+    return ""

@@ -55,7 +55,7 @@ from flightdeck.services.agent.launch import (
 )
 from flightdeck.services.agent.links import NOT_TOLD, RankLinks
 from flightdeck.services.agent.output import OutputPump, store_publisher
-from flightdeck.services.agent.rankproc import RankProc, error_line, last_lines, retrying, runnable_problem, signal_rank
+from flightdeck.services.agent.rankproc import RankProc, error_of, last_lines, retrying, runnable_problem, signal_rank
 from flightdeck.services.agent.shipping import Shipper
 from flightdeck.services.agent.standbys import StandbyPool
 from flightdeck.services.core import EffectHandler, Emit
@@ -325,7 +325,7 @@ class Spawner:
         if code != 0 or told["unlinked"]:
             tail = await asyncio.to_thread(last_lines, self.paths.log(p.job_id, p.attempt, p.ref.rank))
         if code != 0 and not told["error"]:
-            told["error"] = error_line(tail)
+            told["error"] = error_of(tail)
         if code != 0 and self.paths.snapshots is not None:
             await self._persist(p)
         if code == nl.RESTORE_REFUSED_EXIT and p.restore is not None:

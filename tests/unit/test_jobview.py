@@ -1,16 +1,22 @@
 """JobView: a job's control history folded into what `flightdeck status` shows, with the histories made by
 the real scheduler and resource cores (tests/unit/helpers.Bus) rather than written by hand."""
 
+from typing import get_args
+
 from flightdeck.events.base import Event
 from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointDeleted, DataPosition
 from flightdeck.events.commands import PauseRequested, ResumeRequested, RollbackRequested
-from flightdeck.events.job import AllocationReleased, CancelRequested, JobQueued, WorkersExited
+from flightdeck.events.job import AllocationReleased, CancelRequested, JobFailed, JobQueued, WorkersExited
 from flightdeck.events.training import StepCompleted
 from flightdeck.services.resources.core import core_service as resources
 from flightdeck.services.scheduler.core import core_service as scheduler
-from flightdeck.services.tools.console.status import details
+from flightdeck.services.scheduler.state import Phase
+from flightdeck.services.tools.console.status import as_json, details
 from flightdeck.services.tools.history import jobview
-from flightdeck.services.tools.history.jobview import JobView
+from flightdeck.services.tools.history.jobview import PHASES, JobView
+from flightdeck.services.tools.postmortem.describe import describe
+from flightdeck.services.tools.web.figures import Figures, JobFigures
+from flightdeck.services.tools.web.metrics import Live, exposition
 from tests.unit.helpers import Agents, Bus, register, submit
 
 
@@ -153,7 +159,7 @@ def test_rollbacks_are_counted_and_a_stale_release_is_no_restart() -> None:
     assert (v.phase, v.restarts) == ("running", 0)
 
 
-def test_a_pause_shows_its_reason_in_full_until_a_resume_or_the_attempt_s_end() -> None:
+def test_a_pause_is_a_phase_of_its_own_with_its_reason_in_full_until_a_resume_or_the_attempt_s_end() -> None:
     b, agents = cluster()
     b.publish(submit("j-1", slots=2))
     agents()
@@ -161,13 +167,26 @@ def test_a_pause_shows_its_reason_in_full_until_a_resume_or_the_attempt_s_end() 
     paused = PauseRequested(job_id="j-1", reason=why, producer="scheduler")
     history = [e for e in b.log if getattr(e, "job_id", None) == "j-1"]
     v = jobview.fold("j-1", [*history, paused])
-    assert (v.phase, v.paused) == ("running", why)
+    assert (v.phase, v.paused) == ("paused", why)  # not "running": its ranks stopped stepping
     assert f"\npaused:      {why}\n" in details(v, now=v.updated_at)  # not cut to a headline: it says what to do
-    assert jobview.fold("j-1", [*history, paused, ResumeRequested(job_id="j-1")]).paused == ""
+    resumed = jobview.fold("j-1", [*history, paused, ResumeRequested(job_id="j-1")])
+    assert (resumed.phase, resumed.paused) == ("running", "")
+    stopping = jobview.fold("j-1", [*history, paused, CancelRequested(job_id="j-1")])
+    assert stopping.phase == "stopping"
     by_hand = jobview.fold("j-1", [*history, PauseRequested(job_id="j-1", producer="cli")])
     assert by_hand.paused == "paused by cli"
     released = AllocationReleased(job_id="j-1", attempt=0, reason="restart")
-    assert jobview.fold("j-1", [*history, paused, released]).paused == ""  # a new attempt's ranks start unpaused
+    restarted = jobview.fold("j-1", [*history, paused, released])
+    assert (restarted.phase, restarted.paused) == ("recovering", "")  # a new attempt's ranks start unpaused
+
+
+def test_every_phase_a_view_can_be_in_is_a_metrics_phase() -> None:
+    assert set(PHASES) == {*get_args(Phase), "submitted", "paused"}  # "placing" once was missing: every gauge 0
+    for phase in PHASES:
+        figures = Figures()
+        figures.jobs["j-1"] = JobFigures(view=JobView(job_id="j-1", phase=phase))  # type: ignore[arg-type]
+        scraped = exposition(figures, Live(), now=0.0).decode()
+        assert f'flightdeck_job_phase{{job_id="j-1",phase="{phase}"}} 1.0' in scraped
 
 
 def test_a_history_without_its_submission_still_folds() -> None:
@@ -186,3 +205,24 @@ def test_restarts_shown_are_the_scheduler_s_own_figure() -> None:
     assert v.phase == "recovering" and v.restarts == 0 == b.state("scheduler").jobs["free-1"].restarts
     old = [AllocationReleased(job_id="old-1", attempt=0, reason="rank 0 exited with code 1")]  # no figure recorded
     assert jobview.fold("old-1", [submit("old-1"), *old]).restarts == 1
+
+
+def test_a_crash_reason_is_shown_on_one_line_never_as_the_log_lines_the_rank_printed_last() -> None:
+    logs = "\n".join(f"2026-11-28 10:50:{s} [info     ] bus.connected server=nats://x" for s in range(10, 15))
+    b, agents = cluster()
+    b.publish(submit("j-1", slots=2, max_restarts=1))
+    agents()
+    b.publish(WorkersExited(job_id="j-1", node="n0", attempt=0, rank=1, exit_code=3, cause=logs))
+    v = view(b, "j-1")
+    assert (v.phase, v.reason, v.last_fault) == ("recovering", "rank 1 exited with code 3; restart 1 of 1",
+                                                 "rank 1 exited with code 3; restart 1 of 1")
+    assert as_json(v, now=v.updated_at)["last_fault"] == "rank 1 exited with code 3; restart 1 of 1"
+    agents()
+    b.publish(WorkersExited(job_id="j-1", node="n0", attempt=1, rank=0, exit_code=3, cause=logs,
+                            error="RuntimeError: boom"))
+    v = view(b, "j-1")
+    assert (v.phase, v.reason) == ("failed", "rank 0 exited with code 3: RuntimeError: boom; restart budget of 1 spent")
+    (failed,) = [e for e in b.log if isinstance(e, JobFailed)]
+    assert describe(failed) == v.reason
+    (released,) = [e for e in b.log if isinstance(e, AllocationReleased) and e.attempt == 0]
+    assert released.reason.count("bus.connected") == 5  # the record quotes what the rank printed; views leave it out

@@ -4,7 +4,7 @@ Why it works this way: docs/internals.md, "8. Operator tools".
 """
 
 from collections.abc import Iterable
-from typing import Literal
+from typing import Literal, get_args
 
 import msgspec
 
@@ -35,8 +35,12 @@ from flightdeck.events.job import (
 )
 from flightdeck.events.training import StepCompleted
 from flightdeck.services.scheduler.state import Phase
+from flightdeck.services.tools.history.reasons import headline
 
-ViewPhase = Phase | Literal["submitted"]
+# "paused": running, with its ranks told to stop stepping (a PauseRequested, a person's or the scheduler's asking the
+# operator) and not resumed since
+ViewPhase = Phase | Literal["submitted", "paused"]
+PHASES: tuple[str, ...] = ("submitted", *get_args(Phase), "paused")
 ENDED: frozenset[str] = frozenset({"completed", "failed", "cancelled"})
 STALE_GRANT = "stale grant"  # the scheduler's reason for giving back slots nobody waits for
 # How long past JobCompleted a follower waits for the final checkpoint: the checkpoint service stops ticking for
@@ -75,8 +79,10 @@ class JobView(msgspec.Struct, frozen=True, kw_only=True):
     spike_cause: str = ""  # the newest loss spike's diagnosis (SpikeDiagnosed), in words
     checkpoint_failures: int = 0
     final_failed: bool = False  # a checkpoint of the last step failed
-    reason: str = ""  # why the job is in its phase (waiting, recovering, stopping or ended); "" while it runs
-    last_fault: str = ""  # the scheduler's words for the newest restart after a fault
+    # Why the job is in its phase (waiting, recovering, stopping or ended; "" while it runs), on one line: the output a
+    # decision quotes is left out (reasons.headline) unless it is the error itself; `flightdeck logs` shows it all.
+    reason: str = ""
+    last_fault: str = ""  # the scheduler's words for the newest restart after a fault, on one line as `reason`
     preempted_by: str = ""
     cancel_requested: bool = False
     paused: str = ""  # why the ranks are paused (a person's pause, or the scheduler asking the operator); "" if not
@@ -179,9 +185,9 @@ def evolve(view: JobView, event: Event) -> JobView:
                 return _replace(view, phase="running", running_since=at, reason="")
             return view
         case JobPreempted(by_job_id=by, reason=reason):
-            return _replace(view, phase="stopping", preempted_by=by, reason=f"preempted by {by}: {reason}")
+            return _replace(view, phase="stopping", paused="", preempted_by=by, reason=f"preempted by {by}: {reason}")
         case CancelRequested(reason=reason):
-            phase = "stopping" if view.phase in ("running", "stopping") else view.phase
+            phase = "stopping" if view.phase in ("running", "paused", "stopping") else view.phase
             return _replace(view, phase=phase, cancel_requested=True, reason=reason or "cancel requested")
         case AllocationReleased(attempt=attempt, reason=reason) if attempt == view.attempt and reason != STALE_GRANT:
             return _released(view, reason, event.restarts)
@@ -192,9 +198,10 @@ def evolve(view: JobView, event: Event) -> JobView:
         case SpikeDiagnosed():
             return _replace(view, spike_cause=diagnosis_summary(event))
         case PauseRequested(reason=reason):
-            return _replace(view, paused=reason or f"paused by {event.producer or 'a person'}")
+            return _replace(view, paused=reason or f"paused by {event.producer or 'a person'}",
+                            phase="paused" if view.phase == "running" else view.phase)
         case ResumeRequested():
-            return _replace(view, paused="")
+            return _replace(view, paused="", phase="running" if view.phase == "paused" else view.phase)
         case JobCompleted():
             return _end(view, "completed", "", at)
         case JobFailed(reason=reason):
@@ -213,11 +220,12 @@ def _released(view: JobView, reason: str, spent: int) -> JobView:
     # cost are the scheduler's figure (a bad checkpoint's or a drain's restart is free), counted here only for
     # histories recorded before releases said so.
     restarts = spent if spent >= 0 else view.restarts + 1
-    return _replace(cleared, phase="recovering", restarts=restarts, reason=reason, last_fault=reason)
+    said = headline(reason)
+    return _replace(cleared, phase="recovering", restarts=restarts, reason=said, last_fault=said)
 
 
 def _end(view: JobView, phase: ViewPhase, reason: str, at: float) -> JobView:
-    why = "" if phase == "completed" else reason or view.reason
+    why = "" if phase == "completed" else headline(reason) or view.reason
     # world_size stays: how many ranks the job last ran with is worth showing after it ended
     return _replace(view, phase=phase, reason=why, ended_at=at, granted=frozenset(), started=frozenset())
 

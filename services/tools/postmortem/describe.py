@@ -50,6 +50,7 @@ from flightdeck.events.job import (
 )
 from flightdeck.events.plan import ReshardPlanned
 from flightdeck.events.training import FaultInjected, Heartbeat, RankFault, RankStarted, RolledBack, StepCompleted
+from flightdeck.services.tools.history.reasons import headline
 
 
 def describe(ev: Event) -> str:
@@ -74,11 +75,10 @@ def describe(ev: Event) -> str:
         case ShardsUploaded():
             return f"{ev.node} stored step {ev.step} of ranks {_ranks(ev.ranks)} in the object store: {ev.bytes} " \
                    f"bytes in {ev.seconds:.2f} s"
-        case WorkersExited(others=others) if others:
-            return f"rank {ev.rank} (attempt {ev.attempt}) on {ev.node} exited with code {ev.exit_code}, and " \
-                   f"ranks {_ranks([x.rank for x in others])} with it"
-        case WorkersExited():
-            return f"rank {ev.rank} (attempt {ev.attempt}) on {ev.node} exited with code {ev.exit_code}"
+        case WorkersExited(others=others):
+            also = f", and ranks {_ranks([x.rank for x in others])} with it" if others else ""
+            return f"rank {ev.rank} (attempt {ev.attempt}) on {ev.node} exited with code {ev.exit_code}{also}" + (
+                f": {ev.error}" if ev.error else "")
         case CheckpointRejected():
             return f"checkpoint {ev.checkpoint_id} (step {ev.step}) rejected by {ev.node} for attempt {ev.attempt}, " \
                    f"never loaded: {ev.cause[:200]}"
@@ -108,7 +108,7 @@ def describe(ev: Event) -> str:
         case RollbackRequested():
             return f"roll back to {ev.checkpoint_id} (step {ev.to_step}), skip batches [{ev.skip_from}, {ev.skip_to})"
         case StopRequested() | PauseRequested() | ResumeRequested() | CheckpointRequested() | CancelRequested():
-            return ev.reason
+            return headline(ev.reason)
         case JobSubmitted():
             train = ev.spec.train
             return f"{ev.spec.slots} slots, {train.steps} steps, checkpoint every {train.checkpoint_every}"
@@ -122,7 +122,7 @@ def describe(ev: Event) -> str:
         case AllocationDenied():
             return f"attempt {ev.attempt}: {ev.reason}"
         case AllocationReleased():
-            return f"attempt {ev.attempt}: {ev.reason}"
+            return f"attempt {ev.attempt}: {headline(ev.reason)}"
         case ReshardPlanned():
             old = f"{ev.old.world_size} ranks" if ev.old else "none"
             return f"{old} -> {ev.new.world_size} ranks (dp {ev.new.dp}, tp {ev.new.tp}, pp {ev.new.pp}): {ev.reason}"
@@ -134,7 +134,7 @@ def describe(ev: Event) -> str:
         case JobCompleted():
             return f"{ev.steps} steps"
         case JobFailed():
-            return ev.reason
+            return headline(ev.reason)
         case JobCancelled():
             return ev.reason
         case CheckpointCommitted():
