@@ -31,7 +31,7 @@ from flightdeck.services.shell import broker as broker_mod
 from flightdeck.services.tools.history import fdh, jobview
 from flightdeck.services.tools.postmortem import analyse
 from flightdeck.services.tools.web.figures import Figures, IncidentRow, JobAnalysis
-from flightdeck.services.tools.web.metrics import Live, exposition
+from flightdeck.services.tools.web.metrics import ENDED_SERIES_S, Live, exposition
 from flightdeck.services.tools.web.server import serve
 from tests.conftest import ensure_streams_at
 
@@ -89,7 +89,8 @@ async def ui(tmp_path: Path) -> AsyncIterator[Ui]:
     job_id = next(r.event.job_id for r in rows if isinstance(r.event, JobSubmitted))
     stop = asyncio.Event()
     ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-    task = asyncio.create_task(serve(broker.url, "127.0.0.1", 0, stop, ready=ready))
+    ended = max(r.event.occurred_at for r in rows if r.event is not None)  # the recorded job's series still shown
+    task = asyncio.create_task(serve(broker.url, "127.0.0.1", 0, stop, ready=ready, clock=lambda: ended))
     ui = Ui("", broker, rows, job_id)
     try:
         ui.url = f"http://127.0.0.1:{await asyncio.wait_for(ready, 60)}"
@@ -125,11 +126,11 @@ async def test_every_figure_is_what_the_recorded_history_says(ui: Ui) -> None:
     for kind in kinds:
         mine = [i for i in pm.incidents if i.kind == kind]
         assert value("flightdeck_job_incidents_total", job_id=job, kind=kind) == len(mine)
-        assert value("flightdeck_incident_detect_seconds_count", kind=kind) == len(mine)
-        assert value("flightdeck_incident_detect_seconds_sum", kind=kind) == pytest.approx(
+        assert value("flightdeck_incident_detect_seconds_count", job_id=job, kind=kind) == len(mine)
+        assert value("flightdeck_incident_detect_seconds_sum", job_id=job, kind=kind) == pytest.approx(
             sum(i.time_to_detect for i in mine))
         recovered = [i.time_to_recover for i in mine if i.time_to_recover is not None]
-        assert value("flightdeck_incident_recover_seconds_sum", kind=kind) == pytest.approx(sum(recovered))
+        assert value("flightdeck_incident_recover_seconds_sum", job_id=job, kind=kind) == pytest.approx(sum(recovered))
 
     # Commit times: the last rank's staging to the commit, dated as postmortem dates control events.
     staged: dict[tuple[int, int, int], float] = {}
@@ -184,7 +185,7 @@ async def test_every_figure_is_what_the_recorded_history_says(ui: Ui) -> None:
     ui.broker = await asyncio.to_thread(ui.broker.restart)
     await until("the broker to be back", lambda: _broker_up_is(ui.url, 1.0))
     _, after = await scrape(ui.url)
-    for key in [k for k in got if k[0] != "flightdeck_service_consumer_lag"]:
+    for key in [k for k in got if k[0] != "flightdeck_service_consumer_lag_messages"]:
         assert after[key] == got[key] or (math.isnan(after[key]) and math.isnan(got[key])), key
 
 
@@ -213,7 +214,8 @@ def test_the_shipped_alerts_and_dashboard_use_only_exported_metrics() -> None:
                                                    detect_s=1.0, recover_s=5.0, decision="", resolution=""),),
                                  goodput=0.5, parts={}, control_seq=j.control_seq,
                                  telemetry_seq=j.telemetry_seq)  # of its whole history
-    text = exposition(figures, Live(broker_up=True, lag={"scheduler": 0})).decode()
+    ended = max(j.view.ended_at for j in figures.jobs.values())
+    text = exposition(figures, Live(broker_up=True, lag={"scheduler": 0}), now=ended).decode()
     exported = {s.name for family in text_string_to_metric_families(text) for s in family.samples}
     rules = yaml.safe_load((ROOT / "infra" / "prometheus" / "alerts.yml").read_text())["groups"][0]["rules"]
     dashboard = json.loads((ROOT / "infra" / "grafana" / "flightdeck.json").read_text())
@@ -225,3 +227,23 @@ def test_the_shipped_alerts_and_dashboard_use_only_exported_metrics() -> None:
         names = set(re.findall(r"flightdeck_[a-z_]+", expr))
         assert names and names <= exported, (where, names - exported)
         assert re.search(r"\bjob\s*[=!~]", expr) is None, where  # `job` is Prometheus' scrape label: ours is job_id
+        if not where.startswith("Flightdeck"):  # a dashboard panel: a job's figures follow the $job picker
+            for name, selector in re.findall(r"(flightdeck_(?:job|incident|checkpoint)_[a-z_]+)(\{[^}]*\})?", expr):
+                assert 'job_id=~"$job"' in selector, (where, name, "ignores the $job picker")
+
+
+def test_an_ended_job_s_series_expire_an_hour_after_its_end_so_its_alerts_resolve() -> None:
+    figures = Figures()
+    for row in fdh.load(CRASH):
+        figures.fold(row)
+    (job,) = figures.jobs.values()
+    assert job.view.ended
+
+    def series(now: float) -> set[str]:
+        text = exposition(figures, Live(broker_up=True), now=now).decode()
+        return {s.name for family in text_string_to_metric_families(text) for s in family.samples
+                if s.labels.get("job_id") == job.view.job_id}
+
+    assert "flightdeck_job_phase" in series(job.view.ended_at + ENDED_SERIES_S)
+    assert series(job.view.ended_at + ENDED_SERIES_S + 1) == set()
+    assert figures.jobs  # the dashboard still lists it

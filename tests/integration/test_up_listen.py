@@ -62,14 +62,14 @@ def test_a_secured_up_refuses_strangers_and_runs_a_job_whose_ranks_hold_no_crede
             last.update(got)
             done = [k for k, v in got.items() if v == 1.0 and k.startswith('flightdeck_job_phase{job_id="gated-')
                     and k.endswith('phase="completed"}')]
-            lags = [f'flightdeck_service_consumer_lag{{service="{n}"}}' for n in ("scheduler", "health")]
+            lags = [f'flightdeck_service_consumer_lag_messages{{service="{n}"}}' for n in ("scheduler", "health")]
             return len(done) == 1 and got.get("flightdeck_broker_up") == 1.0 and all(k in got for k in lags)
 
         try:  # a few seconds when idle; CI's loaded box once took over 60 s, so the bound is generous
             wait_for(served, timeout=180)
         except AssertionError:
             shown = {k: v for k, v in last.items() if k.startswith(("flightdeck_job_phase", "flightdeck_broker_up",
-                                                                    "flightdeck_service_consumer_lag"))}
+                                                                    "flightdeck_service_consumer_lag_messages"))}
             logs = data_dir / "logs"
             ui_lines = (logs / "ui.log").read_text().splitlines()
             told = [line for line in ui_lines if "replay consumer start failed" not in line]  # once per 2 s each

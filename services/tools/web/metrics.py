@@ -2,9 +2,12 @@
 renders what the event log says now, and nothing is counted twice or kept in a second set of books.
 
 The metric names are the contract of infra/prometheus/alerts.yml and infra/grafana/flightdeck.json (a test holds
-every name they use to one this exports). A job is labelled `job_id`: Prometheus gives `job` to the scrape target."""
+every name they use to one this exports). A job is labelled `job_id`: Prometheus gives `job` to the scrape target.
+An ended job's series are exported for ENDED_SERIES_S after its end, then no more: a series that outlived its job would
+keep an alert on it (FlightdeckJobFailed) firing for ever, and every scrape would grow with the fleet's past."""
 
 import math
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -13,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from flightdeck.events import subjects
-from flightdeck.services.tools.history.jobview import ENDED
+from flightdeck.services.tools.history.jobview import ENDED, PHASES
 from flightdeck.services.tools.web.figures import Figures, JobAnalysis, JobFigures
 
 
@@ -26,10 +29,16 @@ def covering(j: JobFigures) -> JobAnalysis | None:
     return j.analysis
 
 
-PHASES = ("submitted", "queued", "running", "recovering", "stopping", "preempted", *sorted(ENDED))
 DETECT_BUCKETS = (0.5, 1, 2, 5, 10, 30, 60, 120, 300)
 RECOVER_BUCKETS = (1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
 CHECKPOINT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+ENDED_SERIES_S = 3600.0  # an ended job's series stay this long past its end (its alerts fire, then resolve)
+
+
+def exported(f: Figures, now: float) -> list[tuple[str, JobFigures]]:
+    """The jobs a scrape at `now` reports: every job that has not ended, and those that ended ENDED_SERIES_S ago or
+    less (the dashboard lists them longer: figures.KEEP_ENDED)."""
+    return [(k, j) for k, j in f.jobs.items() if not j.view.ended or now - j.view.ended_at <= ENDED_SERIES_S]
 
 
 @dataclass
@@ -53,21 +62,22 @@ def histogram(name: str, doc: str, labels: Sequence[str], buckets: Sequence[floa
 
 
 class FiguresCollector(Collector):
-    def __init__(self, figures: Figures, live: Live) -> None:
-        self.figures, self.live = figures, live
+    def __init__(self, figures: Figures, live: Live, now: float) -> None:
+        self.figures, self.live, self.now = figures, live, now
 
     def collect(self) -> Iterator[Metric]:
         f, live = self.figures, self.live
         up = GaugeMetricFamily("flightdeck_broker_up", "1 while the server reaches the broker")
         up.add_metric([], 1.0 if live.broker_up else 0.0)
         yield up
-        yield from self._jobs(f)
-        yield from self._incidents(f)
+        jobs = exported(f, self.now)
+        yield from self._jobs(jobs)
+        yield from self._incidents(jobs)
         yield from self._services(f, live)
         yield from self._nodes(f)
 
     @staticmethod
-    def _jobs(f: Figures) -> Iterator[Metric]:
+    def _jobs(jobs: list[tuple[str, JobFigures]]) -> Iterator[Metric]:
         phase = GaugeMetricFamily("flightdeck_job_phase", "1 for the phase the job is in", labels=["job_id", "phase"])
         step = GaugeMetricFamily("flightdeck_job_step", "steps done, as its ranks report", labels=["job_id"])
         planned = GaugeMetricFamily("flightdeck_job_steps_planned", "the spec's steps", labels=["job_id"])
@@ -86,7 +96,7 @@ class FiguresCollector(Collector):
                                     "computes it", labels=["job_id"])
         redone = GaugeMetricFamily("flightdeck_job_steps_redone", "steps computed again after its incidents, as "
                                    "postmortem counts them", labels=["job_id"])
-        for job_id, j in f.jobs.items():
+        for job_id, j in jobs:
             v = j.view
             for p in PHASES:
                 phase.add_metric([job_id, p], 1.0 if v.phase == p else 0.0)
@@ -107,46 +117,46 @@ class FiguresCollector(Collector):
         yield from (phase, step, planned, world, steps, rate, tokens, tps, loss, restarts, budget, rollbacks, goodput,
                     redone)
         yield histogram("flightdeck_checkpoint_stall_seconds", "rank 0's step loop blocked per checkpoint", ["job_id"],
-                        CHECKPOINT_BUCKETS, (([k], j.stalls) for k, j in f.jobs.items()))
+                        CHECKPOINT_BUCKETS, (([k], j.stalls) for k, j in jobs))
         yield histogram("flightdeck_checkpoint_write_seconds", "rank 0's staging write per checkpoint", ["job_id"],
-                        CHECKPOINT_BUCKETS, (([k], j.writes) for k, j in f.jobs.items()))
+                        CHECKPOINT_BUCKETS, (([k], j.writes) for k, j in jobs))
         yield histogram("flightdeck_checkpoint_upload_seconds", "a node's shards of a checkpoint into the store",
-                        ["job_id"], CHECKPOINT_BUCKETS, (([k], j.uploads) for k, j in f.jobs.items()))
+                        ["job_id"], CHECKPOINT_BUCKETS, (([k], j.uploads) for k, j in jobs))
         yield histogram("flightdeck_checkpoint_commit_seconds", "the last rank's staging to the commit, stored",
                         ["job_id"], CHECKPOINT_BUCKETS,
-                        (([k], a.commits) for k, j in f.jobs.items() if (a := covering(j)) is not None))
+                        (([k], a.commits) for k, j in jobs if (a := covering(j)) is not None))
 
     @staticmethod
-    def _incidents(f: Figures) -> Iterator[Metric]:
+    def _incidents(jobs: list[tuple[str, JobFigures]]) -> Iterator[Metric]:
         count = CounterMetricFamily("flightdeck_job_incidents", "incidents by kind, as postmortem finds them",
                                     labels=["job_id", "kind"])
-        detect: dict[str, list[float]] = {}
-        recover: dict[str, list[float]] = {}
-        for job_id, j in f.jobs.items():
+        detect: dict[tuple[str, str], list[float]] = {}  # by (job, kind): a dashboard picks jobs, or sums them
+        recover: dict[tuple[str, str], list[float]] = {}
+        for job_id, j in jobs:
             if (a := covering(j)) is None:
                 continue
             kinds: dict[str, int] = {}
             for row in a.rows:
                 kind, ttd, ttr = row.kind, row.detect_s, row.recover_s
                 kinds[kind] = kinds.get(kind, 0) + 1
-                detect.setdefault(kind, []).append(ttd)
+                detect.setdefault((job_id, kind), []).append(ttd)
                 if ttr is not None:
-                    recover.setdefault(kind, []).append(ttr)
+                    recover.setdefault((job_id, kind), []).append(ttr)
             for kind, n in sorted(kinds.items()):
                 count.add_metric([job_id, kind], float(n))
         yield count
-        yield histogram("flightdeck_incident_detect_seconds", "fault to finding", ["kind"], DETECT_BUCKETS,
-                        (([k], v) for k, v in sorted(detect.items())))
-        yield histogram("flightdeck_incident_recover_seconds", "fault to the first step after resuming", ["kind"],
-                        RECOVER_BUCKETS, (([k], v) for k, v in sorted(recover.items())))
+        yield histogram("flightdeck_incident_detect_seconds", "fault to finding", ["job_id", "kind"], DETECT_BUCKETS,
+                        (([*k], v) for k, v in sorted(detect.items())))
+        yield histogram("flightdeck_incident_recover_seconds", "fault to the first step after resuming",
+                        ["job_id", "kind"], RECOVER_BUCKETS, (([*k], v) for k, v in sorted(recover.items())))
 
     @staticmethod
     def _services(f: Figures, live: Live) -> Iterator[Metric]:
         decisions = CounterMetricFamily("flightdeck_service_decisions", "events a service stored", labels=["service"])
         dead = CounterMetricFamily("flightdeck_service_dead_letters", "messages a service could not use",
                                    labels=["service"])
-        lag = GaugeMetricFamily("flightdeck_service_consumer_lag", "control messages a service has yet to take",
-                                labels=["service"])
+        lag = GaugeMetricFamily("flightdeck_service_consumer_lag_messages", "control messages a service has yet "
+                                "to take", labels=["service"], unit="messages")
         for name in sorted({*subjects.SERVICES, *f.decisions, *f.dead_letters, *live.lag}):  # 0 until one decides
             decisions.add_metric([name], float(f.decisions.get(name, 0)))
             dead.add_metric([name], float(f.dead_letters.get(name, 0)))
@@ -170,8 +180,8 @@ class FiguresCollector(Collector):
         yield from (slots, up, cordoned, standbys)
 
 
-def exposition(figures: Figures, live: Live) -> bytes:
-    """The text a scrape of /metrics gets."""
+def exposition(figures: Figures, live: Live, now: float | None = None) -> bytes:
+    """The text a scrape of /metrics at `now` (default: the wall clock, which event times are in) gets."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(FiguresCollector(figures, live))
+    registry.register(FiguresCollector(figures, live, time.time() if now is None else now))
     return generate_latest(registry)

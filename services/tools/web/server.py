@@ -11,6 +11,7 @@ are what `flightdeck postmortem` would say.
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,8 +54,8 @@ class Board:
 
 
 class WebServer:
-    def __init__(self, store: JetStreamStore) -> None:
-        self.store, self.board = store, Board()
+    def __init__(self, store: JetStreamStore, clock: Callable[[], float] = time.time) -> None:
+        self.store, self.board, self.clock = store, Board(), clock  # clock: the wall time event times are in
         self.tasks: list[asyncio.Task[None]] = []
         self.moved = asyncio.Event()  # replaced and set whenever what a page shows may have changed
         self.analyses = 0
@@ -113,7 +114,7 @@ class WebServer:
         return stream
 
     async def metrics(self, request: web.Request) -> web.Response:
-        body = exposition(self.board.figures, self.board.live)
+        body = exposition(self.board.figures, self.board.live, now=self.clock())
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
     async def healthz(self, request: web.Request) -> web.Response:
@@ -209,10 +210,11 @@ def commit_seconds(pm: Postmortem) -> tuple[float, ...]:
 
 
 async def serve(url: str, host: str, port: int, stop: asyncio.Event, *,
-                ready: "asyncio.Future[int] | None" = None) -> None:
-    """Run the server until `stop` is set. `ready` gets the port it listens on (useful with port 0)."""
+                ready: "asyncio.Future[int] | None" = None, clock: Callable[[], float] = time.time) -> None:
+    """Run the server until `stop` is set. `ready` gets the port it listens on (useful with port 0); `clock` is what
+    an ended job's series age by (metrics.ENDED_SERIES_S: a recorded history's test passes its own time)."""
     store = await JetStreamStore.connect(url, name="flightdeck-ui", provision=False, **client_options())
-    server = WebServer(store)
+    server = WebServer(store, clock)
     server.start()
     runner = web.AppRunner(server.app(), access_log=None)
     await runner.setup()
