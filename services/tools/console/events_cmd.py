@@ -1,5 +1,6 @@
 """`flightdeck events JOB`: a job's control history (and with --telemetry its telemetry), in order;
-`--all` for every control event (fleet events included); `--follow` keeps printing new ones."""
+`--all` for every control event (fleet events included); `--follow` keeps printing new ones: a job's until it has
+ended (with its final checkpoint), every job's until Ctrl-C."""
 
 import argparse
 import asyncio
@@ -15,7 +16,7 @@ from flightdeck.events.store import EventStore, Stored
 from flightdeck.services.shell.broker import nats_url
 from flightdeck.services.tools.cli import EXIT_NOT_FOUND, Command, UserError, add_nats_argument
 from flightdeck.services.tools.connect import open_store
-from flightdeck.services.tools.console import output
+from flightdeck.services.tools.console import following, output
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,7 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--all", action="store_true", help="every control event: all jobs and the fleet")
     parser.add_argument("--clock", action="store_true", help="with --all: include the services' clock ticks")
     parser.add_argument("--telemetry", action="store_true", help="also the job's telemetry (steps, heartbeats)")
-    parser.add_argument("--follow", "-f", action="store_true", help="keep printing new events until Ctrl-C")
+    parser.add_argument("--follow", "-f", action="store_true",
+                        help="keep printing new events until the job ends (with --all: until Ctrl-C)")
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
     add_nats_argument(parser)
 
@@ -61,9 +63,10 @@ async def _events(args: argparse.Namespace, url: str) -> None:
         printer = _Printer(args, history[0].event.occurred_at if history and history[0].event else 0.0)
         for stored in history:
             printer.show(stored)
-        if args.follow:
+        if args.follow:  # one job's: until it ends
             after = {stream: max((s.seq for s in history if s.stream == stream), default=0) for stream, _ in chosen}
-            await until_interrupted(follow_all(store, chosen, after, printer.show))
+            until = following.ended(store, args.job) if args.job else None
+            await until_interrupted(follow_all(store, chosen, after, printer.show, until))
 
 
 async def read_all(store: EventStore, chosen: Sequence[tuple[str, list[str]]]) -> list[Stored]:
@@ -80,17 +83,38 @@ async def read_all(store: EventStore, chosen: Sequence[tuple[str, list[str]]]) -
 
 
 async def follow_all(
-    store: EventStore, chosen: Sequence[tuple[str, list[str]]], after: dict[str, int], show: Callable[[Stored], None]
+    store: EventStore, chosen: Sequence[tuple[str, list[str]]], after: dict[str, int], show: Callable[[Stored], None],
+    until: Coroutine[Any, Any, object] | None = None,
 ) -> None:
-    """Show new messages from every chosen stream as they arrive; never returns by itself."""
+    """Show new messages from every chosen stream as they arrive, until `until` returns (None: forever), and then
+    what was stored before it did and not shown yet."""
+    shown = dict(after)
 
     async def pump(stream: str, filters: list[str]) -> None:
-        async for stored in store.follow(stream, filters, from_seq=after[stream] + 1):
+        async for stored in store.follow(stream, filters, from_seq=shown[stream] + 1):
+            shown[stream] = stored.seq
             show(stored)
 
-    async with asyncio.TaskGroup() as group:
-        for stream, filters in chosen:
-            group.create_task(pump(stream, filters))
+    pumps = [asyncio.create_task(pump(stream, filters)) for stream, filters in chosen]
+    try:
+        if until is None:
+            await asyncio.gather(*pumps)
+            return
+        waiting = asyncio.ensure_future(until)
+        await asyncio.wait([waiting, *pumps], return_when=asyncio.FIRST_COMPLETED)
+        if not waiting.done():
+            waiting.cancel()
+            for failed in pumps:
+                failed.result()  # a pump ends only by failing: say why
+        waiting.result()
+    finally:
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+    rest = await read_all(store, chosen)  # stored before the end was seen, not yet pumped
+    for stored in rest:
+        if stored.seq > shown[stored.stream]:
+            show(stored)
 
 
 async def until_interrupted(work: Coroutine[Any, Any, None]) -> None:

@@ -1,5 +1,6 @@
 """`flightdeck logs JOB [--rank N] [--attempt N] [--follow]`: what the job's ranks printed (stdout and stderr),
-from FD_LOGS, on any machine that reaches the broker. Lines a rank printed over its rate limit are not there;
+from FD_LOGS, on any machine that reaches the broker; `--follow` prints new lines until the job has ended and its
+ranks have exited. Lines a rank printed over its rate limit are not there;
 a note says how many were left out."""
 
 import argparse
@@ -13,6 +14,7 @@ from flightdeck.events.store import Stored
 from flightdeck.services.shell.broker import nats_url
 from flightdeck.services.tools.cli import EXIT_NOT_FOUND, Command, UserError, add_nats_argument
 from flightdeck.services.tools.connect import open_store
+from flightdeck.services.tools.console import following
 from flightdeck.services.tools.console.events_cmd import follow_all, read_all, until_interrupted
 
 
@@ -20,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("job", help="the job id (as `flightdeck submit` printed it)")
     parser.add_argument("--rank", type=int, default=None, help="only this rank (default: every rank)")
     parser.add_argument("--attempt", type=int, default=None, help="only this attempt (default: every attempt)")
-    parser.add_argument("--follow", "-f", action="store_true", help="keep printing new lines until Ctrl-C")
+    parser.add_argument("--follow", "-f", action="store_true", help="keep printing new lines until the job ends")
     parser.add_argument("--json", action="store_true", help="one JSON object per line: attempt, rank, line, text")
     add_nats_argument(parser)
 
@@ -51,7 +53,8 @@ async def _logs(args: argparse.Namespace, url: str, chosen: list[tuple[str, list
             show(stored, args.json)
         if args.follow:
             after = {subjects.LOGS: max((s.seq for s in printed), default=0)}
-            await until_interrupted(follow_all(store, chosen, after, lambda s: show(s, args.json)))
+            until = following.ended(store, args.job, exits=True)  # its ranks' last lines are stored by then
+            await until_interrupted(follow_all(store, chosen, after, lambda s: show(s, args.json), until))
 
 
 def show(stored: Stored, as_json: bool) -> None:
