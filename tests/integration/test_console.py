@@ -24,6 +24,7 @@ import nats
 import pytest
 
 from flightdeck.events import subjects
+from flightdeck.events.checkpoint import CheckpointFailed
 from flightdeck.events.history import append_to_job
 from flightdeck.events.jetstream import JetStreamStore
 from flightdeck.events.job import JobCompleted, JobQueued, JobSubmitted
@@ -36,7 +37,8 @@ from flightdeck.services.tools.console import upstate
 
 pytestmark = pytest.mark.timeout(240)  # a hang guard: `up` starts five services and a broker
 CLI = (sys.executable, "-m", "flightdeck.services.tools.console")
-CONTRACT = Path(__file__).resolve().parents[2] / "docs" / "contract"
+REPO = Path(__file__).resolve().parents[2]
+CONTRACT = REPO / "docs" / "contract"
 
 
 @dataclass
@@ -165,7 +167,16 @@ async def append_completed(url: str, job_id: str) -> None:
         await store.close()
 
 
-def test_events_follow_prints_new_events_until_interrupted(up: Up) -> None:
+async def append_final_failed(url: str, job_id: str) -> None:
+    store = await JetStreamStore.connect(url)
+    try:
+        await append_to_job(store, CheckpointFailed(event_id=uuid.uuid4().hex, job_id=job_id, step=100,
+                                                    occurred_at=1_700_000_004.0, reason="disk full"))
+    finally:
+        await store.close()
+
+
+def test_events_follow_prints_new_events_until_the_job_has_ended_with_its_final_checkpoint(up: Up) -> None:
     asyncio.run(seed_job(up.url, "demo-bbb222"))
     proc = subprocess.Popen([*CLI, "events", "demo-bbb222", "--follow", "--nats", up.url],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -176,8 +187,12 @@ def test_events_follow_prints_new_events_until_interrupted(up: Up) -> None:
         # The module's timeout guards a follow that never prints.
         line = next(line for line in proc.stdout if "JobCompleted" in line)
         assert "+3.000s" in line and "steps=1" in line
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(10) == 0
+        # its final checkpoint (steps 100, every 25) is still to come: the follow goes on for it ...
+        assert proc.poll() is None
+        asyncio.run(append_final_failed(up.url, "demo-bbb222"))
+        # ... and stops by itself once it failed, having printed it
+        rest = proc.stdout.read()
+        assert proc.wait(30) == 0 and "CheckpointFailed" in rest, rest
     finally:
         proc.kill()
         proc.wait()
@@ -225,6 +240,31 @@ async def raw_submit_and_follow(url: str, job_id: str) -> tuple[list[dict[str, A
         return history, seen
     finally:
         await nc.close()
+
+
+def test_readme_s_client_snippet_is_the_quickstart_example_and_it_runs(up: Up, tmp_path: Path) -> None:
+    quickstart = REPO / "examples" / "client_quickstart.py"
+    code = quickstart.read_text()
+    snippet = code[code.index("from flightdeck.client"):code.index("\n\n\nif __name__")] + "\n"
+    assert f"```python\n{snippet}```" in (REPO / "README.md").read_text()  # README shows what runs here
+    spec = tmp_path / "tiny.toml"
+    spec.write_text('name = "quick"\nslots = 1\n[model]\nd_model = 32\n'
+                    '[train]\nsteps = 4\ncheckpoint_every = 2\ndata = "synthetic"\n')
+    env = {**os.environ, "FLIGHTDECK_NATS_URL": up.url}
+    done = subprocess.run([sys.executable, str(quickstart), str(spec)], capture_output=True, text=True, timeout=180,
+                          env=env, cwd=REPO)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "JobSubmitted" and "JobCompleted" in lines, lines
+    job = lines[-2].split()[0]
+    assert lines[-2].startswith(f"{job} completed 4 0 "), lines
+    assert lines[-1] == f"{job} is completed: only a running job's ranks take commands; nothing sent", lines
+    # the failure pager, resumable from a stream position: nothing failed, so it waits (and is stopped here)
+    paging = (f"import asyncio, runpy; ns = runpy.run_path({str(quickstart)!r})\n"
+              "try:\n    asyncio.run(asyncio.wait_for(ns['page_on_failures'](0), 3))\n"
+              "except TimeoutError:\n    print('waited')\n")
+    waited = subprocess.run([sys.executable, "-c", paging], capture_output=True, text=True, timeout=60, env=env)
+    assert waited.stdout.splitlines()[-1:] == ["waited"], waited.stdout + waited.stderr
 
 
 def test_a_raw_nats_client_submits_and_follows_a_job_by_the_published_contract(up: Up) -> None:
