@@ -13,6 +13,8 @@ from flightdeck.events.job import AllocationReleased, JobFailed, WorkersExited
 from flightdeck.events.store import decoded
 from flightdeck.services.tools.postmortem import analyse, write_report
 from flightdeck.services.tools.postmortem.goodput import BADPUT, PARTS
+from flightdeck.services.tools.postmortem.plots import loss_figure
+from flightdeck.services.tools.postmortem.report import Heading, Para, Table, markdown
 from flightdeck.services.tools.postmortem.synthetic import Scenario, synthesise
 
 EVERY = 10
@@ -130,3 +132,23 @@ def test_the_exits_a_hangs_stop_brings_and_the_restart_that_waited_for_them_are_
                    codec.encode(waited), "late-release")
     pm = analyse([*rows, late], sc.job_id)
     assert [i.kind for i in pm.incidents] == ["hang"]
+
+
+def test_the_loss_plot_is_on_a_log_axis_and_draws_nothing_past_the_last_step() -> None:
+    """A x10 spike flattened a linear axis's curve; the skip window (batch indices) was shaded on the step axis
+    from the spiking step, past the run's last step when the spike came late."""
+    sc = Scenario(steps=100, checkpoint_every=EVERY, faults=(("spike", 97),), obey_steps=1, skip=7)
+    pm = analyse(synthesise(sc), sc.job_id)
+    (inc,) = pm.incidents
+    assert inc.skip == (97, 104)
+    (ax,) = loss_figure(pm).axes
+    assert ax.get_yscale() == "log"
+    assert all(patch.get_x() + patch.get_width() <= 100 for patch in ax.patches)  # no span past the last step
+    assert [t.get_text() for t in ax.texts if "skips" in t.get_text()] == ["skips batches [97, 104)"]
+
+
+def test_report_md_shows_what_a_job_chose_literally_never_as_html() -> None:
+    md = markdown([Heading(2, "job <b>x</b>"), Para("<img src=x onerror=alert(1)>"),
+                   Table(("what",), [("<script>alert(1)</script> | & more",)])])
+    assert "<" not in md and ">" not in md
+    assert "&lt;script&gt;alert(1)&lt;/script&gt; \\| &amp; more" in md and "job &lt;b&gt;x&lt;/b&gt;" in md

@@ -41,7 +41,11 @@ def reduce(x: Floats, y: Floats, n: int = MAX_POINTS) -> tuple[Floats, Floats, F
 
 
 def loss_plot(pm: Postmortem, path: Path) -> Path:
-    lead, t0 = pm.scan.lead, pm.scan.t0
+    return _save(loss_figure(pm), path)
+
+
+def loss_figure(pm: Postmortem) -> Figure:
+    lead = pm.scan.lead
     fig = Figure(figsize=(10, 4.8))
     ax = fig.subplots()
     final = final_mask(lead.step)
@@ -70,9 +74,10 @@ def loss_plot(pm: Postmortem, path: Path) -> Path:
     for k, inc in enumerate(i for i in pm.incidents if i.decision == "rollback" and i.rollback_to is not None):
         assert inc.rollback_to is not None
         ax.axvline(inc.rollback_to, color=COLORS["restore"], ls="--", lw=1, label="rollback to" if k == 0 else None)
-        if inc.skip and inc.fault_step is not None and inc.skip[1] > inc.skip[0]:
-            ax.axvspan(inc.fault_step, inc.fault_step + inc.skip[1] - inc.skip[0], color=COLORS["redone"],
-                       alpha=0.25, lw=0, label="batches skipped (from the spiking step)" if k == 0 else None)
+        if inc.skip and inc.skip[1] > inc.skip[0]:  # batch indices, not steps: written at the rollback, not drawn
+            ax.annotate(f"skips batches [{inc.skip[0]}, {inc.skip[1]})", (inc.rollback_to, 0.02),
+                        xycoords=("data", "axes fraction"), fontsize=7, color=COLORS["restore"], rotation=90,
+                        ha="right", va="bottom")
     for k, (_, step, attempt) in enumerate(resumes(pm)):
         ax.axvline(step, color=COLORS["restart"], ls=":", lw=1.4, label="restart (resumed from)" if k == 0 else None)
         ax.annotate(f"a{attempt}", (step, 1.0), xycoords=("data", "axes fraction"), fontsize=7,
@@ -85,12 +90,16 @@ def loss_plot(pm: Postmortem, path: Path) -> Path:
         ax.plot(commits, np.zeros(len(commits)), "|", color=COLORS["checkpoint_stall"], ms=8,
                 transform=ax.get_xaxis_transform(), label="checkpoint committed")
     ax.set_xlabel("step")
-    ax.set_ylabel("loss")
+    # A log axis: a spike of x10 would flatten a linear one's curve to a line (a loss that is not positive cannot be)
+    shown = lead.loss[np.isfinite(lead.loss)]
+    log = bool(shown.size) and float(shown.min()) > 0
+    if log:
+        ax.set_yscale("log")
+    ax.set_ylabel("loss (log scale)" if log else "loss")
     ax.set_title(f"{pm.summary.job_id}: loss")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper right")
-    del t0
-    return _save(fig, path)
+    return fig
 
 
 def step_rate_plot(pm: Postmortem, path: Path) -> Path:

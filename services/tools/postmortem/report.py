@@ -139,8 +139,14 @@ def blocks(pm: Postmortem) -> list[Block]:
     return out
 
 
+def _md(text: str) -> str:
+    """`text` as Markdown shows it literally: a job's name, a reason or a rank's output is the job's to choose, and raw
+    HTML in it would be rendered (or run) by whatever displays report.md."""
+    return html.escape(text, quote=False)
+
+
 def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+    return _md(text).replace("|", "\\|").replace("\n", " ")
 
 
 def markdown(items: list[Block]) -> str:
@@ -148,16 +154,16 @@ def markdown(items: list[Block]) -> str:
     for b in items:
         match b:
             case Heading():
-                lines += ["#" * b.level + " " + b.text, ""]
+                lines += ["#" * b.level + " " + _md(b.text), ""]
             case Para():
-                lines += [b.text, ""]
+                lines += [_md(b.text), ""]
             case Table():
                 lines.append("| " + " | ".join(_cell(h) for h in b.head) + " |")
                 lines.append("|" + "---|" * len(b.head))
                 lines += ["| " + " | ".join(_cell(c) for c in r) + " |" for r in b.rows]
                 lines.append("")
             case Image():
-                lines += [f"![{b.alt}]({b.file})", ""]
+                lines += [f"![{_cell(b.alt)}]({b.file})", ""]
     return "\n".join(lines)
 
 
