@@ -239,11 +239,11 @@ async def run_agent(options: AgentOptions, stop_event: asyncio.Event | None = No
                 spawner.standbys = None
                 if forks is not None:
                     await forks.close()
-            elif pool.size > 0:  # the fleet sees its warm standbys (the dashboard's fleet view)
+            else:  # the fleet sees its free slots and warm standbys (the dashboard's fleet view)
                 view = NodeView(store, node, producer, inv.slots, busy=lambda: len(spawner.pids),
                                 standbys=lambda: pool.ready if pool is not None else 0)
                 pool.on_change = view.changed
-                view.changed()  # as it stands at registration
+                view.start()
             shell_stop = asyncio.Event()
             shell = asyncio.create_task(run_service(service, url, stop_event=shell_stop,
                                                     policy=ConsumerPolicy.from_env()))

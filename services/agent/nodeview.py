@@ -1,6 +1,7 @@
 """What the agent tells the fleet it holds ready: a NodeHeartbeat with its free slots and warm standby ranks, each
-time the standby pool changes. Coalesced, so a burst (a restart taking every standby at once) is one event; an
-append that fails is left to the next change, since only the newest view matters."""
+time either changes: the standby pool says when it does, and ranks starting and exiting are looked for every
+WATCH_S (an idle node once showed "free 0" until its pool next changed). Coalesced, so a burst (a restart taking every
+standby at once) is one event; an append that fails is left to the next change, since only the newest view matters."""
 
 import asyncio
 import contextlib
@@ -17,6 +18,7 @@ from flightdeck.services.shell.connection import TRANSIENT
 
 log = structlog.get_logger("flightdeck.agent")
 REPORT_AFTER_S = 0.2  # changes within this window make one event
+WATCH_S = 1.0  # how often the ranks' count is looked at (an event only when the view moved)
 
 
 class NodeView:
@@ -27,6 +29,21 @@ class NodeView:
         self.sent: tuple[int, int] | None = None
         self.dirty = False
         self.task: asyncio.Task[None] | None = None
+        self.watcher: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Report the view as it stands, and whenever it moves from now on."""
+        self.changed()
+        self.watcher = asyncio.create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(WATCH_S)
+            if self.sent is not None and self._view() != self.sent:
+                self.changed()
+
+    def _view(self) -> tuple[int, int]:
+        return max(self.slots - self.busy(), 0), self.standbys()
 
     def changed(self) -> None:
         self.dirty = True
@@ -34,16 +51,17 @@ class NodeView:
             self.task = asyncio.create_task(self._report())
 
     async def close(self) -> None:
-        if self.task is not None:
-            self.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.task
+        for task in (self.watcher, self.task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
     async def _report(self) -> None:
         while self.dirty:  # a change while the last one was being appended is reported too
             self.dirty = False
             await asyncio.sleep(REPORT_AFTER_S)
-            view = (max(self.slots - self.busy(), 0), self.standbys())
+            view = self._view()
             if view == self.sent:
                 continue
             ev = NodeHeartbeat(node=self.node, free_slots=view[0], standbys=view[1], occurred_at=time.time(),

@@ -248,6 +248,10 @@ async def test_ranks_from_a_standby_and_the_fork_server_are_recorded_alike(clust
     assert exits(c, job, 1) == {0: 0, 1: 0}
     reported = standbys_reported(c)
     assert 0 in reported[reported.index(1):]  # ready, then taken by a rank (and refilled since, perhaps)
+    # its ranks gone, the idle node tells the fleet both its slots are free (it once said "free 0" until its pool
+    # next changed)
+    await c.until(lambda: [e.free_slots for e in c.seen(NodeHeartbeat) if e.node == "n1"][-1:] == [2], 30,
+                  "the idle node's free slots")
     for rank in (0, 1):
         text = (c.data / "logs" / f"{job}-a1-r{rank}.log").read_text()
         assert "training finished" in text and "rank exiting" in text, text
