@@ -2,6 +2,7 @@
 log of the same events), and the StepReporter that turns each step's device tensors into StepCompleted
 without a host sync on CUDA: values are copied to pinned memory without blocking and read a step later."""
 
+import dataclasses
 import math
 import os
 import re
@@ -123,15 +124,24 @@ class StepReporter:
         self.step_times: list[float] = []
         self.losses: dict[int, float] = {}
         self._last_report = time.perf_counter()
+        self._open: _Open | None = None  # the running step's report (CPU), sent when the step ends: timed whole
         self._pending: _Pending | None = None
         self._host: dict[int, list[torch.Tensor]] = {}  # by number of tensor values: two pinned buffers each
 
     def record(self, step: int, values: dict[str, torch.Tensor | float], *, lr: float, tokens: float,
-               started: float, scale: float = 1.0) -> None:
+               started: float, scale: float = 1.0, running: bool = False) -> None:
         """`values` holds "loss", "grad_norm" (0.0 when not known) and the custom metrics; `scale` is applied to
-        the loss when it is read (a drill's spike, or NaN)."""
+        the loss when it is read (a drill's spike, or NaN). `running`: the report is of the step running now, which
+        goes out once the step ends (`end_step`), timed from its start to its end: a script may report before its
+        step's work is done (an ETA of "4 ms" came from timing such a step up to its report)."""
         if not self.cuda:
             read = {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in values.items()}
+            if self._open is not None:  # a second report of one step: the first goes out as it stands
+                self._report(*self._open.args())
+                self._open = None
+            if running:
+                self._open = _Open(step, read, lr, tokens, started, scale)
+                return
             self._report(step, read, lr, tokens, started, scale)
             return
         names = [k for k, v in values.items() if isinstance(v, torch.Tensor)]
@@ -149,7 +159,23 @@ class StepReporter:
         if previous is not None:
             self._finish(previous)
 
+    def end_step(self, step: int, started: float, reported: bool) -> None:
+        """Step `step`, started at `started` (perf_counter), has ended here. Its report, if the script made one, goes
+        out with the step's whole time (on CUDA with the next step's, once its values are read); a step it did not
+        report still shows on the heartbeat."""
+        took = time.perf_counter() - started
+        if not reported:
+            self.emitter.set_step(step, took)
+        elif self._open is not None and self._open.step == step:
+            self._report(*self._open.args(), took=took)
+            self._open = None
+        elif self._pending is not None and self._pending.step == step:
+            self._pending = dataclasses.replace(self._pending, took=took)
+
     def flush(self) -> None:
+        if self._open is not None:
+            self._report(*self._open.args())
+            self._open = None
         if self._pending is not None:
             previous, self._pending = self._pending, None
             self._finish(previous)
@@ -159,14 +185,14 @@ class StepReporter:
         read: dict[str, float] = dict(p.plain)
         if p.host is not None:
             read.update(zip(p.names, p.host.tolist(), strict=True))
-        self._report(p.step, read, p.lr, p.tokens, p.started, p.scale)
+        self._report(p.step, read, p.lr, p.tokens, p.started, p.scale, took=p.took)
 
     def _report(self, step: int, values: dict[str, float], lr: float, tokens: float, started: float,
-                scale: float) -> None:
+                scale: float, took: float | None = None) -> None:
         now = time.perf_counter()
-        # From the later of the step's start and the previous report: on CUDA a step's work overlaps the
-        # host's wait for the step before it, and a pause or checkpoint before the step is not its time.
-        step_time = now - max(started, self._last_report)
+        # `took`: the step's whole time, as it ended. Otherwise from the later of the step's start and the previous
+        # report: a pause or checkpoint before the step is not its time.
+        step_time = took if took is not None else now - max(started, self._last_report)
         self._last_report = now
         self.step_times.append(step_time)
         loss = float(values.pop("loss")) * scale
@@ -185,6 +211,19 @@ class StepReporter:
 
 
 @dataclass(frozen=True)
+class _Open:
+    step: int
+    values: dict[str, float]
+    lr: float
+    tokens: float
+    started: float
+    scale: float
+
+    def args(self) -> tuple[int, dict[str, float], float, float, float, float]:
+        return self.step, self.values, self.lr, self.tokens, self.started, self.scale
+
+
+@dataclass(frozen=True)
 class _Pending:
     step: int
     names: list[str]
@@ -195,6 +234,7 @@ class _Pending:
     tokens: float
     started: float
     scale: float
+    took: float | None = None  # the step's whole time, once it ended
 
 
 METRIC_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_./-]{0,63}\Z")

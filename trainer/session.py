@@ -201,8 +201,7 @@ class Run:
             self._before_step(step, index)  # a drill's slow rank sleeps here: part of the step's time
             self._current, self._reported = (step, index, started), False
             yield Step(step, index)
-            if not self._reported:  # the heartbeat still shows progress for a script that reports nothing
-                self.emitter.set_step(step, time.perf_counter() - self._current[2])
+            self.reporter.end_step(step, started, self._reported)  # its report goes out now, with its whole time
             self._current = None
             self.step = step + 1
         self.reporter.flush()
@@ -242,8 +241,9 @@ class Run:
             self.replay.record(int(step), float(values["loss"]) * scale)
             self.emitter.set_step(int(step), time.perf_counter() - started)
             return
-        self.reporter.record(int(step), values, lr=0.0 if lr is None else float(lr),
-                             tokens=0.0 if tokens is None else float(tokens), started=started, scale=scale)
+        self.reporter.record(int(step), values, lr=0.0 if lr is None else float(lr), running=current is not None
+                             and current[0] == step, tokens=0.0 if tokens is None else float(tokens), started=started,
+                             scale=scale)
 
     @property
     def plan(self) -> ParallelPlan:

@@ -147,11 +147,10 @@ class ScriptedInbox(Offline):
         return self.gone_at is not None and self.step_of() >= self.gone_at
 
 
-def run_loop(tmp: Path, script: dict[tuple[int, int], list[Event]], steps: int = 30, every: int = 10,
-             faults: list[dict[str, Any]] | None = None,
-             checkpoints: Path | None = None, gone_at: int | None = None) -> tuple[int, Path, ScriptedInbox, Run]:
-    """One rank of the built-in trainer in this process (telemetry off), commands from `script`; returns its
-    exit code (a stop's SystemExit included), its events log and the Run."""
+def offline_run(tmp: Path, script: dict[tuple[int, int], list[Event]], steps: int = 30, every: int = 10,
+                faults: list[dict[str, Any]] | None = None, checkpoints: Path | None = None,
+                gone_at: int | None = None) -> tuple[Run, ScriptedInbox]:
+    """One rank's Run in this process (telemetry off: its events go to tmp/events.jsonl), commands from `script`."""
     tmp.mkdir(parents=True, exist_ok=True)
     spec_path = write_spec(tmp / "job.toml", train={"steps": steps, "checkpoint_every": every}, faults=faults)
     cfg = RunConfig(job_id=JOB, spec=parse_spec(spec_path.read_bytes()), attempt=0, node="n", agent=None,
@@ -162,6 +161,15 @@ def run_loop(tmp: Path, script: dict[tuple[int, int], list[Event]], steps: int =
     inbox = ScriptedInbox(script, gone_at)
     run = Run(cfg, distributed.init(0, 1, 0, "cpu"), emitter, inbox)
     inbox.step_of = lambda: run.step
+    return run, inbox
+
+
+def run_loop(tmp: Path, script: dict[tuple[int, int], list[Event]], steps: int = 30, every: int = 10,
+             faults: list[dict[str, Any]] | None = None,
+             checkpoints: Path | None = None, gone_at: int | None = None) -> tuple[int, Path, ScriptedInbox, Run]:
+    """One rank of the built-in trainer in this process (telemetry off), commands from `script`; returns its
+    exit code (a stop's SystemExit included), its events log and the Run."""
+    run, inbox = offline_run(tmp, script, steps, every, faults, checkpoints, gone_at)
     try:
         code = train(run)
     except SystemExit as exc:

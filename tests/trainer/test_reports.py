@@ -74,3 +74,20 @@ def test_without_steps_to_bus_steps_reach_only_the_log_and_their_time_rides_the_
     assert [type(e).__name__ for e in pub.events] == ["RankFault"]  # a fault still goes to the bus
     assert (pub.step, pub.step_time_s) == (0, 0.1)
     assert [e["type"] for e in ranks.events(tmp_path / "events.jsonl")] == ["StepCompleted", "RankFault"]
+
+
+def test_a_step_reported_before_its_work_is_done_is_timed_whole(tmp_path: Path) -> None:
+    """A script that reports and then works on (an optimizer step, logging) had its steps timed up to the report:
+    an ETA of "4 ms" on the dashboard, step-time axes of 0."""
+    run, _ = ranks.offline_run(tmp_path, {}, steps=4, every=100)
+    try:
+        for step in run.steps():
+            run.report(step, 1.0)
+            time.sleep(0.2)  # the step's work, after its report
+        run.report(3, 2.0)  # a late report of a step that has ended: sent as it comes
+    finally:
+        run.close()
+    logged = ranks.events(tmp_path / "events.jsonl", "StepCompleted")
+    reports = [(e["step"], e["loss"], e["step_time_s"]) for e in logged]
+    assert [(s, loss) for s, loss, _ in reports] == [(0, 1.0), (1, 1.0), (2, 1.0), (3, 1.0), (3, 2.0)]
+    assert all(took >= 0.2 for _, _, took in reports[:4]), reports  # from the step's start to its end
