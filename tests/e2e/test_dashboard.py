@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 from playwright.async_api import Page, async_playwright
 
+from flightdeck.events import subjects
 from flightdeck.events.history import append_to_job
 from flightdeck.events.jetstream import JetStreamStore
 from flightdeck.events.job import CancelRequested
+from flightdeck.events.training import StepCompleted
 from flightdeck.services.shell import broker as broker_mod
 from flightdeck.services.tools.web.server import serve
 from tests.e2e.drill_harness import crash_spec
@@ -78,8 +80,14 @@ async def test_a_running_jobs_curve_and_crash_incident_appear_without_a_reload(
     try:
         await append_to_job(store, CancelRequested(job_id=job, event_id="evil-1", occurred_at=time.time(),
                                                    producer="cli", reason=hostile))
+        # a metric of the script's own (report(step, loss, acc=...)) gets a chart of its own, by its name
+        await store.append(subjects.telemetry(job, 0, "StepCompleted"), StepCompleted(
+            job_id=job, rank=0, attempt=1, node="n1", step=99, loss=1.0, grad_norm=0.0, lr=0.0, tokens_per_s=0.0,
+            step_time_s=0.1, metrics={"val/acc": 0.5}, event_id="own-metric-1", occurred_at=time.time()))
     finally:
         await store.close()
+    await page.wait_for_function("""Number(document.querySelector('figure[data-metric="val/acc"] div[data-points]')
+                                        ?.dataset.points) >= 1""", timeout=WAIT_MS)
     await page.wait_for_function(f"document.getElementById('decisions').textContent.includes({hostile!r})",
                                  timeout=WAIT_MS)
     assert await page.evaluate("window.pwned === undefined")

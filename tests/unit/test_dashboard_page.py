@@ -10,11 +10,13 @@ import msgspec
 from flightdeck.events.job import JobFailed, JobSubmitted
 from flightdeck.events.spec import JobSpec
 from flightdeck.events.store import Stored
+from flightdeck.events.training import StepCompleted
+from flightdeck.services.tools.console.status import as_json, details
 from flightdeck.services.tools.history import fdh
 from flightdeck.services.tools.postmortem.analysis import analyse
 from flightdeck.services.tools.web import page
 from flightdeck.services.tools.web.figures import CURVE_POINTS, Curve, Figures
-from flightdeck.services.tools.web.metrics import Live
+from flightdeck.services.tools.web.metrics import Live, exposition
 from flightdeck.services.tools.web.server import job_analysis
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,3 +83,24 @@ def test_a_spikes_incident_shows_its_diagnosis_as_the_postmortem_words_it() -> N
     assert incident["kind"] == "loss_spike" and incident["diagnosis"] == pm.incidents[0].diagnosis[:page.TEXT_MAX]
     assert incident["diagnosis"].startswith("cause: undetermined: the spike over steps 30-32")
     assert "SpikeDiagnosed" in [d["type"] for d in job["decisions"]]
+
+
+def test_a_script_s_own_metrics_are_shown_wherever_its_loss_is() -> None:
+    """Recorded and never shown: the metrics a script reports (`report(step, loss, acc=...)`) reach the dashboard's
+    curves, /metrics, `status` and its JSON, each under its own name, aligned with the steps that carried it."""
+    f = Figures()
+    f.fold(row(1, JobSubmitted(job_id="j-1", event_id="s", occurred_at=1.0, spec=JobSpec(name="x"))))
+    for n, metrics in enumerate([{"acc": 0.5}, {}, {"acc": 0.75, "ppl": 12.5}]):
+        f.fold(Stored(stream="FD_TELEMETRY", seq=n + 1, subject="fd.tel.j-1.0.StepCompleted", data=b"", msg_id="",
+                      event=StepCompleted(job_id="j-1", rank=0, attempt=0, node="n", step=n, loss=1.0, grad_norm=0.0,
+                                          lr=0.0, tokens_per_s=0.0, step_time_s=0.1, metrics=metrics,
+                                          event_id=f"t{n}", occurred_at=2.0 + n)))
+    curve = page.snapshot(f, Live(broker_up=True), "j-1", now=9.0)["job"]["curve"]
+    assert curve["step"] == [0, 1, 2]
+    assert curve["metrics"] == {"acc": [0.5, None, 0.75], "ppl": [None, None, 12.5]}
+    scraped = exposition(f, Live(broker_up=True), now=9.0).decode()
+    assert 'flightdeck_job_metric{job_id="j-1",name="acc"} 0.75' in scraped
+    assert 'flightdeck_job_metric{job_id="j-1",name="ppl"} 12.5' in scraped
+    view = f.jobs["j-1"].view
+    assert "\nmetrics:    acc 0.75, ppl 12.5\n" in details(view, now=9.0)
+    assert as_json(view, now=9.0)["metrics"] == {"acc": 0.75, "ppl": 12.5}

@@ -1,9 +1,11 @@
 """Postmortems of synthetic histories (services/tools/postmortem/synthetic.py): goodput accounting as a property over
 random runs, a run without incidents, and a failed job's cause chain."""
 
+import dataclasses
 import math
 from pathlib import Path
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -11,6 +13,7 @@ from hypothesis import strategies as st
 from flightdeck.events import codec, subjects
 from flightdeck.events.job import AllocationReleased, JobFailed, WorkersExited
 from flightdeck.events.store import decoded
+from flightdeck.events.training import StepCompleted
 from flightdeck.services.tools.postmortem import analyse, write_report
 from flightdeck.services.tools.postmortem.goodput import BADPUT, PARTS
 from flightdeck.services.tools.postmortem.plots import loss_figure
@@ -152,3 +155,14 @@ def test_report_md_shows_what_a_job_chose_literally_never_as_html() -> None:
                    Table(("what",), [("<script>alert(1)</script> | & more",)])])
     assert "<" not in md and ">" not in md
     assert "&lt;script&gt;alert(1)&lt;/script&gt; \\| &amp; more" in md and "job &lt;b&gt;x&lt;/b&gt;" in md
+
+
+def test_the_script_s_own_metrics_have_a_table_in_the_report(tmp_path: Path) -> None:
+    sc = Scenario(steps=20, checkpoint_every=EVERY)
+    rows = [dataclasses.replace(r, event=msgspec.structs.replace(r.event, metrics={"acc": r.event.step / 10}))
+            if isinstance(r.event, StepCompleted) and r.event.rank == 0 else r for r in synthesise(sc)]
+    md = write_report(analyse(rows, sc.job_id), tmp_path)["report.md"].read_text()
+    assert "## The script's own metrics (rank 0)" in md
+    assert "| acc | 20 | 0 | 1.9 | 0 | 1.9 |" in md
+    plain = write_report(analyse(synthesise(sc), sc.job_id), tmp_path / "plain")["report.md"].read_text()
+    assert "own metrics" not in plain  # none reported: no section

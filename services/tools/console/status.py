@@ -73,6 +73,7 @@ def details(v: JobView, now: float) -> str:
         ("priority", str(v.priority)),
         ("slots", f"{v.slots} asked, {v.world_size} granted (attempt {v.attempt})"),
         ("steps", f"{_steps(v)} done" + ("" if v.loss is None else f" (loss {v.loss:.4g})")),
+        *([("metrics", ", ".join(f"{k} {x:.4g}" for k, x in sorted(v.metrics.items())))] if v.metrics else []),
         ("checkpoint", f"{last.checkpoint_id} at step {last.step}" if last else "none committed"),
         ("committed", f"{len(v.checkpoints)} ({deleted} deleted)"
          + (f", {v.checkpoint_failures} failed" if v.checkpoint_failures else "")),

@@ -72,6 +72,7 @@ class JobView(msgspec.Struct, frozen=True, kw_only=True):
     checkpoint_every: int = 0  # the spec's; a checkpoint is due at the last step when it divides `steps`
     step: int | None = None  # the newest step a rank reported (from telemetry), numbered from 0
     loss: float | None = None
+    metrics: dict[str, float] = {}  # the script's own figures in that report (trainer API `report(..., **metrics)`)
     attempt: int = 0
     restarts: int = 0  # restarts after faults, as the scheduler counts them (preemptions are not)
     max_restarts: int = 0
@@ -234,7 +235,7 @@ def with_step(view: JobView, step: StepCompleted | None) -> JobView:
     """`view` with the newest step a rank reported (telemetry is not in the control history)."""
     if step is None:
         return view
-    return _replace(view, step=step.step, loss=step.loss)
+    return _replace(view, step=step.step, loss=step.loss, metrics=dict(step.metrics))
 
 
 def fold(job_id: str, events: Iterable[Event], step: StepCompleted | None = None) -> JobView:

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from flightdeck.events.training import StepCompleted
 from flightdeck.services.tools.postmortem.analysis import Postmortem
 from flightdeck.services.tools.postmortem.describe import Mark
 from flightdeck.services.tools.postmortem.goodput import BADPUT, PARTS
@@ -94,6 +95,21 @@ def _chain_rows(marks: list[Mark] | tuple[Mark, ...]) -> list[tuple[str, ...]]:
     return [(f"{m.at:.3f}" if not math.isnan(m.at) else "-", m.type, m.event_id or "-", m.detail) for m in marks]
 
 
+def own_metrics(pm: Postmortem) -> list[tuple[str, ...]]:
+    """Per custom metric rank 0 reported (`report(step, loss, name=value)`): how many reports carried it, its first
+    and last value and its range (of its finite values), by name."""
+    seen: dict[str, list[float]] = {}
+    for ev in pm.scan.telemetry:
+        if isinstance(ev, StepCompleted) and ev.rank == 0:
+            for name, value in ev.metrics.items():
+                seen.setdefault(name, []).append(value)
+    rows: list[tuple[str, ...]] = []
+    for name, v in sorted(seen.items()):
+        fin = [x for x in v if math.isfinite(x)] or [math.nan]
+        rows.append((name, str(len(v)), f"{v[0]:.4g}", f"{v[-1]:.4g}", f"{min(fin):.4g}", f"{max(fin):.4g}"))
+    return rows
+
+
 def blocks(pm: Postmortem) -> list[Block]:
     s, g = pm.summary, pm.goodput
     out: list[Block] = [Heading(1, f"Postmortem: {s.job_id}"),
@@ -103,6 +119,9 @@ def blocks(pm: Postmortem) -> list[Block]:
                 Table(("t (s)", "cause", "id", "what"), _chain_rows(pm.causes))]
     out += [Heading(2, "Plots"), Image("loss.png", "loss curve"), Image("step_rate.png", "step rate"),
             Image("time.png", "where the wall time went")]
+    if own := own_metrics(pm):
+        out += [Heading(2, "The script's own metrics (rank 0)"),
+                Table(("metric", "reports", "first", "last", "min", "max"), own)]
     out.append(Heading(2, "Incidents"))
     if not pm.incidents:
         out.append(Para("None: no fault was injected or reported, and no finding was made."))

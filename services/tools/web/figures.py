@@ -31,18 +31,23 @@ DECISIONS_KEPT = 200  # a job's newest control events the page lists
 LOG_LINES_KEPT = 200  # a job's newest output lines the page shows
 
 
+Point = tuple[int, float, float, dict[str, float]]  # step, loss, step time, the script's own metrics
+
+
 class Curve:
-    """Rank 0's (step, loss, step time) as it arrives, thinned on the server so a page's update stays small at any
-    length or world size: every `stride`-th point is kept, and the stride doubles whenever twice CURVE_POINTS are
-    held. The newest point is always shown."""
+    """Rank 0's (step, loss, step time, custom metrics) as it arrives, thinned on the server so a page's update stays
+    small at any length or world size: every `stride`-th point is kept, and the stride doubles whenever twice
+    CURVE_POINTS are held. The newest point is always shown."""
 
     def __init__(self) -> None:
-        self.points: list[tuple[int, float, float]] = []
+        self.points: list[Point] = []
         self.stride, self.seen = 1, 0
-        self.last: tuple[int, float, float] | None = None
+        self.last: Point | None = None
+        self.names: set[str] = set()  # every custom metric seen: the page plots each
 
-    def add(self, step: int, loss: float, step_time_s: float) -> None:
-        point = (step, loss, step_time_s)
+    def add(self, step: int, loss: float, step_time_s: float, metrics: dict[str, float] | None = None) -> None:
+        point = (step, loss, step_time_s, metrics or {})
+        self.names.update(point[3])
         self.last = point
         if self.seen % self.stride == 0:
             self.points.append(point)
@@ -51,7 +56,7 @@ class Curve:
                 self.stride *= 2
         self.seen += 1
 
-    def shown(self) -> list[tuple[int, float, float]]:
+    def shown(self) -> list[Point]:
         if self.last is not None and (not self.points or self.points[-1] != self.last):
             return [*self.points, self.last]
         return list(self.points)
@@ -194,7 +199,7 @@ class Figures:
                 job.view = jobview.with_step(job.view, ev)
                 job.steps += 1
                 job.step_time_s, job.tokens_per_s, job.loss = ev.step_time_s, ev.tokens_per_s, ev.loss
-                job.curve.add(ev.step, ev.loss, ev.step_time_s)
+                job.curve.add(ev.step, ev.loss, ev.step_time_s, ev.metrics)
                 if math.isfinite(ev.tokens_per_s) and math.isfinite(ev.step_time_s):
                     job.tokens += max(ev.tokens_per_s * ev.step_time_s, 0.0)
             case CheckpointStaged(rank=0):

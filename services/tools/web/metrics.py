@@ -96,6 +96,8 @@ class FiguresCollector(Collector):
                                     "computes it", labels=["job_id"])
         redone = GaugeMetricFamily("flightdeck_job_steps_redone", "steps computed again after its incidents, as "
                                    "postmortem counts them", labels=["job_id"])
+        custom = GaugeMetricFamily("flightdeck_job_metric", "rank 0's newest value of a metric the script reports "
+                                   "(report(..., name=value))", labels=["job_id", "name"])
         for job_id, j in jobs:
             v = j.view
             for p in PHASES:
@@ -111,11 +113,13 @@ class FiguresCollector(Collector):
             restarts.add_metric([job_id], float(v.restarts))
             budget.add_metric([job_id], float(v.max_restarts))
             rollbacks.add_metric([job_id], float(v.rollbacks))
+            for name, value in sorted(v.metrics.items()):
+                custom.add_metric([job_id, name], value)
             if (a := covering(j)) is not None:
                 goodput.add_metric([job_id], a.goodput)
                 redone.add_metric([job_id], float(sum(r.steps_redone for r in a.rows)))
         yield from (phase, step, planned, world, steps, rate, tokens, tps, loss, restarts, budget, rollbacks, goodput,
-                    redone)
+                    redone, custom)
         yield histogram("flightdeck_checkpoint_stall_seconds", "rank 0's step loop blocked per checkpoint", ["job_id"],
                         CHECKPOINT_BUCKETS, (([k], j.stalls) for k, j in jobs))
         yield histogram("flightdeck_checkpoint_write_seconds", "rank 0's staging write per checkpoint", ["job_id"],

@@ -13,6 +13,7 @@ from flightdeck.services.tools.web.metrics import Live
 JOBS_SHOWN = 200  # the newest jobs listed
 NODES_SHOWN = 1000
 TEXT_MAX = 300  # characters of any one string shown (reasons, log lines, decisions)
+METRICS_SHOWN = 64  # a job's custom metrics plotted, by name (a step carries at most codec.MAX_METRICS)
 
 
 def text(value: str) -> str:
@@ -41,7 +42,9 @@ def job_detail(j: JobFigures) -> dict[str, Any]:
     return {
         **job_row(j),
         "curve": {"step": [p[0] for p in points], "loss": [finite(p[1]) for p in points],
-                  "step_time": [finite(p[2]) for p in points]},
+                  "step_time": [finite(p[2]) for p in points],
+                  "metrics": {name: [finite(x) if (x := p[3].get(name)) is not None else None for p in points]
+                              for name in sorted(j.curve.names)[:METRICS_SHOWN]}},
         "incidents": [{"number": r.number, "kind": r.kind, "trigger": text(r.trigger), "attempt": r.attempt,
                        "fault_s": r.fault_s, "detect_s": r.detect_s, "recover_s": r.recover_s,
                        "decision": text(r.decision), "resolution": text(r.resolution),

@@ -74,6 +74,27 @@ function chart(id, label, xs, ys) {
   box.dataset.points = String(xs.length);
 }
 
+const metricBoxes = new Map();  // a custom metric's name -> the id of its chart's box
+
+function metricCharts(curve) {
+  const holder = document.getElementById("metric-charts");
+  for (const [name, values] of Object.entries(curve.metrics || {})) {
+    if (!metricBoxes.has(name)) {
+      const id = `metric-${metricBoxes.size}`;
+      const fig = el("figure");
+      fig.dataset.metric = name;
+      fig.append(el("figcaption", `${name} (rank 0)`));
+      const box = el("div");
+      box.id = id;
+      box.dataset.points = "0";
+      fig.append(box);
+      holder.append(fig);
+      metricBoxes.set(name, id);
+    }
+    chart(metricBoxes.get(name), name, curve.step, values);
+  }
+}
+
 function detail(j) {
   const section = document.getElementById("job-section");
   section.hidden = false;
@@ -83,6 +104,7 @@ function detail(j) {
     `${j.restarts} of ${j.max_restarts} restarts` + (j.reason ? `: ${j.reason}` : "");
   chart("loss", "loss", j.curve.step, j.curve.loss);
   chart("steptime", "step time (s)", j.curve.step, j.curve.step_time);
+  metricCharts(j.curve);
   fill(document.getElementById("incidents"), j.incidents, (tr, i) => {
     tr.dataset.kind = i.kind;
     cells(tr, [i.number, i.kind, i.trigger, i.attempt, seconds(i.fault_s), seconds(i.detect_s), i.decision,
