@@ -14,6 +14,7 @@ from flightdeck.events.training import RolledBack
 from flightdeck.services.tools.audit import settings
 from flightdeck.services.tools.audit.whatif import whatif
 from flightdeck.services.tools.console.__main__ import main as cli_main
+from flightdeck.services.tools.console.whatif_cmd import report
 from flightdeck.services.tools.history import fdh
 from flightdeck.services.tools.postmortem.analysis import analyse
 
@@ -64,11 +65,18 @@ def test_more_spike_steps_than_the_spike_lasted_remove_the_rollback_and_save_its
     assert w.wall_s < w.measured.wall_s and w.goodput > w.measured.goodput()
 
 
-def test_a_lower_threshold_keeps_the_rollback_and_says_how_the_finding_differs() -> None:
-    w = whatif(fdh.load(SPIKE), "spike-000001", {"policy.spike_z": 3})
-    assert [(c.kind, type(c.event).__name__) for c in w.changes][:2] == [("differs", "LossSpikeDetected"),
-                                                                         ("differs", "RollbackRequested")]
-    assert ("threshold", 7.5, 4.5) in w.changes[0].fields()  # 3 steps of (z capped at 3) - 1.5
+def test_another_threshold_that_still_finds_the_spike_changes_no_decision() -> None:
+    """The same finding and the same rollback, restating the new threshold in their words, are no "decisions that
+    change" (they were listed as two)."""
+    for z in (3, 8):
+        w = whatif(fdh.load(SPIKE), "spike-000001", {"policy.spike_z": z})
+        assert [type(c.event).__name__ for c in w.outcome.restated][:2] == ["LossSpikeDetected", "RollbackRequested"]
+        assert not [c for c in w.changes if isinstance(c.event, LossSpikeDetected | RollbackRequested)], z
+        assert ("threshold", 7.5, {3: 4.5, 8: 19.5}[z]) in w.outcome.restated[0].fields()  # 3 steps of z - 1.5
+    assert w.changes == [] and w.estimates == [] and w.wall_s == w.measured.wall_s  # z 8: nothing changes
+    out = "\n".join(report(w, "file"))
+    assert "no decision changes: all 32 decisions about the job are made as recorded, 2 of them restating the " \
+           "changed setting in their words (reason, score, threshold)" in out
 
 
 def test_no_restart_budget_fails_the_crash_drill_at_its_crash() -> None:

@@ -51,11 +51,19 @@ class Change:
         return field_diff(comparable(self.recorded.event, held), comparable(self.simulated, held))
 
 
+# A decision's fields that say under which settings it was made, not what it decided: a finding's threshold and its
+# score against it, a reason's words (which quote them).
+RESTATED = frozenset({"threshold", "score", "reason"})
+
+
 @dataclass(slots=True)
 class Outcome:
     job_id: str
     changes: list[Change] = field(default_factory=list)
     kept: int = 0  # decisions about the job made exactly as recorded
+    # decisions made as recorded but for the words that restate the settings they were made under (RESTATED): the
+    # same decision, not a change ("decisions that change" once listed a rollback that differed in its threshold)
+    restated: list[Change] = field(default_factory=list)
     dropped: list[Stored] = field(default_factory=list)  # recorded inputs that follow from a gone event
     timeline: list[Stored] = field(default_factory=list)  # the job's control history as simulated, in order
 
@@ -199,7 +207,9 @@ class Simulation:
                     self._place(at, rec)
                     continue
                 if type(rec.event) is type(event):
-                    self.out.changes.append(Change("differs", name, pos, cause, rec, event))
+                    change = Change("differs", name, pos, cause, rec, event)
+                    restates = {f for f, _, _ in change.fields()} <= RESTATED
+                    (self.out.restated if restates else self.out.changes).append(change)
                 else:  # another decision under the same output index: one gone, another made
                     self.out.changes.append(Change("vanishes", name, pos, cause, rec, None))
                     self.out.changes.append(Change("appears", name, pos, cause, None, event))

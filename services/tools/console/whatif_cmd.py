@@ -55,10 +55,15 @@ def report(w: WhatIf, source: str) -> list[str]:
     m = w.measured
     asked = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in w.settings.items()) or "the recorded settings"
     lines = [f"whatif {w.job_id} ({source}): {asked}", ""]
+    restated = (f", {len(w.outcome.restated)} of them restating the changed setting in their words "
+                f"({', '.join(sorted({f for c in w.outcome.restated for f, _, _ in c.fields()}))})"
+                if w.outcome.restated else "")
     if not w.changes:
-        lines.append(f"no decision changes: all {w.outcome.kept} decisions about the job are made as recorded")
+        lines.append(f"no decision changes: all {w.outcome.kept + len(w.outcome.restated)} decisions about the job "
+                     f"are made as recorded{restated}")
     else:
-        lines.append(f"decisions that change ({len(w.changes)}; {w.outcome.kept} made as recorded), in time order:")
+        lines.append(f"decisions that change ({len(w.changes)}; {w.outcome.kept + len(w.outcome.restated)} made as "
+                     f"recorded{restated}), in time order:")
         first = w.changes[0].position[0]
         for c in w.changes:
             lines.append(_change(c, m.start, counterfactual=c.position[0] > first))
@@ -94,7 +99,7 @@ def as_json(w: WhatIf, source: str) -> dict[str, Any]:
     return {
         "job_id": w.job_id, "source": source,
         "settings": {k: {"recorded": a, "whatif": b} for k, (a, b) in w.settings.items()},
-        "kept": w.outcome.kept,
+        "kept": w.outcome.kept, "restated": len(w.outcome.restated),
         "changes": [{"kind": c.kind, "service": c.service, "counterfactual": c.position[0] > first,
                      "decision": codec.to_builtins(c.event),
                      "trigger": None if c.trigger is None else {"stream": c.trigger.stream, "seq": c.trigger.seq,
