@@ -11,8 +11,8 @@ class StepCompleted(RankEvent, frozen=True, kw_only=True):
     step: int
     loss: float  # NaN and Inf survive msgpack; JSON would turn them into null; the detectors read this one
     grad_norm: float  # 0: not reported; non-finite is a fault like a non-finite loss
-    lr: float  # 0: not reported
-    tokens_per_s: float
+    lr: float  # NaN: not reported (0 in records written before 2026-11-29)
+    tokens_per_s: float  # NaN: tokens not reported (0 in records written before 2026-11-29)
     step_time_s: float
     metrics: dict[str, float] = {}  # the script's own, by name (trainer API `report(step, loss, **metrics)`)
 

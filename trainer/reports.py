@@ -201,7 +201,8 @@ class StepReporter:
         env = self.emitter.envelope
         metrics = {k: float(v) for k, v in values.items()}
         self.emitter.emit(StepCompleted(step=step, loss=loss, grad_norm=grad_norm, lr=lr,
-                                        tokens_per_s=tokens / step_time if step_time > 0 and tokens else 0.0,
+                                        tokens_per_s=tokens if math.isnan(tokens) else
+                                        tokens / step_time if step_time > 0 else 0.0,
                                         step_time_s=step_time, metrics=metrics,
                                         schema_version=2 if metrics else 1, **env))
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):

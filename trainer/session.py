@@ -241,9 +241,9 @@ class Run:
             self.replay.record(int(step), float(values["loss"]) * scale)
             self.emitter.set_step(int(step), time.perf_counter() - started)
             return
-        self.reporter.record(int(step), values, lr=0.0 if lr is None else float(lr), running=current is not None
-                             and current[0] == step, tokens=0.0 if tokens is None else float(tokens), started=started,
-                             scale=scale)
+        self.reporter.record(int(step), values, lr=float("nan" if lr is None else lr), running=current is not None
+                             and current[0] == step, tokens=float("nan" if tokens is None else tokens),
+                             started=started, scale=scale)  # NaN: not reported, never a made-up 0
 
     @property
     def plan(self) -> ParallelPlan:

@@ -114,6 +114,8 @@ class SpikeWatch:
     def observe(self, step: int, loss: float, policy: PolicySpec, lr: float = 0.0, event_id: str = "") -> Spike | None:
         if not math.isfinite(loss):
             return None
+        if not math.isfinite(lr):
+            lr = 0.0  # not reported (NaN; 0 in older records)
         window = self.window
         if self.steps and self.steps[-1] >= step:
             while self.steps and self.steps[-1] >= step:

@@ -1,7 +1,10 @@
 """The Emitter: steps handed to the publisher in batches, everything else at once and in order."""
 
+import math
 import time
 from pathlib import Path
+
+import pytest
 
 from flightdeck.events.base import RankEvent
 from flightdeck.events.training import RankFault, StepCompleted
@@ -82,7 +85,7 @@ def test_a_step_reported_before_its_work_is_done_is_timed_whole(tmp_path: Path) 
     run, _ = ranks.offline_run(tmp_path, {}, steps=4, every=100)
     try:
         for step in run.steps():
-            run.report(step, 1.0)
+            run.report(step, 1.0, **({"lr": 0.5, "tokens": 100} if step == 2 else {}))
             time.sleep(0.2)  # the step's work, after its report
         run.report(3, 2.0)  # a late report of a step that has ended: sent as it comes
     finally:
@@ -91,3 +94,7 @@ def test_a_step_reported_before_its_work_is_done_is_timed_whole(tmp_path: Path) 
     reports = [(e["step"], e["loss"], e["step_time_s"]) for e in logged]
     assert [(s, loss) for s, loss, _ in reports] == [(0, 1.0), (1, 1.0), (2, 1.0), (3, 1.0), (3, 2.0)]
     assert all(took >= 0.2 for _, _, took in reports[:4]), reports  # from the step's start to its end
+    # lr and tokens a script does not report are recorded as not reported (NaN), never as a made-up 0
+    given = [(e["lr"], e["tokens_per_s"]) for e in logged]
+    assert all(math.isnan(float(lr)) and math.isnan(float(tps)) for n, (lr, tps) in enumerate(given) if n != 2), given
+    assert given[2][0] == 0.5 and float(given[2][1]) == pytest.approx(100 / reports[2][2])
