@@ -1,5 +1,6 @@
 """`flightdeck submit --wait` against a real platform: the job id first, then its progress and incidents as plain
-lines (stdout is a pipe here), and exit 0 once it completed."""
+lines (stdout is a pipe here), and exit 0 once it completed; `watch` of the ended job tells the same story, in time
+order, at once."""
 
 import asyncio
 import subprocess
@@ -51,5 +52,16 @@ async def test_submit_wait_follows_the_job_through_a_crash_to_its_end(
         assert all(any(n.startswith(o) for n in it) for o in order), notes
         assert any(line.endswith("step 40/40, loss " + line.rsplit("loss ", 1)[-1]) for line in progress), progress
         assert any("running: step" in line for line in progress), progress
+
+        # `watch` on the ended job tells it at once, its incidents in the order they happened (control and
+        # telemetry merged by time: a drill fault, from telemetry, once came after the restart it caused)
+        again = await asyncio.to_thread(subprocess.run, [*CLI, "watch", job, "--nats", p.url], capture_output=True,
+                                        text=True, timeout=120)
+        assert again.returncode == 0, again.stdout + again.stderr
+        told = [line for line in again.stdout.splitlines() if not line.startswith(job)]
+        times = [float(line.split()[0].rstrip("s")) for line in told]
+        assert times == sorted(times), told
+        it = iter(line.split(None, 1)[1] for line in told)
+        assert all(any(n.startswith(o) for n in it) for o in order), told
     finally:
         await p.close()

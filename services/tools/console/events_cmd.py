@@ -5,18 +5,18 @@ ended (with its final checkpoint), every job's until Ctrl-C."""
 import argparse
 import asyncio
 import contextlib
-import heapq
 import signal
 import sys
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Coroutine
 from typing import Any
 
 from flightdeck.events import subjects
-from flightdeck.events.store import EventStore, Stored
+from flightdeck.events.store import Stored
 from flightdeck.services.shell.broker import nats_url
 from flightdeck.services.tools.cli import EXIT_NOT_FOUND, Command, UserError, add_nats_argument
 from flightdeck.services.tools.connect import open_store
 from flightdeck.services.tools.console import following, output
+from flightdeck.services.tools.console.following import follow_all, read_all
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,54 +67,6 @@ async def _events(args: argparse.Namespace, url: str) -> None:
             after = {stream: max((s.seq for s in history if s.stream == stream), default=0) for stream, _ in chosen}
             until = following.ended(store, args.job) if args.job else None
             await until_interrupted(follow_all(store, chosen, after, printer.show, until))
-
-
-async def read_all(store: EventStore, chosen: Sequence[tuple[str, list[str]]]) -> list[Stored]:
-    """Everything stored so far. Each stream stays in its own order (a job's history is its sequence, and
-    a decision may carry an earlier time than events stored before it); the streams are interleaved by
-    time, control first on ties."""
-    per_stream: list[list[Stored]] = []
-    for stream, filters in chosen:
-        messages: list[Stored] = []
-        async for batch in store.read(stream, filters):
-            messages.extend(batch)
-        per_stream.append(messages)
-    return list(heapq.merge(*per_stream, key=lambda s: s.event.occurred_at if s.event else 0.0))
-
-
-async def follow_all(
-    store: EventStore, chosen: Sequence[tuple[str, list[str]]], after: dict[str, int], show: Callable[[Stored], None],
-    until: Coroutine[Any, Any, object] | None = None,
-) -> None:
-    """Show new messages from every chosen stream as they arrive, until `until` returns (None: forever), and then
-    what was stored before it did and not shown yet."""
-    shown = dict(after)
-
-    async def pump(stream: str, filters: list[str]) -> None:
-        async for stored in store.follow(stream, filters, from_seq=shown[stream] + 1):
-            shown[stream] = stored.seq
-            show(stored)
-
-    pumps = [asyncio.create_task(pump(stream, filters)) for stream, filters in chosen]
-    try:
-        if until is None:
-            await asyncio.gather(*pumps)
-            return
-        waiting = asyncio.ensure_future(until)
-        await asyncio.wait([waiting, *pumps], return_when=asyncio.FIRST_COMPLETED)
-        if not waiting.done():
-            waiting.cancel()
-            for failed in pumps:
-                failed.result()  # a pump ends only by failing: say why
-        waiting.result()
-    finally:
-        for task in pumps:
-            task.cancel()
-        await asyncio.gather(*pumps, return_exceptions=True)
-    rest = await read_all(store, chosen)  # stored before the end was seen, not yet pumped
-    for stored in rest:
-        if stored.seq > shown[stored.stream]:
-            show(stored)
 
 
 async def until_interrupted(work: Coroutine[Any, Any, None]) -> None:

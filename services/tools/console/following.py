@@ -1,18 +1,21 @@
-"""Following one job live: its control history and its telemetry, each message handed to a sink as it arrives,
-until the job ends (`flightdeck watch`, `submit --wait`, the demo). A completed job's end includes its final
-checkpoint, which may be committed just after JobCompleted (`Client.events_stored` waits for it, bounded)."""
+"""Following one job: its control history and its telemetry, what is stored in time order and then each message
+as it arrives, until the job ends (`flightdeck watch`, `submit --wait`, the demo, `events` and `logs --follow`). A
+completed job's end includes its final checkpoint, which may be committed just after JobCompleted (waited for,
+bounded)."""
 
 import asyncio
-import contextlib
-from collections.abc import AsyncGenerator
-from typing import Protocol
+import heapq
+from collections.abc import AsyncGenerator, Callable, Coroutine, Sequence
+from typing import Any, Protocol
 
 from flightdeck.events import subjects
 from flightdeck.events.admission import Admission
 from flightdeck.events.base import JobEvent
 from flightdeck.events.job import WorkersExited, WorkersStarted
 from flightdeck.events.store import EventStore, Stored
-from flightdeck.services.tools.client import Client
+from flightdeck.services.tools.cli import EXIT_NOT_FOUND
+from flightdeck.services.tools.client import ClientError
+from flightdeck.services.tools.connect import open_store
 from flightdeck.services.tools.history import jobview
 from flightdeck.services.tools.history.jobview import JobView
 
@@ -24,19 +27,78 @@ class Sink(Protocol):
 
 
 async def follow(url: str, job_id: str, sink: Sink, timeout_s: float | None) -> JobView:
-    """Hand the job's events to `sink` as they happen until it ends; TimeoutError after `timeout_s` (None: never)."""
+    """Hand the job's events to `sink` until it ends; TimeoutError after `timeout_s` (None: never). What is stored
+    already comes first, control and telemetry merged in time order (a job that has ended is told at once, its
+    incidents in the order they happened), then each new message as it arrives."""
     admission = Admission()  # the sink's view folds what the services fold
 
-    async def pump() -> None:
-        async with await Client.connect(url) as fd, contextlib.aclosing(fd.events_stored(job_id)) as events:
-            async for stored in events:  # closed on a timeout too: its readers stop with it
-                if stored.event is not None and admission.refusal(stored):
-                    continue
-                sink.show(stored)
-                if sink.view.ended and not sink.view.final_checkpoint_pending:
-                    return
-    await asyncio.wait_for(pump(), timeout_s)
+    def show(stored: Stored) -> None:
+        if stored.event is None or not admission.refusal(stored):
+            sink.show(stored)
+
+    async def go() -> None:
+        async with open_store(url) as store:
+            chosen = [(subjects.CONTROL, [subjects.job_all(job_id)]),
+                      (subjects.TELEMETRY, [subjects.telemetry_job(job_id)])]
+            stored = await read_all(store, chosen)
+            if not any(s.stream == subjects.CONTROL for s in stored):
+                raise ClientError(f"no job {job_id!r} on {url}: `flightdeck status` lists every job", EXIT_NOT_FOUND)
+            for s in stored:
+                show(s)
+            if sink.view.ended and not sink.view.final_checkpoint_pending:
+                return
+            after = {stream: max((s.seq for s in stored if s.stream == stream), default=0) for stream, _ in chosen}
+            await follow_all(store, chosen, after, show, ended(store, job_id))
+    await asyncio.wait_for(go(), timeout_s)
     return sink.view
+
+
+async def read_all(store: EventStore, chosen: Sequence[tuple[str, list[str]]]) -> list[Stored]:
+    """Everything stored so far. Each stream stays in its own order (a job's history is its sequence, and
+    a decision may carry an earlier time than events stored before it); the streams are interleaved by
+    time, control first on ties."""
+    per_stream: list[list[Stored]] = []
+    for stream, filters in chosen:
+        messages: list[Stored] = []
+        async for batch in store.read(stream, filters):
+            messages.extend(batch)
+        per_stream.append(messages)
+    return list(heapq.merge(*per_stream, key=lambda s: s.event.occurred_at if s.event else 0.0))
+
+
+async def follow_all(
+    store: EventStore, chosen: Sequence[tuple[str, list[str]]], after: dict[str, int], show: Callable[[Stored], None],
+    until: Coroutine[Any, Any, object] | None = None,
+) -> None:
+    """Show new messages from every chosen stream as they arrive, until `until` returns (None: forever), and then
+    what was stored before it did and not shown yet."""
+    shown = dict(after)
+
+    async def pump(stream: str, filters: list[str]) -> None:
+        async for stored in store.follow(stream, filters, from_seq=shown[stream] + 1):
+            shown[stream] = stored.seq
+            show(stored)
+
+    pumps = [asyncio.create_task(pump(stream, filters)) for stream, filters in chosen]
+    try:
+        if until is None:
+            await asyncio.gather(*pumps)
+            return
+        waiting = asyncio.ensure_future(until)
+        await asyncio.wait([waiting, *pumps], return_when=asyncio.FIRST_COMPLETED)
+        if not waiting.done():
+            waiting.cancel()
+            for failed in pumps:
+                failed.result()  # a pump ends only by failing: say why
+        waiting.result()
+    finally:
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+    rest = await read_all(store, chosen)  # stored before the end was seen, not yet pumped
+    for stored in rest:
+        if stored.seq > shown[stored.stream]:
+            show(stored)
 
 
 EXITS_WAIT_S = 30.0  # past a job's end, at most this long for its ranks' exit records (a lost node's never come)

@@ -15,7 +15,8 @@ from flightdeck.services.shell.broker import nats_url
 from flightdeck.services.tools.cli import EXIT_NOT_FOUND, Command, UserError, add_nats_argument
 from flightdeck.services.tools.connect import open_store
 from flightdeck.services.tools.console import following
-from flightdeck.services.tools.console.events_cmd import follow_all, read_all, until_interrupted
+from flightdeck.services.tools.console.events_cmd import until_interrupted
+from flightdeck.services.tools.console.following import follow_all, read_all
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
