@@ -1,5 +1,5 @@
 """`import flightdeck`: the trainer API a training script uses (implemented in trainer/api.py, documented there
-and in README's "Bring your own training code"); `flightdeck.client` is the platform's Python client for
+and in docs/user-code.md); `flightdeck.client` is the platform's Python client for
 automation (services/tools/client.py). The trainer API loads on first use, so a client never imports torch."""
 
 from typing import TYPE_CHECKING, Any

@@ -14,7 +14,7 @@ checkpointed and healed by Flightdeck. The whole API:
 parallel layout Flightdeck recorded for this world size (dp, tp, pp, micro-batches); `run.spec` the job spec.
 A stop or a preemption (SIGTERM) ends the process with exit code 75 after its checkpoint is saved; exit 0 means
 every step ran (a script that leaves `steps()` early exits 75 too). Details
-and the no-platform mode: README, "Bring your own training code".
+and the no-platform mode: docs/user-code.md.
 """
 
 import atexit
