@@ -1,6 +1,7 @@
 """What every verb shares: the Command record, user errors, and how a command finds the broker."""
 
 import argparse
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,6 +29,18 @@ class UserError(Exception):
     def __init__(self, message: str, code: int = EXIT_ERROR) -> None:
         super().__init__(message)
         self.code = code
+
+
+def add_json_argument(parser: argparse.ArgumentParser, what: str = "the result") -> None:
+    parser.add_argument("--json", action="store_true", help=f"{what} as one JSON object on stdout")
+
+
+def print_json(body: object) -> None:
+    """One JSON document on stdout (NaN as "nan", as every --json prints it)."""
+    from flightdeck.events import codec
+
+    sys.stdout.write(codec.to_json(body).decode() + "\n")
+    sys.stdout.flush()
 
 
 def add_nats_argument(parser: argparse.ArgumentParser, help: str = "") -> None:

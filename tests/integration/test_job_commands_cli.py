@@ -50,9 +50,11 @@ async def test_pause_checkpoint_resume_are_obeyed_in_order(
         await p.until(lambda: len(steps()) >= 2, 90, "a few steps", job)
         early = await cli("resume", job, "--nats", p.url)  # a running job is not paused: nothing to resume
         assert early.returncode == 1 and f"{job} is running, not paused; nothing sent" in early.stderr, early.stderr
-        for verb in ("pause", "checkpoint"):
-            done = await cli(verb, job, "--nats", p.url)
-            assert done.returncode == 0 and "sent" in done.stdout, done.stdout + done.stderr
+        done = await cli("pause", job, "--nats", p.url)
+        assert done.returncode == 0 and "PauseRequested sent" in done.stdout, done.stdout + done.stderr
+        done = await cli("checkpoint", job, "--json", "--nats", p.url)  # what a script reads
+        assert done.returncode == 0 and json.loads(done.stdout) == {"job_id": job, "sent": "CheckpointRequested"}, \
+            done.stdout + done.stderr
         again = await cli("pause", job, "--nats", p.url)
         assert again.returncode == 1 and f"{job} is paused already (pause by the user)" in again.stderr, again.stderr
         shown = await cli("status", job, "--json", "--nats", p.url)

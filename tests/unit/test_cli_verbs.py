@@ -6,7 +6,9 @@ import sys
 
 import pytest
 
-from flightdeck.services.tools.console.__main__ import VERBS, command, parser
+from flightdeck.services.tools.console.__main__ import VERBS, command, main, parser
+from flightdeck.services.tools.console.jobs_cmd import SORTS, chosen
+from flightdeck.services.tools.history.jobview import JobView
 from tests.integration.test_lifecycle_services import ROOT
 
 HEAVY = ("matplotlib", "numpy", "flightdeck.services.tools.web", "flightdeck.services.agent.main",
@@ -32,3 +34,47 @@ def test_help_lists_every_verb_and_an_unknown_one_is_refused_naming_them(capsys:
         parser("nonsense").parse_args(["nonsense"])
     assert exc.value.code == 2
     assert "invalid choice: 'nonsense'" in capsys.readouterr().err
+
+
+# Verbs whose output is not a result a script reads: a process that serves (up, agent, ui), a live display
+# (watch), a history file (export writes .fdh itself) or a script for a shell (completion).
+NO_RESULT = {"up", "down", "agent", "ui", "watch", "export", "completion"}
+
+
+@pytest.mark.parametrize("verb", sorted(set(VERBS) - NO_RESULT))
+def test_every_verb_that_prints_a_result_has_json(verb: str) -> None:
+    options = {o for a in parser(verb)._subparsers._group_actions[0].choices[verb]._actions  # type: ignore[union-attr]
+               for o in a.option_strings}
+    assert "--json" in options, verb
+
+
+def test_version_names_the_installed_distribution(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib.metadata import version
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"flightdeck {version('flightdeck')}\n"
+    with pytest.raises(SystemExit) as exc:
+        parser().parse_args(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out == f"flightdeck {version('flightdeck')}\n"
+
+
+@pytest.mark.parametrize("shell", ["bash", "zsh"])
+def test_completion_covers_every_verb_and_its_options(shell: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["completion", shell]) == 0
+    script = capsys.readouterr().out
+    for verb in VERBS:
+        assert verb in script, verb
+    assert "--to-step" in script and "--phase" in script  # a verb's own options, not only the verbs
+
+
+def test_jobs_filters_by_phase_groups_and_name_and_sorts() -> None:
+    views = [JobView(job_id=f"{name}-{i}", name=name, phase=phase, submitted_at=float(i), priority=p)
+             for i, (name, phase, p) in enumerate([("llama", "running", 1), ("gpt", "completed", 5),
+                                                    ("llama", "failed", 3), ("gpt", "paused", 2)])]
+    ids = lambda vs: [v.job_id for v in vs]  # noqa: E731
+    assert ids(chosen(views, ["live"], None)) == ["llama-0", "gpt-3"]
+    assert ids(chosen(views, ["ended"], "llama")) == ["llama-2"]
+    assert ids(chosen(views, ["running", "paused"], None)) == ["llama-0", "gpt-3"]
+    assert ids(chosen(views, None, "gpt")) == ["gpt-1", "gpt-3"]
+    assert ids(sorted(views, key=SORTS["submitted"])) == ["gpt-3", "llama-2", "gpt-1", "llama-0"]
+    assert ids(sorted(views, key=SORTS["priority"])) == ["gpt-1", "llama-2", "gpt-3", "llama-0"]

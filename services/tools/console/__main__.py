@@ -2,6 +2,7 @@
 
 import argparse
 import importlib
+import importlib.metadata
 import logging
 import os
 import sys
@@ -20,6 +21,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "up": ("up", "COMMAND"), "down": ("down", "COMMAND"),
     "events": ("events_cmd", "COMMAND"), "logs": ("logs_cmd", "COMMAND"),
     "submit": ("submit", "COMMAND"), "watch": ("watch_cmd", "COMMAND"), "status": ("status", "COMMAND"),
+    "jobs": ("jobs_cmd", "COMMAND"),
     "cancel": ("cancel", "COMMAND"),
     "pause": ("command_cmds", "PAUSE"), "resume": ("command_cmds", "RESUME"),
     "checkpoint": ("command_cmds", "CHECKPOINT"), "rollback": ("command_cmds", "ROLLBACK"),
@@ -31,7 +33,16 @@ VERBS: dict[str, tuple[str, str]] = {
     "whatif": ("whatif_cmd", "COMMAND"),
     "postmortem": ("postmortem_cmd", "COMMAND"),
     "ui": ("ui_cmd", "COMMAND"),
+    "completion": ("completion_cmd", "COMMAND"),
 }
+
+
+def version() -> str:
+    """The installed distribution's version (a checkout installed with `pip install -e .` has one too)."""
+    try:
+        return importlib.metadata.version("flightdeck")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed: `pip install -e .`)"
 
 
 def command(verb: str) -> Command:
@@ -49,6 +60,7 @@ def parser(verb: str | None = None) -> argparse.ArgumentParser:
     """The command line; with `verb` (a known one), that verb alone: the others are never imported."""
     top = argparse.ArgumentParser(prog="flightdeck", description="Flightdeck: an event-sourced control plane "
                                   "for distributed PyTorch training on NATS JetStream")
+    top.add_argument("--version", "-V", action="version", version=f"flightdeck {version()}")
     verbs = top.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for found in (command(verb),) if verb in VERBS else commands():
         sub = verbs.add_parser(found.name, help=found.help, description=found.help)
@@ -69,6 +81,9 @@ def configure_logging() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["--version"], ["-V"]):  # no verb needs importing for it
+        print(f"flightdeck {version()}")
+        return 0
     args = parser(argv[0] if argv else None).parse_args(argv)
     configure_logging()
     try:

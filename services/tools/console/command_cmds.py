@@ -7,26 +7,30 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 from flightdeck.services.shell.broker import nats_url
-from flightdeck.services.tools.cli import Command, add_nats_argument
+from flightdeck.services.tools.cli import Command, add_json_argument, add_nats_argument, print_json
 from flightdeck.services.tools.client import Client
 
 Send = Callable[[Client, str, str], Awaitable[None]]
 
 
-async def send(url: str, job_id: str, verb: Send, reason: str, event: str) -> str:
+async def send(url: str, job_id: str, verb: Send, reason: str) -> None:
     async with await Client.connect(url) as fd:
         await verb(fd, job_id, reason)
-    return f"{job_id}: {event} sent; its ranks obey it at their next step boundary"
 
 
 def _command(name: str, verb: Send, event: str, help: str) -> Command:
     def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("job", help="the job id (as `flightdeck submit` printed it)")
         parser.add_argument("--reason", default="", help="why, for the record")
+        add_json_argument(parser, "what was sent (job_id, sent: the command's event type)")
         add_nats_argument(parser)
 
     def run(args: argparse.Namespace) -> int:
-        print(asyncio.run(send(nats_url(args.nats), args.job, verb, args.reason or f"{name} by the user", event)))
+        asyncio.run(send(nats_url(args.nats), args.job, verb, args.reason or f"{name} by the user"))
+        if args.json:
+            print_json({"job_id": args.job, "sent": event})
+        else:
+            print(f"{args.job}: {event} sent; its ranks obey it at their next step boundary")
         return 0
 
     return Command(name, help, add_arguments, run)
@@ -46,6 +50,7 @@ def _rollback_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip", type=_window, default=None, metavar="FROM:TO",
                         help="then skip the batches FROM..TO-1 (batch indices, as a loss-spike rollback does)")
     parser.add_argument("--reason", default="", help="why, for the record")
+    add_json_argument(parser, "what was asked (job_id, checkpoint_id)")
     add_nats_argument(parser)
 
 
@@ -61,6 +66,9 @@ def _rollback(args: argparse.Namespace) -> int:
         async with await Client.connect(nats_url(args.nats)) as fd:
             return await fd.rollback(args.job, args.to_step, skip=args.skip, reason=args.reason or "asked by the user")
     target = asyncio.run(go())
+    if args.json:
+        print_json({"job_id": args.job, "checkpoint_id": target, "asked": "RollbackAsked"})
+        return 0
     print(f"{args.job}: rollback to {target} asked; the scheduler decides it and the ranks report RolledBack")
     return 0
 

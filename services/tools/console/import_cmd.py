@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from flightdeck.events import subjects
-from flightdeck.services.tools.cli import EXIT_ERROR, Command, UserError
+from flightdeck.services.tools.cli import EXIT_ERROR, Command, UserError, add_json_argument, print_json
 from flightdeck.services.tools.history import fdh, library
 
 
@@ -17,6 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "$FLIGHTDECK_DATA_DIR, else ./.flightdeck)")
     parser.add_argument("--force", action="store_true", help="replace a different history already imported "
                         "for the same job")
+    add_json_argument(parser, "what was imported (job_id, path, messages per stream)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -30,6 +31,10 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"{target} already holds a different history of {incoming.job_id}: pass --force to "
                             "replace it", EXIT_ERROR)
     history, path = library.import_file(Path(args.file), args.data_dir, incoming.job_id)
+    if args.json:
+        print_json({"job_id": history.job_id, "path": str(path),
+                    "messages": {s: len(history.stream(s)) for s in subjects.HISTORY_STREAMS}})
+        return 0
     counts = ", ".join(f"{len(history.stream(s))} {s}" for s in subjects.HISTORY_STREAMS)
     print(f"imported {history.job_id} ({counts}) into {path}; `flightdeck replay {history.job_id}"
           f"{'' if args.data_dir is None else ' --data-dir ' + str(args.data_dir)}` reads it")

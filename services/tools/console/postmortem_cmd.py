@@ -6,7 +6,7 @@ import asyncio
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from flightdeck.services.tools.cli import EXIT_NOT_FOUND, Command, UserError
+from flightdeck.services.tools.cli import EXIT_NOT_FOUND, Command, UserError, add_json_argument, print_json
 from flightdeck.services.tools.history import add_history_arguments, history_from_args
 
 if TYPE_CHECKING:
@@ -19,6 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_history_arguments(parser)
     parser.add_argument("--out", required=True, type=Path, metavar="DIR",
                         help="folder for report.md, report.html and the plots (created if missing)")
+    add_json_argument(parser, "the report's files and its figures (outcome, goodput, incidents)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -36,6 +37,10 @@ def run(args: argparse.Namespace) -> int:
         paths = write_report(pm, args.out)
     except OSError as exc:
         raise UserError(f"cannot write the report into {args.out}: {exc.strerror or exc}") from None
+    if args.json:
+        print_json(as_json(pm, history.source, {name: str(p) for name, p in paths.items()},
+                           [str(gap) for gap in history.gaps]))
+        return 0
     print(f"postmortem of {history.job_id} ({history.source}):")
     print(f"  {paths['report.html']}  (open in a browser; {paths['report.md'].name} and the PNGs beside it)")
     for line in summary(pm):
@@ -43,6 +48,16 @@ def run(args: argparse.Namespace) -> int:
     for gap in history.gaps:  # figures over a history with holes: say where they are
         print(f"  missing from the history: {gap}")
     return 0
+
+
+def as_json(pm: "Postmortem", source: str, files: dict[str, str], gaps: list[str]) -> dict[str, object]:
+    s, g = pm.summary, pm.goodput
+    return {"job_id": s.job_id, "source": source, "files": files, "outcome": s.outcome, "reason": s.reason,
+            "wall_s": s.wall_s, "steps_final": s.steps_final, "steps_computed": s.steps_computed,
+            "goodput": g.goodput, "parts_s": g.parts, "missing": gaps,
+            "incidents": [{"number": i.number, "kind": i.kind, "attempt": i.attempt, "decision": i.decision,
+                           "detect_s": i.time_to_detect, "recover_s": i.time_to_recover, "steps_lost": i.steps_lost,
+                           "steps_redone": i.steps_redone, "diagnosis": i.diagnosis} for i in pm.incidents]}
 
 
 def summary(pm: "Postmortem") -> list[str]:

@@ -12,7 +12,14 @@ from flightdeck.services.shell.objects.code import CodeError
 from flightdeck.services.shell.objects.open import OBJECTS_ENV, objects_url, open_store
 from flightdeck.services.shell.objects.store import ObjectStoreError
 from flightdeck.services.tools import codeship
-from flightdeck.services.tools.cli import EXIT_INVALID, Command, UserError, add_nats_argument
+from flightdeck.services.tools.cli import (
+    EXIT_INVALID,
+    Command,
+    UserError,
+    add_json_argument,
+    add_nats_argument,
+    print_json,
+)
 from flightdeck.services.tools.client import Client, read_spec
 from flightdeck.services.tools.console import upstate
 
@@ -29,6 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "copy, in entrypoint.cwd inside it")
     parser.add_argument("--no-code", action="store_true",
                         help="ship nothing: the code is on every node already (entrypoint.cwd names where)")
+    add_json_argument(parser, "the job id")
     parser.add_argument("--wait", action="store_true", help="then follow it live until it ends, as `flightdeck "
                         "watch` does (exit 0 only if it completed)")
     add_nats_argument(parser)
@@ -54,12 +62,15 @@ def store_url(broker: str) -> str:
 def run(args: argparse.Namespace) -> int:
     if (args.spec is None) == (args.resume_from is None):
         raise UserError("name a job spec (SPEC.toml) or --resume-from JOB, one of them", EXIT_INVALID)
+    if args.json and args.wait:
+        raise UserError("--json prints the job id and returns; follow it with `flightdeck watch`, then read "
+                        "`flightdeck status JOB --json`", EXIT_INVALID)
     url = nats_url(args.nats)
     if args.resume_from is not None:
         async def resume() -> str:
             async with await Client.connect(url) as fd:
                 return await fd.resume_from(args.resume_from)
-        return _submitted(asyncio.run(resume()), url, args.wait)
+        return _submitted(asyncio.run(resume()), url, args.wait, args.json)
     spec = read_spec(Path(args.spec))
     folder = Path(args.code) if args.code else Path(args.spec).resolve().parent
 
@@ -74,10 +85,13 @@ def run(args: argparse.Namespace) -> int:
                     raise UserError(f"{args.spec}: the job's code cannot be shipped: {exc}", EXIT_INVALID) from None
             return await fd.submit(shipped)
 
-    return _submitted(asyncio.run(go()), url, args.wait)
+    return _submitted(asyncio.run(go()), url, args.wait, args.json)
 
 
-def _submitted(job_id: str, url: str, wait: bool) -> int:
+def _submitted(job_id: str, url: str, wait: bool, as_json: bool = False) -> int:
+    if as_json:
+        print_json({"job_id": job_id})
+        return 0
     print(job_id, flush=True)
     if wait:
         from flightdeck.services.tools.console.watch_cmd import watch  # rich loads only for a watch
