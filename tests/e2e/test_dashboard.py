@@ -1,6 +1,8 @@
 """The dashboard in a real headless browser (Debian's chromium, driven by Playwright): the page is opened before the
 job exists; a crash drill then runs, and its loss curve and the crash incident appear on the page without a reload,
 pushed by the server; a hostile string stays text; a broker outage shows as a banner and goes when the broker is back.
+Then the page acts: read-only until the operator token is given, it pauses, resumes and cancels a running job, and
+shows the refusal of a pause of a paused job in the client's words.
 The browser comes from `make test`'s install step (`apt-get install chromium`)."""
 
 import asyncio
@@ -19,20 +21,21 @@ from flightdeck.events.job import CancelRequested
 from flightdeck.events.training import StepCompleted
 from flightdeck.services.shell import broker as broker_mod
 from flightdeck.services.tools.web.server import serve
-from tests.e2e.drill_harness import crash_spec
+from tests.e2e.drill_harness import crash_spec, drill_spec, paced
 from tests.integration.lifecycle_harness import Platform
 
 pytestmark = [pytest.mark.slow]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 ROOT = Path(__file__).resolve().parents[2]
 WAIT_MS = 150_000
+TOKEN = "an-operator-token-for-the-test"
 
 
 @pytest.fixture
 async def ui(drill: Platform) -> AsyncIterator[str]:
     stop = asyncio.Event()
     ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-    task = asyncio.create_task(serve(drill.url, "127.0.0.1", 0, stop, ready=ready))
+    task = asyncio.create_task(serve(drill.url, "127.0.0.1", 0, stop, ready=ready, token=TOKEN))
     try:
         yield f"http://127.0.0.1:{await asyncio.wait_for(ready, 60)}"
     finally:
@@ -51,7 +54,7 @@ async def page() -> AsyncIterator[Page]:
             await browser.close()
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 async def test_a_running_jobs_curve_and_crash_incident_appear_without_a_reload(
         drill: Platform, ui: str, page: Page, nats_server: broker_mod.Broker, tmp_path: Path) -> None:
     p, job = drill, "crash-000001"
@@ -100,3 +103,27 @@ async def test_a_running_jobs_curve_and_crash_incident_appear_without_a_reload(
     nats_server.proc = back.proc  # the fixture stops this one at the end
     await page.locator("#outage").wait_for(state="hidden", timeout=WAIT_MS)
     assert await page.evaluate("window.loadedOnce") is True
+
+    # Acting from the page on a long job: nothing until the operator token is given, then the client's calls.
+    acted = "acted-000001"
+    await p.submit(drill_spec("acted", steps=100_000, faults=[paced()]), acted)
+    await page.goto(f"{ui}/?job={acted}")
+    title = "document.getElementById('job-title').textContent"
+    await page.wait_for_function(f"{title}.endsWith('running')", timeout=WAIT_MS)
+    button = {a: page.locator(f'#actions button[data-action="{a}"]') for a in ("pause", "resume", "cancel")}
+    assert await button["pause"].is_disabled() and "read-only" in await page.locator("#mode").inner_text()
+    await page.fill("#token", TOKEN)
+    await page.click("#token-form button")
+    result = "document.getElementById('action-result').textContent"
+    await button["pause"].click()
+    await page.wait_for_function(f"{result}.startsWith('pause: PauseRequested sent')", timeout=WAIT_MS)
+    await page.wait_for_function(f"{title}.endsWith('paused')", timeout=WAIT_MS)
+    await button["pause"].click()
+    await page.wait_for_function(f"{result}.includes('refused')", timeout=WAIT_MS)
+    assert f"{acted} is paused already" in await page.locator("#action-result").inner_text()
+    await button["resume"].click()
+    await page.wait_for_function(f"{title}.endsWith('running')", timeout=WAIT_MS)
+    await page.screenshot(path=str(tmp_path / "dashboard-job.png"), full_page=True)
+    await button["cancel"].click()
+    await page.wait_for_function(f"{title}.endsWith('cancelled')", timeout=WAIT_MS)
+    assert await button["pause"].is_disabled()  # an ended job takes no action

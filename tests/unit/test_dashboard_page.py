@@ -7,8 +7,8 @@ from pathlib import Path
 
 import msgspec
 
-from flightdeck.events.job import JobFailed, JobSubmitted
-from flightdeck.events.spec import JobSpec
+from flightdeck.events.job import AllocationGranted, JobFailed, JobSubmitted, SlotRef, WorkersStarted
+from flightdeck.events.spec import EntrypointSpec, JobSpec
 from flightdeck.events.store import Stored
 from flightdeck.events.training import StepCompleted
 from flightdeck.services.tools.console.status import as_json, details
@@ -104,3 +104,32 @@ def test_a_script_s_own_metrics_are_shown_wherever_its_loss_is() -> None:
     view = f.jobs["j-1"].view
     assert "\nmetrics:    acc 0.75, ppl 12.5\n" in details(view, now=9.0)
     assert as_json(view, now=9.0)["metrics"] == {"acc": 0.75, "ppl": 12.5}
+
+
+def test_a_job_s_page_shows_its_spec_layout_and_where_it_runs_and_compares_runs() -> None:
+    """The job page: its spec as hyperparameter rows (environment values hidden), which rank runs on which node
+    while it runs, and the fleet's view of the same grant; other runs' curves when the page compares them."""
+    f = Figures()
+    for stored in fdh.load(ROOT / "tests" / "fixtures" / "histories" / "crash.fdh.jsonl"):
+        f.fold(stored)
+    spec = JobSpec(name="x", slots=2, entrypoint=EntrypointSpec(command=["python", "t.py"], env={"HF_TOKEN": "s3cr3t"}))
+    f.fold(row(10_001, JobSubmitted(job_id="j-1", event_id="s", occurred_at=1.0, spec=spec)))
+    grant = AllocationGranted(job_id="j-1", event_id="g", occurred_at=2.0, attempt=0, job_version=2,
+                              assignments=[SlotRef(node="n1", slot=1, rank=1), SlotRef(node="n1", slot=0, rank=0)])
+    f.fold(Stored(stream="FD_CONTROL", seq=10_002, subject="fd.ctl.job.j-1.AllocationGranted", data=b"", msg_id="g",
+                  event=grant))
+    started = WorkersStarted(job_id="j-1", node="n1", attempt=0, ranks=[0, 1], pids=[1, 2], event_id="w",
+                             occurred_at=3.0)
+    f.fold(Stored(stream="FD_CONTROL", seq=10_003, subject="fd.ctl.job.j-1.node.n1.WorkersStarted", data=b"",
+                  msg_id="w", event=started))
+    snap = page.snapshot(f, Live(broker_up=True), "j-1", now=9.0, compare=("crash-000001", "nope"), actions=True)
+    job = snap["job"]
+    settings = dict(job["spec"])
+    assert settings["slots"] == "2" and settings["train.lr"] == str(JobSpec(name="x").train.lr)
+    assert settings["entrypoint.env.HF_TOKEN"] == "(set)" and "s3cr3t" not in msgspec.json.encode(snap).decode()
+    assert job["layout"] == [{"rank": 0, "node": "n1", "slot": 0}, {"rank": 1, "node": "n1", "slot": 1}]
+    (n1,) = snap["fleet"]
+    assert (n1["used"], n1["jobs"]) == (2, [{"job": "j-1", "ranks": [0, 1]}])  # the ended crash job runs nowhere
+    assert list(snap["compare"]) == ["crash-000001"] and snap["compare"]["crash-000001"]["curve"]["step"][-1] == 39
+    assert snap["actions"] is True and "paused" in snap["phases"]
+    assert job["age_s"] == 8.0 and job["submitted_at"] == 1.0

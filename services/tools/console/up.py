@@ -15,6 +15,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from secrets import token_urlsafe
 from types import FrameType
 from typing import Literal
 
@@ -45,6 +46,7 @@ DETACH_TIMEOUT_S = 60.0
 DEFAULT_DATA_DIR = ".flightdeck"
 LOOPBACK = "127.0.0.1"
 UI_PORT_ENV = "FLIGHTDECK_UI_PORT"
+OPERATOR_TOKEN = "operator-token"  # in the data dir: the dashboard acts on jobs for whoever presents it
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,7 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def process_specs(url: str, data_dir: Path, secrets: Path | None = None, ui_port: int = 0) -> list[ProcessSpec]:
     """Every service, the node agent and the web server on `ui_port` (0: none), each as its own broker user with
     `secrets` (the web server as `console`: it only reads)."""
-    ui = [("ui", ("-m", "flightdeck.services.tools.console", "ui", "--port", str(ui_port)))] if ui_port else []
+    ui = [("ui", ("-m", "flightdeck.services.tools.console", "ui", "--port", str(ui_port), "--operator-token-file",
+                  str(operator_token(data_dir))))] if ui_port else []
     table = [*((name, ("-m", "flightdeck.services", name)) for name in registry.names()), *OTHER_PROCESSES, *ui]
     env = {"FLIGHTDECK_NATS_URL": url, "FLIGHTDECK_DATA_DIR": str(data_dir)}
     if secrets is None:
@@ -80,6 +83,15 @@ def process_specs(url: str, data_dir: Path, secrets: Path | None = None, ui_port
         return {**env, USER: who, PASSWORD_FILE: str(vault.password_file(who))}
 
     return [ProcessSpec(name, (sys.executable, *args, "--nats", url), user(name)) for name, args in table]
+
+
+def operator_token(data_dir: Path) -> Path:
+    """The dashboard's operator token for this data dir (made once, mode 0600): whoever can read it may act on jobs
+    from the web page, as whoever may run the CLI here can."""
+    path = data_dir / OPERATOR_TOKEN
+    if not path.is_file():
+        write_private(path, token_urlsafe(24) + "\n")
+    return path
 
 
 def secured(data_dir: Path, secrets: Path) -> Path:
@@ -215,8 +227,8 @@ class _Up:
                 self.status = "ready"
                 self.save()
                 if self.ui_port:
-                    print(f"flightdeck: dashboard {ui_url(self.ui_port)}/, metrics {ui_url(self.ui_port)}/metrics",
-                          flush=True)
+                    print(f"flightdeck: dashboard {ui_url(self.ui_port)}/, metrics {ui_url(self.ui_port)}/metrics; "
+                          f"operator token in {self.data_dir / OPERATOR_TOKEN}", flush=True)
                 print("flightdeck: ready; Ctrl-C (or `flightdeck down`) stops everything", flush=True)
             time.sleep(0.1)
         print(f"flightdeck: stopping (signal {signal.Signals(stopping.signum).name})", flush=True)
@@ -358,7 +370,8 @@ def detach(args: argparse.Namespace, data_dir: Path) -> int:
     print(f"flightdeck is up: broker {state.url}, supervisor pid {state.pid}")
     print(f"  {len(state.processes)} services: {', '.join(state.processes)}; logs in {logs}")
     if args.ui_port:
-        print(f"  dashboard {ui_url(args.ui_port)}/ ; metrics (Prometheus) at {ui_url(args.ui_port)}/metrics")
+        print(f"  dashboard {ui_url(args.ui_port)}/ ; metrics (Prometheus) at {ui_url(args.ui_port)}/metrics; "
+              f"to act on jobs there, paste the operator token in {data_dir / OPERATOR_TOKEN}")
     if state.url != broker_mod.DEFAULT_URL:
         print(f"  other commands find it with --nats {state.url} or: export FLIGHTDECK_NATS_URL={state.url}")
     same_dir = data_dir == Path(DEFAULT_DATA_DIR).resolve()

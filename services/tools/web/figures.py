@@ -18,7 +18,10 @@ from flightdeck.events.checkpoint import CheckpointStaged, ShardsUploaded
 from flightdeck.events.clock import DeadLettered
 from flightdeck.events.fleet import NodeCordoned, NodeHeartbeat, NodeLost, NodeRegistered, NodeUncordoned
 from flightdeck.events.heartbeats import RankHeartbeats
+from flightdeck.events.job import AllocationGranted, JobSubmitted, SlotRef
 from flightdeck.events.logs import RankOutput
+from flightdeck.events.plan import ParallelPlan, ReshardPlanned
+from flightdeck.events.spec import JobSpec
 from flightdeck.events.store import Stored
 from flightdeck.events.training import StepCompleted
 from flightdeck.services.tools.history import jobview
@@ -108,6 +111,14 @@ class JobFigures:
     control_seq: int = 0  # the newest message of this job in each stream
     telemetry_seq: int = 0
     analysis: JobAnalysis | None = None
+    spec: JobSpec | None = None  # as submitted (JobSubmitted)
+    layout: tuple[SlotRef, ...] = ()  # which rank runs on which node and slot: the newest grant of its attempt
+    plan: ParallelPlan | None = None  # the resharder's newest plan (ReshardPlanned)
+
+    @property
+    def placed(self) -> tuple[SlotRef, ...]:
+        """Where its ranks run now: the grant of the attempt that holds them (none once released or ended)."""
+        return self.layout if self.view.granted and not self.view.ended else ()
 
     @property
     def stale(self) -> bool:
@@ -155,6 +166,7 @@ class Figures:
                 ended = job.view.ended
                 job.view = jobview.evolve(job.view, ev)
                 job.control_seq = stored.seq
+                self._record(job, ev)
                 job.decisions.append((ev.occurred_at, type(ev).__name__, ev.producer, describe(ev)))
                 if job.view.ended and not ended:
                     self._forget_old()
@@ -168,6 +180,17 @@ class Figures:
                 self.nodes[ev.node].seen_at = max(self.nodes[ev.node].seen_at, ev.occurred_at)
         elif stored.stream == subjects.LOGS and isinstance(ev, RankOutput) and ev.job_id in self.jobs:
             self.jobs[ev.job_id].logs.extend((ev.attempt, ev.rank, line) for line in ev.lines)
+
+    @staticmethod
+    def _record(job: JobFigures, ev: JobEvent) -> None:
+        """What the job's page shows besides its view, from the decisions that say it."""
+        match ev:
+            case JobSubmitted(spec=spec):
+                job.spec = spec
+            case AllocationGranted(attempt=attempt, assignments=assignments) if attempt == job.view.attempt:
+                job.layout = tuple(sorted(assignments, key=lambda r: r.rank))
+            case ReshardPlanned(new=plan):
+                job.plan = plan
 
     def _job(self, job_id: str) -> JobFigures:
         job = self.jobs.get(job_id)

@@ -1,6 +1,8 @@
 """The web server behind `flightdeck ui`: it follows the event log and serves the live dashboard (`/`, pushed
-updates on `/events` as server-sent events), `/metrics` (Prometheus) and `/healthz`. Read-only: it appends nothing
-and takes no command; it binds to localhost unless told otherwise.
+updates on `/events` as server-sent events), `/metrics` (Prometheus) and `/healthz`; it binds to localhost unless
+told otherwise. Without an operator token it is read-only. With one (`ui --operator-token-file`; `up` makes one),
+`POST /api/jobs/<job>/<action>` carrying it (`Authorization: Bearer ...`) makes the client's call for a person
+(services/tools/client.py: cancel, pause, resume, checkpoint, rollback), refused as the CLI refuses it.
 
 Three loops feed it: one follow per stream (control, telemetry, logs, dead letters) folds every message into `Figures`,
 resuming after its last sequence when the broker comes back; one reads each service's consumer lag; one re-runs
@@ -27,8 +29,10 @@ from flightdeck.services.shell.objects.open import objects_url
 from flightdeck.services.shell.objects.open import open_store as open_objects
 from flightdeck.services.shell.objects.store import ObjectStore
 from flightdeck.services.shell.security.credentials import client_options
+from flightdeck.services.tools.client import Client
 from flightdeck.services.tools.history.read import JobNotFound, job_rows
 from flightdeck.services.tools.postmortem import Postmortem, analyse
+from flightdeck.services.tools.web.actions import Actions
 from flightdeck.services.tools.web.figures import Figures, IncidentRow, JobAnalysis
 from flightdeck.services.tools.web.metrics import Live, exposition
 from flightdeck.services.tools.web.page import snapshot
@@ -54,8 +58,10 @@ class Board:
 
 
 class WebServer:
-    def __init__(self, store: JetStreamStore, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, store: JetStreamStore, clock: Callable[[], float] = time.time, token: str | None = None,
+                 url: str = "") -> None:
         self.store, self.board, self.clock = store, Board(), clock  # clock: the wall time event times are in
+        self.actions = Actions(Client(store, url, producer="dashboard"), token)
         self.tasks: list[asyncio.Task[None]] = []
         self.moved = asyncio.Event()  # replaced and set whenever what a page shows may have changed
         self.analyses = 0
@@ -81,6 +87,7 @@ class WebServer:
         app.router.add_get("/events", self.events)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/healthz", self.healthz)
+        app.router.add_post("/api/jobs/{job}/{action}", self.actions.handle)
         app.router.add_static("/static", STATIC, follow_symlinks=False)
         return app
 
@@ -91,6 +98,7 @@ class WebServer:
         """Server-sent events: a `board` snapshot now and after every change (at most every PUSH_EVERY_S), for the
         job named by `?job=` if any. The page never polls; the browser's EventSource reconnects by itself."""
         job_id = request.query.get("job") or None
+        compare = tuple(j for j in request.query.get("compare", "").split(",") if j)
         stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                              "X-Accel-Buffering": "no"})
         await stream.prepare(request)
@@ -100,7 +108,8 @@ class WebServer:
                 moved = self.moved
                 key = (board.figures.version, board.live.broker_up, self.analyses)
                 if key != sent:
-                    data = msgspec.json.encode(snapshot(board.figures, board.live, job_id, time.time()))
+                    data = msgspec.json.encode(snapshot(board.figures, board.live, job_id, time.time(),
+                                                        compare=compare, actions=self.actions.enabled))
                     await stream.write(b"event: board\ndata: " + data + b"\n\n")
                     sent = key
                 try:
@@ -210,11 +219,12 @@ def commit_seconds(pm: Postmortem) -> tuple[float, ...]:
 
 
 async def serve(url: str, host: str, port: int, stop: asyncio.Event, *,
-                ready: "asyncio.Future[int] | None" = None, clock: Callable[[], float] = time.time) -> None:
+                ready: "asyncio.Future[int] | None" = None, clock: Callable[[], float] = time.time,
+                token: str | None = None) -> None:
     """Run the server until `stop` is set. `ready` gets the port it listens on (useful with port 0); `clock` is what
     an ended job's series age by (metrics.ENDED_SERIES_S: a recorded history's test passes its own time)."""
     store = await JetStreamStore.connect(url, name="flightdeck-ui", provision=False, **client_options())
-    server = WebServer(store, clock)
+    server = WebServer(store, clock, token, url)
     server.start()
     runner = web.AppRunner(server.app(), access_log=None)
     await runner.setup()
