@@ -127,3 +127,19 @@ async def test_a_running_jobs_curve_and_crash_incident_appear_without_a_reload(
     await button["cancel"].click()
     await page.wait_for_function(f"{title}.endsWith('cancelled')", timeout=WAIT_MS)
     assert await button["pause"].is_disabled()  # an ended job takes no action
+
+    # The job list filters by name and phase; two ticked runs are compared, their loss curves overlaid.
+    await page.fill("#name-filter", "crash")
+    await page.wait_for_function("document.querySelectorAll('#jobs tbody tr').length === 1")
+    assert await page.locator("#jobs tbody tr").get_attribute("data-job") == job
+    await page.fill("#name-filter", "")
+    await page.select_option("#phase-filter", "cancelled")
+    await page.wait_for_function("document.querySelectorAll('#jobs tbody tr').length === 1")
+    assert await page.locator("#jobs tbody tr").get_attribute("data-job") == acted
+    await page.select_option("#phase-filter", "")
+    for name in (acted, job):
+        await page.locator(f'#jobs tr[data-job="{name}"] input[type=checkbox]').check()
+    await page.click("#compare-link")
+    await page.wait_for_function("Number(document.getElementById('compare-loss')?.dataset.points) >= 10",
+                                 timeout=WAIT_MS)
+    assert "crash-000001" in await page.locator('figure[data-compare="loss"] figcaption').inner_text()
