@@ -47,7 +47,7 @@ def run_demo(data_dir: Path, log: Path) -> tuple[int, str]:
 
 
 def incident(summary: str, n: int) -> dict[str, str]:
-    """Incident `n` of the printed summary: its fault line, and its detected/decided/resumed/findings lines."""
+    """Incident `n` of the printed summary: its fault line, and its detected/decided/resumed/reports/cost lines."""
     block = re.search(rf"^  {n}\. (.*?)(?=^  \d+\. |^  completed |\Z)", summary, re.M | re.S)
     assert block, summary
     lines = block[1].splitlines()
@@ -78,26 +78,27 @@ def test_the_demo_drill_heals_a_spike_a_crash_and_a_hang_and_completes(tmp_path:
 
     summary = out.split("incidents (times from submission; + is time since the fault):")[1].split("$ flightdeck")[0]
     spike, crash, hang = (incident(summary, n) for n in (1, 2, 3))
-    assert "  4. " not in summary, summary
-    assert spike["fault"].startswith("loss_spike injected (rank 0, step 40, attempt 0)"), summary
-    assert "LossSpikeDetected on rank 0" in spike["detected"], summary
-    rollback = re.search(r"rollback to step (\d+) \((\S+)\), skip batches \[(\d+), (\d+)\)", spike["decided"])
-    assert rollback and int(rollback[1]) <= 35 and int(rollback[3]) <= 42 < 45 <= int(rollback[4]), summary
-    assert re.search(rf"step {rollback[1]} trained again, in place \(attempt 0\)", spike["resumed"]), summary
+    assert "  4. " not in summary, summary  # the postmortem's incidents: one per fault
+    assert spike["fault"].startswith("loss_spike: drill fault 'loss_spike' injected at step 40 on rank 0 (attempt 0)")
+    assert "LossSpikeDetected:" in spike["detected"], summary
+    rollback = re.search(r"rollback: roll back to (\S+) \(step (\d+)\), skip batches \[(\d+), (\d+)\)$",
+                         spike["decided"])
+    assert rollback and int(rollback[2]) <= 35 and int(rollback[3]) <= 42 < 45 <= int(rollback[4]), summary
+    assert re.search(rf"back at step {rollback[2]} after ", spike["resumed"]), summary
     assert spike["cause"].startswith("data (re-run "), summary  # its batches spiked again; skipping them healed it
 
-    assert crash["fault"].startswith("crash injected (rank 1, step 90, attempt 0)"), summary
+    assert crash["fault"].startswith("crash: drill fault 'crash' injected at step 90 on rank 1 (attempt 0)"), summary
     assert "exited with code 3" in crash["detected"] or "RankLost" in crash["detected"], summary
-    assert "RankLost" in crash["findings"], summary
-    assert crash["decided"].endswith("restart as attempt 1 (2 slots)"), summary
+    assert "RankLost" in crash["reports"], summary
     # the restart resumes on the rolled-back timeline: a checkpoint redone after the rollback, or its target
-    resumed = re.search(r"trained by attempt 1 from (\S+)$", crash["resumed"])
-    assert resumed and (resumed[1].endswith("-a0-t1") or resumed[1] == rollback[2]), summary
+    restart = re.search(r"restart: restart as attempt 1 from step (\d+) \(([^)\s]+)\)", crash["decided"])
+    assert restart and (restart[2].endswith("-a0-t1") or restart[2] == rollback[1]), summary
+    assert crash["resumed"].endswith(f"resumed at step {restart[1]}"), summary
 
-    assert hang["fault"].startswith("hang injected (rank 0, step 120, attempt 1)"), summary
-    assert hang["detected"].split()[2] == "RankHung", summary
-    assert hang["decided"].endswith("restart as attempt 2 (2 slots)"), summary
-    assert re.search(r"trained by attempt 2 from step0+1[12]0-a1$", hang["resumed"]), summary
+    assert hang["fault"].startswith("hang: drill fault 'hang' injected at step 120 on rank 0 (attempt 1)"), summary
+    assert hang["detected"].split()[2] == "RankHung:", summary
+    assert re.search(r"restart: restart as attempt 2 from step 1[12]0 \(step0+1[12]0-a1\)", hang["decided"]), summary
+    assert re.search(r"resumed at step 1[12]0$", hang["resumed"]), summary
     assert "completed 160 steps" in summary
 
     assert re.search(r"phase: +completed\n", out)

@@ -33,12 +33,14 @@ from flightdeck.events.store import Stored
 from flightdeck.events.training import FaultInjected, Heartbeat, RankFault, RolledBack, StepCompleted
 from flightdeck.services.shell import broker
 from flightdeck.services.tools.cli import UserError
+from flightdeck.services.tools.connect import open_store
 from flightdeck.services.tools.console import drill_summary, metrics_peek, ui_cmd, up, upstate
 from flightdeck.services.tools.console.checkpoints_cmd import size
 from flightdeck.services.tools.console.following import follow
 from flightdeck.services.tools.console.status import duration
 from flightdeck.services.tools.history import jobview
 from flightdeck.services.tools.history.jobview import JobView
+from flightdeck.services.tools.history.read import job_rows
 from flightdeck.services.tools.history.reasons import headline
 
 REPO = Path(__file__).resolve().parents[3]
@@ -73,7 +75,7 @@ class Timeline:
         self.view = JobView(job_id=job_id)
         self.every = every  # print a progress line every this many steps
         self.base = 0.0
-        self.seen: list[Event] = []  # what the incident summary is made of (heartbeats left out)
+        self.seen: list[Event] = []  # every event shown (heartbeats left out): its count orders held lines
         self.spec: JobSpec | None = None
         # The control and telemetry streams arrive on their own, and a decision bears its input's time: a line waits
         # until both streams have passed its time by HOLD_S, or until it has waited WALL_HOLD_S since it arrived
@@ -196,11 +198,22 @@ def drill(spec: Path, data_dir: Path, timeout_s: float) -> JobView | None:
     if not ended:
         print(f"  the job did not end within {timeout_s:.0f}s (phase {view.phase}); logs: {data_dir / 'logs'}")
     print()
-    print("\n".join(drill_summary.render(timeline.seen)), end="\n\n", flush=True)
+    print("\n".join(summary(url, job_id)), end="\n\n", flush=True)
     flightdeck("status", job_id, "--nats", url)
     flightdeck("checkpoints", job_id, "--nats", url)
     show_metrics(f"{up.ui_url(web)}/metrics", job_id, len(view.checkpoints))
     return view
+
+
+def summary(url: str, job_id: str) -> list[str]:
+    """The incidents as `flightdeck postmortem` finds them, from the history it reads (the demo's own lines above
+    are what it saw live)."""
+    from flightdeck.services.tools.postmortem import analyse  # numpy loads here, once the job is over
+
+    async def rows() -> list[Stored]:
+        async with open_store(url) as store:
+            return await job_rows(store, job_id)
+    return drill_summary.render(analyse(asyncio.run(rows()), job_id))
 
 
 def show_metrics(url: str, job_id: str, commits: int) -> None:
