@@ -46,8 +46,9 @@ async def test_submit_wait_follows_the_job_through_a_crash_to_its_end(
         assert job.startswith("watched-")
         notes = [line.split(None, 1)[1] for line in lines if not line.startswith(job)]
         progress = [line for line in lines if line.startswith(job)]
-        order = ["drill fault: crash on rank 1 at step 25", "rank 1 (attempt 0) exited with code 3",
-                 "recovering: rank 1 exited with code 3", "resumed: attempt 1 from step", "completed: 40 steps"]
+        order = ["FaultInjected: drill fault 'crash' injected at step 25 on rank 1",
+                 "WorkersExited: rank 1 (attempt 0) on n1 exited with code 3", "recovering: rank 1 exited with code 3",
+                 "JobResumed: attempt 1 on 2 ranks from step", "JobCompleted: 40 steps"]
         it = iter(notes)
         assert all(any(n.startswith(o) for n in it) for o in order), notes
         assert any(line.endswith("step 40/40, loss " + line.rsplit("loss ", 1)[-1]) for line in progress), progress

@@ -48,8 +48,8 @@ def test_without_a_terminal_it_prints_a_line_per_tenth_of_the_run_and_each_incid
     assert f"{JOB} submitted: step 10/100, loss 2.91, ETA 45s" in progress  # 90 steps left at 0.5 s a step
     assert len(progress) <= 14
     notes = [line.split(None, 1)[1] for line in lines if not line.startswith(f"{JOB} ")]
-    assert notes == ["rank 1 (attempt 0) exited with code 3", "resumed: attempt 1 from step 30",
-                     "completed: 100 steps"]
+    assert notes == ["WorkersExited: rank 1 (attempt 0) on n1 exited with code 3",
+                     "JobResumed: attempt 1 on 1 ranks from step 30", "JobCompleted: 100 steps"]  # describe()'s words
     assert watch.view.ended and watch.step == 100
 
 
@@ -60,4 +60,4 @@ def test_on_a_terminal_it_draws_a_bar_and_prints_incidents_above_it() -> None:
     bar.close()
     text = out.getvalue()
     assert "100/100" in text and JOB in text and "completed" in text
-    assert "rank 1 (attempt 0) exited with code 3" in text
+    assert "WorkersExited: rank 1 (attempt 0) on n1 exited with code 3" in text

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from flightdeck.events import subjects
+from flightdeck.events.base import Event
 from flightdeck.events.checkpoint import CheckpointRefused, CheckpointRejected
 from flightdeck.events.commands import RollbackRequested
 from flightdeck.events.findings import Finding
@@ -25,6 +26,7 @@ from flightdeck.services.tools.console.status import duration
 from flightdeck.services.tools.history import jobview
 from flightdeck.services.tools.history.jobview import JobView
 from flightdeck.services.tools.history.reasons import headline
+from flightdeck.services.tools.postmortem.describe import describe
 
 SHORT = 160  # characters of a reason on one line
 PLAIN_LINES = 10  # progress lines a whole run prints without a terminal, about
@@ -127,27 +129,13 @@ class Watch:
 
 
 def incident(ev: object) -> str | None:
-    """A line for what a person watching wants to see happen: faults, findings, decisions, restarts."""
-    match ev:
-        case FaultInjected(kind=kind, rank=rank, step=step) if kind != "slow":
-            return f"drill fault: {kind} on rank {rank} at step {step}"
-        case WorkersExited(rank=rank, exit_code=code, attempt=attempt) if code != 0:
-            return f"rank {rank} (attempt {attempt}) exited with code {code}"
-        case Finding():
-            return f"finding: {type(ev).__name__} on rank {getattr(ev, 'rank', '?')}"
-        case RollbackRequested(to_step=step, checkpoint_id=cid):
-            return f"rollback to step {step} ({cid})"
-        case RolledBack(rank=0, to_step=step):
-            return f"rolled back to step {step}"
-        case JobResumed(attempt=attempt, from_step=step):
-            return f"resumed: attempt {attempt} from step {step}"
-        case CheckpointRejected(checkpoint_id=cid) | CheckpointRefused(checkpoint_id=cid):
-            return f"checkpoint {cid} found bad: {short(ev.cause)}"
-        case JobCompleted(steps=steps):
-            return f"completed: {steps} steps"
-        case JobFailed(reason=reason):
-            return f"failed: {short(reason)}"
-    return None
+    """A line for what a person watching wants to see happen (faults, findings, decisions, restarts), worded as the
+    postmortem and the dashboard word each event (postmortem/describe.py)."""
+    notable = ((isinstance(ev, FaultInjected) and ev.kind != "slow")
+               or (isinstance(ev, WorkersExited) and ev.is_fault()) or (isinstance(ev, RolledBack) and ev.rank == 0)
+               or isinstance(ev, Finding | RollbackRequested | JobResumed | CheckpointRejected | CheckpointRefused
+                             | JobCompleted | JobFailed))
+    return f"{type(ev).__name__}: {short(describe(ev))}" if notable and isinstance(ev, Event) else None
 
 
 def watch(url: str, job_id: str, *, out: TextIO | None = None) -> int:
