@@ -1,5 +1,7 @@
 """Job lifecycle: submission, queueing, placement, workers, and how a job ends."""
 
+from typing import Literal
+
 import msgspec
 
 from flightdeck.events.base import JobEvent
@@ -49,10 +51,17 @@ class AllocationDenied(JobEvent, frozen=True, kw_only=True):
     reason: str
 
 
+ReleaseKind = Literal["", "fault", "grow", "preempt", "ended", "stale"]
+
+
 class AllocationReleased(JobEvent, frozen=True, kw_only=True):
     attempt: int
     reason: str = ""
     restarts: int = -1  # the restarts of its budget the job has spent, this one included (-1: not recorded)
+    # Why, as the scheduler decided it: "fault" (a restart after a fault, whether it cost the budget or not), "grow"
+    # (a shrunk job stopped to grow back), "preempt", "ended" (completed, failed or cancelled), "stale" (a grant
+    # nobody waits for); "" in records written before it said so, which views read by the reason alone
+    kind: ReleaseKind = ""
 
 
 class WorkersStarted(JobEvent, frozen=True, kw_only=True):

@@ -58,7 +58,7 @@ def granted(tx: Tx, ev: AllocationGranted) -> None:
     job = _current(tx, ev.job_id, ev.attempt)
     if job is None:
         # Slots granted to an attempt nobody waits for would stay booked: give them back.
-        tx.emit(AllocationReleased(job_id=ev.job_id, attempt=ev.attempt, reason="stale grant"))
+        tx.emit(AllocationReleased(job_id=ev.job_id, attempt=ev.attempt, reason="stale grant", kind="stale"))
         return
     if not job.requested:
         return  # the same grant read again
@@ -123,7 +123,7 @@ def exited(tx: Tx, ev: WorkersExited) -> None:
         job = tx.update(job, exited=job.exited | ranks)
         if job.ranks <= job.exited:  # every rank finished with 0, and nobody asked it to stop
             tx.emit(JobCompleted(job_id=job.job_id, steps=job.spec.train.steps))
-            tx.release(job, "completed")
+            tx.release(job, "completed", "ended")
             tx.end(job, "completed")
 
 
@@ -184,7 +184,7 @@ def fault(tx: Tx, job: Job, cause_id: str, reason: str, gone: Iterable[int], *, 
         case Restart(reason=why):
             pending, since = job.pending, job.running_since
             job = tx.update(job, restarts=job.restarts + (0 if free else 1))
-            job = tx.release(job, why)
+            job = tx.release(job, why, "fault")
             job = tx.update(job, phase="recovering", attempt=job.attempt + 1, use_spares=True, restore=None,
                             running_since=0.0, **NEW_ATTEMPT)
             if planned:
@@ -207,7 +207,7 @@ def fail(tx: Tx, job: Job, reason: str, causes: Iterable[str], *, stopped: bool 
     if not stopped and job.started - job.exited:
         tx.emit(StopRequested(job_id=job.job_id, checkpoint=False, reason=reason))
     tx.emit(JobFailed(job_id=job.job_id, reason=reason, causes=list(causes)))
-    tx.release(job, "failed")
+    tx.release(job, "failed", "ended")
     tx.end(job, "failed")
 
 
@@ -230,7 +230,7 @@ def cancel(tx: Tx, ev: CancelRequested) -> None:
 def cancel_now(tx: Tx, job: Job) -> None:
     tx.emit(JobCancelled(job_id=job.job_id, reason=job.stop_reason))
     if job.assignments or job.requested:
-        tx.release(job, "cancelled")
+        tx.release(job, "cancelled", "ended")
     tx.end(job, "cancelled")
 
 
@@ -246,7 +246,7 @@ def finish_stop(tx: Tx, job: Job, note: str) -> None:
         cancel_now(tx, job)
         return
     grow = job.stop == "grow"
-    job = tx.release(job, job.stop_reason + note)
+    job = tx.release(job, job.stop_reason + note, "grow" if grow else "preempt")
     job = tx.update(job, phase="recovering" if grow else "preempted", attempt=job.attempt + 1, stop="",
                     stop_reason="", restore=None, running_since=0.0, ask_reason="grow back" if grow else "",
                     **NEW_ATTEMPT)

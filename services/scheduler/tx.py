@@ -10,7 +10,7 @@ import msgspec
 
 from flightdeck.events import subjects
 from flightdeck.events.base import JobEvent
-from flightdeck.events.job import AllocationReleased
+from flightdeck.events.job import AllocationReleased, ReleaseKind
 from flightdeck.services.core import Emit
 from flightdeck.services.scheduler.state import Job, NodeView, Phase, State
 
@@ -60,9 +60,11 @@ class Tx:
         self.nodes = {**self.nodes, name: view}
         return view
 
-    def release(self, job: Job, reason: str) -> Job:
-        """Give back the slots `job` holds or asked for; resources frees them on this event."""
-        self.emit(AllocationReleased(job_id=job.job_id, attempt=job.attempt, reason=reason, restarts=job.restarts))
+    def release(self, job: Job, reason: str, kind: ReleaseKind) -> Job:
+        """Give back the slots `job` holds or asked for; resources frees them on this event. `kind` says why, for
+        the views (a restart after a fault, a grow-back, a preemption, the job's end)."""
+        self.emit(AllocationReleased(job_id=job.job_id, attempt=job.attempt, reason=reason, restarts=job.restarts,
+                                     kind=kind))
         self.epoch += 1
         return self.update(job, assignments=(), started=frozenset(), exited=frozenset(), requested=False)
 

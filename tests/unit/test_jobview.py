@@ -226,3 +226,23 @@ def test_a_crash_reason_is_shown_on_one_line_never_as_the_log_lines_the_rank_pri
     assert describe(failed) == v.reason
     (released,) = [e for e in b.log if isinstance(e, AllocationReleased) and e.attempt == 0]
     assert released.reason.count("bus.connected") == 5  # the record quotes what the rank printed; views leave it out
+
+
+def test_a_grow_back_is_no_fault_and_spends_no_restart_as_the_scheduler_records_it() -> None:
+    """A shrunk job stopped to grow back was shown as a restart after a fault ("last fault: grow back ..."): the view
+    read every release outside a stop as one. The scheduler now records why it released (AllocationReleased.kind)."""
+    b, agents = cluster()
+    b.publish(submit("j-1", slots=2))
+    agents()
+    history = [e for e in b.log if getattr(e, "job_id", None) == "j-1"]
+    grow = AllocationReleased(job_id="j-1", attempt=0, reason="grow back to 2 slots from 1: the slots are free again",
+                              restarts=0, kind="grow")
+    v = jobview.fold("j-1", [*history, grow])
+    assert (v.phase, v.restarts, v.last_fault) == ("recovering", 0, "")
+    assert v.reason.startswith("grow back to 2 slots")
+    fault = AllocationReleased(job_id="j-1", attempt=0, reason="rank 0 exited with code 1; restart 1 of 3",
+                               restarts=1, kind="fault")
+    v = jobview.fold("j-1", [*history, fault])
+    assert (v.phase, v.restarts, v.last_fault) == ("recovering", 1, "rank 0 exited with code 1; restart 1 of 3")
+    ended = AllocationReleased(job_id="j-1", attempt=0, reason="failed", restarts=1, kind="ended")
+    assert jobview.fold("j-1", [*history, ended]).phase == "running"  # the job's end event says how it ended

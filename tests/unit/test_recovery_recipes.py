@@ -142,7 +142,7 @@ def test_a_spike_before_any_checkpoint_fails_the_job_with_advice() -> None:
     assert isinstance(stop, StopRequested) and not stop.checkpoint
     assert isinstance(failed, JobFailed) and failed.causes == ["early"]
     assert "nothing to roll back to" in failed.reason and "train.checkpoint_every is 25" in failed.reason
-    assert released == AllocationReleased(job_id=JOB, attempt=0, reason="failed", restarts=0)
+    assert released == AllocationReleased(job_id=JOB, attempt=0, reason="failed", restarts=0, kind="ended")
     assert state.ended == {JOB: "failed"}
 
 

@@ -77,7 +77,8 @@ def test_the_happy_path_ends_in_completed_and_released() -> None:
     assert outs == []
     state, outs = run([exited("j-1", 1)], state)
     assert events_of(outs) == [JobCompleted(job_id="j-1", steps=40),
-                               AllocationReleased(job_id="j-1", attempt=0, reason="completed", restarts=0)]
+                               AllocationReleased(job_id="j-1", attempt=0, reason="completed", restarts=0,
+                                                      kind="ended")]
     assert state.ended == {"j-1": "completed"} and state.jobs == {}
     again, outs = run([exited("j-1", 1), CancelRequested(job_id="j-1"), submit("j-1")], state)
     assert outs == [] and again.jobs == {}  # an ended job stays ended, and a repeated submission is the same one
@@ -116,7 +117,8 @@ def test_cancel_while_running_stops_the_ranks_first() -> None:
     assert outs == []
     state, outs = run([exited("j-1", 1, code=-15)], state)
     assert events_of(outs) == [JobCancelled(job_id="j-1", reason="done with it"),
-                               AllocationReleased(job_id="j-1", attempt=0, reason="cancelled", restarts=0)]
+                               AllocationReleased(job_id="j-1", attempt=0, reason="cancelled", restarts=0,
+                                                      kind="ended")]
 
 
 def test_cancel_while_the_allocation_is_asked_for_waits_for_the_answer() -> None:
@@ -144,7 +146,7 @@ def test_events_of_an_older_attempt_change_nothing() -> None:
     state, _ = run([exited("j-1", 0, code=1)], running())
     assert state.jobs["j-1"].attempt == 1
     later, outs = run([exited("j-1", 1, code=1), started("j-1", "a", [0]), grant("j-1", "a", 2)], state)
-    assert events_of(outs) == [AllocationReleased(job_id="j-1", attempt=0, reason="stale grant")]
+    assert events_of(outs) == [AllocationReleased(job_id="j-1", attempt=0, reason="stale grant", kind="stale")]
     assert later.jobs["j-1"].restarts == 1
 
 

@@ -191,7 +191,7 @@ def evolve(view: JobView, event: Event) -> JobView:
             phase = "stopping" if view.phase in ("running", "paused", "stopping") else view.phase
             return _replace(view, phase=phase, cancel_requested=True, reason=reason or "cancel requested")
         case AllocationReleased(attempt=attempt, reason=reason) if attempt == view.attempt and reason != STALE_GRANT:
-            return _released(view, reason, event.restarts)
+            return _released(view, reason, event.restarts, event.kind)
         case JobResumed(from_step=from_step):
             return _replace(view, resumed_from_step=from_step)
         case RollbackRequested():
@@ -212,16 +212,24 @@ def evolve(view: JobView, event: Event) -> JobView:
     return view
 
 
-def _released(view: JobView, reason: str, spent: int) -> JobView:
+def _released(view: JobView, reason: str, spent: int, kind: str) -> JobView:
     cleared = _replace(view, granted=frozenset(), started=frozenset(), world_size=0, running_since=0.0, paused="",
                        attempt=view.attempt + 1)
+    said = headline(reason)
+    match kind:
+        case "fault":  # a restart after a fault: the restarts it spent are the scheduler's figure (some are free)
+            return _replace(cleared, phase="recovering", restarts=spent, reason=said, last_fault=said)
+        case "grow":  # a shrunk job stopped to grow back: no fault, and no restart spent by it
+            return _replace(cleared, phase="recovering", reason=said, restarts=max(spent, view.restarts))
+        case "preempt":
+            return cleared  # its JobQueued("preempted") follows
+        case "ended" | "stale":
+            return view  # the job's end says how it ended; a stale grant was never the attempt's
+    # A record from before releases said why: a release outside a stop is a restart after a fault, and the restarts
+    # it spent are the scheduler's figure when recorded (a bad checkpoint's or a drain's restart is free).
     if view.phase == "stopping":
         return cleared  # a preemption's stop is done; its JobQueued("preempted") follows
-    # Outside a stop the scheduler gives slots back mid-job only to restart it; the restarts of its budget that
-    # cost are the scheduler's figure (a bad checkpoint's or a drain's restart is free), counted here only for
-    # histories recorded before releases said so.
     restarts = spent if spent >= 0 else view.restarts + 1
-    said = headline(reason)
     return _replace(cleared, phase="recovering", restarts=restarts, reason=said, last_fault=said)
 
 
