@@ -69,6 +69,8 @@ async def test_a_running_jobs_curve_and_crash_incident_appear_without_a_reload(
     crash = page.locator('#incidents tr[data-kind="crash"]')
     await crash.wait_for(timeout=WAIT_MS)
     assert "exited with code 3" in await crash.inner_text()
+    # its evidence, folded under its trigger: the causal chain, event by event
+    assert "WorkersExited: rank 1 (attempt 0)" in (await crash.locator("ol.evidence").text_content() or "")
     await page.wait_for_function(f"""document.querySelector('#jobs tr[data-job="{job}"]')
                                      ?.textContent.includes('completed')""", timeout=WAIT_MS)
     assert await page.evaluate("window.loadedOnce") is True

@@ -82,6 +82,9 @@ def test_a_spikes_incident_shows_its_diagnosis_as_the_postmortem_words_it() -> N
     (incident,) = job["incidents"]
     assert incident["kind"] == "loss_spike" and incident["diagnosis"] == pm.incidents[0].diagnosis[:page.TEXT_MAX]
     assert incident["diagnosis"].startswith("cause: undetermined: the spike over steps 30-32")
+    evidence = [e["type"] for e in incident["evidence"]]  # its causal chain, as the postmortem lists it
+    assert evidence == [m.type for m in (*pm.incidents[0].chain, *pm.incidents[0].related)][:24]
+    assert evidence[0] == "FaultInjected" and "LossSpikeDetected" in evidence and "RollbackRequested" in evidence
     assert "SpikeDiagnosed" in [d["type"] for d in job["decisions"]]
 
 

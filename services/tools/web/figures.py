@@ -80,6 +80,8 @@ class IncidentRow:
     resolution: str
     diagnosis: str = ""  # a loss spike's cause as the health monitor judged it; "" for other incidents
     steps_redone: int = 0  # steps computed again because of it (postmortem's figure)
+    # its evidence: (seconds from the job's start, event type, what it says) of each event of its causal chain
+    evidence: tuple[tuple[float, str, str], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -76,7 +76,8 @@ def job_detail(j: JobFigures, now: float) -> dict[str, Any]:
         "incidents": [{"number": r.number, "kind": r.kind, "trigger": text(r.trigger), "attempt": r.attempt,
                        "fault_s": r.fault_s, "detect_s": r.detect_s, "recover_s": r.recover_s,
                        "decision": text(r.decision), "resolution": text(r.resolution),
-                       "diagnosis": text(r.diagnosis), "steps_redone": r.steps_redone}
+                       "diagnosis": text(r.diagnosis), "steps_redone": r.steps_redone,
+                       "evidence": [{"at_s": at, "type": kind, "what": text(what)} for at, kind, what in r.evidence]}
                       for r in (j.analysis.rows if j.analysis else ())],
         "checkpoints": [{"id": c.checkpoint_id, "step": c.step, "bytes": c.bytes,
                          "state": "bad" if c.bad else "deleted" if c.deleted else "kept",

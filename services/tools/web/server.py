@@ -45,6 +45,7 @@ PING_S = 15.0  # an idle stream sends a comment this often, so proxies and the b
 LAG_S = 2.0
 ANALYSE_S = 5.0  # a running job's postmortem figures are at most this much (plus one analysis) behind
 RETRY_S = 1.0
+EVIDENCE_SHOWN = 24  # events of an incident's causal chain the page lists
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -202,7 +203,9 @@ def job_analysis(pm: Postmortem, control_seq: int, telemetry_seq: int) -> JobAna
         rows=tuple(IncidentRow(number=i.number, kind=i.kind, trigger=i.trigger, attempt=i.attempt,
                                fault_s=i.fault_at, detect_s=i.time_to_detect, recover_s=i.time_to_recover,
                                decision=i.decision, resolution=i.resolution, diagnosis=i.diagnosis,
-                               steps_redone=i.steps_redone)
+                               steps_redone=i.steps_redone,
+                               evidence=tuple((m.at, m.type, m.detail)
+                                              for m in (*i.chain, *i.related)[:EVIDENCE_SHOWN]))
                    for i in pm.incidents),
         commits=commit_seconds(pm))
 

@@ -197,7 +197,14 @@ function detail(j, compared) {
   compareCharts(j, compared);
   fill(document.getElementById("incidents"), j.incidents, (tr, i) => {
     tr.dataset.kind = i.kind;
-    cells(tr, [i.number, i.kind, i.trigger, i.attempt, seconds(i.fault_s), seconds(i.detect_s), i.decision,
+    const what = el("td", i.trigger);
+    const evidence = el("details");
+    evidence.append(el("summary", `evidence (${i.evidence.length} events)`));
+    const list = el("ol", null, "evidence");
+    for (const e of i.evidence) list.append(el("li", `+${e.at_s.toFixed(2)} s  ${e.type}: ${e.what}`));
+    evidence.append(list);
+    what.append(evidence);
+    cells(tr, [i.number, i.kind, what, i.attempt, seconds(i.fault_s), seconds(i.detect_s), i.decision,
       seconds(i.recover_s), i.steps_redone, i.resolution, i.diagnosis || "—"]);
   });
   fill(document.getElementById("spec"), j.spec, (tr, [key, value]) => { tr.dataset.key = key; cells(tr, [key, value]); });
