@@ -66,6 +66,7 @@ async def test_a_running_jobs_curve_and_crash_incident_appear_without_a_reload(
 
     await p.submit(crash_spec(), job)
     await page.wait_for_function("Number(document.getElementById('loss').dataset.points) >= 10", timeout=WAIT_MS)
+    assert await page.locator("#loss").get_attribute("data-scale") == "log"  # a x10 spike keeps the curve readable
     crash = page.locator('#incidents tr[data-kind="crash"]')
     await crash.wait_for(timeout=WAIT_MS)
     assert "exited with code 3" in await crash.inner_text()

@@ -104,16 +104,24 @@ function fleet(list) {
 
 const PALETTE = ["#2458a6", "#b3261e", "#146c2e", "#9a6700"];
 
-function chart(id, labels, xs, columns) {
+// A loss is drawn on a log axis when every value is positive: a x10 spike would flatten a linear one's curve.
+function positive(columns) { return columns.every((c) => c.every((v) => v === null || v > 0)); }
+
+function chart(id, labels, xs, columns, log) {
   const box = document.getElementById(id);
   const data = [xs, ...columns];
-  if (charts[id] && charts[id].series.length !== data.length) { charts[id].destroy(); delete charts[id]; }
+  const distr = log && positive(columns) ? 3 : 1;
+  if (charts[id] && (charts[id].series.length !== data.length || charts[id].distr !== distr)) {
+    charts[id].destroy(); delete charts[id];
+  }
   if (!charts[id]) {
     charts[id] = new uPlot({
-      width: 520, height: 220, scales: { x: { time: false } },
+      width: 520, height: 220, scales: { x: { time: false }, y: { distr } },
       series: [{ label: "step" }, ...labels.map((label, i) => ({ label, stroke: PALETTE[i % PALETTE.length],
         width: 1.5, spanGaps: true }))],
     }, data, box);
+    charts[id].distr = distr;
+    box.dataset.scale = distr === 3 ? "log" : "linear";
   } else {
     charts[id].setData(data);
   }
@@ -157,7 +165,8 @@ function compareCharts(j, compared) {
     const id = name === "loss" ? "compare-loss" : `compare-${[...names].indexOf(name)}`;
     if (!document.getElementById(id)) box(holder, id, `${name}: ${runs.map(([r]) => r).join(" vs ")}`, { compare: name });
     chart(id, runs.map(([r]) => r), steps,
-      runs.map(([, c]) => aligned(c, name === "loss" ? c.loss : (c.metrics || {})[name] || c.step.map(() => null))));
+      runs.map(([, c]) => aligned(c, name === "loss" ? c.loss : (c.metrics || {})[name] || c.step.map(() => null))),
+      name === "loss");
   }
 }
 
@@ -191,7 +200,7 @@ function detail(j, compared) {
   document.getElementById("job-summary").textContent =
     `step ${j.step} of ${j.steps}, ETA ${seconds(j.eta_s)}, ${j.world} ranks, ` +
     `${j.restarts} of ${j.max_restarts} restarts` + (j.reason ? `: ${j.reason}` : "") + (j.paused ? ` (paused: ${j.paused})` : "");
-  chart("loss", ["loss"], j.curve.step, [j.curve.loss]);
+  chart("loss", ["loss"], j.curve.step, [j.curve.loss], true);
   chart("steptime", ["step time (s)"], j.curve.step, [j.curve.step_time]);
   metricCharts(j.curve);
   compareCharts(j, compared);
