@@ -64,6 +64,7 @@ class Outcome:
 
 
 READ_TRIES = 4  # a cluster whose stream leader was just killed may still be electing when the job has ended
+TELEMETRY_SETTLE_S = 60.0  # how long a rank's reports held by its agent may take to be stored after the job's end
 
 
 async def read_all(store: EventStore, stream: str, filters: Iterable[str] = ()) -> list[Stored]:
@@ -136,10 +137,18 @@ async def check(store: JetStreamStore, job_id: str, *, steps: int, drill: str, f
                 seconds: float = 0.0) -> Outcome:
     """Everything a drill asserts, from the stored streams."""
     control = await read_all(store, subjects.CONTROL, [subjects.job_all(job_id)])
-    telemetry = await read_all(store, subjects.TELEMETRY, [subjects.telemetry_job(job_id)])
     events = [s.event for s in control if s.event is not None]
     verdict = await verify_live(store, job_id)  # `flightdeck verify`, once every service has folded the job
-    missing, repeated = lineage(control, telemetry, steps)
+    # A rank's reports reach the broker through its agent, which holds them until the broker takes them: after a
+    # leader's loss they may be stored after the job's end. Wait for them (bounded); a lost one stays missing.
+    loop = asyncio.get_running_loop()
+    settle_by = loop.time() + TELEMETRY_SETTLE_S
+    while True:
+        telemetry = await read_all(store, subjects.TELEMETRY, [subjects.telemetry_job(job_id)])
+        missing, repeated = lineage(control, telemetry, steps)
+        if not missing or loop.time() > settle_by:
+            break
+        await asyncio.sleep(1.0)
     return Outcome(
         drill=drill, faults=faults, seconds=round(seconds, 1),
         completed=any(isinstance(e, JobCompleted) for e in events),

@@ -28,7 +28,7 @@ from flightdeck.events.checkpoint import CheckpointFailed
 from flightdeck.events.history import append_to_job
 from flightdeck.events.jetstream import JetStreamStore
 from flightdeck.events.job import JobCompleted, JobQueued, JobSubmitted
-from flightdeck.events.spec import JobSpec
+from flightdeck.events.spec import JobSpec, TrainSpec
 from flightdeck.events.training import StepCompleted
 from flightdeck.services import registry
 from flightdeck.services.shell import broker
@@ -176,8 +176,20 @@ async def append_final_failed(url: str, job_id: str) -> None:
         await store.close()
 
 
+async def seed_unplaced(url: str, job_id: str) -> None:
+    """A job more slots than the fleet has: the live platform queues it and never runs it, so only this test's own
+    appends end it."""
+    store = await JetStreamStore.connect(url)
+    try:
+        spec = JobSpec(name="demo", slots=64, train=TrainSpec(batch_size=64))
+        await append_to_job(store, JobSubmitted(event_id=uuid.uuid4().hex, job_id=job_id, occurred_at=1_700_000_000.0,
+                                                producer="cli", spec=spec))
+    finally:
+        await store.close()
+
+
 def test_events_follow_prints_new_events_until_the_job_has_ended_with_its_final_checkpoint(up: Up) -> None:
-    asyncio.run(seed_job(up.url, "demo-bbb222"))
+    asyncio.run(seed_unplaced(up.url, "demo-bbb222"))
     proc = subprocess.Popen([*CLI, "events", "demo-bbb222", "--follow", "--nats", up.url],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -50,7 +50,7 @@ def test_a_secured_up_refuses_strangers_and_runs_a_job_whose_ranks_hold_no_crede
                                           train=TrainSpec(steps=20, checkpoint_every=10, data="synthetic"))))
         submitted = flightdeck("submit", str(spec), "--wait", "--nats", url, env=console, timeout=240)
         assert submitted.returncode == 0, submitted.stdout + submitted.stderr
-        assert "completed" in submitted.stdout, submitted.stdout
+        assert "JobCompleted: 20 steps" in submitted.stdout, submitted.stdout
         # The web server reads as `console`: the job's figures and the services' consumer lag are there.
         ui = f"http://127.0.0.1:{ui_port}"
 
