@@ -22,7 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--node", help="this node's name (default: the host name)")
     p.add_argument("--slots", type=int, help=f"slots to offer (default: every GPU, else {DEFAULT_CPU_SLOTS} CPU)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--data-dir", default=None,
+    p.add_argument("--data-dir", metavar="DIR", default=None,
                    help=f"specs, logs, staging, checkpoint cache (default: ${DATA_DIR_ENV} or ./.flightdeck)")
     p.add_argument("--objects", default=None,
                    help=f"committed checkpoints' object store (default: ${OBJECTS_ENV}, else <data-dir>/objects)")

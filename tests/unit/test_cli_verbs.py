@@ -78,3 +78,18 @@ def test_jobs_filters_by_phase_groups_and_name_and_sorts() -> None:
     assert ids(chosen(views, None, "gpt")) == ["gpt-1", "gpt-3"]
     assert ids(sorted(views, key=SORTS["submitted"])) == ["gpt-3", "llama-2", "gpt-1", "llama-0"]
     assert ids(sorted(views, key=SORTS["priority"])) == ["gpt-1", "llama-2", "gpt-3", "llama-0"]
+
+
+def test_one_option_has_one_placeholder_in_every_verb() -> None:
+    """`--nats URL` everywhere (down once said NATS), `--data-dir DIR`, a job is JOB whether positional or not."""
+    seen: dict[str, set[str]] = {}
+    for verb in VERBS:
+        sub = parser(verb)._subparsers._group_actions[0].choices[verb]  # type: ignore[union-attr]
+        for action in sub._actions:
+            if action.nargs == 0 or not (action.option_strings or action.dest == "job"):
+                continue
+            name = action.option_strings[0] if action.option_strings else "job"
+            seen.setdefault(name, set()).add(str(action.metavar or action.dest.upper()))
+    assert {k: v for k, v in seen.items() if len(v) > 1} == {"--out": {"DIR", "FILE"}}  # a folder, or a file
+    assert seen["job"] == seen["--resume-from"] == {"JOB"} and seen["--nats"] == {"URL"}
+    assert seen["--data-dir"] == {"DIR"}

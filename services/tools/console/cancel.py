@@ -10,7 +10,7 @@ from flightdeck.services.tools.client import Client
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("job", help="the job id (as `flightdeck submit` printed it)")
+    parser.add_argument("job", metavar="JOB", help="the job id (as `flightdeck submit` printed it)")
     parser.add_argument("--reason", default="", help="why, for the record (default: cancelled by the user)")
     add_json_argument(parser, "what happened (job_id, phase, outcome: requested, already requested, ended)")
     add_nats_argument(parser)

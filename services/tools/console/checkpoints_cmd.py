@@ -18,7 +18,7 @@ from flightdeck.services.tools.history.jobview import CheckpointEntry
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("job", help="the job id (as `flightdeck submit` printed it)")
+    parser.add_argument("job", metavar="JOB", help="the job id (as `flightdeck submit` printed it)")
     parser.add_argument("--json", action="store_true", help="a JSON list, one object per checkpoint")
     add_nats_argument(parser)
 

@@ -20,7 +20,7 @@ async def send(url: str, job_id: str, verb: Send, reason: str) -> None:
 
 def _command(name: str, verb: Send, event: str, help: str) -> Command:
     def add_arguments(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("job", help="the job id (as `flightdeck submit` printed it)")
+        parser.add_argument("job", metavar="JOB", help="the job id (as `flightdeck submit` printed it)")
         parser.add_argument("--reason", default="", help="why, for the record")
         add_json_argument(parser, "what was sent (job_id, sent: the command's event type)")
         add_nats_argument(parser)
@@ -44,7 +44,7 @@ CHECKPOINT = _command("checkpoint", Client.checkpoint, "CheckpointRequested",
 
 
 def _rollback_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("job", help="the job id (as `flightdeck submit` printed it)")
+    parser.add_argument("job", metavar="JOB", help="the job id (as `flightdeck submit` printed it)")
     parser.add_argument("--to-step", type=int, required=True, help="roll back to the newest checkpoint at or before "
                         "this step (`flightdeck checkpoints JOB` lists them)")
     parser.add_argument("--skip", type=_window, default=None, metavar="FROM:TO",

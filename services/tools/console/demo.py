@@ -240,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m flightdeck.services.tools.console.demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--spec", type=Path, default=REPO / "examples" / "demo.toml")
-    p.add_argument("--data-dir", type=Path, default=None, help="default: a fresh folder under .flightdeck-demo/")
+    p.add_argument("--data-dir", metavar="DIR", type=Path, default=None,
+                   help="default: a fresh folder under .flightdeck-demo/")
     p.add_argument("--timeout-s", type=float, default=300.0, help="give up on the job after this long")
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, _interrupted)  # a terminated demo still runs its `finally`: down

@@ -19,9 +19,10 @@ STOP_TIMEOUT_S = 30.0  # the supervisor gives each process 10 s, then the broker
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data-dir", help="the data dir `up` used (default: the up serving --nats, else "
-                        "./.flightdeck)")
-    parser.add_argument("--nats", help="the broker URL of the up to stop (default: $FLIGHTDECK_NATS_URL)")
+    parser.add_argument("--data-dir", metavar="DIR",
+                        help="the data dir `up` used (default: the up serving --nats, else ./.flightdeck)")
+    parser.add_argument("--nats", metavar="URL",
+                        help="the broker URL of the up to stop (default: $FLIGHTDECK_NATS_URL)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -20,7 +20,7 @@ from flightdeck.services.tools.console.following import follow_all, read_all
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("job", nargs="?", help="the job id (as `flightdeck submit` printed it)")
+    parser.add_argument("job", metavar="JOB", nargs="?", help="the job id (as `flightdeck submit` printed it)")
     parser.add_argument("--all", action="store_true", help="every control event: all jobs and the fleet")
     parser.add_argument("--clock", action="store_true", help="with --all: include the services' clock ticks")
     parser.add_argument("--telemetry", action="store_true", help="also the job's telemetry (steps, heartbeats)")

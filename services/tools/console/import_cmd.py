@@ -11,9 +11,9 @@ from flightdeck.services.tools.history import fdh, library
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("file", help="a history file, as `flightdeck export` writes it")
+    parser.add_argument("file", metavar="FILE", help="a history file, as `flightdeck export` writes it")
     parser.add_argument("--job", default=None, help="the job to import when the file holds several")
-    parser.add_argument("--data-dir", default=None, help="where imported histories live (default: "
+    parser.add_argument("--data-dir", metavar="DIR", default=None, help="where imported histories live (default: "
                         "$FLIGHTDECK_DATA_DIR, else ./.flightdeck)")
     parser.add_argument("--force", action="store_true", help="replace a different history already imported "
                         "for the same job")

@@ -20,7 +20,7 @@ from flightdeck.services.tools.console.following import follow_all, read_all
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("job", help="the job id (as `flightdeck submit` printed it)")
+    parser.add_argument("job", metavar="JOB", help="the job id (as `flightdeck submit` printed it)")
     parser.add_argument("--rank", type=int, default=None, help="only this rank (default: every rank)")
     parser.add_argument("--attempt", type=int, default=None, help="only this attempt (default: every attempt)")
     parser.add_argument("--follow", "-f", action="store_true", help="keep printing new lines until the job ends")

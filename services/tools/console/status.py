@@ -22,7 +22,7 @@ from flightdeck.services.tools.history.reasons import headline
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("job", nargs="?", help="one job's details (default: a table of every job)")
+    parser.add_argument("job", metavar="JOB", nargs="?", help="one job's details (default: a table of every job)")
     parser.add_argument("--json", action="store_true", help="JSON: one object for a job, a list for the table")
     add_nats_argument(parser)
 

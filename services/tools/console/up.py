@@ -51,7 +51,7 @@ OPERATOR_TOKEN = "operator-token"  # in the data dir: the dashboard acts on jobs
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_nats_argument(parser, "use this running broker instead of starting the embedded one")
-    parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR,
+    parser.add_argument("--data-dir", metavar="DIR", default=DEFAULT_DATA_DIR,
                         help="where the broker's store, logs and state live (default: ./.flightdeck)")
     parser.add_argument("--port", type=int, default=4222, help="port for the embedded broker (default: 4222)")
     parser.add_argument("--detach", action="store_true", help="run in the background; `flightdeck down` stops it")

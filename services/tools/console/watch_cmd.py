@@ -151,7 +151,7 @@ def watch(url: str, job_id: str, *, out: TextIO | None = None) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("job", help="the job id (as `flightdeck submit` printed it)")
+    parser.add_argument("job", metavar="JOB", help="the job id (as `flightdeck submit` printed it)")
     add_nats_argument(parser)
 
 

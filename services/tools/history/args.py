@@ -7,11 +7,11 @@ from flightdeck.services.tools.history.library import History, open_history
 
 
 def add_history_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("job", nargs="?", help="the job id: an imported history (flightdeck import) first, "
-                        "else the live broker")
+    parser.add_argument("job", metavar="JOB", nargs="?",
+                        help="the job id: an imported history (flightdeck import) first, else the live broker")
     parser.add_argument("--from", dest="from_file", metavar="FILE", default=None,
                         help="read this history file (.fdh, as `flightdeck export` writes) instead")
-    parser.add_argument("--data-dir", default=None, help="where imported histories live (default: "
+    parser.add_argument("--data-dir", metavar="DIR", default=None, help="where imported histories live (default: "
                         "$FLIGHTDECK_DATA_DIR, else ./.flightdeck)")
     add_nats_argument(parser)
 
