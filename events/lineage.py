@@ -4,6 +4,9 @@ node agents share, so a restart restores the same checkpoint whoever picks it.
 Why it works this way: docs/internals.md, "5. Checkpoints".
 """
 
+from collections.abc import Iterable
+from typing import Protocol, TypeVar
+
 import msgspec
 
 from flightdeck.events.commands import RollbackRequested
@@ -37,3 +40,27 @@ def restore_skips(forks: tuple[Fork, ...], attempt: int, timeline: int, step: in
 def thrown_away(forks: tuple[Fork, ...], attempt: int, timeline: int, step: int) -> bool:
     """Whether the checkpoint of (attempt, timeline, step) holds steps a rollback threw away."""
     return any(f.attempt == attempt and timeline < f.timeline and step > f.to_step for f in forks)
+
+
+class Staged(Protocol):
+    """A committed checkpoint as the restore rule reads it: its step and the (attempt, timeline) that staged it."""
+
+    @property
+    def step(self) -> int: ...
+    @property
+    def attempt(self) -> int: ...
+    @property
+    def timeline(self) -> int: ...
+
+
+C = TypeVar("C", bound=Staged)
+
+
+def newest(checkpoints: Iterable[C], forks: tuple[Fork, ...]) -> C | None:
+    """What a restart restores, the scheduler's choice and every node agent's: the highest step no rollback threw
+    away; among equal steps the one committed last (`checkpoints` in commit order)."""
+    best: C | None = None
+    for c in checkpoints:
+        if not thrown_away(forks, c.attempt, c.timeline, c.step) and (best is None or c.step >= best.step):
+            best = c
+    return best

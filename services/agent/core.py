@@ -130,18 +130,6 @@ def live_key(job_id: str, attempt: int, rank: int) -> str:
     return f"{job_id}/{attempt}/{rank}"
 
 
-def newest(checkpoints: tuple[Restore, ...], forks: tuple[lineage.Fork, ...] = ()) -> Restore | None:
-    """The highest step a rollback did not throw away; among equal steps the one committed last (the scheduler's
-    choice too)."""
-    best: Restore | None = None
-    for c in checkpoints:
-        if lineage.thrown_away(forks, c.attempt, c.timeline, c.step):
-            continue
-        if best is None or c.step >= best.step:
-            best = c
-    return best
-
-
 def adopted(spec: JobSpec) -> Restore | None:
     """The other job's checkpoint a job starts from until it has one of its own (its spec's init_from, resolved
     when it was submitted)."""
@@ -175,7 +163,7 @@ def _granted(state: State, ev: AllocationGranted) -> Transition:
                                           reason=f"attempt {ev.attempt} replaces it")))
     if not mine:
         return _put(state, ev.job_id, msgspec.structs.replace(view, held=None), *outs)
-    restore = newest(view.checkpoints, view.forks)
+    restore = lineage.newest(view.checkpoints, view.forks)  # the scheduler's rule: one function
     skips = lineage.restore_skips(view.forks, restore.attempt, restore.timeline, restore.step) if restore else ()
     restore = restore or adopted(view.spec)
     outs.append(Effect(SPAWN, SpawnArgs(

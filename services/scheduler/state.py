@@ -122,9 +122,8 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def newest(self) -> Checkpoint | None:
-        """What a restart restores (the node agents' rule too): the newest checkpoint no rollback threw away."""
-        standing = [c for c in self.checkpoints if not lineage.thrown_away(self.forks, c.attempt, c.timeline, c.step)]
-        return max(standing, key=lambda c: (c.step, c.at)) if standing else None
+        """What a restart restores: lineage.newest, the node agents' rule too (they restore what it picks)."""
+        return lineage.newest(self.checkpoints, self.forks)
 
 
 class NodeView(msgspec.Struct, frozen=True, kw_only=True):

@@ -15,7 +15,7 @@ from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointDeleted,
 from flightdeck.events.commands import RollbackRequested
 from flightdeck.events.job import JobSubmitted
 from flightdeck.events.spec import InitFrom, JobSpec
-from flightdeck.services.agent.core import Restore, newest
+from flightdeck.services.agent.core import Restore
 from flightdeck.services.tools.cli import EXIT_ERROR, EXIT_NOT_FOUND, UserError
 from flightdeck.services.tools.history.jobview import JobView
 
@@ -35,7 +35,7 @@ def resolved(init: InitFrom, view: JobView, history: Sequence[object]) -> InitFr
                 and (init.step < 0 or e.step <= init.step):
             kept.append(Restore(checkpoint_id=e.checkpoint_id, step=e.step, manifest_sha256=e.manifest_sha256,
                                 attempt=e.attempt, timeline=e.timeline))
-    chosen = newest(tuple(kept), forks)
+    chosen = lineage.newest(kept, forks)
     if chosen is None:
         at = f" at or before step {init.step}" if init.step >= 0 else ""
         raise UserError(f"{init.job} has no good committed checkpoint{at} to start from", EXIT_NOT_FOUND)
