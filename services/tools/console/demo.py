@@ -75,7 +75,7 @@ class Timeline:
         self.view = JobView(job_id=job_id)
         self.every = every  # print a progress line every this many steps
         self.base = 0.0
-        self.seen: list[Event] = []  # every event shown (heartbeats left out): its count orders held lines
+        self.shown = 0  # events taken (heartbeats left out): orders held lines of the same time by arrival
         self.spec: JobSpec | None = None
         # The control and telemetry streams arrive on their own, and a decision bears its input's time: a line waits
         # until both streams have passed its time by HOLD_S, or until it has waited WALL_HOLD_S since it arrived
@@ -97,12 +97,12 @@ class Timeline:
         if isinstance(ev, JobSubmitted):
             self.base, self.spec = ev.occurred_at, ev.spec
         if not isinstance(ev, Heartbeat):
-            self.seen.append(ev)
+            self.shown += 1
         line = self._control(ev) if stored.stream == subjects.CONTROL else self._telemetry(ev)
         if line:
             label, text = line
             at = ev.occurred_at - self.base
-            heapq.heappush(self.held, (at, len(self.seen), f"  {at:>6.1f}s  {label:<{LABEL}} {text}".rstrip(),
+            heapq.heappush(self.held, (at, self.shown, f"  {at:>6.1f}s  {label:<{LABEL}} {text}".rstrip(),
                                        self.clock()))
         self.newest[stored.stream] = max(self.newest.get(stored.stream, 0.0), ev.occurred_at - self.base)
         both = min(self.newest.get(stream, 0.0) for stream in (subjects.CONTROL, subjects.TELEMETRY))
