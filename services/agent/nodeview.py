@@ -39,7 +39,7 @@ class NodeView:
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(WATCH_S)
-            if self.sent is not None and self._view() != self.sent:
+            if self._view() != self.sent:  # moved, or never recorded yet (an append that failed is tried again)
                 self.changed()
 
     def _view(self) -> tuple[int, int]:

@@ -85,11 +85,15 @@ async def follow_all(
             await asyncio.gather(*pumps)
             return
         waiting = asyncio.ensure_future(until)
-        await asyncio.wait([waiting, *pumps], return_when=asyncio.FIRST_COMPLETED)
-        if not waiting.done():
-            waiting.cancel()
-            for failed in pumps:
-                failed.result()  # a pump ends only by failing: say why
+        try:
+            await asyncio.wait([waiting, *pumps], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not waiting.done():  # stopped, and its reader closed, before the pumps' error is told
+                waiting.cancel()
+                await asyncio.gather(waiting, return_exceptions=True)
+        for task in pumps:
+            if task.done():
+                task.result()  # a pump ends only by failing: say why
         waiting.result()
     finally:
         for task in pumps:
