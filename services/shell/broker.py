@@ -2,6 +2,7 @@
 start it with JetStream on a port and a store directory, and wait until it answers; or three of them as
 a local cluster (infra/nats/cluster.conf) for tests of a replicated broker."""
 
+import json
 import os
 import re
 import shutil
@@ -62,6 +63,22 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def listening_port(proc: subprocess.Popen[bytes], ports_file: Path, timeout: float) -> int:
+    """The client port this server process itself bound, from the ports file it writes once it listens."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise BrokerError(f"it exited with code {proc.returncode}")
+        try:
+            urls = json.loads(ports_file.read_text())["nats"]
+            return int(urls[0].rsplit(":", 1)[1])
+        except (OSError, ValueError, KeyError, IndexError):
+            pass  # not written yet, or half written
+        if time.monotonic() > deadline:
+            raise BrokerError(f"it wrote no ports file in {timeout}s")
+        time.sleep(0.05)
+
+
 def wait_port(host: str, port: int, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while True:
@@ -110,19 +127,23 @@ def start(store_dir: Path, port: int = 0, *, config: Path = CONFIG, log_path: Pa
     """Start nats-server with JetStream, listening on `host`; returns once it accepts connections."""
     path = binary()
     check_version(version(path))
-    port = port or free_port()
     store_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_path or store_dir / "nats-server.log"
-    args = [path, "-c", str(config), "-a", host, "-p", str(port), "-js", "-sd", str(store_dir),
-            "-l", str(log_path), *extra_args]
+    # -p -1 lets the server pick its own port and name it in a ports file: a port chosen here and bound there could
+    # be taken in between, and a connection test would then find another test's server listening on it.
+    args = [path, "-c", str(config), "-a", host, "-p", str(port or -1), "-js", "-sd", str(store_dir),
+            "-l", str(log_path), "--ports_file_dir", str(store_dir), *extra_args]
     proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             start_new_session=True)
     try:
+        port = listening_port(proc, store_dir / f"{Path(path).name}_{proc.pid}.ports", timeout)
         wait_port(host, port, timeout)
-    except BrokerError:
+    except BrokerError as exc:
         proc.kill()
+        proc.wait()
         err = proc.stderr.read().decode() if proc.stderr else ""
-        raise BrokerError(f"nats-server failed to start: {err or log_path.read_text()[-2000:]}") from None
+        log = log_path.read_text()[-2000:] if log_path.exists() else ""
+        raise BrokerError(f"nats-server failed to start ({exc}): {err or log}") from None
     return Broker(proc, port, store_dir, log_path, config, extra_args, host)
 
 
