@@ -38,6 +38,7 @@ log = structlog.get_logger("flightdeck.agent.links")
 CUSTODY = 20_000  # events held per rank while the broker is away; steps and heartbeats go first
 BATCH = 256
 RETRY_S = 0.5
+SETTLE_S = 2.0  # the most a rank's exit record waits for its last events (a child holding its link open, a slow broker)
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 Admit = Callable[[ranklink.Hello, int], Awaitable[bool]]
@@ -128,11 +129,15 @@ class RankLinks:
         for key in [k for k in self.faults if k[0] == job_id]:
             del self.faults[key]
 
-    def told(self, key: Key, beat_stepped: bool) -> dict[str, Any]:
+    async def told(self, key: Key, beat_stepped: bool, settle_s: float = SETTLE_S) -> dict[str, Any]:
         """What a rank that just exited told through its link, as RankExit's fields: whether it ever called
         flightdeck.init(), whether it completed a step of its attempt (its reports, or `beat_stepped`: its
         heartbeats timed one, where ranks leave their steps to the agent), and the error it recorded (RankFault).
-        Forgotten once read."""
+        Forgotten once read. Waits first, at most `settle_s`, until what the rank sent is published: its exit is
+        then stored after its last events (a crash's FaultInjected before the WorkersExited it caused)."""
+        r = self.ranks.get(key)
+        if r is not None and r.publisher is not None:
+            await asyncio.wait({r.publisher}, timeout=settle_s)
         linked = key in self.linked
         self.linked.discard(key)
         fault = self.faults.pop(key, None)

@@ -319,7 +319,7 @@ class Spawner:
             code = -signal.SIGTERM
         log.info("rank exited", exit_code=code, returncode=p.proc.returncode)
         key = (p.job_id, p.attempt, p.ref.rank)
-        told = self.links.told(key, key in self.beat_stepped) if self.links is not None else dict(NOT_TOLD)
+        told = await self.links.told(key, key in self.beat_stepped) if self.links is not None else dict(NOT_TOLD)
         self.beat_stepped.discard(key)
         tail = ""
         if code != 0 or told["unlinked"]:

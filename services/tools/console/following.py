@@ -4,6 +4,8 @@ completed job's end includes its final checkpoint, which may be committed just a
 bounded)."""
 
 import asyncio
+import contextlib
+import functools
 import heapq
 from collections.abc import AsyncGenerator, Callable, Coroutine, Sequence
 from typing import Any, Protocol
@@ -63,7 +65,14 @@ async def read_all(store: EventStore, chosen: Sequence[tuple[str, list[str]]]) -
         async for batch in store.read(stream, filters):
             messages.extend(batch)
         per_stream.append(messages)
-    return list(heapq.merge(*per_stream, key=lambda s: s.event.occurred_at if s.event else 0.0))
+    return list(heapq.merge(*per_stream, key=occurred))
+
+
+HOLD_S = 2.0  # the most a live control event waits for telemetry to reach its time (a quiet job's never does)
+
+
+def occurred(stored: Stored) -> float:
+    return stored.event.occurred_at if stored.event else 0.0
 
 
 async def follow_all(
@@ -71,13 +80,29 @@ async def follow_all(
     until: Coroutine[Any, Any, object] | None = None,
 ) -> None:
     """Show new messages from every chosen stream as they arrive, until `until` returns (None: forever), and then
-    what was stored before it did and not shown yet."""
+    what was stored before it did and not shown yet. A control event waits, at most HOLD_S, until the other
+    streams have shown what happened before it: each stream has its own reader, and a crash's fault (telemetry)
+    stored before the exit it caused (control) may reach its reader later."""
     shown = dict(after)
+    reached = {stream: 0.0 for stream, _ in chosen}  # the newest time each stream has shown
+    moved = asyncio.Condition()
 
     async def pump(stream: str, filters: list[str]) -> None:
+        others = [other for other in reached if other != stream] if stream == subjects.CONTROL else []
+
+        def caught_up(at: float) -> bool:
+            return all(reached[other] >= at for other in others)
+
         async for stored in store.follow(stream, filters, from_seq=shown[stream] + 1):
-            shown[stream] = stored.seq
+            at = occurred(stored)
+            if others:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(HOLD_S), moved:
+                        await moved.wait_for(functools.partial(caught_up, at))
+            shown[stream], reached[stream] = stored.seq, max(reached[stream], at)
             show(stored)
+            async with moved:
+                moved.notify_all()
 
     pumps = [asyncio.create_task(pump(stream, filters)) for stream, filters in chosen]
     try:
