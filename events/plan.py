@@ -17,6 +17,22 @@ class ParallelPlan(msgspec.Struct, frozen=True, kw_only=True):
     memory_per_gpu_gb: float = 0.0
 
 
+def nearest_layouts(world: int, tp: int, pp: int) -> list[tuple[int, int]]:
+    """The (tp, pp) a job that asked for `tp` x `pp` may run on `world` ranks, nearest first: the asked sizes or
+    smaller ones dividing them, the most model parallelism first and TP kept before PP (its groups stay in a node,
+    and a smaller TP group would need the same heads split anew). (1, 1) is always last, plain data parallelism."""
+    found = [(t, p) for t in range(tp, 0, -1) if tp % t == 0 for p in range(pp, 0, -1)
+             if pp % p == 0 and world % (t * p) == 0]
+    return sorted(found, key=lambda layout: (-layout[0] * layout[1], -layout[0]))
+
+
+def unplanned(world: int, tp: int = 1, pp: int = 1) -> ParallelPlan:
+    """A rank's layout when no plan was recorded (no resharder, or no platform): the asked TP x PP nearest to what
+    the world holds, data parallelism over the rest, and as many micro-batches as stages (the fewest 1F1B takes)."""
+    t, p = nearest_layouts(world, tp, pp)[0]
+    return ParallelPlan(world_size=world, dp=world // (t * p), tp=t, pp=p, micro_batches=max(1, p))
+
+
 class ReshardPlanned(JobEvent, frozen=True, kw_only=True):
     old: ParallelPlan | None
     new: ParallelPlan

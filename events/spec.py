@@ -39,6 +39,15 @@ class TrainSpec(Spec, frozen=True, kw_only=True):
     data: Literal["corpus", "synthetic"] = "corpus"
 
 
+class ParallelSpec(Spec, frozen=True, kw_only=True):
+    """The layout a script builds from `run.plan` when its ranks allow it: TP ranks within a node, PP pipeline
+    stages, data parallelism over the rest. With fewer ranks (a shrink) the resharder plans the nearest smaller
+    layout (events/plan.py, nearest_layouts). 1 x 1: the planner's own choice for the model and the slots."""
+
+    tp: Annotated[int, Meta(ge=1, le=1024)] = 1
+    pp: Annotated[int, Meta(ge=1, le=1024)] = 1
+
+
 class PolicySpec(Spec, frozen=True, kw_only=True):
     max_restarts: Annotated[int, Meta(ge=0, le=1000)] = 3
     # no restart is spent where one cannot help: the trainer API refused the script's call, or an attempt failed
@@ -152,6 +161,7 @@ class JobSpec(Spec, frozen=True, kw_only=True):
     slots: Annotated[int, Meta(ge=1, le=65536)] = 1
     model: ModelSpec = ModelSpec()
     train: TrainSpec = TrainSpec()
+    parallel: ParallelSpec = ParallelSpec()
     policy: PolicySpec = PolicySpec()
     faults: Annotated[list[FaultSpec], Meta(max_length=MAX_FAULTS)] = []
     # None: the built-in trainer (`python -m flightdeck.trainer`), which reads [model]
@@ -218,8 +228,16 @@ def check(spec: JobSpec) -> JobSpec:
                           f"({spec.policy.spike_z}): a loss counts toward a spike by how far its z passes the drift")
     if spec.policy.min_slots > spec.slots:
         raise InvalidSpec(f"policy.min_slots ({spec.policy.min_slots}) must not exceed slots ({spec.slots})")
+    want = spec.parallel.tp * spec.parallel.pp
+    if spec.slots % want:
+        raise InvalidSpec(f"parallel.tp x parallel.pp ({spec.parallel.tp} x {spec.parallel.pp} = {want}) must divide "
+                          f"slots ({spec.slots}): the ranks left over would form no whole model replica")
     if spec.entrypoint is not None:
         return _check_entrypoint(spec.entrypoint, spec)
+    if want > 1:
+        raise InvalidSpec(f"parallel.tp and parallel.pp ({spec.parallel.tp} x {spec.parallel.pp}) are for a script "
+                          "that builds its mesh from run.plan (examples/tp_pp); the built-in trainer runs data "
+                          "parallelism only: leave [parallel] out or set an [entrypoint]")
     need = rank_memory_bytes(spec)
     if need > MAX_RANK_BYTES:
         raise InvalidSpec(

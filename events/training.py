@@ -98,3 +98,5 @@ class ModelRegistered(RankEvent, frozen=True, kw_only=True):
     grad_accum: int = 0
     world_size: int = 1
     source: Literal["config", "modules", ""] = ""  # model.config (Hugging Face style), the module tree, none
+    # data-parallel replicas, each fed its own batch (a TP group or a pipeline reads one together); 0: world_size
+    dp: int = 0

@@ -12,7 +12,7 @@ import selectors
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import structlog
@@ -325,3 +325,18 @@ class Offline:
 
     def rollback_ready(self, checkpoint_id: str, wait_s: float) -> ranklink.RollbackReady | None:
         return None
+
+
+class AgentSide(Protocol):
+    """What a run hears from its node agent; trainer.link.AgentLink (and Offline, with no platform) has this shape."""
+
+    gone: bool  # the agent closed the link: stop at the next boundary rather than train blind
+
+    def poll(self) -> list[Event]:
+        """Commands received since the last poll, in order."""
+
+    def plan(self, world_size: int, wait_s: float) -> ParallelPlan | None:
+        """The job's recorded plan for this world size, waiting up to `wait_s` for one."""
+
+    def rollback_ready(self, checkpoint_id: str, wait_s: float) -> ranklink.RollbackReady | None:
+        """Where this node's agent put a rollback's checkpoint (or why it could not), waiting up to `wait_s`."""

@@ -1,7 +1,8 @@
 """What rank 0 tells the planner about the script's model (events.training.ModelRegistered): the parameters counted
-at `register`, the transformer shape where the model says it, and the batch the script feeds read off its first
-training step: sequences in one forward, and forwards per optimizer step (its gradient accumulation). Sent once;
-the hooks that watch the first step are removed at the next forward, so later steps pay nothing."""
+at `register`, the transformer shape where the model says it, and the batch the script feeds read off its second
+training step (the first may hold warm-up forwards: a pipeline stage's shape inference runs the stage once more):
+sequences in one forward, and forwards per optimizer step (its gradient accumulation). Sent once; the hooks are
+removed at the next forward, so later steps pay nothing."""
 
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -81,14 +82,15 @@ def _from_modules(model: nn.Module) -> dict[str, int]:
     return found
 
 
-class FirstStep:
-    """Watches the script's first optimizer step: how many training forwards it took and the batch the first one
+class StepWatch:
+    """Watches the script's second optimizer step: how many training forwards it took and the batch the first one
     read (its first tensor argument: `input_ids` when named), then hands the description on and unhooks."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, described: ModelRegistered,
                  send: Callable[[ModelRegistered], None]) -> None:
         self.described, self.send = described, send
         self.forwards, self.micro_batch, self.seq_len = 0, 0, 0
+        self.steps = 0  # the script's optimizer steps seen
         self.sent = False
         self.hooks: list[RemovableHandle] = [model.register_forward_pre_hook(self._forward, with_kwargs=True),
                                              optimizer.register_step_post_hook(self._stepped)]
@@ -101,15 +103,21 @@ class FirstStep:
             return
         if not module.training:
             return
+        batch = next(_tensors(kwargs.get("input_ids"), *args, *kwargs.values()), None)
+        if batch is not None and batch.is_meta:  # a pipeline stage's shape inference, not a step's forward
+            return
         self.forwards += 1
-        if self.forwards == 1 and (batch := next(_tensors(kwargs.get("input_ids"), *args, *kwargs.values()),
-                                                 None)) is not None and batch.dim() >= 1:
+        if self.forwards == 1 and batch is not None and batch.dim() >= 1:
             self.micro_batch = int(batch.shape[0])
             if batch.dim() >= 2 and not batch.is_floating_point():  # token ids: (batch, sequence)
                 self.seq_len = int(batch.shape[1])
 
     def _stepped(self, *_: Any) -> None:
         if self.sent or not self.forwards:  # not the script's: DCP's get_state_dict steps once with zero grads
+            return
+        self.steps += 1
+        if self.steps == 1:
+            self.forwards = 0  # the next step's are counted
             return
         self.sent = True
         seen = msgspec.structs.replace(self.described, micro_batch=self.micro_batch, grad_accum=self.forwards)
@@ -121,17 +129,17 @@ def _tensors(*values: Any) -> Iterator[torch.Tensor]:
 
 
 def watch(model: nn.Module | None, optimizer: torch.optim.Optimizer | None, emit: Callable[[RankEvent], None],
-          envelope: Mapping[str, Any], world_size: int) -> FirstStep | None:
+          envelope: Mapping[str, Any], world_size: int, replicas: Callable[[], int]) -> StepWatch | None:
     """Describe `model` now; send its ModelRegistered at once without an optimizer to watch, else after the
-    optimizer's first step."""
+    optimizer's second step. `replicas`: the data-parallel size when it is sent (the plan the script built)."""
     if model is None:
         return None
 
     def send(d: ModelRegistered) -> None:
-        emit(msgspec.structs.replace(d, world_size=world_size, **envelope))
+        emit(msgspec.structs.replace(d, world_size=world_size, dp=replicas(), **envelope))
 
     described = describe(model)
     if optimizer is None:
         send(described)
         return None
-    return FirstStep(model, optimizer, described, send)
+    return StepWatch(model, optimizer, described, send)

@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import FrameType
-from typing import NoReturn, Protocol, TypeVar
+from typing import NoReturn, TypeVar
 
 import msgspec
 import structlog
@@ -33,15 +33,14 @@ from flightdeck.events.commands import (
     StopRequested,
 )
 from flightdeck.events.nodelocal import RESTORE_REFUSED_EXIT, STOPPED_EXIT
-from flightdeck.events.plan import ParallelPlan
-from flightdeck.events.ranklink import RollbackReady
+from flightdeck.events.plan import ParallelPlan, unplanned
 from flightdeck.events.spec import JobSpec
 from flightdeck.events.training import FaultInjected, RankStarted, SnapshotsOff
 from flightdeck.trainer import checkpointing, faults, loaders, modelinfo, restore_points, rollback, snapshots
 from flightdeck.trainer.config import RunConfig
 from flightdeck.trainer.cursor import BatchCursor, Step
 from flightdeck.trainer.distributed import Dist
-from flightdeck.trainer.link import PLAN_WAIT_S
+from flightdeck.trainer.link import PLAN_WAIT_S, AgentSide
 from flightdeck.trainer.replay import Replay
 from flightdeck.trainer.reports import SPIKE_FACTOR, Emitter, StepReporter, check_metric_names, checked_value
 from flightdeck.trainer.snapshotting import Cadence
@@ -51,21 +50,6 @@ from flightdeck.trainer.usage import refused
 T = TypeVar("T")
 log = structlog.get_logger("trainer")
 PAUSE_POLL_S = 0.2
-
-
-class AgentSide(Protocol):
-    """What a run hears from its node agent; trainer.link.AgentLink (and Offline, with no platform) has this shape."""
-
-    gone: bool  # the agent closed the link: stop at the next boundary rather than train blind
-
-    def poll(self) -> list[Event]:
-        """Commands received since the last poll, in order."""
-
-    def plan(self, world_size: int, wait_s: float) -> ParallelPlan | None:
-        """The job's recorded plan for this world size, waiting up to `wait_s` for one."""
-
-    def rollback_ready(self, checkpoint_id: str, wait_s: float) -> RollbackReady | None:
-        """Where this node's agent put a rollback's checkpoint (or why it could not), waiting up to `wait_s`."""
 
 
 def admitted(raws: list[bytes]) -> list[Event]:
@@ -133,7 +117,8 @@ class Run:
                                        "into must be known first"))
         self.state = TrainState(model, optimizer, extras, rank=self.rank, device=self.device)
         if self.rank == 0:  # the planner learns the model and the batch it is fed (trainer/modelinfo.py)
-            modelinfo.watch(model, optimizer, self.emitter.emit, self.emitter.envelope, self.world_size)
+            modelinfo.watch(model, optimizer, self.emitter.emit, self.emitter.envelope, self.world_size,
+                            lambda: self._plan.dp if self._plan is not None else self.world_size)
         if optimizer is not None:
             # its step is the first write to state that a snapshot being copied beside training may still read
             optimizer.register_step_pre_hook(lambda *_: self._before_update())
@@ -248,10 +233,11 @@ class Run:
     @property
     def plan(self) -> ParallelPlan:
         """The parallel layout Flightdeck recorded for this world size (known at the start, or passed on by the agent
-        when the resharder records it); plain data parallelism when none was recorded (no resharder, no platform)."""
+        when the resharder records it); without one (no resharder, no platform) the spec's [parallel] layout nearest
+        to what the world holds, or plain data parallelism."""
         if self._plan is None:
             recorded = self.inbox.plan(self.world_size, PLAN_WAIT_S) if self.cfg.platform else None
-            self._plan = recorded or ParallelPlan(world_size=self.world_size, dp=self.world_size)
+            self._plan = recorded or unplanned(self.world_size, self.spec.parallel.tp, self.spec.parallel.pp)
             log.info("parallel plan", recorded=recorded is not None, plan=msgspec.to_builtins(self._plan))
         return self._plan
 

@@ -68,6 +68,7 @@ class TrainState:
         self._flat: dict[str, Any] = {}
         self._groups: dict[str, tuple[int, str]] = {}  # optim.param_groups.<i>.<name> -> (i, name), read fresh
         self._settled: tuple[tuple[int, ...] | None, frozenset[str]] = (None, frozenset())
+        self._own_groups: list[list[str]] = []  # each optimizer group's parameter names here (load_target)
 
     def _model_state(self) -> dict[str, Any]:
         if self.model is None:
@@ -150,6 +151,9 @@ class TrainState:
         dest: dict[str, Any] = self._model_state()
         if model_only:
             return {"model": dest["model"]} if "model" in dest else {}
+        # Which parameters each group holds is this rank's own: a checkpoint keeps one rank's list, and a pipeline
+        # stage's is not another's (a restore into another layout once gave stage 0 stage 1's, and AdamW failed).
+        self._own_groups = [list(g["params"]) for g in dest.get("optim", {}).get("param_groups", [])]
         for kind in ("cpu", "cuda"):
             key = f"rng.{kind}.{self.rank}"
             md = saved.get(key)
@@ -175,6 +179,10 @@ class TrainState:
             return
         if self.model is not None:
             optims = (self.optimizer,) if self.optimizer is not None else ()
+            groups = loaded.get("optim", {}).get("param_groups", [])
+            if len(groups) == len(self._own_groups):
+                for group, own in zip(groups, self._own_groups, strict=True):
+                    group["params"] = own
             set_state_dict(self.model, optims, model_state_dict=loaded["model"],
                            optim_state_dict=loaded.get("optim", {}))
         if (cpu := loaded.get(f"rng.cpu.{self.rank}")) is not None:

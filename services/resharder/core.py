@@ -44,6 +44,7 @@ class JobPlan(msgspec.Struct, frozen=True, kw_only=True):
     refused: str = ""  # why the latest grant got no plan, "" when it got one
     slots: Slots | None = None  # the latest grant's, planned again when the script reports its model
     granted_at: float = 0.0
+    asked: tuple[int, int] = (1, 1)  # the spec's [parallel] TP x PP
     # `model` and `global_batch` are the script's (ModelRegistered), or need no report: the built-in trainer's
     # model is the spec's [model] itself
     reported: bool = False
@@ -72,9 +73,14 @@ def slots_of(state: State, grant: AllocationGranted) -> Slots:
                  gpu=min(devices, key=lambda d: d.memory_gb))
 
 
-def reason(old: ParallelPlan | None, new: ParallelPlan, grant: AllocationGranted, slots: Slots) -> str:
+def reason(old: ParallelPlan | None, new: ParallelPlan, grant: AllocationGranted, slots: Slots,
+           asked: tuple[int, int] = (1, 1)) -> str:
     nodes = len({ref.node for ref in grant.assignments})
     where = f"{new.world_size} {slots.gpu.name} slots on {nodes} node{'s' if nodes != 1 else ''}"
+    if asked != (1, 1):
+        held = f"TP {new.tp} x PP {new.pp} x DP {new.dp}"
+        where += (f", {held} as asked" if (new.tp, new.pp) == asked else
+                  f", {held}: the nearest to the asked TP {asked[0]} x PP {asked[1]} these slots hold")
     if old is None:
         return f"first grant: {where} (attempt {grant.attempt})"
     if new.world_size == old.world_size:
@@ -92,7 +98,7 @@ def granted(state: State, grant: AllocationGranted) -> Transition:
         return state, ()
     slots = slots_of(state, grant)
     job = msgspec.structs.replace(job, slots=slots, granted_at=grant.occurred_at)
-    return _replanned(state, grant.job_id, job, lambda new: reason(job.plan, new, grant, slots))
+    return _replanned(state, grant.job_id, job, lambda new: reason(job.plan, new, grant, slots, job.asked))
 
 
 def _replanned(state: State, job_id: str, job: JobPlan, why: Callable[[ParallelPlan], str]) -> Transition:
@@ -100,7 +106,7 @@ def _replanned(state: State, job_id: str, job: JobPlan, why: Callable[[ParallelP
     if job.slots is None:
         return _with_job(state, job_id, job)
     try:
-        new = plan(job.model, job.slots, job.global_batch).plan
+        new = plan(job.model, job.slots, job.global_batch, job.asked).plan
     except PlanError as exc:
         return _with_job(state, job_id, msgspec.structs.replace(job, refused=str(exc)))
     if new == job.plan:
@@ -122,8 +128,9 @@ def registered(state: State, ev: ModelRegistered) -> Transition:
         return _with_job(state, ev.job_id, msgspec.structs.replace(
             job, reported=True, refused=f"the model the script registered cannot be planned: {exc}"))
     accum = max(1, ev.grad_accum)
-    batch = ev.micro_batch * accum * ev.world_size if ev.micro_batch > 0 else job.global_batch
-    fed = (f"{batch} sequences a step ({ev.micro_batch} a forward x {accum} accumulated x {ev.world_size} ranks)"
+    replicas = ev.dp or ev.world_size  # every rank of a TP group or a pipeline reads its replica's batch
+    batch = ev.micro_batch * accum * replicas if ev.micro_batch > 0 else job.global_batch
+    fed = (f"{batch} sequences a step ({ev.micro_batch} a forward x {accum} accumulated x {replicas} replicas)"
            if ev.micro_batch > 0 else f"the spec's {batch} sequences a step")
     said = f"from its {ev.source}: " if ev.source else ""
     why = (f"the model the script registered: {count(model.params)} parameters ({said}{model.layers} layers, "
@@ -145,7 +152,8 @@ def transition(state: State, event: Event) -> Transition:
     match event:
         case JobSubmitted(job_id=job_id, spec=spec):
             return _with_job(state, job_id, JobPlan(model=from_spec(spec.model), global_batch=spec.train.batch_size,
-                                                    reported=spec.entrypoint is None))
+                                                    reported=spec.entrypoint is None,
+                                                    asked=(spec.parallel.tp, spec.parallel.pp)))
         case AllocationGranted():
             return granted(state, event)
         case NodeRegistered(node=name):

@@ -8,7 +8,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from flightdeck.events.plan import ParallelPlan
+from flightdeck.events.plan import ParallelPlan, nearest_layouts
 from flightdeck.services.resharder import memory
 from flightdeck.services.resharder.gpus import GpuType
 from flightdeck.services.resharder.memory import MemoryEstimate
@@ -77,11 +77,15 @@ def batch_splits(per_replica: int, pp: int) -> Iterator[tuple[int, int, int]]:
             yield size, count, 1
 
 
-def plan(model: ModelShape, slots: Slots, global_batch: int) -> Planned:
-    """The first layout in search order that fits; PlanError if none does."""
+def plan(model: ModelShape, slots: Slots, global_batch: int, asked: tuple[int, int] = (1, 1)) -> Planned:
+    """The first layout in search order that fits; PlanError if none does. `asked` (the spec's [parallel] TP x PP)
+    narrows the search to that layout and the smaller ones nearest it (events/plan.py, nearest_layouts)."""
     if global_batch < 1:
         raise PlanError(f"the global batch must be at least one sequence, got {global_batch}")
     found = layouts(model, slots, global_batch)
+    if asked != (1, 1):
+        nearest = nearest_layouts(slots.world, *asked)
+        found = sorted((f for f in found if f[:2] in nearest), key=lambda f: nearest.index(f[:2]))
     if not found:
         raise PlanError(_no_layout(model, slots, global_batch))
     usable = memory.usable_gb(slots.gpu)

@@ -1,6 +1,7 @@
 """The examples without the platform: each runs under plain torchrun (telemetry to a JSON-lines file, checkpoints
 in local staging), a torchrun restart resumes from the newest local checkpoint, and the FSDP2 example's
-2-rank checkpoints restore into 1 rank (DCP reshards the DTensors) and continue the same run."""
+2-rank checkpoints restore into 1 rank (DCP reshards the DTensors) and continue the same run; the TP x PP
+example trains as laid out and its checkpoint restores into the layouts fewer ranks hold."""
 
 import json
 import math
@@ -107,3 +108,40 @@ def test_fsdp2_runs_under_plain_torchrun_and_its_checkpoints_from_two_ranks_rest
     assert sorted(alone) == list(range(10, 15))
     for step in range(10, 15):
         assert alone[step] == pytest.approx((halves[0][step] + halves[1][step]) / 2, rel=1e-4), step
+
+
+def layout_spec(tmp: Path, tp: int, pp: int) -> Path:
+    path = tmp / "job.toml"
+    path.write_text(f'name = "dev"\nslots = 4\n[entrypoint]\ncommand = ["python", "train.py"]\n[train]\nsteps = 15\n'
+                    f'batch_size = 8\ncheckpoint_every = 5\n[parallel]\ntp = {tp}\npp = {pp}\n')
+    return path
+
+
+@pytest.mark.timeout(420)
+def test_tp_pp_trains_as_planned_and_its_checkpoint_restores_into_other_layouts(tmp_path: Path) -> None:
+    """4 ranks as TP 2 x PP 2 (tensor parallel blocks, a 1F1B pipeline of two stages); its step-10 checkpoint into
+    2 ranks as TP 2 x PP 1 (the layout a lost node leaves) and as TP 1 x PP 2: DCP reshards it, and both go on with
+    the losses the 4 ranks had. A restore into another pipeline split once failed: a checkpoint keeps one stage's
+    list of the optimizer group's parameters, and the other stage's AdamW found no betas."""
+    four = tmp_path / "four"
+    four.mkdir()
+    done = torchrun(four, "tp_pp", layout_spec(four, 2, 2), ranks=4)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "done at step 15 as TP 2 x PP 2 x DP 1" in done.stdout
+    whole = {e["step"]: e["loss"] for e in events(four, "StepCompleted", rank=0)}
+    assert sorted(whole) == list(range(15)) and whole[14] < whole[0]
+    for rank in (1, 2, 3):  # every rank reports the pipeline's loss, from its last stage
+        assert {e["step"]: e["loss"] for e in events(four, "StepCompleted", rank=rank)} == whole
+    (model,) = events(four, "ModelRegistered")
+    assert (model["layers"], model["heads"], model["micro_batch"] * model["grad_accum"] * model["dp"]) == (4, 4, 8)
+    ckpt = four / ".flightdeck" / "staging" / "local" / "step-10"
+    for tp, pp in ((2, 1), (1, 2)):
+        two = tmp_path / f"tp{tp}-pp{pp}"
+        two.mkdir()
+        done = torchrun(two, "tp_pp", layout_spec(two, tp, pp), ranks=2, env={nl.RESTORE_ENV: str(ckpt)})
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert f"done at step 15 as TP {tp} x PP {pp} x DP 1" in done.stdout
+        resumed = {e["step"]: e["loss"] for e in events(two, "StepCompleted", rank=0)}
+        assert sorted(resumed) == list(range(10, 15))
+        for step in range(10, 15):
+            assert resumed[step] == pytest.approx(whole[step], rel=1e-5), (tp, pp, step)

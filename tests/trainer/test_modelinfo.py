@@ -89,13 +89,16 @@ def test_a_model_with_nothing_to_read_is_counted_alone() -> None:
     assert (got.params, got.layers, got.hidden, got.source) == (49, 0, 0, "")
 
 
-def test_the_first_step_gives_the_batch_and_the_accumulation_then_the_hooks_are_gone() -> None:
+def test_the_second_step_gives_the_batch_and_the_accumulation_then_the_hooks_are_gone() -> None:
     """Ours unhook at the next forward, never inside the optimizer's hooks: torch runs those from the live dict, and
     removing one there broke the next (the spike drills' high_lr hook: every step raised)."""
     model = Plain()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     sent: list[Any] = []
-    watching = modelinfo.watch(model, opt, sent.append, {"job_id": "j", "rank": 0}, world_size=4)
+    replicas = [4]  # the data-parallel size when the report goes: the plan the script built meanwhile
+    watching = modelinfo.watch(model, opt, sent.append, {"job_id": "j", "rank": 0}, world_size=4,
+                               replicas=lambda: replicas[0])
+    replicas[0] = 2
     assert watching is not None and sent == []
     after: list[int] = []
     opt.register_step_post_hook(lambda *_: after.append(1))  # a hook of the script's (or a drill's) after ours
@@ -103,24 +106,27 @@ def test_the_first_step_gives_the_batch_and_the_accumulation_then_the_hooks_are_
     model.eval()
     model(torch.zeros(7, 5, dtype=torch.long))  # an evaluation forward is not a training one
     model.train()
-    for _ in range(2):  # two optimizer steps of three micro-batches of 6 sequences of 8 tokens
-        for _ in range(3):
+    # a first step with a warm-up forward (a pipeline stage's shape inference), then steps of three micro-batches
+    # of 6 sequences of 8 tokens; the third step's forward unhooks
+    for forwards in (4, 3, 1):
+        for _ in range(forwards):
             model(torch.randint(0, 50, (6, 8))).sum().backward()
         opt.step()
         opt.zero_grad()
     (report,) = sent
-    assert isinstance(report, ModelRegistered) and (report.job_id, report.rank, report.world_size) == ("j", 0, 4)
+    assert isinstance(report, ModelRegistered) and (report.job_id, report.rank, report.world_size, report.dp) == ("j", 0, 4, 2)
     assert (report.micro_batch, report.grad_accum, report.seq_len) == (6, 3, 8)  # the tokens fed, not a maximum
     assert report.params == modelinfo.describe(model).params and report.source == "modules"
-    assert len(after) == 3  # every step ran the hooks after ours (the drill's high_lr restores its lr in one)
+    assert len(after) == 4  # every step ran the hooks after ours (the drill's high_lr restores its lr in one)
     assert not model._forward_pre_hooks  # ours, gone: only the script's is left
     assert [h.__name__ for h in opt._optimizer_step_post_hooks.values()] == ["<lambda>"]
 
 
 def test_without_an_optimizer_it_is_sent_at_once_and_without_a_model_not_at_all() -> None:
     sent: list[Any] = []
-    assert modelinfo.watch(nn.Linear(2, 2), None, sent.append, {"job_id": "j", "rank": 0}, world_size=1) is None
-    assert modelinfo.watch(None, None, sent.append, {"job_id": "j", "rank": 0}, world_size=1) is None
+    assert modelinfo.watch(nn.Linear(2, 2), None, sent.append, {"job_id": "j", "rank": 0}, world_size=1,
+                           replicas=lambda: 1) is None
+    assert modelinfo.watch(None, None, sent.append, {"job_id": "j", "rank": 0}, world_size=1, replicas=lambda: 1) is None
     assert [(r.params, r.micro_batch, r.grad_accum) for r in sent] == [(6, 0, 0)]
 
 

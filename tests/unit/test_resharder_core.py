@@ -162,7 +162,7 @@ def test_the_script_s_model_replans_once_with_its_size_and_its_batch() -> None:
     assert registered.new.zero_stage > 0 and registered.new.memory_per_gpu_gb > 1.0  # sized for 500M, not the defaults
     assert registered.reason.startswith("the model the script registered: 500M parameters (from its config: 24 "
                                         "layers, 16 heads, hidden 1024, sequence 1024), 16 sequences a step (2 a "
-                                        "forward x 4 accumulated x 2 ranks)")
+                                        "forward x 4 accumulated x 2 replicas)")
     job_plan = state.jobs["job-1"]
     assert job_plan.reported and job_plan.plan == registered.new and job_plan.global_batch == 16
 
