@@ -151,9 +151,11 @@ async def persisting(root: Path, job_id: str, attempt: int, rank: int, staged: t
 
 
 def in_memory(root: Path, job_id: str, checkpoint_id: str, step: int, rank: int,
-              mf: manifest.Manifest) -> Path | None:
+              mf: manifest.Manifest, world_size: int) -> Path | None:
     """This node's slot holding exactly rank `rank`'s shard of committed checkpoint `mf` (its header file has the
-    manifest's sha256; its tensors are checked by the rank as it loads), or None: restore from the store."""
+    manifest's sha256; its tensors are checked by the rank as it loads), or None: restore from the store. A slot of
+    a sharded state (FSDP, TP, a pipeline stage) serves only a world of the size it was taken in: a rank of another
+    layout needs pieces other ranks held, which the store has and this slot does not."""
     want = next((s for s in mf.shards if s.path == f"{fmt.header_name(rank)}"), None)
     if want is None:
         return None
@@ -167,7 +169,8 @@ def in_memory(root: Path, job_id: str, checkpoint_id: str, step: int, rank: int,
             header = fmt.read_header(header_path)
         except (OSError, fmt.BadSnapshot):
             continue
-        if (header.job_id, header.step, header.rank) == (job_id, step, rank):
+        if (header.job_id, header.step, header.rank) == (job_id, step, rank) and (
+                header.replicated or header.world_size == world_size):
             log.info("restoring from memory", job_id=job_id, checkpoint_id=checkpoint_id, rank=rank,
                      slot=str(attempt_dir))
             return attempt_dir
@@ -264,7 +267,7 @@ async def restores_in_memory(root: Path, objects: ObjectStore, args: SpawnArgs) 
         for ref in args.ranks if mf is not None else ():
             assert mf is not None
             slot = await asyncio.to_thread(in_memory, root, args.job_id, restore.checkpoint_id, restore.step, ref.rank,
-                                           mf)
+                                           mf, args.world_size)
             if slot is not None:
                 found[ref.rank] = slot
     if restore is not None:  # older than what this attempt restores: never needed again

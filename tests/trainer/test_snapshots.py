@@ -18,6 +18,7 @@ from flightdeck.events.checkpoint import CheckpointStaged, DataPosition
 from flightdeck.events.store import MemoryStore
 from flightdeck.events.training import RankStarted, RolledBack, StepCompleted
 from flightdeck.services.agent import snapshots as agent_snaps
+from flightdeck.services.shell.objects import manifest
 from flightdeck.trainer import checkpointing, distributed, snapshots
 from flightdeck.trainer.hostcopy import HostCopier
 from flightdeck.trainer.snapshotting import Cadence
@@ -358,3 +359,23 @@ def _fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     model(torch.randn(2, 64)).square().mean().backward()
     opt.step()  # the optimizer's state exists, so the load has somewhere to go
     return model, opt
+
+
+@pytest.mark.parametrize("replicated", [True, False])
+def test_a_sharded_slot_restores_only_a_world_of_its_own_size(tmp_path: Path, replicated: bool) -> None:
+    """A rank's slot of a sharded state (FSDP, TP, a pipeline stage) holds its own pieces only: a rank of a world of
+    another size (a shrink) must read the store's set, or it would find pieces missing; a full replica serves any."""
+    m, opt, _ = parts(seed=1)
+    snaps = snapshots.Snapshots(tmp_path, job_id="j", attempt=0, rank=0, world_size=2)
+    live = state(m, opt).live()
+    position = DataPosition(next_batch=9, skipped=[])
+    live[checkpointing.META_KEY] = checkpointing.meta_item(9, position, 2)
+    snaps.take(9, live, position, timeline=0, checkpointing=False, replicated=replicated)
+    snaps.wait()
+    ((header, folder),) = agent_snaps.choose(tmp_path, "j", 0, 0, None)  # type: ignore[misc]
+    event = agent_snaps.persist_event(header, folder, node="n", producer="agent-n", seconds=0.1)
+    mf = manifest.Manifest(job_id="j", checkpoint_id="c9", step=9, world_size=2, attempt=0, created_at=1.0,
+                           shards=event.shards, data=position)
+    assert agent_snaps.in_memory(tmp_path, "j", "c9", 9, 0, mf, world_size=2) == folder
+    assert agent_snaps.in_memory(tmp_path, "j", "c9", 9, 0, mf, world_size=1) == (folder if replicated else None)
+    snaps.close()
