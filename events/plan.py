@@ -17,6 +17,29 @@ class ParallelPlan(msgspec.Struct, frozen=True, kw_only=True):
     memory_per_gpu_gb: float = 0.0
 
 
+MESH_DIMS = ("pp", "dp", "tp")  # a script's mesh, outermost first: TP innermost keeps a TP group on one node
+
+
+def coordinates(plan: ParallelPlan, rank: int) -> dict[str, int]:
+    """Where `rank` sits in a mesh built as MESH_DIMS (examples/tp_pp): its pipeline stage, replica and TP rank."""
+    return {"pp": rank // (plan.tp * plan.dp), "dp": rank // plan.tp % plan.dp, "tp": rank % plan.tp}
+
+
+def bubble(plan: ParallelPlan) -> float:
+    """The share of a 1F1B pipeline's time its stages idle: (stages - 1) / micro-batches; 0 without a pipeline."""
+    return (plan.pp - 1) / max(1, plan.micro_batches)
+
+
+def described(plan: ParallelPlan) -> str:
+    """The layout in words, as status and the dashboard show it."""
+    words = f"TP {plan.tp} x PP {plan.pp} x DP {plan.dp} on {plan.world_size} ranks"
+    if plan.pp > 1:
+        words += f", {plan.micro_batches} micro-batches (pipeline bubble {bubble(plan):.0%})"
+    if plan.memory_per_gpu_gb > 0:
+        words += f", {plan.memory_per_gpu_gb:.3g} GB planned per rank"
+    return words
+
+
 def nearest_layouts(world: int, tp: int, pp: int) -> list[tuple[int, int]]:
     """The (tp, pp) a job that asked for `tp` x `pp` may run on `world` ranks, nearest first: the asked sizes or
     smaller ones dividing them, the most model parallelism first and TP kept before PP (its groups stay in a node,

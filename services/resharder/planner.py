@@ -8,7 +8,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from flightdeck.events.plan import ParallelPlan, nearest_layouts
+from flightdeck.events.plan import ParallelPlan, bubble, nearest_layouts
 from flightdeck.services.resharder import memory
 from flightdeck.services.resharder.gpus import GpuType
 from flightdeck.services.resharder.memory import MemoryEstimate
@@ -45,7 +45,7 @@ class Planned:
 
     @property
     def bubble(self) -> float:
-        return (self.plan.pp - 1) / self.plan.micro_batches
+        return bubble(self.plan)
 
 
 def divisors(n: int) -> list[int]:

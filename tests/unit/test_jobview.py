@@ -6,7 +6,20 @@ from typing import get_args
 from flightdeck.events.base import Event
 from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointDeleted, DataPosition
 from flightdeck.events.commands import PauseRequested, ResumeRequested, RollbackRequested
-from flightdeck.events.job import AllocationReleased, CancelRequested, JobFailed, JobQueued, WorkersExited
+from flightdeck.events.job import (
+    AllocationGranted,
+    AllocationReleased,
+    AllocationRequested,
+    CancelRequested,
+    JobFailed,
+    JobQueued,
+    JobSubmitted,
+    SlotRef,
+    WorkersExited,
+    WorkersStarted,
+)
+from flightdeck.events.plan import ParallelPlan, ReshardPlanned
+from flightdeck.events.spec import EntrypointSpec, JobSpec, ParallelSpec
 from flightdeck.events.training import StepCompleted
 from flightdeck.services.resources.core import core_service as resources
 from flightdeck.services.scheduler.core import core_service as scheduler
@@ -17,6 +30,7 @@ from flightdeck.services.tools.history.jobview import PHASES, JobView
 from flightdeck.services.tools.postmortem.describe import describe
 from flightdeck.services.tools.web.figures import Figures, JobFigures
 from flightdeck.services.tools.web.metrics import Live, exposition
+from flightdeck.services.tools.web.page import job_detail
 from tests.unit.helpers import Agents, Bus, register, submit
 
 
@@ -246,3 +260,31 @@ def test_a_grow_back_is_no_fault_and_spends_no_restart_as_the_scheduler_records_
     assert (v.phase, v.restarts, v.last_fault) == ("recovering", 1, "rank 0 exited with code 1; restart 1 of 3")
     ended = AllocationReleased(job_id="j-1", attempt=0, reason="failed", restarts=1, kind="ended")
     assert jobview.fold("j-1", [*history, ended]).phase == "running"  # the job's end event says how it ended
+
+
+def test_the_planned_layout_and_each_rank_s_place_in_it_come_from_the_resharder_s_record() -> None:
+    spec = JobSpec(name="tppp", slots=4, parallel=ParallelSpec(tp=2, pp=2),
+                   entrypoint=EntrypointSpec(command=["python", "train.py"]))
+    refs = [SlotRef(node=f"n{1 + r // 2}", slot=r % 2, rank=r) for r in range(4)]
+    plan = ParallelPlan(world_size=4, dp=1, tp=2, pp=2, micro_batches=8, memory_per_gpu_gb=0.25)
+    history: list[Event] = [JobSubmitted(job_id="j", spec=spec), AllocationRequested(job_id="j", attempt=0, slots=4),
+                            AllocationGranted(job_id="j", attempt=0, assignments=refs),
+                            ReshardPlanned(job_id="j", old=None, new=plan, reason="first grant"),
+                            WorkersStarted(job_id="j", attempt=0, node="n1", ranks=[0, 1], pids=[10, 11]),
+                            WorkersStarted(job_id="j", attempt=0, node="n2", ranks=[2, 3], pids=[12, 13])]
+    v = JobView(job_id="j")
+    for event in history:
+        v = jobview.evolve(v, event)
+    assert v.plan == plan and v.placement == ((0, "n1"), (1, "n1"), (2, "n2"), (3, "n2"))
+    said = dict(line.split(": ", 1) for line in details(v, 0.0).splitlines())
+    assert said["layout"].strip() == ("TP 2 x PP 2 x DP 1 on 4 ranks, 8 micro-batches (pipeline bubble 12%), "
+                                      "0.25 GB planned per rank")
+    assert said["ranks"].strip() == ("0 on n1 (pp 0, dp 0, tp 0); 1 on n1 (pp 0, dp 0, tp 1); "
+                                     "2 on n2 (pp 1, dp 0, tp 0); 3 on n2 (pp 1, dp 0, tp 1)")
+    assert as_json(v, 0.0)["plan"]["tp"] == 2
+    figures = Figures()
+    figures.jobs["j"] = JobFigures(view=v, layout=tuple(refs))
+    shown = job_detail(figures.jobs["j"], 0.0)
+    assert [(r["rank"], r["node"], r["pp"], r["dp"], r["tp"]) for r in shown["layout"]] == [
+        (0, "n1", 0, 0, 0), (1, "n1", 0, 0, 1), (2, "n2", 1, 0, 0), (3, "n2", 1, 0, 1)]
+    assert shown["plan"]["described"] == said["layout"].strip() and shown["plan"]["bubble"] == 1 / 8

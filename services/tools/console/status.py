@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 
 from flightdeck.events import codec
+from flightdeck.events.plan import coordinates, described
 from flightdeck.services.shell.broker import nats_url
 from flightdeck.services.tools.cli import Command, add_nats_argument
 from flightdeck.services.tools.client import Client
@@ -54,6 +55,18 @@ def _checkpoint(v: JobView) -> str:
 COLUMNS = ("JOB", "PHASE", "PRIO", "SLOTS", "STEPS", "CHECKPOINT", "RESTARTS", "AGE")
 
 
+RANKS_SHOWN = 16
+
+
+def _ranks(v: JobView) -> str:
+    """Which node each rank runs on, with its place in the planned mesh when the layout is more than DP."""
+    plan = v.plan if v.plan and v.plan.world_size == len(v.placement) and v.plan.tp * v.plan.pp > 1 else None
+    shown = [f"{rank} on {node}" + (" (" + ", ".join(f"{dim} {at}" for dim, at in coordinates(plan, rank).items())
+                                    + ")" if plan else "") for rank, node in v.placement[:RANKS_SHOWN]]
+    more = len(v.placement) - RANKS_SHOWN
+    return "; ".join(shown) + (f"; {more} more (status --json)" if more > 0 else "")
+
+
 def table(views: list[JobView], now: float) -> str:
     rows = [COLUMNS] + [(v.job_id, v.phase, str(v.priority), _slots(v), _steps(v), _checkpoint(v), str(v.restarts),
                          duration(now - v.submitted_at)) for v in views]
@@ -72,6 +85,8 @@ def details(v: JobView, now: float) -> str:
         *([("paused", v.paused)] if v.paused and not v.ended else []),  # in full: it may say what to do
         ("priority", str(v.priority)),
         ("slots", f"{v.slots} asked, {v.world_size} granted (attempt {v.attempt})"),
+        *([("layout", described(v.plan))] if v.plan else []),
+        *([("ranks", _ranks(v))] if v.placement and not v.ended else []),
         ("steps", f"{_steps(v)} done" + ("" if v.loss is None else f" (loss {v.loss:.4g})")),
         *([("metrics", ", ".join(f"{k} {x:.4g}" for k, x in sorted(v.metrics.items())))] if v.metrics else []),
         ("checkpoint", f"{last.checkpoint_id} at step {last.step}" if last else "none committed"),

@@ -33,6 +33,7 @@ from flightdeck.events.job import (
     JobSubmitted,
     WorkersStarted,
 )
+from flightdeck.events.plan import ParallelPlan, ReshardPlanned
 from flightdeck.events.training import StepCompleted
 from flightdeck.services.scheduler.state import Phase
 from flightdeck.services.tools.history.reasons import headline
@@ -94,6 +95,8 @@ class JobView(msgspec.Struct, frozen=True, kw_only=True):
     ended_at: float = 0.0
     version: int = 0  # the newest job_version folded
     granted: frozenset[int] = frozenset()  # ranks of the current attempt
+    placement: tuple[tuple[int, str], ...] = ()  # (rank, node) of the current attempt's grant
+    plan: ParallelPlan | None = None  # the resharder's newest plan (ReshardPlanned): the layout the ranks build
     started: frozenset[int] = frozenset()  # ranks of the current attempt whose workers started
     checkpoints: tuple[CheckpointEntry, ...] = ()  # committed, in commit order
 
@@ -174,10 +177,11 @@ def evolve(view: JobView, event: Event) -> JobView:
             recovering = view.phase == "recovering"
             return _replace(view, phase="recovering" if recovering else "placing", attempt=attempt,
                             reason=view.reason if recovering else "", granted=frozenset(), started=frozenset(),
-                            world_size=0)
+                            placement=(), world_size=0)
         case AllocationGranted(attempt=attempt) if attempt == view.attempt:
             ranks = frozenset(ref.rank for ref in event.assignments)
-            return _replace(view, granted=ranks, world_size=len(ranks))
+            placement = tuple(sorted((ref.rank, ref.node) for ref in event.assignments))
+            return _replace(view, granted=ranks, world_size=len(ranks), placement=placement)
         case AllocationDenied(attempt=attempt, reason=reason) if attempt == view.attempt:
             return _replace(view, reason=f"allocation denied: {reason}")
         case WorkersStarted(attempt=attempt) if attempt == view.attempt and view.granted:
@@ -194,6 +198,8 @@ def evolve(view: JobView, event: Event) -> JobView:
             return _released(view, reason, event.restarts, event.kind)
         case JobResumed(from_step=from_step):
             return _replace(view, resumed_from_step=from_step)
+        case ReshardPlanned(new=plan):
+            return _replace(view, plan=plan)
         case RollbackRequested():
             return _replace(view, rollbacks=view.rollbacks + 1)
         case SpikeDiagnosed():
@@ -213,8 +219,8 @@ def evolve(view: JobView, event: Event) -> JobView:
 
 
 def _released(view: JobView, reason: str, spent: int, kind: str) -> JobView:
-    cleared = _replace(view, granted=frozenset(), started=frozenset(), world_size=0, running_since=0.0, paused="",
-                       attempt=view.attempt + 1)
+    cleared = _replace(view, granted=frozenset(), started=frozenset(), placement=(), world_size=0, running_since=0.0,
+                       paused="", attempt=view.attempt + 1)
     said = headline(reason)
     match kind:
         case "fault":  # a restart after a fault: the restarts it spent are the scheduler's figure (some are free)

@@ -20,7 +20,7 @@ from flightdeck.events.fleet import NodeCordoned, NodeHeartbeat, NodeLost, NodeR
 from flightdeck.events.heartbeats import RankHeartbeats
 from flightdeck.events.job import AllocationGranted, JobSubmitted, SlotRef
 from flightdeck.events.logs import RankOutput
-from flightdeck.events.plan import ParallelPlan, ReshardPlanned
+from flightdeck.events.plan import ParallelPlan
 from flightdeck.events.spec import JobSpec
 from flightdeck.events.store import Stored
 from flightdeck.events.training import StepCompleted
@@ -115,7 +115,11 @@ class JobFigures:
     analysis: JobAnalysis | None = None
     spec: JobSpec | None = None  # as submitted (JobSubmitted)
     layout: tuple[SlotRef, ...] = ()  # which rank runs on which node and slot: the newest grant of its attempt
-    plan: ParallelPlan | None = None  # the resharder's newest plan (ReshardPlanned)
+
+    @property
+    def plan(self) -> ParallelPlan | None:
+        """The resharder's newest plan, as the job's view folded it."""
+        return self.view.plan
 
     @property
     def placed(self) -> tuple[SlotRef, ...]:
@@ -191,8 +195,6 @@ class Figures:
                 job.spec = spec
             case AllocationGranted(attempt=attempt, assignments=assignments) if attempt == job.view.attempt:
                 job.layout = tuple(sorted(assignments, key=lambda r: r.rank))
-            case ReshardPlanned(new=plan):
-                job.plan = plan
 
     def _job(self, job_id: str) -> JobFigures:
         job = self.jobs.get(job_id)

@@ -8,6 +8,7 @@ from typing import Any
 
 import msgspec
 
+from flightdeck.events.plan import bubble, coordinates, described
 from flightdeck.services.tools.history.jobview import ENDED, PHASES
 from flightdeck.services.tools.web.figures import Figures, JobFigures
 from flightdeck.services.tools.web.metrics import Live
@@ -69,10 +70,13 @@ def job_detail(j: JobFigures, now: float) -> dict[str, Any]:
         "curve": curve(j),
         "spec": [(k, "(set)" if k.startswith(HIDDEN) else x) for k, x in flat(msgspec.to_builtins(j.spec))][:SPEC_ROWS]
         if j.spec is not None else [],
-        "layout": [{"rank": r.rank, "node": r.node, "slot": r.slot} for r in j.placed[:NODES_SHOWN]],
+        "layout": [{"rank": r.rank, "node": r.node, "slot": r.slot,
+                    **(coordinates(plan, r.rank) if plan and plan.world_size == len(j.placed) else {})}
+                   for r in j.placed[:NODES_SHOWN]],
         "plan": None if plan is None else {"world_size": plan.world_size, "dp": plan.dp, "tp": plan.tp, "pp": plan.pp,
-                                           "micro_batches": plan.micro_batches,
-                                           "memory_per_gpu_gb": finite(plan.memory_per_gpu_gb)},
+                                           "micro_batches": plan.micro_batches, "bubble": bubble(plan),
+                                           "memory_per_gpu_gb": finite(plan.memory_per_gpu_gb),
+                                           "described": described(plan)},
         "incidents": [{"number": r.number, "kind": r.kind, "trigger": text(r.trigger), "attempt": r.attempt,
                        "fault_s": r.fault_s, "detect_s": r.detect_s, "recover_s": r.recover_s,
                        "decision": text(r.decision), "resolution": text(r.resolution),

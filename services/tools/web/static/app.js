@@ -25,7 +25,6 @@ function seconds(s) {
   return `${(s / 86400).toFixed(1)} d`;
 }
 
-function memory(gb) { return gb >= 1 ? `${gb.toFixed(1)} GB` : `${(gb * 1024).toFixed(0)} MB`; }
 
 function fixed(v, digits) { return v === null || v === undefined ? "—" : Number(v).toFixed(digits); }
 
@@ -218,9 +217,10 @@ function detail(j, compared) {
   });
   fill(document.getElementById("spec"), j.spec, (tr, [key, value]) => { tr.dataset.key = key; cells(tr, [key, value]); });
   const p = j.plan;
-  document.getElementById("plan").textContent = p ? `planned: ${p.world_size} ranks = dp ${p.dp} × tp ${p.tp} × pp ${p.pp}`
-    + (p.memory_per_gpu_gb ? `, ${memory(p.memory_per_gpu_gb)} planned per rank` : "") : "no plan recorded: plain data parallelism";
-  fill(document.getElementById("layout"), j.layout, (tr, r) => { tr.dataset.rank = r.rank; cells(tr, [r.rank, r.node, r.slot]); });
+  document.getElementById("plan").textContent = p ? `planned: ${p.described}` : "no plan recorded: plain data parallelism";
+  fill(document.getElementById("layout"), j.layout, (tr, r) => {
+    tr.dataset.rank = r.rank; cells(tr, [r.rank, r.node, r.slot, r.pp ?? "", r.dp ?? "", r.tp ?? ""]);
+  });
   fill(document.getElementById("checkpoints"), j.checkpoints, (tr, c) => {
     tr.dataset.state = c.state;
     cells(tr, [c.id, c.step, bytes(c.bytes), c.why ? `${c.state}: ${c.why}` : c.state]);
