@@ -120,8 +120,8 @@ def layout_spec(tmp: Path, tp: int, pp: int) -> Path:
 @pytest.mark.timeout(420)
 def test_tp_pp_trains_as_planned_and_its_checkpoint_restores_into_other_layouts(tmp_path: Path) -> None:
     """4 ranks as TP 2 x PP 2 (tensor parallel blocks, a 1F1B pipeline of two stages); its step-10 checkpoint into
-    2 ranks as TP 2 x PP 1 (the layout a lost node leaves) and as TP 1 x PP 2: DCP reshards it, and both go on with
-    the losses the 4 ranks had. A restore into another pipeline split once failed: a checkpoint keeps one stage's
+    2 ranks as TP 2 x PP 1 (the layout a lost node leaves), as TP 1 x PP 2, and into 4 as TP 2 x DP 2 (FSDP2 over
+    the replicas): DCP reshards it, and each goes on with the losses the 4 ranks had. A restore into another pipeline split once failed: a checkpoint keeps one stage's
     list of the optimizer group's parameters, and the other stage's AdamW found no betas."""
     four = tmp_path / "four"
     four.mkdir()
@@ -135,13 +135,13 @@ def test_tp_pp_trains_as_planned_and_its_checkpoint_restores_into_other_layouts(
     (model,) = events(four, "ModelRegistered")
     assert (model["layers"], model["heads"], model["micro_batch"] * model["grad_accum"] * model["dp"]) == (4, 4, 8)
     ckpt = four / ".flightdeck" / "staging" / "local" / "step-10"
-    for tp, pp in ((2, 1), (1, 2)):
-        two = tmp_path / f"tp{tp}-pp{pp}"
-        two.mkdir()
-        done = torchrun(two, "tp_pp", layout_spec(two, tp, pp), ranks=2, env={nl.RESTORE_ENV: str(ckpt)})
+    for ranks, tp, pp, dp in ((2, 2, 1, 1), (2, 1, 2, 1), (4, 2, 1, 2)):  # the last: FSDP2 over DP 2, with TP
+        other = tmp_path / f"tp{tp}-pp{pp}-dp{dp}"
+        other.mkdir()
+        done = torchrun(other, "tp_pp", layout_spec(other, tp, pp), ranks=ranks, env={nl.RESTORE_ENV: str(ckpt)})
         assert done.returncode == 0, done.stderr[-3000:]
-        assert f"done at step 15 as TP {tp} x PP {pp} x DP 1" in done.stdout
-        resumed = {e["step"]: e["loss"] for e in events(two, "StepCompleted", rank=0)}
+        assert f"done at step 15 as TP {tp} x PP {pp} x DP {dp}" in done.stdout
+        resumed = {e["step"]: e["loss"] for e in events(other, "StepCompleted", rank=0)}
         assert sorted(resumed) == list(range(10, 15))
         for step in range(10, 15):
-            assert resumed[step] == pytest.approx(whole[step], rel=1e-5), (tp, pp, step)
+            assert resumed[step] == pytest.approx(whole[step], rel=1e-5), (tp, pp, dp, step)
