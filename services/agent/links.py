@@ -30,7 +30,7 @@ from flightdeck.events.catalog import RANK_TYPES
 from flightdeck.events.checkpoint import CheckpointStaged
 from flightdeck.events.plan import ParallelPlan
 from flightdeck.events.store import EventStore
-from flightdeck.events.training import RankFault, RolledBack, StepCompleted
+from flightdeck.events.training import FaultInjected, RankFault, RolledBack, StepCompleted
 from flightdeck.services.shell.connection import TRANSIENT
 
 log = structlog.get_logger("flightdeck.agent.links")
@@ -83,7 +83,8 @@ class RankLinks:
         # snapshot never runs ahead of the rank's record
         self.stepped: dict[Key, int] = {}
         self.linked: set[Key] = set()  # ranks that said Hello: they called flightdeck.init()
-        self.faults: dict[Key, RankFault] = {}  # a rank's uncaught error, as it recorded it on its way out
+        # a rank's uncaught error as it recorded it on its way out, or the drill crash it was told to make
+        self.faults: dict[Key, RankFault | FaultInjected] = {}
         self._server: socket.socket | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -141,9 +142,10 @@ class RankLinks:
         linked = key in self.linked
         self.linked.discard(key)
         fault = self.faults.pop(key, None)
-        error = f"{fault.error_type}: {fault.message}".splitlines()[0][:MAX_ERROR] if fault is not None else ""
+        error = "" if fault is None else f"drill fault 'crash' injected at step {fault.step}" \
+            if isinstance(fault, FaultInjected) else f"{fault.error_type}: {fault.message}".splitlines()[0][:MAX_ERROR]
         return {"error": error, "early": key not in self.stepped and not beat_stepped,
-                "usage": fault is not None and fault.usage, "unlinked": not linked}
+                "usage": isinstance(fault, RankFault) and fault.usage, "unlinked": not linked}
 
     def _tell(self, job_id: str, attempt: int | None, msg: msgspec.Struct) -> None:
         data = ranklink.ENCODER.encode(msg)
@@ -265,7 +267,8 @@ class RankLinks:
                 self.stepped[r.key] = event.step
             elif isinstance(event, RolledBack):
                 self.stepped[r.key] = event.to_step - 1
-            elif isinstance(event, RankFault) and event.kind in ("exception", "cuda"):
+            elif (isinstance(event, RankFault) and event.kind in ("exception", "cuda")) or \
+                    (isinstance(event, FaultInjected) and event.kind == "crash"):
                 self.faults[r.key] = event
         self.refused += refused
         r.wake.set()
