@@ -159,21 +159,27 @@ def in_memory(root: Path, job_id: str, checkpoint_id: str, step: int, rank: int,
     want = next((s for s in mf.shards if s.path == f"{fmt.header_name(rank)}"), None)
     if want is None:
         return None
+    passed: list[str] = []  # why each slot of the rank is not the one: said when none is
     for attempt_dir in sorted((root / job_id).glob(f"a*-r{rank}-s*")) if (root / job_id).is_dir() else []:
         header_path = attempt_dir / fmt.header_name(rank)
         try:
-            if header_path.stat().st_size != want.size:
-                continue
-            if _sha256(header_path).sha256 != want.sha256:
+            if header_path.stat().st_size != want.size or _sha256(header_path).sha256 != want.sha256:
+                passed.append(f"{attempt_dir.name}: another set")
                 continue
             header = fmt.read_header(header_path)
-        except (OSError, fmt.BadSnapshot):
+        except (OSError, fmt.BadSnapshot) as exc:
+            passed.append(f"{attempt_dir.name}: {exc}")
             continue
-        if (header.job_id, header.step, header.rank) == (job_id, step, rank) and (
-                header.replicated or header.world_size == world_size):
+        if (header.job_id, header.step, header.rank) != (job_id, step, rank):
+            passed.append(f"{attempt_dir.name}: step {header.step}")
+        elif not header.replicated and header.world_size != world_size:
+            passed.append(f"{attempt_dir.name}: a shard of a {header.world_size}-rank world")
+        else:
             log.info("restoring from memory", job_id=job_id, checkpoint_id=checkpoint_id, rank=rank,
                      slot=str(attempt_dir))
             return attempt_dir
+    log.info("restoring from the store: no slot in memory holds the rank's shard", job_id=job_id,
+             checkpoint_id=checkpoint_id, rank=rank, passed=passed)
     return None
 
 

@@ -141,5 +141,6 @@ async def test_an_agent_killed_with_its_ranks_persists_their_snapshots_when_it_c
     done = max(e.step for e in p.seen(StepCompleted, job, stream=subjects.TELEMETRY) if e.attempt == 0)
     assert commit.step >= done  # the step in flight at most is redone
     started = [e for e in p.seen(RankStarted, job, stream=subjects.TELEMETRY) if e.attempt == resumed.attempt]
-    assert sorted((e.rank, e.restored_from) for e in started) == [(0, "memory"), (1, "memory")]
+    assert sorted((e.rank, e.restored_from) for e in started) == [(0, "memory"), (1, "memory")], \
+        [line for line in p.logs().splitlines() if "memory" in line or "manifest" in line][-20:]
     assert await wait_lineage(p, job, 60) == []

@@ -17,7 +17,8 @@ from flightdeck.events.job import AllocationReleased, JobCompleted, JobFailed, J
 from flightdeck.events.plan import ReshardPlanned
 from flightdeck.events.spec import FaultSpec, TrainSpec, parse_spec
 from flightdeck.events.training import RolledBack, StepCompleted
-from tests.e2e.drill_harness import DRILL_POLICY, kill_agent_mid_run, wait_lineage
+from flightdeck.services.tools.postmortem.analysis import analyse
+from tests.e2e.drill_harness import DRILL_POLICY, fleet, history, kill_agent_mid_run, wait_lineage
 from tests.e2e.user_drill import EXAMPLES
 from tests.integration.lifecycle_harness import Platform
 from tests.integration.test_lifecycle_services import kinds
@@ -81,3 +82,11 @@ async def test_a_tp_pp_job_survives_a_spike_a_lost_node_a_crash_and_a_hang_repla
     for step in redone:
         assert after[step] == pytest.approx(before[step], rel=1e-5), step
     assert await wait_lineage(p, job, STEPS) == []
+    # the postmortem tells the node's loss as a restart that changed the layout, the new plan in its chain
+    recorded = sorted([*await fleet(p.store), *await history(p.store, job)], key=lambda s: (s.stream, s.seq))
+    pm = analyse(recorded, job)  # each stream in its order, the fleet's events among the job's as stored
+    (lost,) = [i for i in pm.incidents if i.kind == "node_lost"]
+    assert lost.decision == "restart + reshard", (lost.decision, lost.decision_detail)
+    assert "on 2 ranks (was 4)" in lost.decision_detail and "laid out TP 2 x PP 1 x DP 1" in lost.decision_detail
+    assert any(m.type == "ReshardPlanned" and "(dp 1, tp 2, pp 1)" in m.detail for m in lost.chain), "\n".join(
+        f"{m.type}: {m.detail[:100]}" for m in lost.chain)

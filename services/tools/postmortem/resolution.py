@@ -17,7 +17,7 @@ from flightdeck.events.job import (
     JobResumed,
     WorkersStarted,
 )
-from flightdeck.events.plan import ReshardPlanned
+from flightdeck.events.plan import ReshardPlanned, described
 from flightdeck.services.tools.postmortem.describe import Mark, describe, mark
 from flightdeck.services.tools.postmortem.scan import Control, Scan
 
@@ -106,8 +106,12 @@ def _rolled_back(sc: Scan, attempt: int, rb: RollbackRequested, fault_at: float,
 
 def _restarted(sc: Scan, attempt: int, detected: float) -> Outcome:
     t0, lead, new = sc.t0, sc.lead, attempt + 1
-    ctl = [c for c in sc.control if isinstance(c.event, FOLLOW_UPS) and getattr(c.event, "attempt", -1) == new]
+    grants = {c.event.event_id for c in sc.control if isinstance(c.event, AllocationGranted) and c.event.attempt == new}
+    # the plan for the new grant carries no attempt of its own: it is the grant's consequence
+    ctl = [c for c in sc.control if isinstance(c.event, FOLLOW_UPS) and (getattr(c.event, "attempt", -1) == new or (
+        isinstance(c.event, ReshardPlanned) and c.event.causation_id in grants))]
     old_world = _world(sc.control, attempt)
+    replanned = next((c.event for c in ctl if isinstance(c.event, ReshardPlanned)), None)
     resumed = next((c for c in ctl if isinstance(c.event, JobResumed)), None)
     started = [c.known - t0 for c in ctl if isinstance(c.event, WorkersStarted)]
     firsts = np.flatnonzero(lead.attempt == new)
@@ -118,6 +122,9 @@ def _restarted(sc: Scan, attempt: int, detected: float) -> Outcome:
         assert isinstance(ev, JobResumed)
         if old_world and ev.world_size != old_world:
             decision, detail = "restart + reshard", f"{detail} on {ev.world_size} ranks (was {old_world})"
+        if replanned is not None and replanned.old is not None and \
+                (replanned.new.tp, replanned.new.pp) != (replanned.old.tp, replanned.old.pp):  # more than DP changed
+            decision, detail = "restart + reshard", f"{detail}, laid out {described(replanned.new)}"
         detail += f" from step {ev.from_step}" + (f" ({ev.checkpoint_id})" if ev.checkpoint_id else "")
         ranks = [r for r in sc.rank_started if r.attempt == new]
         memory = sum(1 for r in ranks if r.restored_from == "memory")
