@@ -113,6 +113,11 @@ async def test_a_running_jobs_curve_and_crash_incident_appear_without_a_reload(
     await page.goto(f"{ui}/?job={acted}")
     title = "document.getElementById('job-title').textContent"
     await page.wait_for_function(f"{title}.endsWith('running')", timeout=WAIT_MS)
+    # its layout as the resharder recorded it, each rank's place in the mesh beside its node
+    await page.wait_for_function("document.getElementById('plan').textContent.startsWith("
+                                 "'planned: TP 1 x PP 1 x DP 2 on 2 ranks')", timeout=WAIT_MS)
+    placed = await page.locator('#layout tr[data-rank="1"] td').all_inner_texts()
+    assert placed[:2] == ["1", "n1"] and placed[3:] == ["0", "1", "0"], placed  # pp 0, dp 1, tp 0
     button = {a: page.locator(f'#actions button[data-action="{a}"]') for a in ("pause", "resume", "cancel")}
     assert await button["pause"].is_disabled() and "read-only" in await page.locator("#mode").inner_text()
     await page.fill("#token", TOKEN)
