@@ -67,6 +67,9 @@ class Header(msgspec.Struct, frozen=True, kw_only=True):
     replicated: bool  # every tensor is a full replica (plain data parallel): any rank's holds the model's state
     bin_bytes: int
     items: list[Item]
+    # DP, TP, PP of the layout the rank ran (its run.plan): a sharded slot restores only into the same layout;
+    # [] from a trainer before layouts were recorded
+    layout: list[int] = []
     # The rank's newest StepCompleted events (msgpack: a NaN loss survives) as it had sent them when it took the
     # snapshot. An agent persisting the slot past the rank's record publishes the missing ones again under their
     # own ids, so the history never resumes past a step it holds no record of (they died in transit with an agent).

@@ -367,7 +367,7 @@ class Run:
         plan = self._plan
         self.snapshots.take(self.step, self.state.live, self.cursor.position(), self.world_size,
                             timeline=self.ckpt.timeline, checkpointing_=self.saved_at == self.step,
-                            tensor_parallel=plan is not None and (plan.tp > 1 or plan.pp > 1),
+                            layout=(plan.dp, plan.tp, plan.pp) if plan is not None else (self.world_size, 1, 1),
                             settled=self.state.settled)
 
     def _before_update(self) -> None:

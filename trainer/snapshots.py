@@ -16,7 +16,7 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -158,7 +158,7 @@ class Snapshots:
                 view.zero_()
 
     def take(self, step: int, live: dict[str, Any], position: DataPosition, *, timeline: int, checkpointing: bool,
-             replicated: bool, settled: Collection[str] = ()) -> float:
+             replicated: bool, layout: Sequence[int] = (), settled: Collection[str] = ()) -> float:
         """Copy `live` (what TrainState.live gives, plus the checkpoint's META item) into the older slot;
         returns the stall in seconds. Its header is written by a worker once the checksums are summed.
 
@@ -183,7 +183,7 @@ class Snapshots:
         shapes = {k: list(t.shape) for k, t in tensors.items()}
         stall = time.perf_counter() - started
         args = (slot, step, position, timeline, checkpointing, replicated, others, chunks, shapes, self._copying,
-                self.recent())
+                self.recent(), list(layout))
         self._worker = threading.Thread(target=self._finish, args=args, name=f"snapshot-{step}", daemon=True)
         self._worker.start()
         self.taken += 1
@@ -193,7 +193,7 @@ class Snapshots:
 
     def _finish(self, slot: _Slot, step: int, position: DataPosition, timeline: int, checkpointing: bool,
                 replicated: bool, others: dict[str, Any], chunks: dict[str, Any], shapes: dict[str, list[int]],
-                copying: list[Future[float]], steps: list[bytes]) -> None:
+                copying: list[Future[float]], steps: list[bytes], layout: list[int]) -> None:
         cpu, copy_cpu = time.thread_time(), 0.0
         try:
             for part in copying:
@@ -210,7 +210,7 @@ class Snapshots:
             header = fmt.Header(format=fmt.FORMAT, job_id=self.job_id, attempt=self.attempt, rank=self.rank,
                                 world_size=self.world_size, step=step, timeline=timeline, data=position,
                                 checkpointing=checkpointing, replicated=replicated, bin_bytes=self._size, items=items,
-                                steps=steps)
+                                steps=steps, layout=layout)
             tmp = slot.header.with_suffix(".tmp")
             tmp.write_bytes(msgspec.json.encode(header))
             os.replace(tmp, slot.header)

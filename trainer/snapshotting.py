@@ -60,7 +60,7 @@ class Cadence:
         return self.snaps is not None and step % (self.every * self.spacing_now) == 0 and self.snapped_at != step
 
     def take(self, step: int, live: Callable[[], dict[str, Any]], position: DataPosition, world_size: int, *,
-             timeline: int, checkpointing_: bool, tensor_parallel: bool,
+             timeline: int, checkpointing_: bool, layout: tuple[int, int, int],
              settled: Callable[[dict[str, Any]], frozenset[str]] = lambda items: frozenset()) -> None:
         """Snapshot the state `live()` gathers (call only when `due`); `settled(items)`: those only the optimizer's
         step writes, copied beside training (Snapshots.take)."""
@@ -68,12 +68,12 @@ class Cadence:
         started = time.perf_counter()
         items = live()
         items[checkpointing.META_KEY] = checkpointing.meta_item(step, position, world_size)
-        replicated = not tensor_parallel and not checkpointing.has_dtensors(items)
+        replicated = layout[1] * layout[2] == 1 and not checkpointing.has_dtensors(items)  # (dp, tp, pp)
         self.gather_s = time.perf_counter() - started
         self.gather_total_s += self.gather_s
         try:
             self.snaps.take(step, items, position, timeline=timeline, checkpointing=checkpointing_,
-                            replicated=replicated, settled=settled(items))
+                            replicated=replicated, layout=layout, settled=settled(items))
         except SnapshotsOff as exc:
             self._off(str(exc))
             return

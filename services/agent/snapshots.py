@@ -20,6 +20,7 @@ import structlog
 from flightdeck.events import codec, subjects
 from flightdeck.events import snapshot as fmt
 from flightdeck.events.checkpoint import CheckpointStaged, ShardInfo
+from flightdeck.events.plan import ParallelPlan
 from flightdeck.events.store import EventStore
 from flightdeck.events.training import RankStarted, RolledBack, StepCompleted
 from flightdeck.services.agent.core import SpawnArgs
@@ -151,11 +152,13 @@ async def persisting(root: Path, job_id: str, attempt: int, rank: int, staged: t
 
 
 def in_memory(root: Path, job_id: str, checkpoint_id: str, step: int, rank: int,
-              mf: manifest.Manifest, world_size: int) -> Path | None:
+              mf: manifest.Manifest, world_size: int, plan: ParallelPlan | None = None) -> Path | None:
     """This node's slot holding exactly rank `rank`'s shard of committed checkpoint `mf` (its header file has the
     manifest's sha256; its tensors are checked by the rank as it loads), or None: restore from the store. A slot of
-    a sharded state (FSDP, TP, a pipeline stage) serves only a world of the size it was taken in: a rank of another
-    layout needs pieces other ranks held, which the store has and this slot does not."""
+    a sharded state (FSDP, TP, a pipeline stage) serves only the layout it was taken in (the world's size, and the
+    DP x TP x PP of `plan` when it is this world's): a rank of another layout needs pieces other ranks held, which
+    the store has and this slot does not, and DCP would leave what no piece covers as it was."""
+    layout = [plan.dp, plan.tp, plan.pp] if plan is not None and plan.world_size == world_size else []
     want = next((s for s in mf.shards if s.path == f"{fmt.header_name(rank)}"), None)
     if want is None:
         return None
@@ -174,6 +177,8 @@ def in_memory(root: Path, job_id: str, checkpoint_id: str, step: int, rank: int,
             passed.append(f"{attempt_dir.name}: step {header.step}")
         elif not header.replicated and header.world_size != world_size:
             passed.append(f"{attempt_dir.name}: a shard of a {header.world_size}-rank world")
+        elif not header.replicated and header.layout and layout and header.layout != layout:
+            passed.append(f"{attempt_dir.name}: a shard of DP x TP x PP {header.layout}, not {layout}")
         else:
             log.info("restoring from memory", job_id=job_id, checkpoint_id=checkpoint_id, rank=rank,
                      slot=str(attempt_dir))
@@ -273,7 +278,7 @@ async def restores_in_memory(root: Path, objects: ObjectStore, args: SpawnArgs) 
         for ref in args.ranks if mf is not None else ():
             assert mf is not None
             slot = await asyncio.to_thread(in_memory, root, args.job_id, restore.checkpoint_id, restore.step, ref.rank,
-                                           mf, args.world_size)
+                                           mf, args.world_size, args.plan)
             if slot is not None:
                 found[ref.rank] = slot
     if restore is not None:  # older than what this attempt restores: never needed again

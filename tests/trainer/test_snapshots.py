@@ -15,6 +15,7 @@ import torch
 from flightdeck.events import codec, subjects
 from flightdeck.events import snapshot as fmt
 from flightdeck.events.checkpoint import CheckpointStaged, DataPosition
+from flightdeck.events.plan import ParallelPlan
 from flightdeck.events.store import MemoryStore
 from flightdeck.events.training import RankStarted, RolledBack, StepCompleted
 from flightdeck.services.agent import snapshots as agent_snaps
@@ -364,18 +365,27 @@ def _fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 @pytest.mark.parametrize("replicated", [True, False])
 def test_a_sharded_slot_restores_only_a_world_of_its_own_size(tmp_path: Path, replicated: bool) -> None:
     """A rank's slot of a sharded state (FSDP, TP, a pipeline stage) holds its own pieces only: a rank of a world of
-    another size (a shrink) must read the store's set, or it would find pieces missing; a full replica serves any."""
+    another size (a shrink), or of the same size laid out anew, must read the store's set, or it would find pieces
+    missing (DCP leaves what no piece covers as it was); a full replica serves any."""
     m, opt, _ = parts(seed=1)
     snaps = snapshots.Snapshots(tmp_path, job_id="j", attempt=0, rank=0, world_size=2)
     live = state(m, opt).live()
     position = DataPosition(next_batch=9, skipped=[])
     live[checkpointing.META_KEY] = checkpointing.meta_item(9, position, 2)
-    snaps.take(9, live, position, timeline=0, checkpointing=False, replicated=replicated)
+    layout = (2, 1, 1) if replicated else (1, 2, 1)  # DP 2, or TP 2
+    snaps.take(9, live, position, timeline=0, checkpointing=False, replicated=replicated, layout=layout)
     snaps.wait()
     ((header, folder),) = agent_snaps.choose(tmp_path, "j", 0, 0, None)  # type: ignore[misc]
+    assert header.layout == list(layout)
     event = agent_snaps.persist_event(header, folder, node="n", producer="agent-n", seconds=0.1)
     mf = manifest.Manifest(job_id="j", checkpoint_id="c9", step=9, world_size=2, attempt=0, created_at=1.0,
                            shards=event.shards, data=position)
     assert agent_snaps.in_memory(tmp_path, "j", "c9", 9, 0, mf, world_size=2) == folder
     assert agent_snaps.in_memory(tmp_path, "j", "c9", 9, 0, mf, world_size=1) == (folder if replicated else None)
+    # the same world laid out anew (TP 2 -> PP 2): a shard of the old layout is not the new rank 0's
+    as_planned = ParallelPlan(world_size=2, dp=layout[0], tp=layout[1], pp=layout[2])
+    pipeline = ParallelPlan(world_size=2, dp=1, tp=1, pp=2)
+    assert agent_snaps.in_memory(tmp_path, "j", "c9", 9, 0, mf, world_size=2, plan=as_planned) == folder
+    assert agent_snaps.in_memory(tmp_path, "j", "c9", 9, 0, mf, world_size=2, plan=pipeline) == (
+        folder if replicated else None)
     snaps.close()
