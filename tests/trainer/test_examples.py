@@ -29,8 +29,9 @@ def spec(tmp: Path, steps: int, faults: str = "") -> Path:
 
 def torchrun(tmp: Path, example: str, job: Path, *, ranks: int = 2, restarts: int = 0,
              env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    # --standalone: torchrun binds a port of its own choosing (one picked here could be taken before it binds)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--max-restarts",
-           str(restarts), "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(REPO / "examples" / example / "train.py")]
+           str(restarts), "--standalone", str(REPO / "examples" / example / "train.py")]
     full = {k: v for k, v in os.environ.items() if k not in (nl.JOB_ENV, LINK_ENV, nl.RESTORE_ENV)}
     full.update({"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", nl.SPEC_ENV: str(job),
                  nl.EVENTS_LOG_ENV: str(tmp / "events.jsonl"), **(env or {})})
@@ -121,8 +122,9 @@ def layout_spec(tmp: Path, tp: int, pp: int) -> Path:
 def test_tp_pp_trains_as_planned_and_its_checkpoint_restores_into_other_layouts(tmp_path: Path) -> None:
     """4 ranks as TP 2 x PP 2 (tensor parallel blocks, a 1F1B pipeline of two stages); its step-10 checkpoint into
     2 ranks as TP 2 x PP 1 (the layout a lost node leaves), as TP 1 x PP 2, and into 4 as TP 2 x DP 2 (FSDP2 over
-    the replicas): DCP reshards it, and each goes on with the losses the 4 ranks had. A restore into another pipeline split once failed: a checkpoint keeps one stage's
-    list of the optimizer group's parameters, and the other stage's AdamW found no betas."""
+    the replicas): DCP reshards it, and each goes on with the losses the 4 ranks had. A restore into another
+    pipeline split once failed: a checkpoint keeps one stage's list of the optimizer group's parameters, and the
+    other stage's AdamW found no betas."""
     four = tmp_path / "four"
     four.mkdir()
     done = torchrun(four, "tp_pp", layout_spec(four, 2, 2), ranks=4)

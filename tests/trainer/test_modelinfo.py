@@ -114,7 +114,8 @@ def test_the_second_step_gives_the_batch_and_the_accumulation_then_the_hooks_are
         opt.step()
         opt.zero_grad()
     (report,) = sent
-    assert isinstance(report, ModelRegistered) and (report.job_id, report.rank, report.world_size, report.dp) == ("j", 0, 4, 2)
+    assert isinstance(report, ModelRegistered)
+    assert (report.job_id, report.rank, report.world_size, report.dp) == ("j", 0, 4, 2)
     assert (report.micro_batch, report.grad_accum, report.seq_len) == (6, 3, 8)  # the tokens fed, not a maximum
     assert report.params == modelinfo.describe(model).params and report.source == "modules"
     assert len(after) == 4  # every step ran the hooks after ours (the drill's high_lr restores its lr in one)
@@ -126,7 +127,8 @@ def test_without_an_optimizer_it_is_sent_at_once_and_without_a_model_not_at_all(
     sent: list[Any] = []
     assert modelinfo.watch(nn.Linear(2, 2), None, sent.append, {"job_id": "j", "rank": 0}, world_size=1,
                            replicas=lambda: 1) is None
-    assert modelinfo.watch(None, None, sent.append, {"job_id": "j", "rank": 0}, world_size=1, replicas=lambda: 1) is None
+    assert modelinfo.watch(None, None, sent.append, {"job_id": "j", "rank": 0}, world_size=1,
+                           replicas=lambda: 1) is None
     assert [(r.params, r.micro_batch, r.grad_accum) for r in sent] == [(6, 0, 0)]
 
 

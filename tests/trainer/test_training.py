@@ -10,7 +10,6 @@ import pytest
 
 from flightdeck.events import nodelocal as nl
 from flightdeck.events.nodelocal import RESTORE_REFUSED_EXIT
-from flightdeck.services.shell.broker import free_port
 from tests.trainer import ranks
 
 STEPS = 30
@@ -93,7 +92,7 @@ def test_a_restore_whose_manifest_is_gone_is_refused_as_a_bad_checkpoint(baselin
 def test_plain_torchrun_starts_two_ranks(tmp_path: Path) -> None:
     spec = ranks.write_spec(tmp_path / "job.toml", slots=2, train={"steps": 6})
     torchrun = Path(sys.executable).parent / "torchrun"
-    cmd = [str(torchrun), "--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "flightdeck.trainer",
+    cmd = [str(torchrun), "--nproc-per-node", "2", "--standalone", "-m", "flightdeck.trainer",
            "--job-id", "tr-1", "--spec", str(spec), "--device", "cpu", "--staging", str(tmp_path / "staging"),
            "--events-log", str(tmp_path / "events.jsonl")]
     proc = subprocess.run(cmd, cwd=ranks.REPO, capture_output=True, text=True, timeout=ranks.RUN_TIMEOUT_S,
