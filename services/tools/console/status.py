@@ -61,8 +61,8 @@ RANKS_SHOWN = 16
 def _ranks(v: JobView) -> str:
     """Which node each rank runs on, with its place in the planned mesh when the layout is more than DP."""
     plan = v.plan if v.plan and v.plan.world_size == len(v.placement) and v.plan.tp * v.plan.pp > 1 else None
-    shown = [f"{rank} on {node}" + (" (" + ", ".join(f"{dim} {at}" for dim, at in coordinates(plan, rank).items())
-                                    + ")" if plan else "") for rank, node in v.placement[:RANKS_SHOWN]]
+    shown = [f"{ref.rank} on {ref.node}" + (" (" + ", ".join(f"{dim} {at}" for dim, at in coordinates(
+        plan, ref.rank).items()) + ")" if plan else "") for ref in v.placement[:RANKS_SHOWN]]
     more = len(v.placement) - RANKS_SHOWN
     return "; ".join(shown) + (f"; {more} more (status --json)" if more > 0 else "")
 

@@ -31,6 +31,7 @@ from flightdeck.events.job import (
     JobQueued,
     JobResumed,
     JobSubmitted,
+    SlotRef,
     WorkersStarted,
 )
 from flightdeck.events.plan import ParallelPlan, ReshardPlanned
@@ -95,7 +96,7 @@ class JobView(msgspec.Struct, frozen=True, kw_only=True):
     ended_at: float = 0.0
     version: int = 0  # the newest job_version folded
     granted: frozenset[int] = frozenset()  # ranks of the current attempt
-    placement: tuple[tuple[int, str], ...] = ()  # (rank, node) of the current attempt's grant
+    placement: tuple[SlotRef, ...] = ()  # the current attempt's grant: each rank's node and slot, by rank
     plan: ParallelPlan | None = None  # the resharder's newest plan (ReshardPlanned): the layout the ranks build
     started: frozenset[int] = frozenset()  # ranks of the current attempt whose workers started
     checkpoints: tuple[CheckpointEntry, ...] = ()  # committed, in commit order
@@ -180,7 +181,7 @@ def evolve(view: JobView, event: Event) -> JobView:
                             placement=(), world_size=0)
         case AllocationGranted(attempt=attempt) if attempt == view.attempt:
             ranks = frozenset(ref.rank for ref in event.assignments)
-            placement = tuple(sorted((ref.rank, ref.node) for ref in event.assignments))
+            placement = tuple(sorted(event.assignments, key=lambda ref: ref.rank))
             return _replace(view, granted=ranks, world_size=len(ranks), placement=placement)
         case AllocationDenied(attempt=attempt, reason=reason) if attempt == view.attempt:
             return _replace(view, reason=f"allocation denied: {reason}")

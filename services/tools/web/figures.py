@@ -18,7 +18,7 @@ from flightdeck.events.checkpoint import CheckpointStaged, ShardsUploaded
 from flightdeck.events.clock import DeadLettered
 from flightdeck.events.fleet import NodeCordoned, NodeHeartbeat, NodeLost, NodeRegistered, NodeUncordoned
 from flightdeck.events.heartbeats import RankHeartbeats
-from flightdeck.events.job import AllocationGranted, JobSubmitted, SlotRef
+from flightdeck.events.job import JobSubmitted, SlotRef
 from flightdeck.events.logs import RankOutput
 from flightdeck.events.plan import ParallelPlan
 from flightdeck.events.spec import JobSpec
@@ -114,7 +114,6 @@ class JobFigures:
     telemetry_seq: int = 0
     analysis: JobAnalysis | None = None
     spec: JobSpec | None = None  # as submitted (JobSubmitted)
-    layout: tuple[SlotRef, ...] = ()  # which rank runs on which node and slot: the newest grant of its attempt
 
     @property
     def plan(self) -> ParallelPlan | None:
@@ -124,7 +123,7 @@ class JobFigures:
     @property
     def placed(self) -> tuple[SlotRef, ...]:
         """Where its ranks run now: the grant of the attempt that holds them (none once released or ended)."""
-        return self.layout if self.view.granted and not self.view.ended else ()
+        return self.view.placement if self.view.granted and not self.view.ended else ()
 
     @property
     def stale(self) -> bool:
@@ -190,11 +189,8 @@ class Figures:
     @staticmethod
     def _record(job: JobFigures, ev: JobEvent) -> None:
         """What the job's page shows besides its view, from the decisions that say it."""
-        match ev:
-            case JobSubmitted(spec=spec):
-                job.spec = spec
-            case AllocationGranted(attempt=attempt, assignments=assignments) if attempt == job.view.attempt:
-                job.layout = tuple(sorted(assignments, key=lambda r: r.rank))
+        if isinstance(ev, JobSubmitted):
+            job.spec = ev.spec
 
     def _job(self, job_id: str) -> JobFigures:
         job = self.jobs.get(job_id)
