@@ -22,7 +22,7 @@ MESH_DIMS = ("pp", "dp", "tp")  # a script's mesh, outermost first: TP innermost
 
 def coordinates(plan: ParallelPlan, rank: int) -> dict[str, int]:
     """Where `rank` sits in a mesh built as MESH_DIMS (examples/tp_pp): its pipeline stage, replica and TP rank."""
-    return {"pp": rank // (plan.tp * plan.dp), "dp": rank // plan.tp % plan.dp, "tp": rank % plan.tp}
+    return dict(zip(MESH_DIMS, (rank // (plan.tp * plan.dp), rank // plan.tp % plan.dp, rank % plan.tp), strict=True))
 
 
 def bubble(plan: ParallelPlan) -> float:

@@ -2,10 +2,12 @@
 when they do not (a shrink after a lost node), with the reason saying which; the same rule lays out a script run
 without a plan (no resharder, no platform). The spec refuses a layout its slots cannot hold whole."""
 
+from pathlib import Path
+
 import pytest
 
 from flightdeck.events.job import JobSubmitted
-from flightdeck.events.plan import ParallelPlan, ReshardPlanned, nearest_layouts, unplanned
+from flightdeck.events.plan import MESH_DIMS, ParallelPlan, ReshardPlanned, coordinates, nearest_layouts, unplanned
 from flightdeck.events.spec import EntrypointSpec, InvalidSpec, JobSpec, ParallelSpec, TrainSpec, check
 from flightdeck.events.training import ModelRegistered
 from tests.unit.helpers import events_of, fold
@@ -27,6 +29,14 @@ def test_nearest_layouts_keep_tp_before_pp_and_end_with_data_parallelism() -> No
     assert nearest_layouts(2, 2, 2) == [(2, 1), (1, 2), (1, 1)]
     assert nearest_layouts(6, 4, 2) == [(2, 1), (1, 2), (1, 1)]  # TP 4 and TP 2 x PP 2 do not divide 6
     assert nearest_layouts(3, 2, 2) == [(1, 1)]
+
+
+def test_coordinates_follow_the_mesh_order_the_example_builds() -> None:
+    example = (Path(__file__).resolve().parents[2] / "examples" / "tp_pp" / "train.py").read_text()
+    assert "mesh_dim_names=(" + ", ".join(f'"{d}"' for d in MESH_DIMS) + ")" in example
+    plan = ParallelPlan(world_size=8, dp=2, tp=2, pp=2)
+    assert [tuple(coordinates(plan, r).values()) for r in range(8)] == [
+        (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
 
 
 def test_a_run_without_a_plan_takes_the_asked_layout_its_world_holds() -> None:
