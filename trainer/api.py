@@ -58,7 +58,8 @@ def init() -> Run:
         link.start()
     emitter = Emitter(link, envelope, cfg.events_log, steps_to_bus=steps_to_bus(cfg.rank, beats))
     try:
-        dist = distributed.init(cfg.rank, cfg.world_size, cfg.local_rank, cfg.device)
+        dist = distributed.init(cfg.rank, cfg.world_size, cfg.local_rank, cfg.device,
+                                identity=f"{cfg.job_id} attempt {cfg.attempt}")
     except BaseException:
         emitter.close()
         raise

@@ -2,6 +2,7 @@
 the same command at the same step."""
 
 import gc
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -61,8 +62,13 @@ class Dist:
             gc.collect()  # a full collection: in a process with a large heap it costs a good part of a second
 
 
-def init(rank: int, world_size: int, local_rank: int, device: str) -> Dist:
-    """Join the job's group from the torchrun variables (MASTER_ADDR/PORT); a single rank needs none."""
+class RendezvousShared(RuntimeError):
+    """Ranks of another job (or attempt) joined this rank's rendezvous: its MASTER_PORT is the only key."""
+
+
+def init(rank: int, world_size: int, local_rank: int, device: str, identity: str = "") -> Dist:
+    """Join the job's group from the torchrun variables (MASTER_ADDR/PORT); a single rank needs none. With
+    `identity` (job and attempt), every rank of the group must have the same: RendezvousShared if not."""
     if device == "cuda":
         torch.cuda.set_device(local_rank)
         dev = torch.device("cuda", local_rank)
@@ -76,4 +82,15 @@ def init(rank: int, world_size: int, local_rank: int, device: str) -> Dist:
                                 device_id=dev if device == "cuda" else None)
     ctl = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
     ckpt = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
+    if identity:
+        # a rank of another job on this host and port (another platform's, a torchrun of one's own) would otherwise
+        # train, save and load with this one: once, two of them read each other's checkpoint files
+        peers: list[object] = [None] * world_size
+        dist.all_gather_object(peers, identity, group=ctl)
+        strangers = sorted({str(p) for p in peers if p != identity})
+        if strangers:
+            dist.destroy_process_group()  # not left up for the exit to tear down (gloo may abort the process)
+            raise RendezvousShared(f"rank {rank} of {identity} met ranks of {', '.join(strangers)} at "
+                                   f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}: "
+                                   "another job shares this rendezvous; nothing was trained")
     return Dist(rank, world_size, dev, ctl, ckpt)
