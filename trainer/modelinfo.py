@@ -9,6 +9,7 @@ from typing import Any
 
 import msgspec
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
@@ -128,17 +129,28 @@ def _tensors(*values: Any) -> Iterator[torch.Tensor]:
     return (v for v in values if isinstance(v, torch.Tensor))
 
 
+def across_stages(found: ModelRegistered, counted: bool, group: dist.ProcessGroup) -> ModelRegistered:
+    """A pipeline stage holds only its own blocks: the model's counts are the stages' summed, one rank of each
+    (`counted`: this rank is its stage's). A collective: every rank of `group` calls it."""
+    counts = torch.tensor([found.params, found.trainable, found.param_bytes] if counted else [0, 0, 0])
+    dist.all_reduce(counts, group=group)
+    params, trainable, param_bytes = (int(c) for c in counts)
+    return msgspec.structs.replace(found, params=params, trainable=trainable, param_bytes=param_bytes)
+
+
 def watch(model: nn.Module | None, optimizer: torch.optim.Optimizer | None, emit: Callable[[RankEvent], None],
-          envelope: Mapping[str, Any], world_size: int, replicas: Callable[[], int]) -> StepWatch | None:
-    """Describe `model` now; send its ModelRegistered at once without an optimizer to watch, else after the
-    optimizer's second step. `replicas`: the data-parallel size when it is sent (the plan the script built)."""
+          envelope: Mapping[str, Any], world_size: int, replicas: Callable[[], int],
+          described: ModelRegistered | None = None) -> StepWatch | None:
+    """Describe `model` now (or take `described`: a pipeline's, across its stages); send its ModelRegistered at once
+    without an optimizer to watch, else after the optimizer's second step. `replicas`: the data-parallel size when
+    it is sent (the plan the script built)."""
     if model is None:
         return None
 
     def send(d: ModelRegistered) -> None:
         emit(msgspec.structs.replace(d, world_size=world_size, dp=replicas(), **envelope))
 
-    described = describe(model)
+    described = described or describe(model)
     if optimizer is None:
         send(described)
         return None

@@ -33,7 +33,7 @@ from flightdeck.events.commands import (
     StopRequested,
 )
 from flightdeck.events.nodelocal import RESTORE_REFUSED_EXIT, STOPPED_EXIT
-from flightdeck.events.plan import ParallelPlan, unplanned
+from flightdeck.events.plan import ParallelPlan, coordinates, unplanned
 from flightdeck.events.spec import JobSpec
 from flightdeck.events.training import FaultInjected, RankStarted, SnapshotsOff
 from flightdeck.trainer import checkpointing, faults, loaders, modelinfo, restore_points, rollback, snapshots
@@ -116,9 +116,14 @@ class Run:
             raise refused(RuntimeError("register(...) comes before restore() and steps(): the state to restore "
                                        "into must be known first"))
         self.state = TrainState(model, optimizer, extras, rank=self.rank, device=self.device)
+        plan, described = self._plan, None
+        if model is not None and plan is not None and plan.pp > 1 and self.dist.ctl_group is not None:
+            at = coordinates(plan, self.rank)  # a stage's blocks only: the model is the stages' sum
+            first = at["dp"] == at["tp"] == 0
+            described = modelinfo.across_stages(modelinfo.describe(model), first, self.dist.ctl_group)
         if self.rank == 0:  # the planner learns the model and the batch it is fed (trainer/modelinfo.py)
             modelinfo.watch(model, optimizer, self.emitter.emit, self.emitter.envelope, self.world_size,
-                            lambda: self._plan.dp if self._plan is not None else self.world_size)
+                            lambda: self._plan.dp if self._plan is not None else self.world_size, described)
         if optimizer is not None:
             # its step is the first write to state that a snapshot being copied beside training may still read
             optimizer.register_step_pre_hook(lambda *_: self._before_update())

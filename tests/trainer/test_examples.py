@@ -136,6 +136,8 @@ def test_tp_pp_trains_as_planned_and_its_checkpoint_restores_into_other_layouts(
         assert {e["step"]: e["loss"] for e in events(four, "StepCompleted", rank=rank)} == whole
     (model,) = events(four, "ModelRegistered")
     assert (model["layers"], model["heads"], model["micro_batch"] * model["grad_accum"] * model["dp"]) == (4, 4, 8)
+    # the whole model's parameters, though rank 0 holds the first stage's blocks only (54,528: 27,200 of them its own)
+    assert (model["params"], model["param_bytes"]) == (54_528, 4 * 54_528)
     ckpt = four / ".flightdeck" / "staging" / "local" / "step-10"
     for ranks, tp, pp, dp in ((2, 2, 1, 1), (2, 1, 2, 1), (4, 2, 1, 2)):  # the last: FSDP2 over DP 2, with TP
         other = tmp_path / f"tp{tp}-pp{pp}-dp{dp}"
