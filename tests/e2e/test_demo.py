@@ -97,12 +97,14 @@ def test_the_demo_drill_heals_a_spike_a_crash_and_a_hang_and_completes(tmp_path:
 
     assert hang["fault"].startswith("hang: drill fault 'hang' injected at step 120 on rank 0 (attempt 1)"), summary
     assert hang["detected"].split()[2] == "RankHung:", summary
-    assert re.search(r"restart: restart as attempt 2 from step 1[12]0 \(step0+1[12]0-a1\)", hang["decided"]), summary
-    assert re.search(r"resumed at step 1[12]0$", hang["resumed"]), summary
+    # the newest commit the restart knew of or waited for: 110 or 120 as a rule; 100 on a box loaded enough that the
+    # broker stalled for seconds and the later sets were announced only after the restart's commit landed
+    assert re.search(r"restart: restart as attempt 2 from step 1[0-2]0 \(step0+1[0-2]0-a1\)", hang["decided"]), summary
+    assert re.search(r"resumed at step 1[0-2]0$", hang["resumed"]), summary
     assert "completed 160 steps" in summary
 
     assert re.search(r"phase: +completed\n", out)
-    assert re.search(r"restarts: +2 of 3, resumed from step 1[12]0\n", out)
+    assert re.search(r"restarts: +2 of 3, resumed from step 1[0-2]0\n", out)
     assert re.search(r"steps: +160/160 done", out)
     assert re.search(r"step000000160-a2 +160 ", out)  # the final checkpoint, from attempt 2, listed by `checkpoints`
 
