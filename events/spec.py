@@ -192,13 +192,15 @@ def in_words(message: str) -> str:
 
 
 def _params(spec: JobSpec) -> int:
+    """trainer/model.py's GPT: token and position embeddings, the blocks, the final norm and the (untied) head."""
     m, d = spec.model, spec.model.d_model
-    return m.vocab_size * d + m.seq_len * d + m.n_layer * (12 * d * d + 13 * d) + 2 * d
+    return 2 * m.vocab_size * d + m.seq_len * d + m.n_layer * (12 * d * d + 13 * d) + 2 * d
 
 
 def snapshot_bytes(spec: JobSpec) -> int:
     """One rank's host snapshot of the built-in trainer's state (fp32 weights and AdamW's two moments, a full
-    replica on every rank); 0 for a user's script, whose state only its first checkpoint tells."""
+    replica on every rank: at most, under TP or PP); 0 for a user's script, whose state only its first checkpoint
+    tells."""
     if spec.entrypoint is not None or spec.train.snapshot_every == 0:
         return 0
     return 12 * _params(spec)
@@ -234,10 +236,12 @@ def check(spec: JobSpec) -> JobSpec:
                           f"slots ({spec.slots}): the ranks left over would form no whole model replica")
     if spec.entrypoint is not None:
         return _check_entrypoint(spec.entrypoint, spec)
-    if want > 1:
-        raise InvalidSpec(f"parallel.tp and parallel.pp ({spec.parallel.tp} x {spec.parallel.pp}) are for a script "
-                          "that builds its mesh from run.plan (examples/tp_pp); the built-in trainer runs data "
-                          "parallelism only: leave [parallel] out or set an [entrypoint]")
+    if spec.model.n_head % spec.parallel.tp:
+        raise InvalidSpec(f"parallel.tp ({spec.parallel.tp}) must divide model.n_head ({spec.model.n_head}): each "
+                          "TP rank holds whole attention heads")
+    if spec.model.n_layer % spec.parallel.pp:
+        raise InvalidSpec(f"parallel.pp ({spec.parallel.pp}) must divide model.n_layer ({spec.model.n_layer}): "
+                          "pipeline stages hold equal numbers of layers")
     need = rank_memory_bytes(spec)
     if need > MAX_RANK_BYTES:
         raise InvalidSpec(

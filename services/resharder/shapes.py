@@ -69,9 +69,9 @@ def derive(params: float, *, layers: int | None = None, heads: int | None = None
 
 
 def spec_params(model: ModelSpec) -> float:
-    """Parameters of the trainer's GPT for a job spec: blocks plus token and position embeddings."""
+    """Parameters of the trainer's GPT for a job spec: blocks, token and position embeddings, and the head."""
     d = model.d_model
-    return float(12 * model.n_layer * d * d + (model.vocab_size + model.seq_len) * d)
+    return float(12 * model.n_layer * d * d + (2 * model.vocab_size + model.seq_len) * d)
 
 
 def from_spec(model: ModelSpec) -> ModelShape:

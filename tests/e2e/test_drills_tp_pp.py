@@ -15,10 +15,10 @@ from flightdeck.events.findings import LossSpikeDetected, RankHung
 from flightdeck.events.fleet import NodeLost
 from flightdeck.events.job import AllocationReleased, JobCompleted, JobFailed, JobResumed, WorkersExited
 from flightdeck.events.plan import ReshardPlanned
-from flightdeck.events.spec import FaultSpec, TrainSpec, parse_spec
+from flightdeck.events.spec import FaultSpec, ParallelSpec, TrainSpec, parse_spec
 from flightdeck.events.training import RolledBack, StepCompleted
 from flightdeck.services.tools.postmortem.analysis import analyse
-from tests.e2e.drill_harness import DRILL_POLICY, fleet, history, kill_agent_mid_run, wait_lineage
+from tests.e2e.drill_harness import DRILL_POLICY, drill_spec, fleet, history, kill_agent_mid_run, paced, wait_lineage
 from tests.e2e.user_drill import EXAMPLES
 from tests.integration.lifecycle_harness import Platform
 from tests.integration.test_lifecycle_services import kinds
@@ -90,3 +90,34 @@ async def test_a_tp_pp_job_survives_a_spike_a_lost_node_a_crash_and_a_hang_repla
     assert "on 2 ranks (was 4)" in lost.decision_detail and "laid out TP 2 x PP 1 x DP 1" in lost.decision_detail
     assert any(m.type == "ReshardPlanned" and "(dp 1, tp 2, pp 1)" in m.detail for m in lost.chain), "\n".join(
         f"{m.type}: {m.detail[:100]}" for m in lost.chain)
+
+
+@pytest.mark.timeout(240)
+async def test_the_built_in_trainer_laid_out_tp_pp_loses_a_node_and_goes_on_as_tp_2(drill: Platform) -> None:
+    """The built-in trainer asked for TP 2 x PP 2 (no script): n2's agent killed, it is replanned TP 2 x PP 1 for the
+    2 ranks left and completes; the redone steps have the gradient norms the 4 ranks had."""
+    p, job = drill, "builtin-tp-pp-000001"
+    for node in ("n1", "n2"):
+        p.agent(node, "--slots", "2", "--grace-s", "2",
+                *(("--data-dir", str(p.root / f"data-{node}")) if node != "n1" else ()))
+        await p.ready(node)
+    spec = drill_spec("builtin-tp-pp", slots=4, steps=30, faults=[paced()], min_slots=2, heartbeat_misses=12)
+    spec = msgspec.structs.replace(spec, parallel=ParallelSpec(tp=2, pp=2))
+    await p.submit(spec, job)
+    await kill_agent_mid_run(p, job, "n2", after_step=12)
+    await p.until(lambda: bool(p.seen(JobCompleted, job)) or bool(p.seen(JobFailed, job)), 180, "the job to end", job)
+    assert p.seen(JobCompleted, job), kinds(p.job(job))
+    first, *_, shrink = p.seen(ReshardPlanned, job)
+    assert (first.new.world_size, first.new.tp, first.new.pp) == (4, 2, 2)
+    assert (shrink.new.world_size, shrink.new.tp, shrink.new.pp) == (2, 2, 1)
+    (resumed,) = p.seen(JobResumed, job)
+    assert resumed.world_size == 2
+    norms: dict[int, dict[int, float]] = {}
+    for e in p.seen(StepCompleted, job, stream=subjects.TELEMETRY):
+        if e.rank == 0:
+            norms.setdefault(e.attempt, {})[e.step] = e.grad_norm
+    redone = sorted(set(norms[0]) & set(norms[1]))
+    assert redone and redone[0] == resumed.from_step, (sorted(norms[0]), sorted(norms[1]))
+    for step in redone:  # the checkpoint (or snapshot) was resharded into the new layout, not reinitialised
+        assert norms[1][step] == pytest.approx(norms[0][step], rel=1e-5), step
+    assert await wait_lineage(p, job, 30) == []

@@ -78,6 +78,11 @@ def test_a_layout_the_slots_cannot_hold_whole_is_refused(tp: int, pp: int, slots
         asking(tp, pp, slots=slots)
 
 
-def test_the_built_in_trainer_refuses_a_layout_it_cannot_run() -> None:
-    with pytest.raises(InvalidSpec, match="the built-in trainer runs data parallelism only"):
-        check(JobSpec(name="builtin", slots=4, parallel=ParallelSpec(tp=2)))
+@pytest.mark.parametrize(("tp", "pp", "words"), [
+    (4, 1, r"parallel.tp \(4\) must divide model.n_head \(2\): each TP rank holds whole attention heads"),
+    (1, 4, r"parallel.pp \(4\) must divide model.n_layer \(2\): pipeline stages hold equal numbers of layers"),
+])
+def test_the_built_in_trainer_refuses_a_layout_its_model_cannot_split(tp: int, pp: int, words: str) -> None:
+    assert check(JobSpec(name="builtin", slots=4, parallel=ParallelSpec(tp=2, pp=2))).parallel.tp == 2
+    with pytest.raises(InvalidSpec, match=words):
+        check(JobSpec(name="builtin", slots=4, parallel=ParallelSpec(tp=tp, pp=pp)))
