@@ -3,7 +3,8 @@
 rolled back; node n2's agent is killed with SIGKILL; the resharder plans TP 2 x PP 1 for the 2 ranks left (its
 reason says why), the ranks build that layout from run.plan, and DCP reshards the 4 ranks' checkpoint into it; then
 a rank crashes, and one hangs. The job completes with `verify` clean (the drill fixture), and the steps redone after
-the shrink have the losses the 4 ranks had: the same run in another layout."""
+the shrink have the losses the 4 ranks had: the same run in another layout. The built-in trainer, asked for the
+same layout with no script, goes through the lost node the same way."""
 
 import msgspec
 import pytest
