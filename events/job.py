@@ -71,6 +71,9 @@ class WorkersStarted(JobEvent, frozen=True, kw_only=True):
     pids: list[int]
 
 
+Persisted = Literal["", "staged", "none"]
+
+
 class RankExit(msgspec.Struct, frozen=True, kw_only=True):
     """How one rank ended: its exit code (negative: killed by that signal) and, for a failed rank, why."""
 
@@ -85,6 +88,10 @@ class RankExit(msgspec.Struct, frozen=True, kw_only=True):
     early: bool = False  # it ended before completing a step of its attempt (as far as its agent heard)
     usage: bool = False  # its error was the trainer API refusing a call (RankFault.usage): no restart helps
     unlinked: bool = False  # it never called flightdeck.init(): an exit 0 then is no completion
+    # What its agent did with its host snapshots as it ended without finishing (services/agent/snapshots.py): staged
+    # the newest for the store, or had none newer than its checkpoints, so none of its can come; "": not said (it
+    # finished, or its node keeps no snapshots). A restart waiting for a set from memory stops when none can come.
+    persisted: Persisted = ""
 
 
 class WorkersExited(JobEvent, frozen=True, kw_only=True):
@@ -92,7 +99,8 @@ class WorkersExited(JobEvent, frozen=True, kw_only=True):
     appends one of these per node, not per rank. `rank` and the fields after it are the record's first failed
     rank (or its first rank when none failed); `others` are the rest, by rank."""
 
-    SCHEMA = 3  # 2 added `others`, 3 `error`, `early`, `usage`, `unlinked`; written at the least version it needs
+    # 2 added `others`, 3 `error`, `early`, `usage`, `unlinked`, 4 `persisted`; written at the least version it needs
+    SCHEMA = 4
 
     node: str
     attempt: int
@@ -108,6 +116,7 @@ class WorkersExited(JobEvent, frozen=True, kw_only=True):
     early: bool = False
     usage: bool = False
     unlinked: bool = False
+    persisted: Persisted = ""
 
     def is_fault(self) -> bool:
         """Whether this record's headline rank ended in a fault (events.job.failed): what the scheduler acts on."""
@@ -117,7 +126,7 @@ class WorkersExited(JobEvent, frozen=True, kw_only=True):
         """Every rank this record covers, its headline rank first."""
         first = RankExit(rank=self.rank, exit_code=self.exit_code, cause=self.cause, unrunnable=self.unrunnable,
                          planned=self.planned, error=self.error, early=self.early, usage=self.usage,
-                         unlinked=self.unlinked)
+                         unlinked=self.unlinked, persisted=self.persisted)
         return [first, *self.others]
 
 
@@ -127,12 +136,13 @@ def exits_record(exits: list[RankExit], *, job_id: str, node: str, attempt: int,
     head = next((x for x in exits if failed(x)), exits[0])
     others = sorted((x for x in exits if x is not head), key=lambda x: x.rank)
     told = any(x.error or x.early or x.usage or x.unlinked for x in exits)
+    said = any(x.persisted for x in exits)
     return WorkersExited(job_id=job_id, node=node, attempt=attempt, rank=head.rank, exit_code=head.exit_code,
                          cause=head.cause, unrunnable=head.unrunnable, planned=head.planned, others=others,
                          error=head.error, early=head.early, usage=head.usage, unlinked=head.unlinked,
-                         event_id=event_id,
+                         persisted=head.persisted, event_id=event_id,
                          occurred_at=occurred_at, causation_id=causation_id, producer=producer,
-                         schema_version=3 if told else 2 if others else 1)
+                         schema_version=4 if said else 3 if told else 2 if others else 1)
 
 
 def failed(x: RankExit) -> bool:

@@ -17,6 +17,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import structlog
 
 from flightdeck.events import subjects
@@ -106,10 +107,11 @@ async def persist_orphans(store: EventStore, spawner: Spawner,
     for (job_id, attempt), exits in lost.items():
         ranks = [e.rank for e in exits]
         spawner.shipper.watch(job_id, attempt, ranks, await spawner.shipper.start_seq())
-        for rank in ranks:
+        for i, rank in enumerate(ranks):
             staged, own = await snapshots.recorded(store, job_id, attempt, rank, ranks)
-            await snapshots.persist(root, store, job_id, attempt, rank, staged, own, node=spawner.node,
-                                    producer=spawner.producer, again=again)
+            persisted = await snapshots.persist(root, store, job_id, attempt, rank, staged, own, node=spawner.node,
+                                                producer=spawner.producer, again=again)
+            exits[i] = msgspec.structs.replace(exits[i], persisted=persisted)  # its exit record says so
     return list(lost)
 
 

@@ -20,6 +20,7 @@ import structlog
 from flightdeck.events import codec, subjects
 from flightdeck.events import snapshot as fmt
 from flightdeck.events.checkpoint import CheckpointStaged, ShardInfo
+from flightdeck.events.job import Persisted
 from flightdeck.events.plan import ParallelPlan
 from flightdeck.events.store import EventStore
 from flightdeck.events.training import RankStarted, RolledBack, StepCompleted
@@ -205,16 +206,16 @@ def forget_attempts_before(root: Path, job_id: str, attempt: int, keep: set[Path
 
 
 async def persist(root: Path, store: EventStore, job_id: str, attempt: int, rank: int, staged: tuple[int, int] | None,
-                  reported: int | None, *, node: str, producer: str, again: str = "") -> None:
+                  reported: int | None, *, node: str, producer: str, again: str = "") -> Persisted:
     """Stage a gone rank's snapshot for the node's shipper (`persisting`), on the rank's own subject, after the
     rank's reports of the steps before it that its record lacks (under their own ids: the broker drops any copy
-    that did land)."""
+    that did land). Whether it staged one, for the rank's exit record: "none" says no set of it can come."""
     try:
         steps, events = await persisting(root, job_id, attempt, rank, staged, reported, node=node,
                                          producer=producer, again=again)
     except Exception as exc:  # the store's checkpoints still stand: the restart restores the newest
         log.error("persisting the rank's snapshot failed", job_id=job_id, rank=rank, error=repr(exc))
-        return
+        return "none"
     for ev in steps:
         await retrying("recording the rank's step again", lambda ev=ev: store.append(  # type: ignore[misc]
             subjects.telemetry(job_id, rank, "StepCompleted"), ev, msg_id=ev.event_id))
@@ -227,6 +228,7 @@ async def persist(root: Path, store: EventStore, job_id: str, attempt: int, rank
                        lambda event=event: store.append(subject, event, msg_id=event.event_id))  # type: ignore[misc]
         log.info("rank's snapshot staged for the store", job_id=job_id, rank=rank, step=event.step,
                  timeline=event.timeline, bytes=sum(s.size for s in event.shards), seconds=event.write_s)
+    return "staged" if events else "none"
 
 
 async def recorded(store: EventStore, job_id: str, attempt: int, rank: int,

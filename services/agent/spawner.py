@@ -19,7 +19,7 @@ from flightdeck.events import nodelocal as nl
 from flightdeck.events import ranklink
 from flightdeck.events.heartbeats import LocalBeat
 from flightdeck.events.history import append_to_job
-from flightdeck.events.job import RankExit, SlotRef, WorkersStarted
+from flightdeck.events.job import Persisted, RankExit, SlotRef, WorkersStarted
 from flightdeck.events.spec import spec_toml
 from flightdeck.events.store import EventStore
 from flightdeck.services.agent import snapshots
@@ -326,12 +326,11 @@ class Spawner:
             tail = await asyncio.to_thread(last_lines, self.paths.log(p.job_id, p.attempt, p.ref.rank))
         if code != 0 and not told["error"]:
             told["error"] = error_of(tail)
-        if code != 0 and self.paths.snapshots is not None:
-            await self._persist(p)
+        persisted = await self._persist(p) if code != 0 and self.paths.snapshots is not None else ""
         if code == nl.RESTORE_REFUSED_EXIT and p.restore is not None:
             await self.exits.rejected(p.job_id, p.attempt, p.restore,
                                       f"rank {p.ref.rank} refused it when loading: {tail}", p.cause)
-        exit_ = RankExit(rank=p.ref.rank, exit_code=code, cause=tail, planned=p.shutdown, **told)
+        exit_ = RankExit(rank=p.ref.rank, exit_code=code, cause=tail, planned=p.shutdown, persisted=persisted, **told)
         await self.exits.record(p.job_id, p.attempt, [exit_], p.cause)
         self.procs.pop((p.job_id, p.attempt, p.ref.rank), None)
         if not any((q.job_id, q.attempt) == (p.job_id, p.attempt) for q in self.procs.values()):
@@ -340,7 +339,7 @@ class Spawner:
                 self.relay.release(p.job_id, p.attempt)
             await self.shipper.finish(p.job_id, p.attempt)  # what the last of them staged on its way out
 
-    async def _persist(self, p: RankProc) -> None:
+    async def _persist(self, p: RankProc) -> Persisted:
         """A rank gone without finishing: its newest snapshot newer than its own checkpoints goes to the store
         (staged as the rank would have; the shipper uploads it), before its exit is recorded."""
         assert self.paths.snapshots is not None
@@ -350,8 +349,8 @@ class Spawner:
         # resumes past a step it holds no record of (the rank's last report can die with it)
         reported = self.links.stepped.get(key, -1) if self.links is not None else -1
         reported = max(reported, self.beat_steps.pop(key, -1)) if reported < 0 else reported
-        await snapshots.persist(self.paths.snapshots, self.store, p.job_id, p.attempt, p.ref.rank, staged, reported,
-                                node=self.node, producer=self.producer)
+        return await snapshots.persist(self.paths.snapshots, self.store, p.job_id, p.attempt, p.ref.rank, staged,
+                                       reported, node=self.node, producer=self.producer)
 
     def stop(self, job_id: str, attempt: int, reason: str, *, immediate: bool = False, shutdown: bool = False) -> None:
         """SIGTERM the attempt's ranks here (they checkpoint and exit), SIGKILL whatever outlives the grace."""

@@ -8,7 +8,7 @@ and never longer than the steps it would save took to train: waiting can cost at
 """
 
 from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointFailed, CheckpointPending
-from flightdeck.events.job import JobQueued, WorkersExited
+from flightdeck.events.job import JobQueued, SlotRef, WorkersExited
 from flightdeck.services.scheduler.state import Job, Pending
 from flightdeck.services.scheduler.tx import Tx
 
@@ -53,7 +53,7 @@ def settled(tx: Tx, ev: CheckpointCommitted | CheckpointFailed) -> None:
     memory = isinstance(ev, CheckpointFailed) or (ev.from_memory and ev.attempt == job.memory_from)
     saved = saved or (job.waits_for == MEMORY and memory)
     if memory and job.memory_from >= 0:
-        job = tx.update(job, memory_from=-1, memory_redo_s=0.0, memory_owed=frozenset(), memory_until=0.0)
+        job = tx.update(job, **MEMORY_DONE)
     if job.waits_for and (job.waits_for == cid or not cid or saved):
         why = f"restore checkpoint {cid}, which committed while the restart waited" \
             if isinstance(ev, CheckpointCommitted) else \
@@ -95,7 +95,8 @@ def hold_for_save(tx: Tx, job: Job) -> Job:
 
 
 def hold_for_memory(tx: Tx, job: Job, running_since: float, trained_until: float = 0.0, *,
-                    unsettled: frozenset[int] = frozenset()) -> Job:
+                    unsettled: frozenset[int] = frozenset(), where: tuple[SlotRef, ...] = (),
+                    staged: bool = False) -> Job:
     """Keep the restart of `job` (its new attempt set) waiting for the set its failed attempt's agents persist
     from the ranks' snapshots, when the spec takes them: at most policy.commit_wait_s, and never longer than the
     failed attempt trained past the newest checkpoint (waiting can cost at most what it may save). A failed
@@ -105,15 +106,21 @@ def hold_for_memory(tx: Tx, job: Job, running_since: float, trained_until: float
     of the failed attempt with no recorded end, so a node of theirs may be lost: a restart placed before that is
     known may land on it, and a lost node's survivors' set commits only once it is known, so a wait that may save
     anything lasts up to the lost deadline while one of them is owed (`exits_owed`). Found by bench/vs_peers.py:
-    a wait bounded by 1.6 s of training ended 0.1 s before NodeLost, and the restart redid 10 steps."""
-    if tx.settings.memory_wait not in ("yes", "settled") or job.spec.train.snapshot_every <= 0 \
+    a wait bounded by 1.6 s of training ended 0.1 s before NodeLost, and the restart redid 10 steps. `where`: the
+    owed ranks' slots; `staged`: an exit recorded so far said its rank's snapshot was staged. With neither owed nor
+    staged ranks, no set can come ("known"): a restart after a lost node waited its whole wait for one (9 s)."""
+    known = tx.settings.memory_wait == "known"
+    if tx.settings.memory_wait not in ("yes", "settled", "known") or job.spec.train.snapshot_every <= 0 \
             or job.spec.policy.commit_wait_s <= 0:
         return job
     newest = job.newest
     if running_since > 0:
         end = min(tx.at, trained_until) if trained_until > 0 else tx.at
         redo_s = end - max((newest.staged_at or newest.at) if newest is not None else 0.0, running_since)
-        job = tx.update(job, memory_from=job.attempt - 1, memory_redo_s=redo_s)
+        job = tx.update(job, memory_from=job.attempt - 1, memory_redo_s=redo_s, memory_staged=staged,
+                        memory_where=where)
+        if known and not unsettled and not staged:
+            return tx.update(job, **MEMORY_DONE)
     elif job.memory_from >= 0:
         redo_s = job.memory_redo_s
     else:
@@ -121,7 +128,7 @@ def hold_for_memory(tx: Tx, job: Job, running_since: float, trained_until: float
     wait_s = min(job.spec.policy.commit_wait_s, redo_s)
     if wait_s <= 0:
         return job
-    if unsettled and running_since > 0 and tx.settings.memory_wait == "settled":
+    if unsettled and running_since > 0 and tx.settings.memory_wait in ("settled", "known"):
         policy = job.spec.policy
         job = tx.update(job, memory_owed=unsettled, memory_until=tx.at + wait_s)
         wait_s = min(policy.commit_wait_s, max(wait_s, policy.heartbeat_interval_s * policy.heartbeat_misses))
@@ -134,12 +141,36 @@ def hold_for_memory(tx: Tx, job: Job, running_since: float, trained_until: float
 
 def exits_owed(tx: Tx, ev: WorkersExited) -> None:
     """Exits of the failed attempt's ranks a memory wait was owed: once none is, the wait lasts no longer than
-    the training it may save (their nodes are not lost: their agents recorded them)."""
+    the training it may save (their nodes are not lost: their agents recorded them), and ends at once when no
+    exit said its snapshot was staged ("known")."""
     job = tx.jobs.get(ev.job_id)
     if job is None or job.waits_for != MEMORY or ev.attempt != job.memory_from or not job.memory_owed:
         return
-    owed = job.memory_owed - {x.rank for x in ev.exits()}
-    wait_until = min(job.wait_until, max(tx.at, job.memory_until)) if not owed else job.wait_until
+    staged = job.memory_staged or any(x.persisted == "staged" for x in ev.exits())
+    owed_less(tx, tx.update(job, memory_staged=staged), {x.rank for x in ev.exits()}, "their exits say so")
+
+
+def node_lost(tx: Tx, node: str) -> None:
+    """Ranks owed to a memory wait that ran on a node now lost: they leave no exit and no snapshot ("known"). A set
+    the survivors staged is settled by the checkpoint service on this same news: the wait goes on for it."""
+    if tx.settings.memory_wait != "known":
+        return
+    for job in list(tx.jobs.values()):
+        gone = {r.rank for r in job.memory_where if r.node == node} & job.memory_owed
+        if job.waits_for == MEMORY and gone:
+            owed_less(tx, job, gone, f"node {node} was lost", shorten=False)
+
+
+def owed_less(tx: Tx, job: Job, ranks: set[int], how: str, *, shorten: bool = True) -> None:
+    """`ranks` owe the memory wait of `job` nothing more: with none owed and none staged ("known") it ends now;
+    with none owed (and `shorten`), it lasts no longer than the training it may save."""
+    owed = job.memory_owed - ranks
+    if not owed and not job.memory_staged and tx.settings.memory_wait == "known":
+        tx.update(job, waits_for="", wait_until=0.0, **MEMORY_DONE,
+                  ask_reason=f"no snapshot of attempt {job.memory_from} can be persisted ({how}: none of its ranks "
+                             "staged one newer than its checkpoints): restoring the newest committed")
+        return
+    wait_until = min(job.wait_until, max(tx.at, job.memory_until)) if not owed and shorten else job.wait_until
     tx.update(job, memory_owed=owed, wait_until=wait_until)
     deadlines(tx)  # ended now, if past what it could save: said so before the restart is asked for
 
@@ -151,6 +182,11 @@ def deadlines(tx: Tx) -> None:
             what = "the failed attempt's snapshots in memory were not persisted and committed" \
                 if job.waits_for == MEMORY else f"checkpoint {job.waits_for} did not commit"
             tx.update(job, waits_for="", wait_until=0.0, ask_reason=f"{what} in time: restoring the newest committed")
+
+
+# A memory wait's bookkeeping once its set came, failed or cannot come.
+MEMORY_DONE: dict[str, object] = {"memory_from": -1, "memory_redo_s": 0.0, "memory_owed": frozenset(),
+                                  "memory_until": 0.0, "memory_where": (), "memory_staged": False}
 
 
 def waiting(job: Job, now: float) -> bool:

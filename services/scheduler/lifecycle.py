@@ -118,7 +118,8 @@ def exited(tx: Tx, ev: WorkersExited) -> None:
         fail(tx, job, f"{fault_reason(ev)}; {why}", job.faults)
     elif bad is not None:
         planned = all(x.planned for x in exits if failed(x))
-        fault(tx, job, ev.event_id, fault_reason(ev), ranks, planned=planned, early=early_way(bad))
+        fault(tx, job, ev.event_id, fault_reason(ev), ranks, planned=planned, early=early_way(bad),
+              staged=any(x.persisted == "staged" for x in exits))
     else:
         job = tx.update(job, exited=job.exited | ranks)
         if job.ranks <= job.exited:  # every rank finished with 0, and nobody asked it to stop
@@ -151,6 +152,7 @@ def finding(tx: Tx, ev: RankLost | RankHung | StragglerDetected) -> None:
 
 def node_lost(tx: Tx, node: str, reason: str, cause_id: str) -> None:
     tx.set_node(node, lost=True, cordoned=True)
+    commit_wait.node_lost(tx, node)
     for job in tx.live():
         gone = {r.rank for r in job.assignments if r.node == node} - job.exited
         if not gone:
@@ -162,14 +164,15 @@ def node_lost(tx: Tx, node: str, reason: str, cause_id: str) -> None:
 
 
 def fault(tx: Tx, job: Job, cause_id: str, reason: str, gone: Iterable[int], *, lost_node: str = "",
-          planned: bool = False, trained_until: float = 0.0, early: str = "") -> None:
+          planned: bool = False, trained_until: float = 0.0, early: str = "", staged: bool = False) -> None:
     """Restart the job on fresh slots, or fail it once the restart budget is spent. Surviving ranks are
     told to stop first (no checkpoint: the newest committed one is the restore point, or the one on its way
     when waiting for it loses less: commit_wait.py); releasing the allocation makes the node agents kill
     whatever does not stop. `planned`: the platform stopped the ranks itself (an agent shutting down), which
     costs the job no restart, and its ranks saved a checkpoint on the way out that the restart waits for.
     `trained_until`: when the job last made progress, if before now (a hung rank). `early`: how the attempt
-    failed before its first step ("" if it did not), for the next attempt's failure to be compared with."""
+    failed before its first step ("" if it did not), for the next attempt's failure to be compared with.
+    `staged`: the exits that brought the fault said a rank's snapshot was staged for the store."""
     job = tx.update(job, exited=job.exited | frozenset(gone), faults=(*job.faults, cause_id), early_failure=early)
     free = bool(job.bad_restore) or planned
     if planned:
@@ -178,6 +181,7 @@ def fault(tx: Tx, job: Job, cause_id: str, reason: str, gone: Iterable[int], *, 
     else:
         recovery = after_bad_checkpoint(job, reason) if job.bad_restore else after_fault(job, reason)
     unsettled = job.started - job.exited  # ranks whose end is not recorded: their node may be lost
+    where = tuple(r for r in job.assignments if r.rank in unsettled)
     if unsettled:
         tx.emit(StopRequested(job_id=job.job_id, checkpoint=False, reason=recovery.reason))
     match recovery:
@@ -192,7 +196,8 @@ def fault(tx: Tx, job: Job, cause_id: str, reason: str, gone: Iterable[int], *, 
             if not job.waits_for:  # a fully staged set first: it is on its way already
                 job = commit_wait.hold(tx, job, pending, since, lost_node)
             if not job.waits_for and not free:  # a lost node's ranks leave none: the survivors' may do (DDP)
-                job = commit_wait.hold_for_memory(tx, job, since, trained_until, unsettled=unsettled)
+                job = commit_wait.hold_for_memory(tx, job, since, trained_until, unsettled=unsettled, where=where,
+                                                  staged=staged)
             tx.enqueue(job)
         case Fail(reason=why):
             fail(tx, job, why, job.faults, stopped=True)

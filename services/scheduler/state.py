@@ -107,6 +107,8 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     # deadline; once none is owed, it lasts no longer than `memory_until` (what the training it saves took).
     memory_owed: frozenset[int] = frozenset()
     memory_until: float = 0.0
+    memory_where: tuple[SlotRef, ...] = ()  # where the owed ranks ran: a node found lost owes none of its ranks' exits
+    memory_staged: bool = False  # a rank's exit said its snapshot was staged: the set settles (checkpoint service)
     # How the attempt before `attempt` failed before its first step (policy.early_way; "": it did not): the same
     # again fails the job rather than spend another restart on it (policy.fail_fast)
     early_failure: str = ""
@@ -143,6 +145,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     landing_timeout_s: float = 120.0  # a rollback no rank reports RolledBack for counts as in flight this long
     # "yes": a restart after a fault waits for the set persisted from the ranks' snapshots (commit_wait.MEMORY);
     # "settled": and at least the lost deadline while ranks of the failed attempt have no recorded end.
+    # "known": and no longer once none can come: every rank's exit says it staged none, or its node was lost.
     # Histories recorded before agents persisted snapshots replay with "no": nothing of the kind ever came.
     memory_wait: str = "no"
 

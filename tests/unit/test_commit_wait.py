@@ -17,6 +17,7 @@ from flightdeck.events.job import (
     JobQueued,
     JobResumed,
     JobSubmitted,
+    RankExit,
     SlotRef,
     WorkersExited,
     WorkersStarted,
@@ -278,3 +279,50 @@ def test_a_memory_wait_lasts_the_lost_deadline_while_a_rank_of_the_failed_attemp
     old = fold(MEMORY, [committed(50, 20.0)], msgspec.structs.replace(started(), settings=before.settings))[0]
     (queued,) = events_of(fold(MEMORY, [crash(21.0)], old)[1], JobQueued)
     assert "waits up to 1.00s" in queued.reason  # histories recorded with "yes" replay as they ran
+
+
+def known_running() -> State:
+    """running(), under today's scheduler: a memory wait ends once no rank of the failed attempt can stage a set."""
+    assert MEMORY.initial.settings.memory_wait == "known"
+    state = msgspec.structs.replace(started(), settings=MEMORY.initial.settings)
+    return fold(MEMORY, [committed(50, 20.0)], state)[0]
+
+
+def ended(rank: int, node: str, t: float, persisted: str, code: int = -15) -> WorkersExited:
+    return at(WorkersExited(job_id=JOB, node=node, attempt=0, rank=rank, exit_code=code, persisted=persisted), t)
+
+
+def test_a_memory_wait_ends_once_no_rank_of_the_failed_attempt_can_stage_a_snapshot() -> None:
+    """Found in the TP x PP drill: after a lost node, when no survivor had a snapshot newer than the checkpoint, the
+    restart waited out its whole wait (9 s) for a set that could never come. Each exit now says whether its agent
+    staged the rank's snapshot; a rank on a lost node stages none. Once no rank owes its exit and none staged, the
+    restart goes at once, saying why; while one staged, the set settles through the checkpoint service."""
+    crashed = ended(1, "b", 21.0, "none", code=3)  # b's agent had nothing newer than step 50 to stage
+    state, outs = fold(MEMORY, [crashed], known_running())
+    assert requests(outs) == [] and state.jobs[JOB].memory_owed == {0}  # rank 0 on a: its node may be lost
+    _, outs = fold(MEMORY, [at(NodeLost(node="a", reason="heartbeats stopped"), 24.0)], state)
+    (asked,) = requests(outs)  # well before the lost deadline's end at 26.0
+    assert asked.reason == ("no snapshot of attempt 0 can be persisted (node a was lost: none of its ranks staged "
+                            "one newer than its checkpoints): restoring the newest committed")
+    _, outs = fold(MEMORY, [ended(0, "a", 21.4, "none")], state)  # a's agent staged none either: before 22.0
+    (asked,) = requests(outs)
+    assert asked.reason.startswith("no snapshot of attempt 0 can be persisted (their exits say so")
+    # a rank whose snapshot was staged: its set commits or fails through the checkpoint service, not here
+    state, _ = fold(MEMORY, [ended(1, "b", 21.0, "staged", code=3)], known_running())
+    state, outs = fold(MEMORY, [at(NodeLost(node="a", reason="heartbeats stopped"), 24.0)], state)
+    assert requests(outs) == [] and state.jobs[JOB].waits_for == "memory"
+    _, outs = fold(MEMORY, [memory_committed(53, 24.1)], state)
+    assert len(requests(outs)) == 1
+    # nothing owed and nothing staged when the fault comes: no wait at all
+    both = at(WorkersExited(job_id=JOB, node="b", attempt=0, rank=1, exit_code=3, persisted="none",
+                            others=[RankExit(rank=0, exit_code=-9, persisted="none")]), 21.0)
+    state = fold(MEMORY, [at(WorkersStarted(job_id=JOB, node="b", attempt=0, ranks=[0], pids=[3]), 11.0)],
+                 known_running())[0]
+    _, outs = fold(MEMORY, [both], state)
+    assert events_of(outs, JobQueued) == [] and len(requests(outs)) == 1
+    # histories recorded with "settled" replay as they ran: the lost node ends nothing
+    settled = msgspec.structs.replace(known_running(), settings=msgspec.structs.replace(
+        MEMORY.initial.settings, memory_wait="settled"))
+    state, _ = fold(MEMORY, [crashed], settled)
+    _, outs = fold(MEMORY, [at(NodeLost(node="a", reason="heartbeats stopped"), 24.0)], state)
+    assert requests(outs) == []

@@ -39,7 +39,7 @@ async def test_an_old_history_verifies_with_the_defaults_whatever_the_environmen
         "health: no settings recorded in this history: replayed with the defaults (tick_s=1.0, stopping=unwatched)",
     ]
     assert [s.settings for s in cores()][:2] == [{"stop_timeout_s": 120.0, "landing_timeout_s": 120.0,
-                                                 "memory_wait": "settled"},
+                                                 "memory_wait": "known"},
                                                 {"base": 29500, "span": 1000}]
 
 

@@ -25,7 +25,7 @@ from flightdeck.events.commands import (
 )
 from flightdeck.events.heartbeats import RankBeat, RankHeartbeats
 from flightdeck.events.history import append_to_job
-from flightdeck.events.job import RankExit, WorkersStarted, exits_record
+from flightdeck.events.job import Persisted, RankExit, WorkersStarted, exits_record
 from flightdeck.events.nodelocal import STOPPED_EXIT
 from flightdeck.events.store import MemoryStore
 from flightdeck.events.training import RankStarted, RolledBack, SpikeReplayed, StepCompleted
@@ -151,18 +151,21 @@ class Ranks:
         for node, rs in sorted(by_node.items()):
             if not record or node in self.nodes_down:
                 continue
+            persisted: Persisted = ""
             if code != 0:
-                await self._persist(a, node, rs)
-            ev = exits_record([RankExit(rank=r, exit_code=code) for r in rs], job_id=a.job_id, node=node,
+                persisted = "staged" if await self._persist(a, node, rs) else "none"
+            ev = exits_record([RankExit(rank=r, exit_code=code, persisted=persisted) for r in rs], job_id=a.job_id,
+                              node=node,
                               attempt=a.attempt, event_id=self._id(f"exit-{node}"), occurred_at=self.now(),
                               producer=f"agent-{node}")
             await append_to_job(self.store, ev, msg_id=ev.event_id)
 
-    async def _persist(self, a: Attempt, node: str, ranks: list[int]) -> None:
+    async def _persist(self, a: Attempt, node: str, ranks: list[int]) -> bool:
         """The agent stages its gone ranks' newest snapshot (the boundary of the step they were running), unless
-        that step is one they checkpointed themselves (or restored from), or a re-run is under way (never kept)."""
+        that step is one they checkpointed themselves (or restored from), or a re-run is under way (never kept).
+        Whether it staged them, as their exit record says."""
         if a.replay is not None or a.step == a.saved_at:
-            return
+            return False
         cid = checkpoint_id(a.attempt, a.step, a.timeline)
         self.saved.setdefault((a.job_id, cid), Saved(step=a.step, next_batch=a.next_batch, skipped=list(a.skipped)))
         data = DataPosition(next_batch=a.next_batch, skipped=[list(w) for w in a.skipped])  # type: ignore[misc]
@@ -177,6 +180,7 @@ class Ranks:
         await self.tel(ShardsUploaded(job_id=a.job_id, rank=ranks[0], attempt=a.attempt, node=node, step=a.step,
                                       timeline=a.timeline, world_size=a.world_size, ranks=ranks, bytes=len(ranks),
                                       seconds=0.0, event_id=self._id("uploaded"), occurred_at=now))
+        return True
 
     def tell(self, node: str, job_id: str, attempt: int, command: Event) -> None:
         """A command down rank 0's link: only the agent that runs rank 0 hands it over (the boundary agrees it)."""
@@ -198,7 +202,8 @@ class Ranks:
         for a, r in self.orphans.pop(node, []):
             by_attempt.setdefault((a.job_id, a.attempt), []).append(r)
         for (job_id, attempt), rs in sorted(by_attempt.items()):
-            ev = exits_record([RankExit(rank=r, exit_code=-9) for r in rs], job_id=job_id, node=node, attempt=attempt,
+            ev = exits_record([RankExit(rank=r, exit_code=-9, persisted="none") for r in rs], job_id=job_id, node=node,
+                              attempt=attempt,
                               event_id=self._id(f"exit-{node}"), occurred_at=self.now(), producer=f"agent-{node}")
             await append_to_job(self.store, ev, msg_id=ev.event_id)
 
