@@ -7,7 +7,7 @@ import pytest
 
 from flightdeck.events import subjects
 from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointStaged
-from flightdeck.events.job import JobCompleted, JobQueued, JobResumed
+from flightdeck.events.job import JobCompleted, JobQueued, JobResumed, WorkersExited
 from flightdeck.events.spec import FaultSpec, JobSpec
 from flightdeck.events.training import FaultInjected, RankStarted, StepCompleted
 from tests.e2e.drill_harness import drill_spec, paced, wait_lineage
@@ -30,6 +30,9 @@ async def _redone_from_memory(p: Platform, job: str, fault: str) -> None:
     persisted = [e for e in p.seen(CheckpointStaged, job, stream=subjects.TELEMETRY) if e.from_memory]
     assert {e.rank for e in persisted} == {0, 1} and {e.attempt for e in persisted} == {0}
     assert {e.producer for e in persisted} == {"agent-n1"}  # the agent, after its ranks were gone
+    # ... and their exit records say so (a restart's memory wait ends at once when none was staged)
+    assert {x.rank: x.persisted for e in p.seen(WorkersExited, job) if e.attempt == 0 for x in e.exits()} == {
+        0: "staged", 1: "staged"}
     # (each rank's good slots are staged, newest first: a set commits at a step every rank holds)
     (resumed,) = p.seen(JobResumed, job)
     (commit,) = [e for e in p.seen(CheckpointCommitted, job) if e.checkpoint_id == resumed.checkpoint_id]
