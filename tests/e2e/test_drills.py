@@ -31,8 +31,10 @@ def restore_point(p: Platform, job_id: str, attempt: int) -> tuple[int, str]:
 
 
 async def run_to_end(p: Platform, job_id: str, within: float = 150.0) -> None:
+    """Until the job ends, and every stream's follower has read as far (what a drill then reads is all there)."""
     await p.until(lambda: bool(p.seen(JobCompleted, job_id)) or bool(p.seen(JobFailed, job_id)), within,
                   "the job to end", job_id)
+    await p.caught_up()
 
 
 @pytest.mark.timeout(180)

@@ -175,6 +175,14 @@ class Cluster:
                                      f"{self.logs()}")
             await asyncio.sleep(0.1)
 
+    async def caught_up(self, within: float = 60.0) -> None:
+        """Until each stream's follower has read what the stream held when called: each follows on its own, and a
+        test that saw the job end on one may read another that lags behind it (a loaded box: seconds)."""
+        for stream in (subjects.CONTROL, subjects.TELEMETRY, subjects.LOGS):
+            last, pool = await self.store.last_seq(stream), self._pool(stream)
+            await self.until(lambda pool=pool, last=last: (bool(pool) and pool[-1].stored.seq >= last) or last == 0,
+                             within, f"the {stream} follower to read up to {last}")
+
     async def ready(self, node: str = "n1", within: float = 60.0) -> None:
         await self.until(lambda: any(e.node == node for e in self.seen(SelfCheckPassed)), within,
                          f"agent {node} to pass its self-check")
