@@ -25,6 +25,7 @@ T = TypeVar("T")
 # A fence that did not hold: 10071 carries the subject's last sequence; a replicated stream answers 10164 when the
 # check cannot be made yet (another message on the subject is in flight, e.g. our own timed-out first try).
 _WRONG_LAST_SEQUENCE = (10071, 10164)
+READ_PATIENCE_S = 10.0  # how long a read is asked again while the broker does not answer (JetStreamStore._read)
 
 
 class JetStreamStore:
@@ -89,6 +90,20 @@ class JetStreamStore:
             if is_unavailable(exc):
                 raise StoreUnavailable(f"NATS did not answer: {exc!r}") from exc
             raise
+
+    async def _read(self, fn: Callable[[], Awaitable[T]]) -> T:
+        """`_call` for a stream's bounds, asked again while the broker does not answer, up to READ_PATIENCE_S: a
+        cluster that lost a stream's leader answers again once it has elected one (seconds on a loaded box), and a
+        history reader (verify, status, export) should not fail for that (a chaos test's verify did)."""
+        deadline = asyncio.get_running_loop().time() + READ_PATIENCE_S
+        while True:
+            try:
+                return await self._call(fn)
+            except StoreUnavailable:
+                if asyncio.get_running_loop().time() >= deadline:
+                    raise
+                log.info("broker did not answer a read: asking again")
+                await asyncio.sleep(0.5)
 
     async def append(self, subject: str, event: Event, *, msg_id: str = "", expected_last_seq: int | None = None,
                      fence: str = "") -> AppendResult:
@@ -162,16 +177,16 @@ class JetStreamStore:
                        headers.get("Nats-Msg-Id", ""))
 
     async def last_seq(self, stream: str) -> int:
-        info = await self._call(lambda: self.js.stream_info(stream))
+        info = await self._read(lambda: self.js.stream_info(stream))
         return info.state.last_seq
 
     async def bounds(self, stream: str) -> tuple[int, float, int]:
-        info = await self._call(lambda: self.js.stream_info(stream))
+        info = await self._read(lambda: self.js.stream_info(stream))
         first, last = info.state.first_seq, info.state.last_seq
         if not info.state.messages:
             return max(first, last + 1), float("inf"), last
         request = json.dumps({"seq": first}).encode()
-        msg: Msg = await self._call(
+        msg: Msg = await self._read(
             lambda: self.nc.request(f"$JS.API.DIRECT.GET.{stream}", request, timeout=self._timeout))
         status = (msg.headers or {}).get("Status")
         if status:  # aged out between the two calls: the next message is as young or younger
