@@ -58,8 +58,10 @@ def test_the_builtin_trainer_runs_tp_and_pp_and_reshards_its_checkpoint(tmp_path
     for step in range(STEPS):  # one run, laid out two ways
         assert whole[step]["grad_norm"] == pytest.approx(plain[step]["grad_norm"], rel=1e-5), step
     ckpt = tmp_path / "tp2-pp2" / ".flightdeck" / "staging" / "local" / "step-4"
-    # TP 2 x PP 1 (what 2 ranks hold of an asked TP 2 x PP 2: a lost node's layout), PP 2 x DP 2 (FSDP2), DDP
-    for (tp, pp), (runs_tp, runs_pp), ranks in (((2, 2), (2, 1), 2), ((1, 2), (1, 2), 4), ((1, 1), (1, 1), 2)):
+    # TP 2 x PP 1 (what 2 ranks hold of an asked TP 2 x PP 2: a lost node's layout), PP 2 x DP 2 (FSDP2), TP 2 x
+    # DP 2 (FSDP2 over TP blocks, the norms replicated over the TP group), DDP
+    for (tp, pp), (runs_tp, runs_pp), ranks in (((2, 2), (2, 1), 2), ((1, 2), (1, 2), 4), ((2, 1), (2, 1), 4),
+                                                ((1, 1), (1, 1), 2)):
         resumed = builtin(tmp_path / f"tp{runs_tp}-pp{runs_pp}-on-{ranks}", tp, pp, ranks, restore=ckpt,
                           runs=(runs_tp, runs_pp))
         assert sorted(resumed) == list(range(4, STEPS)), (tp, pp, ranks)
