@@ -66,6 +66,7 @@ class WebServer:
         self.tasks: list[asyncio.Task[None]] = []
         self.moved = asyncio.Event()  # replaced and set whenever what a page shows may have changed
         self.analyses = 0
+        self.closing = False  # the server is stopping: event streams end rather than hold its shutdown
 
     def touch(self) -> None:
         moved, self.moved = self.moved, asyncio.Event()
@@ -105,7 +106,7 @@ class WebServer:
         await stream.prepare(request)
         board, sent = self.board, None
         try:
-            while True:
+            while not self.closing:
                 moved = self.moved
                 key = (board.figures.version, board.live.broker_up, self.analyses)
                 if key != sent:
@@ -118,7 +119,8 @@ class WebServer:
                         await moved.wait()
                 except TimeoutError:
                     await stream.write(b": ping\n\n")
-                await asyncio.sleep(PUSH_EVERY_S)
+                if not self.closing:
+                    await asyncio.sleep(PUSH_EVERY_S)
         except (ConnectionResetError, asyncio.CancelledError):
             pass
         return stream
@@ -240,6 +242,8 @@ async def serve(url: str, host: str, port: int, stop: asyncio.Event, *,
             ready.set_result(bound)
         await stop.wait()
     finally:
+        server.closing = True  # an open event stream held the shutdown until its next ping (30 s in a test)
+        server.touch()
         await runner.cleanup()
         await server.stop()
         await store.close()
