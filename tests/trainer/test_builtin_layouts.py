@@ -13,6 +13,8 @@ import pytest
 
 from flightdeck.events import nodelocal as nl
 from flightdeck.events.ranklink import LINK_ENV
+from flightdeck.events.spec import check, parse_spec
+from flightdeck.trainer.model import GPT, num_params
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 REPO = Path(__file__).resolve().parents[2]
@@ -54,6 +56,11 @@ def builtin(tmp: Path, tp: int, pp: int, ranks: int, restore: Path | None = None
 def test_the_builtin_trainer_runs_tp_and_pp_and_reshards_its_checkpoint(tmp_path: Path) -> None:
     whole = builtin(tmp_path / "tp2-pp2", 2, 2, 4)
     assert sorted(whole) == list(range(STEPS))
+    rows = [json.loads(line) for line in (tmp_path / "tp2-pp2" / "events.jsonl").read_text().splitlines() if line]
+    (model,) = [e for e in rows if e["type"] == "ModelRegistered"]  # the whole GPT, though rank 0 holds a stage's share
+    spec = check(parse_spec((tmp_path / "tp2-pp2" / "job.toml").read_bytes()))
+    whole_gpt = num_params(GPT(spec.model))
+    assert (model["params"], model["layers"], model["heads"], model["dp"]) == (whole_gpt, 4, 4, 1)
     ckpt = tmp_path / "tp2-pp2" / ".flightdeck" / "staging" / "local" / "step-4"
     # TP 2 x PP 1 (what 2 ranks hold of an asked TP 2 x PP 2: a lost node's layout), PP 2 x DP 2 (FSDP2), TP 2 x
     # DP 2 (FSDP2 over TP blocks, the norms replicated over the TP group), DDP
