@@ -25,9 +25,18 @@ from flightdeck.events.checkpoint import (
 from flightdeck.events.clock import ClockTick, CoreConfigured
 from flightdeck.events.commands import RollbackRequested
 from flightdeck.events.fleet import NodeLost, NodeRegistered
-from flightdeck.events.job import AllocationGranted, JobCancelled, JobCompleted, JobFailed, JobResumed, JobSubmitted
+from flightdeck.events.job import (
+    AllocationGranted,
+    JobCancelled,
+    JobCompleted,
+    JobFailed,
+    JobResumed,
+    JobSubmitted,
+    WorkersExited,
+)
 from flightdeck.events.lineage import forked, thrown_away
 from flightdeck.events.training import RankStarted, RolledBack
+from flightdeck.services.checkpoints.scrubs import SCRUB, next_scrub, scrub_due
 from flightdeck.services.checkpoints.state import (
     NOTHING_DUE,
     CommitArgs,
@@ -36,8 +45,6 @@ from flightdeck.services.checkpoints.state import (
     Due,
     Hold,
     JobState,
-    Scrub,
-    ScrubArgs,
     Settings,
     StagedRank,
     Staging,
@@ -51,8 +58,6 @@ DELETE = "delete"
 THROWN_AWAY = "thrown away by a rollback"  # CheckpointDeleted.reason, beside the default "retention"
 REJECTED = "rejected: found bad on restore"  # ... and a checkpoint a node agent found bad (CheckpointRejected)
 SCRUBBED_BAD = "found bad by a scrub of the store"  # ... and one the scrubber found bad (CheckpointScrubbed)
-SCRUB = "scrub"
-SCRUB_SLACK_S = 300.0  # a scrub with no outcome this long past its bytes' reading time counts as lost: asked again
 LINGER_S = 30.0  # after a completion, the longest the service keeps ticking for the final step's set
 
 
@@ -145,24 +150,28 @@ def _hand_over(job: JobState, job_id: str, at: tuple[int, int, int], current: St
 
 def _survivors(job: JobState, job_id: str, at: tuple[int, int, int], current: Staging,
                lost: frozenset[str]) -> tuple[JobState, Due] | None:
-    """A set persisted from memory that lacks only ranks whose nodes are lost (their memory went with them): with
-    every survivor's state a full replica (plain data parallel) it commits with the ranks it has, restorable at
-    any world size; else it can never be whole, and fails now rather than hold a restart up. None: wait."""
+    """A set persisted from memory that lacks only ranks whose nodes are lost (their memory went with them) or whose
+    exits say their agent staged none (`staged_none`): with every survivor's state a full replica (plain data
+    parallel) it commits with the ranks it has, restorable at any world size; else it can never be whole, and
+    fails now rather than hold a restart up. None: wait."""
     present = set(current.ranks)
     if not present or not all(s.from_memory for s in current.ranks.values()) or current.stored != present:
         return None
     placed = job.placement.get(at[0], {})
     missing = sorted(set(range(current.world_size)) - present)
-    nodes = sorted({placed.get(r, "") for r in missing})
+    none = job.staged_none.get(at[0], frozenset())
+    nodes = sorted({placed.get(r, "") for r in missing if r not in none})
     if not missing or not all(n in lost for n in nodes):
         return None
     if all(s.replicated for s in current.ranks.values()):
         return _hand_over(job, job_id, at, current, max(s.occurred_at for s in current.ranks.values()))
     attempt, timeline, step = at
     cid = checkpoint_id(attempt, step, timeline)
+    why = [*([f"ranks {sorted(set(missing) - none)} were on lost node(s) {', '.join(nodes)}"] if nodes else []),
+           *([f"ranks {sorted(set(missing) & none)} had no snapshot of it to stage"] if set(missing) & none else [])]
     failed = CheckpointFailed(job_id=job_id, step=step, checkpoint_id=cid,
-                              reason=f"{cid}: ranks {missing} were on lost node(s) {', '.join(nodes)} and the "
-                                     "survivors' snapshots hold only their own shards of the state")
+                              reason=f"{cid}: {' and '.join(why)}, and the others' snapshots hold only their own "
+                                     "shards of the state")
     staging = {k: v for k, v in job.staging.items() if k != at}
     return replace(job, staging=staging, handed=job.handed | {at}), Due(failed=failed, failed_id=cid)
 
@@ -180,6 +189,22 @@ def _node_lost(state: State, node: str) -> tuple[State, Sequence[Output]]:
                 outs += _outputs(job_id, job, due)
         jobs[job_id] = job
     return replace(state, jobs=jobs), outs
+
+
+def _exited(job: JobState, job_id: str, ev: WorkersExited, lost: frozenset[str]) -> tuple[JobState, list[Output]]:
+    """Ranks whose agent staged no snapshot as they ended: sets of their attempt waiting on them settle now."""
+    none = frozenset(x.rank for x in ev.exits() if x.persisted == "none")
+    if not none or ev.attempt < job.attempt:
+        return job, []
+    job = replace(job, staged_none={a: r for a, r in job.staged_none.items() if a >= job.attempt}
+                  | {ev.attempt: job.staged_none.get(ev.attempt, frozenset()) | none})
+    outs: list[Output] = []
+    for at, current in sorted(job.staging.items()):
+        settled = _survivors(job, job_id, at, current, lost) if at[0] == ev.attempt else None
+        if settled is not None:
+            job, due = settled
+            outs += _outputs(job_id, job, due)
+    return job, outs
 
 
 def _new_attempt(job: JobState, attempt: int) -> JobState:
@@ -273,6 +298,11 @@ def transition(state: State, ev: Event) -> tuple[State, Sequence[Output]]:
             return _node_lost(state, node)
         case NodeRegistered(node=node) if node in state.lost:
             return replace(state, lost=state.lost - {node}), ()
+        case WorkersExited(job_id=exited_job) if state.settings.settle_on_exits == "yes" and exited_job in state.jobs:
+            job, outs = _exited(state.jobs[exited_job], exited_job, ev, state.lost)
+            return replace(state, jobs={**state.jobs, exited_job: job}), outs
+        case WorkersExited():
+            return state, ()
     job_id = getattr(ev, "job_id", None)
     if not isinstance(job_id, str):
         return state, ()
@@ -282,29 +312,6 @@ def transition(state: State, ev: Event) -> tuple[State, Sequence[Output]]:
             and (state.scrub.job_id, state.scrub.checkpoint_id) == (job_id, ev.checkpoint_id):
         state = replace(state, scrub=None)
     return state, _outputs(job_id, job, due)
-
-
-def _scrub_due(state: State, now: float) -> tuple[float, str, Committed] | None:
-    """The checkpoint verified longest ago, if that is `scrub_every_s` ago or more (oldest-verified first)."""
-    every = state.settings.scrub_every_s
-    if every <= 0 or (state.scrub is not None and now < state.scrub.deadline):
-        return None
-    due = [(c.verified_at, job_id, c) for job_id, job in state.jobs.items() for c in job.committed
-           if c.verified_at + every <= now and c.checkpoint_id not in job.doomed and c.checkpoint_id not in job.bad]
-    return min(due, key=lambda d: (d[0], d[1], d[2].checkpoint_id)) if due else None
-
-
-def next_scrub(state: State, now: float) -> tuple[State, Sequence[Output]]:
-    """At a tick: read back the checkpoint verified longest ago, one at a time across all jobs."""
-    due = _scrub_due(state, now)
-    if due is None:
-        return state, ()
-    _, job_id, c = due
-    rate = state.settings.scrub_mb_s * 1e6
-    scrub = Scrub(job_id=job_id, checkpoint_id=c.checkpoint_id, deadline=now + SCRUB_SLACK_S + 2 * c.bytes / rate)
-    args = ScrubArgs(job_id=job_id, checkpoint_id=c.checkpoint_id, step=c.step, manifest_sha256=c.manifest_sha256,
-                     bytes_per_s=rate)
-    return replace(state, scrub=scrub), (Effect(SCRUB, args),)
 
 
 def _outputs(job_id: str, job: JobState, due: Due) -> list[Output]:
@@ -337,13 +344,13 @@ def wants_tick(state: State, now: float) -> bool:
     job's final set has not been read yet, or a scrub is due (ticks are recorded inputs, so reading the clock
     here is safe)."""
     return any(not job.ended or (job.final >= 0 and now - job.ended_at < LINGER_S) for job in state.jobs.values()) \
-        or _scrub_due(state, now) is not None
+        or scrub_due(state, now) is not None
 
 
 CONTROL_TYPES = (
     "JobSubmitted", "JobResumed", "RollbackRequested", "AllocationGranted",
     "CheckpointCommitted", "CheckpointDeleted", "CheckpointRejected", "CheckpointScrubbed", "JobCompleted", "JobFailed",
-    "JobCancelled",
+    "JobCancelled", "WorkersExited",
 )
 FLEET_TYPES = ("NodeLost", "NodeRegistered")
 TELEMETRY_TYPES = ("CheckpointStaged", "ShardsUploaded", "RolledBack", "RankStarted", "CheckpointRefused")
@@ -354,7 +361,7 @@ def core_service(effects: dict[str, EffectHandler], *, scrub_every_s: float = 0.
     """The checkpoint service's core wired to its effect handlers ("commit", "delete", and "scrub" when
     `scrub_every_s` > 0; see uploader.py and scrubber.py)."""
     settings = Settings(scrub_every_s=scrub_every_s, scrub_mb_s=scrub_mb_s, shards_from="agents",
-                        announce_pending="yes")
+                        announce_pending="yes", settle_on_exits="yes")
     missing = {COMMIT, DELETE, *([SCRUB] if scrub_every_s > 0 else [])} - set(effects)
     if missing:
         raise ValueError(f"the checkpoint service needs effect handlers for {sorted(missing)}")
@@ -370,5 +377,6 @@ def core_service(effects: dict[str, EffectHandler], *, scrub_every_s: float = 0.
         effects=effects,
         detached=frozenset({SCRUB}),
         settings=msgspec.structs.asdict(settings),
-        unrecorded=msgspec.structs.asdict(replace(settings, shards_from="staging", announce_pending="no")),
+        unrecorded=msgspec.structs.asdict(replace(settings, shards_from="staging", announce_pending="no",
+                                                  settle_on_exits="no")),
     )

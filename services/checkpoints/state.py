@@ -23,6 +23,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # "yes": say CheckpointPending once a set has fully staged, so a restart can wait for its commit. "no" for
     # histories recorded before the event existed, so that they still verify.
     announce_pending: Literal["no", "yes"] = "no"
+    # "yes": a set persisted from memory that lacks only ranks whose exits say their agent staged none (and ranks
+    # on lost nodes) settles at once, as after a lost node. "no" for histories recorded before exits said so.
+    settle_on_exits: Literal["no", "yes"] = "no"
 
     def __post_init__(self) -> None:
         if not (self.scrub_every_s >= 0 and self.scrub_mb_s > 0):
@@ -115,6 +118,8 @@ class JobState(msgspec.Struct, frozen=True, kw_only=True):
     forks: tuple[Fork, ...] = ()  # the timelines rollbacks started
     bad: dict[str, str] = {}  # found bad (on restore, or by a scrub) -> why it is deleted: never one of the `keep`
     placement: dict[int, dict[int, str]] = {}  # attempt -> rank -> node, as granted (this attempt's and newer)
+    # attempt -> its ranks whose exit said their agent staged no snapshot (RankExit.persisted "none"): none comes
+    staged_none: dict[int, frozenset[int]] = {}
 
 
 class Due(msgspec.Struct, frozen=True, kw_only=True):

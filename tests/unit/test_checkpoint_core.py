@@ -56,7 +56,7 @@ def submitted(keep: int, job: str = JOB) -> JobSubmitted:
     return JobSubmitted(job_id=job, spec=JobSpec(name="llm", policy=PolicySpec(keep_checkpoints=keep)))
 
 
-LIVE = State(settings=Settings(shards_from="agents"))  # as the running service starts
+LIVE = State(settings=Settings(shards_from="agents", settle_on_exits="yes"))  # as the running service starts
 
 
 def stored(ev: CheckpointStaged, *, ranks: list[int] | None = None, failed: str = "") -> ShardsUploaded:
@@ -416,3 +416,34 @@ def test_a_lost_nodes_ranks_leave_a_replicated_set_to_the_survivors_and_a_sharde
     (failed,) = [o.event for step in outs for o in step
                  if isinstance(o, Emit) and isinstance(o.event, CheckpointFailed)]
     assert "ranks [2, 3] were on lost node(s) b" in failed.reason
+
+
+def test_ranks_whose_exits_say_none_was_staged_leave_the_set_to_the_others_as_a_lost_node_does() -> None:
+    """A rank whose agent had no snapshot newer than its checkpoints stages none, and its exit record says so
+    (RankExit.persisted): the others' set commits at once when each is a full replica, and fails at once when
+    sharded, rather than hold a restart up until its wait runs out. Histories recorded before exits said so replay
+    without it."""
+    from flightdeck.events.job import RankExit, WorkersExited
+
+    def memory(rank: int, replicated: bool) -> CheckpointStaged:
+        return msgspec.structs.replace(staged(rank, 27, 2), from_memory=True, replicated=replicated)
+
+    placed = _granted(0, {0: "a", 1: "a"})
+    said = WorkersExited(job_id=JOB, node="a", attempt=0, rank=1, exit_code=3, persisted="none",
+                         others=[RankExit(rank=0, exit_code=-15, persisted="staged")])
+    assert LIVE.settings.settle_on_exits == "yes"
+    _, outs = run([placed, memory(0, True), said])
+    (commit,) = commits(outs)
+    assert [r.rank for r in commit.ranks] == [0] and commit.world_size == 2 and commit.from_memory
+    _, outs = run([placed, said, memory(0, True)])  # the exit first: the survivor's report settles it
+    assert [[r.rank for r in c.ranks] for c in commits(outs)] == [[0]]
+    _, outs = run([placed, memory(0, False), said])
+    (failed,) = [o.event for step in outs for o in step
+                 if isinstance(o, Emit) and isinstance(o.event, CheckpointFailed)]
+    assert "ranks [1] had no snapshot of it to stage" in failed.reason and commits(outs) == []
+    staged_said = msgspec.structs.replace(said, persisted="staged")  # rank 1's may still come: wait
+    _, outs = run([placed, memory(0, True), staged_said])
+    assert commits(outs) == [] and not any(isinstance(o, Emit) for step in outs for o in step)
+    before = msgspec.structs.replace(LIVE, settings=msgspec.structs.replace(LIVE.settings, settle_on_exits="no"))
+    _, outs = run([placed, memory(0, True), said], before)
+    assert commits(outs) == []

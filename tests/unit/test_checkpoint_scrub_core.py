@@ -10,7 +10,8 @@ from flightdeck.events.clock import ClockTick, CoreConfigured
 from flightdeck.events.job import JobCancelled, JobFailed, JobSubmitted
 from flightdeck.events.spec import JobSpec, TrainSpec
 from flightdeck.services.checkpoints import core
-from flightdeck.services.checkpoints.core import SCRUB, SCRUB_SLACK_S, SCRUBBED_BAD
+from flightdeck.services.checkpoints.core import SCRUBBED_BAD
+from flightdeck.services.checkpoints.scrubs import SCRUB, SCRUB_SLACK_S
 from flightdeck.services.checkpoints.state import ScrubArgs, Settings
 from flightdeck.services.core import Effect, Emit, Output
 
