@@ -182,12 +182,8 @@ def _node_lost(state: State, node: str) -> tuple[State, Sequence[Output]]:
     outs: list[Output] = []
     jobs = dict(state.jobs)
     for job_id, job in state.jobs.items():
-        for at, current in sorted(job.staging.items()):
-            settled = _survivors(job, job_id, at, current, state.lost)
-            if settled is not None:
-                job, due = settled
-                outs += _outputs(job_id, job, due)
-        jobs[job_id] = job
+        jobs[job_id], more = _settle(job, job_id, state.lost)
+        outs += more
     return replace(state, jobs=jobs), outs
 
 
@@ -198,9 +194,14 @@ def _exited(job: JobState, job_id: str, ev: WorkersExited, lost: frozenset[str])
         return job, []
     job = replace(job, staged_none={a: r for a, r in job.staged_none.items() if a >= job.attempt}
                   | {ev.attempt: job.staged_none.get(ev.attempt, frozenset()) | none})
+    return _settle(job, job_id, lost)
+
+
+def _settle(job: JobState, job_id: str, lost: frozenset[str]) -> tuple[JobState, list[Output]]:
+    """Each of the job's sets that no rank left can complete, settled (`_survivors`)."""
     outs: list[Output] = []
     for at, current in sorted(job.staging.items()):
-        settled = _survivors(job, job_id, at, current, lost) if at[0] == ev.attempt else None
+        settled = _survivors(job, job_id, at, current, lost)
         if settled is not None:
             job, due = settled
             outs += _outputs(job_id, job, due)
