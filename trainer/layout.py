@@ -86,7 +86,7 @@ class Laid:
     """One rank's stage of the GPT, sharded as planned, and how it runs a step."""
 
     def __init__(self, spec: JobSpec, plan: ParallelPlan, rank: int, device: torch.device) -> None:
-        self.plan, self.spec = plan, spec
+        self.plan = plan
         place = coordinates(plan, rank)
         self.stage, self.replica = place["pp"], place["dp"]
         check(spec, plan, len(torch.arange(spec.train.batch_size).tensor_split(plan.dp)[self.replica]))
