@@ -221,8 +221,13 @@ def _incident(sc: Scan, number: int, draft: _Draft, caused: dict[str, list[Contr
             seen.add(c.event.event_id)
             chain.append((3, mark(c.event, c.known - t0)))
     chain += [(4, m) for m in outcome.marks]
+    kind = _kind(trig, fault)
+    node = _node_found_lost(sc, trig, draft.attempt, limit)
+    if node is not None:  # a lost rank whose node is then found lost: the node's loss is the incident
+        kind, trigger = "node_lost", f"{trigger}; {describe(node.event)}"
+        chain.append((2, mark(node.event, node.known - t0)))
     chain.sort(key=lambda pair: (pair[1].at, pair[0]))
-    return Incident(number=number, kind=_kind(trig, fault), trigger=trigger, attempt=draft.attempt,
+    return Incident(number=number, kind=kind, trigger=trigger, attempt=draft.attempt,
                     fault_at=fault_at, detected_at=detected, decision=outcome.decision,
                     decision_detail=outcome.detail, resolution=outcome.resolution,
                     restart_end=outcome.restart_end, restore_end=outcome.restore_end,
@@ -232,6 +237,17 @@ def _incident(sc: Scan, number: int, draft: _Draft, caused: dict[str, list[Contr
                     related=tuple(sorted([*(mark(c.event, c.known - t0) for c in draft.related),
                                           *(mark(f, f.occurred_at - t0) for f in others)],
                                          key=lambda m: m.at)))
+
+
+def _node_found_lost(sc: Scan, trig: Event, attempt: int, until: float) -> Control | None:
+    """The NodeLost, known by `until`, of the node a silent rank (RankLost) ran on in `attempt`: health's rank
+    deadline may pass before the node's, and the restart then follows the rank's finding."""
+    if not isinstance(trig, RankLost) or not trig.reason.startswith("heartbeats"):
+        return None
+    grants = [c.event for c in sc.control if isinstance(c.event, AllocationGranted) and c.event.attempt == attempt]
+    nodes = {ref.node for g in grants for ref in g.assignments if ref.rank == trig.rank}
+    return next((c for c in sc.control if isinstance(c.event, NodeLost) and c.event.node in nodes
+                 and c.known <= until), None)
 
 
 def _fault_step(ev: Event, fault: FaultInjected | RankFault | None) -> int | None:
