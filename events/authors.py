@@ -11,8 +11,8 @@ them (RANK_TELEMETRY), checked against the rank it started: no rank holds a brok
 # publish; one listed under several (a pause: a person's, or the scheduler's when it leaves a rollback to the
 # operator) any of them may. Scheduling decisions are the scheduler's alone (services/scheduler/tx.py emits them).
 JOB_TYPES: dict[str, tuple[str, ...]] = {
-    "scheduler": ("JobQueued", "AllocationRequested", "AllocationReleased", "JobResumed", "JobPreempted",
-                  "JobCompleted", "JobFailed", "JobCancelled", "StopRequested", "RollbackRequested",
+    "scheduler": ("JobQueued", "AllocationRequested", "AllocationReleased", "JobResumed", "JobPhaseChanged",
+                  "JobPreempted", "JobCompleted", "JobFailed", "JobCancelled", "StopRequested", "RollbackRequested",
                   "PauseRequested"),  # a spike rollback past policy.max_skip_fraction pauses for the operator
     "resources": ("AllocationGranted", "AllocationDenied"),
     "checkpoints": ("CheckpointCommitted", "CheckpointFailed", "CheckpointPending", "CheckpointDeleted",

@@ -20,7 +20,7 @@ ALL_TYPES: tuple[type[Event], ...] = (
     # job
     job.JobSubmitted, job.JobQueued, job.AllocationRequested, job.AllocationGranted,
     job.AllocationDenied, job.AllocationReleased, job.WorkersStarted, job.WorkersExited,
-    job.JobResumed, job.JobPreempted, job.JobCompleted, job.JobFailed, job.CancelRequested,
+    job.JobResumed, job.JobPhaseChanged, job.JobPreempted, job.JobCompleted, job.JobFailed, job.CancelRequested,
     job.JobCancelled, job.RollbackAsked, job.CheckpointAdopted,
     # fleet
     fleet.NodeRegistered, fleet.NodeHeartbeat, fleet.SelfCheckPassed, fleet.SelfCheckFailed,

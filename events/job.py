@@ -158,6 +158,24 @@ class JobResumed(JobEvent, frozen=True, kw_only=True):
     world_size: int
 
 
+# A job's phase as the scheduler records it: "paused" is running with its ranks told to stop stepping (a person's
+# pause, or the scheduler's asking the operator); the last three are ends.
+JobPhase = Literal["queued", "placing", "running", "paused", "stopping", "preempted", "recovering",
+                   "completed", "failed", "cancelled"]
+
+
+class JobPhaseChanged(JobEvent, frozen=True, kw_only=True):
+    """The scheduler's record of a job's phase, appended whenever its phase, the reason for it or the restarts it
+    has spent change: the one place views read a job's phase from (they never re-infer it from the decisions)."""
+
+    phase: JobPhase
+    attempt: int  # the attempt this phase is about (the next one's, once a restart or a preemption is decided)
+    restarts: int  # restarts of its budget the job has spent (a free restart, a preemption or a grow-back: none)
+    # Why it is in this phase, in the scheduler's words with the error itself ("" while running, and once completed):
+    # the fault a restart follows, the denial a queued job waits out, who preempted it, why it failed.
+    reason: str = ""
+
+
 class JobPreempted(JobEvent, frozen=True, kw_only=True):
     by_job_id: str
     reason: str = ""

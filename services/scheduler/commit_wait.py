@@ -76,11 +76,16 @@ def hold(tx: Tx, job: Job, p: Pending | None, running_since: float, lost_node: s
     if wait_s <= 0:
         return job
     since = newest.step if newest is not None else 0
-    tx.emit(JobQueued(job_id=job.job_id, priority=job.spec.priority,
-                      reason=f"restart waits up to {wait_s:.2f}s for checkpoint {p.checkpoint_id} (step {p.step}) to "
-                             f"commit: restoring {'step ' + str(since) if newest else 'from scratch'} would redo "
-                             f"{p.step - since} steps that took {redo_s:.2f}s"))
-    return tx.update(job, waits_for=p.checkpoint_id, wait_until=tx.at + wait_s)
+    return _wait(tx, job, p.checkpoint_id, wait_s,
+                 f"restart waits up to {wait_s:.2f}s for checkpoint {p.checkpoint_id} (step {p.step}) to commit: "
+                 f"restoring {'step ' + str(since) if newest else 'from scratch'} would redo {p.step - since} steps "
+                 f"that took {redo_s:.2f}s")
+
+
+def _wait(tx: Tx, job: Job, what: str, wait_s: float, reason: str) -> Job:
+    """The restart of `job` waits for `what` at most `wait_s`: said in a JobQueued, and as the phase's reason."""
+    tx.emit(JobQueued(job_id=job.job_id, priority=job.spec.priority, reason=reason))
+    return tx.update(job, waits_for=what, wait_until=tx.at + wait_s, why=reason)
 
 
 def hold_for_save(tx: Tx, job: Job) -> Job:
@@ -89,9 +94,8 @@ def hold_for_save(tx: Tx, job: Job) -> Job:
     wait_s = job.spec.policy.commit_wait_s
     if wait_s <= 0:
         return job
-    tx.emit(JobQueued(job_id=job.job_id, priority=job.spec.priority,
-                      reason=f"restart waits up to {wait_s:.2f}s for the checkpoint the stopped ranks saved"))
-    return tx.update(job, waits_for=STOP_SAVE, wait_until=tx.at + wait_s)
+    return _wait(tx, job, STOP_SAVE, wait_s,
+                 f"restart waits up to {wait_s:.2f}s for the checkpoint the stopped ranks saved")
 
 
 def hold_for_memory(tx: Tx, job: Job, running_since: float, trained_until: float = 0.0, *,
@@ -132,11 +136,10 @@ def hold_for_memory(tx: Tx, job: Job, running_since: float, trained_until: float
         policy = job.spec.policy
         job = tx.update(job, memory_owed=unsettled, memory_until=tx.at + wait_s)
         wait_s = min(policy.commit_wait_s, max(wait_s, policy.heartbeat_interval_s * policy.heartbeat_misses))
-    tx.emit(JobQueued(job_id=job.job_id, priority=job.spec.priority,
-                      reason=f"restart waits up to {wait_s:.2f}s for the failed attempt's snapshots in memory to "
-                             f"be persisted: restoring {'step ' + str(newest.step) if newest else 'from scratch'} "
-                             f"would redo {redo_s:.2f}s of training"))
-    return tx.update(job, waits_for=MEMORY, wait_until=tx.at + wait_s)
+    return _wait(tx, job, MEMORY, wait_s,
+                 f"restart waits up to {wait_s:.2f}s for the failed attempt's snapshots in memory to be persisted: "
+                 f"restoring {'step ' + str(newest.step) if newest else 'from scratch'} would redo {redo_s:.2f}s of "
+                 "training")
 
 
 def exits_owed(tx: Tx, ev: WorkersExited) -> None:

@@ -16,6 +16,7 @@ from flightdeck.events.checkpoint import (
     CheckpointRejected,
 )
 from flightdeck.events.clock import ClockTick, CoreConfigured
+from flightdeck.events.commands import PauseRequested, ResumeRequested
 from flightdeck.events.findings import LossSpikeDetected, NonFiniteLoss, RankHung, RankLost, StragglerDetected
 from flightdeck.events.fleet import NodeCordoned, NodeLost, NodeRegistered, NodeUncordoned, SelfCheckFailed
 from flightdeck.events.job import (
@@ -37,7 +38,7 @@ NAME = "scheduler"
 
 CONTROL_TYPES = ("JobSubmitted", "CancelRequested", "AllocationGranted", "AllocationDenied", "WorkersStarted",
                  "WorkersExited", "CheckpointCommitted", "CheckpointDeleted", "CheckpointRejected", "CheckpointPending",
-                 "CheckpointFailed", "RollbackAsked", "RankLost",
+                 "CheckpointFailed", "RollbackAsked", "RankLost", "PauseRequested", "ResumeRequested",
                  "RankHung", "StragglerDetected", "NonFiniteLoss", "LossSpikeDetected")
 TELEMETRY_TYPES = ("RolledBack", "CheckpointRefused")
 FLEET_TYPES = ("NodeRegistered", "NodeCordoned", "NodeUncordoned", "SelfCheckFailed", "NodeLost")
@@ -60,6 +61,8 @@ def transition(state: State, event: Event) -> tuple[State, tuple[Output, ...]]:
             lifecycle.submitted(tx, event)
         case CancelRequested():
             lifecycle.cancel(tx, event)
+        case PauseRequested() | ResumeRequested():
+            lifecycle.pause(tx, event)
         case AllocationGranted():
             lifecycle.granted(tx, event)
         case AllocationDenied():
@@ -121,7 +124,7 @@ def core_service(*, stop_timeout_s: float = 120.0, landing_timeout_s: float = 12
     logging. `landing_timeout_s`: how long a rollback counts as in flight when no rank reports RolledBack.
     `memory_wait`: restarts wait for the set persisted from the ranks' snapshots (commit_wait.MEMORY)."""
     settings = Settings(stop_timeout_s=stop_timeout_s, landing_timeout_s=landing_timeout_s,
-                        memory_wait="known" if memory_wait else "no")
+                        memory_wait="known" if memory_wait else "no", phases="yes")
     return Service(
         name=NAME,
         initial=State(settings=settings),
@@ -131,5 +134,5 @@ def core_service(*, stop_timeout_s: float = 120.0, landing_timeout_s: float = 12
         telemetry_subjects=tuple(f"fd.tel.*.*.{t}" for t in TELEMETRY_TYPES),
         wants_tick=wants_tick,
         settings=msgspec.structs.asdict(settings),
-        unrecorded=msgspec.structs.asdict(msgspec.structs.replace(settings, memory_wait="no")),
+        unrecorded=msgspec.structs.asdict(msgspec.structs.replace(settings, memory_wait="no", phases="no")),
     )

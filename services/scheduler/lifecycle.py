@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 from flightdeck.events import lineage
 from flightdeck.events.checkpoint import CheckpointDeleted, CheckpointRejected
-from flightdeck.events.commands import StopRequested
+from flightdeck.events.commands import PauseRequested, ResumeRequested, StopRequested
 from flightdeck.events.findings import RankHung, RankLost, StragglerDetected
 from flightdeck.events.job import (
     AllocationDenied,
@@ -76,7 +76,7 @@ def denied(tx: Tx, ev: AllocationDenied) -> None:
     if job is None or not job.requested:
         return
     job = tx.update(job, requested=False, denied_epoch=job.asked_epoch, denied_world=job.size,
-                    phase="queued" if job.phase == "placing" else job.phase)
+                    phase="queued" if job.phase == "placing" else job.phase, why=f"allocation denied: {ev.reason}")
     if job.stop == "cancel":
         cancel_now(tx, job)
         return
@@ -91,11 +91,25 @@ def started(tx: Tx, ev: WorkersStarted) -> None:
     job = tx.update(job, started=job.started | (frozenset(ev.ranks) & job.ranks))
     if job.stop or job.phase not in ("placing", "recovering") or not job.ranks <= job.started:
         return
-    job = tx.update(job, phase="running", running_since=tx.at)
+    job = tx.update(job, phase="running", why="", running_since=tx.at)
     if job.attempt > 0 or job.restore is not None:
         tx.emit(JobResumed(job_id=job.job_id, attempt=job.attempt, world_size=len(job.assignments),
                            from_step=job.restore.step if job.restore else 0,
                            checkpoint_id=job.restore.checkpoint_id if job.restore else ""))
+
+
+def pause(tx: Tx, ev: PauseRequested | ResumeRequested) -> None:
+    """A pause (a person's, or the scheduler's own asking the operator) or a resume, read from the stream: the
+    running attempt's ranks stop stepping until resumed, which the job's recorded phase says ("paused"). A new
+    attempt's ranks start unpaused (NEW_ATTEMPT)."""
+    job = tx.jobs.get(ev.job_id)
+    if job is None:
+        return
+    if isinstance(ev, PauseRequested):
+        if job.phase == "running" and not job.paused:
+            tx.update(job, paused=ev.reason or f"paused by {ev.producer or 'a person'}")
+    elif job.paused:
+        tx.update(job, paused="")
 
 
 def exited(tx: Tx, ev: WorkersExited) -> None:
@@ -125,7 +139,7 @@ def exited(tx: Tx, ev: WorkersExited) -> None:
         if job.ranks <= job.exited:  # every rank finished with 0, and nobody asked it to stop
             tx.emit(JobCompleted(job_id=job.job_id, steps=job.spec.train.steps))
             tx.release(job, "completed", "ended")
-            tx.end(job, "completed")
+            tx.end(job, "completed", "")
 
 
 def finding(tx: Tx, ev: RankLost | RankHung | StragglerDetected) -> None:
@@ -189,7 +203,7 @@ def fault(tx: Tx, job: Job, cause_id: str, reason: str, gone: Iterable[int], *, 
             pending, since = job.pending, job.running_since
             job = tx.update(job, restarts=job.restarts + (0 if free else 1))
             job = tx.release(job, why, "fault")
-            job = tx.update(job, phase="recovering", attempt=job.attempt + 1, use_spares=True, restore=None,
+            job = tx.update(job, phase="recovering", why=why, attempt=job.attempt + 1, use_spares=True, restore=None,
                             running_since=0.0, **NEW_ATTEMPT)
             if planned:
                 job = commit_wait.hold_for_save(tx, job)
@@ -204,7 +218,8 @@ def fault(tx: Tx, job: Job, cause_id: str, reason: str, gone: Iterable[int], *, 
 
 
 # What a new attempt starts without: the full gang is asked for first, and no rollback of its own yet.
-NEW_ATTEMPT: dict[str, object] = {"world": 0, "rollback": None, "skips": (), "bad_restore": "", "pending": None}
+NEW_ATTEMPT: dict[str, object] = {"world": 0, "rollback": None, "skips": (), "bad_restore": "", "pending": None,
+                                  "paused": ""}
 
 
 def fail(tx: Tx, job: Job, reason: str, causes: Iterable[str], *, stopped: bool = False) -> None:
@@ -213,7 +228,7 @@ def fail(tx: Tx, job: Job, reason: str, causes: Iterable[str], *, stopped: bool 
         tx.emit(StopRequested(job_id=job.job_id, checkpoint=False, reason=reason))
     tx.emit(JobFailed(job_id=job.job_id, reason=reason, causes=list(causes)))
     tx.release(job, "failed", "ended")
-    tx.end(job, "failed")
+    tx.end(job, "failed", reason)
 
 
 def cancel(tx: Tx, ev: CancelRequested) -> None:
@@ -226,7 +241,7 @@ def cancel(tx: Tx, ev: CancelRequested) -> None:
     elif job.phase == "running" or job.stop:  # a stop already in flight (a preemption's) will do
         if not job.stop:
             tx.emit(StopRequested(job_id=job.job_id, checkpoint=False, reason=f"cancelled: {reason}"))
-        tx.update(job, phase="stopping", stop="cancel", stop_reason=reason,
+        tx.update(job, phase="stopping", why=reason, stop="cancel", stop_reason=reason,
                   stop_since=job.stop_since if job.stop else tx.at)
     else:  # waiting in the queue (holds nothing), or ranks still starting (releasing kills them)
         cancel_now(tx, tx.update(job, stop="cancel", stop_reason=reason))
@@ -236,7 +251,7 @@ def cancel_now(tx: Tx, job: Job) -> None:
     tx.emit(JobCancelled(job_id=job.job_id, reason=job.stop_reason))
     if job.assignments or job.requested:
         tx.release(job, "cancelled", "ended")
-    tx.end(job, "cancelled")
+    tx.end(job, "cancelled", job.stop_reason)
 
 
 def ranks_gone(tx: Tx, job: Job, ranks: Iterable[int]) -> None:
@@ -252,7 +267,8 @@ def finish_stop(tx: Tx, job: Job, note: str) -> None:
         return
     grow = job.stop == "grow"
     job = tx.release(job, job.stop_reason + note, "grow" if grow else "preempt")
-    job = tx.update(job, phase="recovering" if grow else "preempted", attempt=job.attempt + 1, stop="",
+    job = tx.update(job, phase="recovering" if grow else "preempted", why=job.stop_reason + note,
+                    attempt=job.attempt + 1, stop="",
                     stop_reason="", restore=None, running_since=0.0, ask_reason="grow back" if grow else "",
                     **NEW_ATTEMPT)
     tx.enqueue(job)

@@ -61,7 +61,8 @@ def admit(tx: Tx) -> None:
 def request(tx: Tx, job: Job, world: int, reason: str) -> None:
     tx.dequeue(job.job_id)
     why = reason or job.ask_reason
-    tx.update(job, phase="recovering" if job.phase == "recovering" else "placing", requested=True,
+    recovering = job.phase == "recovering"
+    tx.update(job, phase="recovering" if recovering else "placing", why=job.why if recovering else "", requested=True,
               asked_epoch=tx.epoch, world=0 if world == job.spec.slots else world, ask_reason="", waits_for="",
               wait_until=0.0)
     tx.emit(AllocationRequested(job_id=job.job_id, slots=world, attempt=job.attempt, use_spares=job.use_spares,
@@ -100,9 +101,9 @@ def preempt_for(tx: Tx, head: Job, short: int) -> None:
                          slots=held(tx, j, head.use_spares), order=j.order) for j in running]
     for victim_id in choose_victims(candidates, short - incoming, head.spec.priority):
         victim = tx.jobs[victim_id]
-        reason = f"preempted by {head.job_id}"
+        reason, needs = f"preempted by {head.job_id}", f"{head.job_id} (priority {head.spec.priority}) needs " \
+            f"{head.spec.slots} slots"
         tx.emit(StopRequested(job_id=victim_id, checkpoint=True, reason=reason))
-        tx.emit(JobPreempted(job_id=victim_id, by_job_id=head.job_id,
-                             reason=f"{head.job_id} (priority {head.spec.priority}) needs {head.spec.slots} slots"))
-        tx.update(victim, phase="stopping", stop="preempt", stop_reason=reason, stop_since=tx.at,
-                  preempted_by=head.job_id)
+        tx.emit(JobPreempted(job_id=victim_id, by_job_id=head.job_id, reason=needs))
+        tx.update(victim, phase="stopping", why=f"{reason}: {needs}", stop="preempt", stop_reason=reason,
+                  stop_since=tx.at, preempted_by=head.job_id)

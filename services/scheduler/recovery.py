@@ -144,4 +144,4 @@ def grow_at_commit(tx: Tx, job: Job, ev: CheckpointCommitted, landing_timeout_s:
     reason = (f"grow back to {full} slots from {job.size}: the slots are free again; "
               f"restore {ev.checkpoint_id} (step {ev.step})")
     tx.emit(StopRequested(job_id=job.job_id, checkpoint=False, reason=reason))
-    tx.update(job, phase="stopping", stop="grow", stop_reason=reason, stop_since=tx.at)
+    tx.update(job, phase="stopping", why=reason, stop="grow", stop_reason=reason, stop_since=tx.at)

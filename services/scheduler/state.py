@@ -6,7 +6,7 @@ import msgspec
 
 from flightdeck.events import lineage
 from flightdeck.events.checkpoint import DataPosition
-from flightdeck.events.job import SlotRef
+from flightdeck.events.job import JobPhase, SlotRef
 from flightdeck.events.spec import JobSpec
 
 Phase = Literal["queued", "placing", "running", "stopping", "preempted", "recovering",
@@ -68,6 +68,8 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     spec: JobSpec
     order: int  # submission order: FIFO within a priority, kept when the job comes back to the queue
     phase: Phase = "queued"
+    why: str = ""  # why it is in `phase`, for the record (JobPhaseChanged.reason); "" while running
+    paused: str = ""  # why `attempt`'s ranks were told to stop stepping (a PauseRequested not resumed since); "" if not
     attempt: int = 0  # the attempt the next (or current) allocation is for; stale events carry older ones
     restarts: int = 0  # restarts after faults; preemptions do not count
     requested: bool = False  # AllocationRequested for `attempt` awaits its answer
@@ -114,6 +116,13 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     early_failure: str = ""
 
     @property
+    def shown(self) -> tuple[JobPhase, str]:
+        """The phase and its reason as recorded for the views: a running job whose ranks are paused is "paused"."""
+        if self.phase == "running" and self.paused and not self.stop:
+            return "paused", self.paused
+        return self.phase, self.why
+
+    @property
     def ranks(self) -> frozenset[int]:
         return frozenset(ref.rank for ref in self.assignments)
 
@@ -148,6 +157,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # "known": and no longer once none can come: every rank's exit says it staged none, or its node was lost.
     # Histories recorded before agents persisted snapshots replay with "no": nothing of the kind ever came.
     memory_wait: str = "no"
+    # "yes": each change of a job's phase is recorded (JobPhaseChanged); histories from before replay with "no".
+    phases: str = "no"
 
     def __post_init__(self) -> None:
         if not (self.stop_timeout_s > 0 and self.landing_timeout_s > 0):

@@ -10,7 +10,7 @@ import msgspec
 
 from flightdeck.events import subjects
 from flightdeck.events.base import JobEvent
-from flightdeck.events.job import AllocationReleased, ReleaseKind
+from flightdeck.events.job import AllocationReleased, JobPhaseChanged, ReleaseKind
 from flightdeck.services.core import Emit
 from flightdeck.services.scheduler.state import Job, NodeView, Phase, State
 
@@ -22,7 +22,10 @@ def queue_key(job: Job) -> tuple[int, int]:
 class Tx:
     def __init__(self, state: State, at: float) -> None:
         self.settings = state.settings
+        self.before = state.jobs  # what each job's record said before this input
         self.jobs = dict(state.jobs)
+        self.endings: list[JobPhaseChanged] = []
+        self.touched: dict[str, None] = {}  # jobs this input changed, in the order first changed
         self.ended = state.ended  # copied on write: jobs end rarely, and this map only grows
         self.queue = list(state.queue)
         self.nodes = state.nodes  # copied on write
@@ -36,6 +39,7 @@ class Tx:
 
     def put(self, job: Job) -> Job:
         self.jobs[job.job_id] = job
+        self.touched[job.job_id] = None
         return job
 
     def update(self, job: Job, **changes: object) -> Job:
@@ -50,10 +54,12 @@ class Tx:
         if job_id in self.queue:
             self.queue.remove(job_id)
 
-    def end(self, job: Job, phase: Phase) -> None:
+    def end(self, job: Job, phase: Phase, why: str) -> None:
         self.dequeue(job.job_id)
         del self.jobs[job.job_id]
         self.ended = {**self.ended, job.job_id: phase}
+        self.endings.append(JobPhaseChanged(job_id=job.job_id, phase=phase, attempt=job.attempt,
+                                            restarts=job.restarts, reason=why))
 
     def set_node(self, name: str, **changes: object) -> NodeView:
         view = msgspec.structs.replace(self.nodes.get(name, NodeView()), **changes)
@@ -72,8 +78,24 @@ class Tx:
         """Jobs holding or asking for slots: the jobs not waiting in the queue."""
         return [j for j in self.jobs.values() if j.requested or j.assignments]
 
+    def record_phases(self) -> None:
+        """Record each job whose phase, its reason or its restarts this input changed: after the decisions that
+        changed them, so that no handler can move a job without its record saying so."""
+        for job_id in self.touched:
+            if (job := self.jobs.get(job_id)) is None:
+                continue  # it ended: its ending says so
+            old = self.before.get(job_id)
+            (phase, why), restarts = job.shown, job.restarts
+            if old is None or (phase, why, restarts) != (*old.shown, old.restarts):
+                self.emit(JobPhaseChanged(job_id=job_id, phase=phase, attempt=job.attempt, restarts=restarts,
+                                          reason=why))
+        for ending in self.endings:
+            self.emit(ending)
+
     def freeze(self) -> tuple[State, tuple[Emit, ...]]:
         """The new state and what this input decided."""
+        if self.settings.phases == "yes":
+            self.record_phases()
         state = State(settings=self.settings, jobs=self.jobs, ended=self.ended, queue=tuple(self.queue),
                       nodes=self.nodes, next_order=self.next_order, epoch=self.epoch, now=self.at)
         return state, tuple(self.out)

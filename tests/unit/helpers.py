@@ -23,6 +23,7 @@ from flightdeck.events.job import (
     AllocationReleased,
     CancelRequested,
     JobCancelled,
+    JobPhaseChanged,
     JobSubmitted,
     WorkersExited,
     WorkersStarted,
@@ -73,6 +74,16 @@ def fold(service: Service[S], events: Iterable[Event], state: S | None = None) -
 
 def events_of(outs: Sequence[Emit], kind: type[Event] | None = None) -> list[Any]:
     return [o.event for o in outs if kind is None or isinstance(o.event, kind)]
+
+
+def decided(outs: Sequence[Emit], kind: type[Event] | None = None) -> list[Any]:
+    """The events in `outs` less the scheduler's phase records (JobPhaseChanged): its decisions."""
+    return [e for e in events_of(outs, kind) if not isinstance(e, JobPhaseChanged)]
+
+
+def phases(outs: Sequence[Emit]) -> list[tuple[str, str, str]]:
+    """The scheduler's phase records in `outs`: (job, phase, reason) each."""
+    return [(e.job_id, e.phase, e.reason) for e in events_of(outs, JobPhaseChanged)]
 
 
 def spec(name: str = "job", *, slots: int = 1, priority: int = 50, max_restarts: int = 3,

@@ -12,6 +12,8 @@ from flightdeck.events.job import (
     AllocationRequested,
     CancelRequested,
     JobFailed,
+    JobPhase,
+    JobPhaseChanged,
     JobQueued,
     JobSubmitted,
     SlotRef,
@@ -42,6 +44,11 @@ def cluster(nodes: int = 2, slots: int = 2) -> tuple[Bus, Agents]:
 
 def view(b: Bus, job_id: str) -> JobView:
     return jobview.fold(job_id, [e for e in b.log if getattr(e, "job_id", None) == job_id])
+
+
+def before_phases(b: Bus, job_id: str) -> list[Event]:
+    """`job_id`'s history as a scheduler that recorded no phases (before JobPhaseChanged) wrote it."""
+    return [e for e in b.log if getattr(e, "job_id", None) == job_id and not isinstance(e, JobPhaseChanged)]
 
 
 def committed(job_id: str, step: int, attempt: int = 0) -> CheckpointCommitted:
@@ -178,11 +185,34 @@ def test_a_pause_is_a_phase_of_its_own_with_its_reason_in_full_until_a_resume_or
     b.publish(submit("j-1", slots=2))
     agents()
     why = "loss spike over steps 40-42: ... paused for the operator; to roll back anyway: flightdeck rollback j-1 ..."
-    paused = PauseRequested(job_id="j-1", reason=why, producer="scheduler")
-    history = [e for e in b.log if getattr(e, "job_id", None) == "j-1"]
-    v = jobview.fold("j-1", [*history, paused])
-    assert (v.phase, v.paused) == ("paused", why)  # not "running": its ranks stopped stepping
+    b.publish(PauseRequested(job_id="j-1", reason=why, producer="scheduler"))
+    v = view(b, "j-1")
+    assert (v.phase, v.paused, v.reason) == ("paused", why, "")  # not "running": its ranks stopped stepping
+    assert b.of(JobPhaseChanged, "j-1")[-1].phase == "paused"  # as the scheduler recorded it
     assert f"\npaused:      {why}\n" in details(v, now=v.updated_at)  # not cut to a headline: it says what to do
+    b.publish(PauseRequested(job_id="j-1", producer="cli"))
+    assert view(b, "j-1").paused == why  # a second pause changes nothing
+    b.publish(ResumeRequested(job_id="j-1"))
+    assert (view(b, "j-1").phase, view(b, "j-1").paused) == ("running", "")
+    b.publish(PauseRequested(job_id="j-1", producer="cli"))
+    assert view(b, "j-1").paused == "paused by cli"
+    b.publish(WorkersExited(job_id="j-1", node="n0", attempt=0, rank=0, exit_code=1))
+    v = view(b, "j-1")
+    assert (v.phase, v.paused, v.attempt) == ("recovering", "", 1)  # a new attempt's ranks start unpaused
+    agents()
+    b.publish(PauseRequested(job_id="j-1", producer="cli"), CancelRequested(job_id="j-1", reason="enough"))
+    assert (view(b, "j-1").phase, view(b, "j-1").reason) == ("stopping", "enough")
+
+
+def test_a_history_recorded_before_phases_were_reads_a_pause_from_the_commands() -> None:
+    b, agents = cluster()
+    b.publish(submit("j-1", slots=2))
+    agents()
+    why = "loss spike over steps 40-42: ... paused for the operator; to roll back anyway: flightdeck rollback j-1 ..."
+    paused = PauseRequested(job_id="j-1", reason=why, producer="scheduler")
+    history = before_phases(b, "j-1")
+    v = jobview.fold("j-1", [*history, paused])
+    assert (v.phase, v.paused, v.recorded) == ("paused", why, False)
     resumed = jobview.fold("j-1", [*history, paused, ResumeRequested(job_id="j-1")])
     assert (resumed.phase, resumed.paused) == ("running", "")
     stopping = jobview.fold("j-1", [*history, paused, CancelRequested(job_id="j-1")])
@@ -194,8 +224,19 @@ def test_a_pause_is_a_phase_of_its_own_with_its_reason_in_full_until_a_resume_or
     assert (restarted.phase, restarted.paused) == ("recovering", "")  # a new attempt's ranks start unpaused
 
 
+def test_a_view_reads_its_phase_from_the_record_not_from_the_commands() -> None:
+    """A pause nobody recorded (the scheduler has not read it yet) is no phase: the view waits for the record."""
+    b, agents = cluster()
+    b.publish(submit("j-1", slots=2))
+    agents()
+    history = [e for e in b.log if getattr(e, "job_id", None) == "j-1"]
+    v = jobview.fold("j-1", [*history, PauseRequested(job_id="j-1", producer="cli")])
+    assert (v.phase, v.paused, v.recorded) == ("running", "", True)
+
+
 def test_every_phase_a_view_can_be_in_is_a_metrics_phase() -> None:
-    assert set(PHASES) == {*get_args(Phase), "submitted", "paused"}  # "placing" once was missing: every gauge 0
+    # "placing" once was missing: every gauge 0
+    assert set(PHASES) == {*get_args(JobPhase), "submitted"} >= {*get_args(Phase), "paused"}
     for phase in PHASES:
         figures = Figures()
         figures.jobs["j-1"] = JobFigures(view=JobView(job_id="j-1", phase=phase))  # type: ignore[arg-type]
@@ -248,7 +289,7 @@ def test_a_grow_back_is_no_fault_and_spends_no_restart_as_the_scheduler_records_
     b, agents = cluster()
     b.publish(submit("j-1", slots=2))
     agents()
-    history = [e for e in b.log if getattr(e, "job_id", None) == "j-1"]
+    history = before_phases(b, "j-1")  # the kinds of release as views read them before phases were recorded
     grow = AllocationReleased(job_id="j-1", attempt=0, reason="grow back to 2 slots from 1: the slots are free again",
                               restarts=0, kind="grow")
     v = jobview.fold("j-1", [*history, grow])

@@ -5,7 +5,7 @@ Layers, lowest first: events/ (the catalog and the node-local protocol); service
 and services/shell/ (the I/O every process shares); the five services and the node agent, side by side;
 services/registry.py and services/__main__.py (which wire the services); services/tools/ (the operator's
 tools: tools/cli.py and tools/connect.py, then history/, postmortem/ (goodput's one definition), audit/
-(verify, whatif), then client.py (the Python client, also `flightdeck.client`), web/ (`flightdeck ui`: /metrics),
+(verify, whatif), explore/ (the fault explorer), then client.py (the Python client, also `flightdeck.client`), web/ (`flightdeck ui`: /metrics),
 then console/, the CLI built on them).
 trainer/ (with flightdeck/, the trainer API's import path) stands beside the control plane and shares only
 events/ with it.
@@ -19,7 +19,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ("scheduler", "resources", "checkpoints", "health", "resharder", "archiver")
-TOOLS = ("history", "postmortem", "audit", "client", "web", "console")  # lowest first; cli.py and connect.py sit below
+# lowest first; cli.py and connect.py sit below. explore (the simulator) checks its runs with the history's views.
+TOOLS = ("history", "postmortem", "audit", "explore", "client", "web", "console")
 TORCH = ("torch",)
 PACKAGES = ("events", "services", "trainer")  # folders installed as flightdeck.events, .services, .trainer
 

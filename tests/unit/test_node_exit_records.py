@@ -52,7 +52,7 @@ def test_a_record_of_every_rank_finishing_completes_the_job() -> None:
     state, _ = fold(SCHEDULER, [register("a", 4), submit("j", slots=4), grant("j", "a", 4),
                                 started("j", "a", [0, 1, 2, 3])])
     state, outs = fold(SCHEDULER, [node_record("j", [RankExit(rank=r, exit_code=0) for r in range(4)])], state)
-    assert [type(e).__name__ for e in events_of(outs)] == ["JobCompleted", "AllocationReleased"]
+    assert [type(e).__name__ for e in events_of(outs)] == ["JobCompleted", "AllocationReleased", "JobPhaseChanged"]
     assert state.jobs.get("j") is None or state.jobs["j"].phase != "running"
 
 

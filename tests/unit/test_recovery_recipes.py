@@ -27,7 +27,7 @@ from flightdeck.services.core import Emit
 from flightdeck.services.scheduler.core import core_service
 from flightdeck.services.scheduler.state import State
 from flightdeck.services.shell.fold import Folder
-from tests.unit.helpers import events_of, fold, register, subject_of
+from tests.unit.helpers import decided, events_of, fold, phases, register, subject_of
 
 SVC = core_service(stop_timeout_s=30.0, landing_timeout_s=60.0)
 JOB = "j-1"
@@ -138,7 +138,8 @@ def test_without_a_checkpoint_that_old_the_oldest_before_the_spike_is_taken() ->
 
 def test_a_spike_before_any_checkpoint_fails_the_job_with_advice() -> None:
     state, outs = run([commit(400), spike(30, "early")], running(spec(every=25)))  # 400 is after the spike
-    stop, failed, released = events_of(outs)
+    stop, failed, released = decided(outs)
+    assert phases(outs) == [(JOB, "failed", failed.reason)]
     assert isinstance(stop, StopRequested) and not stop.checkpoint
     assert isinstance(failed, JobFailed) and failed.causes == ["early"]
     assert "nothing to roll back to" in failed.reason and "train.checkpoint_every is 25" in failed.reason
@@ -184,7 +185,7 @@ def test_a_second_spike_in_the_window_widens_the_skip_and_a_third_fails_the_job(
     assert (second.checkpoint_id, second.skip_from, second.skip_to) == (cid(300), 450, 855)
     assert "spike 2 around step 450, so the skip is widened" in second.reason
     state, outs = run([landed(second), spike(520, "s3")], state)
-    stop, failed, _ = events_of(outs)
+    stop, failed, _ = decided(outs)
     assert isinstance(stop, StopRequested) and isinstance(failed, JobFailed)
     assert failed.causes == ["s1", "s2", "s3"]
     assert failed.reason.startswith("loss spiked 3 times around step 450 despite rollbacks (steps 450, 455, 520;")

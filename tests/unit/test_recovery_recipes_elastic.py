@@ -11,6 +11,7 @@ from flightdeck.events.job import (
     AllocationReleased,
     AllocationRequested,
     CancelRequested,
+    JobPhaseChanged,
     JobQueued,
     JobResumed,
     JobSubmitted,
@@ -21,7 +22,8 @@ from flightdeck.events.spec import JobSpec, PolicySpec, TrainSpec, snapshot_byte
 from flightdeck.services.resources.core import core_service as resources
 from flightdeck.services.scheduler.core import core_service as scheduler
 from flightdeck.services.scheduler.recipes import pick_world
-from tests.unit.helpers import Agents, Bus, events_of, fold, register
+from tests.unit.helpers import Agents, Bus, fold, phases, register
+from tests.unit.helpers import decided as decisions
 
 
 def submitted(job_id: str, *, slots: int = 4, min_slots: int = 2, batch: int = 8, priority: int = 50,
@@ -37,7 +39,7 @@ def commit(job_id: str, step: int) -> CheckpointCommitted:
 
 
 def decided(b: Bus, since: int) -> list[object]:
-    return [e for e in b.log[since:] if e.producer == "scheduler"]
+    return [e for e in b.log[since:] if e.producer == "scheduler" and not isinstance(e, JobPhaseChanged)]
 
 
 def shrunk() -> tuple[Bus, Agents]:
@@ -88,17 +90,18 @@ def test_a_denied_full_gang_shrinks_at_once_and_a_denied_shrink_waits_for_capaci
                                      AllocationGranted(job_id="job-1", attempt=0, assignments=refs),
                                      WorkersStarted(job_id="job-1", node="a", attempt=0, ranks=[0, 1, 2, 3], pids=[1]),
                                      lost])
-    assert events_of(outs)[-1] == AllocationRequested(job_id="job-1", slots=4, attempt=1, use_spares=True,
+    assert decisions(outs)[-1] == AllocationRequested(job_id="job-1", slots=4, attempt=1, use_spares=True,
                                                       snapshot_bytes=snapshot_bytes(submitted("job-1").spec))
     state, outs = fold(scheduler(), [AllocationDenied(job_id="job-1", attempt=1, reason="tp groups")], state)
-    queued, ask = events_of(outs)
+    queued, ask = decisions(outs)
+    assert phases(outs) == [("job-1", "recovering", "allocation denied: tp groups")]
     assert queued == JobQueued(job_id="job-1", priority=50, reason="allocation denied: tp groups")
     assert (ask.slots, ask.attempt, ask.use_spares) == (2, 1, True)  # 3 fits, but 2 divides the batch of 8
     assert ask.reason.startswith("shrink to 2 of 4 slots: an allocation of 4 slots was denied at this capacity")
     state, outs = fold(scheduler(), [AllocationDenied(job_id="job-1", attempt=1, reason="still no")], state)
-    assert [type(e).__name__ for e in events_of(outs)] == ["JobQueued"]  # nothing smaller is allowed: wait
+    assert [type(e).__name__ for e in decisions(outs)] == ["JobQueued"]  # nothing smaller is allowed: wait
     _, outs = fold(scheduler(), [register("b", 2)], state)
-    assert [(e.slots, e.attempt) for e in events_of(outs)] == [(4, 1)]  # capacity changed: the whole gang first
+    assert [(e.slots, e.attempt) for e in decisions(outs)] == [(4, 1)]  # capacity changed: the whole gang first
 
 
 def test_growing_back_waits_for_the_node_then_for_the_next_checkpoint() -> None:

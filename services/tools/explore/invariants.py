@@ -9,11 +9,12 @@ from flightdeck.events.admission import admitted_events
 from flightdeck.events.commands import RollbackRequested
 from flightdeck.events.findings import LossSpikeDetected, NonFiniteLoss, SpikeDiagnosed
 from flightdeck.events.history import HistoryGap, check_contiguous
-from flightdeck.events.job import JobCancelled, JobCompleted, JobFailed, RollbackAsked
+from flightdeck.events.job import JobCancelled, JobCompleted, JobFailed, JobPhaseChanged, RollbackAsked
 from flightdeck.events.store import Stored
 from flightdeck.services.shell.deadletter import given_up
 from flightdeck.services.shell.fold import replay, same_decision
 from flightdeck.services.tools.explore.world import Run
+from flightdeck.services.tools.history import jobview
 
 VERIFIED = ("scheduler", "resources", "health", "checkpoints")  # cores whose every decision a replay re-derives
 
@@ -27,6 +28,7 @@ async def violations(run: Run) -> list[str]:
     out += _no_rollback_without_a_finding(run, control)
     out += _one_diagnosis_per_spike(run, control)
     out += _poison_never_folded(run, control)
+    out += _phases_as_recorded(run, control)
     out += [m for shell in run.shells.values() for m in shell.snapshot_mismatches]
     for name in VERIFIED:
         out += await _replay_reproduces(run, name, control)
@@ -72,6 +74,30 @@ def _decided_once(run: Run, control: list[Stored]) -> list[str]:
             check_contiguous(job_id, [s for s in control if s.subject.startswith(f"fd.ctl.job.{job_id}.")])
         except HistoryGap as exc:
             out.append(str(exc))
+    return out
+
+
+def _phases_as_recorded(run: Run, control: list[Stored]) -> list[str]:
+    """The scheduler's phase records say what happened: "running" only once every granted rank of the attempt has
+    started, nothing after the job's end, and the last record is that end; the job's view reads the same."""
+    out = []
+    ends: dict[type, str] = {JobCompleted: "completed", JobFailed: "failed", JobCancelled: "cancelled"}
+    for job_id in run.job_ids:
+        events = _job_events(control, job_id)
+        view, ended = jobview.JobView(job_id=job_id), ""
+        for event in events:
+            before, view = view, jobview.evolve(view, event)
+            if not isinstance(event, JobPhaseChanged):
+                continue
+            if ended:
+                out.append(f"{job_id}: phase {event.phase} recorded after it {ended}")
+            elif event.phase == "running" and not (before.granted and before.granted <= before.started):
+                out.append(f"{job_id}: recorded running with ranks {sorted(before.granted - before.started)} of "
+                           f"attempt {event.attempt} not started")
+            ended = event.phase if event.phase in jobview.ENDED else ended
+        end = next((ends[type(e)] for e in events if type(e) in ends), "")
+        if end and view.phase != end:
+            out.append(f"{job_id} {end}, but its recorded phase says {view.phase}")
     return out
 
 

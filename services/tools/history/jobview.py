@@ -16,17 +16,15 @@ from flightdeck.events.checkpoint import (
     CheckpointRejected,
     CheckpointScrubbed,
 )
-from flightdeck.events.commands import PauseRequested, ResumeRequested, RollbackRequested
+from flightdeck.events.commands import RollbackRequested
 from flightdeck.events.findings import SpikeDiagnosed, diagnosis_summary
 from flightdeck.events.job import (
-    AllocationDenied,
     AllocationGranted,
     AllocationReleased,
     AllocationRequested,
     CancelRequested,
-    JobCancelled,
-    JobCompleted,
-    JobFailed,
+    JobPhase,
+    JobPhaseChanged,
     JobPreempted,
     JobQueued,
     JobResumed,
@@ -36,15 +34,14 @@ from flightdeck.events.job import (
 )
 from flightdeck.events.plan import ParallelPlan, ReshardPlanned
 from flightdeck.events.training import StepCompleted
-from flightdeck.services.scheduler.state import Phase
+from flightdeck.services.tools.history import inferred
+from flightdeck.services.tools.history.inferred import STALE_GRANT
 from flightdeck.services.tools.history.reasons import headline
 
-# "paused": running, with its ranks told to stop stepping (a PauseRequested, a person's or the scheduler's asking the
-# operator) and not resumed since
-ViewPhase = Phase | Literal["submitted", "paused"]
-PHASES: tuple[str, ...] = ("submitted", *get_args(Phase), "paused")
+# A job's phase as the scheduler records it (events.job.JobPhase), or "submitted" before its first record
+ViewPhase = JobPhase | Literal["submitted"]
+PHASES: tuple[str, ...] = ("submitted", *get_args(JobPhase))
 ENDED: frozenset[str] = frozenset({"completed", "failed", "cancelled"})
-STALE_GRANT = "stale grant"  # the scheduler's reason for giving back slots nobody waits for
 # How long past JobCompleted a follower waits for the final checkpoint: the checkpoint service stops ticking for
 # it 30 s after the completion (services/checkpoints/core.py LINGER_S), so it never comes later than that.
 FINAL_WAIT_S = 60.0
@@ -100,6 +97,7 @@ class JobView(msgspec.Struct, frozen=True, kw_only=True):
     plan: ParallelPlan | None = None  # the resharder's newest plan (ReshardPlanned): the layout the ranks build
     started: frozenset[int] = frozenset()  # ranks of the current attempt whose workers started
     checkpoints: tuple[CheckpointEntry, ...] = ()  # committed, in commit order
+    recorded: bool = False  # the scheduler recorded the job's phases (JobPhaseChanged): read, never inferred
 
     @property
     def ended(self) -> bool:
@@ -165,38 +163,55 @@ def evolve(view: JobView, event: Event) -> JobView:
         return _checkpoints(view, event, at)  # a job's checkpoints outlive it: kept, scrubbed, deleted, its last failed
     if view.ended:
         return view  # the scheduler changes nothing once a job has ended; neither do we
+    if isinstance(event, JobPhaseChanged):
+        return _recorded(view, event, at)
+    after = _facts(view, event, at)
+    # A history the scheduler recorded no phases in (before JobPhaseChanged): its phase is read from its decisions.
+    return after if view.recorded else inferred.phase(view, after, event, at)
+
+
+def _recorded(view: JobView, ev: JobPhaseChanged, at: float) -> JobView:
+    """The scheduler's record of the job's phase: what the view says, as it says it."""
+    phase = ev.phase
+    paused = ev.reason if phase == "paused" else ""
+    reason = "" if phase in ("completed", "paused", "running") else headline(ev.reason)
+    if phase in ("running", "paused"):
+        since = view.running_since if view.phase in ("running", "paused") else at
+    else:
+        since = view.running_since if phase == "stopping" else 0.0
+    view = _replace(view, phase=phase, reason=reason, paused=paused, restarts=ev.restarts, attempt=ev.attempt,
+                    running_since=since, recorded=True)
+    return _replace(view, ended_at=at, granted=frozenset(), started=frozenset()) if view.ended else view
+
+
+def _facts(view: JobView, event: Event, at: float) -> JobView:
+    """`view` after one of its job's decisions, in everything but its phase (recorded, or read by `inferred`)."""
     match event:
         case JobSubmitted(spec=spec):
             return _replace(view, name=spec.name, priority=spec.priority, slots=spec.slots, steps=spec.train.steps,
                             checkpoint_every=spec.train.checkpoint_every, max_restarts=spec.policy.max_restarts,
                             submitted_at=at)
-        case JobQueued(reason=reason):
-            phase: ViewPhase = "preempted" if reason == "preempted" else (
-                "recovering" if view.phase == "recovering" else "queued")
-            return _replace(view, phase=phase, priority=event.priority, reason="" if reason == "submitted" else reason)
+        case JobQueued():
+            return _replace(view, priority=event.priority)
         case AllocationRequested(attempt=attempt):
-            recovering = view.phase == "recovering"
-            return _replace(view, phase="recovering" if recovering else "placing", attempt=attempt,
-                            reason=view.reason if recovering else "", granted=frozenset(), started=frozenset(),
-                            placement=(), world_size=0)
+            return _replace(view, attempt=attempt, granted=frozenset(), started=frozenset(), placement=(),
+                            world_size=0)
         case AllocationGranted(attempt=attempt) if attempt == view.attempt:
             ranks = frozenset(ref.rank for ref in event.assignments)
             placement = tuple(sorted(event.assignments, key=lambda ref: ref.rank))
             return _replace(view, granted=ranks, world_size=len(ranks), placement=placement)
-        case AllocationDenied(attempt=attempt, reason=reason) if attempt == view.attempt:
-            return _replace(view, reason=f"allocation denied: {reason}")
         case WorkersStarted(attempt=attempt) if attempt == view.attempt and view.granted:
-            view = _replace(view, started=view.started | (frozenset(event.ranks) & view.granted))
-            if view.phase in ("placing", "recovering") and view.granted <= view.started:
-                return _replace(view, phase="running", running_since=at, reason="")
-            return view
-        case JobPreempted(by_job_id=by, reason=reason):
-            return _replace(view, phase="stopping", paused="", preempted_by=by, reason=f"preempted by {by}: {reason}")
-        case CancelRequested(reason=reason):
-            phase = "stopping" if view.phase in ("running", "paused", "stopping") else view.phase
-            return _replace(view, phase=phase, cancel_requested=True, reason=reason or "cancel requested")
-        case AllocationReleased(attempt=attempt, reason=reason) if attempt == view.attempt and reason != STALE_GRANT:
-            return _released(view, reason, event.restarts, event.kind)
+            return _replace(view, started=view.started | (frozenset(event.ranks) & view.granted))
+        case JobPreempted(by_job_id=by):
+            return _replace(view, preempted_by=by)
+        case CancelRequested():
+            return _replace(view, cancel_requested=True)
+        case AllocationReleased(attempt=attempt, reason=reason, kind=kind) \
+                if attempt == view.attempt and reason != STALE_GRANT and kind not in ("ended", "stale"):
+            # The attempt is over: the next one's number, as the scheduler's record of the phase says too
+            fault = headline(reason) if kind == "fault" else view.last_fault
+            return _replace(view, granted=frozenset(), started=frozenset(), placement=(), world_size=0,
+                            attempt=view.attempt + 1, last_fault=fault)
         case JobResumed(from_step=from_step):
             return _replace(view, resumed_from_step=from_step)
         case ReshardPlanned(new=plan):
@@ -205,45 +220,7 @@ def evolve(view: JobView, event: Event) -> JobView:
             return _replace(view, rollbacks=view.rollbacks + 1)
         case SpikeDiagnosed():
             return _replace(view, spike_cause=diagnosis_summary(event))
-        case PauseRequested(reason=reason):
-            return _replace(view, paused=reason or f"paused by {event.producer or 'a person'}",
-                            phase="paused" if view.phase == "running" else view.phase)
-        case ResumeRequested():
-            return _replace(view, paused="", phase="running" if view.phase == "paused" else view.phase)
-        case JobCompleted():
-            return _end(view, "completed", "", at)
-        case JobFailed(reason=reason):
-            return _end(view, "failed", reason, at)
-        case JobCancelled(reason=reason):
-            return _end(view, "cancelled", reason, at)
     return view
-
-
-def _released(view: JobView, reason: str, spent: int, kind: str) -> JobView:
-    cleared = _replace(view, granted=frozenset(), started=frozenset(), placement=(), world_size=0, running_since=0.0,
-                       paused="", attempt=view.attempt + 1)
-    said = headline(reason)
-    match kind:
-        case "fault":  # a restart after a fault: the restarts it spent are the scheduler's figure (some are free)
-            return _replace(cleared, phase="recovering", restarts=spent, reason=said, last_fault=said)
-        case "grow":  # a shrunk job stopped to grow back: no fault, and no restart spent by it
-            return _replace(cleared, phase="recovering", reason=said, restarts=max(spent, view.restarts))
-        case "preempt":
-            return cleared  # its JobQueued("preempted") follows
-        case "ended" | "stale":
-            return view  # the job's end says how it ended; a stale grant was never the attempt's
-    # A record from before releases said why: a release outside a stop is a restart after a fault, and the restarts
-    # it spent are the scheduler's figure when recorded (a bad checkpoint's or a drain's restart is free).
-    if view.phase == "stopping":
-        return cleared  # a preemption's stop is done; its JobQueued("preempted") follows
-    restarts = spent if spent >= 0 else view.restarts + 1
-    return _replace(cleared, phase="recovering", restarts=restarts, reason=said, last_fault=said)
-
-
-def _end(view: JobView, phase: ViewPhase, reason: str, at: float) -> JobView:
-    why = "" if phase == "completed" else headline(reason) or view.reason
-    # world_size stays: how many ranks the job last ran with is worth showing after it ended
-    return _replace(view, phase=phase, reason=why, ended_at=at, granted=frozenset(), started=frozenset())
 
 
 def with_step(view: JobView, step: StepCompleted | None) -> JobView:
