@@ -83,9 +83,10 @@ def hold(tx: Tx, job: Job, p: Pending | None, running_since: float, lost_node: s
 
 
 def _wait(tx: Tx, job: Job, what: str, wait_s: float, reason: str) -> Job:
-    """The restart of `job` waits for `what` at most `wait_s`: said in a JobQueued, and as the phase's reason."""
+    """The restart of `job` waits for `what` at most `wait_s`, said in a JobQueued (its phase's reason stays the
+    fault it recovers from)."""
     tx.emit(JobQueued(job_id=job.job_id, priority=job.spec.priority, reason=reason))
-    return tx.update(job, waits_for=what, wait_until=tx.at + wait_s, why=reason)
+    return tx.update(job, waits_for=what, wait_until=tx.at + wait_s)
 
 
 def hold_for_save(tx: Tx, job: Job) -> Job:

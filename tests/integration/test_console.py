@@ -27,7 +27,7 @@ from flightdeck.events import subjects
 from flightdeck.events.checkpoint import CheckpointFailed
 from flightdeck.events.history import append_to_job
 from flightdeck.events.jetstream import JetStreamStore
-from flightdeck.events.job import JobCompleted, JobQueued, JobSubmitted
+from flightdeck.events.job import JobCompleted, JobPhaseChanged, JobQueued, JobSubmitted
 from flightdeck.events.spec import JobSpec, TrainSpec
 from flightdeck.events.training import StepCompleted
 from flightdeck.services import registry
@@ -159,10 +159,13 @@ def test_unknown_job_and_unreachable_broker_are_one_line_errors(up: Up) -> None:
 
 
 async def append_completed(url: str, job_id: str) -> None:
+    """The job's end as the scheduler records it: its JobCompleted, then the phase that says so."""
     store = await JetStreamStore.connect(url)
     try:
         await append_to_job(store, JobCompleted(event_id=uuid.uuid4().hex, job_id=job_id,
                                                 occurred_at=1_700_000_003.0, steps=1))
+        await append_to_job(store, JobPhaseChanged(event_id=uuid.uuid4().hex, job_id=job_id, phase="completed",
+                                                   attempt=0, restarts=0, occurred_at=1_700_000_003.0))
     finally:
         await store.close()
 

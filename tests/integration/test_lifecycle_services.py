@@ -28,6 +28,7 @@ from flightdeck.events.job import (
     CancelRequested,
     JobCancelled,
     JobCompleted,
+    JobPhaseChanged,
     JobResumed,
     JobSubmitted,
     WorkersExited,
@@ -233,7 +234,12 @@ async def cluster(nats_server: broker_mod.Broker, tmp_path: Path) -> AsyncIterat
 
 
 def kinds(events: list[Event]) -> list[str]:
-    return [type(e).__name__ for e in events]
+    """The decisions' types, in order: the scheduler's phase records (JobPhaseChanged) are `phases`'."""
+    return [type(e).__name__ for e in events if not isinstance(e, JobPhaseChanged)]
+
+
+def phases(events: list[Event]) -> list[str]:
+    return [e.phase for e in events if isinstance(e, JobPhaseChanged)]
 
 
 def exits(c: Cluster, job_id: str, attempt: int) -> dict[int, int]:
@@ -257,13 +263,14 @@ async def test_a_job_runs_to_completion_and_gives_its_slots_back(cluster: Cluste
     await c.ready()
     submitted = time.monotonic()
     await c.submit(TINY, "tiny-000001")
-    await c.until(lambda: bool(c.seen(JobCompleted, "tiny-000001")) and bool(c.seen(AllocationReleased, "tiny-000001")),
-                  90, "the job to complete", "tiny-000001")
+    await c.until(lambda: bool(c.seen(JobCompleted, "tiny-000001")) and bool(c.seen(AllocationReleased, "tiny-000001"))
+                  and phases(c.job("tiny-000001"))[-1:] == ["completed"], 90, "the job to complete", "tiny-000001")
     history = kinds(c.job("tiny-000001"))
     assert history[:5] == ["JobSubmitted", "JobQueued", "AllocationRequested", "AllocationGranted", "WorkersStarted"]
     records = len(c.seen(WorkersExited, "tiny-000001"))  # one per node, or one per rank that ended on its own
     assert 1 <= records <= 2 and history[5:5 + records] == ["WorkersExited"] * records
     assert history[5 + records:] == ["JobCompleted", "AllocationReleased"]
+    assert phases(c.job("tiny-000001")) == ["placing", "running", "completed"]  # it found room when submitted
     assert exits(c, "tiny-000001", 0) == {0: 0, 1: 0}
     def steps() -> list[int]:
         return sorted({e.step for e in c.seen(StepCompleted, "tiny-000001", stream=subjects.TELEMETRY)})
@@ -329,10 +336,12 @@ async def test_a_cancel_stops_the_ranks_and_the_job_is_cancelled(cluster: Cluste
     await c.cancel("endless-000001")
     # the scheduler appends both in one transition: the recorder may hold the first a moment before the second
     await c.until(lambda: bool(c.seen(JobCancelled, "endless-000001")) and bool(c.seen(AllocationReleased,
-                                                                                     "endless-000001")),
-                  60, "the cancel and the release", "endless-000001")
+                                                                                     "endless-000001"))
+                  and phases(c.job("endless-000001"))[-1:] == ["cancelled"],
+                  60, "the cancel, the release and its record", "endless-000001")
     assert exits(c, "endless-000001", 0) == {0: STOPPED_EXIT, 1: STOPPED_EXIT}  # they obeyed StopRequested
     assert kinds(c.job("endless-000001"))[-2:] == ["JobCancelled", "AllocationReleased"]
+    assert phases(c.job("endless-000001"))[-2:] == ["stopping", "cancelled"]
     await c.until(lambda: all(gone(pid) for pid in c.pids("endless-000001")), 60, "the ranks to be gone")
 
 

@@ -22,7 +22,7 @@ from flightdeck.events.spec import FaultSpec, JobSpec, ModelSpec, TrainSpec
 from flightdeck.events.training import RankStarted, StepCompleted
 from flightdeck.services.checkpoints.core import checkpoint_id
 from tests.integration.lifecycle_harness import Objects, Platform, local_objects, platform
-from tests.integration.test_lifecycle_services import exits, kinds
+from tests.integration.test_lifecycle_services import exits, kinds, phases
 
 __all__ = ["local_objects", "platform"]  # fixtures
 
@@ -97,7 +97,10 @@ async def test_a_preempted_job_checkpoints_yields_and_resumes_from_that_checkpoi
     print(f"\nlow job checkpointed at {first}, preempted at step {final}; seconds after the high job's submission:",
           {k: round(v - high_submitted, 2) for k, v in at.items()})
     # JobCompleted and the release that follows it are two appends: read the history once both are in
-    await c.until(lambda: kinds(c.job(LOW))[-1:] == ["AllocationReleased"] and "JobCompleted" in kinds(c.job(LOW)),
-                  10, "the low job's end and release")
+    await c.until(lambda: kinds(c.job(LOW))[-1:] == ["AllocationReleased"] and "JobCompleted" in kinds(c.job(LOW))
+                  and phases(c.job(LOW))[-1:] == ["completed"], 10, "the low job's end, release and record")
     history = kinds(c.job(LOW))
     assert history.count("JobCompleted") == 1 and history[-2:] == ["JobCompleted", "AllocationReleased"]
+    recorded = phases(c.job(LOW))  # as the scheduler recorded it: stopped for the high job, waited, ran again
+    stop = recorded.index("stopping")
+    assert recorded[stop - 1:stop + 3] == ["running", "stopping", "preempted", "placing"], recorded

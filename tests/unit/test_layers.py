@@ -5,8 +5,8 @@ Layers, lowest first: events/ (the catalog and the node-local protocol); service
 and services/shell/ (the I/O every process shares); the five services and the node agent, side by side;
 services/registry.py and services/__main__.py (which wire the services); services/tools/ (the operator's
 tools: tools/cli.py and tools/connect.py, then history/, postmortem/ (goodput's one definition), audit/
-(verify, whatif), explore/ (the fault explorer), then client.py (the Python client, also `flightdeck.client`), web/ (`flightdeck ui`: /metrics),
-then console/, the CLI built on them).
+(verify, whatif), explore/ (the fault explorer), then client.py (the Python client, also `flightdeck.client`),
+web/ (`flightdeck ui`: /metrics), then console/, the CLI built on them).
 trainer/ (with flightdeck/, the trainer API's import path) stands beside the control plane and shares only
 events/ with it.
 """

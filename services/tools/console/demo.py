@@ -27,7 +27,7 @@ from flightdeck.events.base import Event
 from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointDeleted
 from flightdeck.events.commands import RollbackRequested, StopRequested
 from flightdeck.events.findings import Finding
-from flightdeck.events.job import JobCompleted, JobResumed, JobSubmitted, WorkersExited, WorkersStarted
+from flightdeck.events.job import JobCompleted, JobPhaseChanged, JobResumed, JobSubmitted, WorkersExited
 from flightdeck.events.spec import JobSpec, parse_spec
 from flightdeck.events.store import Stored
 from flightdeck.events.training import FaultInjected, Heartbeat, RankFault, RolledBack, StepCompleted
@@ -122,8 +122,11 @@ class Timeline:
         match ev:
             case JobSubmitted(spec=spec):
                 return "submitted", f"{spec.slots} slots, {spec.train.steps} steps, {len(spec.faults)} fault(s) planned"
-            case WorkersStarted(node=node, ranks=ranks, attempt=attempt) if v.phase == "running" != before.phase:
-                return "running", f"attempt {attempt}: ranks {', '.join(map(str, ranks))} on {node}"
+            case JobPhaseChanged(phase="running") if before.phase != "running":
+                where = {node: [str(r.rank) for r in v.placement if r.node == node] for node in
+                         sorted({r.node for r in v.placement})}
+                return "running", f"attempt {v.attempt}: " + "; ".join(f"ranks {', '.join(ranks)} on {node}"
+                                                                        for node, ranks in where.items())
             case WorkersExited(rank=rank, exit_code=code) if code != 0:
                 return "exited", f"rank {rank} exited with code {code}"
             case JobResumed(from_step=step, checkpoint_id=cid, world_size=world):
@@ -140,7 +143,7 @@ class Timeline:
                 return "rollback", f"to step {step}: {reason}"
             case Finding(rank=rank):
                 return "finding", f"{type(ev).__name__} on rank {rank}"
-        if v.phase != before.phase and v.phase != "running":
+        if v.phase != before.phase and v.phase not in ("running", "completed"):  # those two said above
             return v.phase, headline(v.reason) or (f"attempt {v.attempt}" if v.phase == "placing" else "")
         return None
 

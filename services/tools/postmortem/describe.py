@@ -41,6 +41,7 @@ from flightdeck.events.job import (
     JobCancelled,
     JobCompleted,
     JobFailed,
+    JobPhaseChanged,
     JobPreempted,
     JobQueued,
     JobResumed,
@@ -129,6 +130,9 @@ def describe(ev: Event) -> str:
         case JobResumed():
             return f"attempt {ev.attempt} on {ev.world_size} ranks from step {ev.from_step}" + (
                 f" ({ev.checkpoint_id})" if ev.checkpoint_id else "")
+        case JobPhaseChanged():
+            return f"{ev.phase} (attempt {ev.attempt}, {ev.restarts} restart(s) spent)" + (
+                f": {headline(ev.reason)}" if ev.reason else "")
         case JobPreempted():
             return f"by {ev.by_job_id}" + (f": {ev.reason}" if ev.reason else "")
         case JobCompleted():
