@@ -25,6 +25,18 @@ class JobQueued(JobEvent, frozen=True, kw_only=True):
     reason: str = ""  # "submitted", "preempted", "waiting for slots", ...
 
 
+class RestorePoint(msgspec.Struct, frozen=True, kw_only=True):
+    """The committed checkpoint an attempt restores, as the scheduler chose it when it asked for the attempt's slots
+    (the newest of the job's current timeline: events/lineage.py): what the node agents start its ranks from."""
+
+    checkpoint_id: str
+    step: int
+    manifest_sha256: str = ""
+    attempt: int = 0  # the attempt that staged it: snapshots of attempts before it are never needed again
+    from_memory: bool = False  # persisted from the ranks' snapshots: a node holding them restores from memory
+    skips: list[tuple[int, int]] = []  # batch windows rollbacks skipped beyond the checkpoint's own data position
+
+
 class AllocationRequested(JobEvent, frozen=True, kw_only=True):
     slots: int
     attempt: int
@@ -34,6 +46,7 @@ class AllocationRequested(JobEvent, frozen=True, kw_only=True):
     # One rank's host snapshot (train.snapshot_every), as the job's newest checkpoint or its spec says: what each
     # of its ranks takes of a node's snapshot memory is twice this and a margin (events/snapshot.py). 0: unknown.
     snapshot_bytes: int = 0
+    restore: RestorePoint | None = None  # what the attempt restores; None: no checkpoint of its own (its init_from)
 
 
 class AllocationGranted(JobEvent, frozen=True, kw_only=True):
@@ -44,6 +57,7 @@ class AllocationGranted(JobEvent, frozen=True, kw_only=True):
     # Nodes whose snapshot memory cannot hold these ranks' snapshots besides what it holds already, and why: their
     # ranks take none (each records SnapshotsOff with this reason), and a failure there restores from the store.
     snapshots_off: dict[str, str] = {}
+    restore: RestorePoint | None = None  # the request's: the agents start the ranks from it, choosing nothing
 
 
 class AllocationDenied(JobEvent, frozen=True, kw_only=True):

@@ -1,5 +1,6 @@
-"""Which committed checkpoints a rollback threw away: the one rule the checkpoint service, the scheduler and the
-node agents share, so a restart restores the same checkpoint whoever picks it.
+"""Which committed checkpoints a rollback threw away: the one rule the checkpoint service, the scheduler (which
+chooses what a restart restores, and records it: RestorePoint) and the client (a new job adopting an ended one's
+checkpoint) share.
 
 Why it works this way: docs/internals.md, "5. Checkpoints".
 """

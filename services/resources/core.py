@@ -133,7 +133,7 @@ def _allocate(state: State, ev: AllocationRequested) -> Transition:
     held = state.ledger.allocations.get(ev.job_id)
     if held is not None and held.attempt == ev.attempt and len(held.assignments) == ev.slots:
         port = held.master_port or master_port(ev.job_id, ev.attempt, ports)
-        granted = _grant(state, ev.job_id, ev.attempt, held.assignments, port, held.snapshots_off)  # the same answer
+        granted = _grant(state, ev, held.assignments, port, held.snapshots_off)  # the same answer
         return state, (_job_emit(granted),)
     if held is not None and held.attempt >= ev.attempt:
         why = (f"attempt {ev.attempt} is stale: attempt {held.attempt} holds slots" if held.attempt > ev.attempt
@@ -152,7 +152,7 @@ def _allocate(state: State, ev: AllocationRequested) -> Transition:
     off = snapshots_off(base, placed, need)
     booked = ledger_mod.book(base.ledger, ev.job_id, ev.attempt, placed, port, snapshot_need=need, snapshots_off=off)
     after = msgspec.structs.replace(base, ledger=booked)
-    return after, (_job_emit(_grant(after, ev.job_id, ev.attempt, placed, port, off)),)
+    return after, (_job_emit(_grant(after, ev, placed, port, off)),)
 
 
 def _gib(n: int) -> str:
@@ -176,11 +176,13 @@ def snapshots_off(state: State, placed: tuple[SlotRef, ...], need: int) -> dict[
     return off
 
 
-def _grant(state: State, job_id: str, attempt: int, refs: tuple[SlotRef, ...], port: int,
+def _grant(state: State, ev: AllocationRequested, refs: tuple[SlotRef, ...], port: int,
            off: dict[str, str]) -> AllocationGranted:
+    """The answer to `ev`: the slots, and what the request says the attempt restores (its agents start from it)."""
     first = next(r for r in refs if r.rank == 0)
-    return AllocationGranted(job_id=job_id, attempt=attempt, assignments=list(refs),
-                             master_addr=state.nodes[first.node].address, master_port=port, snapshots_off=off)
+    return AllocationGranted(job_id=ev.job_id, attempt=ev.attempt, assignments=list(refs),
+                             master_addr=state.nodes[first.node].address, master_port=port, snapshots_off=off,
+                             restore=ev.restore)
 
 
 def transition(state: State, event: Event) -> Transition:

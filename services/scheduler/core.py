@@ -124,7 +124,7 @@ def core_service(*, stop_timeout_s: float = 120.0, landing_timeout_s: float = 12
     logging. `landing_timeout_s`: how long a rollback counts as in flight when no rank reports RolledBack.
     `memory_wait`: restarts wait for the set persisted from the ranks' snapshots (commit_wait.MEMORY)."""
     settings = Settings(stop_timeout_s=stop_timeout_s, landing_timeout_s=landing_timeout_s,
-                        memory_wait="known" if memory_wait else "no", phases="yes")
+                        memory_wait="known" if memory_wait else "no", phases="yes", restores="requested")
     return Service(
         name=NAME,
         initial=State(settings=settings),
@@ -134,5 +134,6 @@ def core_service(*, stop_timeout_s: float = 120.0, landing_timeout_s: float = 12
         telemetry_subjects=tuple(f"fd.tel.*.*.{t}" for t in TELEMETRY_TYPES),
         wants_tick=wants_tick,
         settings=msgspec.structs.asdict(settings),
-        unrecorded=msgspec.structs.asdict(msgspec.structs.replace(settings, memory_wait="no", phases="no")),
+        unrecorded=msgspec.structs.asdict(msgspec.structs.replace(settings, memory_wait="no", phases="no",
+                                                                              restores="granted")),
     )

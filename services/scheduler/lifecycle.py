@@ -5,7 +5,6 @@ Why it works this way: docs/internals.md, "3. The scheduler and its recovery rec
 
 from collections.abc import Iterable
 
-from flightdeck.events import lineage
 from flightdeck.events.checkpoint import CheckpointDeleted, CheckpointRejected
 from flightdeck.events.commands import PauseRequested, ResumeRequested, StopRequested
 from flightdeck.events.findings import RankHung, RankLost, StragglerDetected
@@ -63,8 +62,8 @@ def granted(tx: Tx, ev: AllocationGranted) -> None:
     if not job.requested:
         return  # the same grant read again
     refs = tuple(sorted(ev.assignments, key=lambda r: r.rank))
-    restore = job.newest
-    skips = lineage.restore_skips(job.forks, restore.attempt, restore.timeline, restore.step) if restore else ()
+    restore = job.restore if tx.settings.restores == "requested" else job.newest  # as the request said, or now
+    skips = job.skips_of(restore)
     job = tx.update(job, requested=False, assignments=refs, restore=restore, use_spares=False, skips=skips,
                     world=0 if len(refs) == job.spec.slots else len(refs))
     if job.stop == "cancel":

@@ -5,7 +5,7 @@ Why it works this way: docs/internals.md, "3. The scheduler and its recovery rec
 
 from flightdeck.events import spec as spec_mod
 from flightdeck.events.commands import StopRequested
-from flightdeck.events.job import AllocationRequested, JobPreempted
+from flightdeck.events.job import AllocationRequested, JobPreempted, RestorePoint
 from flightdeck.services.scheduler import commit_wait, recipes
 from flightdeck.services.scheduler.policy import Victim, choose_victims, work_lost_s
 from flightdeck.services.scheduler.state import Job
@@ -62,11 +62,16 @@ def request(tx: Tx, job: Job, world: int, reason: str) -> None:
     tx.dequeue(job.job_id)
     why = reason or job.ask_reason
     recovering = job.phase == "recovering"
+    chosen = tx.settings.restores == "requested"
+    restore = job.newest if chosen else None  # chosen once, here: the grant carries it to the agents
     tx.update(job, phase="recovering" if recovering else "placing", why=job.why if recovering else "", requested=True,
               asked_epoch=tx.epoch, world=0 if world == job.spec.slots else world, ask_reason="", waits_for="",
-              wait_until=0.0)
+              wait_until=0.0, restore=restore)
+    point = None if restore is None else RestorePoint(
+        checkpoint_id=restore.checkpoint_id, step=restore.step, manifest_sha256=restore.manifest_sha256,
+        attempt=restore.attempt, from_memory=restore.from_memory, skips=list(job.skips_of(restore)))
     tx.emit(AllocationRequested(job_id=job.job_id, slots=world, attempt=job.attempt, use_spares=job.use_spares,
-                                reason=why, snapshot_bytes=snapshot_bytes(job)))
+                                reason=why, snapshot_bytes=snapshot_bytes(job), restore=point))
 
 
 def snapshot_bytes(job: Job) -> int:

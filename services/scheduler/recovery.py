@@ -115,7 +115,8 @@ def checkpoint_committed(tx: Tx, ev: CheckpointCommitted, landing_timeout_s: flo
         return
     entry = Checkpoint(checkpoint_id=ev.checkpoint_id, step=ev.step, at=ev.occurred_at or tx.at, data=ev.data,
                        attempt=ev.attempt, timeline=ev.timeline, rank_bytes=ev.rank_bytes,
-                       staged_at=commit_wait.staged_at(job, ev.checkpoint_id))
+                       staged_at=commit_wait.staged_at(job, ev.checkpoint_id), manifest_sha256=ev.manifest_sha256,
+                       from_memory=ev.from_memory)
     job = tx.update(job, checkpoints=(*job.checkpoints, entry),
                     abandoned=job.abandoned | {ev.checkpoint_id} if thrown_away(job, ev) else job.abandoned)
     grow_at_commit(tx, job, ev, landing_timeout_s)

@@ -26,6 +26,8 @@ class Checkpoint(msgspec.Struct, frozen=True, kw_only=True):
     attempt: int = 0  # the attempt that staged it
     timeline: int = 0  # rollbacks that attempt had applied then (events/lineage.py)
     rank_bytes: int = 0  # the most one rank staged: its host snapshot's size (0: not recorded)
+    manifest_sha256: str = ""  # what a restore of it verifies its manifest against
+    from_memory: bool = False  # persisted from the ranks' snapshots
 
 
 class Pending(msgspec.Struct, frozen=True, kw_only=True):
@@ -85,7 +87,7 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     preempted_by: str = ""
     running_since: float = 0.0
     checkpoints: tuple[Checkpoint, ...] = ()  # committed, oldest first
-    restore: Checkpoint | None = None  # what `attempt` restores from, fixed when it is granted
+    restore: Checkpoint | None = None  # what `attempt` restores from, fixed when asked for (Settings.restores)
     faults: tuple[str, ...] = ()  # event ids of every fault, first to last: JobFailed's causes
     world: int = 0  # slots asked for (or held by) `attempt`: fewer than spec.slots when shrunk; 0 means spec.slots
     denied_world: int = 0  # the world size the denial at `denied_epoch` answered
@@ -133,8 +135,12 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def newest(self) -> Checkpoint | None:
-        """What a restart restores: lineage.newest, the node agents' rule too (they restore what it picks)."""
+        """What a restart restores: lineage.newest."""
         return lineage.newest(self.checkpoints, self.forks)
+
+    def skips_of(self, restore: Checkpoint | None) -> tuple[tuple[int, int], ...]:
+        """The batch windows a restore of `restore` skips beyond its checkpoint's data position."""
+        return lineage.restore_skips(self.forks, restore.attempt, restore.timeline, restore.step) if restore else ()
 
 
 class NodeView(msgspec.Struct, frozen=True, kw_only=True):
@@ -159,6 +165,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     memory_wait: str = "no"
     # "yes": each change of a job's phase is recorded (JobPhaseChanged); histories from before replay with "no".
     phases: str = "no"
+    # "requested": what an attempt restores is chosen when its slots are asked for, and recorded in the request
+    # (the agents start its ranks from it); "granted": chosen when they are granted, recorded only as JobResumed
+    # (histories from before, when the agents chose by the same rule from the same stream).
+    restores: str = "granted"
 
     def __post_init__(self) -> None:
         if not (self.stop_timeout_s > 0 and self.landing_timeout_s > 0):

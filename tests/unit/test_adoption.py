@@ -7,7 +7,7 @@ import msgspec
 import pytest
 
 from flightdeck.events.commands import RollbackRequested
-from flightdeck.events.job import AllocationGranted, JobSubmitted, SlotRef
+from flightdeck.events.job import AllocationGranted, JobSubmitted, RestorePoint, SlotRef
 from flightdeck.events.spec import InitFrom, JobSpec, TrainSpec
 from flightdeck.services.agent import core as agentcore
 from flightdeck.services.agent.core import Restore, SpawnArgs, State
@@ -59,6 +59,7 @@ def test_the_agents_restore_the_adopted_checkpoint_until_the_job_has_its_own() -
     assert spawn.args.restore == Restore(checkpoint_id="c25", step=25, manifest_sha256="sha-c25", job_id="old",
                                          model_only=True)
     state, _ = agentcore.transition(state, committed("n5", 5, job="new"))
-    state, outs = agentcore.transition(state, msgspec.structs.replace(grant, attempt=1, event_id="g1"))
+    own = RestorePoint(checkpoint_id="n5", step=5, manifest_sha256="sha-n5")  # the scheduler's choice, in the grant
+    state, outs = agentcore.transition(state, msgspec.structs.replace(grant, attempt=1, event_id="g1", restore=own))
     (spawn,) = [o for o in outs if isinstance(getattr(o, "args", None), SpawnArgs)]
     assert spawn.args.restore == Restore(checkpoint_id="n5", step=5, manifest_sha256="sha-n5")  # its own now

@@ -17,6 +17,7 @@ from flightdeck.events.job import (
     JobCancelled,
     JobCompleted,
     JobSubmitted,
+    RestorePoint,
     SlotRef,
     WorkersExited,
     WorkersStarted,
@@ -94,22 +95,29 @@ def test_a_grant_with_nothing_on_this_node_starts_nothing() -> None:
     assert effects == [] and state.jobs["j"].held is None
 
 
-def test_the_restore_point_is_the_newest_checkpoint_folded_before_the_grant() -> None:
+def test_the_ranks_restore_what_the_grant_carries_not_the_newest_this_agent_knows() -> None:
+    """What a restart restores is the scheduler's choice, recorded in its request and carried by the grant; the agent
+    chooses nothing (it once applied the scheduler's rule to its own fold of the same stream)."""
+    point = RestorePoint(checkpoint_id="step000000020-a0", step=20, manifest_sha256="sha-step000000020-a0",
+                         attempt=0, skips=[(21, 25)])
     state, effects = run([
-        submitted(), submitted("other"), committed("step000000010-a0", 10), committed("step000000030-a0", 30),
-        committed("step000000040-a0", 40, job="other"), committed("step000000020-a0", 20),
-        committed("step000000030-a1", 30),  # the same step again, committed later: the later one wins
-        committed("step000000050-a0", 50), CheckpointDeleted(job_id="j", checkpoint_id="step000000050-a0"),
-        grant(), committed("step000000060-a0", 60),
+        submitted(), committed("step000000010-a0", 10), committed("step000000020-a0", 20),
+        committed("step000000030-a0", 30), committed("step000000050-a0", 50),
+        CheckpointDeleted(job_id="j", checkpoint_id="step000000050-a0"),
+        replace(grant(), restore=point), committed("step000000060-a0", 60),
     ])
     assert kinds(effects) == [EVICT, SPAWN, PREFETCH]
     assert effects[0].args == EvictArgs(job_id="j", checkpoint_ids=["step000000050-a0"])
-    assert effects[1].args.restore == Restore(checkpoint_id="step000000030-a1", step=30,
-                                              manifest_sha256="sha-step000000030-a1")
+    assert effects[1].args.restore == Restore(checkpoint_id="step000000020-a0", step=20,
+                                              manifest_sha256="sha-step000000020-a0")
+    assert effects[1].args.skips == [(21, 25)]
     assert effects[2].args == PrefetchArgs(job_id="j", checkpoint=Restore(
         checkpoint_id="step000000060-a0", step=60, manifest_sha256="sha-step000000060-a0"))
     _, again = run([committed("step000000060-a0", 60)], state)
     assert again == []  # the same commit read twice is fetched once
+    _, fresh = run([submitted("k"), committed("c30", 30, job="k"), grant(job="k")])
+    (spawn,) = fresh
+    assert isinstance(spawn.args, SpawnArgs) and spawn.args.restore is None  # no restore recorded: from scratch
 
 
 def test_checkpoints_of_a_job_not_running_here_are_not_prefetched() -> None:
@@ -220,26 +228,6 @@ def test_a_grant_older_than_one_already_seen_starts_nothing() -> None:
     # A release that overtakes its own grant (the scheduler moved on while asking) makes that grant stale too.
     _, effects = run([submitted(), AllocationReleased(job_id="j", attempt=0, reason="restart"), grant(0)])
     assert effects == []
-
-
-def test_a_restart_after_a_rollback_restores_its_checkpoint_with_the_rollback_s_skip_window() -> None:
-    """Trial 7 (86ea31b): a spike's RollbackRequested (checkpoint 40, skip batches 40-45) was recorded, rank 1
-    crashed before the ranks obeyed it, and the restart restored the step-40 checkpoint and trained batch 40 again.
-    The window belongs to the timeline: a restore of that checkpoint skips it, obeyed or not."""
-    rollback = RollbackRequested(job_id="j", checkpoint_id="c40", to_step=40, skip_from=40, skip_to=45,
-                                 reason="spike", attempt=0)
-    _, effects = run([submitted(), grant(0), committed("c30", 30), committed("c40", 40), rollback,
-                      AllocationReleased(job_id="j", attempt=0, reason="rank 1 crashed"), grant(1)])
-    spawn = [e.args for e in effects if e.kind == SPAWN][-1]
-    assert isinstance(spawn, SpawnArgs) and spawn.attempt == 1
-    assert spawn.restore is not None and spawn.restore.checkpoint_id == "c40" and spawn.skips == [(40, 45)]
-    # a checkpoint staged after the rollback holds the window itself: nothing more to skip on its restore
-    after = replace(committed("c50", 50), timeline=1)
-    _, effects = run([submitted(), grant(0), committed("c40", 40), rollback, after,
-                      AllocationReleased(job_id="j", attempt=0, reason="rank 1 crashed"), grant(1)])
-    spawn = [e.args for e in effects if e.kind == SPAWN][-1]
-    assert isinstance(spawn, SpawnArgs) and spawn.restore is not None
-    assert spawn.restore.checkpoint_id == "c50" and spawn.skips == []
 
 
 def test_a_grant_without_snapshot_room_here_starts_these_ranks_without_snapshots_and_says_why(tmp_path: Path) -> None:

@@ -215,8 +215,12 @@ def test_after_a_crash_the_restart_waits_for_the_snapshots_persisted_from_memory
     assert requests(outs) == []
     state, outs = fold(MEMORY, [memory_committed(83, 41.2)], state)
     (request,) = requests(outs)
-    assert request.attempt == 1 and state.jobs[JOB].restore is None
-    assert state.jobs[JOB].newest is not None and state.jobs[JOB].newest.step == 83
+    # the request names what the restart restores: the set persisted from memory, for the agents to start it from
+    assert request.attempt == 1 and request.restore is not None
+    assert (request.restore.checkpoint_id, request.restore.step, request.restore.from_memory) == (
+        "step000000083-a0", 83, True)
+    restore = state.jobs[JOB].restore
+    assert restore is not None and restore.checkpoint_id == "step000000083-a0"
 
 
 def test_the_memory_wait_ends_at_its_deadline_or_on_a_failed_set_and_never_starts_without_snapshots() -> None:

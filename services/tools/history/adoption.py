@@ -15,7 +15,6 @@ from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointDeleted,
 from flightdeck.events.commands import RollbackRequested
 from flightdeck.events.job import JobSubmitted
 from flightdeck.events.spec import InitFrom, JobSpec
-from flightdeck.services.agent.core import Restore
 from flightdeck.services.tools.cli import EXIT_ERROR, EXIT_NOT_FOUND, UserError
 from flightdeck.services.tools.history.jobview import JobView
 
@@ -27,14 +26,13 @@ def resolved(init: InitFrom, view: JobView, history: Sequence[object]) -> InitFr
                         "one may still delete it); cancel it first, or roll it back instead", EXIT_ERROR)
     gone = {e.checkpoint_id for e in history if isinstance(e, CheckpointDeleted | CheckpointRejected)}
     forks: tuple[lineage.Fork, ...] = ()
-    kept: list[Restore] = []
+    kept: list[CheckpointCommitted] = []
     for e in history:
         if isinstance(e, RollbackRequested):
             forks = lineage.forked(forks, e)
         elif isinstance(e, CheckpointCommitted) and e.checkpoint_id not in gone \
                 and (init.step < 0 or e.step <= init.step):
-            kept.append(Restore(checkpoint_id=e.checkpoint_id, step=e.step, manifest_sha256=e.manifest_sha256,
-                                attempt=e.attempt, timeline=e.timeline))
+            kept.append(e)
     chosen = lineage.newest(kept, forks)
     if chosen is None:
         at = f" at or before step {init.step}" if init.step >= 0 else ""
