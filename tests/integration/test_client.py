@@ -13,6 +13,7 @@ from flightdeck.client import Client, ClientError
 from flightdeck.events.base import JobEvent
 from flightdeck.events.commands import PauseRequested
 from flightdeck.events.job import (
+    AllocationReleased,
     CancelRequested,
     JobCancelled,
     JobCompleted,
@@ -65,9 +66,9 @@ async def test_a_job_submitted_through_the_client_is_followed_to_its_end(
                            and 0 < e.job_version <= control[-1].job_version]  # node records are not numbered
         assert any(isinstance(e, WorkersStarted) for e in seen)
         assert sorted({e.step for e in seen if isinstance(e, StepCompleted)}) == list(range(12))
-        # the follow ended at the end: the scheduler's JobCompleted, then its record of the phase
-        assert isinstance(control[-2], JobCompleted) and control[-2] in history
-        assert isinstance(control[-1], JobPhaseChanged) and control[-1].phase == "completed"
+        # the follow ended at the end: the scheduler's JobCompleted (and the release with it), then its record
+        assert [type(e) for e in control[-3:]] == [JobCompleted, AllocationReleased, JobPhaseChanged], control[-3:]
+        assert control[-3] in history and control[-1].phase == "completed"  # type: ignore[attr-defined]
         assert (view.phase, view.steps_done) == ("completed", 12)
         assert before.phase in ("submitted", "queued"), before.phase  # what the cancel was sent against
         assert cancelled.phase == "cancelled" and [e.reason for e in p.seen(CancelRequested, queued)] == ["not needed"]
