@@ -28,7 +28,7 @@ def pending(tx: Tx, ev: CheckpointPending) -> None:
         return
     if all(cid != ev.checkpoint_id for cid, _ in job.staged):
         job = tx.update(job, staged=(*job.staged, (ev.checkpoint_id, tx.at))[-MAX_STAGED:])
-    if job.pending is not None and job.pending.step >= ev.step:
+    if job.run.pending is not None and job.run.pending.step >= ev.step:
         return
     tx.update(job, pending=Pending(checkpoint_id=ev.checkpoint_id, step=ev.step, at=tx.at, nodes=tuple(ev.nodes)))
 
@@ -47,7 +47,8 @@ def settled(tx: Tx, ev: CheckpointCommitted | CheckpointFailed) -> None:
     cid = ev.checkpoint_id
     if any(c == cid for c, _ in job.staged):
         job = tx.update(job, staged=tuple((c, at) for c, at in job.staged if c != cid))
-    if job.pending is not None and (job.pending.checkpoint_id == cid or (not cid and job.pending.step == ev.step)):
+    pending = job.run.pending
+    if pending is not None and (pending.checkpoint_id == cid or (not cid and pending.step == ev.step)):
         job = tx.update(job, pending=None)
     saved = job.waits_for == STOP_SAVE and (isinstance(ev, CheckpointFailed) or ev.attempt == job.attempt - 1)
     memory = isinstance(ev, CheckpointFailed) or (ev.from_memory and ev.attempt == job.memory_from)

@@ -114,7 +114,7 @@ def transition(state: State, event: Event) -> tuple[State, tuple[Output, ...]]:
 
 def wants_tick(state: State, now: float) -> bool:
     landing_timeout_s = state.settings.landing_timeout_s
-    return any(job.stop or job.waits_for or recovery.in_flight(job, now, landing_timeout_s)
+    return any(job.run.stop or job.waits_for or recovery.in_flight(job, now, landing_timeout_s)
                for job in state.jobs.values())
 
 

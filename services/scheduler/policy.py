@@ -68,8 +68,8 @@ def after_bad_checkpoint(job: Job, reason: str) -> Recovery:
     spending the restart budget (the bad one is out of the catalog already), or fail once if none is left."""
     good = job.newest
     if good is None:
-        return Fail(f"{job.bad_restore}; no good checkpoint is left to restore ({reason})")
-    return Restart(f"{job.bad_restore}; restarting from {good.checkpoint_id} (step {good.step}), the newest good "
+        return Fail(f"{job.run.bad_restore}; no good checkpoint is left to restore ({reason})")
+    return Restart(f"{job.run.bad_restore}; restarting from {good.checkpoint_id} (step {good.step}), the newest good "
                    "checkpoint, without spending the restart budget")
 
 
@@ -148,5 +148,5 @@ def choose_victims(candidates: Sequence[Victim], need: int, priority: int) -> tu
 def work_lost_s(job: Job, now: float) -> float:
     """Seconds of progress a stop would lose if no new checkpoint were taken."""
     newest = job.newest
-    since = max(job.running_since, newest.at) if newest is not None else job.running_since
+    since = max(job.run.running_since, newest.at) if newest is not None else job.run.running_since
     return max(0.0, now - since)

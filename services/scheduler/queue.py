@@ -19,7 +19,7 @@ def capacity(tx: Tx, spares: bool) -> int:
 def held(tx: Tx, job: Job, spares: bool) -> int:
     """Slots `job` holds on nodes usable for a job that may (or may not) use spares."""
     nodes = tx.nodes
-    return sum(1 for r in job.assignments if r.node in nodes and nodes[r.node].usable(spares)
+    return sum(1 for r in job.run.assignments if r.node in nodes and nodes[r.node].usable(spares)
                and r.slot < nodes[r.node].slots)
 
 
@@ -27,7 +27,7 @@ def free(tx: Tx, spares: bool) -> int:
     """Usable slots nobody holds or has asked for."""
     live = tx.live()
     used = sum(held(tx, j, spares) for j in live)
-    asked = sum(j.size for j in live if j.requested and not j.assignments)
+    asked = sum(j.size for j in live if j.run.requested and not j.run.assignments)
     return capacity(tx, spares) - used - asked
 
 
@@ -38,15 +38,15 @@ def admit(tx: Tx) -> None:
         job = tx.jobs[job_id]
         if commit_wait.waiting(job, tx.at):  # its restart waits for a commit: nothing behind it jumps ahead
             break
-        full, lo, fleet = job.spec.slots, recipes.smallest(job), capacity(tx, job.use_spares)
+        full, lo, fleet = job.spec.slots, recipes.smallest(job), capacity(tx, job.run.use_spares)
         if lo > fleet:
             continue
         top = min(full, fleet) if job.denied_epoch != tx.epoch else min(full, fleet, job.denied_world - 1)
         if top < lo:
             break
-        if job.use_spares not in room:
-            room[job.use_spares] = free(tx, job.use_spares)
-        have = room[job.use_spares]
+        if job.run.use_spares not in room:
+            room[job.run.use_spares] = free(tx, job.run.use_spares)
+        have = room[job.run.use_spares]
         if top == full and have < full:
             preempt_for(tx, job, full - have)
             break
@@ -60,7 +60,7 @@ def admit(tx: Tx) -> None:
 
 def request(tx: Tx, job: Job, world: int, reason: str) -> None:
     tx.dequeue(job.job_id)
-    why = reason or job.ask_reason
+    why = reason or job.run.ask_reason
     recovering = job.phase == "recovering"
     chosen = tx.settings.restores == "requested"
     restore = job.newest if chosen else None  # chosen once, here: the grant carries it to the agents
@@ -70,7 +70,7 @@ def request(tx: Tx, job: Job, world: int, reason: str) -> None:
     point = None if restore is None else RestorePoint(
         checkpoint_id=restore.checkpoint_id, step=restore.step, manifest_sha256=restore.manifest_sha256,
         attempt=restore.attempt, from_memory=restore.from_memory, skips=list(job.skips_of(restore)))
-    tx.emit(AllocationRequested(job_id=job.job_id, slots=world, attempt=job.attempt, use_spares=job.use_spares,
+    tx.emit(AllocationRequested(job_id=job.job_id, slots=world, attempt=job.attempt, use_spares=job.run.use_spares,
                                 reason=why, snapshot_bytes=snapshot_bytes(job), restore=point))
 
 
@@ -96,14 +96,14 @@ def preempt_for(tx: Tx, head: Job, short: int) -> None:
     """Stop lower-priority running jobs so that `short` more slots free up for `head`, unless stops
     already in flight will free enough."""
     live = tx.live()
-    running = [j for j in live if j.phase == "running" and not j.stop and j.spec.priority < head.spec.priority]
+    running = [j for j in live if j.phase == "running" and not j.run.stop and j.spec.priority < head.spec.priority]
     if not running:
         return
-    incoming = sum(held(tx, j, head.use_spares) for j in live if j.stop)
+    incoming = sum(held(tx, j, head.run.use_spares) for j in live if j.run.stop)
     if incoming >= short:
         return
     candidates = [Victim(job_id=j.job_id, priority=j.spec.priority, work_lost_s=work_lost_s(j, tx.at),
-                         slots=held(tx, j, head.use_spares), order=j.order) for j in running]
+                         slots=held(tx, j, head.run.use_spares), order=j.order) for j in running]
     for victim_id in choose_victims(candidates, short - incoming, head.spec.priority):
         victim = tx.jobs[victim_id]
         reason, needs = f"preempted by {head.job_id}", f"{head.job_id} (priority {head.spec.priority}) needs " \

@@ -138,8 +138,8 @@ def after_loss(job: Job, ev: LossFinding) -> RollTo | Fail | Ask:
                     f"checkpoint more often (train.checkpoint_every is {job.spec.train.checkpoint_every}) or start "
                     f"spike detection later (policy.spike_warmup is {policy.spike_warmup})", causes=(ev.event_id,))
     position = target.data or DataPosition(next_batch=target.step)
-    spike_batch = batch_after(position, job.skips, first - target.step)
-    evidence = batch_after(position, job.skips, step - target.step) + 1 - spike_batch  # the batches that carried it
+    spike_batch = batch_after(position, job.run.skips, first - target.step)
+    evidence = batch_after(position, job.run.skips, step - target.step) + 1 - spike_batch  # the batches that carried it
     margin = max(policy.rollback_steps_back, job.spec.train.checkpoint_every)
     if incident is not None and same:
         length = incident.skip_to - incident.skip_from
@@ -158,7 +158,7 @@ def after_loss(job: Job, ev: LossFinding) -> RollTo | Fail | Ask:
     if not old_enough:
         how += (f"; no checkpoint is {policy.rollback_steps_back} steps older than the spike "
                 f"(policy.rollback_steps_back), so the oldest one before it")
-    total, cap = skipped((*job.skips, (skip_from, skip_to))), policy.max_skip_fraction * job.spec.train.steps
+    total, cap = skipped((*job.run.skips, (skip_from, skip_to))), policy.max_skip_fraction * job.spec.train.steps
     if total > cap:
         return Ask(f"{what}: rolling back to {target.checkpoint_id} (step {target.step}) and skipping batches "
                    f"[{skip_from}, {skip_to}) would skip {total} batches in all, {total / job.spec.train.steps:.1%} of "
@@ -180,7 +180,7 @@ def reroll(job: Job, why: str) -> RollTo | Fail:
     """The rollback in flight decided again once its checkpoint was found bad (`why`; it has left the catalog):
     the newest good checkpoint the recipe allows for the same spike, skipping the same batches. Not another spike
     of the incident; a job with no good checkpoint left fails once."""
-    incident, rb, policy = job.incident, job.rollback, job.spec.policy
+    incident, rb, policy = job.incident, job.run.rollback, job.spec.policy
     assert incident is not None and rb is not None, "a rollback in flight has its incident"
     spike = incident.steps[-1]
     target, old_enough = rollback_target(job, spike)

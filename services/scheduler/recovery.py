@@ -18,13 +18,13 @@ from flightdeck.services.scheduler.tx import Tx
 
 
 def in_flight(job: Job, now: float, landing_timeout_s: float) -> bool:
-    rb = job.rollback
+    rb = job.run.rollback
     return rb is not None and rb.attempt == job.attempt and not rb.landed and now - rb.at < landing_timeout_s
 
 
 def loss_finding(tx: Tx, ev: recipes.LossFinding, landing_timeout_s: float) -> None:
     job = tx.jobs.get(ev.job_id)
-    if job is None or ev.attempt != job.attempt or job.phase != "running" or job.stop:
+    if job is None or ev.attempt != job.attempt or job.phase != "running" or job.run.stop:
         return
     if in_flight(job, tx.at, landing_timeout_s):
         return
@@ -47,7 +47,8 @@ def roll(tx: Tx, job: Job, plan: recipes.RollTo, trigger_id: str, *, asked: str 
                                 trigger_id=trigger_id, attempt=job.attempt, replay=plan.replay)
     tx.emit(command)
     thrown = {c.checkpoint_id for c in job.checkpoints if c.step > target.step}
-    skips = job.skips if (plan.skip_from, plan.skip_to) in job.skips else (*job.skips, (plan.skip_from, plan.skip_to))
+    window, skips = (plan.skip_from, plan.skip_to), job.run.skips
+    skips = skips if window in skips else (*skips, window)
     tx.update(job, incident=plan.incident or job.incident, abandoned=job.abandoned | thrown,
               forks=lineage.forked(job.forks, command),
               skips=skips, rollback=Rollback(attempt=job.attempt, checkpoint_id=target.checkpoint_id,
@@ -60,7 +61,7 @@ def asked(tx: Tx, ev: RollbackAsked, landing_timeout_s: float) -> None:
     threw away, skipping the window asked for. Nothing is decided for a job that is not running, is stopping, has
     a rollback in flight, or has no such checkpoint (the client says so before it asks)."""
     job = tx.jobs.get(ev.job_id)
-    if job is None or job.phase != "running" or job.stop or in_flight(job, tx.at, landing_timeout_s):
+    if job is None or job.phase != "running" or job.run.stop or in_flight(job, tx.at, landing_timeout_s):
         return
     target = recipes.newest_at_or_before(job, ev.to_step)
     if target is None:
@@ -80,9 +81,9 @@ def refused(tx: Tx, ev: CheckpointRefused) -> None:
     if job is None:
         return
     job = tx.update(job, checkpoints=tuple(c for c in job.checkpoints if c.checkpoint_id != ev.checkpoint_id))
-    rb = job.rollback
+    rb = job.run.rollback
     if rb is None or rb.landed or (ev.attempt, ev.checkpoint_id) != (rb.attempt, rb.checkpoint_id) \
-            or job.attempt != rb.attempt or job.phase != "running" or job.stop:
+            or job.attempt != rb.attempt or job.phase != "running" or job.run.stop:
         return
     why = (f"checkpoint {ev.checkpoint_id} (step {ev.to_step}) is bad on {ev.node or 'its node'} (rank {ev.rank}): "
            f"{ev.cause[:300]}")
@@ -102,7 +103,7 @@ def refused(tx: Tx, ev: CheckpointRefused) -> None:
 
 def rolled_back(tx: Tx, ev: RolledBack) -> None:
     job = tx.jobs.get(ev.job_id)
-    rb = job.rollback if job is not None else None
+    rb = job.run.rollback if job is not None else None
     if job is None or rb is None or rb.landed or ev.attempt != rb.attempt or ev.checkpoint_id != rb.checkpoint_id:
         return
     if (ev.skip_from, ev.skip_to) == (rb.skip_from, rb.skip_to):
@@ -124,7 +125,7 @@ def checkpoint_committed(tx: Tx, ev: CheckpointCommitted, landing_timeout_s: flo
 
 def thrown_away(job: Job, ev: CheckpointCommitted) -> bool:
     """Whether a commit arriving now holds steps a rollback of the current attempt threw away."""
-    rb = job.rollback
+    rb = job.run.rollback
     if rb is None or rb.attempt != job.attempt or ev.step <= rb.to_step:
         return False
     if rb.skip_to > rb.skip_from:
@@ -135,7 +136,7 @@ def thrown_away(job: Job, ev: CheckpointCommitted) -> bool:
 def grow_at_commit(tx: Tx, job: Job, ev: CheckpointCommitted, landing_timeout_s: float) -> None:
     """A shrunk running job grows back once the whole gang would fit again (recipes.py, "Grow back")."""
     full = job.spec.slots
-    if job.size >= full or job.phase != "running" or job.stop or not job.ranks <= job.started:
+    if job.size >= full or job.phase != "running" or job.run.stop or not job.ranks <= job.run.started:
         return
     newest = job.newest
     if newest is None or newest.checkpoint_id != ev.checkpoint_id or ev.checkpoint_id in job.abandoned:

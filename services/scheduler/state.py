@@ -65,42 +65,54 @@ class Incident(msgspec.Struct, frozen=True, kw_only=True):
     triggers: tuple[str, ...]  # the findings' event ids, oldest first
 
 
-class Job(msgspec.Struct, frozen=True, kw_only=True):
-    job_id: str
-    spec: JobSpec
-    order: int  # submission order: FIFO within a priority, kept when the job comes back to the queue
-    phase: Phase = "queued"
-    why: str = ""  # why it is in `phase`, for the record (JobPhaseChanged.reason); "" while running
-    paused: str = ""  # why `attempt`'s ranks were told to stop stepping (a PauseRequested not resumed since); "" if not
-    attempt: int = 0  # the attempt the next (or current) allocation is for; stale events carry older ones
-    restarts: int = 0  # restarts after faults; preemptions do not count
-    requested: bool = False  # AllocationRequested for `attempt` awaits its answer
+class Attempt(msgspec.Struct, frozen=True, kw_only=True):
+    """One attempt of a job, from its request to its release: a restart or a preemption starts the next one afresh
+    (`Attempt(number=n + 1)`), so nothing of the last one's is carried over or cleared by hand."""
+
+    number: int = 0  # stale events carry older ones
+    requested: bool = False  # AllocationRequested for it awaits its answer
     asked_epoch: int = 0  # capacity epoch when the pending allocation was asked for
-    denied_epoch: int = -1  # capacity epoch a denial answered: retry only once capacity has changed since
-    use_spares: bool = False  # the pending placement replaces failed slots, so spares may be used
-    assignments: tuple[SlotRef, ...] = ()  # granted slots of `attempt`
-    started: frozenset[int] = frozenset()  # ranks of `attempt` whose workers started
-    exited: frozenset[int] = frozenset()  # ranks of `attempt` that are gone (exited, lost, on a lost node)
+    use_spares: bool = False  # its placement replaces failed slots, so spares may be used
+    ask_reason: str = ""  # why its AllocationRequested is made, when that is not plain admission
+    restore: Checkpoint | None = None  # what it restores from, fixed when asked for (Settings.restores)
+    world: int = 0  # slots asked for (or held): fewer than spec.slots when shrunk; 0 means spec.slots
+    assignments: tuple[SlotRef, ...] = ()  # its granted slots
+    started: frozenset[int] = frozenset()  # ranks whose workers started
+    exited: frozenset[int] = frozenset()  # ranks that are gone (exited, lost, on a lost node)
+    running_since: float = 0.0
     stop: StopKind = ""  # a stop in flight, and why
     stop_reason: str = ""
     stop_since: float = 0.0
-    preempted_by: str = ""
-    running_since: float = 0.0
-    checkpoints: tuple[Checkpoint, ...] = ()  # committed, oldest first
-    restore: Checkpoint | None = None  # what `attempt` restores from, fixed when asked for (Settings.restores)
-    faults: tuple[str, ...] = ()  # event ids of every fault, first to last: JobFailed's causes
-    world: int = 0  # slots asked for (or held by) `attempt`: fewer than spec.slots when shrunk; 0 means spec.slots
+    paused: str = ""  # why its ranks were told to stop stepping (a PauseRequested not resumed since); "" if not
+    rollback: Rollback | None = None  # its newest rollback
+    skips: tuple[tuple[int, int], ...] = ()  # batch windows its restore and its rollbacks added to its token stream
+    bad_restore: str = ""  # why its checkpoint was rejected (CheckpointRejected): its restart is free
+    pending: Pending | None = None  # its newest fully staged checkpoint not yet committed or failed
+
+
+ATTEMPT_FIELDS = frozenset(Attempt.__struct_fields__)
+
+
+class Job(msgspec.Struct, frozen=True, kw_only=True):
+    """A job's whole life in the scheduler: what outlives its attempts here, the current one in `run`."""
+
+    job_id: str
+    spec: JobSpec
+    order: int  # submission order: FIFO within a priority, kept when the job comes back to the queue
+    run: Attempt = Attempt()  # the attempt the next (or current) allocation is for
+    phase: Phase = "queued"
+    why: str = ""  # why it is in `phase`, for the record (JobPhaseChanged.reason); "" while running
+    restarts: int = 0  # restarts after faults; preemptions do not count
+    denied_epoch: int = -1  # capacity epoch a denial answered: retry only once capacity has changed since
     denied_world: int = 0  # the world size the denial at `denied_epoch` answered
-    ask_reason: str = ""  # why the next AllocationRequested is made, when that is not plain admission
-    rollback: Rollback | None = None  # the newest rollback of `attempt`
-    skips: tuple[tuple[int, int], ...] = ()  # batch windows rollbacks of `attempt` added to its token stream
+    preempted_by: str = ""
+    checkpoints: tuple[Checkpoint, ...] = ()  # committed, oldest first
+    faults: tuple[str, ...] = ()  # event ids of every fault, first to last: JobFailed's causes
     incident: Incident | None = None  # the latest loss incident; outlives restarts (it is about the data)
     asked_for: str = ""  # the loss finding whose rollback was left to the operator (the job paused)
     abandoned: frozenset[str] = frozenset()  # checkpoints of steps a rollback threw away: never a rollback target
     forks: tuple[lineage.Fork, ...] = ()  # timelines rollbacks started, every attempt's: never restored across
-    bad_restore: str = ""  # why `attempt`'s checkpoint was rejected (CheckpointRejected): its restart is free
-    pending: Pending | None = None  # the newest fully staged checkpoint of `attempt` not yet committed or failed
-    staged: tuple[tuple[str, float], ...] = ()  # every such checkpoint (id, when announced): Checkpoint.staged_at
+    staged: tuple[tuple[str, float], ...] = ()  # every fully staged checkpoint (id, when announced): staged_at
     waits_for: str = ""  # a queued restart waits for this checkpoint's commit (commit_wait.py) ...
     wait_until: float = 0.0  # ... until then at most
     # The attempt whose set persisted from memory has not come yet (commit_wait.MEMORY), and what it would save:
@@ -113,25 +125,29 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     memory_until: float = 0.0
     memory_where: tuple[SlotRef, ...] = ()  # where the owed ranks ran: a node found lost owes none of its ranks' exits
     memory_staged: bool = False  # a rank's exit said its snapshot was staged: the set settles (checkpoint service)
-    # How the attempt before `attempt` failed before its first step (policy.early_way; "": it did not): the same
+    # How the attempt before `run` failed before its first step (policy.early_way; "": it did not): the same
     # again fails the job rather than spend another restart on it (policy.fail_fast)
     early_failure: str = ""
 
     @property
+    def attempt(self) -> int:
+        return self.run.number
+
+    @property
     def shown(self) -> tuple[JobPhase, str]:
         """The phase and its reason as recorded for the views: a running job whose ranks are paused is "paused"."""
-        if self.phase == "running" and self.paused and not self.stop:
-            return "paused", self.paused
+        if self.phase == "running" and self.run.paused and not self.run.stop:
+            return "paused", self.run.paused
         return self.phase, self.why
 
     @property
     def ranks(self) -> frozenset[int]:
-        return frozenset(ref.rank for ref in self.assignments)
+        return frozenset(ref.rank for ref in self.run.assignments)
 
     @property
     def size(self) -> int:
-        """The world size of `attempt`: the ranks it asks for or holds."""
-        return self.world or self.spec.slots
+        """The world size of the attempt: the ranks it asks for or holds."""
+        return self.run.world or self.spec.slots
 
     @property
     def newest(self) -> Checkpoint | None:

@@ -12,7 +12,7 @@ from flightdeck.events import subjects
 from flightdeck.events.base import JobEvent
 from flightdeck.events.job import AllocationReleased, JobPhaseChanged, ReleaseKind
 from flightdeck.services.core import Emit
-from flightdeck.services.scheduler.state import Job, NodeView, Phase, State
+from flightdeck.services.scheduler.state import ATTEMPT_FIELDS, Job, NodeView, Phase, State
 
 
 def queue_key(job: Job) -> tuple[int, int]:
@@ -43,6 +43,10 @@ class Tx:
         return job
 
     def update(self, job: Job, **changes: object) -> Job:
+        """`job` with `changes`: those of its current attempt's fields (state.Attempt) go to `job.run`."""
+        run = {k: changes.pop(k) for k in list(changes) if k in ATTEMPT_FIELDS}
+        if run:
+            changes["run"] = msgspec.structs.replace(job.run, **run)
         return self.put(msgspec.structs.replace(job, **changes))
 
     def enqueue(self, job: Job) -> None:
@@ -76,7 +80,7 @@ class Tx:
 
     def live(self) -> list[Job]:
         """Jobs holding or asking for slots: the jobs not waiting in the queue."""
-        return [j for j in self.jobs.values() if j.requested or j.assignments]
+        return [j for j in self.jobs.values() if j.run.requested or j.run.assignments]
 
     def record_phases(self) -> None:
         """Record each job whose phase, its reason or its restarts this input changed: after the decisions that

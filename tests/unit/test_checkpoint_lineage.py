@@ -46,7 +46,7 @@ def restart(state: State, lost: RankLost) -> tuple[State, RestorePoint]:
     (asked,) = [e for e in events_of(outs, AllocationRequested) if e.attempt == 1]
     assert asked.restore is not None
     state = running(attempt=1, state=state)
-    restore = state.jobs[JOB].restore
+    restore = state.jobs[JOB].run.restore
     assert restore is not None and restore.checkpoint_id == asked.restore.checkpoint_id
     return state, asked.restore
 

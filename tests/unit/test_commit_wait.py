@@ -219,7 +219,7 @@ def test_after_a_crash_the_restart_waits_for_the_snapshots_persisted_from_memory
     assert request.attempt == 1 and request.restore is not None
     assert (request.restore.checkpoint_id, request.restore.step, request.restore.from_memory) == (
         "step000000083-a0", 83, True)
-    restore = state.jobs[JOB].restore
+    restore = state.jobs[JOB].run.restore
     assert restore is not None and restore.checkpoint_id == "step000000083-a0"
 
 

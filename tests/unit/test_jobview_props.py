@@ -63,4 +63,4 @@ def test_the_view_agrees_with_the_scheduler_after_every_input(actions: list[Acti
                 continue
             job = state.jobs[job_id]
             assert (v.phase, v.restarts, v.attempt) == (job.phase, job.restarts, job.attempt), (job_id, action)
-            assert v.world_size == len(job.assignments) and v.granted == job.ranks, (job_id, action)
+            assert v.world_size == len(job.run.assignments) and v.granted == job.ranks, (job_id, action)

@@ -123,7 +123,7 @@ def test_a_rollback_past_max_skip_fraction_pauses_the_job_and_asks_the_operator_
     assert f"flightdeck rollback {JOB} --to-step 300 --skip 450:855, then flightdeck resume {JOB}" in paused.reason
     assert paused.reason.endswith("(finding s2)")
     job = state.jobs[JOB]
-    assert job.asked_for == "s2" and job.skips == ((450, 650),) and job.incident is not None
+    assert job.asked_for == "s2" and job.run.skips == ((450, 650),) and job.incident is not None
     assert job.incident.triggers == ("s1",)  # asking is no spike of the incident: the operator decides
     _, outs = run([spike(455, "s2")], state)
     assert outs == []  # the same finding read again asks nothing more
@@ -228,7 +228,7 @@ def test_findings_of_another_attempt_or_a_stopping_job_change_nothing() -> None:
 def test_rollbacks_do_not_spend_the_restart_budget() -> None:
     state, outs = run([spike(450, "s1")], with_commits(100, 300, job_spec=spec(max_restarts=0)))
     state, _ = run([landed(only_rollback(outs)), spike(455, "s2")], state)
-    assert state.jobs[JOB].restarts == 0 and len(state.jobs[JOB].skips) == 2
+    assert state.jobs[JOB].restarts == 0 and len(state.jobs[JOB].run.skips) == 2
     _, outs = run([RankLost(job_id=JOB, rank=1, attempt=0, reason="gone", last_seen=1.0, event_id="lost")], state)
     failed = next(e for e in events_of(outs) if isinstance(e, JobFailed))
     assert failed.reason.endswith("restart budget of 0 spent") and failed.causes == ["lost"]
@@ -290,5 +290,5 @@ def test_a_crash_before_the_ranks_obey_a_rollback_keeps_its_skip_window_in_the_r
     crash = WorkersExited(job_id=JOB, node="a", attempt=0, rank=1, exit_code=3, cause="crash")
     state, _ = run([crash, AllocationGranted(job_id=JOB, attempt=1, assignments=refs)], state)
     job = state.jobs[JOB]
-    assert job.attempt == 1 and job.restore is not None and job.restore.checkpoint_id == rb.checkpoint_id
-    assert job.skips == ((rb.skip_from, rb.skip_to),)  # the scheduler's batch arithmetic counts it, as the ranks do
+    assert job.attempt == 1 and job.run.restore is not None and job.run.restore.checkpoint_id == rb.checkpoint_id
+    assert job.run.skips == ((rb.skip_from, rb.skip_to),)  # the scheduler's batch arithmetic counts it, as the ranks do

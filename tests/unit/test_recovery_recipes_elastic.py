@@ -168,4 +168,4 @@ def test_a_straggler_of_a_stopping_job_is_not_counted_as_gone() -> None:
     b.publish(CancelRequested(job_id="job-1"))
     b.publish(StragglerDetected(job_id="job-1", rank=1, attempt=0, step_time_s=0.9, peer_median_s=0.3, factor=3.0))
     job = b.state("scheduler").jobs["job-1"]
-    assert job.phase == "stopping" and job.exited == frozenset()
+    assert job.phase == "stopping" and job.run.exited == frozenset()

@@ -43,12 +43,12 @@ def test_a_refused_rollback_is_decided_again_from_the_next_good_checkpoint_with_
     assert job.phase == "running" and job.restarts == 0 and job.attempt == 0
     assert cid(300) not in {c.checkpoint_id for c in job.checkpoints}  # never a target (nor a restore) again
     assert job.incident is not None and job.incident.triggers == ("spike-1",)  # not a second spike
-    assert job.rollback is not None and job.rollback.checkpoint_id == cid(200)
+    assert job.run.rollback is not None and job.run.rollback.checkpoint_id == cid(200)
 
     state, outs = run([refusal(first, rank=0, event_id="refused-2")], state)  # another rank's word: nothing new
     assert events_of(outs) == []
     state, outs = run([landed(again)], state)
-    assert state.jobs[JOB].rollback is not None and state.jobs[JOB].rollback.landed
+    assert state.jobs[JOB].run.rollback is not None and state.jobs[JOB].run.rollback.landed
 
 
 def test_with_no_good_checkpoint_before_the_spike_the_job_fails_once_naming_the_bad_one() -> None:

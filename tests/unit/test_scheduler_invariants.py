@@ -23,16 +23,16 @@ ACTIONS = st.lists(st.tuples(st.sampled_from(["submit", "submit", "finish", "cra
 
 
 def check(state: State, b: Bus) -> None:
-    waiting = [j for j in state.jobs.values() if not j.requested and not j.assignments]
+    waiting = [j for j in state.jobs.values() if not j.run.requested and not j.run.assignments]
     assert sorted(state.queue) == sorted(j.job_id for j in waiting)
     assert list(state.queue) == sorted(state.queue, key=lambda j: queue_key(state.jobs[j]))
     assert all(state.jobs[j].phase in WAITING for j in state.queue)
     assert not set(state.jobs) & set(state.ended)
     ledger = b.state("resources").ledger.allocations
-    held = {j.job_id: (j.attempt, sorted((r.node, r.slot) for r in j.assignments))
-            for j in state.jobs.values() if j.assignments}
+    held = {j.job_id: (j.attempt, sorted((r.node, r.slot) for r in j.run.assignments))
+            for j in state.jobs.values() if j.run.assignments}
     assert held == {j: (a.attempt, sorted((r.node, r.slot) for r in a.assignments)) for j, a in ledger.items()}
-    slots = [(r.node, r.slot) for j in state.jobs.values() for r in j.assignments]
+    slots = [(r.node, r.slot) for j in state.jobs.values() for r in j.run.assignments]
     assert len(slots) == len(set(slots))
 
 
