@@ -115,6 +115,7 @@ class LiveRank(msgspec.Struct, frozen=True, kw_only=True):
     attempt: int
     rank: int
     pid: int
+    recorded_at: float = 0.0  # when its start was recorded (WorkersStarted): its process started before
 
 
 class State(msgspec.Struct, frozen=True, kw_only=True):
@@ -255,7 +256,7 @@ def _workers(state: State, ev: WorkersStarted | WorkersExited) -> Transition:
     if isinstance(ev, WorkersStarted):
         for rank, pid in zip(ev.ranks, ev.pids, strict=True):
             live[live_key(ev.job_id, ev.attempt, rank)] = LiveRank(job_id=ev.job_id, attempt=ev.attempt, rank=rank,
-                                                                   pid=pid)
+                                                                   pid=pid, recorded_at=ev.occurred_at)
     else:
         for x in ev.exits():
             live.pop(live_key(ev.job_id, ev.attempt, x.rank), None)

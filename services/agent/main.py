@@ -62,30 +62,69 @@ HEARTBEATS = ("node", "rank")
 ORPHAN_EXIT = -signal.SIGKILL  # a rank that died with its agent (PR_SET_PDEATHSIG)
 
 
-def kill_if_rank(pid: int, job_id: str) -> None:
-    """Kill `pid` if it is still a rank of `job_id` (it should have died with its agent; the pid may be reused)."""
+def started_at(pid: int) -> float:
+    """When process `pid` started, in wall-clock seconds (to a second: the kernel's boot time is whole seconds)."""
+    after_name = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = int(after_name[19])  # field 22, starttime: clock ticks after boot
+    boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                if line.startswith("btime "))
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def kill_if_rank(pid: int, job_id: str, recorded_at: float = 0.0) -> bool:
+    """Kill `pid` if it is still a rank of `job_id` (it should have died with its agent; the pid may be reused);
+    whether it did. `recorded_at`: when its start was recorded (WorkersStarted), which a process reusing the pid
+    started after."""
     with contextlib.suppress(OSError):
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         cold = b"trainer" in cmdline and job_id.encode() in cmdline
-        # A rank started by a standby keeps the standby's command line (or the fork server's, which forked it); its
-        # stdout is the rank's log.
+        # A rank started by a standby keeps the standby's command line (or the fork server's, which forked it). Its
+        # stdout is a pipe to the agent that started it, so its start time tells it from a process that took its pid
+        # since (a standby handed a log file is known by that file's name).
         standby = b"flightdeck.trainer.standby" in cmdline or b"flightdeck.trainer.forkserver" in cmdline
         log_name = Path(os.readlink(f"/proc/{pid}/fd/1")).name if standby else ""
-        warm = re.fullmatch(rf"{re.escape(job_id)}-a\d+-r\d+\.log", log_name) is not None
+        warm = standby and (re.fullmatch(rf"{re.escape(job_id)}-a\d+-r\d+\.log", log_name) is not None
+                            or (recorded_at > 0 and started_at(pid) <= recorded_at + CLOCK_SLACK_S))
         if cold or warm:
             os.kill(pid, signal.SIGKILL)
+            return True
+    return False
+
+
+async def gone(pids: list[int], within_s: float = 5.0) -> None:
+    """Until each of `pids` has stopped running (exited, or a zombie), for at most `within_s`."""
+    deadline = time.monotonic() + within_s
+    while pids and time.monotonic() < deadline:
+        pids = [p for p in pids if _running(p)]
+        if pids:
+            await asyncio.sleep(0.02)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+CLOCK_SLACK_S = 1.0  # a process's start time is known to the second
 
 
 async def reconcile(service: Any, store: EventStore, spawner: Spawner) -> int:
-    """Record the ranks an earlier agent on this node started and never saw exit: they died with it."""
+    """Record the ranks an earlier agent on this node started and never saw exit: they died with it, or are killed
+    now (a rank that outlived its agent kept training, and writing the snapshots its next attempt restores)."""
     folder = await rebuild(service, store, until=await store.last_seq(subjects.CONTROL))
     state: agentcore.State = folder.state
     lost: dict[tuple[str, int], list[RankExit]] = {}
+    killed = []
     for rank in state.live.values():
-        kill_if_rank(rank.pid, rank.job_id)
+        if kill_if_rank(rank.pid, rank.job_id, rank.recorded_at):
+            killed.append(rank.pid)
         log.warning("rank lost with an earlier agent", job_id=rank.job_id, attempt=rank.attempt, rank=rank.rank,
-                    pid=rank.pid)
+                    pid=rank.pid, killed_now=rank.pid in killed)
         lost.setdefault((rank.job_id, rank.attempt), []).append(RankExit(rank=rank.rank, exit_code=ORPHAN_EXIT))
+    # A rank that outlived its agent may still be writing a snapshot: its slots are read only once it has stopped.
+    await gone(killed)
     persisted = await persist_orphans(store, spawner, lost)
     for (job_id, attempt), exits in lost.items():  # one record per attempt, as for ranks this agent stops
         await spawner.exits.record(job_id, attempt, exits, "")

@@ -1,6 +1,7 @@
 """Warm standby ranks (services/agent/standbys.py, trainer/standby.py) as real processes: a standby becomes
 the command it is handed, warm when it can and cold in place when its environment cannot be changed after
-import; one that dies idle is replaced; the next agent finds one that outlived its agent by its log. Through a
+import; one that dies idle is replaced; the next agent finds one that outlived its agent (by its log, or by its
+start before its record when its output is a pipe, as an agent hands it). Through a
 node agent, a rank started from a standby trains, crashes, restarts and is recorded exactly like the rank
 forked beside it when the pool ran dry, and standbys and ranks die with a killed agent."""
 
@@ -23,7 +24,7 @@ from flightdeck.events.spec import FaultSpec, JobSpec
 from flightdeck.events.training import RankStarted, StepCompleted
 from flightdeck.services.agent.forkserver import ForkedProc, ForkServer
 from flightdeck.services.agent.launch import die_with_agent, standby_env
-from flightdeck.services.agent.main import STANDBY_ENV, kill_if_rank
+from flightdeck.services.agent.main import STANDBY_ENV, kill_if_rank, started_at
 from flightdeck.services.agent.standbys import Standby, StandbyPool
 from tests.integration.test_lifecycle_services import ENDLESS, TINY, Cluster, cluster, exits, gone
 
@@ -115,6 +116,25 @@ async def test_a_standby_runs_its_assignment_warm_or_cold_in_place_and_a_dead_on
     kill_if_rank(fourth.proc.pid, "orphan-000001")
     async with asyncio.timeout(10):
         assert await fourth.proc.wait() == -signal.SIGKILL
+    # An agent hands its ranks a pipe, not a log file: the next agent knows one by its start, before its record
+    # (WorkersStarted), where a process that took its pid since started after it.
+    piped = await ready_one(pool, besides=(fourth,))
+    read_end, write_end = os.pipe()
+    try:
+        before = started_at(piped.proc.pid) - 5.0  # a record older than the process: not this rank
+        assert pool.take() is piped
+        sleep = [sys.executable, "-m", "timeit", "-n", "1", "-r", "1", "import time; time.sleep(60)"]  # warm
+        assert pool.assign(piped, sleep, pool.env, REPO, write_end)
+        os.close(write_end)
+        await asyncio.sleep(0.5)
+        kill_if_rank(piped.proc.pid, "orphan-000002", before)
+        await asyncio.sleep(0.5)
+        assert piped.proc.returncode is None
+        kill_if_rank(piped.proc.pid, "orphan-000002", time.time())
+        async with asyncio.timeout(10):
+            assert await piped.proc.wait() == -signal.SIGKILL
+    finally:
+        os.close(read_end)
     # Closing the pool kills the idle standby (a cold one still warming up, perhaps).
     deadline = time.monotonic() + 10
     while not pool.idle:
