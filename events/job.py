@@ -47,6 +47,9 @@ class AllocationRequested(JobEvent, frozen=True, kw_only=True):
     # of its ranks takes of a node's snapshot memory is twice this and a margin (events/snapshot.py). 0: unknown.
     snapshot_bytes: int = 0
     restore: RestorePoint | None = None  # what the attempt restores; None: no checkpoint of its own (its init_from)
+    # The scheduler chose `restore` (None included). False: a request from before it did, whose grant leaves the
+    # choice to the agents (a service-by-service upgrade: they apply the same rule, events/lineage.py)
+    restore_chosen: bool = False
 
 
 class AllocationGranted(JobEvent, frozen=True, kw_only=True):
@@ -58,6 +61,7 @@ class AllocationGranted(JobEvent, frozen=True, kw_only=True):
     # ranks take none (each records SnapshotsOff with this reason), and a failure there restores from the store.
     snapshots_off: dict[str, str] = {}
     restore: RestorePoint | None = None  # the request's: the agents start the ranks from it, choosing nothing
+    restore_chosen: bool = False  # the request's: False when it made no choice (see AllocationRequested)
 
 
 class AllocationDenied(JobEvent, frozen=True, kw_only=True):

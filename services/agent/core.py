@@ -5,7 +5,7 @@ Why it works this way: docs/internals.md, "7. The node agent and the ranks it ru
 
 import msgspec
 
-from flightdeck.events import codec, subjects
+from flightdeck.events import codec, lineage, subjects
 from flightdeck.events.base import Event, JobEvent
 from flightdeck.events.catalog import COMMAND_TYPES
 from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointDeleted, CheckpointRejected
@@ -41,6 +41,7 @@ class Restore(msgspec.Struct, frozen=True, kw_only=True):
     step: int
     manifest_sha256: str = ""
     attempt: int = 0  # the attempt that staged it
+    timeline: int = 0  # rollbacks that attempt had applied then
     from_memory: bool = False  # persisted from the ranks' snapshots: a node holding them restores from memory
     job_id: str = ""  # the job whose checkpoint it is, when not this one (the spec's init_from)
     model_only: bool = False  # load the weights only (init_from's what = "model"): the run starts at step 0
@@ -107,6 +108,7 @@ class JobView(msgspec.Struct, frozen=True, kw_only=True):
     checkpoints: tuple[Restore, ...] = ()  # committed and not deleted, in commit order
     held: Held | None = None  # the attempt whose ranks this node runs
     latest: int = -1  # newest attempt granted or released: a grant for it or an older one is stale or repeated
+    forks: tuple[lineage.Fork, ...] = ()  # timelines the job's rollbacks started (for a grant that chose nothing)
     plan: ParallelPlan | None = None  # the newest ReshardPlanned's
 
 
@@ -162,18 +164,29 @@ def _granted(state: State, ev: AllocationGranted) -> Transition:
                                           reason=f"attempt {ev.attempt} replaces it")))
     if not mine:
         return _put(state, ev.job_id, msgspec.structs.replace(view, held=None), *outs)
-    # What the ranks restore is the scheduler's choice, recorded in its request and carried by the grant: never a
-    # rule of this agent's own. None: the job has no checkpoint of its own, so its spec's init_from (if any).
-    point = ev.restore
-    restore = adopted(view.spec) if point is None else Restore(
-        checkpoint_id=point.checkpoint_id, step=point.step, manifest_sha256=point.manifest_sha256,
-        attempt=point.attempt, from_memory=point.from_memory)
-    skips = [(a, b) for a, b in point.skips] if point is not None else []
+    restore, skips = _restore_of(view, ev)
     outs.append(Effect(SPAWN, SpawnArgs(
         job_id=ev.job_id, attempt=ev.attempt, node=state.node, ranks=list(mine), world_size=len(ev.assignments),
         master_addr=ev.master_addr, master_port=ev.master_port, spec=view.spec, restore=restore,
         grant_id=ev.event_id, skips=skips, plan=view.plan, snapshots_off=ev.snapshots_off.get(state.node, ""))))
     return _put(state, ev.job_id, msgspec.structs.replace(view, held=Held(attempt=ev.attempt, ranks=mine)), *outs)
+
+
+def _restore_of(view: JobView, ev: AllocationGranted) -> tuple[Restore | None, list[tuple[int, int]]]:
+    """What the granted attempt restores, and the batch windows it skips: the scheduler's choice, recorded in its
+    request and carried by the grant (None: the job has no checkpoint of its own, so its spec's init_from, if any).
+    A grant that carries no choice comes from a scheduler or resource manager older than that record (a
+    service-by-service upgrade): this agent then applies the scheduler's rule to its own catalog, as agents did."""
+    if ev.restore_chosen:
+        point = ev.restore
+        if point is None:
+            return adopted(view.spec), []
+        return Restore(checkpoint_id=point.checkpoint_id, step=point.step, manifest_sha256=point.manifest_sha256,
+                       attempt=point.attempt, from_memory=point.from_memory), [(a, b) for a, b in point.skips]
+    newest = lineage.newest(view.checkpoints, view.forks)
+    if newest is None:
+        return adopted(view.spec), []
+    return newest, list(lineage.restore_skips(view.forks, newest.attempt, newest.timeline, newest.step))
 
 
 def _released(state: State, ev: AllocationReleased) -> Transition:
@@ -205,7 +218,7 @@ def _committed(state: State, ev: CheckpointCommitted) -> Transition:
     if view is None or any(c.checkpoint_id == ev.checkpoint_id for c in view.checkpoints):
         return state, ()
     entry = Restore(checkpoint_id=ev.checkpoint_id, step=ev.step, manifest_sha256=ev.manifest_sha256,
-                    attempt=ev.attempt, from_memory=ev.from_memory)
+                    attempt=ev.attempt, timeline=ev.timeline, from_memory=ev.from_memory)
     after = msgspec.structs.replace(view, checkpoints=(*view.checkpoints, entry))
     if view.held is None:
         return _put(state, ev.job_id, after)
@@ -227,13 +240,15 @@ def _gone(state: State, ev: CheckpointDeleted | CheckpointRejected) -> Transitio
 def _rollback(state: State, ev: RollbackRequested) -> Transition:
     """Ranks here read a rollback's checkpoint from the cache: fetch it again if the copy went missing."""
     view = state.jobs[ev.job_id]
+    after = msgspec.structs.replace(view, forks=lineage.forked(view.forks, ev))
     target = next((c for c in view.checkpoints if c.checkpoint_id == ev.checkpoint_id), None)
     if view.held is None or view.held.attempt != ev.attempt:
-        return state, ()
+        return _put(state, ev.job_id, after)
     tell = Effect(TELL, TellArgs(job_id=ev.job_id, attempt=ev.attempt, command=codec.encode(ev)))
     if target is None:  # not committed as far as this node knows: the ranks refuse it, as they would a bad copy
-        return state, (tell,)
-    return state, (tell, Effect(PREFETCH, PrefetchArgs(job_id=ev.job_id, checkpoint=target, rollback=True)))
+        return _put(state, ev.job_id, after, tell)
+    return _put(state, ev.job_id, after, tell, Effect(PREFETCH, PrefetchArgs(job_id=ev.job_id, checkpoint=target,
+                                                                             rollback=True)))
 
 
 def _command(state: State, ev: JobEvent) -> Transition:

@@ -182,7 +182,7 @@ def _grant(state: State, ev: AllocationRequested, refs: tuple[SlotRef, ...], por
     first = next(r for r in refs if r.rank == 0)
     return AllocationGranted(job_id=ev.job_id, attempt=ev.attempt, assignments=list(refs),
                              master_addr=state.nodes[first.node].address, master_port=port, snapshots_off=off,
-                             restore=ev.restore)
+                             restore=ev.restore, restore_chosen=ev.restore_chosen)
 
 
 def transition(state: State, event: Event) -> Transition:

@@ -71,7 +71,7 @@ def request(tx: Tx, job: Job, world: int, reason: str) -> None:
         checkpoint_id=restore.checkpoint_id, step=restore.step, manifest_sha256=restore.manifest_sha256,
         attempt=restore.attempt, from_memory=restore.from_memory, skips=list(job.skips_of(restore)))
     tx.emit(AllocationRequested(job_id=job.job_id, slots=world, attempt=job.attempt, use_spares=job.run.use_spares,
-                                reason=why, snapshot_bytes=snapshot_bytes(job), restore=point))
+                                reason=why, snapshot_bytes=snapshot_bytes(job), restore=point, restore_chosen=chosen))
 
 
 def snapshot_bytes(job: Job) -> int:

@@ -60,6 +60,7 @@ def test_the_agents_restore_the_adopted_checkpoint_until_the_job_has_its_own() -
                                          model_only=True)
     state, _ = agentcore.transition(state, committed("n5", 5, job="new"))
     own = RestorePoint(checkpoint_id="n5", step=5, manifest_sha256="sha-n5")  # the scheduler's choice, in the grant
-    state, outs = agentcore.transition(state, msgspec.structs.replace(grant, attempt=1, event_id="g1", restore=own))
+    state, outs = agentcore.transition(state, msgspec.structs.replace(grant, attempt=1, event_id="g1", restore=own,
+                                                                         restore_chosen=True))
     (spawn,) = [o for o in outs if isinstance(getattr(o, "args", None), SpawnArgs)]
     assert spawn.args.restore == Restore(checkpoint_id="n5", step=5, manifest_sha256="sha-n5")  # its own now

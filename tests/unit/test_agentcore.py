@@ -104,7 +104,7 @@ def test_the_ranks_restore_what_the_grant_carries_not_the_newest_this_agent_know
         submitted(), committed("step000000010-a0", 10), committed("step000000020-a0", 20),
         committed("step000000030-a0", 30), committed("step000000050-a0", 50),
         CheckpointDeleted(job_id="j", checkpoint_id="step000000050-a0"),
-        replace(grant(), restore=point), committed("step000000060-a0", 60),
+        replace(grant(), restore=point, restore_chosen=True), committed("step000000060-a0", 60),
     ])
     assert kinds(effects) == [EVICT, SPAWN, PREFETCH]
     assert effects[0].args == EvictArgs(job_id="j", checkpoint_ids=["step000000050-a0"])
@@ -115,9 +115,31 @@ def test_the_ranks_restore_what_the_grant_carries_not_the_newest_this_agent_know
         checkpoint_id="step000000060-a0", step=60, manifest_sha256="sha-step000000060-a0"))
     _, again = run([committed("step000000060-a0", 60)], state)
     assert again == []  # the same commit read twice is fetched once
-    _, fresh = run([submitted("k"), committed("c30", 30, job="k"), grant(job="k")])
+    _, fresh = run([submitted("k"), committed("c30", 30, job="k"), replace(grant(job="k"), restore_chosen=True)])
     (spawn,) = fresh
-    assert isinstance(spawn.args, SpawnArgs) and spawn.args.restore is None  # no restore recorded: from scratch
+    assert isinstance(spawn.args, SpawnArgs) and spawn.args.restore is None  # chosen: nothing of its own
+
+
+def test_a_grant_that_chose_nothing_restores_by_the_scheduler_s_rule_with_the_rollback_s_skip_window() -> None:
+    """A grant from a scheduler or resource manager older than the recorded choice (a service-by-service upgrade)
+    carries none: the agent applies the scheduler's rule to its own catalog. Trial 7 (86ea31b): a spike's
+    RollbackRequested (checkpoint 40, skip batches 40-45) was recorded, rank 1 crashed before the ranks obeyed it,
+    and the restart restored the step-40 checkpoint and trained batch 40 again. The window belongs to the timeline:
+    a restore of that checkpoint skips it, obeyed or not."""
+    rollback = RollbackRequested(job_id="j", checkpoint_id="c40", to_step=40, skip_from=40, skip_to=45,
+                                 reason="spike", attempt=0)
+    _, effects = run([submitted(), grant(0), committed("c30", 30), committed("c40", 40), rollback,
+                      AllocationReleased(job_id="j", attempt=0, reason="rank 1 crashed"), grant(1)])
+    spawn = [e.args for e in effects if e.kind == SPAWN][-1]
+    assert isinstance(spawn, SpawnArgs) and spawn.attempt == 1
+    assert spawn.restore is not None and spawn.restore.checkpoint_id == "c40" and spawn.skips == [(40, 45)]
+    # a checkpoint staged after the rollback holds the window itself: nothing more to skip on its restore
+    after = replace(committed("c50", 50), timeline=1)
+    _, effects = run([submitted(), grant(0), committed("c40", 40), rollback, after,
+                      AllocationReleased(job_id="j", attempt=0, reason="rank 1 crashed"), grant(1)])
+    spawn = [e.args for e in effects if e.kind == SPAWN][-1]
+    assert isinstance(spawn, SpawnArgs) and spawn.restore is not None
+    assert spawn.restore.checkpoint_id == "c50" and spawn.skips == []
 
 
 def test_checkpoints_of_a_job_not_running_here_are_not_prefetched() -> None:

@@ -44,7 +44,7 @@ def restart(state: State, lost: RankLost) -> tuple[State, RestorePoint]:
     """The restart after `lost`: what its request says it restores, once the attempt runs (as JobResumed says)."""
     state, outs = run([lost], state)
     (asked,) = [e for e in events_of(outs, AllocationRequested) if e.attempt == 1]
-    assert asked.restore is not None
+    assert asked.restore is not None and asked.restore_chosen
     state = running(attempt=1, state=state)
     restore = state.jobs[JOB].run.restore
     assert restore is not None and restore.checkpoint_id == asked.restore.checkpoint_id
@@ -68,7 +68,8 @@ def test_a_restart_after_a_rollback_restores_the_rolled_back_timeline_on_schedul
     state, point = restart(state, lost)
     assert (point.checkpoint_id, point.skips) == (cid(400, 1), [])  # its own data position holds the window
     agent_history: list[Event] = [*control, *before, rb, late, redone,
-                                  AllocationGranted(job_id=JOB, attempt=1, assignments=REFS, restore=point)]
+                                  AllocationGranted(job_id=JOB, attempt=1, assignments=REFS, restore=point,
+                                                    restore_chosen=True)]
     spawned = restored_by_agent(agent_history)
     assert spawned.restore is not None and spawned.restore.checkpoint_id == cid(400, 1) and spawned.skips == []
 
@@ -87,7 +88,8 @@ def test_before_any_redone_commit_the_restart_restores_the_rollback_target_skipp
     history: list[Event] = [JobSubmitted(job_id=JOB, spec=spec()), AllocationGranted(job_id=JOB, attempt=0,
                                                                                     assignments=REFS),
                             *commits, rb, commit(500),
-                            AllocationGranted(job_id=JOB, attempt=1, assignments=REFS, restore=point)]
+                            AllocationGranted(job_id=JOB, attempt=1, assignments=REFS, restore=point,
+                                                    restore_chosen=True)]
     spawned = restored_by_agent(history)
     assert spawned.restore is not None and spawned.restore.checkpoint_id == cid(300)
     assert spawned.skips == [(rb.skip_from, rb.skip_to)]

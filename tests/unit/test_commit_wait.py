@@ -216,7 +216,7 @@ def test_after_a_crash_the_restart_waits_for_the_snapshots_persisted_from_memory
     state, outs = fold(MEMORY, [memory_committed(83, 41.2)], state)
     (request,) = requests(outs)
     # the request names what the restart restores: the set persisted from memory, for the agents to start it from
-    assert request.attempt == 1 and request.restore is not None
+    assert request.attempt == 1 and request.restore is not None and request.restore_chosen
     assert (request.restore.checkpoint_id, request.restore.step, request.restore.from_memory) == (
         "step000000083-a0", 83, True)
     restore = state.jobs[JOB].run.restore

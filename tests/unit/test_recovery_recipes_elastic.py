@@ -91,7 +91,8 @@ def test_a_denied_full_gang_shrinks_at_once_and_a_denied_shrink_waits_for_capaci
                                      WorkersStarted(job_id="job-1", node="a", attempt=0, ranks=[0, 1, 2, 3], pids=[1]),
                                      lost])
     assert decisions(outs)[-1] == AllocationRequested(job_id="job-1", slots=4, attempt=1, use_spares=True,
-                                                      snapshot_bytes=snapshot_bytes(submitted("job-1").spec))
+                                                      snapshot_bytes=snapshot_bytes(submitted("job-1").spec),
+                                                      restore_chosen=True)
     state, outs = fold(scheduler(), [AllocationDenied(job_id="job-1", attempt=1, reason="tp groups")], state)
     queued, ask = decisions(outs)
     assert phases(outs) == [("job-1", "recovering", "allocation denied: tp groups")]

@@ -65,7 +65,8 @@ def test_a_submitted_job_is_queued_and_asked_for_once_it_fits() -> None:
     assert outs == []  # one slot is not two: nobody starts with part of its gang
     state, outs = run([register("b", 1)], state)
     snapshot = snapshot_bytes(submit("j-1", slots=2).spec)  # one rank's state, for the node's snapshot memory
-    assert decided(outs) == [AllocationRequested(job_id="j-1", slots=2, attempt=0, snapshot_bytes=snapshot)]
+    assert decided(outs) == [AllocationRequested(job_id="j-1", slots=2, attempt=0, snapshot_bytes=snapshot,
+                                                 restore_chosen=True)]
     assert state.jobs["j-1"].phase == "placing" and state.queue == ()
 
 
@@ -104,8 +105,10 @@ def test_a_denial_requeues_and_retries_only_after_capacity_changes() -> None:
     assert types(outs) == ["JobQueued"]  # j waits at the head for a change, and nobody passes it
     state, outs = run([register("b", 2)], state)
     snapshot = snapshot_bytes(submit("j-1", slots=2).spec)
-    assert decided(outs) == [AllocationRequested(job_id="j-1", slots=2, attempt=0, snapshot_bytes=snapshot),
-                               AllocationRequested(job_id="m-1", slots=1, attempt=0, snapshot_bytes=snapshot)]
+    assert decided(outs) == [AllocationRequested(job_id="j-1", slots=2, attempt=0, snapshot_bytes=snapshot,
+                                                 restore_chosen=True),
+                               AllocationRequested(job_id="m-1", slots=1, attempt=0, snapshot_bytes=snapshot,
+                                                   restore_chosen=True)]
 
 
 def test_cancel_while_queued_ends_at_once_and_releases_nothing() -> None:
