@@ -4,7 +4,6 @@ import asyncio
 import os
 import shutil
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import nats
 import pytest
 
 from flightdeck.events.streams import ensure_streams
+from flightdeck.services.agent.snapshots import default_root
 from flightdeck.services.shell import broker as broker_mod
 
 # Node agents the tests start keep the product's default of warm standby ranks (one per slot and one more), forked
@@ -65,19 +65,28 @@ def ensure_streams_at(url: str) -> None:
     asyncio.run(go())
 
 
-_SESSION_STARTED = time.time()
 SHM = Path("/dev/shm")
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """The node agents the tests start keep their ranks' snapshots in /dev/shm (services/agent/snapshots.py), which
     is memory: an agent killed mid-job never lets go of them. Once every worker is done (the controller, or the one
-    process without xdist), remove the snapshot roots made during this session; 12 GB had piled up here."""
+    process without xdist), remove the snapshot roots of this session's agents (12 GB had piled up here): a root is
+    named after its agent's data dir (snapshots.default_root), which lies under this session's temporary folder.
+    Another session's roots are left alone: removing every root made since this one started (as this once did)
+    pulled the snapshots from under a concurrent session's running drills."""
     if hasattr(session.config, "workerinput") or not SHM.is_dir():
         return
+    base = session.config._tmp_path_factory.getbasetemp()  # type: ignore[attr-defined]
+    ours = {default_root(Path(folder), "x").name.rsplit("-", 1)[1] for folder, _, _ in _walk(base, depth=5)}
     for root in SHM.glob("flightdeck-*"):
-        try:
-            if root.stat().st_ctime >= _SESSION_STARTED:
-                shutil.rmtree(root, ignore_errors=True)
-        except OSError:
-            continue
+        if root.name.rsplit("-", 1)[1] in ours:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def _walk(top: Path, depth: int) -> Iterator[tuple[str, list[str], list[str]]]:
+    """os.walk to `depth` folders below `top`."""
+    for folder, dirs, files in os.walk(top):
+        if len(Path(folder).relative_to(top).parts) >= depth:
+            dirs.clear()
+        yield folder, dirs, files
