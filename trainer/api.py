@@ -65,6 +65,8 @@ def init() -> Run:
         raise
     run = Run(cfg, dist, emitter, link)
     run.install_signals()
+    if run.last is not None and cfg.platform:  # a rank stuck in a step snapshots its last boundary on SIGTERM
+        run.last.watch_sigterm()
     sys.excepthook = fail_hook(run)
     atexit.register(at_exit, run)
     _run = run

@@ -49,6 +49,9 @@ def fail_hook(run: Run) -> Any:
 
     def hook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
         text = f"{kind.__name__}: {exc}"
+        if not run.closed and run.last is not None:  # raised before the optimizer's step: its boundary still holds
+            run.last.take("a peer's failure broke this rank's collective" if peer_broke(exc) else
+                          f"{kind.__name__} raised in the step")
         if not run.closed and run.cfg.platform and peer_broke(exc) and stopped_with_job(run):
             log.warning("stopping with the job: a peer of this rank failed and broke the collective it was in; not "
                         "a fault of this rank", step=run.step, error=text.splitlines()[0][:300])

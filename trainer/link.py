@@ -117,6 +117,12 @@ class AgentLink:
     def set_step(self, step: int, step_time_s: float = 0.0) -> None:
         self._progress = (step, step_time_s)
 
+    def beat_now(self) -> None:
+        """Tell the agent the step now, not at the next beat: the steps a snapshot of the last boundary covers
+        must be on its record before the rank exits (services/agent/snapshots.py `choose`)."""
+        if not self._closing:
+            self._beat()
+
     def poll(self) -> list[Event]:
         """Commands received since the last poll, in history order."""
         if not self._commands:  # unlocked peek: the common step has nothing to hand over
@@ -312,6 +318,9 @@ class Offline:
         pass
 
     def set_step(self, step: int, step_time_s: float = 0.0) -> None:
+        pass
+
+    def beat_now(self) -> None:
         pass
 
     def close(self, timeout: float = 5.0) -> None:

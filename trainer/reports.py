@@ -34,6 +34,9 @@ class Publisher(Protocol):
     def set_step(self, step: int, step_time_s: float = 0.0) -> None:
         """The step the heartbeat reports, and its duration (0: not known)."""
 
+    def beat_now(self) -> None:
+        """Send that step to the agent now."""
+
     def close(self, timeout: float = 5.0) -> None:
         """Flush and stop."""
 
@@ -97,6 +100,9 @@ class Emitter:
 
     def set_step(self, step: int, step_time_s: float = 0.0) -> None:
         self.publisher.set_step(step, step_time_s)
+
+    def beat_now(self) -> None:
+        self.publisher.beat_now()
 
     def close(self, timeout: float = 5.0) -> None:
         self.flush()

@@ -40,6 +40,7 @@ from flightdeck.trainer import checkpointing, faults, loaders, modelinfo, restor
 from flightdeck.trainer.config import RunConfig
 from flightdeck.trainer.cursor import BatchCursor, Step
 from flightdeck.trainer.distributed import Dist
+from flightdeck.trainer.lastboundary import LastBoundary
 from flightdeck.trainer.link import PLAN_WAIT_S, AgentSide
 from flightdeck.trainer.replay import Replay
 from flightdeck.trainer.reports import SPIKE_FACTOR, Emitter, StepReporter, check_metric_names, checked_value
@@ -87,6 +88,8 @@ class Run:
                                         world_size=dist.world_size, recent=emitter.recent_steps)
             self.snapshots = Cadence(snaps, every=cfg.spec.train.snapshot_every,
                                      max_overhead=cfg.spec.train.snapshot_max_overhead, off=self._snapshots_off)
+        self.last = LastBoundary(self.snapshots, lambda: self.reporter.step_times, emitter.beat_now) \
+            if self.snapshots else None  # the boundary a failure in the step after it can still snapshot
         self.restored_from = ""
         self.saved_at: int | None = None  # the boundary whose state is already checkpointed
         self.paused = False
@@ -174,6 +177,8 @@ class Run:
         while True:
             if self.snapshots is not None:
                 self.snapshots.copied()  # a step without the optimizer's: nothing past here may read a torn copy
+            if self.last is not None:
+                self.last.drop()
             if self.replay is not None and self.step >= self.replay.until:
                 rollback.end_replay(self)  # every rank reaches it at the same step
             if self.world_size == 1 or self.paused or self.step % self.cfg.sync_every == 0:
@@ -293,6 +298,8 @@ class Run:
             self.reporter.flush()
             self.emitter.flush()
             faults.hang(lambda: self.sigterm)
+            if self.last is not None:
+                self.last.take("a drill's hang, stopped by SIGTERM")
             self._die(faults.HANG_EXIT_CODE)
         if kind == "nonfinite":
             self._nan = True
@@ -363,20 +370,22 @@ class Run:
             self.ckpt.wait()
 
     def _snapshot(self) -> None:
-        """This boundary's state into the node's memory when it is due (never a re-run's)."""
-        if self.snapshots is None or self.replay is not None \
-                or not self.snapshots.due(self.step):
+        """This boundary's state into the node's memory when it is due, else held for a snapshot after a failure
+        (trainer/lastboundary.py); never a re-run's."""
+        if self.snapshots is None or self.replay is not None:
             return
-        if self.device.type != "cuda":  # the steps it holds go on record first (on CPU reading them costs nothing)
+        plan, due = self._plan, self.snapshots.due(self.step)
+        if due and self.device.type != "cuda":  # the steps it holds go on record first (on CPU it costs nothing)
             self.reporter.flush()
-        plan = self._plan
-        self.snapshots.take(self.step, self.state.live, self.cursor.position(), self.world_size,
-                            timeline=self.ckpt.timeline, checkpointing_=self.saved_at == self.step,
-                            layout=(plan.dp, plan.tp, plan.pp) if plan is not None else (self.world_size, 1, 1),
-                            settled=self.state.settled)
+        (self.snapshots.take if due or self.last is None else self.last.hold)(
+            self.step, self.state.live, self.cursor.position(), self.world_size, timeline=self.ckpt.timeline,
+            checkpointing_=self.saved_at == self.step, settled=self.state.settled,
+            layout=(plan.dp, plan.tp, plan.pp) if plan is not None else (self.world_size, 1, 1))
 
     def _before_update(self) -> None:
         self.ckpt.before_update()
+        if self.last is not None:
+            self.last.drop()  # after a copy of the held state under way: the step waits for it
         if self.snapshots is not None:
             self.snapshots.copied()
 

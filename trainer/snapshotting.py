@@ -84,6 +84,15 @@ class Cadence:
         if self.snaps is not None:
             self.snaps.copied()
 
+    def written(self) -> None:
+        """Return once the newest snapshot's header is written (a failure to write it turns snapshots off)."""
+        if self.snaps is None:
+            return
+        try:
+            self.snaps.wait()
+        except SnapshotsOff as exc:
+            self._off(str(exc))
+
     def close(self) -> None:
         if self.snaps is None:
             return

@@ -26,6 +26,9 @@ class ListPublisher:
     def emit(self, event: RankEvent) -> None:
         self.events.append(event)
 
+    def beat_now(self) -> None:
+        pass
+
     def set_step(self, step: int, step_time_s: float = 0.0) -> None:
         self.step, self.step_time_s = step, step_time_s
 

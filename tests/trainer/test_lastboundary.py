@@ -1,0 +1,193 @@
+"""The snapshot a rank takes after a failure, of the boundary before it (trainer/lastboundary.py), in one process: it
+holds exactly that boundary's state (parameters, optimizer state, the buffers and RNG the step moved since, a user's
+extra), never a state the optimizer's step has written, and an optimizer step that resumes during its copy waits for
+it. On SIGTERM a rank stuck in its step takes it; one still moving leaves it to its boundary."""
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from flightdeck.events import snapshot as fmt
+from flightdeck.events.checkpoint import DataPosition
+from flightdeck.trainer import checkpointing, distributed, snapshots
+from flightdeck.trainer.lastboundary import LastBoundary
+from flightdeck.trainer.snapshotting import Cadence
+from flightdeck.trainer.state import TrainState
+
+from .test_checkpointing import Counter
+
+EVERY = 1000  # the cadence's snapshots: none at the steps these tests fail in
+
+
+class Rank:
+    """A rank's state, cadence and last boundary, wired as Run wires them."""
+
+    def __init__(self, root: Path, every: int = EVERY) -> None:
+        torch.manual_seed(0)
+        nn = torch.nn
+        self.model = nn.Sequential(nn.Linear(16, 256), nn.BatchNorm1d(256), nn.Linear(256, 4))
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        self.counter = Counter()
+        self.st = TrainState(self.model, self.opt, {"counter": self.counter}, rank=0, device=torch.device("cpu"))
+        snaps = snapshots.Snapshots(root, job_id="j", attempt=0, rank=0, world_size=1)
+        self.cadence = Cadence(snaps, every=every, max_overhead=1.0, off=lambda reason: None)
+        self.last = LastBoundary(self.cadence, lambda: [0.01])
+        self.opt.register_step_pre_hook(lambda *_: self.last.drop())
+        self.step = 0
+
+    def forward_backward(self) -> None:
+        self.opt.zero_grad()
+        self.model(torch.randn(8, 16)).square().mean().backward()  # BatchNorm's statistics and the RNG move here
+
+    def boundary(self) -> dict[str, Any]:
+        """The loop's boundary: drop, then snapshot or hold; returns a copy of the state there."""
+        self.last.drop()
+        position = DataPosition(next_batch=self.step)
+        args: dict[str, Any] = {"timeline": 0, "checkpointing_": False, "layout": (1, 1, 1),
+                                "settled": self.st.settled}
+        if self.cadence.due(self.step):
+            self.cadence.take(self.step, self.st.live, position, 1, **args)
+        else:
+            self.last.hold(self.step, self.st.live, position, 1, **args)
+        return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in self.st.live().items()}
+
+    def run_steps(self, n: int) -> None:
+        for _ in range(n):
+            self.boundary()
+            self.counter.n += 1
+            self.forward_backward()
+            self.opt.step()
+            self.step += 1
+
+
+def restored(folder: Path) -> dict[str, Any]:
+    r = Rank(folder.parent.parent.parent / "other")  # fresh objects, other values
+    r.forward_backward()
+    r.opt.step()  # the optimizer's state exists, so the load has somewhere to go
+    step, _ = checkpointing.load(folder, r.st, distributed.init(0, 1, 0, "cpu"))
+    return {"step": step, "counter": r.counter.n, **{k: v for k, v in r.st.live().items()
+                                                     if isinstance(v, torch.Tensor)}}
+
+
+def assert_holds(folder: Path, at_boundary: dict[str, Any], step: int) -> None:
+    got = restored(folder)
+    assert got.pop("step") == step
+    assert got.pop("counter") == at_boundary["extras.0.counter"]
+    tensors = {k: v for k, v in at_boundary.items() if isinstance(v, torch.Tensor)}
+    assert got.keys() == tensors.keys()
+    assert [k for k in got if not torch.equal(got[k], tensors[k])] == []
+
+
+def newest(root: Path) -> tuple[fmt.Header, Path]:
+    return fmt.complete_slots(root, "j", 0, 0)[0]
+
+
+def test_a_failure_before_the_optimizer_step_snapshots_the_boundary_it_followed(tmp_path: Path) -> None:
+    r = Rank(tmp_path / "snaps")
+    r.run_steps(3)
+    at_boundary = r.boundary()
+    at_boundary["extras.0.counter"] = r.counter.n
+    r.counter.n += 1  # the step moves the extra, the buffers and the RNG, then fails before its optimizer step
+    r.forward_backward()
+    assert r.last.take("a test's failure") == 3
+    header, folder = newest(tmp_path / "snaps")
+    assert (header.step, header.data) == (3, DataPosition(next_batch=3))
+    fmt.check_bytes(folder, header)
+    assert_holds(folder, at_boundary, 3)
+    assert r.last.take("again") is None  # taken once
+
+
+def test_nothing_is_taken_once_the_optimizer_stepped_nor_for_a_step_the_cadence_snapshotted(tmp_path: Path) -> None:
+    r = Rank(tmp_path / "snaps")
+    r.run_steps(2)
+    r.boundary()
+    r.forward_backward()
+    r.opt.step()  # the state is no longer the boundary's
+    assert r.last.take("too late") is None
+    assert [h.step for h, _ in fmt.complete_slots(tmp_path / "snaps", "j", 0, 0)] == [0]  # the cadence's own
+
+    every = Rank(tmp_path / "every", every=1)
+    every.run_steps(2)
+    every.boundary()
+    every.cadence.written()
+    assert every.last.take("already snapshotted") is None
+    assert [h.step for h, _ in fmt.complete_slots(tmp_path / "every", "j", 0, 0)] == [2, 1]
+
+
+def test_an_optimizer_step_resumed_during_the_copy_waits_for_it(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copy is slowed down; the optimizer's step, started once it runs, must not land in it."""
+    r = Rank(tmp_path / "snaps")
+    r.run_steps(2)
+    at_boundary = r.boundary()
+    at_boundary["extras.0.counter"] = r.counter.n
+    r.forward_backward()
+    copying = threading.Event()
+    take = snapshots.Snapshots.take
+
+    def slow_take(self: snapshots.Snapshots, *args: Any, **kwargs: Any) -> float:
+        copying.set()
+        time.sleep(0.3)
+        return take(self, *args, **kwargs)
+
+    monkeypatch.setattr(snapshots.Snapshots, "take", slow_take)
+    taker = threading.Thread(target=r.last.take, args=("a peer failed",))
+    taker.start()
+    assert copying.wait(10)
+    before = r.model[0].weight.detach().clone()
+    r.opt.step()  # waits in its pre-step hook until the snapshot is written
+    taker.join()
+    assert not torch.equal(r.model[0].weight, before)
+    assert_holds(newest(tmp_path / "snaps")[1], at_boundary, 2)
+
+
+@pytest.fixture
+def watched() -> Iterator[list[LastBoundary]]:
+    """SIGTERM handled as Run handles it (a flag), each LastBoundary's watcher stopped after the test."""
+    flags: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: flags.append(signum))
+    lasts: list[LastBoundary] = []
+    try:
+        yield lasts
+    finally:
+        for last in lasts:
+            last.unwatch()
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_sigterm_while_stuck_in_a_step_snapshots_its_last_boundary(tmp_path: Path,
+                                                                   watched: list[LastBoundary]) -> None:
+    r = Rank(tmp_path / "snaps")
+    r.run_steps(2)
+    at_boundary = r.boundary()
+    at_boundary["extras.0.counter"] = r.counter.n
+    r.forward_backward()
+    r.last.watch_sigterm()
+    watched.append(r.last)
+    os.kill(os.getpid(), signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while r.last.taken is None and time.monotonic() < deadline:  # stuck: no boundary, no optimizer step
+        time.sleep(0.05)
+    assert r.last.taken == 2
+    assert_holds(newest(tmp_path / "snaps")[1], at_boundary, 2)
+
+
+def test_sigterm_while_the_loop_moves_leaves_the_checkpoint_to_its_boundary(tmp_path: Path,
+                                                                            watched: list[LastBoundary]) -> None:
+    r = Rank(tmp_path / "snaps")
+    r.run_steps(2)
+    r.last.watch_sigterm()
+    watched.append(r.last)
+    os.kill(os.getpid(), signal.SIGTERM)
+    for _ in range(60):  # steps keep coming, 3 s of them: more than the watcher waits
+        r.run_steps(1)
+        time.sleep(0.05)
+    assert r.last.taken is None
+    assert [h.step for h, _ in fmt.complete_slots(tmp_path / "snaps", "j", 0, 0)] == [0]  # the cadence's own
