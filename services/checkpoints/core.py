@@ -36,6 +36,7 @@ from flightdeck.events.job import (
 )
 from flightdeck.events.lineage import forked, thrown_away
 from flightdeck.events.training import RankStarted, RolledBack
+from flightdeck.services.checkpoints import supersede as supersede_
 from flightdeck.services.checkpoints.scrubs import SCRUB, next_scrub, scrub_due
 from flightdeck.services.checkpoints.state import (
     NOTHING_DUE,
@@ -87,14 +88,18 @@ def _open_set(job: JobState, ev: CheckpointStaged | ShardsUploaded) -> Staging |
         return None
     if ev.world_size < 1 or not 0 <= ev.rank < ev.world_size or ev.step < 0:
         return None
+    if isinstance(ev, CheckpointStaged) and ev.from_memory and (ev.timeline, ev.step) < job.memory_handed.get(
+            ev.attempt, (-1, -1)):
+        return None  # superseded: a newer set of its attempt from memory was handed over (supersede.py)
     current = job.staging.get(at) or Staging(world_size=ev.world_size, ranks={})
     return current if current.world_size == ev.world_size else None
 
 
 def _stage(job: JobState, ev: CheckpointStaged | ShardsUploaded, agents_store: bool,
-           announce: bool = False, lost: frozenset[str] = frozenset()) -> tuple[JobState, Due]:
+           announce: bool = False, lost: frozenset[str] = frozenset(), supersede: bool = False) -> tuple[JobState, Due]:
     """Fold a staging or an agent's report; `agents_store` False: the "staging" protocol (Settings.shards_from);
-    `announce`: say CheckpointPending when the last rank stages (Settings.announce_pending)."""
+    `announce`: say CheckpointPending when the last rank stages (Settings.announce_pending); `supersede`:
+    Settings.supersede."""
     at = (ev.attempt, ev.timeline, ev.step)
     cid = checkpoint_id(ev.attempt, ev.step, ev.timeline)
     current = _open_set(job, ev)
@@ -127,15 +132,18 @@ def _stage(job: JobState, ev: CheckpointStaged | ShardsUploaded, agents_store: b
     staging = {k: v for k, v in job.staging.items() if k[0] >= ev.attempt}  # a newer attempt drops older sets
     job = replace(job, attempt=ev.attempt, staging={**staging, at: current})
     if len(current.ranks) < current.world_size or len(current.stored) < current.world_size:
-        settled = _survivors(job, ev.job_id, at, current, lost)
+        settled = _survivors(job, ev.job_id, at, current, lost, supersede)
         return settled if settled is not None else (job, NOTHING_DUE if pending is None else Due(pending=pending))
-    return _hand_over(job, ev.job_id, at, current, ev.occurred_at)
+    return _hand_over(job, ev.job_id, at, current, ev.occurred_at, supersede)
 
 
 def _hand_over(job: JobState, job_id: str, at: tuple[int, int, int], current: Staging,
-               created_at: float) -> tuple[JobState, Due]:
-    """The set at `at` goes to the uploader with the ranks it has."""
+               created_at: float, supersede: bool) -> tuple[JobState, Due]:
+    """The set at `at` goes to the uploader with the ranks it has (not one a newer set supersedes: supersede.py)."""
     attempt, timeline, step = at
+    if supersede and supersede_.superseded(job, at, current):
+        return replace(job, staging={k: v for k, v in job.staging.items() if k != at}, handed=job.handed | {at}), \
+            NOTHING_DUE
     ranks = [current.ranks[r] for r in sorted(current.ranks)]
     args = CommitArgs(
         job_id=job_id, checkpoint_id=checkpoint_id(attempt, step, timeline), attempt=attempt,
@@ -144,12 +152,13 @@ def _hand_over(job: JobState, job_id: str, at: tuple[int, int, int], current: St
         from_memory=ranks[0].from_memory,
     )
     final = -1 if step == job.final else job.final
-    staging = {k: v for k, v in job.staging.items() if k != at}
-    return replace(job, staging=staging, handed=job.handed | {at}, final=final), Due(commit=args)
+    job = replace(job, staging={k: v for k, v in job.staging.items() if k != at}, handed=job.handed | {at},
+                  final=final)
+    return (supersede_.drop_older(job, at) if args.from_memory and supersede else job), Due(commit=args)
 
 
 def _survivors(job: JobState, job_id: str, at: tuple[int, int, int], current: Staging,
-               lost: frozenset[str]) -> tuple[JobState, Due] | None:
+               lost: frozenset[str], supersede: bool) -> tuple[JobState, Due] | None:
     """A set persisted from memory that lacks only ranks whose nodes are lost (their memory went with them) or whose
     exits say their agent staged none (`staged_none`): with every survivor's state a full replica (plain data
     parallel) it commits with the ranks it has, restorable at any world size; else it can never be whole, and
@@ -164,7 +173,7 @@ def _survivors(job: JobState, job_id: str, at: tuple[int, int, int], current: St
     if not missing or not all(n in lost for n in nodes):
         return None
     if all(s.replicated for s in current.ranks.values()):
-        return _hand_over(job, job_id, at, current, max(s.occurred_at for s in current.ranks.values()))
+        return _hand_over(job, job_id, at, current, max(s.occurred_at for s in current.ranks.values()), supersede)
     attempt, timeline, step = at
     cid = checkpoint_id(attempt, step, timeline)
     why = [*([f"ranks {sorted(set(missing) - none)} were on lost node(s) {', '.join(nodes)}"] if nodes else []),
@@ -182,26 +191,30 @@ def _node_lost(state: State, node: str) -> tuple[State, Sequence[Output]]:
     outs: list[Output] = []
     jobs = dict(state.jobs)
     for job_id, job in state.jobs.items():
-        jobs[job_id], more = _settle(job, job_id, state.lost)
+        jobs[job_id], more = _settle(job, job_id, state.lost, state.settings.supersede == "yes")
         outs += more
     return replace(state, jobs=jobs), outs
 
 
-def _exited(job: JobState, job_id: str, ev: WorkersExited, lost: frozenset[str]) -> tuple[JobState, list[Output]]:
+def _exited(job: JobState, job_id: str, ev: WorkersExited, lost: frozenset[str],
+            supersede: bool) -> tuple[JobState, list[Output]]:
     """Ranks whose agent staged no snapshot as they ended: sets of their attempt waiting on them settle now."""
     none = frozenset(x.rank for x in ev.exits() if x.persisted == "none")
     if not none or ev.attempt < job.attempt:
         return job, []
     job = replace(job, staged_none={a: r for a, r in job.staged_none.items() if a >= job.attempt}
                   | {ev.attempt: job.staged_none.get(ev.attempt, frozenset()) | none})
-    return _settle(job, job_id, lost)
+    return _settle(job, job_id, lost, supersede)
 
 
-def _settle(job: JobState, job_id: str, lost: frozenset[str]) -> tuple[JobState, list[Output]]:
-    """Each of the job's sets that no rank left can complete, settled (`_survivors`)."""
+def _settle(job: JobState, job_id: str, lost: frozenset[str], supersede: bool) -> tuple[JobState, list[Output]]:
+    """Each of the job's sets that no rank left can complete, settled (`_survivors`); newest first when it
+    supersedes the older ones from memory."""
     outs: list[Output] = []
-    for at, current in sorted(job.staging.items()):
-        settled = _survivors(job, job_id, at, current, lost)
+    for at, current in sorted(job.staging.items(), reverse=supersede):
+        if at not in job.staging:
+            continue  # superseded meanwhile
+        settled = _survivors(job, job_id, at, current, lost, supersede)
         if settled is not None:
             job, due = settled
             outs += _outputs(job_id, job, due)
@@ -234,7 +247,8 @@ def _world_size_of(job: JobState, cid: str) -> int:
 def _evolve_job(job: JobState, ev: Event, settings: Settings, lost: frozenset[str]) -> tuple[JobState, Due]:
     match ev:
         case CheckpointStaged() | ShardsUploaded():
-            return _stage(job, ev, settings.shards_from == "agents", settings.announce_pending == "yes", lost)
+            return _stage(job, ev, settings.shards_from == "agents", settings.announce_pending == "yes", lost,
+                          settings.supersede == "yes")
         case AllocationGranted():  # where each rank runs: a lost node's ranks leave no snapshot (_survivors)
             placement = {a: p for a, p in job.placement.items() if a >= job.attempt}
             return replace(job, placement={**placement, ev.attempt: {s.rank: s.node for s in ev.assignments}}), \
@@ -300,7 +314,7 @@ def transition(state: State, ev: Event) -> tuple[State, Sequence[Output]]:
         case NodeRegistered(node=node) if node in state.lost:
             return replace(state, lost=state.lost - {node}), ()
         case WorkersExited(job_id=exited_job) if state.settings.settle_on_exits == "yes" and exited_job in state.jobs:
-            job, outs = _exited(state.jobs[exited_job], exited_job, ev, state.lost)
+            job, outs = _exited(state.jobs[exited_job], exited_job, ev, state.lost, state.settings.supersede == "yes")
             return replace(state, jobs={**state.jobs, exited_job: job}), outs
         case WorkersExited():
             return state, ()
@@ -362,7 +376,7 @@ def core_service(effects: dict[str, EffectHandler], *, scrub_every_s: float = 0.
     """The checkpoint service's core wired to its effect handlers ("commit", "delete", and "scrub" when
     `scrub_every_s` > 0; see uploader.py and scrubber.py)."""
     settings = Settings(scrub_every_s=scrub_every_s, scrub_mb_s=scrub_mb_s, shards_from="agents",
-                        announce_pending="yes", settle_on_exits="yes")
+                        announce_pending="yes", settle_on_exits="yes", supersede="yes")
     missing = {COMMIT, DELETE, *([SCRUB] if scrub_every_s > 0 else [])} - set(effects)
     if missing:
         raise ValueError(f"the checkpoint service needs effect handlers for {sorted(missing)}")
@@ -379,5 +393,5 @@ def core_service(effects: dict[str, EffectHandler], *, scrub_every_s: float = 0.
         detached=frozenset({SCRUB}),
         settings=msgspec.structs.asdict(settings),
         unrecorded=msgspec.structs.asdict(replace(settings, shards_from="staging", announce_pending="no",
-                                                  settle_on_exits="no")),
+                                                  settle_on_exits="no", supersede="no")),
     )

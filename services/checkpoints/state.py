@@ -26,6 +26,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # "yes": a set persisted from memory that lacks only ranks whose exits say their agent staged none (and ranks
     # on lost nodes) settles at once, as after a lost node. "no" for histories recorded before exits said so.
     settle_on_exits: Literal["no", "yes"] = "no"
+    # "yes": a set persisted from memory, once handed over, supersedes its attempt's older ones (their commit could
+    # end a restart's wait first: JobState.memory_handed). "no" for histories recorded before, so they still verify.
+    supersede: Literal["no", "yes"] = "no"
 
     def __post_init__(self) -> None:
         if not (self.scrub_every_s >= 0 and self.scrub_mb_s > 0):
@@ -120,6 +123,9 @@ class JobState(msgspec.Struct, frozen=True, kw_only=True):
     placement: dict[int, dict[int, str]] = {}  # attempt -> rank -> node, as granted (this attempt's and newer)
     # attempt -> its ranks whose exit said their agent staged no snapshot (RankExit.persisted "none"): none comes
     staged_none: dict[int, frozenset[int]] = {}
+    # attempt -> the newest (timeline, step) of a set persisted from memory handed over: the restart restores that
+    # one, so its attempt's older sets from memory are superseded (one that committed first ended the restart's wait)
+    memory_handed: dict[int, tuple[int, int]] = {}
 
 
 class Due(msgspec.Struct, frozen=True, kw_only=True):

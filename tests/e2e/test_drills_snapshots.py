@@ -2,6 +2,8 @@
 the newest when the rank is gone without finishing (a crash, a hang killed), the restart waits for that set, and
 the restarted ranks load it from memory. Checkpoints every 50 steps: only the snapshots can make the redo small."""
 
+from collections.abc import Callable
+
 import msgspec
 import pytest
 
@@ -21,6 +23,13 @@ pytestmark = [pytest.mark.slow]
 def every_step(spec: JobSpec) -> JobSpec:
     """A snapshot at every step, whatever it costs (train.snapshot_max_overhead 1): the redo is then one step."""
     return msgspec.structs.replace(spec, train=msgspec.structs.replace(spec.train, snapshot_max_overhead=1.0))
+
+
+def spaced(spec: JobSpec) -> JobSpec:
+    """A snapshot every 10th step (whatever it costs: the spacing stays 10): a failure between two redoes at most
+    the step in flight only through the snapshot of its last boundary taken after it (trainer/lastboundary.py)."""
+    return msgspec.structs.replace(spec, train=msgspec.structs.replace(spec.train, snapshot_every=10,
+                                                                      snapshot_max_overhead=1.0))
 
 
 async def _redone_from_memory(p: Platform, job: str, fault: str) -> None:
@@ -45,37 +54,40 @@ async def _redone_from_memory(p: Platform, job: str, fault: str) -> None:
     assert await wait_lineage(p, job, 40) == []
 
 
-async def _one_node_drill(p: Platform, job: str, fault: FaultSpec) -> None:
+async def _one_node_drill(p: Platform, job: str, fault: FaultSpec, cadence: Callable[[JobSpec], JobSpec]) -> None:
     p.agent("n1", "--grace-s", "2")
     await p.ready("n1")
     name = job.split("-")[0]
-    await p.submit(every_step(drill_spec(name, steps=40, checkpoint_every=50, faults=[paced(), fault])), job)
+    await p.submit(cadence(drill_spec(name, steps=40, checkpoint_every=50, faults=[paced(), fault])), job)
     await _redone_from_memory(p, job, fault.kind)
 
 
 @pytest.mark.timeout(200)
 async def test_a_crash_redoes_at_most_the_step_in_flight_restored_from_memory(drill: Platform) -> None:
-    await _one_node_drill(drill, "snapcrash-000001", FaultSpec(kind="crash", step=27, rank=1))
+    await _one_node_drill(drill, "snapcrash-000001", FaultSpec(kind="crash", step=27, rank=1), every_step)
 
 
 @pytest.mark.timeout(200)
 async def test_a_hung_rank_killed_leaves_its_snapshot_and_the_job_redoes_at_most_one_step(drill: Platform) -> None:
-    await _one_node_drill(drill, "snaphang-000001", FaultSpec(kind="hang", step=23, rank=0))
+    """Snapshots every 10th step, the hang at 23: both ranks snapshot boundary 23 after the fault, the hung one as
+    its SIGTERM ends the drill's hang, the other stuck in the step's all-reduce (its SIGTERM watcher)."""
+    await _one_node_drill(drill, "snaphang-000001", FaultSpec(kind="hang", step=23, rank=0), spaced)
 
 
 @pytest.mark.timeout(240)
 async def test_a_lost_node_under_data_parallelism_restores_the_survivors_replica_from_memory(drill: Platform) -> None:
     """n2's agent is SIGKILLed (its rank dies with it, and its memory): rank 0's snapshot on n1 is a full replica,
-    so the set of it alone commits once n2 is known lost, and the job resumes from it on n1, loaded from memory."""
+    so the set of it alone commits once n2 is known lost, and the job resumes from it on n1, loaded from memory.
+    Snapshots every 10th step: rank 0 snapshots its last boundary once the lost rank breaks its all-reduce."""
     from flightdeck.events.fleet import NodeLost
     from flightdeck.events.training import StepCompleted
     from tests.e2e.drill_harness import kill_agent_mid_run, start_two_nodes
 
     p, job = drill, "lostmem-000001"
     await start_two_nodes(p)
-    await p.submit(every_step(drill_spec("lostmem", slots=2, steps=80, checkpoint_every=100, faults=[paced()],
+    await p.submit(spaced(drill_spec("lostmem", slots=2, steps=80, checkpoint_every=100, faults=[paced()],
                                          min_slots=1)), job)
-    await kill_agent_mid_run(p, job, after_step=40)
+    await kill_agent_mid_run(p, job, after_step=44)  # between snapshots (40, 50)
     await run_to_end(p, job, 200)
     assert p.seen(JobCompleted, job), kinds(p.job(job))
     assert [e.node for e in p.seen(NodeLost)] == ["n2"]
