@@ -110,6 +110,9 @@ class RankExit(msgspec.Struct, frozen=True, kw_only=True):
     # the newest for the store, or had none newer than its checkpoints, so none of its can come; "": not said (it
     # finished, or its node keeps no snapshots). A restart waiting for a set from memory stops when none can come.
     persisted: Persisted = ""
+    # ... and for "staged", the newest (timeline, step) it staged: no set of a newer step can hold this rank, so the
+    # survivors' replicas settle it without (services/checkpoints/core.py `_survivors`). None: not said.
+    persisted_at: tuple[int, int] | None = None
 
 
 class WorkersExited(JobEvent, frozen=True, kw_only=True):
@@ -117,8 +120,9 @@ class WorkersExited(JobEvent, frozen=True, kw_only=True):
     appends one of these per node, not per rank. `rank` and the fields after it are the record's first failed
     rank (or its first rank when none failed); `others` are the rest, by rank."""
 
-    # 2 added `others`, 3 `error`, `early`, `usage`, `unlinked`, 4 `persisted`; written at the least version it needs
-    SCHEMA = 4
+    # 2 added `others`, 3 `error`, `early`, `usage`, `unlinked`, 4 `persisted`, 5 `persisted_at`; written at the least
+    # version it needs
+    SCHEMA = 5
 
     node: str
     attempt: int
@@ -135,6 +139,7 @@ class WorkersExited(JobEvent, frozen=True, kw_only=True):
     usage: bool = False
     unlinked: bool = False
     persisted: Persisted = ""
+    persisted_at: tuple[int, int] | None = None
 
     def is_fault(self) -> bool:
         """Whether this record's headline rank ended in a fault (events.job.failed): what the scheduler acts on."""
@@ -144,7 +149,7 @@ class WorkersExited(JobEvent, frozen=True, kw_only=True):
         """Every rank this record covers, its headline rank first."""
         first = RankExit(rank=self.rank, exit_code=self.exit_code, cause=self.cause, unrunnable=self.unrunnable,
                          planned=self.planned, error=self.error, early=self.early, usage=self.usage,
-                         unlinked=self.unlinked, persisted=self.persisted)
+                         unlinked=self.unlinked, persisted=self.persisted, persisted_at=self.persisted_at)
         return [first, *self.others]
 
 
@@ -155,12 +160,13 @@ def exits_record(exits: list[RankExit], *, job_id: str, node: str, attempt: int,
     others = sorted((x for x in exits if x is not head), key=lambda x: x.rank)
     told = any(x.error or x.early or x.usage or x.unlinked for x in exits)
     said = any(x.persisted for x in exits)
+    said_at = any(x.persisted_at is not None for x in exits)
     return WorkersExited(job_id=job_id, node=node, attempt=attempt, rank=head.rank, exit_code=head.exit_code,
                          cause=head.cause, unrunnable=head.unrunnable, planned=head.planned, others=others,
                          error=head.error, early=head.early, usage=head.usage, unlinked=head.unlinked,
-                         persisted=head.persisted, event_id=event_id,
+                         persisted=head.persisted, persisted_at=head.persisted_at, event_id=event_id,
                          occurred_at=occurred_at, causation_id=causation_id, producer=producer,
-                         schema_version=4 if said else 3 if told else 2 if others else 1)
+                         schema_version=5 if said_at else 4 if said else 3 if told else 2 if others else 1)
 
 
 def failed(x: RankExit) -> bool:

@@ -11,6 +11,7 @@ import io
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
+import structlog
 import torch
 from torch import nn
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
@@ -39,6 +40,9 @@ def _unpack(value: object) -> Any:
     if not isinstance(value, bytes | bytearray):
         raise TypeError(f"expected the pickled bytes of an extra, got {type(value).__name__}")
     return torch.load(io.BytesIO(value), weights_only=False)  # verified against the manifest's sha256 first
+
+
+log = structlog.get_logger("trainer")
 
 
 class TrainState:
@@ -159,6 +163,9 @@ class TrainState:
             md = saved.get(key)
             if isinstance(md, TensorStorageMetadata):
                 dest[key] = torch.empty(md.size, dtype=md.properties.dtype)
+            elif kind == "cpu" and any(k.startswith("rng.cpu.") for k in saved):  # the survivors' replicas alone
+                log.warning("the checkpoint holds no RNG state of this rank (a set of other ranks' replicas): its "
+                            "random stream restarts from the script's seeding", rank=self.rank)
         for name in self.extras:
             # its own, else rank 0's, else the lowest rank's that was saved (a set persisted after rank 0's node
             # was lost has no rank 0)

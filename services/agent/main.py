@@ -148,9 +148,9 @@ async def persist_orphans(store: EventStore, spawner: Spawner,
         spawner.shipper.watch(job_id, attempt, ranks, await spawner.shipper.start_seq())
         for i, rank in enumerate(ranks):
             staged, own = await snapshots.recorded(store, job_id, attempt, rank, ranks)
-            persisted = await snapshots.persist(root, store, job_id, attempt, rank, staged, own, node=spawner.node,
-                                                producer=spawner.producer, again=again)
-            exits[i] = msgspec.structs.replace(exits[i], persisted=persisted)  # its exit record says so
+            persisted, newest = await snapshots.persist(root, store, job_id, attempt, rank, staged, own,
+                                                        node=spawner.node, producer=spawner.producer, again=again)
+            exits[i] = msgspec.structs.replace(exits[i], persisted=persisted, persisted_at=newest)  # its exit says so
     return list(lost)
 
 

@@ -187,22 +187,22 @@ class Shipper:
         except NotStored as exc:
             s.failed = True
             log.warning("staged shards not stored", reason=str(exc))
-            await self._report(w, ev, [ev.rank], s, failed=str(exc))
+            await self._report(w, (ev.timeline, ev.step), [ev.rank], s, failed=str(exc))
             return
         again = s.reported  # a rank that staged the set again after the node reported it
         if again or set(s.stored) >= w.ranks:
             ranks = [ev.rank] if again else sorted(s.stored)
             s.reported = True
-            await self._report(w, ev, ranks, s)
+            await self._report(w, (ev.timeline, ev.step), ranks, s)
 
-    async def _report(self, w: _Watch, ev: CheckpointStaged, ranks: list[int], s: _Set, failed: str = "") -> None:
-        w.reports += 1
+    async def _report(self, w: _Watch, at: tuple[int, int], ranks: list[int], s: _Set, failed: str = "") -> None:
+        (timeline, step), w.reports = at, w.reports + 1
         stored = sum(s.stored.get(r, 0) for r in ranks)
         seconds = round(time.monotonic() - s.started, 3)
         report = ShardsUploaded(
-            job_id=w.job_id, rank=min(ranks), attempt=w.attempt, node=self.node, step=ev.step, timeline=ev.timeline,
+            job_id=w.job_id, rank=min(ranks), attempt=w.attempt, node=self.node, step=step, timeline=timeline,
             world_size=s.world_size, ranks=ranks, bytes=stored, seconds=seconds, failed=failed,
-            event_id=f"{self.producer}:stored:{w.job_id}:{w.attempt}:{ev.timeline}:{ev.step}:{w.reports}",
+            event_id=f"{self.producer}:stored:{w.job_id}:{w.attempt}:{timeline}:{step}:{w.reports}",
             occurred_at=time.time(), producer=self.producer)
         subject = subjects.telemetry(w.job_id, report.rank, "ShardsUploaded")
         delay = 0.2
@@ -215,7 +215,7 @@ class Shipper:
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, 5.0)
         if not failed:
-            log.info("staged shards stored", step=ev.step, ranks=ranks, bytes=stored, seconds=seconds)
+            log.info("staged shards stored", step=step, ranks=ranks, bytes=stored, seconds=seconds)
 
     async def finish(self, job_id: str, attempt: int) -> None:
         """The attempt's ranks here have exited: store what they announced up to now (a rank checkpoints on its
@@ -239,6 +239,12 @@ class Shipper:
                         error=repr(exc))
         while w.uploads:
             await asyncio.gather(*list(w.uploads), return_exceptions=True)
+        for at, s in sorted(w.sets.items(), reverse=True):
+            # what the ranks here staged is all they will: a set some never staged (a crashed rank's agent stages
+            # only the older snapshots it has) is this node's whole part of it
+            if s.stored and not s.reported and not s.failed:
+                s.reported = True
+                await self._report(w, at, sorted(s.stored), s)
         self.watches.pop((job_id, attempt), None)
 
     async def close(self) -> None:

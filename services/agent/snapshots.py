@@ -155,35 +155,39 @@ async def persisting(root: Path, job_id: str, attempt: int, rank: int, staged: t
 def in_memory(root: Path, job_id: str, checkpoint_id: str, step: int, rank: int,
               mf: manifest.Manifest, world_size: int, plan: ParallelPlan | None = None) -> Path | None:
     """This node's slot holding exactly rank `rank`'s shard of committed checkpoint `mf` (its header file has the
-    manifest's sha256; its tensors are checked by the rank as it loads), or None: restore from the store. A slot of
-    a sharded state (FSDP, TP, a pipeline stage) serves only the layout it was taken in (the world's size, and the
-    DP x TP x PP of `plan` when it is this world's): a rank of another layout needs pieces other ranks held, which
-    the store has and this slot does not, and DCP would leave what no piece covers as it was."""
+    manifest's sha256; its tensors are checked by the rank as it loads), else one of another rank of the set that
+    holds a full replica (a set the survivors' replicas settled without this rank), or None: restore from the store.
+    A slot of a sharded state (FSDP, TP, a pipeline stage) serves only the layout it was taken in (the world's size,
+    and the DP x TP x PP of `plan` when it is this world's): a rank of another layout needs pieces other ranks held,
+    which the store has and this slot does not, and DCP would leave what no piece covers as it was."""
     layout = [plan.dp, plan.tp, plan.pp] if plan is not None and plan.world_size == world_size else []
-    want = next((s for s in mf.shards if s.path == f"{fmt.header_name(rank)}"), None)
-    if want is None:
-        return None
-    passed: list[str] = []  # why each slot of the rank is not the one: said when none is
-    for attempt_dir in sorted((root / job_id).glob(f"a*-r{rank}-s*")) if (root / job_id).is_dir() else []:
-        header_path = attempt_dir / fmt.header_name(rank)
-        try:
-            if header_path.stat().st_size != want.size or _sha256(header_path).sha256 != want.sha256:
-                passed.append(f"{attempt_dir.name}: another set")
+    held = sorted(int(s.path[1:-5]) for s in mf.shards if s.path[:1] == "r" and s.path.endswith(".json")
+                  and s.path[1:-5].isdigit())
+    passed: list[str] = []  # why each slot is not the one: said when none is
+    for r in [rank] if rank in held else [r for r in held if r != rank]:
+        want = next(s for s in mf.shards if s.path == fmt.header_name(r))
+        for attempt_dir in sorted((root / job_id).glob(f"a*-r{r}-s*")) if (root / job_id).is_dir() else []:
+            header_path = attempt_dir / fmt.header_name(r)
+            try:
+                if header_path.stat().st_size != want.size or _sha256(header_path).sha256 != want.sha256:
+                    passed.append(f"{attempt_dir.name}: another set")
+                    continue
+                header = fmt.read_header(header_path)
+            except (OSError, fmt.BadSnapshot) as exc:
+                passed.append(f"{attempt_dir.name}: {exc}")
                 continue
-            header = fmt.read_header(header_path)
-        except (OSError, fmt.BadSnapshot) as exc:
-            passed.append(f"{attempt_dir.name}: {exc}")
-            continue
-        if (header.job_id, header.step, header.rank) != (job_id, step, rank):
-            passed.append(f"{attempt_dir.name}: step {header.step}")
-        elif not header.replicated and header.world_size != world_size:
-            passed.append(f"{attempt_dir.name}: a shard of a {header.world_size}-rank world")
-        elif not header.replicated and header.layout and layout and header.layout != layout:
-            passed.append(f"{attempt_dir.name}: a shard of DP x TP x PP {header.layout}, not {layout}")
-        else:
-            log.info("restoring from memory", job_id=job_id, checkpoint_id=checkpoint_id, rank=rank,
-                     slot=str(attempt_dir))
-            return attempt_dir
+            if (header.job_id, header.step, header.rank) != (job_id, step, r):
+                passed.append(f"{attempt_dir.name}: step {header.step}")
+            elif r != rank and not header.replicated:
+                passed.append(f"{attempt_dir.name}: rank {r}'s shard, not a replica")
+            elif not header.replicated and header.world_size != world_size:
+                passed.append(f"{attempt_dir.name}: a shard of a {header.world_size}-rank world")
+            elif not header.replicated and header.layout and layout and header.layout != layout:
+                passed.append(f"{attempt_dir.name}: a shard of DP x TP x PP {header.layout}, not {layout}")
+            else:
+                log.info("restoring from memory", job_id=job_id, checkpoint_id=checkpoint_id, rank=rank,
+                         slot=str(attempt_dir), **({"replica_of": r} if r != rank else {}))
+                return attempt_dir
     log.info("restoring from the store: no slot in memory holds the rank's shard", job_id=job_id,
              checkpoint_id=checkpoint_id, rank=rank, passed=passed)
     return None
@@ -206,16 +210,18 @@ def forget_attempts_before(root: Path, job_id: str, attempt: int, keep: set[Path
 
 
 async def persist(root: Path, store: EventStore, job_id: str, attempt: int, rank: int, staged: tuple[int, int] | None,
-                  reported: int | None, *, node: str, producer: str, again: str = "") -> Persisted:
+                  reported: int | None, *, node: str, producer: str,
+                  again: str = "") -> tuple[Persisted, tuple[int, int] | None]:
     """Stage a gone rank's snapshot for the node's shipper (`persisting`), on the rank's own subject, after the
     rank's reports of the steps before it that its record lacks (under their own ids: the broker drops any copy
-    that did land). Whether it staged one, for the rank's exit record: "none" says no set of it can come."""
+    that did land). Whether it staged one, and the newest (timeline, step) it staged, for the rank's exit record:
+    "none" says no set of it can come, the newest that none newer can."""
     try:
         steps, events = await persisting(root, job_id, attempt, rank, staged, reported, node=node,
                                          producer=producer, again=again)
     except Exception as exc:  # the store's checkpoints still stand: the restart restores the newest
         log.error("persisting the rank's snapshot failed", job_id=job_id, rank=rank, error=repr(exc))
-        return "none"
+        return "none", None
     for ev in steps:
         await retrying("recording the rank's step again", lambda ev=ev: store.append(  # type: ignore[misc]
             subjects.telemetry(job_id, rank, "StepCompleted"), ev, msg_id=ev.event_id))
@@ -228,7 +234,7 @@ async def persist(root: Path, store: EventStore, job_id: str, attempt: int, rank
                        lambda event=event: store.append(subject, event, msg_id=event.event_id))  # type: ignore[misc]
         log.info("rank's snapshot staged for the store", job_id=job_id, rank=rank, step=event.step,
                  timeline=event.timeline, bytes=sum(s.size for s in event.shards), seconds=event.write_s)
-    return "staged" if events else "none"
+    return ("staged", max((e.timeline, e.step) for e in events)) if events else ("none", None)
 
 
 async def recorded(store: EventStore, job_id: str, attempt: int, rank: int,

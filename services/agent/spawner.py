@@ -326,11 +326,12 @@ class Spawner:
             tail = await asyncio.to_thread(last_lines, self.paths.log(p.job_id, p.attempt, p.ref.rank))
         if code != 0 and not told["error"]:
             told["error"] = error_of(tail)
-        persisted = await self._persist(p) if code != 0 and self.paths.snapshots is not None else ""
+        persisted, newest = await self._persist(p) if code != 0 and self.paths.snapshots is not None else ("", None)
         if code == nl.RESTORE_REFUSED_EXIT and p.restore is not None:
             await self.exits.rejected(p.job_id, p.attempt, p.restore,
                                       f"rank {p.ref.rank} refused it when loading: {tail}", p.cause)
-        exit_ = RankExit(rank=p.ref.rank, exit_code=code, cause=tail, planned=p.shutdown, persisted=persisted, **told)
+        exit_ = RankExit(rank=p.ref.rank, exit_code=code, cause=tail, planned=p.shutdown, persisted=persisted,
+                         persisted_at=newest, **told)
         await self.exits.record(p.job_id, p.attempt, [exit_], p.cause)
         self.procs.pop((p.job_id, p.attempt, p.ref.rank), None)
         if not any((q.job_id, q.attempt) == (p.job_id, p.attempt) for q in self.procs.values()):
@@ -339,7 +340,7 @@ class Spawner:
                 self.relay.release(p.job_id, p.attempt)
             await self.shipper.finish(p.job_id, p.attempt)  # what the last of them staged on its way out
 
-    async def _persist(self, p: RankProc) -> Persisted:
+    async def _persist(self, p: RankProc) -> tuple[Persisted, tuple[int, int] | None]:
         """A rank gone without finishing: its newest snapshot newer than its own checkpoints goes to the store
         (staged as the rank would have; the shipper uploads it), before its exit is recorded."""
         assert self.paths.snapshots is not None

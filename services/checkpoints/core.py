@@ -168,7 +168,7 @@ def _survivors(job: JobState, job_id: str, at: tuple[int, int, int], current: St
         return None
     placed = job.placement.get(at[0], {})
     missing = sorted(set(range(current.world_size)) - present)
-    none = job.staged_none.get(at[0], frozenset())
+    none = supersede_.never(job, at)
     nodes = sorted({placed.get(r, "") for r in missing if r not in none})
     if not missing or not all(n in lost for n in nodes):
         return None
@@ -198,12 +198,15 @@ def _node_lost(state: State, node: str) -> tuple[State, Sequence[Output]]:
 
 def _exited(job: JobState, job_id: str, ev: WorkersExited, lost: frozenset[str],
             supersede: bool) -> tuple[JobState, list[Output]]:
-    """Ranks whose agent staged no snapshot as they ended: sets of their attempt waiting on them settle now."""
+    """Ranks whose agent staged no snapshot as they ended, or none newer than a step: sets waiting on them settle."""
     none = frozenset(x.rank for x in ev.exits() if x.persisted == "none")
-    if not none or ev.attempt < job.attempt:
+    upto = {x.rank: x.persisted_at for x in ev.exits() if x.persisted == "staged" and x.persisted_at is not None}
+    if not (none or upto) or ev.attempt < job.attempt:
         return job, []
     job = replace(job, staged_none={a: r for a, r in job.staged_none.items() if a >= job.attempt}
-                  | {ev.attempt: job.staged_none.get(ev.attempt, frozenset()) | none})
+                  | {ev.attempt: job.staged_none.get(ev.attempt, frozenset()) | none},
+                  staged_upto={a: r for a, r in job.staged_upto.items() if a >= job.attempt}
+                  | {ev.attempt: {**job.staged_upto.get(ev.attempt, {}), **upto}})
     return _settle(job, job_id, lost, supersede)
 
 

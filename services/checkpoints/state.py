@@ -123,6 +123,8 @@ class JobState(msgspec.Struct, frozen=True, kw_only=True):
     placement: dict[int, dict[int, str]] = {}  # attempt -> rank -> node, as granted (this attempt's and newer)
     # attempt -> its ranks whose exit said their agent staged no snapshot (RankExit.persisted "none"): none comes
     staged_none: dict[int, frozenset[int]] = {}
+    # attempt -> rank -> the newest (timeline, step) its exit says its agent staged (RankExit.persisted_at)
+    staged_upto: dict[int, dict[int, tuple[int, int]]] = {}
     # attempt -> the newest (timeline, step) of a set persisted from memory handed over: the restart restores that
     # one, so its attempt's older sets from memory are superseded (one that committed first ended the restart's wait)
     memory_handed: dict[int, tuple[int, int]] = {}

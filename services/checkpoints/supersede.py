@@ -19,15 +19,28 @@ def _from_memory(s: Staging) -> bool:
     return all(r.from_memory for r in s.ranks.values())
 
 
+def never(job: JobState, at: At) -> frozenset[int]:
+    """Ranks of `at`'s attempt that can never join the set at `at`: their exits say their agent staged no snapshot,
+    or only older ones (it stages all it has before it records the exit)."""
+    upto = job.staged_upto.get(at[0], {})
+    return job.staged_none.get(at[0], frozenset()) | {r for r, newest in upto.items() if newest < at[1:]}
+
+
 def superseded(job: JobState, at: At, current: Staging) -> bool:
-    """Whether a newer set of `at`'s attempt from memory holds every rank `current` holds: it completes, or settles
-    without the same missing ranks, as soon as this one could, and is the one to restore."""
+    """Whether a newer set of `at`'s attempt from memory will settle as soon as this one could, and is the one to
+    restore: it holds every rank `current` holds but those that can never join it, and lacking any, each of its
+    ranks holds a full replica (core `_survivors` then commits it without them)."""
     if not _from_memory(current):
         return False
     if at[1:] < job.memory_handed.get(at[0], (-1, -1)):
         return True
-    return any(k[0] == at[0] and k[1:] > at[1:] and v.ranks and _from_memory(v) and set(v.ranks) >= set(current.ranks)
-               for k, v in job.staging.items())
+    for k, v in job.staging.items():
+        if k[0] != at[0] or k[1:] <= at[1:] or not v.ranks or not _from_memory(v):
+            continue
+        lacking = set(current.ranks) - set(v.ranks)
+        if lacking <= never(job, k) and (not lacking or all(r.replicated for r in v.ranks.values())):
+            return True
+    return False
 
 
 def drop_older(job: JobState, at: At) -> JobState:

@@ -9,7 +9,7 @@ from flightdeck.events.checkpoint import CheckpointStaged, checkpoint_id
 from flightdeck.events.fleet import NodeLost
 from flightdeck.services.checkpoints import core
 
-from .test_checkpoint_core import LIVE, _granted, commits, run, staged, stored
+from .test_checkpoint_core import JOB, LIVE, _granted, commits, run, staged, stored
 
 
 def memory(rank: int, step: int, *, attempt: int = 0, timeline: int = 0) -> CheckpointStaged:
@@ -49,3 +49,31 @@ def test_histories_recorded_before_commit_every_set_as_they_did() -> None:
     state, _ = run([placed, memory(0, 47), memory(0, 40)], before)
     _, decided = core.transition(state, lost)
     assert [c.checkpoint_id for c in commits([list(decided)])] == [checkpoint_id(0, 40), checkpoint_id(0, 47)]
+
+
+def test_after_a_crash_the_survivors_newest_replica_commits_without_the_rank_whose_exit_says_it_staged_older() -> None:
+    """Rank 1 crashed (no snapshot of its last boundary: the process is gone) and its agent staged its slots at 20
+    and 10; rank 0, whose all-reduce broke, snapshotted its boundary at 27 and its agent staged 27 and 20. Rank 1's
+    exit says the newest it staged: no set of 27 can hold it, so rank 0's full replica settles 27, and 20 is
+    superseded. A sharded 27 could never be whole: it fails, and the complete 20 commits."""
+    from flightdeck.events.job import RankExit, WorkersExited
+
+    def exited(at: tuple[int, int] | None) -> WorkersExited:
+        return WorkersExited(job_id=JOB, node="a", attempt=0, rank=1, exit_code=3, persisted="staged",
+                             persisted_at=at, others=[])
+
+    placed = _granted(0, {0: "a", 1: "a"})
+    crashed = [memory(1, 20), memory(1, 10), exited((0, 20))]
+    _, outs = run([placed, *crashed, memory(0, 27), memory(0, 20)])
+    assert [c.checkpoint_id for c in commits(outs)] == [checkpoint_id(0, 27)]
+    (commit,) = commits(outs)
+    assert [r.rank for r in commit.ranks] == [0] and commit.world_size == 2
+    # an exit that does not say how far it staged (an older agent): the complete set at 20, as before
+    _, outs = run([placed, memory(1, 20), memory(1, 10), exited(None), memory(0, 27), memory(0, 20)])
+    assert [c.checkpoint_id for c in commits(outs)] == [checkpoint_id(0, 20)]
+    # sharded: rank 0's 27 fails at once and does not hold 20 up
+    sharded = [msgspec.structs.replace(e, replicated=False) if isinstance(e, CheckpointStaged) else e
+               for e in [*crashed, memory(0, 27), memory(0, 20)]]
+    _, outs = run([placed, *sharded])
+    assert [c.checkpoint_id for c in commits(outs)] == [checkpoint_id(0, 20)]
+    assert RankExit(rank=1, exit_code=3).persisted_at is None
