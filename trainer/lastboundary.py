@@ -53,7 +53,7 @@ class LastBoundary:
         self.lock = threading.Lock()
         self._held: Held | None = None
         self.moves = 0  # boundaries and optimizer steps passed: a SIGTERM'd rank that passes one is not stuck
-        self.hold_s = 0.0  # the newest hold's cost to the loop
+        self.hold_s = 0.0  # the newest hold's cost to the loop (its thread's CPU seconds)
         self.taken: int | None = None  # the step of the snapshot taken after a failure
         self._wake: tuple[int, int] | None = None  # the SIGTERM watcher's pipe (read, write)
         self._watcher: threading.Thread | None = None
@@ -74,8 +74,9 @@ class LastBoundary:
             return
         times = self.step_times()[-5:]
         if times and cad.max_overhead < 1.0 and self.hold_s > statistics.median(times) * cad.max_overhead:
+            self.hold_s /= 2  # tried again in a few steps: one slow hold (the first, a busy moment) is not the rule
             return
-        started = time.perf_counter()
+        started = time.thread_time()  # its own work: on a busy box the wall clock counts other threads' turns
         items = live()
         keep = settled(items)
         if not keep:
@@ -84,7 +85,7 @@ class LastBoundary:
                 v if isinstance(v, (bytes, str, int, float)) else copy.deepcopy(v) for k, v in items.items()}
         with self.lock:
             self._held = Held(step, held, position, world_size, timeline, checkpointing_, layout)
-        self.hold_s = time.perf_counter() - started
+        self.hold_s = time.thread_time() - started
 
     def take(self, why: str) -> int | None:
         """Snapshot the held boundary into the node's slots now, complete with its header; its step, or None when
@@ -93,6 +94,10 @@ class LastBoundary:
         with self.lock:
             held, cad = self._held, self.cadence
             if held is None or cad.snaps is None or cad.snapped_at == held.step:
+                log.info("no snapshot of the last boundary after a failure", why=why,
+                         reason="snapshots are off" if cad.snaps is None else "none held: the optimizer stepped since"
+                         if held is None else "the cadence's own snapshot holds it", moves=self.moves,
+                         hold_ms=round(self.hold_s * 1e3, 3))
                 return None
             started = time.perf_counter()
             try:

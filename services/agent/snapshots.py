@@ -78,7 +78,7 @@ def _sha256(path: Path) -> ShardInfo:
 def choose(root: Path, job_id: str, attempt: int, rank: int, staged: tuple[int, int] | None,
            reported: int | None = None) -> list[tuple[fmt.Header, Path]] | str | None:
     """The slots to persist for a rank gone without finishing, newest first: its complete ones whose bytes check,
-    that are not a step the rank checkpointed itself, are newer than anything it staged (`staged`: its newest
+    that are newer than anything it staged itself (`staged`: its newest
     (timeline, step)), and whose steps are all on record: they follow the newest step the rank's record holds
     (`reported`; None: not known), or the slot's header carries the reports of the steps between (`missing`
     gives them, to publish again). Both slots when both qualify: its peers' newest may be one step apart, and a
@@ -91,7 +91,8 @@ def choose(root: Path, job_id: str, attempt: int, rank: int, staged: tuple[int, 
         # checkpoint covers
         if header.timeline < newest:
             continue
-        if header.checkpointing or (staged is not None and (header.timeline, header.step) <= staged):
+        # (a step it began to checkpoint itself counts only once staged: a peer's death can stop that checkpoint)
+        if staged is not None and (header.timeline, header.step) <= staged:
             continue
         if reported is not None and header.step > reported + 1 and missing(header, reported) is None:
             continue

@@ -176,18 +176,19 @@ def test_a_node_short_of_memory_says_so_before_writing_anything(
 
 
 def test_the_agent_persists_the_newest_good_slot_newer_than_the_ranks_own_checkpoints(tmp_path: Path) -> None:
-    """services/agent/snapshots.choose: never a step the rank checkpointed itself, nothing at or below what it
-    staged, a torn slot passed over for the other, and every slot bad said as such."""
+    """services/agent/snapshots.choose: nothing at or below what the rank staged itself (a step it began to
+    checkpoint but never staged is persisted: a peer's death can stop that checkpoint), a torn slot passed over for
+    the other, and every slot bad said as such."""
 
     m, opt, _ = parts(seed=1)
     snaps = snapshots.Snapshots(tmp_path, job_id="j", attempt=0, rank=0, world_size=1)
     _take(snaps, state(m, opt), 9)
     _take(snaps, state(m, opt), 10, checkpointing_=True)  # the rank began checkpoint step 10 itself
     chosen = agent_snaps.choose(tmp_path, "j", 0, 0, None)
-    assert isinstance(chosen, list) and [h.step for h, _ in chosen] == [9]
-    assert agent_snaps.choose(tmp_path, "j", 0, 0, (0, 9)) is None  # it staged step 9 itself: nothing newer
+    assert isinstance(chosen, list) and [h.step for h, _ in chosen] == [10, 9]
+    assert agent_snaps.choose(tmp_path, "j", 0, 0, (0, 10)) is None  # it staged step 10 itself: nothing newer
     _take(snaps, state(m, opt), 11)  # into step 9's slot
-    ((header, folder),) = agent_snaps.choose(tmp_path, "j", 0, 0, (0, 9))  # type: ignore[misc]
+    ((header, folder),) = agent_snaps.choose(tmp_path, "j", 0, 0, (0, 10))  # type: ignore[misc]
     assert header.step == 11
     event = agent_snaps.persist_event(header, folder, node="n", producer="agent-n", seconds=0.1)
     assert event.from_memory and (event.step, event.rank, event.attempt) == (11, 0, 0)
@@ -195,7 +196,8 @@ def test_the_agent_persists_the_newest_good_slot_newer_than_the_ranks_own_checkp
     data = bytearray((folder / "r0.bin").read_bytes())
     data[0] ^= 1
     (folder / "r0.bin").write_bytes(bytes(data))
-    assert isinstance(agent_snaps.choose(tmp_path, "j", 0, 0, None), str)  # step 10's is good, but the rank's own
+    chosen = agent_snaps.choose(tmp_path, "j", 0, 0, None)  # step 11's is torn: step 10's, the other slot
+    assert isinstance(chosen, list) and [h.step for h, _ in chosen] == [10]
     why = agent_snaps.choose(tmp_path, "j", 0, 0, (0, 10))
     assert isinstance(why, str) and "checksum" in why
     snaps.close()
