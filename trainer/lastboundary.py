@@ -75,6 +75,7 @@ class LastBoundary:
         times = self.step_times()[-5:]
         if times and cad.max_overhead < 1.0 and self.hold_s > statistics.median(times) * cad.max_overhead:
             self.hold_s /= 2  # tried again in a few steps: one slow hold (the first, a busy moment) is not the rule
+            cad.holding_s = 0.0
             return
         started = time.thread_time()  # its own work: on a busy box the wall clock counts other threads' turns
         items = live()
@@ -85,7 +86,7 @@ class LastBoundary:
                 v if isinstance(v, (bytes, str, int, float)) else copy.deepcopy(v) for k, v in items.items()}
         with self.lock:
             self._held = Held(step, held, position, world_size, timeline, checkpointing_, layout)
-        self.hold_s = time.thread_time() - started
+        self.hold_s = cad.holding_s = time.thread_time() - started  # the snapshots' spacing counts it
 
     def take(self, why: str) -> int | None:
         """Snapshot the held boundary into the node's slots now, complete with its header; its step, or None when

@@ -39,6 +39,7 @@ class Cadence:
         self.spare_cores: Callable[[], bool] = spare_core
         self.gather_s = 0.0  # gathering the state's items (get_state_dict): part of a snapshot's cost
         self.gather_total_s = 0.0
+        self.holding_s = 0.0  # a step's hold of its boundary for a snapshot after a failure (trainer/lastboundary.py)
 
     def spacing(self, step_times: list[float]) -> int:
         """How many times `every` steps apart this rank's snapshots must be to keep within their share of the
@@ -50,7 +51,7 @@ class Cadence:
         cost, times = self.snaps.last_stall_s + self.gather_s + beside, step_times[-5:]
         if cost <= 0 or not times:
             return 1
-        share = statistics.median(times) * self.every * self.max_overhead
+        share = (statistics.median(times) * self.max_overhead - self.holding_s) * self.every  # the holds' share first
         return MAX_SPACING if share <= 0 else min(MAX_SPACING, max(1, math.ceil(cost / share)))
 
     def agreed(self, spacing: int) -> None:
@@ -86,18 +87,16 @@ class Cadence:
 
     def written(self) -> None:
         """Return once the newest snapshot's header is written (a failure to write it turns snapshots off)."""
-        if self.snaps is None:
-            return
-        try:
-            self.snaps.wait()
-        except SnapshotsOff as exc:
-            self._off(str(exc))
+        self._or_off(Snapshots.wait)
 
     def close(self) -> None:
+        self._or_off(Snapshots.close)
+
+    def _or_off(self, act: Callable[[Snapshots], None]) -> None:
         if self.snaps is None:
             return
         try:
-            self.snaps.close()
+            act(self.snaps)
         except SnapshotsOff as exc:
             self._off(str(exc))
 

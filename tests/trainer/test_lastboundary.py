@@ -182,11 +182,12 @@ def test_sigterm_while_stuck_in_a_step_snapshots_its_last_boundary(tmp_path: Pat
 def test_sigterm_while_the_loop_moves_leaves_the_checkpoint_to_its_boundary(tmp_path: Path,
                                                                             watched: list[LastBoundary]) -> None:
     r = Rank(tmp_path / "snaps")
+    r.last.step_times = lambda: [0.5]  # steps of 0.5 s: stuck after 1 s without one (it waits twice a step)
     r.run_steps(2)
     r.last.watch_sigterm()
     watched.append(r.last)
     os.kill(os.getpid(), signal.SIGTERM)
-    for _ in range(60):  # steps keep coming, 3 s of them: more than the watcher waits
+    for _ in range(60):  # steps keep coming, ~20 a second for 3 s: more than the watcher waits
         r.run_steps(1)
         time.sleep(0.05)
     assert r.last.taken is None
