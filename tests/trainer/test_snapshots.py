@@ -268,7 +268,7 @@ def test_snapshots_space_out_to_keep_within_their_share_of_the_training_time(tmp
     assert cadence(1.0).spacing([0.1] * 5) == 1
     assert cadence(0.02, every=5).spacing([0.1] * 5) == 2  # 5 steps of 0.1 s hold 10 ms at 2%: every 10th step
     held = cadence(0.02)
-    held.holding_s = 0.001  # each boundary's hold for a snapshot after a failure (lastboundary.py) takes its share first
+    held.holding_s = 0.001  # a boundary's hold for a snapshot after a failure (lastboundary.py) comes first
     assert held.spacing([0.1] * 5) == 20
     ranks = [cadence(0.02, stall=stall) for stall in (0.015, 0.025)]  # one rank's snapshot costs more
     agreed = max(c.spacing([0.1] * 5) for c in ranks)
