@@ -9,8 +9,8 @@ At a boundary the cadence did not snapshot, `hold` keeps what a snapshot of that
 the settled ones (parameters, optimizer state: TrainState.settled) by reference and the rest captured now (buffers
 cloned, RNG, extras packed, the optimizer's groups), with the step's data position. The optimizer's pre-step hook
 and the next boundary `drop` it. `take` copies it into the node's slots under a lock the pre-step hook takes too,
-so an optimizer step that resumes meanwhile waits for the copy rather than tear it. CPU only: on CUDA no item is
-settled (TrainState.settled), so nothing is held.
+so an optimizer step that resumes meanwhile waits for the copy rather than tear it. CPU ranks only (Run makes none
+on CUDA, where no item is settled: TrainState.settled).
 """
 
 import copy

@@ -89,7 +89,7 @@ class Run:
             self.snapshots = Cadence(snaps, every=cfg.spec.train.snapshot_every,
                                      max_overhead=cfg.spec.train.snapshot_max_overhead, off=self._snapshots_off)
         self.last = LastBoundary(self.snapshots, lambda: self.reporter.step_times, emitter.beat_now) \
-            if self.snapshots else None  # the boundary a failure in the step after it can still snapshot
+            if self.snapshots and self.device.type == "cpu" else None  # what a failed step can still snapshot
         self.restored_from = ""
         self.saved_at: int | None = None  # the boundary whose state is already checkpointed
         self.paused = False
