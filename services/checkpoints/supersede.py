@@ -32,8 +32,6 @@ def superseded(job: JobState, at: At, current: Staging) -> bool:
     ranks holds a full replica (core `_survivors` then commits it without them)."""
     if not _from_memory(current):
         return False
-    if at[1:] < job.memory_handed.get(at[0], (-1, -1)):
-        return True
     for k, v in job.staging.items():
         if k[0] != at[0] or k[1:] <= at[1:] or not v.ranks or not _from_memory(v):
             continue
