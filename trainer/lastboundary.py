@@ -96,8 +96,9 @@ class LastBoundary:
             held, cad = self._held, self.cadence
             if held is None or cad.snaps is None or cad.snapped_at == held.step:
                 log.info("no snapshot of the last boundary after a failure", why=why,
-                         reason="snapshots are off" if cad.snaps is None else "none held: the optimizer stepped since"
-                         if held is None else "the cadence's own snapshot holds it", moves=self.moves,
+                         reason="snapshots are off" if cad.snaps is None else "nothing held (the optimizer stepped "
+                         "since, the cadence snapshotted the step, or holds cost too much)" if held is None else
+                         "the cadence's own snapshot holds it", moves=self.moves,
                          hold_ms=round(self.hold_s * 1e3, 3))
                 return None
             started = time.perf_counter()
