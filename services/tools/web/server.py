@@ -24,6 +24,7 @@ from aiohttp import web
 from flightdeck.events import subjects
 from flightdeck.events.checkpoint import CheckpointCommitted
 from flightdeck.events.jetstream import JetStreamStore
+from flightdeck.events.jsreader import cancellable
 from flightdeck.services.shell.connection import TRANSIENT
 from flightdeck.services.shell.objects.open import objects_url
 from flightdeck.services.shell.objects.open import open_store as open_objects
@@ -151,7 +152,8 @@ class WebServer:
             was, live.broker_up = live.broker_up, self.store.nc.is_connected
             for name in subjects.SERVICES:
                 try:
-                    info = await self.store.js.consumer_info(subjects.CONTROL, f"service-{name}")
+                    # cancellable: nats-py drops a cancel that races its answer, and stop() then waited forever
+                    info = await cancellable(self.store.js.consumer_info(subjects.CONTROL, f"service-{name}"))
                     live.lag[name] = int(info.num_pending or 0) + int(info.num_ack_pending or 0)
                 except TRANSIENT:
                     live.broker_up = False
