@@ -29,6 +29,7 @@ from flightdeck.events.base import JobEvent
 from flightdeck.events.clock import ClockTick, CoreConfigured
 from flightdeck.events.history import append_to_job
 from flightdeck.events.jetstream import JetStreamStore
+from flightdeck.events.jsreader import cancellable
 from flightdeck.events.store import EventStore, Stored, decoded
 from flightdeck.services.core import Effect, Emit, Service
 from flightdeck.services.shell import deadletter, position, snapshots
@@ -191,7 +192,7 @@ class Shell:
         moment later: shared/FACTS.md), so it is only one lower bound; the consumer's info read again is another, and
         this service's own last tick, which records what it had folded and stored then, a third. A position still
         short of the consumer's is caught up at the first delivery (`_catch_up`)."""
-        info = await self.js.consumer_info(subjects.CONTROL, self.consumer)
+        info = await cancellable(self.js.consumer_info(subjects.CONTROL, self.consumer))
         read = info.ack_floor.stream_seq if info.ack_floor else 0
         last = await self.store.last(subjects.CONTROL, self.folder.clock_subject)
         until = position.rebuild_until(self.service.name, floor, read, last)
@@ -205,7 +206,7 @@ class Shell:
         What it acked there, a previous run folded and stored: fold it silently (never act on it again, never
         leave it out of the state). Its position read now, while it delivers, is current; inputs between that and
         `seq` were given up (max_deliver), not done, and stay unfolded as the live service left them."""
-        info = await self.js.consumer_info(subjects.CONTROL, self.consumer)
+        info = await cancellable(self.js.consumer_info(subjects.CONTROL, self.consumer))
         done = position.caught_up_until(seq, info.ack_floor.stream_seq if info.ack_floor else 0)
         before = self.folder.control_seq
         if done > before:

@@ -13,6 +13,7 @@ from nats.js.errors import NotFoundError, ServiceUnavailableError
 
 from flightdeck.events import subjects
 from flightdeck.events.jetstream import JetStreamStore
+from flightdeck.events.jsreader import cancellable
 from flightdeck.services import registry
 from flightdeck.services.shell.runtime import consumer_name
 from flightdeck.services.tools.audit.verify import NoSuchJob, Verdict, verify
@@ -31,7 +32,7 @@ async def lagging(store: JetStreamStore, horizon: int) -> dict[str, str]:
     out: dict[str, str] = {}
     for name in registry.BUILTIN:
         try:
-            info = await store.js.consumer_info(subjects.CONTROL, consumer_name(name))
+            info = await cancellable(store.js.consumer_info(subjects.CONTROL, consumer_name(name)))
         except NotFoundError:  # the service has not started yet
             out[name] = "acked up to 0"
             continue

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 import nats
 from nats.js.errors import NotFoundError
 
-from flightdeck.events.jsreader import is_unavailable
+from flightdeck.events.jsreader import cancellable, is_unavailable
 from flightdeck.events.subjects import CONTROL
 from flightdeck.services.shell.runtime import consumer_name
 from flightdeck.services.shell.security.credentials import client_options
@@ -30,7 +30,7 @@ async def listening(url: str, names: Iterable[str]) -> set[str]:
         found = set()
         for name in names:
             try:
-                info = await js.consumer_info(CONTROL, consumer_name(name))
+                info = await cancellable(js.consumer_info(CONTROL, consumer_name(name)))
             except NotFoundError:
                 continue
             if info.num_waiting:
