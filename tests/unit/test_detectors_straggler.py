@@ -29,7 +29,9 @@ def lockstep(watch: StragglerWatch, policy: PolicySpec, times: list[list[float]]
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(2, 12), st.integers(1, 25), st.floats(2.2, 6.0), st.integers(1, 30), st.integers(0, 2**32))
+# slowdowns from 2.3: with the +-5% jitter on both sides, 2.2 x 0.95 / 1.05 is 1.99, under the factor (hypothesis found
+# it: the slow rank recovered for a step and a second episode began)
+@given(st.integers(2, 12), st.integers(1, 25), st.floats(2.3, 6.0), st.integers(1, 30), st.integers(0, 2**32))
 def test_straggler_found_exactly_when_its_window_fills(num_ranks: int, window: int, slowdown: float, start: int,
                                                       seed: int) -> None:
     policy = PolicySpec(straggler_factor=2.0, straggler_window=window)
