@@ -67,7 +67,9 @@ async def test_services_and_agent_run_a_job_as_their_own_users_and_the_ranks_as_
                       "the job to complete", JOB)
         await p.until(lambda: {e.step for e in p.seen(StepCompleted, JOB, stream=subjects.TELEMETRY)} >= set(range(20)),
                       10, "every step's telemetry")
-        assert kinds(p.job(JOB))[-2:] == ["JobCompleted", "AllocationReleased"]
+        # the job's life ends with its completion and release (the final step's checkpoint may commit after them)
+        assert [k for k in kinds(p.job(JOB)) if not k.startswith("Checkpoint")][-2:] == ["JobCompleted",
+                                                                                       "AllocationReleased"]
         # every service did its part under its own permissions
         for kind in (AllocationGranted, WorkersStarted, CheckpointCommitted, ReshardPlanned):
             assert p.seen(kind, JOB), kind.__name__
