@@ -12,6 +12,7 @@ from flightdeck.services.core import Emit
 from flightdeck.services.health.detectors import RankWatch, age, lost_deadline
 
 EXIT_RECORD_S = 10.0  # least time an agent is given to record the exits of ranks it was told to kill
+OVERDUE_BATCHES = 2  # an agent this many batches late may be gone: its job's stalled ranks wait on it
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,11 +42,21 @@ def silent(batches: dict[str, tuple[float, float]], suspects: dict[str, tuple[fl
     heartbeat batch for the lost deadline, counted from that time and from a broker outage's end at the earliest.
     Only nodes whose agent batched before: an agent relays its ranks' beats and, while it runs ranks, sends a
     batch every interval even when none beat; one that stops is gone with its ranks."""
-    deadline = lost_deadline(policy)
+    return _quiet_for(batches, suspects, lost_deadline(policy), now, recovered_at)
+
+
+def overdue_batches(batches: dict[str, tuple[float, float]], suspects: dict[str, tuple[float, float]],
+                    policy: PolicySpec, now: float, recovered_at: float) -> list[str]:
+    """The `suspects` whose agent has missed OVERDUE_BATCHES batches, lost or not (yet)."""
+    return _quiet_for(batches, suspects, OVERDUE_BATCHES * policy.heartbeat_interval_s, now, recovered_at)
+
+
+def _quiet_for(batches: dict[str, tuple[float, float]], suspects: dict[str, tuple[float, float]], seconds: float,
+               now: float, recovered_at: float) -> list[str]:
     out = []
     for node in sorted(suspects.keys() & batches.keys()):
         (b_at, b_folded), (s_at, s_folded) = batches[node], suspects[node]
-        if age(now, max(b_at, s_at, recovered_at), max(b_folded, s_folded, recovered_at)) > deadline:
+        if age(now, max(b_at, s_at, recovered_at), max(b_folded, s_folded, recovered_at)) > seconds:
             out.append(node)
     return out
 

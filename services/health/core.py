@@ -38,7 +38,16 @@ from flightdeck.events.training import Heartbeat, RankFault, RankStarted, Rolled
 from flightdeck.services.core import Emit, Output, Service
 from flightdeck.services.health import agents
 from flightdeck.services.health.detectors import EVIDENCE_MAX, Hung, Lost, RankWatch
-from flightdeck.services.health.state import INITIAL, STOPPING, JobWatch, State, job_watch, new_attempt, snapshot
+from flightdeck.services.health.state import (
+    INITIAL,
+    STOPPING,
+    STRANDED,
+    JobWatch,
+    State,
+    job_watch,
+    new_attempt,
+    snapshot,
+)
 
 NAME = "health"
 CONTROL_TYPES = (
@@ -249,6 +258,15 @@ def _worst_first(verdict: Lost | Hung) -> tuple[int, float, int]:
     return (1, -verdict.stalled_s, verdict.rank)
 
 
+def _latest(starts: list[tuple[str, float, float]]) -> dict[str, tuple[float, float]]:
+    """node -> the latest (occurred_at, folded) of `starts`."""
+    out: dict[str, tuple[float, float]] = {}
+    for node, at, folded in starts:
+        was = out.get(node, (0.0, 0.0))
+        out[node] = (max(was[0], at), max(was[1], folded))
+    return out
+
+
 def _tick(state: State, tick: ClockTick, out: list[Output]) -> None:
     state.now = now = max(state.now, tick.now)
     state.recovered_at = max(state.recovered_at, tick.recovered_at)
@@ -259,13 +277,9 @@ def _tick(state: State, tick: ClockTick, out: list[Output]) -> None:
         # node -> when it last had to be running ranks (their start): silence counts from then at the earliest.
         # Also while the attempt is being stopped: its agent batches until it records its ranks' exits, and the
         # restart may be waiting on the node's fate (the survivors' snapshots commit once it is known lost).
-        suspects: dict[str, tuple[float, float]] = {}
-        for node, at, folded in [*((r.node, r.started_at, r.started_folded) for r in job.ranks.values()
-                                   if r.node and r.started_id and not r.exited
-                                   and (state.watch_stopping or not job.quiet)),
-                                 *((u.node, u.seen_at, u.seen_folded) for u in job.unrecorded.values())]:
-            was = suspects.get(node, (0.0, 0.0))
-            suspects[node] = (max(was[0], at), max(was[1], folded))
+        running = [(r.node, r.started_at, r.started_folded) for r in job.ranks.values()
+                   if r.node and r.started_id and not r.exited and (state.watch_stopping or not job.quiet)]
+        suspects = _latest([*running, *((u.node, u.seen_at, u.seen_folded) for u in job.unrecorded.values())])
         for node in agents.silent(state.batches, suspects, job.policy, now, state.recovered_at):
             for key in [k for k, u in job.unrecorded.items() if u.node == node]:
                 del job.unrecorded[key]  # concluded now: not again when its exit deadline passes
@@ -289,6 +303,12 @@ def _tick(state: State, tick: ClockTick, out: list[Output]) -> None:
             continue
         verdicts = [v for r in job.ranks.values()
                     if (v := r.judge(job.policy, now, job.paused, job.last_step, state.recovered_at)) is not None]
+        # Ranks stalled while a node of their job has gone quiet are waiting on it in a collective: that node's loss
+        # is the fault, told at the lost deadline; a hang told first would blame the wrong one. Judged once the node
+        # is lost or heard from again, so a hang waits at most the lost deadline.
+        if state.stranded_wait and any((job.attempt, node) not in job.silent for node in agents.overdue_batches(
+                state.batches, _latest(running), job.policy, now, state.recovered_at)):
+            verdicts = [v for v in verdicts if not isinstance(v, Hung)]
         if len(verdicts) > MAX_FINDINGS_PER_TICK:
             # A hung collective stalls every rank at once: report the worst few now. The first finding
             # usually stops the attempt; if not, the rest follow at the next ticks.
@@ -328,6 +348,7 @@ def transition(state: State, ev: Event) -> tuple[State, list[Output]]:
     elif isinstance(ev, CoreConfigured):
         if ev.service == NAME:
             state.watch_stopping = ev.settings.get(STOPPING) == "watched"
+            state.stranded_wait = ev.settings.get(STRANDED) == "waits"
     else:
         _control(state, ev, out)
     return state, out
@@ -357,6 +378,6 @@ def core_service(*, tick_s: float = 1.0) -> Service[State]:
         wants_tick=wants_tick,
         copy=snapshot,
         # tick_s: when ticks are taken (what they decide comes from the recorded ticks)
-        settings={"tick_s": tick_s, STOPPING: "watched"},
-        unrecorded={"tick_s": tick_s, STOPPING: "unwatched"},
+        settings={"tick_s": tick_s, STOPPING: "watched", STRANDED: "waits"},
+        unrecorded={"tick_s": tick_s, STOPPING: "unwatched", STRANDED: "judged"},
     )

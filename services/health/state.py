@@ -71,9 +71,13 @@ class State:
     # Whether the agents of an attempt being stopped are watched for silence (its node lost) until they record its
     # ranks' exits. Histories recorded before (their CoreConfigured lacks STOPPING) replay without it.
     watch_stopping: bool = True
+    # Whether a hang waits while a node of its attempt has gone quiet (its loss, the likelier fault, told first).
+    # Histories recorded before (their CoreConfigured lacks STRANDED) replay without it.
+    stranded_wait: bool = True
 
 
 STOPPING = "stopping"  # the setting that says so: "watched"
+STRANDED = "stranded"  # "waits": a hang waits for a quiet node's fate
 INITIAL = State(sealed=True)
 
 
@@ -81,7 +85,7 @@ def snapshot(state: State) -> State:
     """A sealed copy of `state`: later folds of the original do not change it (nor it them)."""
     return State(jobs={job_id: job.clone() for job_id, job in state.jobs.items()}, ended=set(state.ended),
                  now=state.now, recovered_at=state.recovered_at, sealed=True, batches=dict(state.batches),
-                 watch_stopping=state.watch_stopping)
+                 watch_stopping=state.watch_stopping, stranded_wait=state.stranded_wait)
 
 
 

@@ -4,8 +4,10 @@ RankLost of its rank, so the restart never lands on it again (services/health/ag
 whose ranks hang or crash keeps batching: no NodeLost."""
 
 
+import msgspec
+
 from flightdeck.events.base import Event
-from flightdeck.events.clock import ClockTick
+from flightdeck.events.clock import ClockTick, CoreConfigured
 from flightdeck.events.commands import StopRequested
 from flightdeck.events.findings import RankHung, RankLost
 from flightdeck.events.fleet import NodeLost
@@ -193,3 +195,57 @@ def test_a_rank_that_hangs_after_its_last_step_is_found_hung_after_the_start_gra
     (at, hung), = found
     assert isinstance(at, ClockTick) and grace < at.now - 1.0 <= grace + 1.0  # the first tick past it, a beat on
     assert isinstance(hung.event, RankHung) and hung.event.step == steps - 1 and hung.event.deadline_s == grace
+
+
+# A pipeline's policy (examples/tp_pp): a node is lost after 12 missed batches (6 s), later than a hang (3 s).
+SLOW_LOSS = msgspec.structs.replace(POLICY, heartbeat_misses=12)
+
+
+def stranded(*, n2_back_at: float | None = None, until: float = 20.0) -> list[Event]:
+    """n1's rank 0 beats on but makes no progress from KILLED_AT (stuck in a collective with rank 1); n2's agent
+    sends no batch from KILLED_AT, or again from `n2_back_at`."""
+    spec = JobSpec(name="j", slots=2, policy=SLOW_LOSS, train=TrainSpec(steps=1000))
+    events: list[Event] = [JobSubmitted(job_id="j", spec=spec, event_id="sub", occurred_at=0.0),
+                           grant(0, ["n1", "n2"], 0.0), started(0, 0, "n1", 0.1), started(0, 1, "n2", 0.1)]
+    timed: list[tuple[float, Event]] = []
+    for k in range(1, int(until * 2)):
+        t = k / 2
+        step = int(min(t, KILLED_AT) * 2)
+        timed.append((t, RankHeartbeats(job_id="j", rank=0, attempt=0, node="n1", interval_s=0.5,
+                                        beats=[RankBeat(rank=0, step=step, occurred_at=t, step_time_s=0.25)],
+                                        event_id=f"b-n1-{t:.2f}", occurred_at=t, producer="agent-n1")))
+        if t < KILLED_AT or (n2_back_at is not None and t >= n2_back_at):
+            timed.append((t, batch("n2", 1, t, beating=t < KILLED_AT)))
+    timed += [(k / 2 + 0.25, tick(k / 2 + 0.25)) for k in range(0, int(until * 2))]
+    return events + [ev for _, ev in sorted(timed, key=lambda p: p[0])]
+
+
+def test_ranks_stranded_by_a_lost_node_are_not_blamed_for_it() -> None:
+    """Found by the TP/PP drill: n2's agent was killed, n1's ranks stalled in a collective with n2's, and with the
+    lost deadline (6 s) past the hang deadline (3 s) the monitor found rank 0 hung first; the restart was recorded as
+    a hang, and the postmortem told no lost node. The stall waits on the quiet node: NodeLost comes first."""
+    found = fold(stranded(), (NodeLost, RankLost, RankHung))
+    kinds = [(type(e.event).__name__, getattr(e.event, "node", getattr(e.event, "rank", None))) for _, e in found]
+    assert kinds[0] == ("NodeLost", "n2") and ("RankLost", 1) in kinds, kinds  # rank 0's hang after it, if at all
+    (at, _), *_ = found
+    last = KILLED_AT - 0.5  # n2's last batch
+    assert isinstance(at, ClockTick) and last + 6.0 < at.now <= last + 6.5  # at the lost deadline, not later
+
+
+def test_a_hang_waits_for_a_quiet_node_only_until_it_is_heard_again() -> None:
+    """n2's agent misses batches for 4.5 s, then batches again (its rank 1 silent, so lost at its own deadline);
+    rank 0's hang (due at 13 s) is told at the first tick after n2 is heard, and n2 is not lost."""
+    back = KILLED_AT + 4.5
+    found = fold(stranded(n2_back_at=back), (NodeLost, RankLost, RankHung))
+    kinds = [(type(e.event).__name__, getattr(e.event, "rank", None)) for _, e in found]
+    assert ("NodeLost", None) not in kinds and ("RankHung", 0) in kinds, kinds
+    (at,) = [at for at, e in found if isinstance(e.event, RankHung)]
+    assert isinstance(at, ClockTick) and back < at.now <= back + 0.5, at.now
+
+
+def test_a_history_recorded_before_the_wait_replays_its_hang_first() -> None:
+    """Its CoreConfigured lacks the `stranded` setting: the hang is judged at its deadline, as it was recorded."""
+    old = CoreConfigured(service="health", settings={"tick_s": 0.5, "stopping": "watched"}, event_id="cfg",
+                         occurred_at=0.0)
+    found = fold([old, *stranded()], (NodeLost, RankLost, RankHung))
+    assert [type(e.event).__name__ for _, e in found][:2] == ["RankHung", "NodeLost"]
