@@ -71,7 +71,11 @@ async def test_a_crash_after_a_rollback_resumes_on_the_rolled_back_timeline(dril
     await p.ready("n1")
     base = spike_spec()
     crash = FaultSpec(kind="crash", step=CRASH_AFTER_ROLLBACK, rank=1)
-    await p.submit(msgspec.structs.replace(base, name="spikecrash", faults=[*base.faults, crash]), job)
+    # The crash must come on the redone timeline: ranks take commands every sync_every (10) steps, so the rollback
+    # decided at step 32 lands at the step-40 boundary only if it reaches rank 0 within 7 paced steps (0.7 s); a CI
+    # run under load missed it and crashed at 41 first. Slower steps after the noise give it 3.5 s.
+    slower = FaultSpec(kind="slow", step=SPIKE_AT + NOISY, rank=0, seconds=0.4, attempt=0)
+    await p.submit(msgspec.structs.replace(base, name="spikecrash", faults=[*base.faults, slower, crash]), job)
     await p.until(lambda: bool(p.seen(JobCompleted, job)) or bool(p.seen(JobFailed, job)), 170,
                   "the job to end", job)
     assert p.seen(JobCompleted, job), kinds(p.job(job))
