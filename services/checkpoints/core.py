@@ -36,18 +36,16 @@ from flightdeck.events.job import (
 )
 from flightdeck.events.lineage import forked, thrown_away
 from flightdeck.events.training import RankStarted, RolledBack
-from flightdeck.services.checkpoints import supersede as supersede_
+from flightdeck.services.checkpoints import settle
 from flightdeck.services.checkpoints.scrubs import SCRUB, next_scrub, scrub_due
 from flightdeck.services.checkpoints.state import (
     NOTHING_DUE,
-    CommitArgs,
     Committed,
     DeleteArgs,
     Due,
     Hold,
     JobState,
     Settings,
-    StagedRank,
     Staging,
     State,
 )
@@ -96,7 +94,7 @@ def _open_set(job: JobState, ev: CheckpointStaged | ShardsUploaded) -> Staging |
 
 
 def _stage(job: JobState, ev: CheckpointStaged | ShardsUploaded, agents_store: bool,
-           announce: bool = False, lost: frozenset[str] = frozenset(), supersede: bool = False) -> tuple[JobState, Due]:
+           announce: bool = False, lost: frozenset[str] = frozenset(), supersede: str = "no") -> tuple[JobState, Due]:
     """Fold a staging or an agent's report; `agents_store` False: the "staging" protocol (Settings.shards_from);
     `announce`: say CheckpointPending when the last rank stages (Settings.announce_pending); `supersede`:
     Settings.supersede."""
@@ -120,11 +118,11 @@ def _stage(job: JobState, ev: CheckpointStaged | ShardsUploaded, agents_store: b
     elif not agents_store:
         return job, NOTHING_DUE
     elif ev.failed:
-        staging = {k: v for k, v in job.staging.items() if k != at}
         failed = CheckpointFailed(job_id=ev.job_id, step=ev.step, checkpoint_id=cid,
                                   reason=f"{cid}: node {ev.node or '?'} could not store its ranks' shards: {ev.failed}")
         final = -1 if ev.step == job.final else job.final
-        return replace(job, staging=staging, handed=job.handed | {at}, final=final), Due(failed=failed, failed_id=cid)
+        return settle.unpark(replace(settle.dropped(job, at), final=final), ev.job_id, ev.attempt, lost, supersede,
+                             Due(failed=failed, failed_id=cid))
     else:
         # agents store what they read staged, so a report follows its ranks' stagings in the stream; the commit
         # reads the store back, so a report that raced a rank's second staging cannot commit a stale shard
@@ -132,57 +130,9 @@ def _stage(job: JobState, ev: CheckpointStaged | ShardsUploaded, agents_store: b
     staging = {k: v for k, v in job.staging.items() if k[0] >= ev.attempt}  # a newer attempt drops older sets
     job = replace(job, attempt=ev.attempt, staging={**staging, at: current})
     if len(current.ranks) < current.world_size or len(current.stored) < current.world_size:
-        settled = _survivors(job, ev.job_id, at, current, lost, supersede)
+        settled = settle.survivors(job, ev.job_id, at, current, lost, supersede)
         return settled if settled is not None else (job, NOTHING_DUE if pending is None else Due(pending=pending))
-    return _hand_over(job, ev.job_id, at, current, ev.occurred_at, supersede)
-
-
-def _hand_over(job: JobState, job_id: str, at: tuple[int, int, int], current: Staging,
-               created_at: float, supersede: bool) -> tuple[JobState, Due]:
-    """The set at `at` goes to the uploader with the ranks it has (not one a newer set supersedes: supersede.py)."""
-    attempt, timeline, step = at
-    if supersede and supersede_.superseded(job, at, current):
-        return replace(job, staging={k: v for k, v in job.staging.items() if k != at}, handed=job.handed | {at}), \
-            NOTHING_DUE
-    ranks = [current.ranks[r] for r in sorted(current.ranks)]
-    args = CommitArgs(
-        job_id=job_id, checkpoint_id=checkpoint_id(attempt, step, timeline), attempt=attempt,
-        step=step, world_size=current.world_size, timeline=timeline, created_at=created_at, data=ranks[0].data,
-        ranks=[StagedRank(rank=s.rank, node=s.node, shards=s.shards) for s in ranks],
-        from_memory=ranks[0].from_memory,
-    )
-    final = -1 if step == job.final else job.final
-    job = replace(job, staging={k: v for k, v in job.staging.items() if k != at}, handed=job.handed | {at},
-                  final=final)
-    return (supersede_.drop_older(job, at) if args.from_memory and supersede else job), Due(commit=args)
-
-
-def _survivors(job: JobState, job_id: str, at: tuple[int, int, int], current: Staging,
-               lost: frozenset[str], supersede: bool) -> tuple[JobState, Due] | None:
-    """A set persisted from memory that lacks only ranks whose nodes are lost (their memory went with them) or whose
-    exits say their agent staged none (`staged_none`): with every survivor's state a full replica (plain data
-    parallel) it commits with the ranks it has, restorable at any world size; else it can never be whole, and
-    fails now rather than hold a restart up. None: wait."""
-    present = set(current.ranks)
-    if not present or not all(s.from_memory for s in current.ranks.values()) or current.stored != present:
-        return None
-    placed = job.placement.get(at[0], {})
-    missing = sorted(set(range(current.world_size)) - present)
-    none = supersede_.never(job, at)
-    nodes = sorted({placed.get(r, "") for r in missing if r not in none})
-    if not missing or not all(n in lost for n in nodes):
-        return None
-    if all(s.replicated for s in current.ranks.values()):
-        return _hand_over(job, job_id, at, current, max(s.occurred_at for s in current.ranks.values()), supersede)
-    attempt, timeline, step = at
-    cid = checkpoint_id(attempt, step, timeline)
-    why = [*([f"ranks {sorted(set(missing) - none)} were on lost node(s) {', '.join(nodes)}"] if nodes else []),
-           *([f"ranks {sorted(set(missing) & none)} had no snapshot of it to stage"] if set(missing) & none else [])]
-    failed = CheckpointFailed(job_id=job_id, step=step, checkpoint_id=cid,
-                              reason=f"{cid}: {' and '.join(why)}, and the others' snapshots hold only their own "
-                                     "shards of the state")
-    staging = {k: v for k, v in job.staging.items() if k != at}
-    return replace(job, staging=staging, handed=job.handed | {at}), Due(failed=failed, failed_id=cid)
+    return settle.hand_over(job, ev.job_id, at, current, ev.occurred_at, supersede)
 
 
 def _node_lost(state: State, node: str) -> tuple[State, Sequence[Output]]:
@@ -191,13 +141,13 @@ def _node_lost(state: State, node: str) -> tuple[State, Sequence[Output]]:
     outs: list[Output] = []
     jobs = dict(state.jobs)
     for job_id, job in state.jobs.items():
-        jobs[job_id], more = _settle(job, job_id, state.lost, state.settings.supersede == "yes")
-        outs += more
+        jobs[job_id], dues = settle.settle(job, job_id, state.lost, state.settings.supersede)
+        outs += [o for due in dues for o in _outputs(job_id, jobs[job_id], due)]
     return replace(state, jobs=jobs), outs
 
 
 def _exited(job: JobState, job_id: str, ev: WorkersExited, lost: frozenset[str],
-            supersede: bool) -> tuple[JobState, list[Output]]:
+            supersede: str) -> tuple[JobState, list[Output]]:
     """Ranks whose agent staged no snapshot as they ended, or none newer than a step: sets waiting on them settle."""
     none = frozenset(x.rank for x in ev.exits() if x.persisted == "none")
     upto = {x.rank: x.persisted_at for x in ev.exits() if x.persisted == "staged" and x.persisted_at is not None}
@@ -207,21 +157,8 @@ def _exited(job: JobState, job_id: str, ev: WorkersExited, lost: frozenset[str],
                   | {ev.attempt: job.staged_none.get(ev.attempt, frozenset()) | none},
                   staged_upto={a: r for a, r in job.staged_upto.items() if a >= job.attempt}
                   | {ev.attempt: {**job.staged_upto.get(ev.attempt, {}), **upto}})
-    return _settle(job, job_id, lost, supersede)
-
-
-def _settle(job: JobState, job_id: str, lost: frozenset[str], supersede: bool) -> tuple[JobState, list[Output]]:
-    """Each of the job's sets that no rank left can complete, settled (`_survivors`); newest first when it
-    supersedes the older ones from memory."""
-    outs: list[Output] = []
-    for at, current in sorted(job.staging.items(), reverse=supersede):
-        if at not in job.staging:
-            continue  # superseded meanwhile
-        settled = _survivors(job, job_id, at, current, lost, supersede)
-        if settled is not None:
-            job, due = settled
-            outs += _outputs(job_id, job, due)
-    return job, outs
+    job, dues = settle.settle(job, job_id, lost, supersede)
+    return job, [o for due in dues for o in _outputs(job_id, job, due)]
 
 
 def _new_attempt(job: JobState, attempt: int) -> JobState:
@@ -251,8 +188,8 @@ def _evolve_job(job: JobState, ev: Event, settings: Settings, lost: frozenset[st
     match ev:
         case CheckpointStaged() | ShardsUploaded():
             return _stage(job, ev, settings.shards_from == "agents", settings.announce_pending == "yes", lost,
-                          settings.supersede == "yes")
-        case AllocationGranted():  # where each rank runs: a lost node's ranks leave no snapshot (_survivors)
+                          settings.supersede)
+        case AllocationGranted():  # where each rank runs: a lost node's ranks leave no snapshot (settle.survivors)
             placement = {a: p for a, p in job.placement.items() if a >= job.attempt}
             return replace(job, placement={**placement, ev.attempt: {s.rank: s.node for s in ev.assignments}}), \
                 NOTHING_DUE
@@ -317,7 +254,7 @@ def transition(state: State, ev: Event) -> tuple[State, Sequence[Output]]:
         case NodeRegistered(node=node) if node in state.lost:
             return replace(state, lost=state.lost - {node}), ()
         case WorkersExited(job_id=exited_job) if state.settings.settle_on_exits == "yes" and exited_job in state.jobs:
-            job, outs = _exited(state.jobs[exited_job], exited_job, ev, state.lost, state.settings.supersede == "yes")
+            job, outs = _exited(state.jobs[exited_job], exited_job, ev, state.lost, state.settings.supersede)
             return replace(state, jobs={**state.jobs, exited_job: job}), outs
         case WorkersExited():
             return state, ()
@@ -379,7 +316,7 @@ def core_service(effects: dict[str, EffectHandler], *, scrub_every_s: float = 0.
     """The checkpoint service's core wired to its effect handlers ("commit", "delete", and "scrub" when
     `scrub_every_s` > 0; see uploader.py and scrubber.py)."""
     settings = Settings(scrub_every_s=scrub_every_s, scrub_mb_s=scrub_mb_s, shards_from="agents",
-                        announce_pending="yes", settle_on_exits="yes", supersede="yes")
+                        announce_pending="yes", settle_on_exits="yes", supersede="parked")
     missing = {COMMIT, DELETE, *([SCRUB] if scrub_every_s > 0 else [])} - set(effects)
     if missing:
         raise ValueError(f"the checkpoint service needs effect handlers for {sorted(missing)}")

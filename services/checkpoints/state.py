@@ -27,8 +27,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # on lost nodes) settles at once, as after a lost node. "no" for histories recorded before exits said so.
     settle_on_exits: Literal["no", "yes"] = "no"
     # "yes": a set persisted from memory, once handed over, supersedes its attempt's older ones (their commit could
-    # end a restart's wait first: JobState.memory_handed). "no" for histories recorded before, so they still verify.
-    supersede: Literal["no", "yes"] = "no"
+    # end a restart's wait first: JobState.memory_handed); "parked": and an older one waits staged until the newer
+    # one is handed over or fails (settle.py). "no"/"yes" for histories recorded before, so they still verify.
+    supersede: Literal["no", "yes", "parked"] = "no"
 
     def __post_init__(self) -> None:
         if not (self.scrub_every_s >= 0 and self.scrub_mb_s > 0):

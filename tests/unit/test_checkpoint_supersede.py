@@ -77,3 +77,41 @@ def test_after_a_crash_the_survivors_newest_replica_commits_without_the_rank_who
     _, outs = run([placed, *sharded])
     assert [c.checkpoint_id for c in commits(outs)] == [checkpoint_id(0, 20)]
     assert RankExit(rank=1, exit_code=3).persisted_at is None
+
+
+def failures(outs: list[list[core.Output]]) -> list[str]:
+    from flightdeck.events.checkpoint import CheckpointFailed
+    return [o.event.checkpoint_id for step in outs for o in step
+            if isinstance(o, core.Emit) and isinstance(o.event, CheckpointFailed)]
+
+
+def test_a_set_a_newer_one_superseded_commits_when_the_newer_ones_shards_cannot_be_stored() -> None:
+    """Both slots of both ranks staged; the older set's uploads finish first and it waits on the newer one (parked);
+    then the store refuses the newer set's shards. The older one commits with the failure, not nothing: a restart
+    from the store's newest checkpoint would redo everything since."""
+    placed = _granted(0, {0: "a", 1: "a"})
+    slots = [memory(0, 23), memory(0, 20), memory(1, 23), memory(1, 20)]
+    older_stored = [stored(s) for s in slots if s.step == 20]
+    newer_fails = stored(memory(1, 23), failed="the store said 503")
+    state, outs = run([placed, *slots, *older_stored, stored(memory(0, 23)), newer_fails], reports=False)
+    assert failures(outs) == [checkpoint_id(0, 23)]
+    assert [c.checkpoint_id for c in commits(outs)] == [checkpoint_id(0, 20)]
+    assert outs[-1] and {type(o).__name__ for o in outs[-1]} >= {"Emit", "Effect"}  # both decided on the failure
+    _, later = run([stored(memory(0, 20))], state, reports=False)  # handed over once
+    assert commits(later) == []
+    # histories recorded with supersede "yes" (before parking): the older set was dropped, as they ran
+    before = msgspec.structs.replace(LIVE, settings=msgspec.structs.replace(LIVE.settings, supersede="yes"))
+    _, outs = run([placed, *slots, *older_stored, stored(memory(0, 23)), newer_fails], before, reports=False)
+    assert failures(outs) == [checkpoint_id(0, 23)] and commits(outs) == []
+
+
+def test_a_parked_set_is_dropped_once_the_newer_one_is_handed_over() -> None:
+    placed = _granted(0, {0: "a", 1: "a"})
+    slots = [memory(0, 23), memory(0, 20), memory(1, 23), memory(1, 20)]
+    state, outs = run([placed, *slots, *(stored(s) for s in slots[::-1])], reports=False)
+    assert [c.checkpoint_id for c in commits(outs)] == [checkpoint_id(0, 23)]
+    assert not any(k[2] == 20 for k in state.jobs[JOB].staging)
+    # a late failure report of the newer set's node, after its commit was asked: the older stays dropped
+    _, later = run([stored(memory(1, 23), failed="late"), stored(memory(0, 20))], state, reports=False)
+    assert commits(later) == []
+
