@@ -118,17 +118,32 @@ def repeated_decisions(control: list[Stored]) -> list[str]:
 
 def lineage(control: list[Stored], telemetry: list[Stored], steps: int) -> tuple[list[int], list[str]]:
     """The steps of the final lineage some rank never reported, and the (attempt, rank, step) reported more than
-    once. Attempt a owns steps [its from_step, the next resumed attempt's from_step); attempt 0 starts at 0."""
+    once. Attempt a owns steps [its from_step, the next resumed attempt's from_step); attempt 0 starts at 0.
+
+    A rank killed by a signal after its last report may have taken part in the next steps' collectives before it
+    died, its reports of them unsent: a peer's report of such a step says it was trained (a nemesis run restored a
+    survivor's snapshot of step 37, and the killed rank's report of 36 had died with it)."""
     events = [s.event for s in control if s.event is not None]
     starts = {0: 0} | {e.attempt: e.from_step for e in events if isinstance(e, JobResumed)}
     world = {e.attempt: len(e.assignments) for e in events if isinstance(e, AllocationGranted)}
     seen = Counter((e.attempt, e.rank, e.step) for s in telemetry if isinstance(e := s.event, StepCompleted))
+    last: dict[tuple[int, int], int] = {}
+    for attempt, rank, step in seen:
+        last[(attempt, rank)] = max(last.get((attempt, rank), -1), step)
+    killed = {(e.attempt, x.rank) for e in events if isinstance(e, WorkersExited) for x in e.exits() if x.exit_code < 0}
+
+    def reported(attempt: int, rank: int, step: int) -> bool:
+        if seen[(attempt, rank, step)]:
+            return True
+        return ((attempt, rank) in killed and step > last.get((attempt, rank), -1)
+                and any(seen[(attempt, peer, step)] for peer in range(world.get(attempt, 1))))
+
     order = sorted(starts)
     missing: list[int] = []
     for i, attempt in enumerate(order):
         end = starts[order[i + 1]] if i + 1 < len(order) else steps
         missing += [s for s in range(starts[attempt], end)
-                    if any(seen[(attempt, rank, s)] == 0 for rank in range(world.get(attempt, 1)))]
+                    if not all(reported(attempt, rank, s) for rank in range(world.get(attempt, 1)))]
     repeated = [f"attempt {a} rank {r} step {s}: {n} times" for (a, r, s), n in sorted(seen.items()) if n > 1]
     return missing, repeated
 
