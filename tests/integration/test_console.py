@@ -288,10 +288,12 @@ def test_a_raw_nats_client_submits_and_follows_a_job_by_the_published_contract(u
     assert types[0] == "JobSubmitted" and history[0]["producer"] == "raw-client"
     end = types.index("JobCompleted")
     assert history[end]["steps"] == 6, types
-    # the final checkpoint committed, before the end or after it; after the end only its slots given back and its
-    # checkpoints' records
+    # the final checkpoint committed, before the end or after it; after the end only its slots given back, the
+    # scheduler's record of its phase, and its checkpoints' records (a CI run read on past the phase to a late commit)
     assert [m["step"] for m in history if m["type"] == "CheckpointCommitted"][-1] == 6, types
-    assert all(t.startswith("Checkpoint") or t == "AllocationReleased" for t in types[end + 1:]), types[end:]
+    after = [m for m in history[end + 1:] if not m["type"].startswith("Checkpoint")]
+    assert all(m["type"] == "AllocationReleased" or (m["type"], m.get("phase")) == ("JobPhaseChanged", "completed")
+               for m in after), types[end:]
     # node agents' records stand under their node (the channel says so) and are not numbered; the rest run 1, 2, ...
     node_records = {name for ch in json.loads((CONTRACT / "asyncapi.json").read_text())["channels"].values()
                     if ch["address"].startswith("fd.ctl.job.") and ".node.{node}." in ch["address"]
