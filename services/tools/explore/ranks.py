@@ -4,6 +4,7 @@ checkpoints, obey commands at step boundaries, exit) and what their agent record
 As on a real node, a rank's agent is its only link: commands reach rank 0 when its agent's core tells it (the
 `tell` effect), and ranks die with their agent (a crashed agent's restart records them as killed)."""
 
+import zlib
 from dataclasses import dataclass, field
 
 from flightdeck.events import subjects
@@ -73,6 +74,8 @@ class Attempt:
     steps_run: int = 0
     replay: "Replay | None" = None  # a rollback's re-run of the spike's batches, as the trainer does it
     glitch: tuple[int, int, int, int] | None = None  # (timeline, first step, end step, rank): a passing fault
+    # the boundary before the last step run, (timeline, what it held): the other of a rank's two snapshot slots
+    older: tuple[int, Saved] | None = None
 
     @property
     def running(self) -> bool:
@@ -152,35 +155,46 @@ class Ranks:
             if not record or node in self.nodes_down:
                 continue
             persisted: Persisted = ""
+            at: tuple[int, int] | None = None
             if code != 0:
-                persisted = "staged" if await self._persist(a, node, rs) else "none"
-            ev = exits_record([RankExit(rank=r, exit_code=code, persisted=persisted) for r in rs], job_id=a.job_id,
+                at = await self._persist(a, node, rs)
+                persisted = "staged" if at is not None else "none"
+            ev = exits_record([RankExit(rank=r, exit_code=code, persisted=persisted, persisted_at=at) for r in rs],
+                              job_id=a.job_id,
                               node=node,
                               attempt=a.attempt, event_id=self._id(f"exit-{node}"), occurred_at=self.now(),
                               producer=f"agent-{node}")
             await append_to_job(self.store, ev, msg_id=ev.event_id)
 
-    async def _persist(self, a: Attempt, node: str, ranks: list[int]) -> bool:
-        """The agent stages its gone ranks' newest snapshot (the boundary of the step they were running), unless
-        that step is one they checkpointed themselves (or restored from), or a re-run is under way (never kept).
-        Whether it staged them, as their exit record says."""
-        if a.replay is not None or a.step == a.saved_at:
-            return False
-        cid = checkpoint_id(a.attempt, a.step, a.timeline)
-        self.saved.setdefault((a.job_id, cid), Saved(step=a.step, next_batch=a.next_batch, skipped=list(a.skipped)))
-        data = DataPosition(next_batch=a.next_batch, skipped=[list(w) for w in a.skipped])  # type: ignore[misc]
-        now = self.now()
-        for r in ranks:
-            shards = [ShardInfo(path=f"r{r}.bin", size=1, sha256="0" * 64),
-                      ShardInfo(path=f"r{r}.json", size=1, sha256="1" * 64)]
-            await self.tel(CheckpointStaged(job_id=a.job_id, rank=r, attempt=a.attempt, node=node, step=a.step,
-                                            world_size=a.world_size, staging_dir="/sim/shm", shards=shards, data=data,
-                                            stall_s=0.0, write_s=0.0, timeline=a.timeline, from_memory=True,
-                                            event_id=self._id("persisted"), occurred_at=now))
-        await self.tel(ShardsUploaded(job_id=a.job_id, rank=ranks[0], attempt=a.attempt, node=node, step=a.step,
-                                      timeline=a.timeline, world_size=a.world_size, ranks=ranks, bytes=len(ranks),
-                                      seconds=0.0, event_id=self._id("uploaded"), occurred_at=now))
-        return True
+    async def _persist(self, a: Attempt, node: str, ranks: list[int]) -> tuple[int, int] | None:
+        """The agent stages its gone ranks' snapshots, newest first: the boundary of the step they were running and
+        the one before it (a rank's two slots), each unless its ranks checkpointed that step themselves (or restored
+        from it), never a re-run's. Some stores refuse the newer set's shards (drawn from the set's name, so a seed
+        runs the same): a set it superseded must then commit. The newest (timeline, step) staged, as the exit says."""
+        if a.replay is not None:
+            return None
+        slots = [] if a.step <= a.saved_at else [(a.timeline, Saved(step=a.step, next_batch=a.next_batch,
+                                                                    skipped=list(a.skipped)))]
+        if a.older is not None and a.older[0] == a.timeline and a.saved_at < a.older[1].step < a.step:
+            slots.append(a.older)
+        for i, (timeline, saved) in enumerate(slots):
+            cid = checkpoint_id(a.attempt, saved.step, timeline)
+            self.saved.setdefault((a.job_id, cid), saved)
+            data = DataPosition(next_batch=saved.next_batch, skipped=[list(w) for w in saved.skipped])  # type: ignore[misc]
+            now = self.now()
+            for r in ranks:
+                shards = [ShardInfo(path=f"r{r}.bin", size=1, sha256="0" * 64),
+                          ShardInfo(path=f"r{r}.json", size=1, sha256="1" * 64)]
+                await self.tel(CheckpointStaged(job_id=a.job_id, rank=r, attempt=a.attempt, node=node,
+                                                step=saved.step, world_size=a.world_size, staging_dir="/sim/shm",
+                                                shards=shards, data=data, stall_s=0.0, write_s=0.0, timeline=timeline,
+                                                from_memory=True, event_id=self._id("persisted"), occurred_at=now))
+            refused = i == 0 and len(slots) > 1 and zlib.crc32(f"{a.job_id}:{cid}:{node}".encode()) % 4 == 0
+            await self.tel(ShardsUploaded(job_id=a.job_id, rank=ranks[0], attempt=a.attempt, node=node,
+                                          step=saved.step, timeline=timeline, world_size=a.world_size, ranks=ranks,
+                                          bytes=len(ranks), seconds=0.0, failed="refused by the store" * refused,
+                                          event_id=self._id("uploaded"), occurred_at=now))
+        return (slots[0][0], slots[0][1].step) if slots else None
 
     def tell(self, node: str, job_id: str, attempt: int, command: Event) -> None:
         """A command down rank 0's link: only the agent that runs rank 0 hands it over (the boundary agrees it)."""
@@ -245,6 +259,8 @@ class Ranks:
             a.finished = True
             await self.exit(a, sorted(a.alive), 0)
             return
+        if a.replay is None:
+            a.older = (a.timeline, Saved(step=a.step, next_batch=a.next_batch, skipped=list(a.skipped)))
         index = a.next_index()
         spike = self.spikes.get(a.job_id)
         loss = (2.0 - a.step / (4 * a.total)) * (SPIKE_FACTOR if spike and spike[0] <= index < spike[1] else 1.0)
