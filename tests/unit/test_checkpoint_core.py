@@ -56,7 +56,7 @@ def submitted(keep: int, job: str = JOB) -> JobSubmitted:
     return JobSubmitted(job_id=job, spec=JobSpec(name="llm", policy=PolicySpec(keep_checkpoints=keep)))
 
 
-LIVE = State(settings=Settings(shards_from="agents", settle_on_exits="yes", supersede="parked"))  # as the service starts
+LIVE = State(settings=Settings(shards_from="agents", settle_on_exits="yes", supersede="parked"))  # as the service runs
 
 
 def stored(ev: CheckpointStaged, *, ranks: list[int] | None = None, failed: str = "") -> ShardsUploaded:
