@@ -13,7 +13,7 @@ from flightdeck.events.findings import RankHung, RankLost
 from flightdeck.events.fleet import NodeLost
 from flightdeck.events.heartbeats import RankBeat, RankHeartbeats
 from flightdeck.events.job import AllocationReleased, JobSubmitted, WorkersExited
-from flightdeck.events.spec import JobSpec, TrainSpec
+from flightdeck.events.spec import JobSpec, PolicySpec, TrainSpec
 from flightdeck.events.training import StepCompleted
 from flightdeck.services.core import Emit
 from flightdeck.services.health.core import wants_tick
@@ -30,11 +30,16 @@ def batch(node: str, rank: int, at: float, beating: bool = True) -> RankHeartbea
                           event_id=f"b-{node}-{at:.2f}", occurred_at=at, producer=f"agent-{node}")
 
 
+def begun(policy: PolicySpec = POLICY) -> list[Event]:
+    """A 2-rank job submitted, granted on n1 and n2, and both ranks started at 0.1 s."""
+    spec = JobSpec(name="j", slots=2, policy=policy, train=TrainSpec(steps=1000))
+    return [JobSubmitted(job_id="j", spec=spec, event_id="sub", occurred_at=0.0),
+            grant(0, ["n1", "n2"], 0.0), started(0, 0, "n1", 0.1), started(0, 1, "n2", 0.1)]
+
+
 def run(*, n2_agent_dies: bool = False, n2_rank_hangs: bool = False, n2_rank_exits: bool = False,
         until: float = 16.0) -> list[Event]:
-    spec = JobSpec(name="j", slots=2, policy=POLICY, train=TrainSpec(steps=1000))
-    events: list[Event] = [JobSubmitted(job_id="j", spec=spec, event_id="sub", occurred_at=0.0),
-                           grant(0, ["n1", "n2"], 0.0), started(0, 0, "n1", 0.1), started(0, 1, "n2", 0.1)]
+    events = begun()
     timed: list[tuple[float, Event]] = []
     for k in range(1, int(until * 2)):
         t = k / 2
@@ -84,9 +89,7 @@ def test_the_lost_node_drill_with_relayed_beats_is_concluded_at_the_lost_deadlin
     """The peer rank fails first (its exit is recorded at once), the restart is granted on both nodes, and the dead
     node's agent neither records the old rank's exit nor starts the new one: with batches, NodeLost comes once n2's
     agent has been silent for the lost deadline, not EXIT_RECORD_S after the grant."""
-    spec = JobSpec(name="j", slots=2, policy=POLICY, train=TrainSpec(steps=1000))
-    events: list[Event] = [JobSubmitted(job_id="j", spec=spec, event_id="sub", occurred_at=0.0),
-                           grant(0, ["n1", "n2"], 0.0), started(0, 0, "n1", 0.1), started(0, 1, "n2", 0.1)]
+    events = begun()
     timed: list[tuple[float, Event]] = []
     for k in range(1, 40):
         t = k / 2
@@ -109,9 +112,7 @@ def test_a_silent_agent_of_an_attempt_being_stopped_is_lost_at_the_deadline_and_
     for the survivors' snapshots, which commit only once n2 is known lost (2.6 s of waiting, then a grant on the
     dead node). An agent still owes its ranks' exits while they are stopped: its silence is NodeLost at the lost
     deadline, and the next attempt's grant does not conclude it a second time."""
-    spec = JobSpec(name="j", slots=2, policy=POLICY, train=TrainSpec(steps=1000))
-    events: list[Event] = [JobSubmitted(job_id="j", spec=spec, event_id="sub", occurred_at=0.0),
-                           grant(0, ["n1", "n2"], 0.0), started(0, 0, "n1", 0.1), started(0, 1, "n2", 0.1)]
+    events = begun()
     timed: list[tuple[float, Event]] = [(k / 2, batch("n1", 0, k / 2)) for k in range(1, 21)]
     timed += [(k / 2, batch("n2", 1, k / 2)) for k in range(1, 20)]  # n2's last batch at 9.5
     timed += [(10.1, WorkersExited(job_id="j", node="n1", attempt=0, rank=0, exit_code=1, event_id="exit-0-0",
@@ -204,9 +205,7 @@ SLOW_LOSS = msgspec.structs.replace(POLICY, heartbeat_misses=12)
 def stranded(*, n2_back_at: float | None = None, until: float = 20.0) -> list[Event]:
     """n1's rank 0 beats on but makes no progress from KILLED_AT (stuck in a collective with rank 1); n2's agent
     sends no batch from KILLED_AT, or again from `n2_back_at`."""
-    spec = JobSpec(name="j", slots=2, policy=SLOW_LOSS, train=TrainSpec(steps=1000))
-    events: list[Event] = [JobSubmitted(job_id="j", spec=spec, event_id="sub", occurred_at=0.0),
-                           grant(0, ["n1", "n2"], 0.0), started(0, 0, "n1", 0.1), started(0, 1, "n2", 0.1)]
+    events = begun(SLOW_LOSS)
     timed: list[tuple[float, Event]] = []
     for k in range(1, int(until * 2)):
         t = k / 2
