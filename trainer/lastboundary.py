@@ -32,6 +32,9 @@ from flightdeck.trainer.snapshotting import Cadence
 log = structlog.get_logger("trainer")
 STUCK_WAIT_MAX_S = 1.0  # a SIGTERM'd rank not at a boundary by then is taken as stuck (the agent's grace is longer)
 STUCK_WAIT_MIN_S = 0.2
+# ... and one still stuck this many step times after its snapshot (1 s at least) leaves: its agent persists the
+# snapshot once it has exited, and would otherwise SIGKILL it only after its grace (30 s by default)
+STUCK_LEAVE_STEPS = 3
 
 
 @dataclass(frozen=True)
@@ -47,9 +50,10 @@ class Held:
 
 class LastBoundary:
     def __init__(self, cadence: Cadence, step_times: Callable[[], list[float]],
-                 told: Callable[[], None] = lambda: None) -> None:
-        """`told`: tell the agent the steps done (Emitter.beat_now), once a snapshot after a failure is written."""
-        self.cadence, self.step_times, self.told = cadence, step_times, told
+                 told: Callable[[], None] = lambda: None, leave: Callable[[], None] | None = None) -> None:
+        """`told`: tell the agent the steps done (Emitter.beat_now), once a snapshot after a failure is written;
+        `leave`: end the process, as stopped, when a SIGTERM finds it stuck (from the watcher's thread)."""
+        self.cadence, self.step_times, self.told, self.leave = cadence, step_times, told, leave
         self.lock = threading.Lock()
         self._held: Held | None = None
         self.moves = 0  # boundaries and optimizer steps passed: a SIGTERM'd rank that passes one is not stuck
@@ -152,10 +156,21 @@ class LastBoundary:
 
     def _stuck_or_not(self) -> None:
         seen, times = self.moves, self.step_times()[-5:]
-        wait_s = min(STUCK_WAIT_MAX_S, max(STUCK_WAIT_MIN_S, 2 * statistics.median(times) if times else 0.0))
+        median = statistics.median(times) if times else 0.0
+        wait_s = min(STUCK_WAIT_MAX_S, max(STUCK_WAIT_MIN_S, 2 * median))
+        if self._moved(seen, wait_s):
+            return  # the loop is moving: it checkpoints at its boundary, as a SIGTERM asks
+        self.take(f"SIGTERM, and no step boundary within {wait_s:.2f}s")
+        leave_s = max(STUCK_WAIT_MAX_S, STUCK_LEAVE_STEPS * median)
+        if self.leave is not None and not self._moved(seen, leave_s):
+            log.warning("SIGTERM while stuck in a step: leaving", step_wait_s=round(wait_s + leave_s, 2))
+            self.leave()
+
+    def _moved(self, seen: int, wait_s: float) -> bool:
+        """Whether the loop passes a boundary or an optimizer step within `wait_s`."""
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             if self.moves != seen:
-                return  # the loop is moving: it checkpoints at its boundary, as a SIGTERM asks
+                return True
             time.sleep(0.02)
-        self.take(f"SIGTERM, and no step boundary within {wait_s:.2f}s")
+        return self.moves != seen

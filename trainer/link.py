@@ -349,3 +349,15 @@ class AgentSide(Protocol):
 
     def rollback_ready(self, checkpoint_id: str, wait_s: float) -> ranklink.RollbackReady | None:
         """Where this node's agent put a rollback's checkpoint (or why it could not), waiting up to `wait_s`."""
+
+
+def admitted(raws: list[bytes]) -> list[Event]:
+    """The agreed commands that pass `codec.admit`; a refused one is logged and not acted on. Every rank
+    decodes the same agreed bytes, so every rank refuses the same commands and the collectives stay in step."""
+    out: list[Event] = []
+    for raw in raws:
+        try:
+            out.append(codec.admit(raw))  # the bounds too: a rollback's checkpoint id becomes a cache path
+        except codec.UndecodableEvent as exc:
+            log.error("refusing a command", error=str(exc))
+    return out

@@ -11,6 +11,7 @@ and loads are collective.
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -41,7 +42,7 @@ from flightdeck.trainer.config import RunConfig
 from flightdeck.trainer.cursor import BatchCursor, Step
 from flightdeck.trainer.distributed import Dist
 from flightdeck.trainer.lastboundary import LastBoundary
-from flightdeck.trainer.link import PLAN_WAIT_S, AgentSide
+from flightdeck.trainer.link import PLAN_WAIT_S, AgentSide, admitted
 from flightdeck.trainer.replay import Replay
 from flightdeck.trainer.reports import SPIKE_FACTOR, Emitter, StepReporter, check_metric_names, checked_value
 from flightdeck.trainer.snapshotting import Cadence
@@ -51,18 +52,6 @@ from flightdeck.trainer.usage import refused
 T = TypeVar("T")
 log = structlog.get_logger("trainer")
 PAUSE_POLL_S = 0.2
-
-
-def admitted(raws: list[bytes]) -> list[Event]:
-    """The agreed commands that pass `codec.admit`; a refused one is logged and not acted on. Every rank
-    decodes the same agreed bytes, so every rank refuses the same commands and the collectives stay in step."""
-    out: list[Event] = []
-    for raw in raws:
-        try:
-            out.append(codec.admit(raw))  # the bounds too: a rollback's checkpoint id becomes a cache path
-        except codec.UndecodableEvent as exc:
-            log.error("refusing a command", error=str(exc))
-    return out
 
 
 class Run:
@@ -88,12 +77,14 @@ class Run:
                                         world_size=dist.world_size, recent=emitter.recent_steps)
             self.snapshots = Cadence(snaps, every=cfg.spec.train.snapshot_every,
                                      max_overhead=cfg.spec.train.snapshot_max_overhead, off=self._snapshots_off)
-        self.last = LastBoundary(self.snapshots, lambda: self.reporter.step_times, emitter.beat_now) \
+        self.last = LastBoundary(self.snapshots, lambda: self.reporter.step_times, emitter.beat_now,
+                                 leave=lambda: self._die(STOPPED_EXIT)) \
             if self.snapshots and self.device.type == "cpu" else None  # what a failed step can still snapshot
         self.restored_from = ""
         self.saved_at: int | None = None  # the boundary whose state is already checkpointed
         self.paused = False
         self.sigterm = False
+        self._dying = threading.Lock()  # one thread leaves the process: the main one, or the SIGTERM watcher
         self.restored = False
         self.finished = False  # the step loop ended or stopped cleanly: the process group may be torn down
         self.stepping = False  # steps() was entered
@@ -307,7 +298,9 @@ class Run:
             faults.corrupt(self.state.model, self.faults.spec(index).factor or faults.CORRUPT_SCALE)
 
     def _die(self, code: int) -> NoReturn:
-        """Leave at once, as a killed process would, once what was emitted is flushed."""
+        """Leave at once, flushed first, as a killed process would; a second thread on its way out waits for it."""
+        if not self._dying.acquire(blocking=False):
+            threading.Event().wait()
         self.emitter.close(timeout=3.0)
         os._exit(code)
 

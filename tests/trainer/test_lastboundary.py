@@ -17,7 +17,7 @@ import torch
 from flightdeck.events import snapshot as fmt
 from flightdeck.events.checkpoint import DataPosition
 from flightdeck.trainer import checkpointing, distributed, snapshots
-from flightdeck.trainer.lastboundary import LastBoundary
+from flightdeck.trainer.lastboundary import STUCK_WAIT_MAX_S, LastBoundary
 from flightdeck.trainer.snapshotting import Cadence
 from flightdeck.trainer.state import TrainState
 
@@ -177,6 +177,36 @@ def test_sigterm_while_stuck_in_a_step_snapshots_its_last_boundary(tmp_path: Pat
         time.sleep(0.05)
     assert r.last.taken == 2
     assert_holds(newest(tmp_path / "snaps")[1], at_boundary, 2)
+
+
+@pytest.mark.parametrize("moves_again", [False, True])
+def test_a_rank_still_stuck_after_its_snapshot_leaves_and_one_whose_loop_moves_again_does_not(
+        tmp_path: Path, watched: list[LastBoundary], moves_again: bool) -> None:
+    """Its agent persists the snapshot once it exits, and SIGKILLs it only after its grace (30 s by default): a
+    hang's restart waited that long for the stuck peers' snapshots. Still stuck a while after the snapshot, it
+    leaves (Run: exit 75, flushed); a loop that moves again goes on to its boundary's checkpoint instead."""
+    r = Rank(tmp_path / "snaps")
+    left: list[float] = []
+    r.last.leave = lambda: left.append(time.monotonic())
+    r.run_steps(2)
+    r.boundary()
+    r.forward_backward()
+    r.last.watch_sigterm()
+    watched.append(r.last)
+    os.kill(os.getpid(), signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while r.last.taken is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    taken = time.monotonic()
+    assert r.last.taken == 2
+    if moves_again:
+        r.opt.step()  # the collective it waited in came back: the loop goes on
+    while not left and time.monotonic() < taken + 5:
+        time.sleep(0.05)
+    if moves_again:
+        assert left == []
+    else:
+        assert len(left) == 1 and left[0] - taken >= STUCK_WAIT_MAX_S * 0.9  # stuck a while longer first
 
 
 def test_sigterm_while_the_loop_moves_leaves_the_checkpoint_to_its_boundary(tmp_path: Path,
