@@ -198,6 +198,11 @@ class Checkpointer:
         self.timeline += 1
         return self.timeline
 
+    @property
+    def writing(self) -> bool:
+        """A background write is under way."""
+        return self._thread is not None and self._thread.is_alive()
+
     def wait(self) -> None:
         """Block until the background write is done; raise if it failed."""
         if self._thread is not None:

@@ -78,7 +78,7 @@ class Run:
             self.snapshots = Cadence(snaps, every=cfg.spec.train.snapshot_every,
                                      max_overhead=cfg.spec.train.snapshot_max_overhead, off=self._snapshots_off)
         self.last = LastBoundary(self.snapshots, lambda: self.reporter.step_times, emitter.beat_now,
-                                 leave=lambda: self._die(STOPPED_EXIT)) \
+                                 leave=self._leave_stuck) \
             if self.snapshots and self.device.type == "cpu" else None  # what a failed step can still snapshot
         self.restored_from = ""
         self.saved_at: int | None = None  # the boundary whose state is already checkpointed
@@ -87,7 +87,7 @@ class Run:
         self._dying = threading.Lock()  # one thread leaves the process: the main one, or the SIGTERM watcher
         self.restored = False
         self.finished = False  # the step loop ended or stopped cleanly: the process group may be torn down
-        self.stepping = False  # steps() was entered
+        self.stepping = self.looping = False  # steps() was entered; its loop has not ended
         self.ran_all = False  # steps() ran to its last step
         self.failed = False  # an uncaught exception ends the process (exits.fail_hook): its own exit code stands
         self.stopped = False  # told to stop, or SIGTERM: it exits STOPPED_EXIT
@@ -165,6 +165,7 @@ class Run:
         if self.cfg.snapshots_off and self.spec.train.snapshot_every > 0:  # the grant found its node no room
             self._snapshots_off(self.cfg.snapshots_off)
         self.emitter.set_step(self.step - 1)
+        self.looping = True
         while True:
             if self.snapshots is not None:
                 self.snapshots.copied()  # a step without the optimizer's: nothing past here may read a torn copy
@@ -190,6 +191,7 @@ class Run:
             self.reporter.end_step(step, started, self._reported)  # its report goes out now, with its whole time
             self._current = None
             self.step = step + 1
+        self.looping = False
         self.reporter.flush()
         self.ckpt.wait()
         if self.snapshots is not None:
@@ -296,6 +298,11 @@ class Run:
             self._nan = True
         if kind == "corrupt":
             faults.corrupt(self.state.model, self.faults.spec(index).factor or faults.CORRUPT_SCALE)
+
+    def _leave_stuck(self) -> None:
+        """Stuck in a step after a SIGTERM (the watcher): leave as stopped, unless writing a checkpoint or done."""
+        if self.looping and not self.ckpt.writing:
+            self._die(STOPPED_EXIT)
 
     def _die(self, code: int) -> NoReturn:
         """Leave at once, flushed first, as a killed process would; a second thread on its way out waits for it."""

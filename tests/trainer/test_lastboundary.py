@@ -222,3 +222,35 @@ def test_sigterm_while_the_loop_moves_leaves_the_checkpoint_to_its_boundary(tmp_
         time.sleep(0.05)
     assert r.last.taken is None
     assert [h.step for h, _ in fmt.complete_slots(tmp_path / "snaps", "j", 0, 0)] == [0]  # the cadence's own
+
+
+def test_run_leaves_a_stuck_step_only_from_its_loop_and_never_while_a_checkpoint_is_written(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint's write may take longer than the watcher waits, and after the last step the process ends as done
+    once its last write is: neither is left as stopped."""
+    from flightdeck.events.nodelocal import STOPPED_EXIT
+    from tests.trainer.ranks import offline_run
+
+    run, _ = offline_run(tmp_path, {}, steps=4, every=2)
+    died: list[int] = []
+    monkeypatch.setattr(run, "_die", died.append)
+    model = torch.nn.Linear(2, 2)
+    run.register(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    run._leave_stuck()
+    assert died == []  # before the loop
+    steps = run.steps()
+    next(steps)
+    run._leave_stuck()
+    assert died == [STOPPED_EXIT]  # in a step
+    release = threading.Event()
+    run.ckpt._thread = threading.Thread(target=release.wait, daemon=True)
+    run.ckpt._thread.start()
+    run._leave_stuck()
+    assert died == [STOPPED_EXIT]  # a write under way
+    release.set()
+    run.ckpt.wait()
+    for _ in steps:
+        pass
+    run._leave_stuck()
+    assert died == [STOPPED_EXIT]  # every step ran
+    run.close()
