@@ -199,6 +199,21 @@ def test_a_rank_still_stuck_after_its_snapshot_leaves_and_one_whose_loop_moves_a
     assert left == ([] if moves_again else [2])  # it leaves after its snapshot, never before
 
 
+def test_sigterm_while_the_loop_moves_leaves_the_checkpoint_to_its_boundary(tmp_path: Path,
+                                                                            watched: list[LastBoundary]) -> None:
+    r = Rank(tmp_path / "snaps")
+    r.last.step_times = lambda: [0.5]  # steps of 0.5 s: stuck after 1 s without one (it waits twice a step)
+    r.run_steps(2)
+    r.last.watch_sigterm()
+    watched.append(r.last)
+    os.kill(os.getpid(), signal.SIGTERM)
+    for _ in range(60):  # steps keep coming, ~20 a second for 3 s: more than the watcher waits
+        r.run_steps(1)
+        time.sleep(0.05)
+    assert r.last.taken is None
+    assert [h.step for h, _ in fmt.complete_slots(tmp_path / "snaps", "j", 0, 0)] == [0]  # the cadence's own
+
+
 def test_run_leaves_a_stuck_step_only_from_its_loop_and_never_while_a_checkpoint_is_written(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A checkpoint's write may take longer than the watcher waits, and after the last step the process ends as done
