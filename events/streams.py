@@ -10,7 +10,7 @@ import structlog
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, StorageType, StreamConfig
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import BadRequestError, NotFoundError, ServerError
 
 from flightdeck.events.subjects import CONTROL, DEAD, LOGS, STATE, STREAM_SUBJECTS, TELEMETRY
 
@@ -23,13 +23,31 @@ TELEMETRY_MAX_BYTES = 4 * 1024**3
 LOGS_MAX_AGE_S = 3 * 24 * 3600.0  # what ranks printed: kept for postmortems of recent jobs
 LOGS_MAX_BYTES = 1024**3
 _STREAM_NAME_IN_USE = 10058
+_INSUFFICIENT_RESOURCES = 10047  # the server's JetStream store cannot reserve a stream's max_bytes
 REPLICAS_ENV = "FLIGHTDECK_REPLICAS"
 CLUSTER_REPLICAS = 3  # on a cluster: any one server can be lost without losing an acknowledged event
 MAX_REPLICAS = 5  # JetStream's own limit
 
 
-class ServerTooOld(RuntimeError):
+class BrokerRefused(RuntimeError):
+    """The broker answered, and the answer means Flightdeck cannot run on it as it is configured: a setting
+    to change, not an outage to wait out (retrying would be refused again)."""
+
+
+class ServerTooOld(BrokerRefused):
     """The connected nats-server lacks JetStream features Flightdeck's histories rely on."""
+
+
+class StorageRefused(BrokerRefused):
+    """The broker's JetStream store cannot reserve a stream's limits."""
+
+
+def _storage_refused(want: StreamConfig, exc: ServerError) -> StorageRefused:
+    size = f"{want.max_bytes / 1024**3:.2f} GiB" if want.max_bytes and want.max_bytes > 0 else "its limits"
+    return StorageRefused(
+        f"the broker cannot reserve {size} for stream {want.name} ({exc.description}): raise its jetstream "
+        f"max_file_store (unset, it is 75% of the free disk when the server starts) or lower "
+        f"FLIGHTDECK_TELEMETRY_MAX_BYTES / FLIGHTDECK_LOGS_MAX_BYTES")
 
 
 def check_server_version(nc: Client) -> None:
@@ -154,22 +172,30 @@ async def ensure_streams(js: JetStreamContext, replicas: int = 0, *, telemetry_m
         name = want.name
         assert name is not None
         try:
-            have = (await js.stream_info(name)).config
-        except NotFoundError:
-            try:
-                await js.add_stream(want)
-                log.info("stream created", stream=name, replicas=count)
-                done[name] = "created"
-                continue
-            except BadRequestError as exc:
-                if exc.err_code != _STREAM_NAME_IN_USE:
-                    raise
-                have = (await js.stream_info(name)).config  # another process created it first
-        if automatic and (have.num_replicas or 1) > count:
-            want = dataclasses.replace(want, num_replicas=have.num_replicas)
-        changes = _differences(want, have)
-        if changes:
-            await js.update_stream(want)
-            log.info("stream updated", stream=name, changes=changes)
-        done[name] = "updated" if changes else "unchanged"
+            done[name] = await _ensure(js, name, want, count, automatic)
+        except ServerError as exc:
+            if exc.err_code == _INSUFFICIENT_RESOURCES:
+                raise _storage_refused(want, exc) from exc
+            raise
     return done
+
+
+async def _ensure(js: JetStreamContext, name: str, want: StreamConfig, count: int, automatic: bool) -> str:
+    try:
+        have = (await js.stream_info(name)).config
+    except NotFoundError:
+        try:
+            await js.add_stream(want)
+            log.info("stream created", stream=name, replicas=count)
+            return "created"
+        except BadRequestError as exc:
+            if exc.err_code != _STREAM_NAME_IN_USE:
+                raise
+            have = (await js.stream_info(name)).config  # another process created it first
+    if automatic and (have.num_replicas or 1) > count:
+        want = dataclasses.replace(want, num_replicas=have.num_replicas)
+    changes = _differences(want, have)
+    if changes:
+        await js.update_stream(want)
+        log.info("stream updated", stream=name, changes=changes)
+    return "updated" if changes else "unchanged"

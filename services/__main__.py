@@ -8,7 +8,7 @@ from typing import Any
 
 import structlog
 
-from flightdeck.events.streams import ServerTooOld
+from flightdeck.events.streams import BrokerRefused
 from flightdeck.services import registry
 from flightdeck.services.core import Service
 from flightdeck.services.shell.broker import nats_url
@@ -28,7 +28,7 @@ async def _run(service: Service[Any], url: str) -> int:
     log.info("starting", service=service.name, nats=url)
     try:
         await run_service(service, url, stop_event=stop, policy=ConsumerPolicy.from_env())
-    except (PublishDenied, ServerTooOld) as exc:
+    except (PublishDenied, BrokerRefused) as exc:
         log.error("service stopped", service=service.name, error=str(exc))
         return 3
     return 0

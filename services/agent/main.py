@@ -26,7 +26,7 @@ from flightdeck.events.fleet import NodeRegistered, SelfCheckFailed, SelfCheckPa
 from flightdeck.events.job import RankExit
 from flightdeck.events.nodelocal import STEP_REPORTS, STEP_REPORTS_ENV
 from flightdeck.events.store import EventStore
-from flightdeck.events.streams import ServerTooOld
+from flightdeck.events.streams import BrokerRefused
 from flightdeck.services.agent import core as agentcore
 from flightdeck.services.agent import snapshots
 from flightdeck.services.agent.beats import BeatRelay, new_address, store_publisher
@@ -294,7 +294,7 @@ async def run_agent(options: AgentOptions, stop_event: asyncio.Event | None = No
             shell_stop.set()  # no new ranks from here on
             try:
                 await shell
-            except (PublishDenied, ServerTooOld) as exc:
+            except (PublishDenied, BrokerRefused) as exc:
                 log.error("agent stopped", error=str(exc))
                 code = 3
             finally:

@@ -5,7 +5,7 @@ from contextlib import asynccontextmanager
 
 from flightdeck.events.jetstream import JetStreamStore
 from flightdeck.events.store import StoreUnavailable
-from flightdeck.events.streams import ServerTooOld
+from flightdeck.events.streams import BrokerRefused
 from flightdeck.services.shell.security.credentials import CredentialsError, client_options
 from flightdeck.services.tools.cli import UserError, unreachable
 
@@ -19,7 +19,7 @@ async def connect(url: str) -> JetStreamStore:
                                             disconnected_cb=_quiet, error_cb=_ignore, **client_options())
     except StoreUnavailable:
         raise unreachable(url) from None
-    except (ServerTooOld, CredentialsError) as exc:
+    except (BrokerRefused, CredentialsError) as exc:
         raise UserError(str(exc)) from None
 
 

@@ -2,7 +2,9 @@
 
 import asyncio
 import contextlib
+import sys
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import TypeVar
 
 import pytest
@@ -12,8 +14,16 @@ from nats.js.api import DiscardPolicy, StorageType
 from flightdeck.events import subjects
 from flightdeck.events.jetstream import JetStreamStore
 from flightdeck.events.store import StoreUnavailable
-from flightdeck.events.streams import LOGS_MAX_AGE_S, LOGS_MAX_BYTES, ServerTooOld, check_server_version, ensure_streams
+from flightdeck.events.streams import (
+    LOGS_MAX_AGE_S,
+    LOGS_MAX_BYTES,
+    ServerTooOld,
+    StorageRefused,
+    check_server_version,
+    ensure_streams,
+)
 from flightdeck.events.subjects import CONTROL, DEAD, LOGS, STATE, TELEMETRY
+from flightdeck.services.shell import broker as broker_mod
 from flightdeck.services.shell.broker import Broker, free_port
 from tests.conftest import restart_broker
 from tests.contract.store_fixtures import collect, queued, read_all, within
@@ -79,6 +89,27 @@ def test_an_old_server_is_refused_with_a_reason() -> None:
     with pytest.raises(ServerTooOld, match=r"2\.9\.10 is too old: Flightdeck needs 2\.12\.7"):
         check_server_version(OldServer())  # type: ignore[arg-type]
     check_server_version(NewServer())  # type: ignore[arg-type]
+
+
+async def test_a_store_too_small_for_the_streams_is_refused_by_name_not_waited_out(tmp_path: Path) -> None:
+    # JetStream reserves each stream's max_bytes; a server whose store is smaller (set, or 75% of a nearly full
+    # disk when unset) answers "insufficient storage": a setting to change, which retrying would never mend
+    config = tmp_path / "small.conf"
+    config.write_text("jetstream { max_file_store: 2GB }\n")
+    small = broker_mod.start(tmp_path / "nats", config=config)
+    try:
+        with pytest.raises(StorageRefused, match=r"cannot reserve 4\.00 GiB for stream FD_TELEMETRY .*max_file_store"):
+            await JetStreamStore.connect(small.url, request_timeout_s=2.0)
+        store = await JetStreamStore.connect(small.url, request_timeout_s=2.0, telemetry_max_bytes=256 * 1024**2)
+        await store.close()  # with a telemetry limit that fits, the same server serves
+        service = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "flightdeck.services", "scheduler", "--nats", small.url,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        said, _ = await service.communicate()
+        assert service.returncode == 3, said.decode()  # stopped with the reason, not reconnecting forever
+        assert b"cannot reserve 4.00 GiB for stream FD_TELEMETRY" in said
+    finally:
+        small.stop()
 
 
 async def test_no_server_is_store_unavailable() -> None:
