@@ -4,6 +4,7 @@ and the object store it writes segments to.
 Why it works this way: docs/internals.md, "9. The whole history".
 """
 
+import asyncio
 import contextlib
 import os
 from collections.abc import Mapping
@@ -13,7 +14,7 @@ import structlog
 
 from flightdeck.events import subjects
 from flightdeck.events.archive import HistoryArchived
-from flightdeck.events.store import EventStore
+from flightdeck.events.store import EventStore, Stored
 from flightdeck.services.archiver.core import ARCHIVE, Ask, Settings, State, core_service
 from flightdeck.services.core import Emit, Service
 from flightdeck.services.shell.objects import segments
@@ -23,11 +24,18 @@ from flightdeck.services.shell.objects.store import ObjectStore
 log = structlog.get_logger("flightdeck.archiver")
 
 EVERY_ENV = "FLIGHTDECK_ARCHIVE_EVERY_S"
+# A final segment ends once the job's messages have stopped coming for FINAL_QUIET_S: an agent may store a rank's
+# last events after its exit record when the broker is slow, and uploads the final checkpoint after it.
+FINAL_QUIET_S = 5.0
+FINAL_WAIT_MAX_S = 120.0
+_POLL_S = 0.5
 
 
-async def archive(events: EventStore, objects: ObjectStore, ask: Ask) -> list[Emit]:
-    """Read the job's messages in `ask.stream` from `ask.from_seq` to the stream's end, store them as one segment
-    and return its record; nothing when there is nothing new to say (no message, nothing lost, not final)."""
+async def archive(events: EventStore, objects: ObjectStore, ask: Ask, *, quiet_s: float = FINAL_QUIET_S,
+                  wait_max_s: float = FINAL_WAIT_MAX_S) -> list[Emit]:
+    """Read the job's messages in `ask.stream` from `ask.from_seq` to the stream's end (a final segment: until
+    they have stopped coming for `quiet_s`, at most `wait_max_s`), store them as one segment and return its
+    record; nothing when there is nothing new to say (no message, nothing lost, not final)."""
     first, first_at, last = await events.bounds(ask.stream)
     lost_from = lost_to = 0
     if ask.from_seq == 0 and first > 1 and first_at > ask.submitted_at:
@@ -35,11 +43,9 @@ async def archive(events: EventStore, objects: ObjectStore, ask: Ask) -> list[Em
     elif 0 < ask.from_seq < first:
         lost_from, lost_to = ask.from_seq, first - 1
     start = max(ask.from_seq, first, 1)
-    rows = []
-    if last >= start:
-        async for batch in events.read(ask.stream, [segments.job_filter(ask.job_id, ask.stream)], from_seq=start,
-                                       until_seq=last):
-            rows += batch
+    rows = await _read(events, ask, start, last)
+    if ask.final:
+        last = await _settle(events, ask, last, rows, quiet_s, wait_max_s)
     if not rows and not lost_to and not ask.final:
         return []
     first_seq = max(ask.from_seq, 1)
@@ -55,6 +61,35 @@ async def archive(events: EventStore, objects: ObjectStore, ask: Ask) -> list[Em
                              count=len(rows), bytes=len(data), sha256=sha, key=key, lost_from=lost_from,
                              lost_to=lost_to, final=ask.final)
     return [Emit(subjects.job(ask.job_id, "HistoryArchived"), record)]
+
+
+async def _read(events: EventStore, ask: Ask, start: int, last: int) -> list[Stored]:
+    rows: list[Stored] = []
+    if last >= start:
+        async for batch in events.read(ask.stream, [segments.job_filter(ask.job_id, ask.stream)], from_seq=start,
+                                       until_seq=last):
+            rows += batch
+    return rows
+
+
+async def _settle(events: EventStore, ask: Ask, last: int, rows: list[Stored], quiet_s: float,
+                  wait_max_s: float) -> int:
+    """Read on (into `rows`) while the job's messages keep coming; the last sequence read."""
+    loop = asyncio.get_running_loop()
+    began = quiet_since = loop.time()
+    while loop.time() - quiet_since < quiet_s:
+        if loop.time() - began >= wait_max_s:
+            log.warning("final segment taken while the job's messages still come", job_id=ask.job_id,
+                        stream=ask.stream, waited_s=wait_max_s)
+            break
+        await asyncio.sleep(min(_POLL_S, quiet_s))
+        _, _, end = await events.bounds(ask.stream)
+        more = await _read(events, ask, last + 1, end)
+        last = max(last, end)
+        if more:
+            rows += more
+            quiet_since = loop.time()
+    return last
 
 
 class _Stores:

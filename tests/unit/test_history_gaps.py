@@ -65,7 +65,7 @@ async def test_what_aged_out_before_it_was_archived_is_a_gap_by_range(tmp_path: 
 async def test_a_segment_that_cannot_be_read_is_a_gap_with_its_error(tmp_path: Path) -> None:
     store, objects = MemoryStore(), LocalStore(tmp_path)
     await published(store, 3)
-    [first] = [e.event for e in await archive(store, objects, ask(0, final=True))]
+    [first] = [e.event for e in await archive(store, objects, ask(0, final=True), quiet_s=0)]
     (tmp_path / first.key).write_bytes(b"not a segment")  # type: ignore[attr-defined]
     rows, gaps = await stream_rows(store, objects, JOB, subjects.TELEMETRY, [first], 50.0)  # type: ignore[list-item]
     assert [r.seq for r in rows] == [1, 2, 3] and gaps == []  # the stream still holds them: read from there
@@ -76,6 +76,29 @@ async def test_a_segment_that_cannot_be_read_is_a_gap_with_its_error(tmp_path: P
     _, offline = await stream_rows(store, None, JOB, subjects.TELEMETRY, [first], 50.0,  # type: ignore[list-item]
                                    unreadable="the object store s3://x cannot be opened: denied")
     assert "cannot be opened: denied" in offline[0].why
+
+
+async def test_a_final_segment_takes_what_comes_while_the_jobs_messages_still_come(tmp_path: Path) -> None:
+    """An agent may store a rank's last events after its exit record (a slow broker) and its upload report after
+    that: the final segment reads on until the job's messages stop, so none of them is left for age-out alone."""
+    store, objects = MemoryStore(), LocalStore(tmp_path)
+    await published(store, 3)
+    reads, bounds = 0, store.bounds
+
+    async def arriving(stream: str) -> tuple[int, float, int]:  # two more of the job's, one per look, then none
+        nonlocal reads
+        reads += 1
+        if reads in (2, 3):
+            await published(store, 1, at=200.0 + reads)
+            await published(store, 1, job="other", at=300.0 + reads)
+        return await bounds(stream)
+
+    store.bounds = arriving  # type: ignore[method-assign]
+    [final] = [e.event for e in await archive(store, objects, ask(0, final=True), quiet_s=0.05)]
+    assert (final.count, final.last_seq, final.final) == (5, 7, True)  # type: ignore[attr-defined]
+    assert reads >= 4  # it looked again after the last one came, and found the job quiet
+    rows, gaps = await stream_rows(store, objects, JOB, subjects.TELEMETRY, [final], 50.0)  # type: ignore[list-item]
+    assert [r.seq for r in rows] == [1, 2, 3, 4, 6] and gaps == []
 
 
 def test_verify_over_a_history_with_a_gap_says_incomplete_by_range_and_calls_nothing_a_divergence(
