@@ -13,6 +13,7 @@ so an optimizer step that resumes meanwhile waits for the copy rather than tear 
 on CUDA, where no item is settled: TrainState.settled).
 """
 
+import contextlib
 import copy
 import os
 import signal
@@ -61,12 +62,14 @@ class LastBoundary:
         self.taken: int | None = None  # the step of the snapshot taken after a failure
         self._wake: tuple[int, int] | None = None  # the SIGTERM watcher's pipe (read, write)
         self._watcher: threading.Thread | None = None
+        self._relay = -1  # the wakeup fd the rank's own code had set (an asyncio loop's): what arrives goes on to it
 
     def drop(self) -> None:
         """The state is about to change (the optimizer's step, the next boundary): nothing held stands for it."""
         with self.lock:
             self._held = None
             self.moves += 1
+        self._reclaim()
 
     def hold(self, step: int, live: Callable[[], dict[str, Any]], position: DataPosition, world_size: int, *,
              timeline: int, checkpointing_: bool, layout: tuple[int, int, int],
@@ -133,10 +136,27 @@ class LastBoundary:
         self._watcher = threading.Thread(target=self._watch, args=(read,), name="sigterm-watch", daemon=True)
         self._watcher.start()
 
+    def _reclaim(self) -> None:
+        """Take the wakeup fd back where the rank's own code set one (an asyncio loop's signal handlers do: a SIGTERM
+        while stuck then went unseen), relaying to it what arrives. Only the main thread may; its loop calls this
+        every step. Their loop's `set_wakeup_fd(-1)` on close comes before it closes its fd, so a relay found
+        replaced by -1 is dropped before anything could be written to a reused fd number."""
+        if self._wake is None or threading.current_thread() is not threading.main_thread():
+            return
+        was = signal.set_wakeup_fd(self._wake[1], warn_on_full_buffer=False)
+        if was != self._wake[1]:
+            if was >= 0 and was != self._relay:
+                log.info("the rank's code set its own signal wakeup fd: SIGTERM watched again, relayed to it", fd=was)
+            self._relay = was
+
     def unwatch(self) -> None:
-        """Stop watching (the process's wakeup fd goes back to none)."""
+        """Stop watching (the process's wakeup fd goes back to the rank's own, or none)."""
         if self._wake is not None:
-            signal.set_wakeup_fd(-1)
+            was = signal.set_wakeup_fd(-1)
+            back = self._relay if was == self._wake[1] else was  # theirs, whether relayed or set since
+            if back >= 0:
+                with contextlib.suppress(ValueError, OSError):
+                    signal.set_wakeup_fd(back)
             os.close(self._wake[1])
             if self._watcher is not None:
                 self._watcher.join()
@@ -151,6 +171,9 @@ class LastBoundary:
                 return
             if not got:
                 return
+            if self._relay >= 0:
+                with contextlib.suppress(OSError):  # full or gone: their loop's own business
+                    os.write(self._relay, got)
             if signal.SIGTERM in got:
                 self._stuck_or_not()
 

@@ -3,6 +3,7 @@ holds exactly that boundary's state (parameters, optimizer state, the buffers an
 extra), never a state the optimizer's step has written, and an optimizer step that resumes during its copy waits for
 it. On SIGTERM a rank stuck in its step takes it; one still moving leaves it to its boundary."""
 
+import asyncio
 import os
 import signal
 import threading
@@ -177,6 +178,37 @@ def test_sigterm_while_stuck_in_a_step_snapshots_its_last_boundary(tmp_path: Pat
         time.sleep(0.05)
     assert r.last.taken == 2
     assert_holds(newest(tmp_path / "snaps")[1], at_boundary, 2)
+
+
+def test_a_loop_of_the_ranks_own_that_sets_the_wakeup_fd_still_gets_sigterm_and_so_does_the_watcher(
+        tmp_path: Path, watched: list[LastBoundary]) -> None:
+    """Python keeps one signal wakeup fd: an asyncio loop's signal handler set after the watcher's replaced it, and a
+    rank stuck at SIGTERM took no snapshot. The next step takes it back and relays to the loop what arrives."""
+    r = Rank(tmp_path / "snaps")
+    r.last.watch_sigterm()
+    watched.append(r.last)
+    loop = asyncio.new_event_loop()
+    heard = threading.Event()
+    loop.add_signal_handler(signal.SIGTERM, heard.set)  # the rank's code: its loop's self-pipe is the wakeup fd now
+    try:
+        r.run_steps(2)  # its steps take the wakeup fd back
+        at_boundary = r.boundary()
+        at_boundary["extras.0.counter"] = r.counter.n
+        r.forward_backward()
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while r.last.taken is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert r.last.taken == 2  # the watcher heard it
+        assert_holds(newest(tmp_path / "snaps")[1], at_boundary, 2)
+        loop.run_until_complete(asyncio.wait_for(loop.run_in_executor(None, heard.wait, 30), 30))
+        assert heard.is_set()  # ... and so did the rank's own loop, relayed
+        r.last.unwatch()
+        assert signal.set_wakeup_fd(-1) == loop._csock.fileno()  # type: ignore[attr-defined]  # its own fd back
+        signal.set_wakeup_fd(loop._csock.fileno())  # type: ignore[attr-defined]
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+        loop.close()
 
 
 @pytest.mark.parametrize("moves_again", [False, True])
