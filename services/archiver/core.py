@@ -21,14 +21,22 @@ from flightdeck.services.shell.objects.segments import ARCHIVED
 NAME = "archiver"
 ARCHIVE = "archive"
 CONTROL_TYPES = ("JobSubmitted", "JobCompleted", "JobFailed", "JobCancelled", "HistoryArchived")
-# An ended job's ranks and agents may still be sending their last lines and steps: its final segment waits this long.
+# An ended job's ranks and agents may still be sending their last lines and steps: its final segment waits this long,
+# and its read then goes on until the job's messages have stopped coming for FINAL_QUIET_S, FINAL_READ_MAX_S at most
+# (service.py); a final ask is repeated only once that read must have ended (FINAL_WAIT_S), so no two overlap.
 SETTLE_S = 10.0
+FINAL_QUIET_S = 5.0
+FINAL_READ_MAX_S = 120.0
+FINAL_WAIT_S = FINAL_READ_MAX_S + 30.0
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """What the core decides with: recorded by the shell as CoreConfigured and folded from it."""
 
     every_s: float = 300.0  # a running job's new telemetry and output are archived at least this often
+    # a final ask whose record has not come is asked again after this (at least every_s); 0 in histories recorded
+    # before the final read waited for quiet: every_s then
+    final_wait_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.every_s > 0:
@@ -93,9 +101,10 @@ def _due(state: State, now: float) -> tuple[State, list[Output]]:
     for job_id, job in sorted(state.jobs.items()):
         final = bool(job.ended_at) and now >= job.ended_at + SETTLE_S
         streams = dict(job.streams)
+        again = max(every, state.settings.final_wait_s) if final else every
         for stream in ARCHIVED:
             pos = _position(job, stream)
-            if pos.done or now - pos.asked_at < every or (job.ended_at and not final):
+            if pos.done or now - pos.asked_at < again or (job.ended_at and not final):
                 continue
             out.append(Effect(ARCHIVE, Ask(job_id=job_id, stream=stream, from_seq=pos.next_seq, final=final,
                                            submitted_at=job.submitted_at)))
@@ -132,7 +141,7 @@ def wants_tick(state: State, now: float) -> bool:
 
 def core_service(effects: Mapping[str, EffectHandler], *, every_s: float = Settings().every_s, tick_s: float = 5.0,
                  bind: Callable[[EventStore], None] | None = None) -> Service[State]:
-    settings = Settings(every_s=every_s)
+    settings = Settings(every_s=every_s, final_wait_s=FINAL_WAIT_S)
     return Service(
         name=NAME,
         initial=State(settings=settings),

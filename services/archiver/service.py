@@ -15,7 +15,15 @@ import structlog
 from flightdeck.events import subjects
 from flightdeck.events.archive import HistoryArchived
 from flightdeck.events.store import EventStore, Stored
-from flightdeck.services.archiver.core import ARCHIVE, Ask, Settings, State, core_service
+from flightdeck.services.archiver.core import (
+    ARCHIVE,
+    FINAL_QUIET_S,
+    FINAL_READ_MAX_S,
+    Ask,
+    Settings,
+    State,
+    core_service,
+)
 from flightdeck.services.core import Emit, Service
 from flightdeck.services.shell.objects import segments
 from flightdeck.services.shell.objects.open import objects_url, open_store
@@ -24,18 +32,16 @@ from flightdeck.services.shell.objects.store import ObjectStore
 log = structlog.get_logger("flightdeck.archiver")
 
 EVERY_ENV = "FLIGHTDECK_ARCHIVE_EVERY_S"
-# A final segment ends once the job's messages have stopped coming for FINAL_QUIET_S: an agent may store a rank's
-# last events after its exit record when the broker is slow, and uploads the final checkpoint after it.
-FINAL_QUIET_S = 5.0
-FINAL_WAIT_MAX_S = 120.0
-_POLL_S = 0.5
+_POLL_S = 0.5  # how often a final segment's read looks for more of the job's messages
 
 
 async def archive(events: EventStore, objects: ObjectStore, ask: Ask, *, quiet_s: float = FINAL_QUIET_S,
-                  wait_max_s: float = FINAL_WAIT_MAX_S) -> list[Emit]:
+                  wait_max_s: float = FINAL_READ_MAX_S) -> list[Emit]:
     """Read the job's messages in `ask.stream` from `ask.from_seq` to the stream's end (a final segment: until
-    they have stopped coming for `quiet_s`, at most `wait_max_s`), store them as one segment and return its
-    record; nothing when there is nothing new to say (no message, nothing lost, not final)."""
+    they have stopped coming for `quiet_s`, at most `wait_max_s`: an agent may store a rank's last events after
+    its exit record when the broker is slow, and reports the final checkpoint's upload after it), store them as
+    one segment and return its record; nothing when there is nothing new to say (no message, nothing lost, not
+    final)."""
     first, first_at, last = await events.bounds(ask.stream)
     lost_from = lost_to = 0
     if ask.from_seq == 0 and first > 1 and first_at > ask.submitted_at:

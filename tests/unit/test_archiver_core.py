@@ -8,7 +8,15 @@ from flightdeck.events.clock import ClockTick, CoreConfigured
 from flightdeck.events.job import JobCompleted, JobSubmitted
 from flightdeck.events.spec import JobSpec
 from flightdeck.events.subjects import LOGS, TELEMETRY
-from flightdeck.services.archiver.core import ARCHIVE, SETTLE_S, Ask, State, core_service
+from flightdeck.services.archiver.core import (
+    ARCHIVE,
+    FINAL_READ_MAX_S,
+    FINAL_WAIT_S,
+    SETTLE_S,
+    Ask,
+    State,
+    core_service,
+)
 from flightdeck.services.core import Effect
 
 SERVICE = core_service({ARCHIVE: lambda args: None}, every_s=60.0)  # type: ignore[dict-item]
@@ -55,6 +63,8 @@ def test_an_ended_job_gets_its_final_segments_once_settled_then_is_forgotten() -
     state, asks = fold([tick(170.0 + SETTLE_S)], state)
     assert [(a.stream, a.from_seq, a.final) for a in asks] == [(TELEMETRY, 501, True), (LOGS, 0, True)]
     state, asks = fold([record(TELEMETRY, 501, 900, final=True), tick(170.0 + SETTLE_S + 61)], state)
+    assert asks == []  # its read may go on while the job's messages still come: not asked again meanwhile
+    state, asks = fold([tick(170.0 + SETTLE_S + FINAL_WAIT_S)], state)
     assert [(a.stream, a.final) for a in asks] == [(LOGS, True)]  # its record never came: asked again
     state, _ = fold([record(LOGS, 1, 40, final=True)], state)
     assert state.jobs == {} and state.done == {"j"}
@@ -70,3 +80,20 @@ def test_the_same_inputs_decide_the_same_and_recorded_settings_are_folded_back()
     state, asks = fold([slow, JobSubmitted(job_id="j", spec=JobSpec(name="j"), event_id="s", occurred_at=100.0),
                         tick(400.0)])
     assert state.settings.every_s == 600.0 and asks == []
+
+
+def test_a_final_ask_is_repeated_only_after_its_read_must_have_ended_and_old_histories_replay_as_they_ran() -> None:
+    """A final segment's read goes on until the job's messages stop (FINAL_READ_MAX_S at most): asked again every
+    `every_s` (1 s in a drill) meanwhile, two reads overlapped and stored the same messages twice. Histories whose
+    recorded settings predate it asked again after `every_s`, and replay so."""
+    assert FINAL_WAIT_S > FINAL_READ_MAX_S
+    for settings, again in (({"every_s": 1.0, "final_wait_s": FINAL_WAIT_S}, FINAL_WAIT_S), ({"every_s": 1.0}, 1.0)):
+        state, _ = fold([CoreConfigured(service="archiver", settings=settings),
+                         JobSubmitted(job_id="j", spec=JobSpec(name="j"), event_id="s", occurred_at=100.0),
+                         JobCompleted(job_id="j", steps=10, event_id="c", occurred_at=170.0)])
+        state, asks = fold([tick(170.0 + SETTLE_S)], state)
+        assert [a.final for a in asks] == [True, True]
+        state, asks = fold([tick(170.0 + SETTLE_S + again - 0.5)], state)
+        assert asks == [], settings
+        _, asks = fold([tick(170.0 + SETTLE_S + again)], state)
+        assert [a.final for a in asks] == [True, True], settings
