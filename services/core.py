@@ -61,7 +61,8 @@ class Service(Generic[S]):
     telemetry_subjects: tuple[str, ...] = ()  # filters on FD_TELEMETRY, folded at ticks
     tick_s: float = 1.0
     # Telemetry types whose arrival brings the next tick forward (to PROMPT_S after it), so that what they
-    # start is decided within a fraction of `tick_s` without ticking that often when nothing comes.
+    # start is decided within a fraction of `tick_s` without ticking that often when nothing comes; such a tick
+    # comes even where `wants_tick` says no by then.
     prompt_types: frozenset[str] = frozenset()
     wants_tick: Callable[[S, float], bool] = field(default=lambda state, now: True)
     effects: Mapping[str, EffectHandler] = field(default_factory=dict)

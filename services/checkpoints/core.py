@@ -57,7 +57,8 @@ DELETE = "delete"
 THROWN_AWAY = "thrown away by a rollback"  # CheckpointDeleted.reason, beside the default "retention"
 REJECTED = "rejected: found bad on restore"  # ... and a checkpoint a node agent found bad (CheckpointRejected)
 SCRUBBED_BAD = "found bad by a scrub of the store"  # ... and one the scrubber found bad (CheckpointScrubbed)
-LINGER_S = 30.0  # after a completion, the longest the service keeps ticking for the final step's set
+LINGER_S = 30.0  # after a completion, the longest the service ticks unasked for the final step's set (a later
+# upload report still brings a tick of its own: Service.prompt_types)
 
 
 def retention(job: JobState) -> tuple[JobState, tuple[str, ...]]:

@@ -348,7 +348,7 @@ class Shell:
 
     async def _ticker(self) -> None:
         """Record time for the core: a ClockTick every `tick_s` while the core wants one, at most one in flight;
-        sooner (PROMPT_S after it) when telemetry of one of the core's `prompt_types` arrives."""
+        sooner (PROMPT_S after it) when telemetry of one of the core's `prompt_types` arrives, wanted or not."""
         while not self.stop.is_set():
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.service.tick_s):  # not wait_for: on 3.11 it can swallow a cancel
@@ -358,8 +358,11 @@ class Shell:
             self._reconnected(now)
             if self.tick_in_flight:
                 continue  # a prompt stays set: the next tick follows this one's fold
+            prompted = self.tap.prompted.is_set()
             self.tap.prompted.clear()
-            if not self.service.wants_tick(self.folder.state, now):
+            # A prompt is telemetry the core asked to hear of: folded even where the core wants no ticks by now (a
+            # final checkpoint's upload reported after the checkpoint service's linger waited for something else).
+            if not prompted and not self.service.wants_tick(self.folder.state, now):
                 continue
             # Not the folder's position: an input folded whose outputs are still being stored is not done yet.
             positions = {subjects.CONTROL: self.stored_seq}

@@ -232,13 +232,18 @@ async def test_telemetry_is_folded_in_the_recorded_order_across_a_restart(nats_s
     assert [comparable(o.event) for o in replayed] == [comparable(e) for e in live]
 
 
-async def test_a_prompting_message_is_folded_at_a_tick_it_brings_forward(nats_server: broker_mod.Broker) -> None:
-    # the service ticks once a minute; the test's 60 s timeout passes first unless the message brings a tick
+@pytest.mark.parametrize("build", [toy_service.build_prompted, toy_service.build_prompted_idle])
+async def test_a_prompting_message_is_folded_at_a_tick_it_brings_forward(
+        nats_server: broker_mod.Broker, build: Callable[[], Service[Any]]) -> None:
+    # the service ticks once a minute; the test's 60 s timeout passes first unless the message brings a tick. One
+    # whose core wants no ticks by now is prompted all the same: a final checkpoint's upload reported past the
+    # checkpoint service's linger was folded only when something else brought a tick.
+    name = build().name
     step = StepCompleted(job_id="pr", rank=0, step=7, loss=1.0, grad_norm=1.0, lr=0.1, tokens_per_s=1.0,
                          step_time_s=0.1, event_id="pr-0-7", occurred_at=7.0)
     async with bus_at(nats_server.url) as bus:
-        task, stop = start(toy_service.build_prompted, nats_server.url)
-        await eventually(lambda: _configured(bus, "toyprompt"), 20, "the service to start")
+        task, stop = start(build, nats_server.url)
+        await eventually(lambda: _configured(bus, name), 20, "the service to start")
         await bus.store.append(subjects.telemetry("pr", 0, "StepCompleted"), step, msg_id=step.event_id)
 
         async def folded() -> bool:
@@ -246,7 +251,7 @@ async def test_a_prompting_message_is_folded_at_a_tick_it_brings_forward(nats_se
         await eventually(folded, 40, "the step to be folded")
         await stop_service(task, stop)
         control = await read_all(bus.store, subjects.CONTROL)
-    ticks = [s.event for s in control if isinstance(s.event, ClockTick) and s.event.service == "toyprompt"]
+    ticks = [s.event for s in control if isinstance(s.event, ClockTick) and s.event.service == name]
     (answer,) = [s.event for s in control if isinstance(s.event, CheckpointRequested)]
     assert len(ticks) == 1 and answer.causation_id == "pr-0-7"  # one tick, brought forward by the message
 

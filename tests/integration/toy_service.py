@@ -88,6 +88,11 @@ def build_prompted() -> Service[Tally]:
                    prompt_types=frozenset({"StepCompleted"}))
 
 
+def build_prompted_idle() -> Service[Tally]:
+    """Prompted, and wanting no tick of its own (as the checkpoint service once a completed job's linger passed)."""
+    return replace(build_prompted(), name="toyidle", wants_tick=lambda state, now: False)
+
+
 async def _stamp(job_id: str) -> list[Emit]:
     """An effect: I/O the shell runs live (never in a replay) and whose outcome it records."""
     await asyncio.sleep(0.05)

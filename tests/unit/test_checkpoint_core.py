@@ -166,7 +166,7 @@ def test_a_completed_job_still_commits_what_its_ranks_staged_before_exiting() ->
                        JobCompleted(job_id=JOB, steps=60, occurred_at=100.0)])
     assert commits(outs) == []
     assert svc.wants_tick(state, 101.0), "the final step's set is due: keep folding telemetry"
-    assert not svc.wants_tick(state, 100.0 + core.LINGER_S), "but not forever"
+    assert not svc.wants_tick(state, 100.0 + core.LINGER_S), "but not forever (a later report prompts its own)"
     state, outs = run([staged(1, 50, 2), staged(1, 60, 2), staged(0, 70, 2, attempt=1)], state)
     assert [(a.step, a.attempt) for a in commits(outs)] == [(50, 0), (60, 0)]  # nothing from another attempt
     assert not svc.wants_tick(state, 101.0)

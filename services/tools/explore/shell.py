@@ -42,6 +42,7 @@ class SimShell:
         self.caught_up = False
         self.tick_in_flight = 0
         self.last_tick_at = -1e9
+        self.prompt_seen = 0  # telemetry rows looked at for the core's prompt_types
         self.crash_at: str = ""  # the crash point the next input meets
         self.lose_ack = False
         self.stale_start = False  # the next start's consumer reply is stale
@@ -72,6 +73,7 @@ class SimShell:
             self.generation = loaded.head.generation + 1
             await self._check_against_refold(loaded)
         self.stored_seq, self.caught_up, self.tick_in_flight, self.up = self.folder.control_seq, False, 0, True
+        self.prompt_seen = len(self.broker.telemetry())
         self.num_starts += 1
         mid = f"{self.name}:configured:{self.ids()}"
         await self.store.append(self.folder.clock_subject, CoreConfigured(
@@ -87,8 +89,8 @@ class SimShell:
         now = self.now()
         if self.tick_in_flight or now - self.last_tick_at < self.service.tick_s:
             return
-        if not self.service.wants_tick(self.folder.state, now):
-            return
+        if not self._prompted() and not self.service.wants_tick(self.folder.state, now):
+            return  # as live: a prompt ticks whether or not the core wants ticks by now
         positions = {subjects.CONTROL: self.stored_seq}
         if self.service.telemetry_subjects:
             positions[subjects.TELEMETRY] = len(self.broker.telemetry())
@@ -99,6 +101,12 @@ class SimShell:
         self.last_tick_at = now
         if res.seq > self.folder.control_seq:
             self.tick_in_flight = res.seq
+
+    def _prompted(self) -> bool:
+        rows = self.broker.telemetry()
+        new, self.prompt_seen = rows[self.prompt_seen:], len(rows)
+        kinds = self.service.prompt_types
+        return bool(kinds) and any(r.subject.rsplit(".", 1)[-1] in kinds for r in new)
 
     async def turn(self, budget: int = 4) -> None:
         """Take up to `budget` inputs, as the live shell would in that time."""
