@@ -61,13 +61,16 @@ LINGER_S = 30.0  # after a completion, the longest the service ticks unasked for
 # upload report still brings a tick of its own: Service.prompt_types)
 
 
-def retention(job: JobState) -> tuple[JobState, tuple[str, ...]]:
+def retention(job: JobState, by_step: bool = True) -> tuple[JobState, tuple[str, ...]]:
     """Doom every live checkpoint that is neither among the newest `keep` good ones a rollback left standing, nor
     held, nor older than a held one (a restore not yet confirmed may have to fall back past its target). A rejected
-    checkpoint does not count as one of them: the last good one is always kept."""
+    checkpoint does not count as one of them: the last good one is always kept. Newest: by step (`by_step`,
+    Settings.retention), else in commit order."""
     live = [c for c in job.committed if c.checkpoint_id not in job.doomed]
     standing = [c for c in live if not thrown_away(job.forks, c.attempt, c.timeline, c.step)
                 and c.checkpoint_id not in job.bad]
+    if by_step:
+        standing.sort(key=lambda c: c.step)  # stable: equal steps stay in commit order, as lineage.newest takes them
     held = [c.step for c in live if c.checkpoint_id in job.holds]
     keep = {c.checkpoint_id for c in standing[-job.keep:]} | set(job.holds)
     if held:
@@ -240,7 +243,7 @@ def _evolve_job(job: JobState, ev: Event, settings: Settings, lost: frozenset[st
             job = replace(job, ended=True, staging={}, holds={})
         case _:
             return job, NOTHING_DUE
-    job, doomed = retention(job)
+    job, doomed = retention(job, settings.retention == "steps")
     return job, Due(doomed=doomed)
 
 
@@ -317,7 +320,7 @@ def core_service(effects: dict[str, EffectHandler], *, scrub_every_s: float = 0.
     """The checkpoint service's core wired to its effect handlers ("commit", "delete", and "scrub" when
     `scrub_every_s` > 0; see uploader.py and scrubber.py)."""
     settings = Settings(scrub_every_s=scrub_every_s, scrub_mb_s=scrub_mb_s, shards_from="agents",
-                        announce_pending="yes", settle_on_exits="yes", supersede="parked")
+                        announce_pending="yes", settle_on_exits="yes", supersede="parked", retention="steps")
     missing = {COMMIT, DELETE, *([SCRUB] if scrub_every_s > 0 else [])} - set(effects)
     if missing:
         raise ValueError(f"the checkpoint service needs effect handlers for {sorted(missing)}")
@@ -334,5 +337,5 @@ def core_service(effects: dict[str, EffectHandler], *, scrub_every_s: float = 0.
         detached=frozenset({SCRUB}),
         settings=msgspec.structs.asdict(settings),
         unrecorded=msgspec.structs.asdict(replace(settings, shards_from="staging", announce_pending="no",
-                                                  settle_on_exits="no", supersede="no")),
+                                                  settle_on_exits="no", supersede="no", retention="commits")),
     )

@@ -30,6 +30,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # end a restart's wait first: JobState.memory_handed); "parked": and an older one waits staged until the newer
     # one is handed over or fails (settle.py). "no"/"yes" for histories recorded before, so they still verify.
     supersede: Literal["no", "yes", "parked"] = "no"
+    # Which `keep` are the newest: "steps" ranks them as a restart picks its checkpoint (lineage.newest: the
+    # highest steps, ties in commit order), so sets committed out of order (their uploads finished so) never cost
+    # a newer step or the restart's own target; "commits" (commit order) for histories recorded before.
+    retention: Literal["commits", "steps"] = "commits"
 
     def __post_init__(self) -> None:
         if not (self.scrub_every_s >= 0 and self.scrub_mb_s > 0):

@@ -56,7 +56,8 @@ def submitted(keep: int, job: str = JOB) -> JobSubmitted:
     return JobSubmitted(job_id=job, spec=JobSpec(name="llm", policy=PolicySpec(keep_checkpoints=keep)))
 
 
-LIVE = State(settings=Settings(shards_from="agents", settle_on_exits="yes", supersede="parked"))  # as the service runs
+LIVE = State(settings=Settings(shards_from="agents", settle_on_exits="yes", supersede="parked",  # as the service runs
+                               retention="steps"))
 
 
 def stored(ev: CheckpointStaged, *, ranks: list[int] | None = None, failed: str = "") -> ShardsUploaded:
@@ -181,6 +182,20 @@ def test_a_completed_job_whose_last_step_is_no_checkpoint_stops_ticking() -> Non
 
 async def _nothing(args: object) -> list[Emit]:
     return []
+
+
+def test_retention_ranks_by_step_as_a_restart_does_whatever_order_the_commits_came_in() -> None:
+    """Uploads that finish out of order commit out of order (a loaded CI run: 5, 15, 10, 25, 20, 30). In commit
+    order retention kept step 20 over 25; with keep 1 and a late commit of an older step it would delete the
+    highest step, the one a restart restores (lineage.newest). Histories recorded before replay commit order."""
+    order = [5, 15, 10, 25, 20, 30]
+    _, outs = run([submitted(keep=2)] + [committed(s) for s in order])
+    assert deleted(outs) == [checkpoint_id(0, s) for s in (5, 10, 15, 20)]
+    _, outs = run([submitted(keep=1), committed(30), committed(25)])
+    assert deleted(outs) == [checkpoint_id(0, 25)]  # never the restart's target
+    recorded = State(settings=msgspec.structs.replace(LIVE.settings, retention="commits"))
+    _, outs = run([submitted(keep=2)] + [committed(s) for s in order], recorded)
+    assert deleted(outs) == [checkpoint_id(0, s) for s in (5, 15, 10, 25)]
 
 
 def test_retention_keeps_the_newest_k_and_deletes_each_once() -> None:
