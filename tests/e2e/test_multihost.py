@@ -112,13 +112,13 @@ async def test_two_hosts_sharing_nothing_lose_one_and_the_job_restores_from_s3_o
     # (a set persisted from memory after the loss holds the survivor's replica alone: n2's memory went with it)
     expected = [("n1", (0,), "")] if restored.from_memory else [("n1", (0,), ""), ("n2", (1,), "")]
     assert sorted((e.node, tuple(e.ranks), e.failed) for e in reports) == expected
-    # What retention left in S3: the newest `keep_checkpoints` (3) commits in the order recorded, whatever the restore
-    # point (a restore from memory near the end leaves older ones of both hosts among them); those after the loss
-    # n1's alone. The final one can commit after JobCompleted (its manifest is written before its record).
+    # What retention left in S3: the `keep_checkpoints` (3) highest steps, as a restart ranks them, whatever the
+    # restore point (a restore from memory near the end leaves older ones of both hosts among them); those after the
+    # loss n1's alone. The final one can commit after JobCompleted (its manifest is written before its record).
     await p.until(lambda: any(e.attempt == final.attempt and e.step == 40 for e in p.seen(CheckpointCommitted, JOB)),
                   60, "the final checkpoint's commit", JOB)
     recorded = p.seen(CheckpointCommitted, JOB)
-    newest = sorted(e.checkpoint_id for e in recorded[-3:])
+    newest = sorted(e.checkpoint_id for e in sorted(recorded, key=lambda e: e.step)[-3:])  # stable: ties by commit
 
     async def retained() -> bool:
         return await p.objects.manifests(JOB) == newest
