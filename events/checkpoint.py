@@ -100,8 +100,9 @@ class CheckpointFailed(JobEvent, frozen=True, kw_only=True):
 
 
 class CheckpointRejected(JobEvent, frozen=True, kw_only=True):
-    """A committed checkpoint found bad when a restart was to restore it (a shard's size or sha256 differs from
-    its manifest, a file or the manifest is missing): never loaded. Restarts fall back to the newest good one."""
+    """A node's agent found a committed checkpoint bad when a restart was to restore it (a shard's size or sha256
+    differs from its manifest, a file or the manifest is missing): never loaded. One node's claim: the checkpoint
+    service reads the store itself (CheckpointScrubbed with `claim_node`), and only that read makes it bad."""
 
     checkpoint_id: str
     step: int
@@ -124,13 +125,19 @@ class CheckpointRefused(RankEvent, frozen=True, kw_only=True):
 class CheckpointScrubbed(JobEvent, frozen=True, kw_only=True):
     """The checkpoint service read a committed checkpoint back from the store (its manifest's sha256, every
     shard's size and sha256), at a bounded rate. `cause` "" means all matched; else it says which file differs
-    and how, and the checkpoint is bad: never restored, deleted, not counted among the ones kept."""
+    and how, and the checkpoint is bad: never restored, deleted, not counted among the ones kept.
+
+    A read asked by a node's claim (CheckpointRejected, CheckpointRefused) names that node in `claim_node`: one
+    node's failed read is no verdict on the checkpoint (the node may see another store, or none), so this read by
+    a second witness is. Found intact, the claiming node is the suspect (the resource manager cordons it)."""
 
     checkpoint_id: str
     step: int
     bytes: int  # read back
     seconds: float
     cause: str = ""
+    claim_node: str = ""  # the node whose claim asked for this read ("" for a scrub on the service's own schedule)
+    claim_cause: str = ""  # ... and what that node said it found
 
 
 class CheckpointDeleted(JobEvent, frozen=True, kw_only=True):

@@ -226,10 +226,13 @@ def _committed(state: State, ev: CheckpointCommitted) -> Transition:
 
 
 def _gone(state: State, ev: CheckpointDeleted | CheckpointRejected) -> Transition:
-    """A deleted checkpoint, or one found bad (here or on another node), leaves the catalog and the cache (the
-    scheduler, reading the same news, never chooses it for a restore)."""
+    """A deleted checkpoint leaves the catalog and the cache (the scheduler, reading the same news, never chooses
+    it for a restore). One this node found bad leaves them too (its copy may be what is bad); another node's claim
+    is that node's word only: the checkpoint service reads the store and deletes it if the claim holds."""
     view = state.jobs.get(ev.job_id)
     if view is None or not any(c.checkpoint_id == ev.checkpoint_id for c in view.checkpoints):
+        return state, ()
+    if isinstance(ev, CheckpointRejected) and ev.node != state.node:
         return state, ()
     after = msgspec.structs.replace(view, checkpoints=tuple(c for c in view.checkpoints
                                                              if c.checkpoint_id != ev.checkpoint_id))

@@ -37,9 +37,10 @@ from flightdeck.events.job import (
 from flightdeck.events.lineage import forked, thrown_away
 from flightdeck.events.training import RankStarted, RolledBack
 from flightdeck.services.checkpoints import settle
-from flightdeck.services.checkpoints.scrubs import SCRUB, next_scrub, scrub_due
+from flightdeck.services.checkpoints.scrubs import SCRUB, add_claim, answered, claims_due, next_scrub, scrub_due
 from flightdeck.services.checkpoints.state import (
     NOTHING_DUE,
+    Claim,
     Committed,
     DeleteArgs,
     Due,
@@ -55,7 +56,9 @@ SERVICE = "checkpoints"
 COMMIT = "commit"
 DELETE = "delete"
 THROWN_AWAY = "thrown away by a rollback"  # CheckpointDeleted.reason, beside the default "retention"
-REJECTED = "rejected: found bad on restore"  # ... and a checkpoint a node agent found bad (CheckpointRejected)
+REJECTED = "rejected: found bad on restore"  # ... and a checkpoint a node agent found bad (Settings.claims "trust")
+# ... and one a node claimed bad that the service's own read of the store found bad too (Settings.claims "verify")
+CONFIRMED = "found bad on restore by a node, and by the checkpoint service's read of the store"
 SCRUBBED_BAD = "found bad by a scrub of the store"  # ... and one the scrubber found bad (CheckpointScrubbed)
 LINGER_S = 30.0  # after a completion, the longest the service ticks unasked for the final step's set (a later
 # upload report still brings a tick of its own: Service.prompt_types)
@@ -207,9 +210,9 @@ def _evolve_job(job: JobState, ev: Event, settings: Settings, lost: frozenset[st
         case CheckpointDeleted():
             return replace(job, committed=tuple(c for c in job.committed if c.checkpoint_id != ev.checkpoint_id),
                            doomed=job.doomed - {ev.checkpoint_id}), NOTHING_DUE
-        case CheckpointRejected() | CheckpointRefused():  # found bad: never kept as a good one, nor held
-            job = replace(job, bad={**job.bad, ev.checkpoint_id: REJECTED},
-                          holds={k: v for k, v in job.holds.items() if k != ev.checkpoint_id})
+        case CheckpointRejected() | CheckpointRefused():  # one node's claim: not held, read back (transition)
+            bad = {**job.bad, ev.checkpoint_id: REJECTED} if settings.claims == "trust" else job.bad
+            job = replace(job, bad=bad, holds={k: v for k, v in job.holds.items() if k != ev.checkpoint_id})
         case CheckpointScrubbed():
             found = next((c for c in job.committed if c.checkpoint_id == ev.checkpoint_id), None)
             if found is None or ev.checkpoint_id in job.doomed:  # deleted while it was read: nothing to learn
@@ -218,7 +221,7 @@ def _evolve_job(job: JobState, ev: Event, settings: Settings, lost: frozenset[st
             job = replace(job, committed=tuple(checked if c is found else c for c in job.committed))
             if not ev.cause:
                 return job, NOTHING_DUE
-            job = replace(job, bad={**job.bad, ev.checkpoint_id: SCRUBBED_BAD})
+            job = replace(job, bad={**job.bad, ev.checkpoint_id: CONFIRMED if ev.claim_node else SCRUBBED_BAD})
         case JobSubmitted():
             return replace(job, keep=ev.spec.policy.keep_checkpoints, every=ev.spec.train.checkpoint_every), NOTHING_DUE
         case RollbackRequested():
@@ -262,6 +265,9 @@ def transition(state: State, ev: Event) -> tuple[State, Sequence[Output]]:
             return replace(state, jobs={**state.jobs, exited_job: job}), outs
         case WorkersExited():
             return state, ()
+        case CheckpointRejected() | CheckpointRefused() if state.settings.claims == "verify":
+            state = add_claim(state, Claim(job_id=ev.job_id, checkpoint_id=ev.checkpoint_id, node=ev.node,
+                                           cause=ev.cause))
     job_id = getattr(ev, "job_id", None)
     if not isinstance(job_id, str):
         return state, ()
@@ -270,6 +276,8 @@ def transition(state: State, ev: Event) -> tuple[State, Sequence[Output]]:
     if isinstance(ev, CheckpointScrubbed) and state.scrub is not None \
             and (state.scrub.job_id, state.scrub.checkpoint_id) == (job_id, ev.checkpoint_id):
         state = replace(state, scrub=None)
+    if isinstance(ev, CheckpointScrubbed) and ev.claim_node:
+        state = answered(state, job_id, ev.checkpoint_id)
     return state, _outputs(job_id, job, due)
 
 
@@ -300,10 +308,10 @@ def _why_deleted(job: JobState, checkpoint_id: str, thrown: set[str]) -> str:
 
 def wants_tick(state: State, now: float) -> bool:
     """Telemetry (stagings) is folded only at ticks, so tick while any job may still stage, or a completed
-    job's final set has not been read yet, or a scrub is due (ticks are recorded inputs, so reading the clock
-    here is safe)."""
+    job's final set has not been read yet, or a scrub or a claim's read is due (ticks are recorded inputs, so
+    reading the clock here is safe)."""
     return any(not job.ended or (job.final >= 0 and now - job.ended_at < LINGER_S) for job in state.jobs.values()) \
-        or scrub_due(state, now) is not None
+        or scrub_due(state, now) is not None or claims_due(state, now)
 
 
 CONTROL_TYPES = (
@@ -320,8 +328,9 @@ def core_service(effects: dict[str, EffectHandler], *, scrub_every_s: float = 0.
     """The checkpoint service's core wired to its effect handlers ("commit", "delete", and "scrub" when
     `scrub_every_s` > 0; see uploader.py and scrubber.py)."""
     settings = Settings(scrub_every_s=scrub_every_s, scrub_mb_s=scrub_mb_s, shards_from="agents",
-                        announce_pending="yes", settle_on_exits="yes", supersede="parked", retention="steps")
-    missing = {COMMIT, DELETE, *([SCRUB] if scrub_every_s > 0 else [])} - set(effects)
+                        announce_pending="yes", settle_on_exits="yes", supersede="parked", retention="steps",
+                        claims="verify")
+    missing = {COMMIT, DELETE, SCRUB} - set(effects)  # a claim's read runs even with scheduled scrubs off
     if missing:
         raise ValueError(f"the checkpoint service needs effect handlers for {sorted(missing)}")
     return Service(
@@ -337,5 +346,6 @@ def core_service(effects: dict[str, EffectHandler], *, scrub_every_s: float = 0.
         detached=frozenset({SCRUB}),
         settings=msgspec.structs.asdict(settings),
         unrecorded=msgspec.structs.asdict(replace(settings, shards_from="staging", announce_pending="no",
-                                                  settle_on_exits="no", supersede="no", retention="commits")),
+                                                  settle_on_exits="no", supersede="no", retention="commits",
+                                                  claims="trust")),
     )

@@ -44,11 +44,15 @@ async def scrub(store: ObjectStore, args: ScrubArgs) -> list[Emit]:
     seconds = time.perf_counter() - started
     bound = log.bind(job_id=args.job_id, checkpoint_id=args.checkpoint_id, bytes=read, seconds=round(seconds, 3))
     if cause:
-        bound.error("scrub found a bad checkpoint", cause=cause)
+        bound.error("scrub found a bad checkpoint", cause=cause, claim_node=args.claim_node or None)
+    elif args.claim_node:
+        bound.warning("a checkpoint a node claimed bad reads back intact: the node is the suspect",
+                      claim_node=args.claim_node, claim_cause=args.claim_cause)
     else:
         bound.info("scrubbed")
     event = CheckpointScrubbed(job_id=args.job_id, checkpoint_id=args.checkpoint_id, step=args.step, bytes=read,
-                               seconds=seconds, cause=cause[:2000], occurred_at=time.time())
+                               seconds=seconds, cause=cause[:2000], occurred_at=time.time(),
+                               claim_node=args.claim_node, claim_cause=args.claim_cause[:2000])
     return [Emit(subjects.job(args.job_id, "CheckpointScrubbed"), event)]
 
 

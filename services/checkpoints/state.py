@@ -34,6 +34,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # highest steps, ties in commit order), so sets committed out of order (their uploads finished so) never cost
     # a newer step or the restart's own target; "commits" (commit order) for histories recorded before.
     retention: Literal["commits", "steps"] = "commits"
+    # "verify": a node's claim that a checkpoint is bad (CheckpointRejected, CheckpointRefused) has the service read
+    # it back from the store first (Claim), and only that read's finding makes it bad; "trust": the claim alone
+    # made it bad and deleted it (histories recorded before, so that they still verify).
+    claims: Literal["trust", "verify"] = "trust"
 
     def __post_init__(self) -> None:
         if not (self.scrub_every_s >= 0 and self.scrub_mb_s > 0):
@@ -48,6 +52,17 @@ class ScrubArgs(msgspec.Struct, frozen=True, kw_only=True):
     step: int
     manifest_sha256: str
     bytes_per_s: float
+    claim_node: str = ""  # the node whose claim asked for this read ("" for a scrub on schedule)
+    claim_cause: str = ""
+
+
+class Claim(msgspec.Struct, frozen=True, kw_only=True):
+    """A node's claim that a committed checkpoint is bad, waiting for the service's own read of it."""
+
+    job_id: str
+    checkpoint_id: str
+    node: str
+    cause: str
 
 
 class Scrub(msgspec.Struct, frozen=True, kw_only=True):
@@ -152,4 +167,5 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
     jobs: dict[str, JobState] = {}
     settings: Settings = Settings()
     scrub: Scrub | None = None
+    claims: tuple[Claim, ...] = ()  # claims to read back, oldest first: each goes before any scheduled scrub
     lost: frozenset[str] = frozenset()  # nodes lost and not registered since

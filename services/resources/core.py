@@ -10,6 +10,7 @@ import msgspec
 
 from flightdeck.events import snapshot, subjects
 from flightdeck.events.base import Event
+from flightdeck.events.checkpoint import CheckpointScrubbed
 from flightdeck.events.clock import CoreConfigured
 from flightdeck.events.fleet import (
     NodeCordoned,
@@ -114,6 +115,18 @@ def _cordon(state: State, name: str, reason: str, *, lost: bool = False) -> Tran
 
 
 LOST_CORDON = "lost: "  # the reason prefix of the cordon a NodeLost puts on
+BLIND_CORDON = "store: "  # ... and of the one a node's failed read of an intact checkpoint puts on
+LIFTED_ON_RETURN = (LOST_CORDON, BLIND_CORDON)  # cordons a registration again with a passed self-check lifts
+
+
+def _blind(state: State, ev: CheckpointScrubbed) -> Transition:
+    """A node claimed a checkpoint bad and the checkpoint service read it back intact: the node cannot read what
+    the store holds (a missing mount, wrong credentials, another store), so it restores nothing until it is fixed."""
+    if not ev.claim_node or ev.cause or ev.claim_node not in state.nodes:
+        return state, ()
+    return _cordon(state, ev.claim_node,
+                   f"{BLIND_CORDON}could not read checkpoint {ev.checkpoint_id} of job {ev.job_id}, which the "
+                   f"checkpoint service read back intact from the store ({ev.claim_cause[:300]})")
 
 
 def _back(state: State, name: str) -> Transition:
@@ -121,7 +134,7 @@ def _back(state: State, name: str) -> Transition:
     (and only that one: an operator's or a failed self-check's stays) is lifted, recorded as NodeUncordoned. An
     agent restarted on a healthy host (an upgrade, a crash) thus costs its ranks, never the node."""
     node = state.nodes.get(name)
-    if node is None or not node.cordoned or not node.cordon_reason.startswith(LOST_CORDON):
+    if node is None or not node.cordoned or not node.cordon_reason.startswith(LIFTED_ON_RETURN):
         return state, ()
     reason = f"registered again after it was {node.cordon_reason[:200]}; its self-check passed"
     after = _with_node(state, name, cordoned=False, cordon_reason="")
@@ -202,6 +215,8 @@ def transition(state: State, event: Event) -> Transition:
             return _cordon(state, name, f"self-check failed: {reason}")
         case NodeLost(node=name, reason=reason):
             return _cordon(state, name, f"{LOST_CORDON}{reason}", lost=True)
+        case CheckpointScrubbed():
+            return _blind(state, event)
         case AllocationRequested():
             return _allocate(state, event)
         case AllocationReleased(job_id=job_id, attempt=attempt):
@@ -212,7 +227,8 @@ def transition(state: State, event: Event) -> Transition:
             return state, ()
 
 
-CONTROL_TYPES = ("AllocationRequested", "AllocationReleased", "JobCompleted", "JobFailed", "JobCancelled")
+CONTROL_TYPES = ("AllocationRequested", "AllocationReleased", "JobCompleted", "JobFailed", "JobCancelled",
+                 "CheckpointScrubbed")
 FLEET_TYPES = ("NodeRegistered", "NodeCordoned", "NodeUncordoned", "SelfCheckPassed", "SelfCheckFailed", "NodeLost")
 
 

@@ -20,6 +20,8 @@ STOP_SAVE = "*"
 # ... and after a fault: the set the failed attempt's agents persist from their ranks' snapshots in memory
 # (services/agent/snapshots.py), staged as each rank's exit is seen.
 MEMORY = "memory"
+# ... and after a node's claim that the restore point is bad: the checkpoint service's read of it (claims.py)
+READ = "read:"
 
 
 def pending(tx: Tx, ev: CheckpointPending) -> None:
@@ -77,13 +79,13 @@ def hold(tx: Tx, job: Job, p: Pending | None, running_since: float, lost_node: s
     if wait_s <= 0:
         return job
     since = newest.step if newest is not None else 0
-    return _wait(tx, job, p.checkpoint_id, wait_s,
+    return wait(tx, job, p.checkpoint_id, wait_s,
                  f"restart waits up to {wait_s:.2f}s for checkpoint {p.checkpoint_id} (step {p.step}) to commit: "
                  f"restoring {'step ' + str(since) if newest else 'from scratch'} would redo {p.step - since} steps "
                  f"that took {redo_s:.2f}s")
 
 
-def _wait(tx: Tx, job: Job, what: str, wait_s: float, reason: str) -> Job:
+def wait(tx: Tx, job: Job, what: str, wait_s: float, reason: str) -> Job:
     """The restart of `job` waits for `what` at most `wait_s`, said in a JobQueued (its phase's reason stays the
     fault it recovers from)."""
     tx.emit(JobQueued(job_id=job.job_id, priority=job.spec.priority, reason=reason))
@@ -96,7 +98,7 @@ def hold_for_save(tx: Tx, job: Job) -> Job:
     wait_s = job.spec.policy.commit_wait_s
     if wait_s <= 0:
         return job
-    return _wait(tx, job, STOP_SAVE, wait_s,
+    return wait(tx, job, STOP_SAVE, wait_s,
                  f"restart waits up to {wait_s:.2f}s for the checkpoint the stopped ranks saved")
 
 
@@ -138,7 +140,7 @@ def hold_for_memory(tx: Tx, job: Job, running_since: float, trained_until: float
         policy = job.spec.policy
         job = tx.update(job, memory_owed=unsettled, memory_until=tx.at + wait_s)
         wait_s = min(policy.commit_wait_s, max(wait_s, policy.heartbeat_interval_s * policy.heartbeat_misses))
-    return _wait(tx, job, MEMORY, wait_s,
+    return wait(tx, job, MEMORY, wait_s,
                  f"restart waits up to {wait_s:.2f}s for the failed attempt's snapshots in memory to be persisted: "
                  f"restoring {'step ' + str(newest.step) if newest else 'from scratch'} would redo {redo_s:.2f}s of "
                  "training")
@@ -183,7 +185,7 @@ def owed_less(tx: Tx, job: Job, ranks: set[int], how: str, *, shorten: bool = Tr
 def deadlines(tx: Tx) -> None:
     """Restarts whose wait ran out go ahead with the newest committed checkpoint."""
     for job in list(tx.jobs.values()):
-        if job.waits_for and tx.at >= job.wait_until:
+        if job.waits_for and tx.at >= job.wait_until and not job.waits_for.startswith(READ):
             what = "the failed attempt's snapshots in memory were not persisted and committed" \
                 if job.waits_for == MEMORY else f"checkpoint {job.waits_for} did not commit"
             tx.update(job, waits_for="", wait_until=0.0, ask_reason=f"{what} in time: restoring the newest committed")

@@ -14,6 +14,7 @@ from flightdeck.events.checkpoint import (
     CheckpointPending,
     CheckpointRefused,
     CheckpointRejected,
+    CheckpointScrubbed,
 )
 from flightdeck.events.clock import ClockTick, CoreConfigured
 from flightdeck.events.commands import PauseRequested, ResumeRequested
@@ -30,7 +31,7 @@ from flightdeck.events.job import (
 )
 from flightdeck.events.training import RolledBack
 from flightdeck.services.core import Output, Service
-from flightdeck.services.scheduler import commit_wait, lifecycle, queue, recovery
+from flightdeck.services.scheduler import claims, commit_wait, lifecycle, queue, recovery
 from flightdeck.services.scheduler.state import Settings, State
 from flightdeck.services.scheduler.tx import Tx
 
@@ -38,7 +39,8 @@ NAME = "scheduler"
 
 CONTROL_TYPES = ("JobSubmitted", "CancelRequested", "AllocationGranted", "AllocationDenied", "WorkersStarted",
                  "WorkersExited", "CheckpointCommitted", "CheckpointDeleted", "CheckpointRejected", "CheckpointPending",
-                 "CheckpointFailed", "RollbackAsked", "RankLost", "PauseRequested", "ResumeRequested",
+                 "CheckpointFailed", "CheckpointScrubbed", "RollbackAsked", "RankLost", "PauseRequested",
+                 "ResumeRequested",
                  "RankHung", "StragglerDetected", "NonFiniteLoss", "LossSpikeDetected")
 TELEMETRY_TYPES = ("RolledBack", "CheckpointRefused")
 FLEET_TYPES = ("NodeRegistered", "NodeCordoned", "NodeUncordoned", "SelfCheckFailed", "NodeLost")
@@ -89,8 +91,14 @@ def transition(state: State, event: Event) -> tuple[State, tuple[Output, ...]]:
             commit_wait.settled(tx, event)
         case CheckpointDeleted():
             lifecycle.checkpoint_deleted(tx, event)
+            if claims.verifying(tx):
+                claims.deleted(tx, event)
+        case CheckpointRejected() if claims.verifying(tx):
+            claims.rejected(tx, event)
         case CheckpointRejected():
             lifecycle.checkpoint_rejected(tx, event)
+        case CheckpointScrubbed() if claims.verifying(tx):
+            claims.read_back(tx, event)
         case CheckpointRefused():
             recovery.refused(tx, event)
         case NodeRegistered(node=name):
@@ -106,6 +114,7 @@ def transition(state: State, event: Event) -> tuple[State, tuple[Output, ...]]:
         case ClockTick():
             lifecycle.stop_deadlines(tx, stop_timeout_s)
             commit_wait.deadlines(tx)
+            claims.deadlines(tx)
         case _:
             return state, ()
     queue.admit(tx)
@@ -124,7 +133,8 @@ def core_service(*, stop_timeout_s: float = 120.0, landing_timeout_s: float = 12
     logging. `landing_timeout_s`: how long a rollback counts as in flight when no rank reports RolledBack.
     `memory_wait`: restarts wait for the set persisted from the ranks' snapshots (commit_wait.MEMORY)."""
     settings = Settings(stop_timeout_s=stop_timeout_s, landing_timeout_s=landing_timeout_s,
-                        memory_wait="known" if memory_wait else "no", phases="yes", restores="requested")
+                        memory_wait="known" if memory_wait else "no", phases="yes", restores="requested",
+                        claims="verify")
     return Service(
         name=NAME,
         initial=State(settings=settings),
@@ -135,5 +145,5 @@ def core_service(*, stop_timeout_s: float = 120.0, landing_timeout_s: float = 12
         wants_tick=wants_tick,
         settings=msgspec.structs.asdict(settings),
         unrecorded=msgspec.structs.asdict(msgspec.structs.replace(settings, memory_wait="no", phases="no",
-                                                                              restores="granted")),
+                                                                              restores="granted", claims="trust")),
     )

@@ -23,7 +23,7 @@ from flightdeck.events.job import (
     WorkersStarted,
     failed,
 )
-from flightdeck.services.scheduler import commit_wait
+from flightdeck.services.scheduler import claims, commit_wait
 from flightdeck.services.scheduler.policy import (
     NEVER_HEARD,
     Fail,
@@ -199,10 +199,12 @@ def fault(tx: Tx, job: Job, cause_id: str, reason: str, gone: Iterable[int], *, 
         tx.emit(StopRequested(job_id=job.job_id, checkpoint=False, reason=recovery.reason))
     match recovery:
         case Restart(reason=why):
-            pending, since = job.run.pending, job.run.running_since
+            pending, since, claimed = job.run.pending, job.run.running_since, job.run.claimed
             job = tx.update(job, restarts=job.restarts + (0 if free else 1))
             job = tx.release(job, why, "fault")
             job = tx.update(job, phase="recovering", why=why, run=Attempt(number=job.attempt + 1, use_spares=True))
+            if claimed:  # one node's word against the restore point: the service reads it back first
+                job = claims.hold_for_read(tx, job, claimed)
             if planned:
                 job = commit_wait.hold_for_save(tx, job)
             if not job.waits_for:  # a fully staged set first: it is on its way already

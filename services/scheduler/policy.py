@@ -65,7 +65,11 @@ def quoted(text: str) -> str:
 
 def after_bad_checkpoint(job: Job, reason: str) -> Recovery:
     """The attempt could not start because its checkpoint is bad: restart from the newest good one without
-    spending the restart budget (the bad one is out of the catalog already), or fail once if none is left."""
+    spending the restart budget (the bad one is out of the catalog already), or fail once if none is left. A node's
+    claim (Settings.claims "verify") decides nothing yet: the restart waits for the service's read (claims.py)."""
+    if job.run.claimed:
+        return Restart(f"{job.run.bad_restore}; restarting once the checkpoint service has read it back from the "
+                       "store, without spending the restart budget")
     good = job.newest
     if good is None:
         return Fail(f"{job.run.bad_restore}; no good checkpoint is left to restore ({reason})")

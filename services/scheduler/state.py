@@ -87,6 +87,7 @@ class Attempt(msgspec.Struct, frozen=True, kw_only=True):
     rollback: Rollback | None = None  # its newest rollback
     skips: tuple[tuple[int, int], ...] = ()  # batch windows its restore and its rollbacks added to its token stream
     bad_restore: str = ""  # why its checkpoint was rejected (CheckpointRejected): its restart is free
+    claimed: str = ""  # ... and that checkpoint, which its restart has read back before it decides (claims.py)
     pending: Pending | None = None  # its newest fully staged checkpoint not yet committed or failed
 
 
@@ -185,6 +186,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # (the agents start its ranks from it); "granted": chosen when they are granted, recorded only as JobResumed
     # (histories from before, when the agents chose by the same rule from the same stream).
     restores: str = "granted"
+    # "verify": a node's claim that the restore point is bad waits for the checkpoint service's own read of it
+    # (claims.py); "trust": the claim alone took it out of the catalog (histories recorded before).
+    claims: str = "trust"
 
     def __post_init__(self) -> None:
         if not (self.stop_timeout_s > 0 and self.landing_timeout_s > 0):

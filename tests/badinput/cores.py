@@ -43,7 +43,7 @@ def services() -> dict[str, Callable[[], Service[Any]]]:
         "health": lambda: health(tick_s=0.5),
         "resources": resources,
         "resharder": resharder,
-        "checkpoints": lambda: checkpoints({"commit": _never_run, "delete": _never_run}),
+        "checkpoints": lambda: checkpoints({"commit": _never_run, "delete": _never_run, "scrub": _never_run}),
         "agent": lambda: agent(NODE, dict.fromkeys(AGENT_EFFECTS, _never_run)),
     }
 

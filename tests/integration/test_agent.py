@@ -9,7 +9,7 @@ import time
 import pytest
 
 from flightdeck.events import subjects
-from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointRejected, DataPosition
+from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointRejected, CheckpointScrubbed, DataPosition
 from flightdeck.events.fleet import NodeCordoned, NodeRegistered, SelfCheckFailed
 from flightdeck.events.heartbeats import RankHeartbeats
 from flightdeck.events.history import append_to_job
@@ -25,6 +25,10 @@ from flightdeck.events.job import (
 from flightdeck.events.spec import JobSpec, PolicySpec, TrainSpec
 from flightdeck.events.training import Heartbeat, StepCompleted
 from flightdeck.services.agent.spawner import START_FAILED_EXIT
+from flightdeck.services.checkpoints.core import core_service as checkpoints_core
+from flightdeck.services.checkpoints.uploader import handlers as checkpoint_handlers
+from flightdeck.services.shell.objects.local import LocalStore
+from flightdeck.services.shell.runtime import run_service
 from tests.integration.test_lifecycle_services import ENDLESS, TINY, Cluster, cluster, exits, gone
 
 __all__ = ["cluster"]  # the fixture, shared with the lifecycle tests
@@ -121,27 +125,38 @@ async def test_an_agent_set_up_wrong_says_what_to_change(cluster: Cluster) -> No
 @pytest.mark.timeout(90)
 async def test_a_checkpoint_that_cannot_be_verified_is_never_loaded(cluster: Cluster) -> None:
     """Committed (as far as the log says) but absent from the object store: the agent starts no rank, records the
-    checkpoint as rejected and the ranks as not started; with no other checkpoint the job fails at once, naming
-    it, instead of spending its restarts on the same missing checkpoint."""
+    checkpoint as rejected and the ranks as not started; the checkpoint service reads the store itself and finds
+    no manifest either, so with no other checkpoint the job fails at once, naming it, instead of spending its
+    restarts on the same missing checkpoint."""
     c = cluster
-    spec = JobSpec(name="lost", slots=2, model=TINY.model, train=TINY.train, policy=PolicySpec(max_restarts=1))
-    await c.submit(spec, "lost-000001")
-    await c.until(lambda: bool(c.seen(JobQueued, "lost-000001")), 60, "the job to queue")
-    await append_to_job(c.store, CheckpointCommitted(
-        job_id="lost-000001", checkpoint_id="step000000010-a0", step=10, world_size=2, uri="file:///nowhere", bytes=1,
-        data=DataPosition(next_batch=10), event_id="test-commit", producer="test"))
-    c.agent()
-    await c.until(lambda: bool(c.seen(JobFailed, "lost-000001")), 60, "the job to fail", "lost-000001")
-    # the job fails at attempt 0's first exit; the agent records the other right after it
-    await c.until(lambda: len(exits(c, "lost-000001", 0)) == 2, 60, "attempt 0's second exit", "lost-000001")
-    assert exits(c, "lost-000001", 0) == {0: START_FAILED_EXIT, 1: START_FAILED_EXIT}
-    assert exits(c, "lost-000001", 1) == {}
-    (rejected,) = c.seen(CheckpointRejected, "lost-000001")
-    assert (rejected.checkpoint_id, rejected.attempt) == ("step000000010-a0", 0) and "never committed" in rejected.cause
-    (failed,) = c.seen(JobFailed, "lost-000001")
-    assert "no good checkpoint is left" in failed.reason and rejected.event_id in failed.causes
-    assert c.seen(WorkersStarted, "lost-000001") == []
-    assert not (c.data / "cache" / "lost-000001" / "step000000010-a0").exists()
+    stop = asyncio.Event()
+    checkpoints = asyncio.create_task(run_service(
+        checkpoints_core(checkpoint_handlers(LocalStore(c.data / "objects"))), c.url, stop_event=stop))
+    try:
+        spec = JobSpec(name="lost", slots=2, model=TINY.model, train=TINY.train, policy=PolicySpec(max_restarts=1))
+        await c.submit(spec, "lost-000001")
+        await c.until(lambda: bool(c.seen(JobQueued, "lost-000001")), 60, "the job to queue")
+        await append_to_job(c.store, CheckpointCommitted(
+            job_id="lost-000001", checkpoint_id="step000000010-a0", step=10, world_size=2, uri="file:///nowhere",
+            bytes=1, data=DataPosition(next_batch=10), event_id="test-commit", producer="test"))
+        c.agent()
+        await c.until(lambda: bool(c.seen(JobFailed, "lost-000001")), 60, "the job to fail", "lost-000001")
+        # the job fails at attempt 0's first exit; the agent records the other right after it
+        await c.until(lambda: len(exits(c, "lost-000001", 0)) == 2, 60, "attempt 0's second exit", "lost-000001")
+        assert exits(c, "lost-000001", 0) == {0: START_FAILED_EXIT, 1: START_FAILED_EXIT}
+        assert exits(c, "lost-000001", 1) == {}
+        (rejected,) = c.seen(CheckpointRejected, "lost-000001")
+        assert (rejected.checkpoint_id, rejected.attempt) == ("step000000010-a0", 0)
+        assert "never committed" in rejected.cause
+        (failed,) = c.seen(JobFailed, "lost-000001")
+        assert "no good checkpoint is left" in failed.reason and rejected.event_id in failed.causes
+        assert c.seen(WorkersStarted, "lost-000001") == []
+        assert not (c.data / "cache" / "lost-000001" / "step000000010-a0").exists()
+        (read,) = c.seen(CheckpointScrubbed, "lost-000001")
+        assert read.claim_node == "n1" and "no manifest" in read.cause, read
+    finally:
+        stop.set()
+        await checkpoints
 
 
 @pytest.mark.timeout(150)

@@ -19,14 +19,30 @@ import pytest
 from msgspec.structs import replace
 
 from flightdeck.events import subjects
-from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointDeleted, CheckpointRefused, CheckpointRejected
+from flightdeck.events.checkpoint import (
+    CheckpointCommitted,
+    CheckpointDeleted,
+    CheckpointRefused,
+    CheckpointRejected,
+    CheckpointScrubbed,
+)
 from flightdeck.events.commands import RollbackRequested
-from flightdeck.events.job import AllocationReleased, JobCompleted, JobFailed, JobResumed, WorkersExited, WorkersStarted
+from flightdeck.events.fleet import NodeCordoned
+from flightdeck.events.job import (
+    AllocationGranted,
+    AllocationReleased,
+    JobCompleted,
+    JobFailed,
+    JobResumed,
+    WorkersExited,
+    WorkersStarted,
+)
 from flightdeck.events.nodelocal import RESTORE_REFUSED_EXIT
 from flightdeck.events.spec import EntrypointSpec, FaultSpec, JobSpec, ModelSpec, PolicySpec, TrainSpec
 from flightdeck.events.training import RankStarted, RolledBack
 from flightdeck.services.agent.spawner import START_FAILED_EXIT
-from flightdeck.services.checkpoints.core import REJECTED, checkpoint_id
+from flightdeck.services.checkpoints.core import CONFIRMED, checkpoint_id
+from flightdeck.services.resources.core import BLIND_CORDON
 from flightdeck.services.shell import broker as broker_mod
 from flightdeck.services.shell.objects import manifest as mf
 from flightdeck.services.tools.audit.settle import verify_live
@@ -146,8 +162,12 @@ async def test_a_bad_newest_checkpoint_is_rejected_and_the_restart_falls_back_fo
         assert sum("without spending the restart budget" in r for r in releases) == 1  # ... the bad checkpoint none
         assert not any("restart 2 of 3" in r for r in releases)
         assert not (p.data / "cache" / job / checkpoint_id(0, 30)).exists()  # evicted on every node
+        # n1's claim alone deletes nothing: the checkpoint service read it back itself and found it bad too
+        (read,) = [e for e in p.seen(CheckpointScrubbed, job) if e.claim_node]
+        assert (read.checkpoint_id, read.claim_node) == (checkpoint_id(0, 30), "n1") and read.cause, read
+        assert history.index(rejected) < history.index(read)
         bad = [e for e in p.seen(CheckpointDeleted, job) if e.checkpoint_id == checkpoint_id(0, 30)]
-        assert [e.reason for e in bad] == [REJECTED]  # and deleted from the store, not counted as a kept one
+        assert [e.reason for e in bad] == [CONFIRMED]  # and deleted from the store, not counted as a kept one
         assert (await verify_live(p.store, job)).ok  # `flightdeck verify` re-derives the fallback
     finally:
         await p.close()
@@ -264,8 +284,8 @@ async def test_a_rollback_whose_checkpoint_is_bad_rolls_back_further_without_a_r
                [(0, checkpoint_id(0, 10), 10), (1, checkpoint_id(0, 10), 10)]  # never the bad one
 
         assert {e.attempt for e in p.seen(RankStarted, job, stream=subjects.TELEMETRY)} == {0, 1}  # no restart
-        assert [e.checkpoint_id for e in p.seen(CheckpointDeleted, job) if e.reason == REJECTED] == \
-               [checkpoint_id(0, 20)]
+        assert [e.checkpoint_id for e in p.seen(CheckpointDeleted, job) if e.reason == CONFIRMED] == \
+               [checkpoint_id(0, 20)]  # once the checkpoint service's read found it bad too
         assert "rollback refused" in p.logs()
         assert (await verify_live(p.store, job)).ok  # `flightdeck verify` re-derives both rollbacks
 
@@ -296,10 +316,12 @@ runpy.run_module("flightdeck.trainer", run_name="__main__")
 
 
 @pytest.mark.timeout(240)
-async def test_a_checkpoint_a_rank_finds_bad_on_loading_is_rejected_by_its_agent_and_costs_no_restart(
+async def test_a_checkpoint_rotted_on_its_node_is_refused_there_and_restored_intact_from_another(
         nats_server: broker_mod.Broker, tmp_path: Path, local_objects: Objects) -> None:
     """The rank refuses before loading anything (exit 65); its agent records CheckpointRejected with the rank's
-    reason before the exits, so the restart to the next good checkpoint is free."""
+    reason before the exits, so the restart is free. The store's copy is intact, as the checkpoint service reads
+    it back: the node whose copy rotted is the suspect (cordoned), and the restart restores the same step on the
+    other node. Nothing is deleted on the rotted node's word (issue 51)."""
     job = "fallback-000006"
     script = tmp_path / "rot_then_train.py"
     script.write_text(ROT_THEN_TRAIN)
@@ -307,6 +329,8 @@ async def test_a_checkpoint_a_rank_finds_bad_on_loading_is_rejected_by_its_agent
     p = await open_platform(nats_server.url, tmp_path, local_objects)
     try:
         pids = await hold_after_three_commits(p, job, spec)
+        p.agent("n2", "--data-dir", str(tmp_path / "n2-data"))
+        await p.ready("n2")
         os.kill(pids[1], signal.SIGKILL)
         await p.until(lambda: bool(p.seen(JobCompleted, job) or p.seen(JobFailed, job)), 150, "the end", job)
         assert p.seen(JobCompleted, job), kinds(p.job(job))
@@ -320,15 +344,21 @@ async def test_a_checkpoint_a_rank_finds_bad_on_loading_is_rejected_by_its_agent
         # refused too or was stopped by the restart before it got that far (warm ranks get there at any moment).
         codes = [e.exit_code for e in p.rank_exits(job) if e.attempt == 1]
         assert RESTORE_REFUSED_EXIT in codes and set(codes) <= {RESTORE_REFUSED_EXIT, -signal.SIGKILL}, codes
+        (read,) = [e for e in p.seen(CheckpointScrubbed, job) if e.claim_node]
+        assert (read.checkpoint_id, read.claim_node, read.cause) == (checkpoint_id(0, 30), rejected.node, "")
+        (cordon,) = [e for e in p.seen(NodeCordoned) if e.node == rejected.node]
+        assert cordon.reason.startswith(BLIND_CORDON), cordon.reason
         started = {e.attempt: e.from_step for e in p.seen(RankStarted, job, stream=subjects.TELEMETRY)}
-        assert started == {0: 0, 2: 20}  # attempt 1 loaded nothing
+        assert started == {0: 0, 2: 30}  # attempt 1 loaded nothing; attempt 2 the same step, intact
+        (grant,) = [e for e in p.seen(AllocationGranted, job) if e.attempt == 2]
+        assert rejected.node not in {r.node for r in grant.assignments}
+        assert [e.reason for e in p.seen(CheckpointDeleted, job)] == ["retention"] * len(p.seen(CheckpointDeleted, job))
         releases = [e.reason for e in p.seen(AllocationReleased, job)]
         assert sum("without spending the restart budget" in r for r in releases) == 1
         assert not any("restart 2 of 3" in r for r in releases)
 
-        report = await postmortem_report(p, job, tmp_path)  # names the bad checkpoint and the fallback
-        assert f"checkpoint {checkpoint_id(0, 30)} (step 30) rejected by n1" in report, report[-3000:]
-        assert f"restarting from {checkpoint_id(0, 20)} (step 20), the newest good checkpoint" in report, \
-            report[-3000:]
+        report = await postmortem_report(p, job, tmp_path)  # names the refused checkpoint and the restore after it
+        assert f"checkpoint {checkpoint_id(0, 30)} (step 30) rejected by {rejected.node}" in report, report[-3000:]
+        assert "read back intact by the checkpoint service" in report, report[-3000:]
     finally:
         await p.close()

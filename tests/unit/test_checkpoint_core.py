@@ -6,6 +6,7 @@ from collections.abc import Iterable, Sequence
 
 import msgspec
 import pytest
+from msgspec.structs import replace
 
 from flightdeck.events import subjects
 from flightdeck.events.base import Event
@@ -14,6 +15,7 @@ from flightdeck.events.checkpoint import (
     CheckpointDeleted,
     CheckpointFailed,
     CheckpointRejected,
+    CheckpointScrubbed,
     CheckpointStaged,
     DataPosition,
     ShardInfo,
@@ -28,6 +30,7 @@ from flightdeck.events.store import Stored
 from flightdeck.events.training import RankStarted, RolledBack
 from flightdeck.services.checkpoints import core
 from flightdeck.services.checkpoints.core import checkpoint_id
+from flightdeck.services.checkpoints.scrubs import SCRUB
 from flightdeck.services.checkpoints.state import CommitArgs, DeleteArgs, Settings, State
 from flightdeck.services.core import Effect, Emit, Output
 from flightdeck.services.shell.fold import Folder
@@ -52,12 +55,16 @@ def committed(step: int, *, attempt: int = 0, world: int = 2, job: str = JOB, ti
                                attempt=attempt, timeline=timeline)
 
 
+def tick(now: float) -> ClockTick:
+    return ClockTick(service=core.SERVICE, now=now, positions={}, occurred_at=now)
+
+
 def submitted(keep: int, job: str = JOB) -> JobSubmitted:
     return JobSubmitted(job_id=job, spec=JobSpec(name="llm", policy=PolicySpec(keep_checkpoints=keep)))
 
 
 LIVE = State(settings=Settings(shards_from="agents", settle_on_exits="yes", supersede="parked",  # as the service runs
-                               retention="steps"))
+                               retention="steps", claims="verify"))
 
 
 def stored(ev: CheckpointStaged, *, ranks: list[int] | None = None, failed: str = "") -> ShardsUploaded:
@@ -162,7 +169,7 @@ def test_a_completed_job_still_commits_what_its_ranks_staged_before_exiting() ->
     """The service folds telemetry only at its ticks, so the last stagings (written before the ranks
     exited 0) can be read after JobCompleted: they are the job's final state and are committed."""
     spec = JobSpec(name="llm", train=TrainSpec(steps=60, checkpoint_every=10))
-    svc = core.core_service({"commit": _nothing, "delete": _nothing})
+    svc = core.core_service({"commit": _nothing, "delete": _nothing, "scrub": _nothing})
     state, outs = run([JobSubmitted(job_id=JOB, spec=spec), staged(0, 50, 2), staged(0, 60, 2),
                        JobCompleted(job_id=JOB, steps=60, occurred_at=100.0)])
     assert commits(outs) == []
@@ -175,7 +182,7 @@ def test_a_completed_job_still_commits_what_its_ranks_staged_before_exiting() ->
 
 def test_a_completed_job_whose_last_step_is_no_checkpoint_stops_ticking() -> None:
     spec = JobSpec(name="llm", train=TrainSpec(steps=65, checkpoint_every=10))
-    svc = core.core_service({"commit": _nothing, "delete": _nothing})
+    svc = core.core_service({"commit": _nothing, "delete": _nothing, "scrub": _nothing})
     state, _ = run([JobSubmitted(job_id=JOB, spec=spec), JobCompleted(job_id=JOB, steps=65, occurred_at=100.0)])
     assert not svc.wants_tick(state, 101.0)
 
@@ -287,8 +294,10 @@ def test_service_wiring() -> None:
         return []
 
     with pytest.raises(ValueError, match="delete"):
-        core.core_service({"commit": nothing})
-    svc = core.core_service({"commit": nothing, "delete": nothing})
+        core.core_service({"commit": nothing, "scrub": nothing})
+    with pytest.raises(ValueError, match="scrub"):  # a claim's read needs it, with scheduled scrubs off too
+        core.core_service({"commit": nothing, "delete": nothing})
+    svc = core.core_service({"commit": nothing, "delete": nothing, "scrub": nothing})
     assert "fd.tel.*.*.CheckpointStaged" in svc.telemetry_subjects
     assert "fd.ctl.job.*.CheckpointCommitted" in svc.control_subjects
     assert not svc.wants_tick(svc.initial, 0.0)
@@ -304,7 +313,7 @@ def test_outputs_pass_the_shared_fold() -> None:
     async def nothing(args: object) -> list[Emit]:
         return []
 
-    folder = Folder(core.core_service({"commit": nothing, "delete": nothing}))
+    folder = Folder(core.core_service({"commit": nothing, "delete": nothing, "scrub": nothing}))
 
     def as_stored(stream: str, seq: int, subject: str, ev: Event) -> Stored:
         return Stored(stream=stream, seq=seq, subject=subject, data=encode(ev), msg_id="", event=ev)
@@ -325,13 +334,64 @@ def test_outputs_pass_the_shared_fold() -> None:
     assert step.outputs[0].msg_id == f"{core.SERVICE}:{subjects.CONTROL}:{seq}:0"
 
 
-def test_a_rejected_checkpoint_is_deleted_and_never_counts_among_the_kept_good_ones() -> None:
+def rejected_by(node: str, step: int, attempt: int = 1) -> CheckpointRejected:
+    return CheckpointRejected(job_id=JOB, checkpoint_id=checkpoint_id(0, step), step=step, attempt=attempt, node=node,
+                              cause=f"checkpoint {JOB}/{checkpoint_id(0, step)} has no manifest")
+
+
+def claim_reads(outs: Sequence[Sequence[Output]]) -> list[tuple[str, str]]:
+    return [(o.args.checkpoint_id, o.args.claim_node) for step in outs for o in step
+            if isinstance(o, Effect) and o.kind == SCRUB]
+
+
+def read_back(step: int, node: str, cause: str = "") -> CheckpointScrubbed:
+    return CheckpointScrubbed(job_id=JOB, checkpoint_id=checkpoint_id(0, step), step=step, bytes=1, seconds=0.1,
+                              cause=cause, claim_node=node, claim_cause="no manifest")
+
+
+def test_a_nodes_claim_deletes_nothing_until_the_services_own_read_confirms_it() -> None:
+    """Issue 51: one node blind to the store (a missing mount, wrong credentials) rejected 175, 150 and 125 in turn,
+    and each was deleted from the real store on its word. A claim is one witness: the service reads the checkpoint
+    back itself (claimed ones first, with scheduled scrubs off), and only a finding of that read makes it bad."""
+    state, outs = run([submitted(keep=3), committed(125), committed(150), committed(175),
+                       rejected_by("n2", 175), rejected_by("n2", 150, attempt=2), rejected_by("n2", 125, attempt=3),
+                       rejected_by("n3", 175, attempt=4)])
+    assert deleted(outs) == [] and state.jobs[JOB].bad == {}
+    assert [(c.checkpoint_id, c.node) for c in state.claims] == \
+        [(checkpoint_id(0, 175), "n2"), (checkpoint_id(0, 150), "n2"), (checkpoint_id(0, 125), "n2")]  # one a set
+    state, outs = run([tick(1.0)], state)
+    assert claim_reads(outs) == [(checkpoint_id(0, 175), "n2")]  # one read at a time, the oldest claim first
+    state, outs = run([tick(2.0)], state)
+    assert claim_reads(outs) == []
+    state, outs = run([read_back(175, "n2"), tick(3.0)], state)  # intact: the node is the suspect, not the set
+    assert deleted(outs) == [] and claim_reads(outs) == [(checkpoint_id(0, 150), "n2")]
+    state, outs = run([read_back(150, "n2", cause="shard '__0_0.distcp' is missing from the store"), tick(4.0)],
+                      state)
+    assert deleted(outs) == [checkpoint_id(0, 150)]  # confirmed by a second witness: bad, and deleted as such
+    (emit,) = [o for o in outs[0] if isinstance(o, Emit)]
+    assert emit.event.reason == core.CONFIRMED
+    assert claim_reads(outs) == [(checkpoint_id(0, 125), "n2")]
+    state, outs = run([read_back(125, "n2"), tick(5.0)], state)
+    assert deleted(outs) == [] and state.claims == () and claim_reads(outs) == []
+    assert {c.checkpoint_id for c in state.jobs[JOB].committed} >= {checkpoint_id(0, 125), checkpoint_id(0, 175)}
+
+
+def test_a_claim_on_a_checkpoint_deleted_meanwhile_is_dropped_unread() -> None:
+    state, _ = run([submitted(keep=1), committed(10), committed(20), rejected_by("n2", 10)])
+    state, _ = run([CheckpointDeleted(job_id=JOB, checkpoint_id=checkpoint_id(0, 10))], state)
+    state, outs = run([tick(1.0)], state)
+    assert claim_reads(outs) == [] and state.claims == ()
+
+
+def test_a_rejected_checkpoint_was_deleted_on_the_claim_alone_in_histories_recorded_before() -> None:
+    """Settings.claims "trust": as such histories ran, so that they still verify."""
+    trusting = replace(LIVE, settings=replace(LIVE.settings, claims="trust"))
     rejected = CheckpointRejected(job_id=JOB, checkpoint_id=checkpoint_id(0, 20), step=20, attempt=1, node="n1",
                                   cause="shard '__0_0.distcp' ... sha256 ...")
-    state, outs = run([submitted(keep=2), committed(10), committed(20), rejected])
+    state, outs = run([submitted(keep=2), committed(10), committed(20), rejected], trusting)
     assert deleted(outs) == [checkpoint_id(0, 20)]  # the last good one, step 10, stays
     (emit,) = [o for o in outs[-1] if isinstance(o, Emit)]
-    assert emit.event.reason == core.REJECTED
+    assert emit.event.reason == core.REJECTED and state.claims == ()
     state, outs = run([CheckpointDeleted(job_id=JOB, checkpoint_id=checkpoint_id(0, 20), reason=core.REJECTED),
                        committed(30)], state)
     assert deleted(outs) == []  # 10 and 30 are the two good ones kept

@@ -127,4 +127,5 @@ def test_the_cli_refuses_an_unknown_key_and_reports_a_what_if(capsys: pytest.Cap
 def test_a_history_without_recorded_settings_says_the_what_if_used_the_defaults() -> None:
     w = whatif(fdh.load(CRASH), "crash-000001", {})  # recorded before the services recorded their settings
     assert "scheduler: no settings recorded in this history: replayed with the defaults " \
-           "(stop_timeout_s=120.0, landing_timeout_s=120.0, memory_wait=no, phases=no, restores=granted)" in w.caveats
+           "(stop_timeout_s=120.0, landing_timeout_s=120.0, memory_wait=no, phases=no, restores=granted, " \
+           "claims=trust)" in w.caveats

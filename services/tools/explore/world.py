@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flightdeck.events import codec, subjects
-from flightdeck.events.checkpoint import CheckpointCommitted
+from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointScrubbed
 from flightdeck.events.findings import StragglerDetected
 from flightdeck.events.fleet import NodeRegistered, SelfCheckPassed
 from flightdeck.events.history import append_to_job
@@ -17,7 +17,7 @@ from flightdeck.events.spec import JobSpec, PolicySpec, TrainSpec
 from flightdeck.events.store import MemoryStore
 from flightdeck.services.agent import core as agent_core
 from flightdeck.services.checkpoints import core as checkpoints_core
-from flightdeck.services.checkpoints.state import CommitArgs, DeleteArgs
+from flightdeck.services.checkpoints.state import CommitArgs, DeleteArgs, ScrubArgs
 from flightdeck.services.core import Effect, Emit, Service
 from flightdeck.services.health.core import core_service as health_core
 from flightdeck.services.resources.core import core_service as resources_core
@@ -145,7 +145,8 @@ class World:
     def _checkpoints(self) -> Service[Any]:
         async def never(args: Any) -> list[Emit]:
             raise AssertionError("effects run through World._effect")
-        return checkpoints_core.core_service({checkpoints_core.COMMIT: never, checkpoints_core.DELETE: never})
+        kinds = (checkpoints_core.COMMIT, checkpoints_core.DELETE, checkpoints_core.SCRUB)
+        return checkpoints_core.core_service({kind: never for kind in kinds})
 
     def _agent_effect(self, node: str, kind: str) -> Any:
         async def never(args: Any) -> list[Emit]:
@@ -163,6 +164,10 @@ class World:
             return [Emit(subjects.job(args.job_id, "CheckpointCommitted"), ev)]
         if isinstance(args, DeleteArgs):
             return []
+        if isinstance(args, ScrubArgs):  # the simulated store holds every committed set as it was committed
+            read = CheckpointScrubbed(job_id=args.job_id, checkpoint_id=args.checkpoint_id, step=args.step, bytes=1,
+                                      seconds=0.0, claim_node=args.claim_node, claim_cause=args.claim_cause)
+            return [Emit(subjects.job(args.job_id, "CheckpointScrubbed"), read)]
         node = service.removeprefix("agent-")
         if isinstance(args, agent_core.SpawnArgs):
             restore = (args.restore.checkpoint_id, args.restore.step) if args.restore is not None else None
