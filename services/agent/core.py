@@ -11,6 +11,7 @@ from flightdeck.events.catalog import COMMAND_TYPES
 from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointDeleted, CheckpointRejected
 from flightdeck.events.commands import RollbackRequested
 from flightdeck.events.findings import SpikeDiagnosed
+from flightdeck.events.fleet import NodeLost, NodeRegistered
 from flightdeck.events.job import (
     AllocationGranted,
     AllocationReleased,
@@ -27,7 +28,8 @@ from flightdeck.events.spec import JobSpec
 from flightdeck.services.core import Effect, EffectHandler, Output, Service
 
 SPAWN, STOP, PREFETCH, EVICT, SELFCHECK, TELL = "spawn", "stop", "prefetch", "evict", "selfcheck", "tell"
-EFFECTS = (SPAWN, STOP, PREFETCH, EVICT, SELFCHECK, TELL)
+REJOIN = "rejoin"
+EFFECTS = (SPAWN, STOP, PREFETCH, EVICT, SELFCHECK, TELL, REJOIN)
 
 
 def service_name(node: str) -> str:
@@ -120,8 +122,16 @@ class LiveRank(msgspec.Struct, frozen=True, kw_only=True):
     recorded_at: float = 0.0  # when its start was recorded (WorkersStarted): its process started before
 
 
+class RejoinArgs(msgspec.Struct, frozen=True, kw_only=True):
+    """This node was declared lost while its agent ran (frozen, partitioned, stalled): stop every rank it runs
+    (their attempts were replaced), run the self-check, and register again."""
+
+    reason: str  # the NodeLost's
+
+
 class State(msgspec.Struct, frozen=True, kw_only=True):
     node: str
+    registered: bool = False  # its newest NodeRegistered came after its newest NodeLost
     jobs: dict[str, JobView] = {}
     ended: frozenset[str] = frozenset()
     live: dict[str, LiveRank] = {}  # "<job>/<attempt>/<rank>" -> a rank started here that has not exited
@@ -281,8 +291,23 @@ def _workers(state: State, ev: WorkersStarted | WorkersExited) -> Transition:
     return msgspec.structs.replace(state, live=live), ()
 
 
+def _fleet(state: State, event: NodeRegistered | NodeLost) -> Transition:
+    """A NodeLost of this node after its registration: the fleet moved on without it (it was frozen, partitioned or
+    stalled past the lost deadline, and its ranks were replaced), so it fences what it ran and joins again. Without
+    this an agent that resumed stayed lost for ever, its node cordoned and its slots gone (issue 51)."""
+    if event.node != state.node:
+        return state, ()
+    if isinstance(event, NodeRegistered):
+        return msgspec.structs.replace(state, registered=True), ()
+    if not state.registered:  # lost before this registration (an earlier agent's): nothing of it runs here
+        return state, ()
+    return msgspec.structs.replace(state, registered=False), (Effect(REJOIN, RejoinArgs(reason=event.reason)),)
+
+
 def transition(state: State, event: Event) -> Transition:
     match event:
+        case NodeRegistered() | NodeLost():
+            return _fleet(state, event)
         case JobSubmitted(job_id=job_id, spec=spec):
             if job_id in state.jobs or job_id in state.ended:  # the same submission seen again
                 return state, ()
@@ -322,6 +347,7 @@ CONTROL_TYPES = ("JobSubmitted", "AllocationGranted", "AllocationReleased", "Job
                  "JobFailed", "CheckpointCommitted", "CheckpointDeleted", "CheckpointRejected", "WorkersStarted",
                  "WorkersExited", "RollbackRequested", "SpikeDiagnosed", "ReshardPlanned", "CheckpointRequested",
                  "StopRequested", "PauseRequested", "ResumeRequested")
+FLEET_TYPES = ("NodeRegistered", "NodeLost")
 
 
 def core_service(node: str, effects: dict[str, EffectHandler]) -> Service[State]:
@@ -333,7 +359,8 @@ def core_service(node: str, effects: dict[str, EffectHandler]) -> Service[State]
         name=service_name(node),
         initial=State(node=node),
         transition=transition,
-        control_subjects=subjects.job_types(*CONTROL_TYPES),
+        control_subjects=(*subjects.job_types(*CONTROL_TYPES),
+                          *(subjects.node(node, t) for t in FLEET_TYPES)),  # its own: is it lost?
         wants_tick=lambda state, now: False,  # nothing here waits on time: grace periods are the spawner's
         effects=effects,
     )

@@ -12,6 +12,7 @@ import signal
 import sys
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -46,6 +47,7 @@ from flightdeck.services.agent.links import RankLinks
 from flightdeck.services.agent.nodeview import NodeView
 from flightdeck.services.agent.spawner import Spawner, retrying
 from flightdeck.services.agent.standbys import StandbyPool
+from flightdeck.services.core import Emit
 from flightdeck.services.shell.broker import nats_url
 from flightdeck.services.shell.connection import Connection
 from flightdeck.services.shell.fold import rebuild
@@ -154,23 +156,39 @@ async def persist_orphans(store: EventStore, spawner: Spawner,
     return list(lost)
 
 
+def registration(node: str, inv: Inventory, address: str, verdict: Verdict, snapshot_bytes: int) -> list[NodeEvent]:
+    """NodeRegistered and the self-check's verdict, their envelopes left to whoever appends them."""
+    events: list[NodeEvent] = [
+        NodeRegistered(node=node, kind=inv.kind, slots=inv.slots, devices=inv.devices, memory_gb=inv.memory_gb,
+                       address=address, snapshot_bytes=snapshot_bytes)]
+    if verdict.ok:
+        events.append(SelfCheckPassed(node=node, seconds=round(verdict.seconds, 3), detail=verdict.detail))
+    else:
+        events.append(SelfCheckFailed(node=node, reason=verdict.detail))
+    return events
+
+
 async def register(store: EventStore, node: str, producer: str, inv: Inventory, address: str, verdict: Verdict, *,
                    snapshot_bytes: int = -1) -> None:
     """NodeRegistered, then the self-check's verdict (a failure makes the resource manager cordon the node)."""
     boot = uuid.uuid4().hex[:12]
     now = time.time()
-    envelope: dict[str, Any] = {"node": node, "occurred_at": now, "producer": producer}
-    events: list[NodeEvent] = [
-        NodeRegistered(kind=inv.kind, slots=inv.slots, devices=inv.devices, memory_gb=inv.memory_gb, address=address,
-                       snapshot_bytes=snapshot_bytes, event_id=f"{producer}:register:{boot}", **envelope)]
-    if verdict.ok:
-        events.append(SelfCheckPassed(seconds=round(verdict.seconds, 3), detail=verdict.detail,
-                                      event_id=f"{producer}:selfcheck:{boot}", **envelope))
-    else:
-        events.append(SelfCheckFailed(reason=verdict.detail, event_id=f"{producer}:selfcheck:{boot}", **envelope))
-    for ev in events:
+    for ev, what in zip(registration(node, inv, address, verdict, snapshot_bytes), ("register", "selfcheck"),
+                        strict=True):
+        ev = msgspec.structs.replace(ev, occurred_at=now, producer=producer, event_id=f"{producer}:{what}:{boot}")
         subject = subjects.node(node, type(ev).__name__)
         await retrying(f"appending {type(ev).__name__}", partial(store.append, subject, ev, msg_id=ev.event_id))
+
+
+async def rejoin(node: str, inv: Inventory, address: str, snapshot_bytes: int,
+                 check: Callable[[], Awaitable[Verdict]], reason: str) -> list[Emit]:
+    """Join again after this node was declared lost while the agent ran: the self-check first, as at a start; its
+    registration and verdict go out as the rejoin effect's outputs (a passed one lifts the loss cordon)."""
+    log.warning("this node was declared lost while its agent ran: its ranks are fenced; joining again", reason=reason)
+    verdict = await check()
+    events = registration(node, inv, address, verdict, snapshot_bytes)
+    log.info("node registered again", selfcheck_ok=verdict.ok, detail=verdict.detail)
+    return [Emit(subjects.node(node, type(ev).__name__), ev) for ev in events]
 
 
 @dataclass(frozen=True)
@@ -272,6 +290,7 @@ async def run_agent(options: AgentOptions, stop_event: asyncio.Event | None = No
             verdict = verdict_task.result()
             room = await asyncio.to_thread(snapshots.capacity, paths.snapshots, o.snapshot_memory)
             await register(store, node, producer, inv, address, verdict, snapshot_bytes=room)
+            spawner.rejoin = partial(rejoin, node, inv, address, room, spawner.recheck)
             log.info("node registered", kind=inv.kind, slots=inv.slots, selfcheck_ok=verdict.ok,
                      selfcheck_s=round(verdict.seconds, 2), detail=verdict.detail, orphans_recorded=lost,
                      standbys=pool.size)

@@ -30,12 +30,14 @@ from flightdeck.services.agent.codecache import CodeCache
 from flightdeck.services.agent.core import (
     EVICT,
     PREFETCH,
+    REJOIN,
     SELFCHECK,
     SPAWN,
     STOP,
     TELL,
     EvictArgs,
     PrefetchArgs,
+    RejoinArgs,
     SelfCheckArgs,
     SpawnArgs,
     StopArgs,
@@ -93,6 +95,9 @@ class Spawner:
         # The node's self-check (inventory.selfcheck with the agent's interpreter, slots and fork server), run again
         # when a spike's diagnosis suspects this node; set by the agent once it knows them.
         self.recheck: Callable[[], Awaitable[Verdict]] | None = None
+        # Its registration again after the node was declared lost while the agent ran (main.rejoin): set once
+        # the agent has registered.
+        self.rejoin: Callable[[str], Awaitable[list[Emit]]] | None = None
 
     def watched(self, job_id: str, attempt: int) -> set[int]:
         """The attempt's ranks here whose exits are not recorded yet."""
@@ -138,7 +143,21 @@ class Spawner:
             assert isinstance(args, SelfCheckArgs), type(args)
             return await recheck(self.node, self.recheck, args)
 
-        return {SPAWN: spawn, STOP: stop, PREFETCH: prefetch, EVICT: evict, SELFCHECK: selfcheck, TELL: tell}
+        async def rejoin(args: Any) -> list[Emit]:
+            assert isinstance(args, RejoinArgs), type(args)
+            return await self.fence_and_rejoin(args.reason)
+
+        return {SPAWN: spawn, STOP: stop, PREFETCH: prefetch, EVICT: evict, SELFCHECK: selfcheck, TELL: tell,
+                REJOIN: rejoin}
+
+    async def fence_and_rejoin(self, reason: str) -> list[Emit]:
+        """The node was declared lost while this agent ran: every rank here belongs to an attempt the scheduler
+        has replaced (their exits are recorded as they die), so each is killed now, before the node joins again."""
+        for job_id, attempt in sorted({(p.job_id, p.attempt) for p in self.procs.values() if p.alive}):
+            self.stop(job_id, attempt, f"this node was declared lost: {reason}", immediate=True)
+        if self.rejoin is None:  # declared lost before it registered: its registration is still to come
+            return []
+        return await self.rejoin(reason)
 
     # -- spawning ----------------------------------------------------------------------------------
 

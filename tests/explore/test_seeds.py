@@ -10,11 +10,12 @@ import pytest
 from flightdeck.events import subjects
 from flightdeck.events.job import JobCompleted, WorkersExited
 from flightdeck.events.nodelocal import STOPPED_EXIT
-from flightdeck.services.core import Emit, Service
+from flightdeck.services.agent import core as agent_core
+from flightdeck.services.core import Effect, Emit, Service
 from flightdeck.services.scheduler.core import core_service as scheduler_core
 from flightdeck.services.tools.explore.__main__ import explore
 from flightdeck.services.tools.explore.invariants import violations
-from flightdeck.services.tools.explore.world import FAULT_KINDS_V1, plan, simulate
+from flightdeck.services.tools.explore.world import FAULT_KINDS_V1, FAULT_KINDS_V2, NODES, plan, simulate
 
 pytestmark = pytest.mark.timeout(900)
 SEEDS_PER_TEST = 250  # four tests, so the suite's workers share the thousand
@@ -51,7 +52,7 @@ async def test_the_seeds_that_found_bugs_hold(seed: int) -> None:
 
 @pytest.mark.parametrize("seed", sorted(FOUND_V2))
 async def test_the_seeds_that_found_bugs_since_glitches_hold(seed: int) -> None:
-    run = await simulate(plan(seed))
+    run = await simulate(plan(seed, kinds=FAULT_KINDS_V2))
     assert await violations(run) == [], FOUND_V2[seed]
 
 
@@ -76,3 +77,30 @@ async def test_the_invariants_catch_a_scheduler_that_completes_a_stopped_job() -
         found = await violations(await simulate(p, {"scheduler": _completes_on_any_exit}))
         broken += any("completed, but no attempt ran every step" in v for v in found)
     assert broken > 0
+
+
+def _never_rejoins(node: str) -> Any:
+    """An agent core with 6ade4e9's gap put back: a NodeLost of its own node while it runs changes nothing."""
+    def build() -> Service[Any]:
+        async def never(args: Any) -> list[Emit]:
+            raise AssertionError("effects run through World._effect")
+        real = agent_core.core_service(node, {k: never for k in agent_core.EFFECTS})
+
+        def transition(state: Any, event: Any) -> tuple[Any, tuple[Any, ...]]:
+            after, out = real.transition(state, event)
+            return after, tuple(o for o in out if not (isinstance(o, Effect) and o.kind == agent_core.REJOIN))
+        return dataclasses.replace(real, transition=transition)
+    return build
+
+
+async def test_the_invariants_catch_an_agent_that_stays_lost_after_it_resumes() -> None:
+    """agent_freeze: an agent frozen past the lost deadline resumes; one that never joins again strands the jobs
+    that need its slots (issue 51: `kill -STOP` for 20 s left the job in `recovering` for 10 minutes)."""
+    stranded = 0
+    for seed in range(40):
+        p = plan(seed, kinds=("agent_freeze",))
+        cores = {f"agent-{node}": _never_rejoins(node) for node in NODES}
+        found = await violations(await simulate(p, cores))
+        stranded += any("never ended" in v for v in found)
+        assert await violations(await simulate(p)) == [], seed  # the agents as they ship join again
+    assert stranded > 0

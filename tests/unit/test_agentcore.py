@@ -11,6 +11,7 @@ from flightdeck.events import nodelocal as nl
 from flightdeck.events.base import Event
 from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointDeleted, DataPosition
 from flightdeck.events.commands import CheckpointRequested, PauseRequested, RollbackRequested, StopRequested
+from flightdeck.events.fleet import NodeLost, NodeRegistered
 from flightdeck.events.job import (
     AllocationGranted,
     AllocationReleased,
@@ -232,6 +233,8 @@ def test_the_service_reads_its_inputs_and_asks_only_for_effects_it_can_run(tmp_p
     service = agentcore.core_service("a", spawner.handlers())
     assert service.name == "agent-a" and not service.wants_tick(service.initial, 0.0)
     assert "fd.ctl.job.*.AllocationGranted" in service.control_subjects
+    assert {"fd.ctl.node.a.NodeLost", "fd.ctl.node.a.NodeRegistered"} <= set(service.control_subjects)  # its own
+    assert not any(s.startswith("fd.ctl.node.b.") or s.startswith("fd.ctl.node.*.") for s in service.control_subjects)
     folder = Folder(service)
     steps = []
     for seq, ev in enumerate(numbered([submitted(), grant()]), start=1):
@@ -267,3 +270,18 @@ def test_a_grant_without_snapshot_room_here_starts_these_ranks_without_snapshots
     env = rank_env_of(elsewhere.args, elsewhere.args.ranks[0], tmp_path / "spec.toml", None, frozenset(), node="a",
                       paths=paths, launch=launch, link="")
     assert env[nl.SNAPSHOTS_ENV] == str(tmp_path / "shm") and nl.SNAPSHOTS_OFF_ENV not in env
+
+
+def test_a_node_declared_lost_while_its_agent_runs_fences_and_joins_again() -> None:
+    """Issue 51: an agent frozen past the lost deadline (SIGSTOP, a stall) resumed and stayed lost for ever. Its own
+    NodeLost after its registration asks for the rejoin effect (fence every rank here, self-check, register); one
+    before it (an earlier agent's), another node's, or a second one before it registered again asks for nothing."""
+    lost = NodeLost(node="a", reason="its agent, which ran ranks of j-1, has sent no heartbeat batch for 2s")
+    state, effects = run([lost, NodeLost(node="b", reason="x")])
+    assert effects == [] and not state.registered
+    state, effects = run([NodeRegistered(node="a", kind="cpu", slots=2), lost], state)
+    assert [(e.kind, e.args) for e in effects] == [(agentcore.REJOIN, agentcore.RejoinArgs(reason=lost.reason))]
+    state, effects = run([lost], state)
+    assert effects == [] and not state.registered
+    state, effects = run([NodeRegistered(node="a", kind="cpu", slots=2), NodeLost(node="b", reason="x")], state)
+    assert effects == [] and state.registered

@@ -97,6 +97,7 @@ class Ranks:
         self.saved: dict[tuple[str, str], Saved] = {}  # (job, checkpoint id) -> what it holds
         self.spikes: dict[str, tuple[int, int]] = {}  # job -> batches whose loss spikes
         self.nodes_down: set[str] = set()
+        self.frozen: set[str] = set()  # nodes whose agent is frozen: their ranks' links and beats stall with it
         self.orphans: dict[str, list[tuple[Attempt, int]]] = {}  # node -> ranks that died with its agent
         self.n = 0
 
@@ -244,6 +245,8 @@ class Ranks:
         """One step boundary and step of a running attempt, when every rank is there to take part."""
         if not a.running or a.finished or len(a.alive) < a.world_size or a.hung:
             return  # a collective with a peer missing or hung blocks every rank
+        if any(a.nodes.get(r) in self.frozen for r in a.alive):
+            return  # a rank whose agent is frozen blocks on its link, and its peers in the collective
         if a.replay is not None and a.step >= a.replay.until:
             await self._end_replay(a, a.replay)
         await self._commands(a)

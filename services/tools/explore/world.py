@@ -34,7 +34,10 @@ FAULT_KINDS_V1 = ("crash", "lost_ack", "stale_restart", "broker_restart", "rank_
                   "rank_hang", "spike", "agent_vanish", "poison")  # a seed's schedule before "glitch" was drawn
 # glitch: one rank's loss spikes for 3 steps of its current run and never again (a fault that passed, as a faulty
 # device's): a re-run does not repeat it, so its diagnosis is hardware
-FAULT_KINDS = (*FAULT_KINDS_V1, "glitch")
+FAULT_KINDS_V2 = (*FAULT_KINDS_V1, "glitch")
+# agent_freeze: a node's agent stops (SIGSTOP, a long swap or I/O stall) for longer than the lost deadline, and
+# resumes to find its node declared lost and its ranks replaced (issue 51): it must fence them and join again
+FAULT_KINDS = (*FAULT_KINDS_V2, "agent_freeze")
 POLICY = PolicySpec(heartbeat_interval_s=0.5, heartbeat_misses=4, hang_min_s=3.0, max_restarts=8, spike_warmup=8,
                     spike_window=12, rollback_steps_back=5, rollback_skip_batches=4, commit_wait_s=2.0,
                     max_skip_fraction=1.0,  # no operator answers a pause here: every spike rolls back
@@ -87,6 +90,8 @@ def plan(seed: int, *, num_faults: int | None = None, kinds: Sequence[str] = FAU
                 faults.append(Fault(at, kind, f"job{rng.randrange(len(jobs))}", str(rng.randrange(2))))
             case "agent_vanish":
                 faults.append(Fault(at, kind, rng.choice(NODES)))
+            case "agent_freeze":
+                faults.append(Fault(at, kind, rng.choice(NODES), f"{rng.uniform(1.0, 8.0):.1f}"))
             case _:
                 faults.append(Fault(at, kind))
     faults.sort(key=lambda f: f.at)
@@ -124,6 +129,7 @@ class World:
         self.n = 0
         self.shells: dict[str, SimShell] = {}
         self.restart_at: dict[str, float] = {}
+        self.thaw_at: dict[str, float] = {}  # node -> when its frozen agent resumes
         self.job_ids: list[str] = []
         self.poison_ids: set[str] = set()
         for build in (scheduler_core, resources_core, lambda: health_core(tick_s=0.5), self._checkpoints):
@@ -178,6 +184,11 @@ class World:
             await self.ranks.stop(node, args.job_id, args.attempt, immediate=args.immediate)
         elif isinstance(args, agent_core.TellArgs) and args.command:
             self.ranks.tell(node, args.job_id, args.attempt, codec.decode(args.command))
+        elif isinstance(args, agent_core.RejoinArgs):  # as spawner.fence_and_rejoin: fence, then register again
+            for job_id, attempt in sorted(self.ranks.attempts):
+                await self.ranks.stop(node, job_id, attempt, immediate=True)
+            return [Emit(subjects.node(node, "NodeRegistered"), NodeRegistered(node=node, kind="cpu", slots=SLOTS)),
+                    Emit(subjects.node(node, "SelfCheckPassed"), SelfCheckPassed(node=node, seconds=1.0))]
         elif isinstance(args, agent_core.SelfCheckArgs):  # the simulated hardware is sound
             return [Emit(subjects.node(node, "SelfCheckPassed"), SelfCheckPassed(node=node, seconds=1.0))]
         return []
@@ -213,6 +224,10 @@ class World:
             elapsed = self.clock() - start
             while faults and faults[0].at <= elapsed:
                 await self._inject(faults.pop(0))
+            for node, at in list(self.thaw_at.items()):
+                if self.clock() >= at:
+                    del self.thaw_at[node]
+                    self.ranks.frozen.discard(node)
             for name, shell in self.shells.items():  # a crashed process is restarted by its supervisor, later
                 gone = name.removeprefix("agent-") in self.ranks.nodes_down
                 if not shell.up and name not in self.restart_at and not gone:
@@ -227,14 +242,15 @@ class World:
             if self.clock() >= beat_due:
                 beat_due = self.clock() + POLICY.heartbeat_interval_s
                 for node in NODES:
-                    if node not in self.ranks.nodes_down:
+                    if node not in self.ranks.nodes_down and node not in self.ranks.frozen:
                         await self.ranks.beats(node, POLICY.heartbeat_interval_s)
             for a in list(self.ranks.attempts.values()):
                 await self.ranks.advance(a)
             order = list(self.shells.values())
             self.rng.shuffle(order)  # services run concurrently: any interleaving of their inputs
             for shell in order:
-                if shell.name.removeprefix("agent-") in self.ranks.nodes_down:
+                node = shell.name.removeprefix("agent-")
+                if node in self.ranks.nodes_down or node in self.ranks.frozen:
                     continue
                 await shell.turn()
             if turn % 10 == 0:
@@ -282,6 +298,9 @@ class World:
             case "agent_vanish":
                 await self.ranks.node_lost(f.target)
                 self.shells[f"agent-{f.target}"].crash()
+            case "agent_freeze" if f.target not in self.ranks.nodes_down and self.shells[f"agent-{f.target}"].up:
+                self.ranks.frozen.add(f.target)
+                self.thaw_at[f.target] = self.clock() + float(f.detail)
             case "poison" if job:
                 await self._poison(job)
 
