@@ -172,12 +172,17 @@ def node_lost(tx: Tx, node: str, reason: str, cause_id: str) -> None:
             continue
         if job.run.stop:
             ranks_gone(tx, job, gone)
+        elif tx.settings.unstarted == "free" and not gone & job.run.started:
+            # its agent never started them (it died idle, or froze): the job ran nothing there to cause the loss
+            fault(tx, job, cause_id, f"node {node} lost before it started ranks {sorted(gone)}: {reason}", gone,
+                  lost_node=node, blameless=True)
         else:
             fault(tx, job, cause_id, f"node {node} lost: {reason}", gone, lost_node=node)
 
 
 def fault(tx: Tx, job: Job, cause_id: str, reason: str, gone: Iterable[int], *, lost_node: str = "",
-          planned: bool = False, trained_until: float = 0.0, early: str = "", staged: bool = False) -> None:
+          planned: bool = False, trained_until: float = 0.0, early: str = "", staged: bool = False,
+          blameless: bool = False) -> None:
     """Restart the job on fresh slots, or fail it once the restart budget is spent. Surviving ranks are
     told to stop first (no checkpoint: the newest committed one is the restore point, or the one on its way
     when waiting for it loses less: commit_wait.py); releasing the allocation makes the node agents kill
@@ -185,12 +190,16 @@ def fault(tx: Tx, job: Job, cause_id: str, reason: str, gone: Iterable[int], *, 
     costs the job no restart, and its ranks saved a checkpoint on the way out that the restart waits for.
     `trained_until`: when the job last made progress, if before now (a hung rank). `early`: how the attempt
     failed before its first step ("" if it did not), for the next attempt's failure to be compared with.
-    `staged`: the exits that brought the fault said a rank's snapshot was staged for the store."""
+    `staged`: the exits that brought the fault said a rank's snapshot was staged for the store. `blameless`: the
+    attempt ran nothing that could have caused it (a node lost before it started the ranks granted to it), so the
+    restart costs the budget nothing."""
     job = tx.update(job, exited=job.run.exited | frozenset(gone), faults=(*job.faults, cause_id), early_failure=early)
-    free = bool(job.run.bad_restore) or planned
+    free = bool(job.run.bad_restore) or planned or blameless
     if planned:
         recovery: Restart | Fail = Restart(f"{reason}; the node agent stopped them as it shut down: restarting, "
                                            "not counted against the restart budget")
+    elif blameless:
+        recovery = Restart(f"{reason}; restarting, not counted against the restart budget")
     else:
         recovery = after_bad_checkpoint(job, reason) if job.run.bad_restore else after_fault(job, reason)
     unsettled = job.run.started - job.run.exited  # ranks whose end is not recorded: their node may be lost
