@@ -29,7 +29,7 @@ from flightdeck.events.nodelocal import STEP_REPORTS, STEP_REPORTS_ENV
 from flightdeck.events.store import EventStore
 from flightdeck.events.streams import BrokerRefused
 from flightdeck.services.agent import core as agentcore
-from flightdeck.services.agent import snapshots
+from flightdeck.services.agent import shmroots, snapshots
 from flightdeck.services.agent.beats import BeatRelay, new_address, store_publisher
 from flightdeck.services.agent.closing import close_within
 from flightdeck.services.agent.forkserver import ForkServer
@@ -267,6 +267,9 @@ async def run_agent(options: AgentOptions, stop_event: asyncio.Event | None = No
                                log_file=Paths(root).standby_log, preexec=die_with_agent(os.getpid()), producer=producer,
                                forks=forks)
             paths = Paths(root, snapshots=snapshot_root(o.snapshots, root, node))
+            if paths.snapshots is not None:  # shared memory is RAM: what dead agents of gone platforms left is freed
+                await asyncio.to_thread(shmroots.claim, paths.snapshots, root)
+                await asyncio.to_thread(shmroots.reclaim, paths.snapshots)
             spawner = Spawner(node=node, producer=producer, store=store, objects=objs, paths=paths, launch=launch,
                               standbys=pool if pool.size > 0 else None)
             links = RankLinks(node=node, store=store, admit=spawner.claims)
