@@ -67,15 +67,16 @@ LINGER_S = 30.0  # after a completion, the longest the service ticks unasked for
 def retention(job: JobState, by_step: bool = True) -> tuple[JobState, tuple[str, ...]]:
     """Doom every live checkpoint that is neither among the newest `keep` good ones a rollback left standing, nor
     held, nor older than a held one (a restore not yet confirmed may have to fall back past its target). A rejected
-    checkpoint does not count as one of them: the last good one is always kept. Newest: by step (`by_step`,
-    Settings.retention), else in commit order."""
+    checkpoint does not count as one of them: the last good one is always kept. One a node claimed bad and the
+    service has not read back yet is kept but not counted either: if the read confirms the claim, what a restore
+    falls back to is still there. Newest: by step (`by_step`, Settings.retention), else in commit order."""
     live = [c for c in job.committed if c.checkpoint_id not in job.doomed]
     standing = [c for c in live if not thrown_away(job.forks, c.attempt, c.timeline, c.step)
-                and c.checkpoint_id not in job.bad]
+                and c.checkpoint_id not in job.bad and c.checkpoint_id not in job.doubted]
     if by_step:
         standing.sort(key=lambda c: c.step)  # stable: equal steps stay in commit order, as lineage.newest takes them
     held = [c.step for c in live if c.checkpoint_id in job.holds]
-    keep = {c.checkpoint_id for c in standing[-job.keep:]} | set(job.holds)
+    keep = {c.checkpoint_id for c in standing[-job.keep:]} | set(job.holds) | job.doubted
     if held:
         keep |= {c.checkpoint_id for c in standing if c.step <= max(held)}
     doomed = tuple(c.checkpoint_id for c in live if c.checkpoint_id not in keep)
@@ -209,19 +210,25 @@ def _evolve_job(job: JobState, ev: Event, settings: Settings, lost: frozenset[st
             job = replace(job, committed=(*job.committed, c))
         case CheckpointDeleted():
             return replace(job, committed=tuple(c for c in job.committed if c.checkpoint_id != ev.checkpoint_id),
-                           doomed=job.doomed - {ev.checkpoint_id}), NOTHING_DUE
+                           doomed=job.doomed - {ev.checkpoint_id}, doubted=job.doubted - {ev.checkpoint_id}), \
+                NOTHING_DUE
         case CheckpointRejected() | CheckpointRefused():  # one node's claim: not held, read back (transition)
-            bad = {**job.bad, ev.checkpoint_id: REJECTED} if settings.claims == "trust" else job.bad
-            job = replace(job, bad=bad, holds={k: v for k, v in job.holds.items() if k != ev.checkpoint_id})
+            holds = {k: v for k, v in job.holds.items() if k != ev.checkpoint_id}
+            if settings.claims == "trust":
+                job = replace(job, bad={**job.bad, ev.checkpoint_id: REJECTED}, holds=holds)
+            elif any(c.checkpoint_id == ev.checkpoint_id for c in job.committed):
+                job = replace(job, doubted=job.doubted | {ev.checkpoint_id}, holds=holds)
         case CheckpointScrubbed():
             found = next((c for c in job.committed if c.checkpoint_id == ev.checkpoint_id), None)
             if found is None or ev.checkpoint_id in job.doomed:  # deleted while it was read: nothing to learn
                 return job, NOTHING_DUE
             checked = replace(found, verified_at=ev.occurred_at)
-            job = replace(job, committed=tuple(checked if c is found else c for c in job.committed))
-            if not ev.cause:
+            job = replace(job, committed=tuple(checked if c is found else c for c in job.committed),
+                          doubted=job.doubted - {ev.checkpoint_id} if ev.claim_node else job.doubted)
+            if not ev.cause and not ev.claim_node:
                 return job, NOTHING_DUE
-            job = replace(job, bad={**job.bad, ev.checkpoint_id: CONFIRMED if ev.claim_node else SCRUBBED_BAD})
+            if ev.cause:  # else a claim read back intact: it counts among the kept again (retention below)
+                job = replace(job, bad={**job.bad, ev.checkpoint_id: CONFIRMED if ev.claim_node else SCRUBBED_BAD})
         case JobSubmitted():
             return replace(job, keep=ev.spec.policy.keep_checkpoints, every=ev.spec.train.checkpoint_every), NOTHING_DUE
         case RollbackRequested():

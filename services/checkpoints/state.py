@@ -140,6 +140,9 @@ class JobState(msgspec.Struct, frozen=True, kw_only=True):
     ended_at: float = 0.0
     forks: tuple[Fork, ...] = ()  # the timelines rollbacks started
     bad: dict[str, str] = {}  # found bad (on restore, or by a scrub) -> why it is deleted: never one of the `keep`
+    # claimed bad by a node and not read back yet (Settings.claims "verify"): kept, but not counted among the `keep`,
+    # so that what a restore falls back to if the read confirms the claim is still there
+    doubted: frozenset[str] = frozenset()
     placement: dict[int, dict[int, str]] = {}  # attempt -> rank -> node, as granted (this attempt's and newer)
     # attempt -> its ranks whose exit said their agent staged no snapshot (RankExit.persisted "none"): none comes
     staged_none: dict[int, frozenset[int]] = {}

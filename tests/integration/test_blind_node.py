@@ -74,7 +74,8 @@ async def test_a_node_blind_to_the_store_is_cordoned_and_no_checkpoint_is_delete
         assert started[0] == 0 and 1 not in started and set(started.values()) == {0, 30}, started  # n2 ran nothing
         assert [e.reason for e in p.seen(CheckpointDeleted, job)] == \
             ["retention"] * len(p.seen(CheckpointDeleted, job))  # nothing deleted on n2's word
-        assert len(p.seen(CheckpointCommitted, job)) == 5
+        # steps 10-50, the last one's commit may land after the job's completion
+        await p.until(lambda: len(p.seen(CheckpointCommitted, job)) == 5, 60, "the final step's commit", job)
         releases = [e.reason for e in p.seen(AllocationReleased, job)]
         assert sum("restart 1 of 3" in r for r in releases) == 1  # the crash spent one restart ...
         assert sum("without spending the restart budget" in r for r in releases) == 1  # ... n2's failed read none

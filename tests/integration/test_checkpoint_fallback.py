@@ -270,7 +270,7 @@ async def test_a_rollback_whose_checkpoint_is_bad_rolls_back_further_without_a_r
         await damage(p, objects, job, 10, store="", cache="missing")
         os.kill(pids[1], signal.SIGKILL)
         await p.until(lambda: bool(p.seen(JobCompleted, job) or p.seen(JobFailed, job)), 150, "the end", job)
-        assert p.seen(JobCompleted, job), kinds(p.job(job))
+        assert p.seen(JobCompleted, job), ([e.reason for e in p.seen(JobFailed, job)], kinds(p.job(job)))
 
         first, again = p.seen(RollbackRequested, job)
         assert (first.checkpoint_id, again.checkpoint_id) == (checkpoint_id(0, 20), checkpoint_id(0, 10))

@@ -522,3 +522,24 @@ def test_ranks_whose_exits_say_none_was_staged_leave_the_set_to_the_others_as_a_
     before = msgspec.structs.replace(LIVE, settings=msgspec.structs.replace(LIVE.settings, settle_on_exits="no"))
     _, outs = run([placed, memory(0, True), said], before)
     assert commits(outs) == []
+
+
+def test_what_a_claimed_checkpoint_falls_back_to_is_kept_until_the_read_decides() -> None:
+    """A rollback's target refused by a node (claimed bad) must not let retention delete what the rollback falls
+    back to if the read confirms it: a loaded CI run committed step 40 meanwhile, retention kept 20, 30 and 40,
+    deleted 10, and the confirmed-bad 20 left the rollback nothing to fall back to (the job failed)."""
+    state, _ = run([submitted(keep=3), committed(10), committed(20), committed(30), rejected_by("n1", 20)])
+    assert state.jobs[JOB].doubted == {checkpoint_id(0, 20)}
+    state, outs = run([committed(40)], state)
+    assert deleted(outs) == []  # 10, 30 and 40 are the three counted; 20 kept besides, doubted
+    state, outs = run([read_back(20, "n1", cause="shard '__0_0.distcp' is missing from the store")], state)
+    assert deleted(outs) == [checkpoint_id(0, 20)] and state.jobs[JOB].doubted == frozenset()
+    state, _ = run([CheckpointDeleted(job_id=JOB, checkpoint_id=checkpoint_id(0, 20), reason=core.CONFIRMED)], state)
+    assert [c.step for c in state.jobs[JOB].committed] == [10, 30, 40]
+
+
+def test_a_claim_read_back_intact_counts_among_the_kept_again() -> None:
+    state, _ = run([submitted(keep=2), committed(10), committed(20), rejected_by("n2", 20), committed(30)])
+    assert [c.step for c in state.jobs[JOB].committed] == [10, 20, 30]  # 20 doubted: 10 and 30 are the two counted
+    state, outs = run([read_back(20, "n2")], state)
+    assert deleted(outs) == [checkpoint_id(0, 10)]  # 20 and 30 now
