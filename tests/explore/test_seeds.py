@@ -5,6 +5,7 @@ catch a core that decides wrongly. `make soak` runs the same for an hour."""
 import dataclasses
 from typing import Any
 
+import msgspec
 import pytest
 
 from flightdeck.events import subjects
@@ -15,7 +16,7 @@ from flightdeck.services.core import Effect, Emit, Service
 from flightdeck.services.scheduler.core import core_service as scheduler_core
 from flightdeck.services.tools.explore.__main__ import explore
 from flightdeck.services.tools.explore.invariants import violations
-from flightdeck.services.tools.explore.world import FAULT_KINDS_V1, FAULT_KINDS_V2, NODES, plan, simulate
+from flightdeck.services.tools.explore.world import FAULT_KINDS_V1, FAULT_KINDS_V2, NODES, World, plan, simulate
 
 pytestmark = pytest.mark.timeout(900)
 SEEDS_PER_TEST = 250  # four tests, so the suite's workers share the thousand
@@ -104,3 +105,27 @@ async def test_the_invariants_catch_an_agent_that_stays_lost_after_it_resumes() 
         stranded += any("never ended" in v for v in found)
         assert await violations(await simulate(p)) == [], seed  # the agents as they ship join again
     assert stranded > 0
+
+
+def _trusting(build: Any) -> Any:
+    """A core as 6ade4e9 ran it: a node's claim that a checkpoint is bad is the verdict (Settings.claims "trust")."""
+    def trusting() -> Service[Any]:
+        real = build()
+        settings = {**real.settings, "claims": "trust"}
+        initial = msgspec.structs.replace(real.initial, settings=msgspec.structs.replace(real.initial.settings,
+                                                                                          claims="trust"))
+        return dataclasses.replace(real, settings=settings, initial=initial)
+    return trusting
+
+
+async def test_the_invariants_catch_a_platform_that_takes_one_blind_nodes_word() -> None:
+    """store_blind: a node whose agent sees another store rejects every restore from the store. Trusted, each
+    rejection deletes an intact checkpoint (issue 51: 175, 150 and 125 deleted in turn, and the job failed)."""
+    deleted, kinds = 0, ("store_blind", "rank_crash", "rank_kill")
+    for seed in range(30):
+        p = plan(seed, kinds=kinds)
+        cores = {"scheduler": _trusting(scheduler_core), "checkpoints": _trusting(World(p)._checkpoints)}
+        found = await violations(await simulate(p, cores))
+        deleted += any("deleted as" in v for v in found)
+        assert await violations(await simulate(p)) == [], seed  # the claims as they ship: read back, never trusted
+    assert deleted > 0

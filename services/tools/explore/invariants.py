@@ -6,11 +6,13 @@ from typing import Any
 
 from flightdeck.events import subjects
 from flightdeck.events.admission import admitted_events
+from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointDeleted
 from flightdeck.events.commands import RollbackRequested
 from flightdeck.events.findings import LossSpikeDetected, NonFiniteLoss, SpikeDiagnosed
 from flightdeck.events.history import HistoryGap, check_contiguous
 from flightdeck.events.job import JobCancelled, JobCompleted, JobFailed, JobPhaseChanged, RollbackAsked
 from flightdeck.events.store import Stored
+from flightdeck.services.checkpoints.core import THROWN_AWAY
 from flightdeck.services.shell.deadletter import given_up
 from flightdeck.services.shell.fold import replay, same_decision
 from flightdeck.services.tools.explore.world import Run
@@ -29,9 +31,29 @@ async def violations(run: Run) -> list[str]:
     out += _one_diagnosis_per_spike(run, control)
     out += _poison_never_folded(run, control)
     out += _phases_as_recorded(run, control)
+    out += _no_good_checkpoint_deleted(run, control)
     out += [m for shell in run.shells.values() for m in shell.snapshot_mismatches]
     for name in VERIFIED:
         out += await _replay_reproduces(run, name, control)
+    return out
+
+
+def _no_good_checkpoint_deleted(run: Run, control: list[Stored]) -> list[str]:
+    """The simulated store keeps every committed set intact, so nothing may be deleted as bad (one node that cannot
+    read the store is no evidence: issue 51), and retention never deletes a job's newest: some committed one of at
+    least its step is still there."""
+    out = []
+    for job_id in run.job_ids:
+        live: dict[str, int] = {}
+        for e in _job_events(control, job_id):
+            if isinstance(e, CheckpointCommitted):
+                live[e.checkpoint_id] = e.step
+            elif isinstance(e, CheckpointDeleted) and e.checkpoint_id in live:
+                step = live.pop(e.checkpoint_id)
+                if e.reason not in ("retention", THROWN_AWAY):
+                    out.append(f"{job_id}: intact checkpoint {e.checkpoint_id} deleted as {e.reason!r}")
+                elif e.reason == "retention" and not any(s >= step for s in live.values()):
+                    out.append(f"{job_id}: retention deleted {e.checkpoint_id} (step {step}), its newest")
     return out
 
 

@@ -8,14 +8,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flightdeck.events import codec, subjects
-from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointScrubbed
+from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointRejected, CheckpointScrubbed
 from flightdeck.events.findings import StragglerDetected
 from flightdeck.events.fleet import NodeRegistered, SelfCheckPassed
 from flightdeck.events.history import append_to_job
-from flightdeck.events.job import JobCompleted, JobSubmitted
+from flightdeck.events.job import JobCompleted, JobSubmitted, RankExit, exits_record
 from flightdeck.events.spec import JobSpec, PolicySpec, TrainSpec
 from flightdeck.events.store import MemoryStore
 from flightdeck.services.agent import core as agent_core
+from flightdeck.services.agent.spawner import START_FAILED_EXIT
 from flightdeck.services.checkpoints import core as checkpoints_core
 from flightdeck.services.checkpoints.state import CommitArgs, DeleteArgs, ScrubArgs
 from flightdeck.services.core import Effect, Emit, Service
@@ -37,7 +38,9 @@ FAULT_KINDS_V1 = ("crash", "lost_ack", "stale_restart", "broker_restart", "rank_
 FAULT_KINDS_V2 = (*FAULT_KINDS_V1, "glitch")
 # agent_freeze: a node's agent stops (SIGSTOP, a long swap or I/O stall) for longer than the lost deadline, and
 # resumes to find its node declared lost and its ranks replaced (issue 51): it must fence them and join again
-FAULT_KINDS = (*FAULT_KINDS_V2, "agent_freeze")
+# store_blind: a node's agent sees another object store from then on (a missing mount, wrong credentials): every
+# restore it is given from the store it rejects, though the store holds it intact (issue 51)
+FAULT_KINDS = (*FAULT_KINDS_V2, "agent_freeze", "store_blind")
 POLICY = PolicySpec(heartbeat_interval_s=0.5, heartbeat_misses=4, hang_min_s=3.0, max_restarts=8, spike_warmup=8,
                     spike_window=12, rollback_steps_back=5, rollback_skip_batches=4, commit_wait_s=2.0,
                     max_skip_fraction=1.0,  # no operator answers a pause here: every spike rolls back
@@ -88,7 +91,7 @@ def plan(seed: int, *, num_faults: int | None = None, kinds: Sequence[str] = FAU
                 faults.append(Fault(at, kind, target, rng.choice(CRASH_POINTS) if kind == "crash" else ""))
             case "rank_crash" | "rank_kill" | "rank_term" | "rank_hang" | "spike" | "poison" | "glitch":
                 faults.append(Fault(at, kind, f"job{rng.randrange(len(jobs))}", str(rng.randrange(2))))
-            case "agent_vanish":
+            case "agent_vanish" | "store_blind":
                 faults.append(Fault(at, kind, rng.choice(NODES)))
             case "agent_freeze":
                 faults.append(Fault(at, kind, rng.choice(NODES), f"{rng.uniform(1.0, 8.0):.1f}"))
@@ -130,6 +133,7 @@ class World:
         self.shells: dict[str, SimShell] = {}
         self.restart_at: dict[str, float] = {}
         self.thaw_at: dict[str, float] = {}  # node -> when its frozen agent resumes
+        self.blind: set[str] = set()  # nodes whose agent cannot read the platform's object store
         self.job_ids: list[str] = []
         self.poison_ids: set[str] = set()
         for build in (scheduler_core, resources_core, lambda: health_core(tick_s=0.5), self._checkpoints):
@@ -175,7 +179,10 @@ class World:
                                       seconds=0.0, claim_node=args.claim_node, claim_cause=args.claim_cause)
             return [Emit(subjects.job(args.job_id, "CheckpointScrubbed"), read)]
         node = service.removeprefix("agent-")
-        if isinstance(args, agent_core.SpawnArgs):
+        if isinstance(args, agent_core.SpawnArgs) and node in self.blind and args.restore is not None \
+                and not args.restore.from_memory:
+            await self._reject(node, args)
+        elif isinstance(args, agent_core.SpawnArgs):
             restore = (args.restore.checkpoint_id, args.restore.step) if args.restore is not None else None
             await self.ranks.spawn(node, args.job_id, args.attempt, [r.rank for r in args.ranks], args.world_size,
                                    args.spec.train.steps, args.spec.train.checkpoint_every, restore,
@@ -192,6 +199,21 @@ class World:
         elif isinstance(args, agent_core.SelfCheckArgs):  # the simulated hardware is sound
             return [Emit(subjects.node(node, "SelfCheckPassed"), SelfCheckPassed(node=node, seconds=1.0))]
         return []
+
+    async def _reject(self, node: str, args: agent_core.SpawnArgs) -> None:
+        """As the spawner when the store it sees lacks the restore point: CheckpointRejected, then its ranks' exits
+        as not started (services/agent/spawner.py, exits.py)."""
+        assert args.restore is not None
+        n, producer = self._ids(), f"agent-{node}"
+        cid = args.restore.checkpoint_id
+        await append_to_job(self.store, CheckpointRejected(
+            job_id=args.job_id, checkpoint_id=cid, step=args.restore.step, attempt=args.attempt, node=node,
+            cause=f"checkpoint {args.job_id}/{cid} has no manifest", event_id=f"reject-{node}-{n}",
+            occurred_at=self.clock(), producer=producer))
+        exits = [RankExit(rank=r.rank, exit_code=START_FAILED_EXIT, persisted="none") for r in args.ranks]
+        await append_to_job(self.store, exits_record(exits, job_id=args.job_id, node=node, attempt=args.attempt,
+                                                     event_id=f"exit-{node}-{n}", occurred_at=self.clock(),
+                                                     producer=producer))
 
     async def _register(self, node: str, *, passed: bool = False) -> None:
         """NodeRegistered, and after a restart its self-check's SelfCheckPassed (what lifts a loss cordon)."""
@@ -298,6 +320,8 @@ class World:
             case "agent_vanish":
                 await self.ranks.node_lost(f.target)
                 self.shells[f"agent-{f.target}"].crash()
+            case "store_blind":
+                self.blind.add(f.target)
             case "agent_freeze" if f.target not in self.ranks.nodes_down and self.shells[f"agent-{f.target}"].up:
                 self.ranks.frozen.add(f.target)
                 self.thaw_at[f.target] = self.clock() + float(f.detail)
