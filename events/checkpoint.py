@@ -131,6 +131,8 @@ class CheckpointScrubbed(JobEvent, frozen=True, kw_only=True):
     node's failed read is no verdict on the checkpoint (the node may see another store, or none), so this read by
     a second witness is. Found intact, the claiming node is the suspect (the resource manager cordons it)."""
 
+    SCHEMA = 2  # 2 added `claim_node` and `claim_cause`; a scheduled scrub's read is still written as version 1
+
     checkpoint_id: str
     step: int
     bytes: int  # read back

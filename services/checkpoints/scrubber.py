@@ -52,7 +52,8 @@ async def scrub(store: ObjectStore, args: ScrubArgs) -> list[Emit]:
         bound.info("scrubbed")
     event = CheckpointScrubbed(job_id=args.job_id, checkpoint_id=args.checkpoint_id, step=args.step, bytes=read,
                                seconds=seconds, cause=cause[:2000], occurred_at=time.time(),
-                               claim_node=args.claim_node, claim_cause=args.claim_cause[:2000])
+                               claim_node=args.claim_node, claim_cause=args.claim_cause[:2000],
+                               schema_version=2 if args.claim_node else 1)
     return [Emit(subjects.job(args.job_id, "CheckpointScrubbed"), event)]
 
 

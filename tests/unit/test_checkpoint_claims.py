@@ -45,7 +45,7 @@ def rejected(grant: AllocationGranted, node: str, step: int) -> CheckpointReject
 def read_back(step: int, node: str, cause: str = "") -> CheckpointScrubbed:
     cid = checkpoint_id(0, step)
     return CheckpointScrubbed(job_id=JOB, checkpoint_id=cid, step=step, bytes=10, seconds=0.1, cause=cause,
-                              claim_node=node, claim_cause=CAUSE.format(cid=cid))
+                              claim_node=node, claim_cause=CAUSE.format(cid=cid), schema_version=2)
 
 
 def platform() -> tuple[Bus, AllocationGranted]:

@@ -346,7 +346,7 @@ def claim_reads(outs: Sequence[Sequence[Output]]) -> list[tuple[str, str]]:
 
 def read_back(step: int, node: str, cause: str = "") -> CheckpointScrubbed:
     return CheckpointScrubbed(job_id=JOB, checkpoint_id=checkpoint_id(0, step), step=step, bytes=1, seconds=0.1,
-                              cause=cause, claim_node=node, claim_cause="no manifest")
+                              cause=cause, claim_node=node, claim_cause="no manifest", schema_version=2)
 
 
 def test_a_nodes_claim_deletes_nothing_until_the_services_own_read_confirms_it() -> None:

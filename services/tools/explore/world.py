@@ -176,7 +176,8 @@ class World:
             return []
         if isinstance(args, ScrubArgs):  # the simulated store holds every committed set as it was committed
             read = CheckpointScrubbed(job_id=args.job_id, checkpoint_id=args.checkpoint_id, step=args.step, bytes=1,
-                                      seconds=0.0, claim_node=args.claim_node, claim_cause=args.claim_cause)
+                                      seconds=0.0, claim_node=args.claim_node, claim_cause=args.claim_cause,
+                                      schema_version=2 if args.claim_node else 1)
             return [Emit(subjects.job(args.job_id, "CheckpointScrubbed"), read)]
         node = service.removeprefix("agent-")
         if isinstance(args, agent_core.SpawnArgs) and node in self.blind and args.restore is not None \
