@@ -113,6 +113,9 @@ class RankExit(msgspec.Struct, frozen=True, kw_only=True):
     # ... and for "staged", the newest (timeline, step) it staged: no set of a newer step can hold this rank, so the
     # survivors' replicas settle it without (services/checkpoints/core.py `_survivors`). None: not said.
     persisted_at: tuple[int, int] | None = None
+    # It died with its agent (killed with it, or lost when it crashed) and the next agent on its node recorded it
+    # (services/agent/main.py `reconcile`): the agent's fault, not the job's.
+    orphaned: bool = False
 
 
 class WorkersExited(JobEvent, frozen=True, kw_only=True):
@@ -120,9 +123,9 @@ class WorkersExited(JobEvent, frozen=True, kw_only=True):
     appends one of these per node, not per rank. `rank` and the fields after it are the record's first failed
     rank (or its first rank when none failed); `others` are the rest, by rank."""
 
-    # 2 added `others`, 3 `error`, `early`, `usage`, `unlinked`, 4 `persisted`, 5 `persisted_at`; written at the least
-    # version it needs
-    SCHEMA = 5
+    # 2 added `others`, 3 `error`, `early`, `usage`, `unlinked`, 4 `persisted`, 5 `persisted_at`, 6 `orphaned`; written
+    # at the least version it needs
+    SCHEMA = 6
 
     node: str
     attempt: int
@@ -140,6 +143,7 @@ class WorkersExited(JobEvent, frozen=True, kw_only=True):
     unlinked: bool = False
     persisted: Persisted = ""
     persisted_at: tuple[int, int] | None = None
+    orphaned: bool = False
 
     def is_fault(self) -> bool:
         """Whether this record's headline rank ended in a fault (events.job.failed): what the scheduler acts on."""
@@ -149,7 +153,8 @@ class WorkersExited(JobEvent, frozen=True, kw_only=True):
         """Every rank this record covers, its headline rank first."""
         first = RankExit(rank=self.rank, exit_code=self.exit_code, cause=self.cause, unrunnable=self.unrunnable,
                          planned=self.planned, error=self.error, early=self.early, usage=self.usage,
-                         unlinked=self.unlinked, persisted=self.persisted, persisted_at=self.persisted_at)
+                         unlinked=self.unlinked, persisted=self.persisted, persisted_at=self.persisted_at,
+                         orphaned=self.orphaned)
         return [first, *self.others]
 
 
@@ -161,12 +166,14 @@ def exits_record(exits: list[RankExit], *, job_id: str, node: str, attempt: int,
     told = any(x.error or x.early or x.usage or x.unlinked for x in exits)
     said = any(x.persisted for x in exits)
     said_at = any(x.persisted_at is not None for x in exits)
+    orphans = any(x.orphaned for x in exits)
     return WorkersExited(job_id=job_id, node=node, attempt=attempt, rank=head.rank, exit_code=head.exit_code,
                          cause=head.cause, unrunnable=head.unrunnable, planned=head.planned, others=others,
                          error=head.error, early=head.early, usage=head.usage, unlinked=head.unlinked,
-                         persisted=head.persisted, persisted_at=head.persisted_at, event_id=event_id,
-                         occurred_at=occurred_at, causation_id=causation_id, producer=producer,
-                         schema_version=5 if said_at else 4 if said else 3 if told else 2 if others else 1)
+                         persisted=head.persisted, persisted_at=head.persisted_at, orphaned=head.orphaned,
+                         event_id=event_id, occurred_at=occurred_at, causation_id=causation_id, producer=producer,
+                         schema_version=6 if orphans else 5 if said_at else 4 if said else 3 if told else 2 if others
+                         else 1)
 
 
 def failed(x: RankExit) -> bool:

@@ -124,7 +124,8 @@ async def reconcile(service: Any, store: EventStore, spawner: Spawner) -> int:
             killed.append(rank.pid)
         log.warning("rank lost with an earlier agent", job_id=rank.job_id, attempt=rank.attempt, rank=rank.rank,
                     pid=rank.pid, killed_now=rank.pid in killed)
-        lost.setdefault((rank.job_id, rank.attempt), []).append(RankExit(rank=rank.rank, exit_code=ORPHAN_EXIT))
+        lost.setdefault((rank.job_id, rank.attempt), []).append(RankExit(rank=rank.rank, exit_code=ORPHAN_EXIT,
+                                                                                   orphaned=True))
     # A rank that outlived its agent may still be writing a snapshot: its slots are read only once it has stopped.
     await gone(killed)
     persisted = await persist_orphans(store, spawner, lost)

@@ -134,7 +134,7 @@ def core_service(*, stop_timeout_s: float = 120.0, landing_timeout_s: float = 12
     `memory_wait`: restarts wait for the set persisted from the ranks' snapshots (commit_wait.MEMORY)."""
     settings = Settings(stop_timeout_s=stop_timeout_s, landing_timeout_s=landing_timeout_s,
                         memory_wait="known" if memory_wait else "no", phases="yes", restores="requested",
-                        claims="verify", unstarted="free")
+                        claims="verify", agent_faults="free")
     return Service(
         name=NAME,
         initial=State(settings=settings),
@@ -146,5 +146,5 @@ def core_service(*, stop_timeout_s: float = 120.0, landing_timeout_s: float = 12
         settings=msgspec.structs.asdict(settings),
         unrecorded=msgspec.structs.asdict(msgspec.structs.replace(settings, memory_wait="no", phases="no",
                                                                               restores="granted", claims="trust",
-                                                                              unstarted="charged")),
+                                                                              agent_faults="charged")),
     )

@@ -131,8 +131,11 @@ def exited(tx: Tx, ev: WorkersExited) -> None:
         fail(tx, job, f"{fault_reason(ev)}; {why}", job.faults)
     elif bad is not None:
         planned = all(x.planned for x in exits if failed(x))
-        fault(tx, job, ev.event_id, fault_reason(ev), ranks, planned=planned, early=early_way(bad),
-              staged=any(x.persisted == "staged" for x in exits))
+        # ranks that died with their agent (killed with it, recorded by the next agent there): the agent's fault
+        orphans = tx.settings.agent_faults == "free" and all(x.orphaned for x in exits if failed(x))
+        reason = fault_reason(ev) + ("; they died with their node agent" if orphans and not planned else "")
+        fault(tx, job, ev.event_id, reason, ranks, planned=planned, early=early_way(bad),
+              staged=any(x.persisted == "staged" for x in exits), blameless=orphans and not planned)
     else:
         job = tx.update(job, exited=job.run.exited | ranks)
         if job.ranks <= job.run.exited:  # every rank finished with 0, and nobody asked it to stop
@@ -172,7 +175,7 @@ def node_lost(tx: Tx, node: str, reason: str, cause_id: str) -> None:
             continue
         if job.run.stop:
             ranks_gone(tx, job, gone)
-        elif tx.settings.unstarted == "free" and not gone & job.run.started:
+        elif tx.settings.agent_faults == "free" and not gone & job.run.started:
             # its agent never started them (it died idle, or froze): the job ran nothing there to cause the loss
             fault(tx, job, cause_id, f"node {node} lost before it started ranks {sorted(gone)}: {reason}", gone,
                   lost_node=node, blameless=True)
@@ -191,8 +194,8 @@ def fault(tx: Tx, job: Job, cause_id: str, reason: str, gone: Iterable[int], *, 
     `trained_until`: when the job last made progress, if before now (a hung rank). `early`: how the attempt
     failed before its first step ("" if it did not), for the next attempt's failure to be compared with.
     `staged`: the exits that brought the fault said a rank's snapshot was staged for the store. `blameless`: the
-    attempt ran nothing that could have caused it (a node lost before it started the ranks granted to it), so the
-    restart costs the budget nothing."""
+    attempt ran nothing that could have caused it (a node lost before it started the ranks granted to it, ranks
+    that died with their agent), so the restart costs the budget nothing."""
     job = tx.update(job, exited=job.run.exited | frozenset(gone), faults=(*job.faults, cause_id), early_failure=early)
     free = bool(job.run.bad_restore) or planned or blameless
     if planned:
@@ -218,7 +221,8 @@ def fault(tx: Tx, job: Job, cause_id: str, reason: str, gone: Iterable[int], *, 
                 job = commit_wait.hold_for_save(tx, job)
             if not job.waits_for:  # a fully staged set first: it is on its way already
                 job = commit_wait.hold(tx, job, pending, since, lost_node)
-            if not job.waits_for and not free:  # a lost node's ranks leave none: the survivors' may do (DDP)
+            if not job.waits_for and not (job.run.bad_restore or planned):  # a lost node's ranks leave none: the
+                # survivors' may do (DDP); an agent that died with its ranks persists theirs when it comes back
                 job = commit_wait.hold_for_memory(tx, job, since, trained_until, unsettled=unsettled, where=where,
                                                   staged=staged)
             tx.enqueue(job)

@@ -189,9 +189,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # "verify": a node's claim that the restore point is bad waits for the checkpoint service's own read of it
     # (claims.py); "trust": the claim alone took it out of the catalog (histories recorded before).
     claims: str = "trust"
-    # "free": a restart after a node lost before it started any of the attempt's ranks granted to it costs the
-    # budget nothing (the job ran nothing there); "charged" as histories recorded before.
-    unstarted: str = "charged"
+    # "free": a restart a node's agent caused costs the budget nothing: a node lost before it started any of the
+    # attempt's ranks granted to it (the job ran nothing there), or ranks that died with their agent (recorded as
+    # `orphaned` by the next agent there); "charged" as histories recorded before.
+    agent_faults: str = "charged"
 
     def __post_init__(self) -> None:
         if not (self.stop_timeout_s > 0 and self.landing_timeout_s > 0):

@@ -33,7 +33,7 @@ async def test_an_old_history_verifies_with_the_defaults_whatever_the_environmen
     assert said == [
         "scheduler: no settings recorded in this history: replayed with the defaults "
         "(stop_timeout_s=120.0, landing_timeout_s=120.0, memory_wait=no, phases=no, restores=granted, claims=trust, "
-        "unstarted=charged)",
+        "agent_faults=charged)",
         "resources: no settings recorded in this history: replayed with the defaults (base=29500, span=1000)",
         "checkpoints: no settings recorded in this history: replayed with the defaults "
         "(scrub_every_s=86400.0, scrub_mb_s=64.0, shards_from=staging, announce_pending=no, settle_on_exits=no, "
@@ -44,7 +44,7 @@ async def test_an_old_history_verifies_with_the_defaults_whatever_the_environmen
     assert [s.settings for s in cores()][:2] == [{"stop_timeout_s": 120.0, "landing_timeout_s": 120.0,
                                                  "memory_wait": "known", "phases": "yes",
                                                  "restores": "requested", "claims": "verify",
-                                                 "unstarted": "free"},
+                                                 "agent_faults": "free"},
                                                 {"base": 29500, "span": 1000}]
 
 

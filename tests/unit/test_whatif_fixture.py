@@ -128,4 +128,4 @@ def test_a_history_without_recorded_settings_says_the_what_if_used_the_defaults(
     w = whatif(fdh.load(CRASH), "crash-000001", {})  # recorded before the services recorded their settings
     assert "scheduler: no settings recorded in this history: replayed with the defaults " \
            "(stop_timeout_s=120.0, landing_timeout_s=120.0, memory_wait=no, phases=no, restores=granted, " \
-           "claims=trust, unstarted=charged)" in w.caveats
+           "claims=trust, agent_faults=charged)" in w.caveats

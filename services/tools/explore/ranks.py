@@ -217,7 +217,8 @@ class Ranks:
         for a, r in self.orphans.pop(node, []):
             by_attempt.setdefault((a.job_id, a.attempt), []).append(r)
         for (job_id, attempt), rs in sorted(by_attempt.items()):
-            ev = exits_record([RankExit(rank=r, exit_code=-9, persisted="none") for r in rs], job_id=job_id, node=node,
+            ev = exits_record([RankExit(rank=r, exit_code=-9, persisted="none", orphaned=True) for r in rs],
+                              job_id=job_id, node=node,
                               attempt=attempt,
                               event_id=self._id(f"exit-{node}"), occurred_at=self.now(), producer=f"agent-{node}")
             await append_to_job(self.store, ev, msg_id=ev.event_id)

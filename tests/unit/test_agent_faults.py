@@ -1,10 +1,11 @@
-"""A node lost before it started the ranks granted to it costs the job no restart (issue 51, case 5): an agent that
-died idle was granted a job's ranks, the job waited in `placing` until the health monitor found the agent never
-started them, and the restart was charged to the job's budget, though the job ran nothing there. A node lost
-while the job's ranks ran on it is still charged: the job was running there."""
+"""A restart a node's agent caused costs the job no restart (issue 51, cases 4 and 5): an agent that died idle was
+granted a job's ranks, the job waited in `placing` until the health monitor found the agent never started them,
+and the restart was charged to the job's budget, though the job ran nothing there; an agent SIGKILLed while it
+shipped a checkpoint took its ranks with it, and that restart was charged too. A node lost while the job's ranks
+ran on it, and a rank killed by itself, are still charged: the job was running there."""
 
 from flightdeck.events.fleet import NodeLost
-from flightdeck.events.job import AllocationReleased, JobFailed
+from flightdeck.events.job import AllocationReleased, JobFailed, RankExit, exits_record
 from flightdeck.services.resources.core import core_service as resources_core
 from flightdeck.services.scheduler.core import core_service as scheduler_core
 from tests.unit.helpers import Bus, register, submit
@@ -40,4 +41,22 @@ def test_a_node_lost_while_the_ranks_ran_there_is_charged() -> None:
     bus.publish(NodeLost(node=node, reason="its agent has sent no heartbeat batch for 5s"))
     (released,) = [e for e in bus.of(AllocationReleased, JOB) if e.attempt == grant.attempt]
     assert "restart 1 of 1" in released.reason, released.reason
+    assert bus.state("scheduler").jobs[JOB].restarts == 1
+
+
+def test_ranks_that_died_with_their_agent_are_not_charged() -> None:
+    """The next agent on the node records them `orphaned` (services/agent/main.py reconcile)."""
+    bus = platform()
+    for _ in range(3):
+        grant = bus.last_grant(JOB)
+        bus.start_workers(grant)
+        (node,) = {r.node for r in grant.assignments}
+        exits = [RankExit(rank=r.rank, exit_code=-9, orphaned=True) for r in grant.assignments]
+        bus.publish(exits_record(exits, job_id=JOB, node=node, attempt=grant.attempt, event_id="", occurred_at=0.0))
+        (released,) = [e for e in bus.of(AllocationReleased, JOB) if e.attempt == grant.attempt]
+        assert "died with their node agent" in released.reason and "not counted against" in released.reason
+    assert bus.state("scheduler").jobs[JOB].restarts == 0 and not bus.of(JobFailed, JOB)
+    grant = bus.last_grant(JOB)
+    bus.start_workers(grant)
+    bus.exit_workers(grant, code=-9, ranks=[0])  # killed by itself, its agent alive: the job's, charged
     assert bus.state("scheduler").jobs[JOB].restarts == 1
