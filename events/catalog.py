@@ -35,6 +35,7 @@ ALL_TYPES: tuple[type[Event], ...] = (
     checkpoint.CheckpointPending,
     checkpoint.CheckpointDeleted,
     checkpoint.CheckpointRejected, checkpoint.CheckpointRefused, checkpoint.CheckpointScrubbed,
+    checkpoint.CheckpointsFailing, checkpoint.CheckpointsRecovered, checkpoint.FinalStateUnsaved,
     # health findings
     findings.RankLost, findings.RankHung, findings.StragglerDetected, findings.NonFiniteLoss,
     findings.LossSpikeDetected, findings.SpikeDiagnosed,

@@ -94,9 +94,44 @@ class CheckpointPending(JobEvent, frozen=True, kw_only=True):
 
 
 class CheckpointFailed(JobEvent, frozen=True, kw_only=True):
+    SCHEMA = 2  # 2 added `store`; a failure that is not the store's is still written as version 1
+
     step: int
     reason: str
     checkpoint_id: str = ""  # "" in histories recorded before it was given
+    # The store refused it (a node could not store its shards, or the commit's writes or read-back failed), as
+    # opposed to a set that can never be whole: these count toward CheckpointsFailing.
+    store: bool = False
+
+
+class CheckpointsFailing(JobEvent, frozen=True, kw_only=True):
+    """The checkpoint service's finding that the object store refuses a job's checkpoints: `failures` sets in a row
+    have failed since its newest commit (a full or read-only store, lost credentials). An incident until
+    CheckpointsRecovered: status, the dashboard, /metrics and alerts show it, and the scheduler applies the job's
+    policy.on_checkpoint_failures (pause and ask, or train on with the risk named)."""
+
+    failures: int
+    first_step: int  # the first failed set's step
+    step: int  # the newest failed set's step
+    newest_step: int  # the newest committed checkpoint's step: what a restore now goes back to (-1: none)
+    reason: str  # the newest failure's, in the store's words
+
+
+class CheckpointsRecovered(JobEvent, frozen=True, kw_only=True):
+    """A set committed after CheckpointsFailing: the store takes the job's checkpoints again."""
+
+    step: int
+    failures: int  # how many had failed in a row before it
+
+
+class FinalStateUnsaved(JobEvent, frozen=True, kw_only=True):
+    """A completed job whose final state is not in the store: its final checkpoint failed or did not commit in time,
+    or its checkpoints were failing when it ended. A job never ends "completed" silently without it: status shows
+    this beside the completion."""
+
+    step: int  # the job's last step
+    newest_step: int  # its newest committed checkpoint's step (-1: none)
+    reason: str
 
 
 class CheckpointRejected(JobEvent, frozen=True, kw_only=True):

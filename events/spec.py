@@ -85,6 +85,10 @@ class PolicySpec(Spec, frozen=True, kw_only=True):
     # a restart waits at most this long for a checkpoint every rank has staged to commit (and never longer than
     # the work it holds took), rather than redo its steps from an older one; 0: never waits
     commit_wait_s: Annotated[float, Meta(ge=0.0, le=3600.0)] = 30.0
+    # What follows when the store refuses the job's checkpoints (CheckpointsFailing): "continue" trains on with the
+    # risk named in its phase (a crash then goes back to its newest saved step), "pause" pauses it and asks the
+    # operator to fix the store and resume
+    on_checkpoint_failures: Literal["continue", "pause"] = "continue"
 
 
 MAX_FAULTS = 256  # drill faults in one spec

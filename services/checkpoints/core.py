@@ -9,7 +9,7 @@ import msgspec
 from msgspec.structs import replace
 
 from flightdeck.events import subjects
-from flightdeck.events.base import Event
+from flightdeck.events.base import Event, JobEvent
 from flightdeck.events.checkpoint import (
     CheckpointCommitted,
     CheckpointDeleted,
@@ -36,7 +36,7 @@ from flightdeck.events.job import (
 )
 from flightdeck.events.lineage import forked, thrown_away
 from flightdeck.events.training import RankStarted, RolledBack
-from flightdeck.services.checkpoints import settle
+from flightdeck.services.checkpoints import incidents, settle
 from flightdeck.services.checkpoints.scrubs import SCRUB, add_claim, answered, claims_due, next_scrub, scrub_due
 from flightdeck.services.checkpoints.state import (
     NOTHING_DUE,
@@ -60,6 +60,7 @@ REJECTED = "rejected: found bad on restore"  # ... and a checkpoint a node agent
 # ... and one a node claimed bad that the service's own read of the store found bad too (Settings.claims "verify")
 CONFIRMED = "found bad on restore by a node, and by the checkpoint service's read of the store"
 SCRUBBED_BAD = "found bad by a scrub of the store"  # ... and one the scrubber found bad (CheckpointScrubbed)
+FAILING_AFTER = 3  # a job's sets the store refused in a row that make an incident (CheckpointsFailing)
 LINGER_S = 30.0  # after a completion, the longest the service ticks unasked for the final step's set (a later
 # upload report still brings a tick of its own: Service.prompt_types)
 
@@ -126,7 +127,7 @@ def _stage(job: JobState, ev: CheckpointStaged | ShardsUploaded, agents_store: b
     elif not agents_store:
         return job, NOTHING_DUE
     elif ev.failed:
-        failed = CheckpointFailed(job_id=ev.job_id, step=ev.step, checkpoint_id=cid,
+        failed = CheckpointFailed(job_id=ev.job_id, step=ev.step, checkpoint_id=cid, store=True, schema_version=2,
                                   reason=f"{cid}: node {ev.node or '?'} could not store its ranks' shards: {ev.failed}")
         final = -1 if ev.step == job.final else job.final
         return settle.unpark(replace(settle.dropped(job, at), final=final), ev.job_id, ev.attempt, lost, supersede,
@@ -193,7 +194,11 @@ def _world_size_of(job: JobState, cid: str) -> int:
 
 
 def _evolve_job(job: JobState, ev: Event, settings: Settings, lost: frozenset[str]) -> tuple[JobState, Due]:
+    findings: tuple[JobEvent, ...] = ()
     match ev:
+        case CheckpointFailed() if settings.failing_after > 0:  # its own, read back: the store's incidents
+            job, findings = incidents.failed(job, ev, settings.failing_after)
+            return job, Due(findings=findings)
         case CheckpointStaged() | ShardsUploaded():
             return _stage(job, ev, settings.shards_from == "agents", settings.announce_pending == "yes", lost,
                           settings.supersede)
@@ -208,6 +213,8 @@ def _evolve_job(job: JobState, ev: Event, settings: Settings, lost: frozenset[st
                           timeline=ev.timeline, bytes=ev.bytes, manifest_sha256=ev.manifest_sha256,
                           verified_at=ev.occurred_at)
             job = replace(job, committed=(*job.committed, c))
+            if settings.failing_after > 0:
+                job, findings = incidents.committed(job, ev)
         case CheckpointDeleted():
             return replace(job, committed=tuple(c for c in job.committed if c.checkpoint_id != ev.checkpoint_id),
                            doomed=job.doomed - {ev.checkpoint_id}, doubted=job.doubted - {ev.checkpoint_id}), \
@@ -249,12 +256,14 @@ def _evolve_job(job: JobState, ev: Event, settings: Settings, lost: frozenset[st
             due = job.every > 0 and ev.steps % job.every == 0 and not handed
             job = replace(job, ended=True, completed=True, final=ev.steps if due else -1, ended_at=ev.occurred_at,
                           staging={k: v for k, v in job.staging.items() if k[0] == job.attempt}, holds={})
+            if settings.failing_after > 0:
+                job, findings = incidents.completed(job, ev)
         case JobFailed() | JobCancelled():
             job = replace(job, ended=True, staging={}, holds={})
         case _:
             return job, NOTHING_DUE
     job, doomed = retention(job, settings.retention == "steps")
-    return job, Due(doomed=doomed)
+    return job, Due(doomed=doomed, findings=findings)
 
 
 def transition(state: State, ev: Event) -> tuple[State, Sequence[Output]]:
@@ -262,7 +271,8 @@ def transition(state: State, ev: Event) -> tuple[State, Sequence[Output]]:
         case CoreConfigured(service=service) if service == SERVICE:
             return replace(state, settings=msgspec.convert(ev.settings, Settings)), ()
         case ClockTick(now=now):
-            return next_scrub(state, now)
+            state, outs = next_scrub(state, now)
+            return _lingered(state, now, outs)
         case NodeLost(node=node):
             return _node_lost(state, node)
         case NodeRegistered(node=node) if node in state.lost:
@@ -288,8 +298,21 @@ def transition(state: State, ev: Event) -> tuple[State, Sequence[Output]]:
     return state, _outputs(job_id, job, due)
 
 
+def _lingered(state: State, now: float, outs: Sequence[Output]) -> tuple[State, Sequence[Output]]:
+    """At a tick: completed jobs whose final set never came to be handed over in time (incidents.lingered)."""
+    if state.settings.failing_after <= 0:
+        return state, outs
+    jobs, found = dict(state.jobs), list[JobEvent]()
+    for job_id, job in state.jobs.items():
+        jobs[job_id], more = incidents.lingered(job, job_id, now, LINGER_S)
+        found += more
+    if not found:
+        return state, outs
+    return replace(state, jobs=jobs), (*outs, *(Emit(subjects.job(e.job_id, type(e).__name__), e) for e in found))
+
+
 def _outputs(job_id: str, job: JobState, due: Due) -> list[Output]:
-    out: list[Output] = []
+    out: list[Output] = [Emit(subjects.job(job_id, type(e).__name__), e) for e in due.findings]
     if due.pending is not None:
         out.append(Emit(subjects.job(job_id, "CheckpointPending"), due.pending))
     if due.commit is not None:
@@ -317,13 +340,16 @@ def wants_tick(state: State, now: float) -> bool:
     """Telemetry (stagings) is folded only at ticks, so tick while any job may still stage, or a completed
     job's final set has not been read yet, or a scrub or a claim's read is due (ticks are recorded inputs, so
     reading the clock here is safe)."""
-    return any(not job.ended or (job.final >= 0 and now - job.ended_at < LINGER_S) for job in state.jobs.values()) \
+    unsaid = state.settings.failing_after > 0  # a final set that never came is said to be unsaved at a tick
+    return any(not job.ended or (job.final >= 0 and (now - job.ended_at < LINGER_S or (unsaid and not job.final_state)))
+               for job in state.jobs.values()) \
         or scrub_due(state, now) is not None or claims_due(state, now)
 
 
 CONTROL_TYPES = (
     "JobSubmitted", "JobResumed", "RollbackRequested", "AllocationGranted",
-    "CheckpointCommitted", "CheckpointDeleted", "CheckpointRejected", "CheckpointScrubbed", "JobCompleted", "JobFailed",
+    "CheckpointCommitted", "CheckpointDeleted", "CheckpointRejected", "CheckpointScrubbed", "CheckpointFailed",
+    "JobCompleted", "JobFailed",
     "JobCancelled", "WorkersExited",
 )
 FLEET_TYPES = ("NodeLost", "NodeRegistered")
@@ -336,7 +362,7 @@ def core_service(effects: dict[str, EffectHandler], *, scrub_every_s: float = 0.
     `scrub_every_s` > 0; see uploader.py and scrubber.py)."""
     settings = Settings(scrub_every_s=scrub_every_s, scrub_mb_s=scrub_mb_s, shards_from="agents",
                         announce_pending="yes", settle_on_exits="yes", supersede="parked", retention="steps",
-                        claims="verify")
+                        claims="verify", failing_after=FAILING_AFTER)
     missing = {COMMIT, DELETE, SCRUB} - set(effects)  # a claim's read runs even with scheduled scrubs off
     if missing:
         raise ValueError(f"the checkpoint service needs effect handlers for {sorted(missing)}")
@@ -354,5 +380,5 @@ def core_service(effects: dict[str, EffectHandler], *, scrub_every_s: float = 0.
         settings=msgspec.structs.asdict(settings),
         unrecorded=msgspec.structs.asdict(replace(settings, shards_from="staging", announce_pending="no",
                                                   settle_on_exits="no", supersede="no", retention="commits",
-                                                  claims="trust")),
+                                                  claims="trust", failing_after=0)),
     )

@@ -5,6 +5,7 @@ from typing import Literal
 
 import msgspec
 
+from flightdeck.events.base import JobEvent
 from flightdeck.events.checkpoint import CheckpointFailed, CheckpointPending, CheckpointStaged, DataPosition, ShardInfo
 from flightdeck.events.lineage import Fork
 
@@ -38,6 +39,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # it back from the store first (Claim), and only that read's finding makes it bad; "trust": the claim alone
     # made it bad and deleted it (histories recorded before, so that they still verify).
     claims: Literal["trust", "verify"] = "trust"
+    # A job's sets failing this many times in a row for the store's part (CheckpointFailed.store) is an incident
+    # (CheckpointsFailing), and a completed job whose final state is not stored says so (FinalStateUnsaved); 0:
+    # neither, as histories recorded before.
+    failing_after: int = 0
 
     def __post_init__(self) -> None:
         if not (self.scrub_every_s >= 0 and self.scrub_mb_s > 0):
@@ -151,6 +156,12 @@ class JobState(msgspec.Struct, frozen=True, kw_only=True):
     # attempt -> the newest (timeline, step) of a set persisted from memory handed over: the restart restores that
     # one, so its attempt's older sets from memory are superseded (one that committed first ended the restart's wait)
     memory_handed: dict[int, tuple[int, int]] = {}
+    failures: int = 0  # its sets the store refused in a row since its newest commit
+    failing_from: int = -1  # ... the first of them's step
+    failing: bool = False  # CheckpointsFailing said so; CheckpointsRecovered will
+    last_failed: int = -1  # the step of its newest set that failed (for whatever reason)
+    last_step: int = -1  # a completed job's last step: its final state is the set of that step
+    final_state: Literal["", "saved", "unsaved"] = ""  # what was recorded of it
 
 
 class Due(msgspec.Struct, frozen=True, kw_only=True):
@@ -161,6 +172,7 @@ class Due(msgspec.Struct, frozen=True, kw_only=True):
     failed: CheckpointFailed | None = None  # a set that can never commit (its shards could not be stored)
     failed_id: str = ""  # ... and its checkpoint id, whose stored objects are removed
     pending: CheckpointPending | None = None  # a set every rank has staged: its commit is on its way
+    findings: tuple[JobEvent, ...] = ()  # the store's incidents, and a completed job's final state unsaved
 
 
 NOTHING_DUE = Due()

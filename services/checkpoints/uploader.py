@@ -129,7 +129,7 @@ async def _failed(store: ObjectStore, args: CommitArgs, reason: str, *, cleanup:
         except Exception:  # orphans without a manifest are harmless; the failure is what must be recorded
             log.error("could not remove a failed checkpoint's shards", checkpoint_id=args.checkpoint_id, exc_info=True)
     event = CheckpointFailed(job_id=args.job_id, step=args.step, reason=f"{args.checkpoint_id}: {reason}",
-                             checkpoint_id=args.checkpoint_id)
+                             checkpoint_id=args.checkpoint_id, store=True, schema_version=2)
     return [Emit(subjects.job(args.job_id, "CheckpointFailed"), event)]
 
 

@@ -15,6 +15,8 @@ from flightdeck.events.checkpoint import (
     CheckpointRefused,
     CheckpointRejected,
     CheckpointScrubbed,
+    CheckpointsFailing,
+    CheckpointsRecovered,
 )
 from flightdeck.events.clock import ClockTick, CoreConfigured
 from flightdeck.events.commands import PauseRequested, ResumeRequested
@@ -31,7 +33,7 @@ from flightdeck.events.job import (
 )
 from flightdeck.events.training import RolledBack
 from flightdeck.services.core import Output, Service
-from flightdeck.services.scheduler import claims, commit_wait, lifecycle, queue, recovery
+from flightdeck.services.scheduler import claims, commit_wait, lifecycle, queue, recovery, store_incidents
 from flightdeck.services.scheduler.state import Settings, State
 from flightdeck.services.scheduler.tx import Tx
 
@@ -40,7 +42,7 @@ NAME = "scheduler"
 CONTROL_TYPES = ("JobSubmitted", "CancelRequested", "AllocationGranted", "AllocationDenied", "WorkersStarted",
                  "WorkersExited", "CheckpointCommitted", "CheckpointDeleted", "CheckpointRejected", "CheckpointPending",
                  "CheckpointFailed", "CheckpointScrubbed", "RollbackAsked", "RankLost", "PauseRequested",
-                 "ResumeRequested",
+                 "ResumeRequested", "CheckpointsFailing", "CheckpointsRecovered",
                  "RankHung", "StragglerDetected", "NonFiniteLoss", "LossSpikeDetected")
 TELEMETRY_TYPES = ("RolledBack", "CheckpointRefused")
 FLEET_TYPES = ("NodeRegistered", "NodeCordoned", "NodeUncordoned", "SelfCheckFailed", "NodeLost")
@@ -99,6 +101,10 @@ def transition(state: State, event: Event) -> tuple[State, tuple[Output, ...]]:
             lifecycle.checkpoint_rejected(tx, event)
         case CheckpointScrubbed() if claims.verifying(tx):
             claims.read_back(tx, event)
+        case CheckpointsFailing():
+            store_incidents.failing(tx, event)
+        case CheckpointsRecovered():
+            store_incidents.recovered(tx, event)
         case CheckpointRefused():
             recovery.refused(tx, event)
         case NodeRegistered(node=name):

@@ -129,6 +129,9 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     # How the attempt before `run` failed before its first step (policy.early_way; "": it did not): the same
     # again fails the job rather than spend another restart on it (policy.fail_fast)
     early_failure: str = ""
+    # Its checkpoints are failing (CheckpointsFailing, until CheckpointsRecovered): the risk, shown as the reason of
+    # its running phase (policy.on_checkpoint_failures "continue")
+    at_risk: str = ""
 
     @property
     def attempt(self) -> int:
@@ -139,6 +142,8 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
         """The phase and its reason as recorded for the views: a running job whose ranks are paused is "paused"."""
         if self.phase == "running" and self.run.paused and not self.run.stop:
             return "paused", self.run.paused
+        if self.phase == "running" and self.at_risk and not self.run.stop:
+            return "running", self.at_risk
         return self.phase, self.why
 
     @property

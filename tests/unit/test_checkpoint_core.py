@@ -16,8 +16,11 @@ from flightdeck.events.checkpoint import (
     CheckpointFailed,
     CheckpointRejected,
     CheckpointScrubbed,
+    CheckpointsFailing,
+    CheckpointsRecovered,
     CheckpointStaged,
     DataPosition,
+    FinalStateUnsaved,
     ShardInfo,
     ShardsUploaded,
 )
@@ -64,7 +67,7 @@ def submitted(keep: int, job: str = JOB) -> JobSubmitted:
 
 
 LIVE = State(settings=Settings(shards_from="agents", settle_on_exits="yes", supersede="parked",  # as the service runs
-                               retention="steps", claims="verify"))
+                               retention="steps", claims="verify", failing_after=core.FAILING_AFTER))
 
 
 def stored(ev: CheckpointStaged, *, ranks: list[int] | None = None, failed: str = "") -> ShardsUploaded:
@@ -174,7 +177,9 @@ def test_a_completed_job_still_commits_what_its_ranks_staged_before_exiting() ->
                        JobCompleted(job_id=JOB, steps=60, occurred_at=100.0)])
     assert commits(outs) == []
     assert svc.wants_tick(state, 101.0), "the final step's set is due: keep folding telemetry"
-    assert not svc.wants_tick(state, 100.0 + core.LINGER_S), "but not forever (a later report prompts its own)"
+    assert svc.wants_tick(state, 100.0 + core.LINGER_S)  # one tick more, which says the final state is unsaved
+    lingered, _ = run([tick(100.0 + core.LINGER_S)], state)
+    assert not svc.wants_tick(lingered, 101.0 + core.LINGER_S), "but not forever (a later report prompts its own)"
     state, outs = run([staged(1, 50, 2), staged(1, 60, 2), staged(0, 70, 2, attempt=1)], state)
     assert [(a.step, a.attempt) for a in commits(outs)] == [(50, 0), (60, 0)]  # nothing from another attempt
     assert not svc.wants_tick(state, 101.0)
@@ -543,3 +548,68 @@ def test_a_claim_read_back_intact_counts_among_the_kept_again() -> None:
     assert [c.step for c in state.jobs[JOB].committed] == [10, 20, 30]  # 20 doubted: 10 and 30 are the two counted
     state, outs = run([read_back(20, "n2")], state)
     assert deleted(outs) == [checkpoint_id(0, 10)]  # 20 and 30 now
+
+
+def refused(step: int, *, store: bool = True) -> CheckpointFailed:
+    """The service's own CheckpointFailed, read back: the store refused the set (ENOSPC), or it could never be whole."""
+    return CheckpointFailed(job_id=JOB, step=step, checkpoint_id=checkpoint_id(0, step), store=store,
+                            reason=f"{checkpoint_id(0, step)}: node n1 could not store its ranks' shards: "
+                                   "OSError(28, 'No space left on device')" if store else "ranks were on lost nodes")
+
+
+def findings(outs: Sequence[Sequence[Output]]) -> list[Event]:
+    return [o.event for step in outs for o in step if isinstance(o, Emit)
+            and isinstance(o.event, CheckpointsFailing | CheckpointsRecovered | FinalStateUnsaved)]
+
+
+def test_a_store_that_refuses_a_jobs_checkpoints_is_an_incident_until_one_commits() -> None:
+    """Issue 51: 34 uploads failed on a full store, each with a clear log line, and nothing said so."""
+    state, outs = run([submitted(keep=3), committed(50), refused(60), refused(65, store=False), refused(70)])
+    assert findings(outs) == []  # two of the store's, and one that was never the store's: no incident yet
+    state, outs = run([refused(80)], state)
+    (failing,) = findings(outs)
+    assert isinstance(failing, CheckpointsFailing)
+    assert (failing.failures, failing.first_step, failing.step, failing.newest_step) == (3, 60, 80, 50)
+    assert "No space left on device" in failing.reason
+    state, outs = run([refused(90), refused(100)], state)
+    assert findings(outs) == []  # said once a streak
+    state, outs = run([committed(110)], state)
+    assert findings(outs) == [CheckpointsRecovered(job_id=JOB, step=110, failures=5)]
+    state, outs = run([refused(120), refused(130)], state)
+    assert findings(outs) == []  # a new streak counts from its start
+
+
+def test_a_completed_job_whose_final_state_is_not_stored_says_so() -> None:
+    every = JobSubmitted(job_id=JOB, spec=JobSpec(name="j", train=TrainSpec(steps=100, checkpoint_every=10)))
+    done = JobCompleted(job_id=JOB, steps=100, occurred_at=500.0)
+    # its final set failed after the completion
+    state, outs = run([every, committed(90), done, refused(100)])
+    (unsaved,) = findings(outs)
+    assert isinstance(unsaved, FinalStateUnsaved) and (unsaved.step, unsaved.newest_step) == (100, 90)
+    assert "its final checkpoint failed" in unsaved.reason and "the newest saved state is step 90" in unsaved.reason
+    # ... before it: said at the completion
+    _, outs = run([every, committed(90), refused(100), done])
+    assert [type(e).__name__ for e in findings(outs)] == ["FinalStateUnsaved"]
+    # saved: nothing said
+    _, outs = run([every, committed(90), done, committed(100)])
+    assert findings(outs) == []
+    # never staged by every rank: said once the linger is over, at a tick
+    state, outs = run([every, committed(90), staged(0, 100, 2), done], reports=False)
+    state, outs = run([tick(500.0 + core.LINGER_S - 1)], state)
+    assert findings(outs) == [] and core.wants_tick(state, 500.0 + core.LINGER_S + 5)
+    state, outs = run([tick(500.0 + core.LINGER_S)], state)
+    (unsaved,) = findings(outs)
+    assert "was not staged by every rank within 30s" in unsaved.reason
+    assert not core.wants_tick(state, 500.0 + core.LINGER_S + 5)
+    # no final set due (100 is not a multiple of 30), while the store refused the last three
+    thirty = JobSubmitted(job_id=JOB, spec=JobSpec(name="j", train=TrainSpec(steps=100, checkpoint_every=30)))
+    _, outs = run([thirty, committed(30), refused(60), refused(90), refused(90, store=True), done])
+    assert [type(e).__name__ for e in findings(outs)] == ["CheckpointsFailing", "FinalStateUnsaved"]
+    assert "its checkpoints were failing when it completed (3 in a row since step 60)" in findings(outs)[1].reason
+
+
+def test_histories_recorded_before_say_neither() -> None:
+    older = replace(LIVE, settings=replace(LIVE.settings, failing_after=0))
+    _, outs = run([submitted(keep=3), committed(50), refused(60), refused(70), refused(80),
+                   JobCompleted(job_id=JOB, steps=80)], older)
+    assert findings(outs) == []

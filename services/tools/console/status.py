@@ -92,6 +92,8 @@ def details(v: JobView, now: float) -> str:
         ("checkpoint", f"{last.checkpoint_id} at step {last.step}" if last else "none committed"),
         ("committed", f"{len(v.checkpoints)} ({deleted} deleted)"
          + (f", {v.checkpoint_failures} failed" if v.checkpoint_failures else "")),
+        *([("store", f"REFUSING this job's checkpoints: {v.store_failing}")] if v.store_failing else []),
+        *([("final state", f"NOT SAVED: {v.final_unsaved}")] if v.final_unsaved else []),
         ("restarts", f"{v.restarts} of {v.max_restarts}"
          + (f", resumed from step {v.resumed_from_step}" if v.resumed_from_step is not None else "")),
         ("rollbacks", str(v.rollbacks)),

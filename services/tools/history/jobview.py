@@ -15,6 +15,9 @@ from flightdeck.events.checkpoint import (
     CheckpointFailed,
     CheckpointRejected,
     CheckpointScrubbed,
+    CheckpointsFailing,
+    CheckpointsRecovered,
+    FinalStateUnsaved,
 )
 from flightdeck.events.commands import RollbackRequested
 from flightdeck.events.findings import SpikeDiagnosed, diagnosis_summary
@@ -79,6 +82,8 @@ class JobView(msgspec.Struct, frozen=True, kw_only=True):
     spike_cause: str = ""  # the newest loss spike's diagnosis (SpikeDiagnosed), in words
     checkpoint_failures: int = 0
     final_failed: bool = False  # a checkpoint of the last step failed
+    store_failing: str = ""  # the store refuses its checkpoints (CheckpointsFailing, until CheckpointsRecovered)
+    final_unsaved: str = ""  # completed without its final state stored, and why (FinalStateUnsaved)
     # Why the job is in its phase (waiting, recovering, stopping or ended; "" while it runs), on one line: the output a
     # decision quotes is left out (reasons.headline) unless it is the error itself; `flightdeck logs` shows it all.
     reason: str = ""
@@ -110,7 +115,8 @@ class JobView(msgspec.Struct, frozen=True, kw_only=True):
         so a follower that wants the job's end with its final checkpoint waits for it (`FINAL_WAIT_S`)."""
         if self.phase != "completed" or self.checkpoint_every <= 0 or self.steps % self.checkpoint_every:
             return False
-        return not self.final_failed and not any(c.step == self.steps for c in self.checkpoints)
+        return not self.final_failed and not self.final_unsaved and not any(c.step == self.steps
+                                                                             for c in self.checkpoints)
 
     @property
     def steps_done(self) -> int | None:
@@ -140,10 +146,10 @@ def _checkpoints(view: JobView, event: Event, at: float) -> JobView:
             return _replace(view, checkpoints=tuple(
                 msgspec.structs.replace(c, deleted=True, deleted_reason=reason) if c.checkpoint_id == cid else c
                 for c in view.checkpoints))
-        case CheckpointScrubbed(checkpoint_id=cid, cause=cause):
+        case CheckpointScrubbed(checkpoint_id=cid, cause=cause):  # a claim's read decides the claim, either way
             return _replace(view, checkpoints=tuple(
-                msgspec.structs.replace(c, verified_at=at, bad=cause or c.bad) if c.checkpoint_id == cid else c
-                for c in view.checkpoints))
+                msgspec.structs.replace(c, verified_at=at, bad=cause or ("" if event.claim_node else c.bad))
+                if c.checkpoint_id == cid else c for c in view.checkpoints))
         case CheckpointRejected(checkpoint_id=cid, cause=cause):
             return _replace(view, checkpoints=tuple(
                 msgspec.structs.replace(c, bad=f"rejected on restore by {event.node}: {cause}")
@@ -151,6 +157,14 @@ def _checkpoints(view: JobView, event: Event, at: float) -> JobView:
         case CheckpointFailed(step=step):
             return _replace(view, checkpoint_failures=view.checkpoint_failures + 1,
                             final_failed=view.final_failed or step == view.steps)
+        case CheckpointsFailing():
+            saved = f"the newest saved step is {event.newest_step}" if event.newest_step >= 0 else "no step is saved"
+            return _replace(view, store_failing=f"{event.failures} in a row since step {event.first_step} "
+                                                f"({event.reason}); {saved}")
+        case CheckpointsRecovered():
+            return _replace(view, store_failing="")
+        case FinalStateUnsaved(reason=why):
+            return _replace(view, final_unsaved=why)
     return view
 
 
@@ -159,7 +173,7 @@ def evolve(view: JobView, event: Event) -> JobView:
     at = event.occurred_at
     view = _replace(view, updated_at=max(view.updated_at, at), version=getattr(event, "job_version", 0) or view.version)
     if isinstance(event, CheckpointCommitted | CheckpointDeleted | CheckpointScrubbed | CheckpointRejected
-                  | CheckpointFailed):
+                  | CheckpointFailed | CheckpointsFailing | CheckpointsRecovered | FinalStateUnsaved):
         return _checkpoints(view, event, at)  # a job's checkpoints outlive it: kept, scrubbed, deleted, its last failed
     if view.ended:
         return view  # the scheduler changes nothing once a job has ended; neither do we

@@ -98,8 +98,14 @@ class FiguresCollector(Collector):
                                    "postmortem counts them", labels=["job_id"])
         custom = GaugeMetricFamily("flightdeck_job_metric", "rank 0's newest value of a metric the script reports "
                                    "(report(..., name=value))", labels=["job_id", "name"])
+        failing = GaugeMetricFamily("flightdeck_job_checkpoints_failing", "1 while the store refuses the job's "
+                                    "checkpoints (CheckpointsFailing, until a commit)", labels=["job_id"])
+        unsaved = GaugeMetricFamily("flightdeck_job_final_state_unsaved", "1 for a completed job whose final state "
+                                    "is not in the store (FinalStateUnsaved)", labels=["job_id"])
         for job_id, j in jobs:
             v = j.view
+            failing.add_metric([job_id], 1.0 if v.store_failing else 0.0)
+            unsaved.add_metric([job_id], 1.0 if v.final_unsaved else 0.0)
             for p in PHASES:
                 phase.add_metric([job_id, p], 1.0 if v.phase == p else 0.0)
             step.add_metric([job_id], float(v.steps_done or 0))
@@ -119,7 +125,7 @@ class FiguresCollector(Collector):
                 goodput.add_metric([job_id], a.goodput)
                 redone.add_metric([job_id], float(sum(r.steps_redone for r in a.rows)))
         yield from (phase, step, planned, world, steps, rate, tokens, tps, loss, restarts, budget, rollbacks, goodput,
-                    redone, custom)
+                    redone, custom, failing, unsaved)
         yield histogram("flightdeck_checkpoint_stall_seconds", "rank 0's step loop blocked per checkpoint", ["job_id"],
                         CHECKPOINT_BUCKETS, (([k], j.stalls) for k, j in jobs))
         yield histogram("flightdeck_checkpoint_write_seconds", "rank 0's staging write per checkpoint", ["job_id"],
