@@ -4,11 +4,13 @@ phase's reason until the store recovers; "pause" pauses the job and asks the ope
 
 from msgspec.structs import replace
 
-from flightdeck.events.checkpoint import CheckpointsFailing, CheckpointsRecovered
+from flightdeck.events.checkpoint import CheckpointsFailing, CheckpointsRecovered, FinalStateUnsaved
 from flightdeck.events.commands import PauseRequested
 from flightdeck.events.job import JobPhaseChanged, JobSubmitted
 from flightdeck.services.resources.core import core_service as resources_core
 from flightdeck.services.scheduler.core import core_service as scheduler_core
+from flightdeck.services.tools.console import status
+from flightdeck.services.tools.history import jobview
 from tests.unit.helpers import Bus, register, spec
 
 JOB = "llm-000001"
@@ -48,3 +50,19 @@ def test_pause_pauses_the_job_and_asks_the_operator() -> None:
     assert phases(bus)[-1] == ("paused", asked.reason)
     bus.publish(FAILING)  # said again: asked once
     assert len(bus.of(PauseRequested, JOB)) == 1
+
+
+def test_status_reads_the_incident_and_the_unsaved_end_from_the_record() -> None:
+    """The job view (status, the dashboard, /metrics) shows what the checkpoint service recorded, as recorded."""
+    job_spec = replace(spec("llm", slots=2, steps=60), train=replace(spec("llm").train, steps=60, checkpoint_every=10))
+    history = [JobSubmitted(job_id=JOB, spec=job_spec), FAILING]
+    view = jobview.fold(JOB, history)
+    assert "since step 60" in view.store_failing and "No space left on device" in view.store_failing
+    assert jobview.fold(JOB, [*history, CheckpointsRecovered(job_id=JOB, step=90, failures=3)]).store_failing == ""
+    done = [*history, JobPhaseChanged(job_id=JOB, phase="completed", attempt=0, restarts=0, reason=""),
+            FinalStateUnsaved(job_id=JOB, step=60, newest_step=50, reason="its final checkpoint failed: ENOSPC; "
+                                                                          "the newest saved state is step 50")]
+    view = jobview.fold(JOB, done)
+    assert view.phase == "completed" and "the newest saved state is step 50" in view.final_unsaved
+    assert not view.final_checkpoint_pending  # nothing more to wait for: the verdict is in
+    assert "NOT SAVED" in status.details(view, now=0.0)

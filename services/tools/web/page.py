@@ -40,7 +40,7 @@ def job_row(j: JobFigures, now: float) -> dict[str, Any]:
             "max_restarts": v.max_restarts, "goodput": j.analysis.goodput if j.analysis else None,
             "loss": finite(j.loss), "reason": text(v.reason), "ended": v.phase in ENDED,
             "submitted_at": v.submitted_at or None, "age_s": max(now - v.submitted_at, 0.0) if v.submitted_at else None,
-            "paused": text(v.paused)}
+            "paused": text(v.paused), "store_failing": text(v.store_failing), "final_unsaved": text(v.final_unsaved)}
 
 
 def curve(j: JobFigures) -> dict[str, Any]:

@@ -198,7 +198,9 @@ function detail(j, compared) {
   document.getElementById("job-title").textContent = `${j.id} — ${j.phase}`;
   document.getElementById("job-summary").textContent =
     `step ${j.step} of ${j.steps}, ETA ${seconds(j.eta_s)}, ${j.world} ranks, ` +
-    `${j.restarts} of ${j.max_restarts} restarts` + (j.reason ? `: ${j.reason}` : "") + (j.paused ? ` (paused: ${j.paused})` : "");
+    `${j.restarts} of ${j.max_restarts} restarts` + (j.reason ? `: ${j.reason}` : "") + (j.paused ? ` (paused: ${j.paused})` : "") +
+    (j.store_failing ? `; the store REFUSES its checkpoints: ${j.store_failing}` : "") +
+    (j.final_unsaved ? `; final state NOT SAVED: ${j.final_unsaved}` : "");
   chart("loss", ["loss"], j.curve.step, [j.curve.loss], true);
   chart("steptime", ["step time (s)"], j.curve.step, [j.curve.step_time]);
   metricCharts(j.curve);
