@@ -12,6 +12,7 @@ import signal
 import pytest
 
 from flightdeck.events import subjects
+from flightdeck.events.fleet import NodeLost, NodeUncordoned
 from flightdeck.events.job import WorkersStarted
 from flightdeck.events.training import StepCompleted
 from tests.chaos.harness import Chaos, chaos_spec, rank_pids, restart, sigkill, step_reached
@@ -22,15 +23,19 @@ pytestmark = [pytest.mark.chaos, pytest.mark.slow]
 STEPS = 150
 NUM = int(os.environ.get("FLIGHTDECK_NEMESIS_SCHEDULES", "2"))
 FIRST = int(os.environ.get("FLIGHTDECK_NEMESIS_SEED", "1"))
-MOVES = ("kill_broker", "pause_broker", "kill_service", "stop_service", "term_rank", "kill_rank", "kill_agent")
+MOVES_V1 = ("kill_broker", "pause_broker", "kill_service", "stop_service", "term_rank", "kill_rank", "kill_agent")
+# pause_agent: the node agent frozen past the lost deadline (SIGSTOP, a swap or I/O stall), then resumed: its node is
+# declared lost, and it must fence its ranks and join again for the job to go on (issue 51)
+MOVES = (*MOVES_V1, "pause_agent")
+LOST_S = 0.5 * 8  # the chaos spec's heartbeats: every 0.5 s, lost after 8 missed
 
 
-def schedule(seed: int) -> list[tuple[str, str, float]]:
-    """(move, target, seconds) x 3, drawn from the seed."""
+def schedule(seed: int, moves: tuple[str, ...] = MOVES) -> list[tuple[str, str, float]]:
+    """(move, target, seconds) x 3, drawn from the seed (`MOVES_V1` draws a schedule as it was drawn before)."""
     rng = random.Random(seed)
     out = []
     for _ in range(3):
-        move = rng.choice(MOVES)
+        move = rng.choice(moves)
         target = rng.choice(SERVICES) if move in ("kill_service", "stop_service") else str(rng.randrange(2))
         out.append((move, target, round(rng.uniform(0.5, 3.0), 1)))
     return out
@@ -70,6 +75,17 @@ async def apply(c: Chaos, job_id: str, move: str, target: str, seconds: float) -
             if pid is not None:
                 os.kill(pid, signal.SIGTERM if move == "term_rank" else signal.SIGKILL)
             return f"{'SIGTERM' if move == 'term_rank' else 'SIGKILL'} rank {target} from outside the platform"
+        case "pause_agent":
+            pid, lost = p.procs["agent-n1"].pid, len([e for e in p.seen(NodeLost) if e.node == "n1"])
+            back = len([e for e in p.seen(NodeUncordoned) if e.node == "n1"])
+            os.kill(pid, signal.SIGSTOP)
+            await asyncio.sleep(LOST_S + 2 + seconds)
+            os.kill(pid, signal.SIGCONT)
+            if len([e for e in p.seen(NodeLost) if e.node == "n1"]) == lost:
+                return f"SIGSTOP the node agent {LOST_S + 2 + seconds:g} s (its node was not found lost meanwhile)"
+            await p.until(lambda: len([e for e in p.seen(NodeUncordoned) if e.node == "n1"]) > back, 60,
+                          "the frozen agent to join again", job_id)
+            return f"SIGSTOP the node agent {LOST_S + 2 + seconds:g} s: its node found lost, and back"
         case "kill_agent":
             await sigkill(p, "agent-n1")
             await asyncio.sleep(seconds)
