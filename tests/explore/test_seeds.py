@@ -129,3 +129,23 @@ async def test_the_invariants_catch_a_platform_that_takes_one_blind_nodes_word()
         deleted += any("deleted as" in v for v in found)
         assert await violations(await simulate(p)) == [], seed  # the claims as they ship: read back, never trusted
     assert deleted > 0
+
+
+def _silent_checkpoints() -> Service[Any]:
+    """The checkpoint service as 6ade4e9 ran it: a store that refuses writes is no incident, an unsaved end unsaid."""
+    real = World(plan(0))._checkpoints()
+    initial = msgspec.structs.replace(real.initial, settings=msgspec.structs.replace(real.initial.settings,
+                                                                                      failing_after=0))
+    return dataclasses.replace(real, settings={**real.settings, "failing_after": 0}, initial=initial)
+
+
+async def test_the_invariants_catch_a_job_completed_silently_without_its_final_state() -> None:
+    """store_full: the store refuses every write from then on (issue 51: a full store let a job end "completed" with
+    its state from step 50, and nothing said so)."""
+    silent, kinds = 0, ("store_full", "rank_crash")
+    for seed in range(20):
+        p = plan(seed, kinds=kinds)
+        found = await violations(await simulate(p, {"checkpoints": _silent_checkpoints}))
+        silent += any("nothing says its final state is unsaved" in v for v in found)
+        assert await violations(await simulate(p)) == [], seed
+    assert silent > 0

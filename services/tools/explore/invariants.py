@@ -6,7 +6,7 @@ from typing import Any
 
 from flightdeck.events import subjects
 from flightdeck.events.admission import admitted_events
-from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointDeleted
+from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointDeleted, CheckpointFailed, FinalStateUnsaved
 from flightdeck.events.commands import RollbackRequested
 from flightdeck.events.findings import LossSpikeDetected, NonFiniteLoss, SpikeDiagnosed
 from flightdeck.events.history import HistoryGap, check_contiguous
@@ -32,6 +32,7 @@ async def violations(run: Run) -> list[str]:
     out += _poison_never_folded(run, control)
     out += _phases_as_recorded(run, control)
     out += _no_good_checkpoint_deleted(run, control)
+    out += _completed_means_saved_or_said(run, control)
     out += [m for shell in run.shells.values() for m in shell.snapshot_mismatches]
     for name in VERIFIED:
         out += await _replay_reproduces(run, name, control)
@@ -54,6 +55,27 @@ def _no_good_checkpoint_deleted(run: Run, control: list[Stored]) -> list[str]:
                     out.append(f"{job_id}: intact checkpoint {e.checkpoint_id} deleted as {e.reason!r}")
                 elif e.reason == "retention" and not any(s >= step for s in live.values()):
                     out.append(f"{job_id}: retention deleted {e.checkpoint_id} (step {step}), its newest")
+    return out
+
+
+def _completed_means_saved_or_said(run: Run, control: list[Stored]) -> list[str]:
+    """A completed job whose final set failed says its final state is unsaved, and one whose final state was saved
+    never says otherwise (issue 51: a full store let a job end "completed" with its state from step 50)."""
+    out = []
+    for job_id in run.job_ids:
+        events = _job_events(control, job_id)
+        done = next((e for e in events if isinstance(e, JobCompleted)), None)
+        if done is None:
+            continue
+        saved = any(isinstance(e, CheckpointCommitted) and e.step == done.steps for e in events)
+        failed = any(isinstance(e, CheckpointFailed) and e.step == done.steps for e in events)
+        said = [e for e in events if isinstance(e, FinalStateUnsaved)]
+        if failed and not saved and not said:
+            out.append(f"{job_id} completed, its final checkpoint failed, and nothing says its final state is unsaved")
+        if saved and said:
+            out.append(f"{job_id}: its final state was saved, yet FinalStateUnsaved says {said[0].reason!r}")
+        if len(said) > 1:
+            out.append(f"{job_id}: FinalStateUnsaved recorded {len(said)} times")
     return out
 
 

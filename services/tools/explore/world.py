@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flightdeck.events import codec, subjects
-from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointRejected, CheckpointScrubbed
+from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointFailed, CheckpointRejected, CheckpointScrubbed
 from flightdeck.events.findings import StragglerDetected
 from flightdeck.events.fleet import NodeRegistered, SelfCheckPassed
 from flightdeck.events.history import append_to_job
@@ -40,7 +40,8 @@ FAULT_KINDS_V2 = (*FAULT_KINDS_V1, "glitch")
 # resumes to find its node declared lost and its ranks replaced (issue 51): it must fence them and join again
 # store_blind: a node's agent sees another object store from then on (a missing mount, wrong credentials): every
 # restore it is given from the store it rejects, though the store holds it intact (issue 51)
-FAULT_KINDS = (*FAULT_KINDS_V2, "agent_freeze", "store_blind")
+# store_full: the object store refuses every write from then on (a full or read-only store): every commit fails
+FAULT_KINDS = (*FAULT_KINDS_V2, "agent_freeze", "store_blind", "store_full")
 POLICY = PolicySpec(heartbeat_interval_s=0.5, heartbeat_misses=4, hang_min_s=3.0, max_restarts=8, spike_warmup=8,
                     spike_window=12, rollback_steps_back=5, rollback_skip_batches=4, commit_wait_s=2.0,
                     max_skip_fraction=1.0,  # no operator answers a pause here: every spike rolls back
@@ -134,6 +135,7 @@ class World:
         self.restart_at: dict[str, float] = {}
         self.thaw_at: dict[str, float] = {}  # node -> when its frozen agent resumes
         self.blind: set[str] = set()  # nodes whose agent cannot read the platform's object store
+        self.full = False  # the object store refuses every write
         self.job_ids: list[str] = []
         self.poison_ids: set[str] = set()
         for build in (scheduler_core, resources_core, lambda: health_core(tick_s=0.5), self._checkpoints):
@@ -166,6 +168,11 @@ class World:
     async def _effect(self, service: str, effect: Effect) -> Sequence[Emit]:
         """The effects' I/O, simulated: a commit is as the uploader records it; an agent starts or stops ranks."""
         args = effect.args
+        if isinstance(args, CommitArgs) and self.full:  # as uploader.commit when the store refuses its writes
+            failed = CheckpointFailed(job_id=args.job_id, step=args.step, checkpoint_id=args.checkpoint_id, store=True,
+                                      reason=f"{args.checkpoint_id}: commit failed: OSError: [Errno 28] No space left "
+                                             "on device", schema_version=2)
+            return [Emit(subjects.job(args.job_id, "CheckpointFailed"), failed)]
         if isinstance(args, CommitArgs):
             ev = CheckpointCommitted(job_id=args.job_id, checkpoint_id=args.checkpoint_id, step=args.step,
                                      world_size=args.world_size, uri=f"sim:///{args.job_id}/{args.checkpoint_id}",
@@ -323,6 +330,8 @@ class World:
                 self.shells[f"agent-{f.target}"].crash()
             case "store_blind":
                 self.blind.add(f.target)
+            case "store_full":
+                self.full = True
             case "agent_freeze" if f.target not in self.ranks.nodes_down and self.shells[f"agent-{f.target}"].up:
                 self.ranks.frozen.add(f.target)
                 self.thaw_at[f.target] = self.clock() + float(f.detail)
