@@ -12,6 +12,8 @@ from flightdeck.events.job import JobQueued, SlotRef, WorkersExited
 from flightdeck.services.scheduler.state import Job, Pending
 from flightdeck.services.scheduler.tx import Tx
 
+# Settings.memory_wait values that know when no set can come ("promised" also waits for one an exit said is staged)
+KNOWN = ("known", "promised")
 # Announced sets remembered until they settle; more than this many unsettled means commits have stopped.
 MAX_STAGED = 8
 # `waits_for` of a restart after the platform stopped the ranks itself: the checkpoint they saved on the way out,
@@ -117,8 +119,8 @@ def hold_for_memory(tx: Tx, job: Job, running_since: float, trained_until: float
     a wait bounded by 1.6 s of training ended 0.1 s before NodeLost, and the restart redid 10 steps. `where`: the
     owed ranks' slots; `staged`: an exit recorded so far said its rank's snapshot was staged. With neither owed nor
     staged ranks, no set can come ("known"): a restart after a lost node waited its whole wait for one (9 s)."""
-    known = tx.settings.memory_wait == "known"
-    if tx.settings.memory_wait not in ("yes", "settled", "known") or job.spec.train.snapshot_every <= 0 \
+    known = tx.settings.memory_wait in KNOWN
+    if tx.settings.memory_wait not in ("yes", "settled", *KNOWN) or job.spec.train.snapshot_every <= 0 \
             or job.spec.policy.commit_wait_s <= 0:
         return job
     newest = job.newest
@@ -134,9 +136,11 @@ def hold_for_memory(tx: Tx, job: Job, running_since: float, trained_until: float
     else:
         return job
     wait_s = min(job.spec.policy.commit_wait_s, redo_s)
+    if (staged or job.memory_staged) and tx.settings.memory_wait == "promised":
+        wait_s = job.spec.policy.commit_wait_s  # an exit said its snapshot is staged: that set is coming
     if wait_s <= 0:
         return job
-    if unsettled and running_since > 0 and tx.settings.memory_wait in ("settled", "known"):
+    if unsettled and running_since > 0 and tx.settings.memory_wait in ("settled", *KNOWN):
         policy = job.spec.policy
         job = tx.update(job, memory_owed=unsettled, memory_until=tx.at + wait_s)
         wait_s = min(policy.commit_wait_s, max(wait_s, policy.heartbeat_interval_s * policy.heartbeat_misses))
@@ -154,13 +158,18 @@ def exits_owed(tx: Tx, ev: WorkersExited) -> None:
     if job is None or job.waits_for != MEMORY or ev.attempt != job.memory_from or not job.memory_owed:
         return
     staged = job.memory_staged or any(x.persisted == "staged" for x in ev.exits())
+    if staged and not job.memory_staged and tx.settings.memory_wait == "promised":
+        # the evidence promised: its set is coming, so the wait lasts for it (bounded by the policy), not only as
+        # long as the training it saves took (a loaded box once persisted the set 0.07 s after that ran out)
+        job = tx.update(job, wait_until=max(job.wait_until, tx.at + job.spec.policy.commit_wait_s),
+                        memory_until=max(job.memory_until, tx.at + job.spec.policy.commit_wait_s))
     owed_less(tx, tx.update(job, memory_staged=staged), {x.rank for x in ev.exits()}, "their exits say so")
 
 
 def node_lost(tx: Tx, node: str) -> None:
     """Ranks owed to a memory wait that ran on a node now lost: they leave no exit and no snapshot ("known"). A set
     the survivors staged is settled by the checkpoint service on this same news: the wait goes on for it."""
-    if tx.settings.memory_wait != "known":
+    if tx.settings.memory_wait not in KNOWN:
         return
     for job in list(tx.jobs.values()):
         gone = {r.rank for r in job.memory_where if r.node == node} & job.memory_owed
@@ -172,7 +181,7 @@ def owed_less(tx: Tx, job: Job, ranks: set[int], how: str, *, shorten: bool = Tr
     """`ranks` owe the memory wait of `job` nothing more: with none owed and none staged ("known") it ends now;
     with none owed (and `shorten`), it lasts no longer than the training it may save."""
     owed = job.memory_owed - ranks
-    if not owed and not job.memory_staged and tx.settings.memory_wait == "known":
+    if not owed and not job.memory_staged and tx.settings.memory_wait in KNOWN:
         tx.update(job, waits_for="", wait_until=0.0, **MEMORY_DONE,
                   ask_reason=f"no snapshot of attempt {job.memory_from} can be persisted ({how}: none of its ranks "
                              "staged one newer than its checkpoints): restoring the newest committed")

@@ -139,7 +139,7 @@ def core_service(*, stop_timeout_s: float = 120.0, landing_timeout_s: float = 12
     logging. `landing_timeout_s`: how long a rollback counts as in flight when no rank reports RolledBack.
     `memory_wait`: restarts wait for the set persisted from the ranks' snapshots (commit_wait.MEMORY)."""
     settings = Settings(stop_timeout_s=stop_timeout_s, landing_timeout_s=landing_timeout_s,
-                        memory_wait="known" if memory_wait else "no", phases="yes", restores="requested",
+                        memory_wait="promised" if memory_wait else "no", phases="yes", restores="requested",
                         claims="verify", agent_faults="free")
     return Service(
         name=NAME,

@@ -183,6 +183,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # "yes": a restart after a fault waits for the set persisted from the ranks' snapshots (commit_wait.MEMORY);
     # "settled": and at least the lost deadline while ranks of the failed attempt have no recorded end.
     # "known": and no longer once none can come: every rank's exit says it staged none, or its node was lost.
+    # "promised": and once an exit says its rank's snapshot is staged, for that set up to policy.commit_wait_s, not
+    # only as long as the training it saves took (on 6ade4e9 a loaded box committed it 0.07 s after that ran out).
     # Histories recorded before agents persisted snapshots replay with "no": nothing of the kind ever came.
     memory_wait: str = "no"
     # "yes": each change of a job's phase is recorded (JobPhaseChanged); histories from before replay with "no".

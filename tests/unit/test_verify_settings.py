@@ -42,7 +42,7 @@ async def test_an_old_history_verifies_with_the_defaults_whatever_the_environmen
         "stranded=judged)",
     ]
     assert [s.settings for s in cores()][:2] == [{"stop_timeout_s": 120.0, "landing_timeout_s": 120.0,
-                                                 "memory_wait": "known", "phases": "yes",
+                                                 "memory_wait": "promised", "phases": "yes",
                                                  "restores": "requested", "claims": "verify",
                                                  "agent_faults": "free"},
                                                 {"base": 29500, "span": 1000}]
