@@ -235,12 +235,14 @@ def test_a_rank_still_stuck_after_its_snapshot_leaves_and_one_whose_loop_moves_a
 def test_sigterm_while_the_loop_moves_leaves_the_checkpoint_to_its_boundary(tmp_path: Path,
                                                                             watched: list[LastBoundary]) -> None:
     r = Rank(tmp_path / "snaps")
-    r.last.step_times = lambda: [0.5]  # steps of 0.5 s: stuck after 1 s without one (it waits twice a step)
+    # steps of 1.5 s: stuck after 3 s without one (it waits twice a step); 0.5 s let a loaded CI box's one-second
+    # pause between two of the loop's steps look stuck
+    r.last.step_times = lambda: [1.5]
     r.run_steps(2)
     r.last.watch_sigterm()
     watched.append(r.last)
     os.kill(os.getpid(), signal.SIGTERM)
-    for _ in range(60):  # steps keep coming, ~20 a second for 3 s: more than the watcher waits
+    for _ in range(120):  # steps keep coming, ~20 a second for 6 s: more than the watcher waits
         r.run_steps(1)
         time.sleep(0.05)
     assert r.last.taken is None
