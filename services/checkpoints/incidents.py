@@ -28,18 +28,25 @@ def newest_step(job: JobState) -> int:
                default=-1)
 
 
+def final_open(job: JobState) -> bool:
+    """A set of the completed job's last step may still commit: staged but not handed over yet, or being committed."""
+    return job.final >= 0 or any(step == job.last_step for step in job.committing.values())
+
+
 def failed(job: JobState, ev: CheckpointFailed, after: int) -> Found:
     """A set failed (the service's own CheckpointFailed, read back). The store's part counts: `after` in a row is
-    an incident, said once until a commit; a completed job's final set failing leaves its final state unsaved."""
+    an incident, said once until a commit; a completed job whose last set of its last step failed, with no other
+    on its way, has its final state unsaved."""
     found: list[JobEvent] = []
-    job = replace(job, last_failed=ev.step)
+    job = replace(job, last_failed=ev.step, committing={k: v for k, v in job.committing.items()
+                                                        if k != ev.checkpoint_id})
     if ev.store:
         job = replace(job, failures=job.failures + 1, failing_from=ev.step if job.failures == 0 else job.failing_from)
         if job.failures >= after and not job.failing:
             job = replace(job, failing=True)
             found.append(CheckpointsFailing(job_id=ev.job_id, failures=job.failures, first_step=job.failing_from,
                                             step=ev.step, newest_step=newest_step(job), reason=ev.reason))
-    if job.completed and ev.step == job.last_step and not job.final_state:
+    if job.completed and ev.step == job.last_step and not job.final_state and not final_open(job):
         job, unsaved = _unsaved(job, ev.job_id, f"its final checkpoint failed: {ev.reason}")
         found.append(unsaved)
     return job, tuple(found)
@@ -50,24 +57,25 @@ def committed(job: JobState, ev: CheckpointCommitted) -> Found:
     found: list[JobEvent] = []
     if job.failing:
         found.append(CheckpointsRecovered(job_id=ev.job_id, step=ev.step, failures=job.failures))
-    job = replace(job, failures=0, failing_from=-1, failing=False)
+    job = replace(job, failures=0, failing_from=-1, failing=False,
+                  committing={k: v for k, v in job.committing.items() if k != ev.checkpoint_id})
     if job.completed and ev.step == job.last_step and not job.final_state:
         job = replace(job, final_state="saved")
     return job, tuple(found)
 
 
 def completed(job: JobState, ev: JobCompleted) -> Found:
-    """The job completed: its final state is saved already, on its way (its final set due or handed over), or, with
-    none due by its spec, unsaved only if its checkpoints were failing (its newest is older than the store had
-    refused)."""
+    """The job completed: its final state is saved already, or on its way (a set of its last step staged or being
+    committed), or unsaved: that set failed, or, with none due by its spec, its checkpoints were failing."""
     job = replace(job, last_step=ev.steps)
-    if any(c.step == ev.steps and c.attempt == job.attempt for c in job.committed):
+    if any(c.step == ev.steps for c in job.committed):
         return replace(job, final_state="saved"), ()
+    if final_open(job):
+        return job, ()
     if job.last_failed == ev.steps:  # its final set failed before the completion was read
         job, unsaved = _unsaved(job, ev.job_id, "its final checkpoint failed")
         return job, (unsaved,)
-    on_its_way = job.final >= 0 or any(a == job.attempt and step == ev.steps for a, _, step in job.handed)
-    if on_its_way or not job.failing:
+    if not job.failing:
         return job, ()
     job, unsaved = _unsaved(job, ev.job_id, f"its checkpoints were failing when it completed ({job.failures} in a "
                                             f"row since step {job.failing_from})")
@@ -78,9 +86,11 @@ def lingered(job: JobState, job_id: str, now: float, linger_s: float) -> Found:
     """A completed job's final set never came to be handed over within `linger_s` of its completion."""
     if not job.completed or job.final < 0 or job.final_state or now - job.ended_at < linger_s:
         return job, ()
-    job, unsaved = _unsaved(replace(job, final=-1), job_id,
-                            f"its final checkpoint (step {job.final}) was not staged by every rank within "
-                            f"{linger_s:g}s of its completion")
+    job = replace(job, final=-1)
+    if final_open(job):  # a set of that step is being committed: its outcome says
+        return job, ()
+    job, unsaved = _unsaved(job, job_id, f"its final checkpoint (step {job.last_step}) was not staged by every rank "
+                                         f"within {linger_s:g}s of its completion")
     return job, (unsaved,)
 
 

@@ -33,7 +33,7 @@ def hand_over(job: JobState, job_id: str, at: At, current: Staging, created_at: 
     )
     final = -1 if step == job.final else job.final
     job = replace(job, staging={k: v for k, v in job.staging.items() if k != at}, handed=job.handed | {at},
-                  final=final)
+                  final=final, committing={**job.committing, args.checkpoint_id: step})
     return (supersede_.drop_older(job, at) if args.from_memory and supersede != "no" else job), Due(commit=args)
 
 

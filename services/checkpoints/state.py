@@ -160,6 +160,7 @@ class JobState(msgspec.Struct, frozen=True, kw_only=True):
     failing_from: int = -1  # ... the first of them's step
     failing: bool = False  # CheckpointsFailing said so; CheckpointsRecovered will
     last_failed: int = -1  # the step of its newest set that failed (for whatever reason)
+    committing: dict[str, int] = {}  # sets handed to the uploader whose commit or failure is not read back yet -> step
     last_step: int = -1  # a completed job's last step: its final state is the set of that step
     final_state: Literal["", "saved", "unsaved"] = ""  # what was recorded of it
 

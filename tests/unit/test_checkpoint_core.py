@@ -582,16 +582,17 @@ def test_a_store_that_refuses_a_jobs_checkpoints_is_an_incident_until_one_commit
 def test_a_completed_job_whose_final_state_is_not_stored_says_so() -> None:
     every = JobSubmitted(job_id=JOB, spec=JobSpec(name="j", train=TrainSpec(steps=100, checkpoint_every=10)))
     done = JobCompleted(job_id=JOB, steps=100, occurred_at=500.0)
+    final = [staged(0, 100, 2), staged(1, 100, 2)]  # every rank staged step 100: handed over for its commit
     # its final set failed after the completion
-    state, outs = run([every, committed(90), done, refused(100)])
+    state, outs = run([every, committed(90), *final, done, refused(100)])
     (unsaved,) = findings(outs)
     assert isinstance(unsaved, FinalStateUnsaved) and (unsaved.step, unsaved.newest_step) == (100, 90)
     assert "its final checkpoint failed" in unsaved.reason and "the newest saved state is step 90" in unsaved.reason
     # ... before it: said at the completion
-    _, outs = run([every, committed(90), refused(100), done])
+    _, outs = run([every, committed(90), *final, refused(100), done])
     assert [type(e).__name__ for e in findings(outs)] == ["FinalStateUnsaved"]
     # saved: nothing said
-    _, outs = run([every, committed(90), done, committed(100)])
+    _, outs = run([every, committed(90), *final, done, committed(100)])
     assert findings(outs) == []
     # never staged by every rank: said once the linger is over, at a tick
     state, outs = run([every, committed(90), staged(0, 100, 2), done], reports=False)

@@ -10,7 +10,14 @@ from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointDeleted,
 from flightdeck.events.commands import RollbackRequested
 from flightdeck.events.findings import LossSpikeDetected, NonFiniteLoss, SpikeDiagnosed
 from flightdeck.events.history import HistoryGap, check_contiguous
-from flightdeck.events.job import JobCancelled, JobCompleted, JobFailed, JobPhaseChanged, RollbackAsked
+from flightdeck.events.job import (
+    JobCancelled,
+    JobCompleted,
+    JobFailed,
+    JobPhaseChanged,
+    RollbackAsked,
+    WorkersStarted,
+)
 from flightdeck.events.store import Stored
 from flightdeck.services.checkpoints.core import THROWN_AWAY
 from flightdeck.services.shell.deadletter import given_up
@@ -68,7 +75,9 @@ def _completed_means_saved_or_said(run: Run, control: list[Stored]) -> list[str]
         if done is None:
             continue
         saved = any(isinstance(e, CheckpointCommitted) and e.step == done.steps for e in events)
-        failed = any(isinstance(e, CheckpointFailed) and e.step == done.steps for e in events)
+        last = max((e.attempt for e in events if isinstance(e, WorkersStarted)), default=0)  # the one that completed
+        final = f"step{done.steps:09d}-a{last}"  # its final set's id, whatever its timeline
+        failed = any(isinstance(e, CheckpointFailed) and e.checkpoint_id.split("-t")[0] == final for e in events)
         said = [e for e in events if isinstance(e, FinalStateUnsaved)]
         if failed and not saved and not said:
             out.append(f"{job_id} completed, its final checkpoint failed, and nothing says its final state is unsaved")
