@@ -41,7 +41,8 @@ FAULT_KINDS_V2 = (*FAULT_KINDS_V1, "glitch")
 # store_blind: a node's agent sees another object store from then on (a missing mount, wrong credentials): every
 # restore it is given from the store it rejects, though the store holds it intact (issue 51)
 # store_full: the object store refuses every write from then on (a full or read-only store): every commit fails
-FAULT_KINDS = (*FAULT_KINDS_V2, "agent_freeze", "store_blind", "store_full")
+FAULT_KINDS_V3 = (*FAULT_KINDS_V2, "agent_freeze", "store_blind")
+FAULT_KINDS = (*FAULT_KINDS_V3, "store_full")
 POLICY = PolicySpec(heartbeat_interval_s=0.5, heartbeat_misses=4, hang_min_s=3.0, max_restarts=8, spike_warmup=8,
                     spike_window=12, rollback_steps_back=5, rollback_skip_batches=4, commit_wait_s=2.0,
                     max_skip_fraction=1.0,  # no operator answers a pause here: every spike rolls back
