@@ -199,6 +199,9 @@ def _evolve_job(job: JobState, ev: Event, settings: Settings, lost: frozenset[st
         case CheckpointFailed() if settings.failing_after > 0:  # its own, read back: the store's incidents
             job, findings = incidents.failed(job, ev, settings.failing_after)
             return job, Due(findings=findings)
+        case CheckpointFailed():  # no longer being committed (all that histories from before keep of it)
+            return replace(job, committing={k: v for k, v in job.committing.items() if k != ev.checkpoint_id}), \
+                NOTHING_DUE
         case CheckpointStaged() | ShardsUploaded():
             return _stage(job, ev, settings.shards_from == "agents", settings.announce_pending == "yes", lost,
                           settings.supersede)
@@ -212,7 +215,8 @@ def _evolve_job(job: JobState, ev: Event, settings: Settings, lost: frozenset[st
             c = Committed(checkpoint_id=ev.checkpoint_id, step=ev.step, world_size=ev.world_size, attempt=ev.attempt,
                           timeline=ev.timeline, bytes=ev.bytes, manifest_sha256=ev.manifest_sha256,
                           verified_at=ev.occurred_at)
-            job = replace(job, committed=(*job.committed, c))
+            job = replace(job, committed=(*job.committed, c),
+                          committing={k: v for k, v in job.committing.items() if k != ev.checkpoint_id})
             if settings.failing_after > 0:
                 job, findings = incidents.committed(job, ev)
         case CheckpointDeleted():
