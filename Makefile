@@ -65,7 +65,7 @@ SOAK_S ?= 3600
 NEMESIS_SCHEDULES ?= 10
 soak: $(STAMP)
 	$(BIN)/python -m flightdeck.services.tools.explore --from 100000 --seeds 100000000 --budget-s $(SOAK_S) --jobs 2
-	FLIGHTDECK_NEMESIS_GRAY=1 FLIGHTDECK_NEMESIS_SCHEDULES=$(NEMESIS_SCHEDULES) $(PYTEST) -q -p no:cacheprovider tests/nemesis
+	FLIGHTDECK_NEMESIS_SCHEDULES=$(NEMESIS_SCHEDULES) $(PYTEST) -q -p no:cacheprovider tests/nemesis
 
 explore: $(STAMP)
 	$(BIN)/python -m flightdeck.services.tools.explore --seeds 1000

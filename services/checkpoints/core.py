@@ -91,8 +91,8 @@ def _open_set(job: JobState, ev: CheckpointStaged | ShardsUploaded) -> Staging |
     handed on or thrown away by a rollback, a world size that disagrees)."""
     at = (ev.attempt, ev.timeline, ev.step)
     if (job.ended and not (job.completed and ev.attempt == job.attempt)) or ev.attempt < job.attempt \
-            or at in job.handed or thrown_away(job.forks, *at):
-        return None
+            or at in job.handed or thrown_away(job.forks, *at) or ev.node in job.fenced.get(ev.attempt, ()):
+        return None  # a fenced node's late write: its ranks of that attempt were replaced (Settings.fence)
     if ev.world_size < 1 or not 0 <= ev.rank < ev.world_size or ev.step < 0:
         return None
     if isinstance(ev, CheckpointStaged) and ev.from_memory and (ev.timeline, ev.step) < job.memory_handed.get(
@@ -144,12 +144,31 @@ def _stage(job: JobState, ev: CheckpointStaged | ShardsUploaded, agents_store: b
     return settle.hand_over(job, ev.job_id, at, current, ev.occurred_at, supersede)
 
 
+def _fence(job: JobState, node: str) -> JobState:
+    """`node` was declared lost: the job's attempts whose ranks it ran are fenced from it (Settings.fence), and
+    what it staged of their open sets without storing it leaves them (it never will: survivors settle them)."""
+    attempts = {a for a, placed in job.placement.items() if a >= job.attempt and node in placed.values()}
+    if not attempts:
+        return job
+    staging = {}
+    for at, s in job.staging.items():
+        if at[0] in attempts:
+            s = replace(s, ranks={r: x for r, x in s.ranks.items() if x.node != node or r in s.stored})
+        if s.ranks:
+            staging[at] = s
+    fenced = {a: nodes for a, nodes in job.fenced.items() if a >= job.attempt}
+    fenced |= {a: fenced.get(a, frozenset()) | {node} for a in attempts}
+    return replace(job, staging=staging, fenced=fenced)
+
+
 def _node_lost(state: State, node: str) -> tuple[State, Sequence[Output]]:
     """Sets waiting on ranks of a node now lost are settled by the survivors' snapshots alone, or fail."""
     state = replace(state, lost=state.lost | {node})
     outs: list[Output] = []
     jobs = dict(state.jobs)
     for job_id, job in state.jobs.items():
+        if state.settings.fence == "lost":
+            job = _fence(job, node)
         jobs[job_id], dues = settle.settle(job, job_id, state.lost, state.settings.supersede)
         outs += [o for due in dues for o in _outputs(job_id, jobs[job_id], due)]
     return replace(state, jobs=jobs), outs
@@ -366,7 +385,7 @@ def core_service(effects: dict[str, EffectHandler], *, scrub_every_s: float = 0.
     `scrub_every_s` > 0; see uploader.py and scrubber.py)."""
     settings = Settings(scrub_every_s=scrub_every_s, scrub_mb_s=scrub_mb_s, shards_from="agents",
                         announce_pending="yes", settle_on_exits="yes", supersede="parked", retention="steps",
-                        claims="verify", failing_after=FAILING_AFTER)
+                        claims="verify", failing_after=FAILING_AFTER, fence="lost")
     missing = {COMMIT, DELETE, SCRUB} - set(effects)  # a claim's read runs even with scheduled scrubs off
     if missing:
         raise ValueError(f"the checkpoint service needs effect handlers for {sorted(missing)}")
@@ -384,5 +403,5 @@ def core_service(effects: dict[str, EffectHandler], *, scrub_every_s: float = 0.
         settings=msgspec.structs.asdict(settings),
         unrecorded=msgspec.structs.asdict(replace(settings, shards_from="staging", announce_pending="no",
                                                   settle_on_exits="no", supersede="no", retention="commits",
-                                                  claims="trust", failing_after=0)),
+                                                  claims="trust", failing_after=0, fence="none")),
     )

@@ -47,6 +47,7 @@ def survivors(job: JobState, job_id: str, at: At, current: Staging, lost: frozen
     if not present or not all(s.from_memory for s in current.ranks.values()) or current.stored != present:
         return None
     placed = job.placement.get(at[0], {})
+    lost = lost | job.fenced.get(at[0], frozenset())  # lost while it ran them, though it may be back since
     missing = sorted(set(range(current.world_size)) - present)
     none = supersede_.never(job, at)
     nodes = sorted({placed.get(r, "") for r in missing if r not in none})

@@ -43,6 +43,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # (CheckpointsFailing), and a completed job whose final state is not stored says so (FinalStateUnsaved); 0:
     # neither, as histories recorded before.
     failing_after: int = 0
+    # "lost": a node declared lost is fenced from every attempt whose ranks it ran (JobState.fenced): what it
+    # stages or stores for them later is refused, as a frozen agent that resumes ships what its replaced ranks
+    # trained unseen (issue 51); "none" for histories recorded before, so that they still verify.
+    fence: Literal["none", "lost"] = "none"
 
     def __post_init__(self) -> None:
         if not (self.scrub_every_s >= 0 and self.scrub_mb_s > 0):
@@ -163,6 +167,8 @@ class JobState(msgspec.Struct, frozen=True, kw_only=True):
     committing: dict[str, int] = {}  # sets handed to the uploader whose commit or failure is not read back yet -> step
     last_step: int = -1  # a completed job's last step: its final state is the set of that step
     final_state: Literal["", "saved", "unsaved"] = ""  # what was recorded of it
+    # attempt -> nodes declared lost while they ran its ranks (Settings.fence "lost"): their later writes are refused
+    fenced: dict[int, frozenset[str]] = {}
 
 
 class Due(msgspec.Struct, frozen=True, kw_only=True):

@@ -178,3 +178,24 @@ async def test_the_invariants_catch_a_job_completed_silently_without_its_final_s
         silent += any("nothing says its final state is unsaved" in v for v in found)
         assert await violations(await simulate(p)) == [], seed
     assert silent > 0
+
+
+def _unfenced() -> Service[Any]:
+    """The checkpoint service as c442085 ran it: a lost node's late writes for the ranks it ran still commit."""
+    real = World(plan(0))._checkpoints()
+    initial = msgspec.structs.replace(real.initial, settings=msgspec.structs.replace(real.initial.settings,
+                                                                                      fence="none"))
+    return dataclasses.replace(real, settings={**real.settings, "fence": "none"}, initial=initial)
+
+
+async def test_the_invariants_catch_a_late_set_from_a_fenced_node() -> None:
+    """agent_freeze: the ranks of a frozen agent train on unseen; declared lost, it resumes, and what it persists of
+    them races the rejoin's fence, which kills them with their reports unread. Committed, that set hands on steps no
+    report records (the nemesis, seed 1, in CI on 7be410c: steps 70-89)."""
+    unreported = 0
+    for seed in range(70):
+        p = plan(seed, kinds=("agent_freeze",))
+        found = await violations(await simulate(p, {"checkpoints": _unfenced}))
+        unreported += any("which no report records" in v for v in found)
+        assert await violations(await simulate(p)) == [], seed
+    assert unreported > 0

@@ -25,11 +25,10 @@ NUM = int(os.environ.get("FLIGHTDECK_NEMESIS_SCHEDULES", "2"))
 FIRST = int(os.environ.get("FLIGHTDECK_NEMESIS_SEED", "1"))
 MOVES_V1 = ("kill_broker", "pause_broker", "kill_service", "stop_service", "term_rank", "kill_rank", "kill_agent")
 # pause_agent: the node agent frozen past the lost deadline (SIGSTOP, a swap or I/O stall), then resumed: its node is
-# declared lost, and it must fence its ranks and join again for the job to go on (issue 51). Drawn only where
-# FLIGHTDECK_NEMESIS_GRAY=1 (`make soak`) until what it found holds: in a CI run of seed 1 the frozen agent's ranks
-# trained steps 70-89 while it was frozen, and after the rejoin's fence the job's lineage lacked their reports.
-MOVES_GRAY = (*MOVES_V1, "pause_agent")
-MOVES = MOVES_GRAY if os.environ.get("FLIGHTDECK_NEMESIS_GRAY") == "1" else MOVES_V1
+# declared lost, and it must fence its ranks and join again for the job to go on (issue 51). In a CI run of seed 1 the
+# frozen agent's ranks trained steps 70-89 unseen, the set it persisted of them after the rejoin's fence committed,
+# and the job's lineage lacked their reports: a lost node's late writes are refused now (checkpoints Settings.fence).
+MOVES = (*MOVES_V1, "pause_agent")
 LOST_S = 0.5 * 8  # the chaos spec's heartbeats: every 0.5 s, lost after 8 missed
 
 

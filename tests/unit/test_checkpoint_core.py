@@ -67,7 +67,8 @@ def submitted(keep: int, job: str = JOB) -> JobSubmitted:
 
 
 LIVE = State(settings=Settings(shards_from="agents", settle_on_exits="yes", supersede="parked",  # as the service runs
-                               retention="steps", claims="verify", failing_after=core.FAILING_AFTER))
+                               retention="steps", claims="verify", failing_after=core.FAILING_AFTER,
+                               fence="lost"))
 
 
 def stored(ev: CheckpointStaged, *, ranks: list[int] | None = None, failed: str = "") -> ShardsUploaded:

@@ -15,10 +15,12 @@ from flightdeck.events.job import (
     JobCompleted,
     JobFailed,
     JobPhaseChanged,
+    JobResumed,
     RollbackAsked,
     WorkersStarted,
 )
 from flightdeck.events.store import Stored
+from flightdeck.events.training import StepCompleted
 from flightdeck.services.checkpoints.core import THROWN_AWAY
 from flightdeck.services.shell.deadletter import given_up
 from flightdeck.services.shell.fold import replay, same_decision
@@ -40,6 +42,7 @@ async def violations(run: Run) -> list[str]:
     out += _phases_as_recorded(run, control)
     out += _no_good_checkpoint_deleted(run, control)
     out += _completed_means_saved_or_said(run, control)
+    out += _lineage_reported(run, control)
     out += [m for shell in run.shells.values() for m in shell.snapshot_mismatches]
     for name in VERIFIED:
         out += await _replay_reproduces(run, name, control)
@@ -85,6 +88,39 @@ def _completed_means_saved_or_said(run: Run, control: list[Stored]) -> list[str]
             out.append(f"{job_id}: its final state was saved, yet FinalStateUnsaved says {said[0].reason!r}")
         if len(said) > 1:
             out.append(f"{job_id}: FinalStateUnsaved recorded {len(said)} times")
+    return out
+
+
+def _lineage_reported(run: Run, control: list[Stored]) -> list[str]:
+    """Every step a completed job's final state holds has its report: followed back from the attempt that completed,
+    through the checkpoint each attempt restored to the attempt that saved it, each attempt reported every step it
+    handed on. A fenced node's late write breaks this: the frozen agent's ranks trained on unseen, and the set they
+    left committed while their reports died with them (the nemesis, seed 1: steps 70-89; issue 51)."""
+    out = []
+    telemetry = run.store.rows(subjects.TELEMETRY)
+    for job_id in run.job_ids:
+        events = _job_events(control, job_id)
+        done = next((e for e in events if isinstance(e, JobCompleted)), None)
+        if done is None:
+            continue
+        reported: dict[int, set[int]] = {}
+        for e in admitted_events([t for t in telemetry if t.subject.startswith(f"fd.tel.{job_id}.")]):
+            if isinstance(e, StepCompleted):
+                reported.setdefault(e.attempt, set()).add(e.step)
+        resumed = {e.attempt: e for e in events if isinstance(e, JobResumed)}
+        attempt = max((e.attempt for e in events if isinstance(e, WorkersStarted)), default=0)
+        until, seen = done.steps, set()
+        while attempt not in seen:
+            seen.add(attempt)
+            r = resumed.get(attempt)
+            start = r.from_step if r is not None else 0
+            gaps = sorted(set(range(start, until)) - reported.get(attempt, set()))
+            if gaps:
+                out.append(f"{job_id}: its final state holds steps {gaps[0]}-{gaps[-1]} of attempt {attempt} "
+                           f"({len(gaps)} steps), which no report records")
+            if r is None or not r.checkpoint_id:
+                break
+            attempt, until = int(r.checkpoint_id.split("-a")[1].split("-")[0]), r.from_step
     return out
 
 

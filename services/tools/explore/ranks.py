@@ -26,7 +26,7 @@ from flightdeck.events.commands import (
 )
 from flightdeck.events.heartbeats import RankBeat, RankHeartbeats
 from flightdeck.events.history import append_to_job
-from flightdeck.events.job import Persisted, RankExit, WorkersStarted, exits_record
+from flightdeck.events.job import Persisted, RankExit, WorkersExited, WorkersStarted, exits_record
 from flightdeck.events.nodelocal import STOPPED_EXIT
 from flightdeck.events.store import MemoryStore
 from flightdeck.events.training import RankStarted, RolledBack, SpikeReplayed, StepCompleted
@@ -97,7 +97,10 @@ class Ranks:
         self.saved: dict[tuple[str, str], Saved] = {}  # (job, checkpoint id) -> what it holds
         self.spikes: dict[str, tuple[int, int]] = {}  # job -> batches whose loss spikes
         self.nodes_down: set[str] = set()
-        self.frozen: set[str] = set()  # nodes whose agent is frozen: their ranks' links and beats stall with it
+        # nodes whose agent is frozen: their ranks train on, but what they send and what their agent would record
+        # waits in `held` ((from a rank's link, event)) until it resumes (thaw)
+        self.frozen: set[str] = set()
+        self.held: dict[str, list[tuple[bool, Event]]] = {}
         self.orphans: dict[str, list[tuple[Attempt, int]]] = {}  # node -> ranks that died with its agent
         self.n = 0
 
@@ -106,9 +109,37 @@ class Ranks:
         return f"sim:{what}:{self.n}"
 
     async def tel(self, event: RankHeartbeats | StepCompleted | CheckpointStaged | ShardsUploaded | RankStarted
-                  | RolledBack | SpikeReplayed) -> None:
+                  | RolledBack | SpikeReplayed, *, link: bool = True) -> None:
+        """A rank's event relayed by its agent (`link`), or the agent's own."""
+        if event.node in self.frozen:
+            self.held.setdefault(event.node, []).append((link, event))
+            return
         subject = subjects.telemetry(event.job_id, event.rank, type(event).__name__)
         await self.store.append(subject, event, msg_id=event.event_id)
+
+    async def _record(self, node: str, ev: WorkersExited) -> None:
+        """An agent's record of its ranks' exits: once it runs again, if it is frozen."""
+        if node in self.frozen:
+            self.held.setdefault(node, []).append((False, ev))
+            return
+        await append_to_job(self.store, ev, msg_id=ev.event_id)
+
+    async def thaw(self, node: str, keep: float) -> None:
+        """A frozen agent resumes: what it records itself is relayed, and of what its ranks sent meanwhile the
+        first `keep` (a fraction): the rest is lost in the race with the rejoin's fence, which kills the ranks with
+        their links unread (as the nemesis saw: issue 51)."""
+        self.frozen.discard(node)
+        held = self.held.pop(node, [])
+        cut = int(keep * sum(1 for link, _ in held if link))
+        for link, ev in held:
+            if link:
+                if cut <= 0:
+                    continue
+                cut -= 1
+            if isinstance(ev, WorkersExited):
+                await self._record(node, ev)
+            else:
+                await self.tel(ev)  # type: ignore[arg-type]
 
     # -- the agent's effects ---------------------------------------------------------------------------------
 
@@ -165,7 +196,7 @@ class Ranks:
                               node=node,
                               attempt=a.attempt, event_id=self._id(f"exit-{node}"), occurred_at=self.now(),
                               producer=f"agent-{node}")
-            await append_to_job(self.store, ev, msg_id=ev.event_id)
+            await self._record(node, ev)
 
     async def _persist(self, a: Attempt, node: str, ranks: list[int]) -> tuple[int, int] | None:
         """The agent stages its gone ranks' snapshots, newest first: the boundary of the step they were running and
@@ -189,12 +220,13 @@ class Ranks:
                 await self.tel(CheckpointStaged(job_id=a.job_id, rank=r, attempt=a.attempt, node=node,
                                                 step=saved.step, world_size=a.world_size, staging_dir="/sim/shm",
                                                 shards=shards, data=data, stall_s=0.0, write_s=0.0, timeline=timeline,
-                                                from_memory=True, event_id=self._id("persisted"), occurred_at=now))
+                                                from_memory=True, event_id=self._id("persisted"), occurred_at=now),
+                               link=False)
             refused = i == 0 and len(slots) > 1 and zlib.crc32(f"{a.job_id}:{cid}:{node}".encode()) % 4 == 0
             await self.tel(ShardsUploaded(job_id=a.job_id, rank=ranks[0], attempt=a.attempt, node=node,
                                           step=saved.step, timeline=timeline, world_size=a.world_size, ranks=ranks,
                                           bytes=len(ranks), seconds=0.0, failed="refused by the store" * refused,
-                                          event_id=self._id("uploaded"), occurred_at=now))
+                                          event_id=self._id("uploaded"), occurred_at=now), link=False)
         return (slots[0][0], slots[0][1].step) if slots else None
 
     def tell(self, node: str, job_id: str, attempt: int, command: Event) -> None:
@@ -246,8 +278,6 @@ class Ranks:
         """One step boundary and step of a running attempt, when every rank is there to take part."""
         if not a.running or a.finished or len(a.alive) < a.world_size or a.hung:
             return  # a collective with a peer missing or hung blocks every rank
-        if any(a.nodes.get(r) in self.frozen for r in a.alive):
-            return  # a rank whose agent is frozen blocks on its link, and its peers in the collective
         if a.replay is not None and a.step >= a.replay.until:
             await self._end_replay(a, a.replay)
         await self._commands(a)

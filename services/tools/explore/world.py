@@ -36,8 +36,9 @@ FAULT_KINDS_V1 = ("crash", "lost_ack", "stale_restart", "broker_restart", "rank_
 # glitch: one rank's loss spikes for 3 steps of its current run and never again (a fault that passed, as a faulty
 # device's): a re-run does not repeat it, so its diagnosis is hardware
 FAULT_KINDS_V2 = (*FAULT_KINDS_V1, "glitch")
-# agent_freeze: a node's agent stops (SIGSTOP, a long swap or I/O stall) for longer than the lost deadline, and
-# resumes to find its node declared lost and its ranks replaced (issue 51): it must fence them and join again
+# agent_freeze: a node's agent stops (SIGSTOP, a long swap or I/O stall) for longer than the lost deadline while its
+# ranks train on, and resumes to find its node declared lost and its ranks replaced (issue 51): it must fence them
+# and join again, and what it ships late for them must be refused
 # store_blind: a node's agent sees another object store from then on (a missing mount, wrong credentials): every
 # restore it is given from the store it rejects, though the store holds it intact (issue 51)
 # store_full: the object store refuses every write from then on (a full or read-only store): every commit fails
@@ -136,6 +137,7 @@ class World:
         self.shells: dict[str, SimShell] = {}
         self.restart_at: dict[str, float] = {}
         self.thaw_at: dict[str, float] = {}  # node -> when its frozen agent resumes
+        self.frozen_at: dict[str, float] = {}  # ... and when it froze
         self.blind: set[str] = set()  # nodes whose agent cannot read the platform's object store
         self.full = False  # the object store refuses every write
         self.job_ids: list[str] = []
@@ -258,8 +260,7 @@ class World:
                 await self._inject(faults.pop(0))
             for node, at in list(self.thaw_at.items()):
                 if self.clock() >= at:
-                    del self.thaw_at[node]
-                    self.ranks.frozen.discard(node)
+                    await self.ranks.thaw(node, self._relayed(node, self.thaw_at.pop(node)))
             for name, shell in self.shells.items():  # a crashed process is restarted by its supervisor, later
                 gone = name.removeprefix("agent-") in self.ranks.nodes_down
                 if not shell.up and name not in self.restart_at and not gone:
@@ -337,8 +338,18 @@ class World:
             case "agent_freeze" if f.target not in self.ranks.nodes_down and self.shells[f"agent-{f.target}"].up:
                 self.ranks.frozen.add(f.target)
                 self.thaw_at[f.target] = self.clock() + float(f.detail)
+                self.frozen_at.setdefault(f.target, self.clock())
             case "poison" if job:
                 await self._poison(job)
+
+    def _relayed(self, node: str, thaw: float) -> float:
+        """How much of what its ranks sent while its agent was frozen the agent relays: all of it, unless its node
+        was declared lost meanwhile, when the rejoin's fence may kill them with their links unread."""
+        frozen_at = self.frozen_at.pop(node)
+        subject = subjects.node(node, "NodeLost")
+        lost = [s for s in self.store.rows(subjects.CONTROL)
+                if s.subject == subject and s.event is not None and frozen_at <= s.event.occurred_at <= thaw]
+        return self.rng.choice((1.0, 0.0, self.rng.random())) if lost else 1.0
 
     def _newest(self, job_id: str) -> Any:
         attempts = [a for (j, _), a in self.ranks.attempts.items() if j == job_id and a.alive]
