@@ -51,7 +51,7 @@ async def explore(first: int, count: int, *, verbose: bool = False, budget_s: fl
 
 
 def _worker(first: int, count: int, budget_s: float) -> tuple[int, list[str]]:
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
     return asyncio.run(explore(first, count, budget_s=budget_s, progress_every=1000))
 
 
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-j", "--jobs", type=int, default=1, help="processes, each a share of the seeds (default 1)")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
     first, count = (args.seed, 1) if args.seed is not None else (args.first, args.seeds)
     began, wall = time.process_time(), time.monotonic()
     if args.jobs > 1:

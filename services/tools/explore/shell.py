@@ -1,51 +1,53 @@
-"""One service under the simulated broker, run as services/shell/runtime.py runs it: rebuild from a trusted position
-(services/shell/position.py), then per input fold, store the outputs (job events through the history's fence),
-run the effects, ack; a ClockTick recording what is stored while the core wants one. A scheduled crash lands
-before the outputs, between two of them, or before the ack; a lost ack redelivers the input."""
+"""One service under the simulated broker: the live shell's own loop (services/shell/loop.py), with this class as its
+port. A scheduled crash ends the process at one of the loop's crash points (before the outputs, between two of them,
+before the ack); a lost ack redelivers the input; a stale start is given the ack floor the broker's disk held."""
 
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any, TypeVar
 
 from flightdeck.events import subjects
-from flightdeck.events.base import JobEvent
-from flightdeck.events.clock import ClockTick, CoreConfigured
-from flightdeck.events.history import append_to_job
 from flightdeck.events.store import MemoryStore, Stored
 from flightdeck.services.core import Effect, Emit, Service
-from flightdeck.services.shell import deadletter, position, snapshots
-from flightdeck.services.shell.fold import Folder, Output, rebuild, replay, stamp
+from flightdeck.services.shell import snapshots
+from flightdeck.services.shell.fold import Folder, rebuild
+from flightdeck.services.shell.loop import CRASH_POINTS, Crashed, Delivery, Loop
 from flightdeck.services.tools.explore.broker import SimBroker
 
-CRASH_POINTS = ("before-outputs", "between-outputs", "before-ack")
+__all__ = ["CRASH_POINTS", "SimShell"]
 SNAPSHOT_EVERY = 16  # inputs between state snapshots: often, so that most restarts start from one
 EffectRunner = Callable[[str, Effect], Awaitable[Sequence[Emit]]]
+T = TypeVar("T")
 
 
-async def store_output(store: MemoryStore, out: Output) -> None:
-    """As Shell._append: a job's events through its history (the fence, or a node's record), the rest as they are."""
-    if out.subject.startswith("fd.ctl.job."):
-        assert isinstance(out.event, JobEvent)
-        await append_to_job(store, out.event, msg_id=out.msg_id)
-    else:
-        await store.append(out.subject, out.event, msg_id=out.msg_id)
+class SimDelivery:
+    def __init__(self, shell: "SimShell", stored: Stored) -> None:
+        self.shell, self.stored = shell, stored
+
+    async def finish(self, refused: bool) -> None:
+        if self.shell.lose_ack:
+            self.shell.lose_ack = False  # redelivered: the loop must recognise it as folded
+            return
+        self.shell.broker.finish(self.shell.consumer, self.stored.seq)
+
+    async def in_progress(self) -> None:
+        pass  # simulated effects take no time
 
 
 class SimShell:
     def __init__(self, build: Callable[[], Service[Any]], store: MemoryStore, broker: SimBroker,
                  now: Callable[[], float], effects: EffectRunner, ids: Callable[[], int]) -> None:
-        self.build, self.store, self.broker, self.now, self.effects, self.ids = build, store, broker, now, effects, ids
+        self.build, self.store, self.broker, self.clock = build, store, broker, now
+        self.effects, self.ids = effects, ids
         self.service = build()
         self.name = self.service.name
+        self.loop = Loop(self.service, self)
         self.up = False
-        self.folder: Folder[Any] = Folder(self.service)
-        self.stored_seq = 0
-        self.caught_up = False
-        self.tick_in_flight = 0
         self.last_tick_at = -1e9
         self.prompt_seen = 0  # telemetry rows looked at for the core's prompt_types
         self.crash_at: str = ""  # the crash point the next input meets
         self.lose_ack = False
-        self.stale_start = False  # the next start's consumer reply is stale
+        self.stale_start = False  # the next start's consumer replies are stale
+        self.stale = False  # ... while it starts
         self.on_crash: Callable[[], None] = lambda: None  # what else ends with the process (an agent's ranks)
         self.num_starts = self.num_crashes = self.num_inputs = self.num_from_snapshot = 0
         self.generation = self.since_snapshot = 0
@@ -55,30 +57,67 @@ class SimShell:
     def consumer(self) -> str:
         return f"service-{self.name}"
 
+    @property
+    def folder(self) -> Folder[Any]:
+        return self.loop.folder
+
+    # -- the port (services/shell/loop.Port) ---------------------------------------------------------------------
+
+    def now(self) -> float:
+        return self.clock()
+
+    def new_id(self) -> str:
+        return str(self.ids())
+
+    async def call(self, what: str, fn: Callable[[], Awaitable[T]], subject: str = "") -> T:
+        return await fn()  # the simulated broker always answers; its restarts lose positions, not calls
+
+    async def ack_floor(self) -> int:
+        return self.broker.floor(self.consumer, stale=self.stale)
+
+    async def telemetry(self, after: int, upto: int) -> list[Stored]:
+        patterns = tuple(self.service.telemetry_subjects)
+        return [t for t in self.broker.telemetry()[after:upto] if subjects.matches_any(patterns, t.subject)]
+
+    async def telemetry_position(self) -> int:
+        return len(self.broker.telemetry())  # seq n at index n-1
+
+    async def run_effect(self, effect: Effect, delivery: Delivery | None) -> Sequence[Emit]:
+        return await self.effects(self.name, effect)
+
+    async def detach(self, work: Coroutine[Any, Any, None]) -> None:
+        await work  # at once: the simulated I/O takes no time, and a seed must run the same every time
+
+    async def folded(self, folder: Folder[Any], inputs: int) -> None:
+        """As snapshots.Saver, every SNAPSHOT_EVERY inputs, written before the next input."""
+        self.since_snapshot += inputs
+        if self.since_snapshot >= SNAPSHOT_EVERY:
+            await snapshots.write(self.store, snapshots.take(folder, self.generation, self.now()))
+            self.generation, self.since_snapshot = self.generation + 1, 0
+
+    def crash_point(self, point: str) -> None:
+        if self.crash_at == point:
+            self.crash_at = ""
+            self.crash()
+            raise Crashed(point)
+
+    # -- the process ---------------------------------------------------------------------------------------------
+
     async def start(self) -> None:
         self.service = self.build()
-        self.folder = Folder(self.service)
-        filters = (*self.service.control_subjects, self.folder.clock_subject)
-        self.broker.consumer(self.consumer, filters)
-        reply = self.broker.floor(self.consumer, stale=self.stale_start)
-        info = self.broker.floor(self.consumer, stale=self.stale_start)  # both stale: only the catch-up saves it
-        self.stale_start = False
-        last = await self.store.last(subjects.CONTROL, self.folder.clock_subject)
-        until = position.rebuild_until(self.name, reply, info, last)
-        loaded = await snapshots.load(self.store, self.service)
-        self.folder = await rebuild(self.service, self.store, until=until,
-                                    folder=loaded.folder if loaded is not None else None)
+        self.loop = Loop(self.service, self)
+        self.broker.consumer(self.consumer, (*self.service.control_subjects, self.folder.clock_subject))
+        self.stale, self.stale_start = self.stale_start, False  # both the reply and the floor read again: only the
+        reply = self.broker.floor(self.consumer, stale=self.stale)  # catch-up saves it
+        loaded = await self.loop.start(reply)
+        self.stale = False
         if loaded is not None:
             self.num_from_snapshot += 1
             self.generation = loaded.head.generation + 1
             await self._check_against_refold(loaded)
-        self.stored_seq, self.caught_up, self.tick_in_flight, self.up = self.folder.control_seq, False, 0, True
+        self.up = True
         self.prompt_seen = len(self.broker.telemetry())
         self.num_starts += 1
-        mid = f"{self.name}:configured:{self.ids()}"
-        await self.store.append(self.folder.clock_subject, CoreConfigured(
-            service=self.name, settings=dict(self.service.settings), event_id=mid, occurred_at=self.now(),
-            producer=self.name), msg_id=mid)
 
     def crash(self) -> None:
         self.up = False
@@ -86,21 +125,12 @@ class SimShell:
         self.on_crash()
 
     async def tick(self) -> None:
+        """As the live ticker: once a `tick_s` has passed since the last (a prompt ticks wanted or not)."""
         now = self.now()
-        if self.tick_in_flight or now - self.last_tick_at < self.service.tick_s:
+        if self.loop.tick_in_flight or now - self.last_tick_at < self.service.tick_s:
             return
-        if not self._prompted() and not self.service.wants_tick(self.folder.state, now):
-            return  # as live: a prompt ticks whether or not the core wants ticks by now
-        positions = {subjects.CONTROL: self.stored_seq}
-        if self.service.telemetry_subjects:
-            positions[subjects.TELEMETRY] = len(self.broker.telemetry())
-        mid = f"{self.name}:tick:{self.ids()}"
-        tick = ClockTick(service=self.name, now=now, positions=positions, event_id=mid, occurred_at=now,
-                         producer=self.name)
-        res = await self.store.append(self.folder.clock_subject, tick, msg_id=mid)
-        self.last_tick_at = now
-        if res.seq > self.folder.control_seq:
-            self.tick_in_flight = res.seq
+        if await self.loop.tick(now, self._prompted()):
+            self.last_tick_at = now
 
     def _prompted(self) -> bool:
         rows = self.broker.telemetry()
@@ -120,72 +150,17 @@ class SimShell:
     async def one(self) -> bool:
         stored, gave_up = self.broker.deliver(self.consumer)
         if gave_up is not None:  # the max-deliveries advisory
-            folded = gave_up.seq <= self.folder.control_seq
-            cause = deadletter.FOLDED_ANYWAY if folded else deadletter.GIVEN_UP
-            await self._dead_letter(gave_up, "delivered too often without an ack (max_deliver)", cause)
+            await self.loop.given_up(gave_up, self.broker.consumers[self.consumer].deliveries.get(gave_up.seq, 0))
             return True
         if stored is None:
             return False
-        if not self.caught_up:
-            self.caught_up = True
-            if stored.seq > self.folder.control_seq + 1:
-                target = position.caught_up_until(stored.seq, self.broker.floor(self.consumer))
-                if target > self.folder.control_seq:
-                    async for _ in replay(self.service, self.store, until=target, folder=self.folder):
-                        pass
-                self.stored_seq = max(self.stored_seq, self.folder.control_seq)
-        if stored.seq <= self.folder.control_seq:
-            self.broker.finish(self.consumer, stored.seq)
-            return True
-        self.num_inputs += 1
-        telemetry: list[Stored] = []
-        pos = self.folder.tick_position(stored)
-        if pos is not None:
-            telemetry = [t for t in self.broker.telemetry()[self.folder.telemetry_seq:pos]  # seq n at index n-1
-                         if subjects.matches_any(tuple(self.service.telemetry_subjects), t.subject)]
-        steps = self.folder.apply(stored, telemetry)
-        if self._crashes("before-outputs"):
+        if stored.seq > self.folder.control_seq:
+            self.num_inputs += 1
+        try:
+            await self.loop.handle(SimDelivery(self, stored))
+        except Crashed:
             return False
-        for step in steps:
-            for n, out in enumerate(step.outputs):
-                if n == 1 and self._crashes("between-outputs"):
-                    return False
-                await store_output(self.store, out)
-            index = len(step.outputs)
-            for effect in step.effects:
-                emits = await self.effects(self.name, effect)
-                outs = [stamp(self.name, step.input, index + i, e, occurred_at=self.now())
-                        for i, e in enumerate(emits)]
-                index += len(outs)
-                for out in outs:
-                    await store_output(self.store, out)
-            if step.error:
-                await self._dead_letter(step.input, step.error, "input")
-        self.stored_seq = stored.seq
-        self.since_snapshot += 1
-        if self.since_snapshot >= SNAPSHOT_EVERY:  # as snapshots.Saver does once the outputs are stored
-            await snapshots.write(self.store, snapshots.take(self.folder, self.generation, self.now()))
-            self.generation, self.since_snapshot = self.generation + 1, 0
-        if self.tick_in_flight and stored.seq >= self.tick_in_flight:
-            self.tick_in_flight = 0
-        if self._crashes("before-ack"):
-            return False
-        if self.lose_ack:
-            self.lose_ack = False  # redelivered: the shell must recognise it as folded
-            return True
-        self.broker.finish(self.consumer, stored.seq)
         return True
-
-    def _crashes(self, point: str) -> bool:
-        if self.crash_at != point:
-            return False
-        self.crash_at = ""
-        self.crash()
-        return True
-
-    async def _dead_letter(self, stored: Stored, reason: str, cause: str) -> None:
-        dead = deadletter.letter(self.name, stored, reason, cause=cause)
-        await self.store.append(dead.subject, dead.event, msg_id=dead.msg_id)
 
     async def _check_against_refold(self, loaded: snapshots.Loaded) -> None:
         """The state a start built from a snapshot must be the one a fold from the first event gives."""
