@@ -26,7 +26,8 @@ def _shell(store: MemoryStore, broker: SimBroker) -> SimShell:
 async def _submitted(store: MemoryStore, k: int) -> None:
     for i in range(k):
         job = f"j{i}-000000"
-        await append_to_job(store, JobSubmitted(job_id=job, spec=JobSpec(name="j"), event_id=f"cli-{job}", occurred_at=1.0, producer="cli"))
+        await append_to_job(store, JobSubmitted(job_id=job, spec=JobSpec(name="j"), event_id=f"cli-{job}",
+                                                occurred_at=1.0, producer="cli"))
 
 
 def _letters(store: MemoryStore) -> list[DeadLettered]:
