@@ -4,6 +4,7 @@ The same contract suite (tests/contract) runs against this store and the JetStre
 """
 
 import asyncio
+import copy
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -207,6 +208,14 @@ class MemoryStore:
             return first, float("inf"), last
         ev = self._streams[stream][first - 1].event
         return first, ev.occurred_at if ev is not None else 0.0, last
+
+    def view(self) -> "MemoryStore":
+        """The same streams, read from positions of its own: what ages out of the view stays in this store (the
+        fault explorer ages telemetry out for the archiver and the history's readers, while the services and the
+        replays that check them read it whole, as they read it days before its limits dropped it)."""
+        other = copy.copy(self)
+        other._first = dict(self._first)
+        return other
 
     def age_out(self, stream: str, through_seq: int) -> None:
         """Drop the stream's messages up to `through_seq`, as a stream's limits do (DiscardPolicy.OLD)."""

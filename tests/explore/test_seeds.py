@@ -17,10 +17,10 @@ from flightdeck.services.scheduler.core import core_service as scheduler_core
 from flightdeck.services.tools.explore.__main__ import explore
 from flightdeck.services.tools.explore.invariants import violations
 from flightdeck.services.tools.explore.world import (
-    FAULT_KINDS,
     FAULT_KINDS_V1,
     FAULT_KINDS_V2,
     FAULT_KINDS_V3,
+    FAULT_KINDS_V4,
     NODES,
     World,
     plan,
@@ -68,7 +68,7 @@ FOUND_V4 = {
 
 
 @pytest.mark.parametrize(("seed", "kinds"), [*((s, FAULT_KINDS_V3) for s in sorted(FOUND_V3)),
-                                             *((s, FAULT_KINDS) for s in sorted(FOUND_V4))])
+                                             *((s, FAULT_KINDS_V4) for s in sorted(FOUND_V4))])
 async def test_the_seeds_that_found_gray_failure_bugs_hold(seed: int, kinds: tuple[str, ...]) -> None:
     run = await simulate(plan(seed, kinds=kinds))
     assert await violations(run) == [], {**FOUND_V3, **FOUND_V4}[seed]
@@ -199,3 +199,20 @@ async def test_the_invariants_catch_a_late_set_from_a_fenced_node() -> None:
         unreported += any("which no report records" in v for v in found)
         assert await violations(await simulate(p)) == [], seed
     assert unreported > 0
+
+
+async def test_the_invariants_catch_an_archiver_that_closes_a_history_before_it_is_quiet(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The archiver's final segment says nothing of the job comes later; taken at once at the job's end (no
+    SETTLE_S), a frozen agent's relay of what its ranks sent lands after it, and the history's reader drops it."""
+    from flightdeck.services.archiver import core as archiver_core
+
+    dropped, kinds = 0, ("agent_freeze", "agent_vanish", "rank_kill")
+    for seed in range(40):
+        p = plan(seed, kinds=kinds)
+        assert await violations(await simulate(p)) == [], seed
+        with monkeypatch.context() as m:
+            m.setattr(archiver_core, "SETTLE_S", 0.0)
+            found = await violations(await simulate(p))
+        dropped += any("came after its final segment" in v for v in found)
+    assert dropped > 0

@@ -6,6 +6,7 @@ from typing import Any
 
 from flightdeck.events import subjects
 from flightdeck.events.admission import admitted_events
+from flightdeck.events.archive import HistoryArchived
 from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointDeleted, CheckpointFailed, FinalStateUnsaved
 from flightdeck.events.commands import RollbackRequested
 from flightdeck.events.findings import LossSpikeDetected, NonFiniteLoss, SpikeDiagnosed
@@ -16,6 +17,7 @@ from flightdeck.events.job import (
     JobFailed,
     JobPhaseChanged,
     JobResumed,
+    JobSubmitted,
     RollbackAsked,
     WorkersStarted,
 )
@@ -24,10 +26,13 @@ from flightdeck.events.training import StepCompleted
 from flightdeck.services.checkpoints.core import THROWN_AWAY
 from flightdeck.services.shell.deadletter import given_up
 from flightdeck.services.shell.fold import replay, same_decision
+from flightdeck.services.shell.objects import segments
 from flightdeck.services.tools.explore.world import Run
 from flightdeck.services.tools.history import jobview
+from flightdeck.services.tools.history.archived import stream_rows
 
-VERIFIED = ("scheduler", "resources", "health", "checkpoints")  # cores whose every decision a replay re-derives
+# cores whose every decision a replay re-derives
+VERIFIED = ("scheduler", "resources", "health", "checkpoints", "resharder", "archiver")
 
 
 async def violations(run: Run) -> list[str]:
@@ -43,6 +48,7 @@ async def violations(run: Run) -> list[str]:
     out += _no_good_checkpoint_deleted(run, control)
     out += _completed_means_saved_or_said(run, control)
     out += _lineage_reported(run, control)
+    out += await _history_whole(run, control)
     out += [m for shell in run.shells.values() for m in shell.snapshot_mismatches]
     for name in VERIFIED:
         out += await _replay_reproduces(run, name, control)
@@ -121,6 +127,36 @@ def _lineage_reported(run: Run, control: list[Stored]) -> list[str]:
             if r is None or not r.checkpoint_id:
                 break
             attempt, until = int(r.checkpoint_id.split("-a")[1].split("-")[0]), r.from_step
+    return out
+
+
+async def _history_whole(run: Run, control: list[Stored]) -> list[str]:
+    """An ended job's telemetry as its history's own reader gives it back (archived segments, then the stream, which
+    may have aged out) holds every message the job really had, or names a gap where they are; and the final
+    segment's "nothing comes later" holds. The truth is the simulated stream as written, ages out notwithstanding."""
+    out = []
+    truth = run.store.rows(subjects.TELEMETRY)
+    for job_id in run.job_ids:
+        events = _job_events(control, job_id)
+        submitted = next((e for e in events if isinstance(e, JobSubmitted)), None)
+        records = [e for e in events if isinstance(e, HistoryArchived) and e.stream == subjects.TELEMETRY]
+        if submitted is None or not any(r.final for r in records):
+            continue
+        rows, gaps = await stream_rows(run.aged or run.store, run.objects, job_id, subjects.TELEMETRY, records,
+                                       submitted.occurred_at)
+        got = {r.seq for r in rows}
+        pattern = (segments.job_filter(job_id, subjects.TELEMETRY),)
+        mine = [s.seq for s in truth if subjects.matches_any(pattern, s.subject)]
+        final = max(r.last_seq for r in records if r.final)
+        late = [seq for seq in mine if seq > final]
+        lost = [seq for seq in mine if seq <= final and seq not in got
+                and not any((g.from_seq or 1) <= seq <= g.to_seq for g in gaps)]
+        if late:
+            out.append(f"{job_id}: {len(late)} telemetry messages came after its final segment (through {final}), "
+                       f"first at {late[0]}: its history drops them")
+        if lost:
+            out.append(f"{job_id}: {len(lost)} telemetry messages missing from its history with no gap said, "
+                       f"first at {lost[0]}")
     return out
 
 

@@ -17,19 +17,25 @@ from flightdeck.events.spec import JobSpec, PolicySpec, TrainSpec
 from flightdeck.events.store import MemoryStore
 from flightdeck.services.agent import core as agent_core
 from flightdeck.services.agent.spawner import START_FAILED_EXIT
+from flightdeck.services.archiver import core as archiver_core
+from flightdeck.services.archiver.service import archive
 from flightdeck.services.checkpoints import core as checkpoints_core
 from flightdeck.services.checkpoints.state import CommitArgs, DeleteArgs, ScrubArgs
 from flightdeck.services.core import Effect, Emit, Service
 from flightdeck.services.health.core import core_service as health_core
+from flightdeck.services.resharder.core import core_service as resharder_core
 from flightdeck.services.resources.core import core_service as resources_core
 from flightdeck.services.scheduler.core import core_service as scheduler_core
 from flightdeck.services.tools.explore.broker import SimBroker
+from flightdeck.services.tools.explore.objects import SimObjects
 from flightdeck.services.tools.explore.ranks import Clock, Ranks
 from flightdeck.services.tools.explore.shell import CRASH_POINTS, SimShell
 
 TURN_S = 0.1
 NODES = ("n0", "n1", "n2")
 PROCESSES = ("scheduler", "resources", "health", "checkpoints", *(f"agent-{node}" for node in NODES))
+SIDE_PROCESSES = ("resharder", "archiver")  # crashed by crash_side (PROCESSES as older seeds drew them)
+ARCHIVE_EVERY_S = 3.0  # a running job's telemetry is archived this often: a few segments before it ends
 SLOTS = 2
 FAULT_KINDS_V1 = ("crash", "lost_ack", "stale_restart", "broker_restart", "rank_crash", "rank_kill", "rank_term",
                   "rank_hang", "spike", "agent_vanish", "poison")  # a seed's schedule before "glitch" was drawn
@@ -43,7 +49,11 @@ FAULT_KINDS_V2 = (*FAULT_KINDS_V1, "glitch")
 # restore it is given from the store it rejects, though the store holds it intact (issue 51)
 # store_full: the object store refuses every write from then on (a full or read-only store): every commit fails
 FAULT_KINDS_V3 = (*FAULT_KINDS_V2, "agent_freeze", "store_blind")
-FAULT_KINDS = (*FAULT_KINDS_V3, "store_full")
+FAULT_KINDS_V4 = (*FAULT_KINDS_V3, "store_full")
+# crash_side: the resharder or the archiver crashes at one of the shell loop's crash points
+# age_out: the telemetry stream's oldest messages age out (its limits): what the archiver had not read is gone, and
+# a job's history must say where (HistoryArchived.lost_from..lost_to), never hold less without saying so
+FAULT_KINDS = (*FAULT_KINDS_V4, "crash_side", "age_out")
 POLICY = PolicySpec(heartbeat_interval_s=0.5, heartbeat_misses=4, hang_min_s=3.0, max_restarts=8, spike_warmup=8,
                     spike_window=12, rollback_steps_back=5, rollback_skip_batches=4, commit_wait_s=2.0,
                     max_skip_fraction=1.0,  # no operator answers a pause here: every spike rolls back
@@ -98,6 +108,10 @@ def plan(seed: int, *, num_faults: int | None = None, kinds: Sequence[str] = FAU
                 faults.append(Fault(at, kind, rng.choice(NODES)))
             case "agent_freeze":
                 faults.append(Fault(at, kind, rng.choice(NODES), f"{rng.uniform(1.0, 8.0):.1f}"))
+            case "crash_side":
+                faults.append(Fault(at, "crash", rng.choice(SIDE_PROCESSES), rng.choice(CRASH_POINTS)))
+            case "age_out":
+                faults.append(Fault(at, kind, detail=f"{rng.uniform(0.2, 0.9):.2f}"))
             case _:
                 faults.append(Fault(at, kind))
     faults.sort(key=lambda f: f.at)
@@ -119,6 +133,8 @@ class Run:
     ended_at: float
     shells: dict[str, SimShell] = field(default_factory=dict)
     poison_ids: set[str] = field(default_factory=set)
+    objects: SimObjects = field(default_factory=SimObjects)  # the archived segments
+    aged: MemoryStore | None = None  # the store as the streams' limits left it (age_out), for the history's readers
 
 
 class World:
@@ -142,7 +158,10 @@ class World:
         self.full = False  # the object store refuses every write
         self.job_ids: list[str] = []
         self.poison_ids: set[str] = set()
-        for build in (scheduler_core, resources_core, lambda: health_core(tick_s=0.5), self._checkpoints):
+        self.objects = SimObjects()
+        self.aged = self.store.view()  # the streams as their limits leave them: what the archiver reads (age_out)
+        for build in (scheduler_core, resources_core, lambda: health_core(tick_s=0.5), self._checkpoints,
+                      resharder_core, self._archiver):
             self._add(build)
         for node in NODES:
             self._add(lambda node=node: agent_core.core_service(node, {k: self._agent_effect(node, k)
@@ -163,6 +182,11 @@ class World:
             raise AssertionError("effects run through World._effect")
         kinds = (checkpoints_core.COMMIT, checkpoints_core.DELETE, checkpoints_core.SCRUB)
         return checkpoints_core.core_service({kind: never for kind in kinds})
+
+    def _archiver(self) -> Service[Any]:
+        async def never(args: Any) -> list[Emit]:
+            raise AssertionError("effects run through World._effect")
+        return archiver_core.core_service({archiver_core.ARCHIVE: never}, every_s=ARCHIVE_EVERY_S, tick_s=1.0)
 
     def _agent_effect(self, node: str, kind: str) -> Any:
         async def never(args: Any) -> list[Emit]:
@@ -185,6 +209,8 @@ class World:
             return [Emit(subjects.job(args.job_id, "CheckpointCommitted"), ev)]
         if isinstance(args, DeleteArgs):
             return []
+        if isinstance(args, archiver_core.Ask):  # the archiver's own code, on the simulated stores; no waiting for
+            return await archive(self.aged, self.objects, args, quiet_s=0.0, wait_max_s=0.0)  # quiet: SETTLE_S
         if isinstance(args, ScrubArgs):  # the simulated store holds every committed set as it was committed
             read = CheckpointScrubbed(job_id=args.job_id, checkpoint_id=args.checkpoint_id, step=args.step, bytes=1,
                                       seconds=0.0, claim_node=args.claim_node, claim_cause=args.claim_cause,
@@ -290,11 +316,14 @@ class World:
                 self.broker.flush()
             if elapsed > self.plan.faults_until and self._all_ended() and self._quiet():
                 break
-        return Run(self.plan, self.store, self.ranks, self.job_ids, self.clock() - start, self.shells, self.poison_ids)
+        return Run(self.plan, self.store, self.ranks, self.job_ids, self.clock() - start, self.shells, self.poison_ids,
+                   self.objects, self.aged)
 
     def _all_ended(self) -> bool:
-        scheduler = self.shells["scheduler"]
-        return scheduler.up and all(j in scheduler.folder.state.ended for j in self.job_ids)
+        """Every job ended, and its history archived whole (the archiver's final segments recorded)."""
+        scheduler, archiver = self.shells["scheduler"], self.shells["archiver"]
+        return scheduler.up and archiver.up and all(j in scheduler.folder.state.ended for j in self.job_ids) \
+            and all(j in archiver.folder.state.done for j in self.job_ids)
 
     def _quiet(self) -> bool:
         """Every live service has folded every input it reads."""
@@ -335,6 +364,9 @@ class World:
                 self.blind.add(f.target)
             case "store_full":
                 self.full = True
+            case "age_out":  # the oldest part of what the stream holds now
+                first, _, last = await self.aged.bounds(subjects.TELEMETRY)
+                self.aged.age_out(subjects.TELEMETRY, first + int((last - first) * float(f.detail)))
             case "agent_freeze" if f.target not in self.ranks.nodes_down and self.shells[f"agent-{f.target}"].up:
                 self.ranks.frozen.add(f.target)
                 self.thaw_at[f.target] = self.clock() + float(f.detail)
