@@ -30,6 +30,8 @@ def mismatch(subject: str, event: Event) -> str:
         ok = isinstance(event, NodeEvent) and event.node == parts[3] and name == parts[4]
     elif head == _CLOCK and n == 4:
         ok = isinstance(event, ClockTick | CoreConfigured) and event.service == parts[3]
+    elif head[:2] == _TEL and n == 5 and parts[2] == subjects.FLEET:  # subjects.fleet_telemetry
+        ok = isinstance(event, NodeEvent) and event.node == parts[3] and name == parts[4]
     elif head[:2] == _TEL and n == 5:
         ok = (isinstance(event, RankEvent) and event.job_id == parts[2] and str(event.rank) == parts[3]
               and name == parts[4])

@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 from flightdeck.events import subjects
-from flightdeck.events.authors import JOB_TYPES, NODE_TYPES, RANK_TELEMETRY, TELEMETRY_TYPES
+from flightdeck.events.authors import FLEET_TELEMETRY, JOB_TYPES, NODE_TYPES, RANK_TELEMETRY, TELEMETRY_TYPES
 from flightdeck.events.base import Event, JobEvent, NodeEvent, RankEvent
 from flightdeck.events.catalog import ALL_TYPES
 from flightdeck.events.clock import ClockTick, CoreConfigured, DeadLettered
@@ -63,6 +63,8 @@ def channel_of(t: type[Event]) -> tuple[str, str, dict[str, str]]:
             "job_id": "the job whose history it is in", "node": "the node whose agent records it"}
     if issubclass(t, JobEvent):
         return f"job.{name}", f"fd.ctl.job.{{job_id}}.{name}", {"job_id": "the job whose history it is in"}
+    if issubclass(t, NodeEvent) and any(name in types for types in FLEET_TELEMETRY.values()):
+        return f"fleet.{name}", f"fd.tel.{subjects.FLEET}.{{node}}.{name}", {"node": "the node whose agent sends it"}
     if issubclass(t, NodeEvent):
         return f"node.{name}", f"fd.ctl.node.{{node}}.{name}", {"node": "the node it is about"}
     if t in (ClockTick, CoreConfigured):
@@ -81,7 +83,7 @@ def authors_of(t: type[Event]) -> list[str]:
     if name in RANK_TELEMETRY:  # the ranks', published for them by their node agent
         return [RANKS, "agent"]
     tables = TELEMETRY_TYPES if issubclass(t, RankEvent) else NODE_TYPES if issubclass(t, NodeEvent) else JOB_TYPES
-    found = [role for role, types in tables.items() if name in types]
+    found = [role for role, types in (*tables.items(), *FLEET_TELEMETRY.items()) if name in types]
     return found or ([RANKS] if issubclass(t, RankEvent) else [])
 
 

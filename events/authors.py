@@ -38,3 +38,5 @@ RANK_TELEMETRY = ("StepCompleted", "Heartbeat", "RankFault", "FaultInjected", "R
 # Telemetry a producer other than the job's ranks publishes, for any job: a node agent relays its ranks'
 # heartbeats in one batch per node (events/heartbeats.py), and their own telemetry.
 TELEMETRY_TYPES: dict[str, tuple[str, ...]] = {"agent": ("RankHeartbeats", "ShardsUploaded", *RANK_TELEMETRY)}
+# A node agent's own telemetry, about no job (subjects.fleet_telemetry): its sign of life while it runs no ranks.
+FLEET_TELEMETRY: dict[str, tuple[str, ...]] = {"agent": ("AgentAlive",)}

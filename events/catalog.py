@@ -25,6 +25,7 @@ ALL_TYPES: tuple[type[Event], ...] = (
     # fleet
     fleet.NodeRegistered, fleet.NodeHeartbeat, fleet.SelfCheckPassed, fleet.SelfCheckFailed,
     fleet.NodeCordoned, fleet.NodeUncordoned, fleet.NodeLost,
+    fleet.AgentAlive,  # on telemetry: an idle agent's sign of life
     # training telemetry
     training.StepCompleted, training.Heartbeat, training.RankFault, training.FaultInjected,
     training.RolledBack, training.RankStarted, training.SpikeReplayed, training.SnapshotsOff, training.ModelRegistered,

@@ -26,6 +26,15 @@ class NodeHeartbeat(NodeEvent, frozen=True, kw_only=True):
     standbys: int = 0  # warm standby ranks ready to become a rank now (services/agent/standbys.py)
 
 
+class AgentAlive(NodeEvent, frozen=True, kw_only=True):
+    """A node agent's sign of life while it runs no ranks (while it does, its heartbeat batches are): every
+    `interval_s` on telemetry (fd.tel._fleet.<node>.AgentAlive, never the permanent control stream). The health
+    monitor declares the node lost when they stop (issue 51: an agent that died idle was found only when a job
+    granted to it waited out the start grace)."""
+
+    interval_s: float
+
+
 class SelfCheckPassed(NodeEvent, frozen=True, kw_only=True):
     seconds: float
     detail: str = ""

@@ -81,6 +81,14 @@ def telemetry(job_id: str, rank: int, type_name: str) -> str:
     return f"fd.tel.{token(job_id)}.{token(rank)}.{token(type_name)}"
 
 
+FLEET = "_fleet"  # the job token of a node's own telemetry: no job's id (theirs are <name>-<hex>) starts with "_"
+
+
+def fleet_telemetry(node_id: str, type_name: str) -> str:
+    """A node agent's own telemetry, about no job: fd.tel._fleet.<node>.<type>."""
+    return f"fd.tel.{FLEET}.{token(node_id)}.{token(type_name)}"
+
+
 def telemetry_of(job_id: str, type_name: str) -> str:
     """One event type from every rank of a job."""
     return f"fd.tel.{token(job_id)}.*.{token(type_name)}"

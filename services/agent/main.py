@@ -30,6 +30,7 @@ from flightdeck.events.store import EventStore
 from flightdeck.events.streams import BrokerRefused
 from flightdeck.services.agent import core as agentcore
 from flightdeck.services.agent import shmroots, snapshots
+from flightdeck.services.agent.alive import Alive, beat_interval
 from flightdeck.services.agent.beats import BeatRelay, new_address, store_publisher
 from flightdeck.services.agent.closing import close_within
 from flightdeck.services.agent.forkserver import ForkServer
@@ -237,6 +238,7 @@ async def run_agent(options: AgentOptions, stop_event: asyncio.Event | None = No
     root = Path.cwd() / data_dir  # absolute: ranks run with the repository as their working directory
     inv = await asyncio.to_thread(detect, device, slots)
     wanted = standby if standby is not None else standby_default()
+    idle_beat_s = beat_interval()
     # One more than the slots: a restart replaced at once (a lost node's first restart is granted before the node
     # is known lost) leaves a warm one for the next while the replacements still import torch.
     standbys = inv.slots + 1 if wanted is None else wanted
@@ -258,6 +260,7 @@ async def run_agent(options: AgentOptions, stop_event: asyncio.Event | None = No
     view: NodeView | None = None
     relay: BeatRelay | None = None
     links: RankLinks | None = None
+    alive: Alive | None = None
     try:
         async with open_store(objects or str(root / "objects")) as objs:
             beats = new_address(node) if heartbeats == "node" else ""  # the relay's socket, bound below
@@ -298,6 +301,8 @@ async def run_agent(options: AgentOptions, stop_event: asyncio.Event | None = No
             log.info("node registered", kind=inv.kind, slots=inv.slots, selfcheck_ok=verdict.ok,
                      selfcheck_s=round(verdict.seconds, 2), detail=verdict.detail, orphans_recorded=lost,
                      standbys=pool.size)
+            alive = Alive(store, node, producer, busy=lambda: len(spawner.pids), interval_s=idle_beat_s)
+            alive.start()  # cordoned or not: its silence would tell the node is gone
             if not verdict.ok:  # cordoned: it gets no ranks
                 await pool.close()
                 spawner.standbys = None
@@ -332,6 +337,8 @@ async def run_agent(options: AgentOptions, stop_event: asyncio.Event | None = No
             await close_within("fork server", forks.close())
         if view is not None:
             await close_within("node view", view.close())
+        if alive is not None:
+            await close_within("sign of life", alive.close())
         if relay is not None:
             await close_within("heartbeat relay", relay.close())
         if links is not None:  # what the ranks handed over reaches the broker before the agent goes

@@ -61,6 +61,19 @@ def _quiet_for(batches: dict[str, tuple[float, float]], suspects: dict[str, tupl
     return out
 
 
+def idle_silent(batches: dict[str, tuple[float, float]], idle: set[str], reported: set[str], deadline_s: float,
+                now: float, recovered_at: float) -> list[str]:
+    """Nodes whose agent, running no ranks, has sent no sign of life (AgentAlive) for `deadline_s`, counted from a
+    broker outage's end at the earliest; not those already declared lost and not heard from since."""
+    quiet = {n: (0.0, 0.0) for n in idle - reported}
+    return _quiet_for(batches, quiet, deadline_s, now, recovered_at)
+
+
+def idle_node(node: str, last_at: float, deadline_s: float) -> Emit:
+    reason = f"its agent, running no ranks, has sent no sign of life for {deadline_s:g}s (last at {last_at:.3f})"
+    return Emit(subjects.node(node, "NodeLost"), NodeLost(node=node, reason=reason))
+
+
 def silent_node(node: str, job_id: str, last_at: float, policy: PolicySpec) -> Emit:
     reason = (f"its agent, which ran ranks of {job_id}, has sent no heartbeat batch for {lost_deadline(policy):g}s "
               f"(last at {last_at:.3f})")

@@ -20,6 +20,7 @@ from flightdeck.events.findings import (
     StragglerDetected,
     spike_onset,
 )
+from flightdeck.events.fleet import AgentAlive
 from flightdeck.events.heartbeats import RankHeartbeats
 from flightdeck.events.job import (
     AllocationGranted,
@@ -39,6 +40,7 @@ from flightdeck.services.core import Emit, Output, Service
 from flightdeck.services.health import agents
 from flightdeck.services.health.detectors import EVIDENCE_MAX, Hung, Lost, RankWatch
 from flightdeck.services.health.state import (
+    IDLE_LOST,
     INITIAL,
     STOPPING,
     STRANDED,
@@ -59,6 +61,7 @@ CONTROL_TYPES = (
 TELEMETRY_TYPES = ("Heartbeat", "StepCompleted", "RankFault", "RankStarted", "RankHeartbeats", "SpikeReplayed",
                    "RolledBack")
 MAX_FINDINGS_PER_TICK = 8  # lost/hung findings per job per tick
+IDLE_LOST_S = 30.0  # an idle agent beats every agent IDLE_BEAT_S (5 s): six missed
 
 
 def _emit(out: list[Output], finding: Finding) -> None:
@@ -202,6 +205,8 @@ def _beats(state: State, ev: RankHeartbeats, out: list[Output]) -> None:
     arms the hang clock and feeds the straggler watch as a StepCompleted would."""
     if ev.node and ev.occurred_at >= state.batches.get(ev.node, (0.0, 0.0))[0]:
         state.batches[ev.node] = (ev.occurred_at, state.now)
+        state.idle.discard(ev.node)  # it runs ranks: their batches tell its silence, per job
+        state.idle_lost.discard(ev.node)
     job = state.jobs.get(ev.job_id)
     if job is None:
         return
@@ -267,10 +272,24 @@ def _latest(starts: list[tuple[str, float, float]]) -> dict[str, tuple[float, fl
     return out
 
 
+def _alive(state: State, ev: AgentAlive) -> None:
+    """An idle agent's sign of life: the node is watched for silence while its newest sign is one of these."""
+    if state.idle_lost_s > 0 and ev.occurred_at >= state.batches.get(ev.node, (0.0, 0.0))[0]:
+        state.batches[ev.node] = (ev.occurred_at, state.now)
+        state.idle.add(ev.node)
+        state.idle_lost.discard(ev.node)
+
+
 def _tick(state: State, tick: ClockTick, out: list[Output]) -> None:
     state.now = now = max(state.now, tick.now)
     state.recovered_at = max(state.recovered_at, tick.recovered_at)
     lost_now: set[str] = set()
+    if state.idle_lost_s > 0:  # an agent that dies idle: nothing else tells until a job waits on it (issue 51)
+        for node in agents.idle_silent(state.batches, state.idle, state.idle_lost, state.idle_lost_s, now,
+                                       state.recovered_at):
+            state.idle_lost.add(node)
+            lost_now.add(node)
+            out.append(agents.idle_node(node, state.batches[node][0], state.idle_lost_s))
     for job in state.jobs.values():
         # A node whose agent fell silent is lost at the lost deadline: its ranks of this attempt, or of a replaced
         # one that it never recorded as exited, died with it. First, so the recovery never places ranks there.
@@ -343,12 +362,15 @@ def transition(state: State, ev: Event) -> tuple[State, list[Output]]:
         _telemetry(state, ev, out)
     elif isinstance(ev, RankHeartbeats):
         _beats(state, ev, out)
+    elif isinstance(ev, AgentAlive):
+        _alive(state, ev)
     elif isinstance(ev, ClockTick):  # the fold hands a service only its own ticks
         _tick(state, ev, out)
     elif isinstance(ev, CoreConfigured):
         if ev.service == NAME:
             state.watch_stopping = ev.settings.get(STOPPING) == "watched"
             state.stranded_wait = ev.settings.get(STRANDED) == "waits"
+            state.idle_lost_s = float(ev.settings.get(IDLE_LOST) or 0.0)
     else:
         _control(state, ev, out)
     return state, out
@@ -358,7 +380,15 @@ def wants_tick(state: State, now: float) -> bool:
     """Telemetry is folded only at ticks, so tick while some job has ranks to watch, or agents that still owe
     the exits of ranks being stopped (their silence is a lost node)."""
     return any((not job.quiet and any(r.live or (r.grant_id and not r.gone) for r in job.ranks.values()))
-               or bool(job.unrecorded) or _owing(state, job) for job in state.jobs.values())
+               or bool(job.unrecorded) or _owing(state, job) for job in state.jobs.values()) or _idle_due(state, now)
+
+
+def _idle_due(state: State, now: float) -> bool:
+    """Idle agents are watched through ticks: the AgentAlive beats are telemetry, folded at ticks. Once a deadline
+    since the last tick, and once an idle agent's silence as folded reaches it (a tick folds what it sent since, or
+    finds it lost): an idle fleet ticks about once a deadline, not once a `tick_s`."""
+    return state.idle_lost_s > 0 and (now - state.now >= state.idle_lost_s or bool(agents.idle_silent(
+        state.batches, state.idle, state.idle_lost, state.idle_lost_s, now, state.recovered_at)))
 
 
 def _owing(state: State, job: JobWatch) -> bool:
@@ -367,17 +397,17 @@ def _owing(state: State, job: JobWatch) -> bool:
                                         and (job.attempt, r.node) not in job.silent for r in job.ranks.values())
 
 
-def core_service(*, tick_s: float = 1.0) -> Service[State]:
+def core_service(*, tick_s: float = 1.0, idle_lost_s: float = IDLE_LOST_S) -> Service[State]:
     return Service(
         name=NAME,
         initial=INITIAL,
         transition=transition,
         control_subjects=subjects.job_types(*CONTROL_TYPES),
-        telemetry_subjects=tuple(f"fd.tel.*.*.{t}" for t in TELEMETRY_TYPES),
+        telemetry_subjects=(*(f"fd.tel.*.*.{t}" for t in TELEMETRY_TYPES), f"fd.tel.{subjects.FLEET}.*.AgentAlive"),
         tick_s=tick_s,
         wants_tick=wants_tick,
         copy=snapshot,
         # tick_s: when ticks are taken (what they decide comes from the recorded ticks)
-        settings={"tick_s": tick_s, STOPPING: "watched", STRANDED: "waits"},
-        unrecorded={"tick_s": tick_s, STOPPING: "unwatched", STRANDED: "judged"},
+        settings={"tick_s": tick_s, STOPPING: "watched", STRANDED: "waits", IDLE_LOST: idle_lost_s},
+        unrecorded={"tick_s": tick_s, STOPPING: "unwatched", STRANDED: "judged", IDLE_LOST: 0.0},
     )

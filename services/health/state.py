@@ -74,10 +74,16 @@ class State:
     # Whether a hang waits while a node of its attempt has gone quiet (its loss, the likelier fault, told first).
     # Histories recorded before (their CoreConfigured lacks STRANDED) replay without it.
     stranded_wait: bool = True
+    # An idle agent silent this long is lost (agents.idle_silent); 0: idle agents unwatched, as histories recorded
+    # before (their CoreConfigured lacks IDLE_LOST).
+    idle_lost_s: float = 0.0
+    idle: set[str] = field(default_factory=set)  # nodes whose newest sign of life is an AgentAlive (it runs no ranks)
+    idle_lost: set[str] = field(default_factory=set)  # ... declared lost, and not heard from since
 
 
 STOPPING = "stopping"  # the setting that says so: "watched"
 STRANDED = "stranded"  # "waits": a hang waits for a quiet node's fate
+IDLE_LOST = "idle_lost_s"  # an idle agent silent this long is lost
 INITIAL = State(sealed=True)
 
 
@@ -85,7 +91,8 @@ def snapshot(state: State) -> State:
     """A sealed copy of `state`: later folds of the original do not change it (nor it them)."""
     return State(jobs={job_id: job.clone() for job_id, job in state.jobs.items()}, ended=set(state.ended),
                  now=state.now, recovered_at=state.recovered_at, sealed=True, batches=dict(state.batches),
-                 watch_stopping=state.watch_stopping, stranded_wait=state.stranded_wait)
+                 watch_stopping=state.watch_stopping, stranded_wait=state.stranded_wait,
+                 idle_lost_s=state.idle_lost_s, idle=set(state.idle), idle_lost=set(state.idle_lost))
 
 
 

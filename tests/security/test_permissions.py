@@ -34,7 +34,7 @@ HISTORY = ROOT / "tests" / "fixtures" / "histories" / "spike.fdh.jsonl"
 # RankOutput: on FD_LOGS; RankHeartbeats, ShardsUploaded: from agents
 TELEMETRY_TYPES = {"StepCompleted", "Heartbeat", "RankFault", "FaultInjected", "RolledBack", "RankStarted",
                    "ModelRegistered", "CheckpointStaged", "CheckpointRefused", "RankHeartbeats", "ShardsUploaded",
-                   "SpikeReplayed", "RankOutput", "SnapshotsOff"}
+                   "SpikeReplayed", "RankOutput", "SnapshotsOff", "AgentAlive"}
 
 
 def producer_perms(producer: str) -> permissions.Permissions:
@@ -144,6 +144,16 @@ def test_an_agent_publishes_its_ranks_telemetry_and_heartbeat_batches_and_no_oth
             assert agent.may_publish(subjects.telemetry("a-000001", 0, relayed)), relayed
         for other in ("SpikeDiagnosed", "LossSpikeDetected", "JobCompleted", "RollbackRequested"):
             assert not agent.may_publish(subjects.telemetry("a-000001", 0, other)), other
+
+
+def test_an_agent_says_it_is_alive_for_its_own_node_only() -> None:
+    n1 = permissions.agent("n1")
+    assert n1.may_publish(subjects.fleet_telemetry("n1", "AgentAlive"))
+    assert not n1.may_publish(subjects.fleet_telemetry("n2", "AgentAlive"))  # its silence is n2's to keep
+    assert not n1.may_publish(subjects.fleet_telemetry("n1", "NodeLost"))
+    assert permissions.agent(None).may_publish(subjects.fleet_telemetry("n7", "AgentAlive"))
+    for service in subjects.SERVICES:
+        assert not permissions.service(service).may_publish(subjects.fleet_telemetry("n1", "AgentAlive")), service
 
 
 def test_generated_passwords_are_256_random_bits_hashed_at_the_cheapest_bcrypt_cost(tmp_path: Path) -> None:

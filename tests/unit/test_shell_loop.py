@@ -73,3 +73,4 @@ async def test_an_input_never_folded_is_recorded_as_given_up_and_replays_skip_it
                   and s.event.job_id == "j1-000000")
     await shell.loop.given_up(second, 5)
     assert await deadletter.given_up(store, "toy") == {second.seq}
+

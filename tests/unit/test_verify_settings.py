@@ -39,7 +39,7 @@ async def test_an_old_history_verifies_with_the_defaults_whatever_the_environmen
         "(scrub_every_s=86400.0, scrub_mb_s=64.0, shards_from=staging, announce_pending=no, settle_on_exits=no, "
         "supersede=no, retention=commits, claims=trust, failing_after=0, fence=none)",
         "health: no settings recorded in this history: replayed with the defaults (tick_s=1.0, stopping=unwatched, "
-        "stranded=judged)",
+        "stranded=judged, idle_lost_s=0.0)",
     ]
     assert [s.settings for s in cores()][:2] == [{"stop_timeout_s": 120.0, "landing_timeout_s": 120.0,
                                                  "memory_wait": "promised", "phases": "yes",

@@ -11,7 +11,7 @@ A job's ranks have no user at all: their node agent is their only link (events/r
 from dataclasses import dataclass
 
 from flightdeck.events import subjects
-from flightdeck.events.authors import JOB_TYPES, NODE_TYPES, TELEMETRY_TYPES
+from flightdeck.events.authors import FLEET_TELEMETRY, JOB_TYPES, NODE_TYPES, TELEMETRY_TYPES
 from flightdeck.events.subjects import CONTROL
 
 # the scheduler's alone; a command it shares with a person (a pause) is not a decision only it may publish
@@ -99,6 +99,8 @@ def _producer(user: str, role: str, name: str, node_token: str, nodes: tuple[str
                *(f"fd.ctl.job.*.node.{node_token}.{t}" for t in jobs if t in subjects.NODE_RECORDS),
                *(f"fd.ctl.node.{node_token}.{t}" for t in NODE_TYPES.get(role, ())),
                *(f"fd.tel.*.*.{t}" for t in TELEMETRY_TYPES.get(role, ())),
+               *(subjects.fleet_telemetry(node_token, t) if node_token != "*" else f"fd.tel.{subjects.FLEET}.*.{t}"
+                 for t in FLEET_TELEMETRY.get(role, ())),
                *(["fd.log.*.*.*"] if role == AGENT else []),  # what the ranks it runs print (events/logs.py)
                subjects.clock(name) if not wildcard_name else "fd.ctl.clock.*",
                *([f"fd.state.{subjects.token(name)}.>"] if role in subjects.SERVICES else []),  # its own snapshots

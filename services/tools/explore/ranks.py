@@ -24,6 +24,7 @@ from flightdeck.events.commands import (
     RollbackRequested,
     StopRequested,
 )
+from flightdeck.events.fleet import AgentAlive
 from flightdeck.events.heartbeats import RankBeat, RankHeartbeats
 from flightdeck.events.history import append_to_job
 from flightdeck.events.job import Persisted, RankExit, WorkersExited, WorkersStarted, exits_record
@@ -265,7 +266,13 @@ class Ranks:
     # -- the ranks --------------------------------------------------------------------------------------------
 
     async def beats(self, node: str, interval_s: float) -> None:
+        """Its ranks' heartbeats, one batch per attempt; an agent that runs none says it is alive (agent/alive.py)."""
         now = self.now()
+        if not any(a.nodes.get(r) == node for a in self.attempts.values() for r in a.alive):
+            ev = AgentAlive(node=node, interval_s=interval_s, event_id=self._id("alive"), occurred_at=now,
+                            producer=f"agent-{node}")
+            await self.store.append(subjects.fleet_telemetry(node, "AgentAlive"), ev, msg_id=ev.event_id)
+            return
         for a in self.attempts.values():
             mine = sorted(r for r in a.alive if a.nodes.get(r) == node)
             if mine:

@@ -35,6 +35,7 @@ TURN_S = 0.1
 NODES = ("n0", "n1", "n2")
 PROCESSES = ("scheduler", "resources", "health", "checkpoints", *(f"agent-{node}" for node in NODES))
 SIDE_PROCESSES = ("resharder", "archiver")  # crashed by crash_side (PROCESSES as older seeds drew them)
+IDLE_LOST_S = 3.0  # an idle agent beats every heartbeat interval (0.5 s): six missed, as live (5 s, 30 s)
 ARCHIVE_EVERY_S = 3.0  # a running job's telemetry is archived this often: a few segments before it ends
 SLOTS = 2
 FAULT_KINDS_V1 = ("crash", "lost_ack", "stale_restart", "broker_restart", "rank_crash", "rank_kill", "rank_term",
@@ -160,8 +161,8 @@ class World:
         self.poison_ids: set[str] = set()
         self.objects = SimObjects()
         self.aged = self.store.view()  # the streams as their limits leave them: what the archiver reads (age_out)
-        for build in (scheduler_core, resources_core, lambda: health_core(tick_s=0.5), self._checkpoints,
-                      resharder_core, self._archiver):
+        for build in (scheduler_core, resources_core, lambda: health_core(tick_s=0.5, idle_lost_s=IDLE_LOST_S),
+                      self._checkpoints, resharder_core, self._archiver):
             self._add(build)
         for node in NODES:
             self._add(lambda node=node: agent_core.core_service(node, {k: self._agent_effect(node, k)

@@ -1,0 +1,64 @@
+"""The agent's sign of life while it runs no ranks: an AgentAlive every IDLE_BEAT_S on telemetry (while it runs
+ranks, their heartbeat batches are its sign of life). The health monitor declares the node lost when they stop, so
+an agent that dies idle is found within its deadline, not when a job granted to it waits out the start grace
+(issue 51: 120 s in `placing`, then moved and charged a restart)."""
+
+import asyncio
+import contextlib
+import os
+import time
+import uuid
+from collections.abc import Callable
+
+import structlog
+
+from flightdeck.events import subjects
+from flightdeck.events.fleet import AgentAlive
+from flightdeck.events.store import EventStore
+from flightdeck.services.agent.inventory import AgentError
+from flightdeck.services.shell.connection import TRANSIENT
+
+log = structlog.get_logger("flightdeck.agent")
+IDLE_BEAT_ENV = "FLIGHTDECK_IDLE_BEAT_S"
+IDLE_BEAT_S = 5.0  # the health monitor's idle deadline is six of these (services/health/core.IDLE_LOST_S)
+
+
+def beat_interval() -> float:
+    raw = os.environ.get(IDLE_BEAT_ENV, "").strip()
+    try:
+        value = float(raw) if raw else IDLE_BEAT_S
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 60:
+        raise AgentError(f"${IDLE_BEAT_ENV}={raw!r}: give the seconds between an idle agent's beats (0 to 60)")
+    return value
+
+
+class Alive:
+    def __init__(self, store: EventStore, node: str, producer: str, busy: Callable[[], int],
+                 interval_s: float = IDLE_BEAT_S) -> None:
+        self.store, self.node, self.producer, self.busy, self.interval_s = store, node, producer, busy, interval_s
+        self.task: asyncio.Task[None] | None = None
+        self.sent = 0
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self._beat())
+
+    async def close(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.task
+
+    async def _beat(self) -> None:
+        subject = subjects.fleet_telemetry(self.node, "AgentAlive")
+        while True:
+            if not self.busy():
+                ev = AgentAlive(node=self.node, interval_s=self.interval_s, occurred_at=time.time(),
+                                producer=self.producer, event_id=f"{self.producer}:alive:{uuid.uuid4().hex[:12]}")
+                try:
+                    await self.store.append(subject, ev, msg_id=ev.event_id)
+                    self.sent += 1
+                except TRANSIENT as exc:  # the broker is away: the monitor counts silence from its return
+                    log.warning("sign of life not sent; the next one follows", error=repr(exc))
+            await asyncio.sleep(self.interval_s)
