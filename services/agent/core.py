@@ -112,6 +112,7 @@ class JobView(msgspec.Struct, frozen=True, kw_only=True):
     latest: int = -1  # newest attempt granted or released: a grant for it or an older one is stale or repeated
     forks: tuple[lineage.Fork, ...] = ()  # timelines the job's rollbacks started (for a grant that chose nothing)
     plan: ParallelPlan | None = None  # the newest ReshardPlanned's
+    ran: bool = False  # this node was granted ranks of it: they may have left snapshots in its memory
 
 
 class LiveRank(msgspec.Struct, frozen=True, kw_only=True):
@@ -179,7 +180,8 @@ def _granted(state: State, ev: AllocationGranted) -> Transition:
         job_id=ev.job_id, attempt=ev.attempt, node=state.node, ranks=list(mine), world_size=len(ev.assignments),
         master_addr=ev.master_addr, master_port=ev.master_port, spec=view.spec, restore=restore,
         grant_id=ev.event_id, skips=skips, plan=view.plan, snapshots_off=ev.snapshots_off.get(state.node, ""))))
-    return _put(state, ev.job_id, msgspec.structs.replace(view, held=Held(attempt=ev.attempt, ranks=mine)), *outs)
+    return _put(state, ev.job_id, msgspec.structs.replace(view, held=Held(attempt=ev.attempt, ranks=mine), ran=True),
+                *outs)
 
 
 def _restore_of(view: JobView, ev: AllocationGranted) -> tuple[Restore | None, list[tuple[int, int]]]:
@@ -217,7 +219,9 @@ def _ended(state: State, job_id: str, why: str) -> Transition:
     outs: list[Output] = []
     if view.held is not None:
         outs.append(Effect(STOP, StopArgs(job_id=job_id, attempt=view.held.attempt, reason=why)))
-    if view.checkpoints:
+    # its cached checkpoints, and the snapshots its ranks left in this node's memory (shared memory is RAM: a job
+    # that failed in 1 s with nothing committed kept its slots, issue 51)
+    if view.checkpoints or view.ran:
         outs.append(Effect(EVICT, EvictArgs(job_id=job_id, checkpoint_ids=[])))
     jobs = {j: v for j, v in state.jobs.items() if j != job_id}
     return msgspec.structs.replace(state, jobs=jobs, ended=state.ended | {job_id}), tuple(outs)

@@ -17,6 +17,7 @@ from flightdeck.events.job import (
     AllocationReleased,
     JobCancelled,
     JobCompleted,
+    JobFailed,
     JobSubmitted,
     RestorePoint,
     SlotRef,
@@ -215,6 +216,16 @@ def test_a_job_that_ends_is_stopped_evicted_and_forgotten(end: Event) -> None:
     assert "j" not in state.jobs and "j" in state.ended
     _, later = run([submitted(), grant(1)], state)
     assert later == []
+
+
+@pytest.mark.parametrize("end", [JobFailed(job_id="j", reason="rank 0 crashed"), JobCompleted(job_id="j", steps=20)])
+def test_a_job_that_ran_here_frees_its_snapshots_however_it_ends_with_or_without_a_checkpoint(end: Event) -> None:
+    """Issue 51: a job that failed in 1 s, nothing committed, kept its ranks' snapshot slots in shared memory."""
+    _, effects = run([submitted(), grant(0), end])
+    assert kinds(effects) == [SPAWN, STOP, EVICT]
+    assert effects[2].args == EvictArgs(job_id="j", checkpoint_ids=[])
+    _, elsewhere = run([submitted(), grant(0, nodes=("b", "b", "b")), end])  # none of its ranks ran here
+    assert elsewhere == []
 
 
 def test_live_ranks_follow_this_node_s_starts_and_exits() -> None:
