@@ -20,10 +20,13 @@ class NodeHeartbeat(NodeEvent, frozen=True, kw_only=True):
     """What an agent holds ready: its free slots and warm standby ranks; emitted when they change (a standby
     warmed, taken or lost), never at a fixed rate."""
 
-    SCHEMA = 2  # 2 added `standbys`
+    SCHEMA = 3  # 2 added `standbys`, 3 `snapshot_held`
 
     free_slots: int
     standbys: int = 0  # warm standby ranks ready to become a rank now (services/agent/standbys.py)
+    # Bytes its ranks' snapshots hold in its memory (events/snapshot.py; shared memory is RAM), to within 1/16th;
+    # -1: not said (an older agent, or snapshots off)
+    snapshot_held: int = -1
 
 
 class AgentAlive(NodeEvent, frozen=True, kw_only=True):

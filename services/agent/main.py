@@ -310,7 +310,7 @@ async def run_agent(options: AgentOptions, stop_event: asyncio.Event | None = No
                     await forks.close()
             else:  # the fleet sees its free slots and warm standbys (the dashboard's fleet view)
                 view = NodeView(store, node, producer, inv.slots, busy=lambda: len(spawner.pids),
-                                standbys=lambda: pool.ready if pool is not None else 0)
+                                standbys=lambda: pool.ready if pool is not None else 0, snapshots=paths.snapshots)
                 pool.on_change = view.changed
                 view.start()
             shell_stop = asyncio.Event()

@@ -22,7 +22,7 @@ from flightdeck.events import subjects
 from flightdeck.events.base import JobEvent
 from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointStaged
 from flightdeck.events.clock import ClockTick, DeadLettered
-from flightdeck.events.fleet import NodeRegistered
+from flightdeck.events.fleet import NodeHeartbeat, NodeRegistered
 from flightdeck.events.jetstream import JetStreamStore
 from flightdeck.events.job import JobSubmitted
 from flightdeck.events.store import Stored
@@ -165,6 +165,9 @@ async def test_every_figure_is_what_the_recorded_history_says(ui: Ui) -> None:
     (node,) = {e.node: e for e in control if isinstance(e, NodeRegistered)}.values()
     assert value("flightdeck_node_slots", node=node.node, kind=node.kind) == node.slots
     assert value("flightdeck_node_up", node=node.node) == 1.0
+    said = [e for e in control if isinstance(e, NodeHeartbeat) and e.node == node.node]
+    if said and said[-1].snapshot_held >= 0:  # what its ranks' snapshots hold in its memory, as its agent last said
+        assert value("flightdeck_node_snapshot_bytes", node=node.node) == said[-1].snapshot_held
     assert value("flightdeck_broker_up") == 1.0 and await healthz(ui.url) == 200
 
     # The dashboard's push for the job: the same incidents, at postmortem's times.

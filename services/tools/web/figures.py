@@ -16,7 +16,7 @@ from flightdeck.events.admission import Admission
 from flightdeck.events.base import JobEvent, NodeEvent
 from flightdeck.events.checkpoint import CheckpointStaged, ShardsUploaded
 from flightdeck.events.clock import DeadLettered
-from flightdeck.events.fleet import NodeCordoned, NodeHeartbeat, NodeLost, NodeRegistered, NodeUncordoned
+from flightdeck.events.fleet import AgentAlive, NodeCordoned, NodeHeartbeat, NodeLost, NodeRegistered, NodeUncordoned
 from flightdeck.events.heartbeats import RankHeartbeats
 from flightdeck.events.job import JobSubmitted, SlotRef
 from flightdeck.events.logs import RankOutput
@@ -141,6 +141,7 @@ class NodeFigures:
     cordoned: bool = False
     free_slots: int | None = None  # as its agent last said (with `standbys`), when it runs a standby pool
     standbys: int | None = None  # warm standby ranks ready
+    snapshot_held: int | None = None  # bytes its ranks' snapshots hold in its memory, as its agent last said
     seen_at: float = 0.0  # its agent's newest sign of life (registration, heartbeat, a batch of its ranks' beats)
 
 
@@ -183,6 +184,8 @@ class Figures:
             self._telemetry(job, ev)
             if isinstance(ev, RankHeartbeats) and ev.node in self.nodes:
                 self.nodes[ev.node].seen_at = max(self.nodes[ev.node].seen_at, ev.occurred_at)
+        elif stored.stream == subjects.TELEMETRY and isinstance(ev, AgentAlive) and ev.node in self.nodes:
+            self.nodes[ev.node].seen_at = max(self.nodes[ev.node].seen_at, ev.occurred_at)  # an idle agent's
         elif stored.stream == subjects.LOGS and isinstance(ev, RankOutput) and ev.job_id in self.jobs:
             self.jobs[ev.job_id].logs.extend((ev.attempt, ev.rank, line) for line in ev.lines)
 
@@ -205,9 +208,10 @@ class Figures:
         match ev:
             case NodeRegistered(kind=kind, slots=slots, spare=spare):
                 node.kind, node.slots, node.spare, node.up = kind, slots, spare, True
-                node.free_slots = node.standbys = None
-            case NodeHeartbeat(free_slots=free, standbys=standbys):
+                node.free_slots = node.standbys = node.snapshot_held = None
+            case NodeHeartbeat(free_slots=free, standbys=standbys, snapshot_held=held):
                 node.free_slots, node.standbys = free, standbys
+                node.snapshot_held = held if held >= 0 else None
             case NodeLost():
                 node.up = False
             case NodeCordoned():

@@ -181,13 +181,18 @@ class FiguresCollector(Collector):
         cordoned = GaugeMetricFamily("flightdeck_node_cordoned", "1 while no new ranks go there", labels=["node"])
         standbys = GaugeMetricFamily("flightdeck_node_standbys", "warm standby ranks ready, as its agent last said",
                                      labels=["node"])
+        held = GaugeMetricFamily("flightdeck_node_snapshot_bytes",
+                                 "bytes its ranks' snapshots hold in its memory (RAM), as its agent last said",
+                                 labels=["node"])
         for name, n in sorted(f.nodes.items()):
             slots.add_metric([name, n.kind], float(n.slots))
             if n.standbys is not None:
                 standbys.add_metric([name], float(n.standbys))
+            if n.snapshot_held is not None:
+                held.add_metric([name], float(n.snapshot_held))
             up.add_metric([name], 1.0 if n.up else 0.0)
             cordoned.add_metric([name], 1.0 if n.cordoned else 0.0)
-        yield from (slots, up, cordoned, standbys)
+        yield from (slots, up, cordoned, standbys, held)
 
 
 def exposition(figures: Figures, live: Live, now: float | None = None) -> bytes:

@@ -108,7 +108,7 @@ def snapshot(figures: Figures, live: Live, job_id: str | None, now: float, *, co
     jobs = list(figures.jobs.values())[-JOBS_SHOWN:][::-1]  # newest first
     where = running_where(figures)
     fleet = [{"node": name, "kind": n.kind, "slots": n.slots, "free": n.free_slots, "standbys": n.standbys,
-              "spare": n.spare, "up": n.up,
+              "snapshot_bytes": n.snapshot_held, "spare": n.spare, "up": n.up,
               "cordoned": n.cordoned, "seen_s_ago": max(now - n.seen_at, 0.0) if n.seen_at else None,
               "used": sum(len(ranks) for _, ranks in where.get(name, [])),
               "jobs": [{"job": job, "ranks": ranks} for job, ranks in where.get(name, [])]}

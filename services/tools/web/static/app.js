@@ -94,6 +94,7 @@ function fleet(list) {
     const state = !n.up ? "lost" : n.cordoned ? "cordoned" : n.spare ? "spare" : "up";
     tr.dataset.node = n.node;
     cells(tr, [n.node, n.kind, n.slots, n.used, n.free === null ? "—" : n.free, n.standbys === null ? "—" : n.standbys,
+      n.snapshot_bytes === null ? "—" : bytes(n.snapshot_bytes),
       n.jobs.map((j) => `${j.job} (ranks ${j.ranks.join(", ")})`).join("; ") || "—", state,
       n.seen_s_ago === null ? "—" : `${seconds(n.seen_s_ago)} ago`]);
   });
