@@ -16,6 +16,7 @@ import structlog
 
 log = structlog.get_logger("flightdeck.agent.snapshots")
 
+SHM = Path("/dev/shm")  # shared memory (tmpfs), where a machine has it
 OWNER = ".owner"  # in each root: {"pid": ..., "data_dir": ...} of the agent that uses it
 PREFIX = "flightdeck-"
 
@@ -82,3 +83,22 @@ def reclaim(own: Path) -> list[tuple[Path, int, str]]:
         log.info("reclaimed the snapshot root of a dead agent", root=str(root), bytes=size, why=why)
         freed.append((root, size, why))
     return freed
+
+
+def left_by(data_dir: Path, shm: Path) -> list[tuple[Path, int, list[str]]]:
+    """The roots under `shm` whose agent's data dir is `data_dir` or inside it, with the bytes they hold and the
+    jobs they hold snapshots of: what `flightdeck down` leaves in memory for the next `up` to persist."""
+    out = []
+    base = data_dir.resolve()
+    for root in sorted(shm.glob(f"{PREFIX}*")) if shm.is_dir() else []:
+        try:
+            owner = Path(str(json.loads((root / OWNER).read_text())["data_dir"]))
+            if owner != base and base not in owner.parents:
+                continue
+            jobs = sorted(p.name for p in root.iterdir() if p.is_dir())
+            size = _size(root)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if jobs:
+            out.append((root, size, jobs))
+    return out

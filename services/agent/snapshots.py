@@ -24,6 +24,7 @@ from flightdeck.events.job import Persisted
 from flightdeck.events.plan import ParallelPlan
 from flightdeck.events.store import EventStore
 from flightdeck.events.training import RankStarted, RolledBack, StepCompleted
+from flightdeck.services.agent import shmroots
 from flightdeck.services.agent.core import SpawnArgs
 from flightdeck.services.agent.rankproc import retrying
 from flightdeck.services.shell.objects import manifest
@@ -31,7 +32,7 @@ from flightdeck.services.shell.objects.store import ObjectStore
 
 log = structlog.get_logger("flightdeck.agent.snapshots")
 
-SHM = Path("/dev/shm")
+SHM = shmroots.SHM
 
 
 def default_root(agent_root: Path, node: str) -> Path:

@@ -58,3 +58,20 @@ def test_nothing_is_reclaimed_beside_a_root_outside_shared_memory(tmp_path: Path
     shmroots.claim(own, tmp_path / "data")
     stray = root(tmp_path / "data", "n1-x", pid=dead_pid(), data_dir=tmp_path / "removed")
     assert shmroots.reclaim(own) == [] and stray.exists()
+
+
+def test_down_says_what_its_agents_left_in_shared_memory_and_nothing_of_other_platforms(tmp_path: Path) -> None:
+    """`flightdeck down` stops the agents of one data dir; the snapshots of its jobs still live stay for the next
+    `up` to persist, and down says so, with the bytes, the jobs and how to free them now."""
+    from flightdeck.services.tools.console.down import left_in_memory
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    up = tmp_path / "platform"
+    mine = root(shm, "n1-mine", pid=dead_pid(), data_dir=up / "agent-n1", payload=50_000)
+    root(shm, "n1-other", pid=dead_pid(), data_dir=tmp_path / "elsewhere", payload=50_000)
+    root(shm, "n2-empty", pid=dead_pid(), data_dir=up / "agent-n2")
+    (said,) = left_in_memory(up, shm)
+    assert "of 1 live job(s) (job-000001)" in said and str(mine) in said and f"rm -rf {mine}" in said, said
+    assert "MiB of snapshots" in said
+    assert left_in_memory(tmp_path / "nothing-here", shm) == []

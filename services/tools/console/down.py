@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from flightdeck.services.agent import shmroots
 from flightdeck.services.tools.cli import EXIT_NOT_FOUND, Command, UserError
 from flightdeck.services.tools.console import upstate
 from flightdeck.services.tools.console.up import DEFAULT_DATA_DIR
@@ -48,7 +49,21 @@ def run(args: argparse.Namespace) -> int:
     upstate.remove_state(data_dir)
     if state is not None:
         print(f"flightdeck stopped: supervisor pid {state.pid}, {len(state.processes)} services, broker {state.url}")
+    for line in left_in_memory(data_dir):
+        print(line)
     return 0
+
+
+def left_in_memory(data_dir: Path, shm: Path = shmroots.SHM) -> list[str]:
+    """What the stopped agents' ranks left in shared memory (RAM): the snapshots of jobs still live, which the next
+    `flightdeck up` of this data dir persists (an ended job's are freed when it ends). Said, never silently kept."""
+    out = []
+    for root, size, jobs in shmroots.left_by(data_dir, shm):
+        named = ", ".join(jobs[:5]) + (f" and {len(jobs) - 5} more" if len(jobs) > 5 else "")
+        out.append(f"left in shared memory: {size / 2**20:.1f} MiB of snapshots of {len(jobs)} live job(s) "
+                   f"({named or 'none'}) in {root}: the next `flightdeck up --data-dir {data_dir}` persists them; "
+                   f"`rm -rf {root}` frees them now")
+    return out
 
 
 def _answers(url: str) -> bool:
