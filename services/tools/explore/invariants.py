@@ -49,6 +49,7 @@ async def violations(run: Run) -> list[str]:
     out += _completed_means_saved_or_said(run, control)
     out += _lineage_reported(run, control)
     out += await _history_whole(run, control)
+    out += _waits_say_why(run, control)
     out += [m for shell in run.shells.values() for m in shell.snapshot_mismatches]
     for name in VERIFIED:
         out += await _replay_reproduces(run, name, control)
@@ -157,6 +158,22 @@ async def _history_whole(run: Run, control: list[Stored]) -> list[str]:
         if lost:
             out.append(f"{job_id}: {len(lost)} telemetry messages missing from its history with no gap said, "
                        f"first at {lost[0]}")
+    return out
+
+
+WAIT_BOUND_S = 10.0  # a job may wait this long in a phase short of running before its record must say why
+
+
+def _waits_say_why(run: Run, control: list[Stored]) -> list[str]:
+    """A job that waits (queued, placing, recovering, paused, stopping) longer than WAIT_BOUND_S has the reason in
+    its phase record: issue 51's job sat in `recovering` with no free slot for 10 minutes, saying nothing."""
+    out = []
+    for job_id in run.job_ids:
+        phases = [(e.occurred_at, e) for e in _job_events(control, job_id) if isinstance(e, JobPhaseChanged)]
+        for (at, e), (until, _) in zip(phases, [*phases[1:], (run.plan.bound_s + phases[0][0], None)], strict=False):
+            if e.phase not in ("running", "completed", "failed", "cancelled") and not e.reason \
+                    and until - at > WAIT_BOUND_S:
+                out.append(f"{job_id} waited {until - at:.0f}s in {e.phase} (attempt {e.attempt}) with no reason")
     return out
 
 
