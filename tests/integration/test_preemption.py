@@ -98,7 +98,7 @@ async def test_a_preempted_job_checkpoints_yields_and_resumes_from_that_checkpoi
           {k: round(v - high_submitted, 2) for k, v in at.items()})
     # JobCompleted and the release that follows it are two appends: read the history once both are in
     await c.until(lambda: kinds(c.job(LOW))[-1:] == ["AllocationReleased"] and "JobCompleted" in kinds(c.job(LOW))
-                  and phases(c.job(LOW))[-1:] == ["completed"], 10, "the low job's end, release and record")
+                  and phases(c.job(LOW))[-1:] == ["completed"], 60, "the low job's end, release and record")
     history = kinds(c.job(LOW))
     assert history.count("JobCompleted") == 1 and history[-2:] == ["JobCompleted", "AllocationReleased"]
     recorded = phases(c.job(LOW))  # as the scheduler recorded it: stopped for the high job, waited, ran again

@@ -7,15 +7,18 @@ decision, and no step or decision may be lost or doubled (tests/chaos/checks.py)
 import asyncio
 import os
 import random
+import shutil
 import signal
 
 import pytest
 
 from flightdeck.events import subjects
+from flightdeck.events.checkpoint import CheckpointFailed, CheckpointsFailing
 from flightdeck.events.fleet import NodeLost, NodeUncordoned
 from flightdeck.events.job import WorkersStarted
 from flightdeck.events.training import StepCompleted
-from tests.chaos.harness import Chaos, chaos_spec, rank_pids, restart, sigkill, step_reached
+from flightdeck.services.shell.objects.local import TMP
+from tests.chaos.harness import CHECKPOINT_EVERY, PACE_S, Chaos, chaos_spec, rank_pids, restart, sigkill, step_reached
 from tests.e2e.drill_harness import wait_lineage
 from tests.integration.lifecycle_harness import SERVICES, Platform
 
@@ -28,7 +31,9 @@ MOVES_V1 = ("kill_broker", "pause_broker", "kill_service", "stop_service", "term
 # declared lost, and it must fence its ranks and join again for the job to go on (issue 51). In a CI run of seed 1 the
 # frozen agent's ranks trained steps 70-89 unseen, the set it persisted of them after the rejoin's fence committed,
 # and the job's lineage lacked their reports: a lost node's late writes are refused now (checkpoints Settings.fence).
-MOVES = (*MOVES_V1, "pause_agent")
+# refuse_writes: the object store refuses every write (a full or read-only store) for three checkpoints' time and
+# more, reads still served: the job trains on with the risk named (CheckpointsFailing), and recovers (issue 51).
+MOVES = (*MOVES_V1, "pause_agent", "refuse_writes")
 LOST_S = 0.5 * 8  # the chaos spec's heartbeats: every 0.5 s, lost after 8 missed
 
 
@@ -88,6 +93,20 @@ async def apply(c: Chaos, job_id: str, move: str, target: str, seconds: float) -
             await p.until(lambda: len([e for e in p.seen(NodeUncordoned) if e.node == "n1"]) > back, 60,
                           "the frozen agent to join again", job_id)
             return f"SIGSTOP the node agent {LOST_S + 2 + seconds:g} s: its node found lost, and back"
+        case "refuse_writes":
+            refusing = 3 * CHECKPOINT_EVERY * PACE_S + seconds  # three checkpoints fail at least: an incident
+            tmp = p.root / "objects" / TMP  # where the local store writes before it renames: a file, so writes fail
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.write_text("the nemesis: this store refuses writes")
+            failed, incidents = len(p.seen(CheckpointFailed, job_id)), len(p.seen(CheckpointsFailing, job_id))
+            try:
+                await asyncio.sleep(refusing)
+            finally:
+                tmp.unlink()
+                tmp.mkdir()
+            return (f"the object store refused every write for {refusing:g} s (reads served): "
+                    f"{len(p.seen(CheckpointFailed, job_id)) - failed} checkpoints failed, "
+                    f"{len(p.seen(CheckpointsFailing, job_id)) - incidents} incident(s)")
         case "kill_agent":
             await sigkill(p, "agent-n1")
             await asyncio.sleep(seconds)
