@@ -5,7 +5,6 @@ an agent that dies idle is found within its deadline, not when a job granted to 
 
 import asyncio
 import contextlib
-import os
 import time
 import uuid
 from collections.abc import Callable
@@ -17,6 +16,7 @@ from flightdeck.events.fleet import AgentAlive
 from flightdeck.events.store import EventStore
 from flightdeck.services.agent.inventory import AgentError
 from flightdeck.services.shell.connection import TRANSIENT
+from flightdeck.services.shell.envconfig import float_env
 
 log = structlog.get_logger("flightdeck.agent")
 IDLE_BEAT_ENV = "FLIGHTDECK_IDLE_BEAT_S"
@@ -24,14 +24,11 @@ IDLE_BEAT_S = 5.0  # the health monitor's idle deadline is six of these (service
 
 
 def beat_interval() -> float:
-    raw = os.environ.get(IDLE_BEAT_ENV, "").strip()
+    """$FLIGHTDECK_IDLE_BEAT_S, checked: an agent started with a bad one says so before it registers."""
     try:
-        value = float(raw) if raw else IDLE_BEAT_S
-    except ValueError:
-        value = -1.0
-    if not 0 < value <= 60:
-        raise AgentError(f"${IDLE_BEAT_ENV}={raw!r}: give the seconds between an idle agent's beats (0 to 60)")
-    return value
+        return float_env(IDLE_BEAT_ENV, IDLE_BEAT_S, above=0.0, at_most=60.0)
+    except ValueError as exc:
+        raise AgentError(f"{exc}: give the seconds between an idle agent's beats") from None
 
 
 class Alive:
