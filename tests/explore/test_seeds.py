@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from flightdeck.events import subjects
-from flightdeck.events.job import JobCompleted, WorkersExited
+from flightdeck.events.job import JobCancelled, JobCompleted, JobFailed, WorkersExited
 from flightdeck.events.nodelocal import STOPPED_EXIT
 from flightdeck.services.agent import core as agent_core
 from flightdeck.services.core import Effect, Emit, Service
@@ -201,18 +201,27 @@ async def test_the_invariants_catch_a_late_set_from_a_fenced_node() -> None:
     assert unreported > 0
 
 
-async def test_the_invariants_catch_an_archiver_that_closes_a_history_before_it_is_quiet(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The archiver's final segment says nothing of the job comes later; taken at once at the job's end (no
-    SETTLE_S), a frozen agent's relay of what its ranks sent lands after it, and the history's reader drops it."""
+def _hasty_archiver() -> Service[Any]:
+    """An archiver that takes a job's final segments at once at its end (no SETTLE_S): its core is told each end
+    SETTLE_S earlier than it happened."""
     from flightdeck.services.archiver import core as archiver_core
 
+    real = World(plan(0))._archiver()
+
+    def transition(state: Any, event: Any) -> tuple[Any, Any]:
+        if isinstance(event, JobCompleted | JobFailed | JobCancelled):
+            event = msgspec.structs.replace(event, occurred_at=event.occurred_at - archiver_core.SETTLE_S)
+        return real.transition(state, event)
+    return dataclasses.replace(real, transition=transition)
+
+
+async def test_the_invariants_catch_an_archiver_that_closes_a_history_before_it_is_quiet() -> None:
+    """The archiver's final segment says nothing of the job comes later; taken at once at the job's end, a frozen
+    agent's relay of what its ranks sent lands after it, and the history's reader drops it."""
     dropped, kinds = 0, ("agent_freeze", "agent_vanish", "rank_kill")
     for seed in range(40):
         p = plan(seed, kinds=kinds)
         assert await violations(await simulate(p)) == [], seed
-        with monkeypatch.context() as m:
-            m.setattr(archiver_core, "SETTLE_S", 0.0)
-            found = await violations(await simulate(p))
+        found = await violations(await simulate(p, {"archiver": _hasty_archiver}))
         dropped += any("came after its final segment" in v for v in found)
     assert dropped > 0
