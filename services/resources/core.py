@@ -49,11 +49,16 @@ class Node(msgspec.Struct, frozen=True, kw_only=True):
     snapshot_bytes: int = -1  # its snapshot memory (NodeRegistered); -1: not reported, so not accounted
 
 
-class Ports(msgspec.Struct, frozen=True, kw_only=True):
-    """MASTER_PORT range: a new attempt gets a different port, so a restart never meets its old rendezvous."""
+class Settings(msgspec.Struct, frozen=True, kw_only=True):
+    """What the core decides with: recorded by the shell as CoreConfigured and folded from it."""
 
+    # MASTER_PORT range: a new attempt gets a different port, so a restart never meets its old rendezvous
     base: int = 29500
     span: int = 1000
+    # "named": a denial names the nodes placement could not use and why (cordoned: the cordon's reason; lost), so a
+    # job waiting for slots says what holds it (issue 51: one sat in `recovering` for 10 minutes saying "0 free
+    # slots on 0 nodes"); "counts" for histories recorded before, so that they still verify.
+    denials: Literal["counts", "named"] = "counts"
 
     def __post_init__(self) -> None:
         if not (1024 <= self.base <= 65535 and 1 <= self.span <= 65536 - self.base):
@@ -63,10 +68,10 @@ class Ports(msgspec.Struct, frozen=True, kw_only=True):
 class State(msgspec.Struct, frozen=True, kw_only=True):
     nodes: dict[str, Node] = {}
     ledger: Ledger = Ledger()
-    ports: Ports = Ports()  # the core's one setting: recorded as CoreConfigured, folded from it
+    settings: Settings = Settings()  # recorded as CoreConfigured, folded from it
 
 
-def master_port(job_id: str, attempt: int, ports: Ports, used: frozenset[int] = frozenset()) -> int:
+def master_port(job_id: str, attempt: int, ports: Settings, used: frozenset[int] = frozenset()) -> int:
     """The first port from the job's own place in the range that no other live job's rank 0 on the same node
     holds (`used`); a full range falls back to that place."""
     # crc32, not hash(): Python salts str hashes per process, and a replay must pick the same port.
@@ -86,6 +91,20 @@ def candidates(state: State) -> list[Candidate]:
     """Nodes placement may use now, with their free slots."""
     return [Candidate(node=name, free=ledger_mod.free_slots(state.ledger, name, node.slots), spare=node.spare)
             for name, node in sorted(state.nodes.items()) if not node.cordoned and not node.lost]
+
+
+UNUSABLE_SHOWN = 3  # nodes a denial names, each with its reason cut to REASON_SHOWN characters
+REASON_SHOWN = 120
+
+
+def _unusable(state: State) -> str:
+    """The nodes placement could not use and why, for a denial: "; not usable: n1 (lost: ...), n2 (store: ...)"."""
+    out = [f"{name} ({node.cordon_reason[:REASON_SHOWN] or ('lost' if node.lost else 'cordoned')})"
+           for name, node in sorted(state.nodes.items()) if node.cordoned or node.lost]
+    if not out:
+        return ""
+    more = f" and {len(out) - UNUSABLE_SHOWN} more" if len(out) > UNUSABLE_SHOWN else ""
+    return f"; not usable: {', '.join(out[:UNUSABLE_SHOWN])}{more}"
 
 
 def _node_emit(event: Event, node: str) -> Emit:
@@ -142,7 +161,7 @@ def _back(state: State, name: str) -> Transition:
 
 
 def _allocate(state: State, ev: AllocationRequested) -> Transition:
-    ports = state.ports
+    ports = state.settings
     held = state.ledger.allocations.get(ev.job_id)
     if held is not None and held.attempt == ev.attempt and len(held.assignments) == ev.slots:
         port = held.master_port or master_port(ev.job_id, ev.attempt, ports)
@@ -157,7 +176,8 @@ def _allocate(state: State, ev: AllocationRequested) -> Transition:
     base = msgspec.structs.replace(state, ledger=ledger_mod.release(state.ledger, ev.job_id))
     placed = place(candidates(base), ev.slots, tp=ev.tp, use_spares=ev.use_spares)
     if isinstance(placed, Unplaceable):
-        denied = AllocationDenied(job_id=ev.job_id, attempt=ev.attempt, reason=placed.reason)
+        why = placed.reason + (_unusable(base) if state.settings.denials == "named" else "")
+        denied = AllocationDenied(job_id=ev.job_id, attempt=ev.attempt, reason=why)
         return base, (_job_emit(denied),)
     rank0 = next(r.node for r in placed if r.rank == 0)
     port = master_port(ev.job_id, ev.attempt, ports, ports_in_use(base.ledger, rank0))
@@ -201,7 +221,7 @@ def _grant(state: State, ev: AllocationRequested, refs: tuple[SlotRef, ...], por
 def transition(state: State, event: Event) -> Transition:
     match event:
         case CoreConfigured(service=service) if service == NAME:
-            return msgspec.structs.replace(state, ports=msgspec.convert(event.settings, Ports)), ()
+            return msgspec.structs.replace(state, settings=msgspec.convert(event.settings, Settings)), ()
         case NodeRegistered(node=name):
             return _with_node(state, name, kind=event.kind, slots=event.slots, spare=event.spare,
                               address=event.address, lost=False, snapshot_bytes=event.snapshot_bytes), ()
@@ -232,16 +252,17 @@ CONTROL_TYPES = ("AllocationRequested", "AllocationReleased", "JobCompleted", "J
 FLEET_TYPES = ("NodeRegistered", "NodeCordoned", "NodeUncordoned", "SelfCheckPassed", "SelfCheckFailed", "NodeLost")
 
 
-def core_service(*, ports: Ports | None = None) -> Service[State]:
+def core_service(*, ports: Settings | None = None) -> Service[State]:
     """The resources core wired as a Service, starting from this port range; the shell adds consumers, effects
     and logging."""
-    chosen = ports or Ports()
+    chosen = msgspec.structs.replace(ports or Settings(), denials="named")
     return Service(
         name=NAME,
-        initial=State(ports=chosen),
+        initial=State(settings=chosen),
         transition=transition,
         control_subjects=(*subjects.job_types(*CONTROL_TYPES),
                           *(f"fd.ctl.node.*.{t}" for t in FLEET_TYPES)),
         wants_tick=lambda state, now: False,  # nothing here waits on time
         settings=msgspec.structs.asdict(chosen),
+        unrecorded=msgspec.structs.asdict(msgspec.structs.replace(chosen, denials="counts")),
     )

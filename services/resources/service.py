@@ -8,17 +8,17 @@ the environment.
 from collections.abc import Mapping
 
 from flightdeck.services.core import Service
-from flightdeck.services.resources.core import Ports, State, core_service
+from flightdeck.services.resources.core import Settings, State, core_service
 from flightdeck.services.shell.envconfig import int_env
 
 PORT_BASE_ENV = "FLIGHTDECK_MASTER_PORT_BASE"
 PORT_SPAN_ENV = "FLIGHTDECK_MASTER_PORT_SPAN"
 
 
-def ports_from_env(env: Mapping[str, str] | None = None) -> Ports:
-    base = int_env(PORT_BASE_ENV, Ports().base, 1024, 65535, env)
-    span = int_env(PORT_SPAN_ENV, Ports().span, 1, 65536 - base, env)
-    return Ports(base=base, span=span)
+def ports_from_env(env: Mapping[str, str] | None = None) -> Settings:
+    base = int_env(PORT_BASE_ENV, Settings().base, 1024, 65535, env)
+    span = int_env(PORT_SPAN_ENV, Settings().span, 1, 65536 - base, env)
+    return Settings(base=base, span=span)
 
 
 def build(env: Mapping[str, str] | None = None) -> Service[State]:

@@ -19,7 +19,7 @@ from flightdeck.events.job import (
 )
 from flightdeck.services.resources import core as rcore
 from flightdeck.services.resources import ledger
-from flightdeck.services.resources.core import Ports, State, core_service, master_port
+from flightdeck.services.resources.core import Settings, State, core_service, master_port
 from tests.unit.helpers import events_of, fold, step
 
 SVC = core_service()
@@ -44,8 +44,8 @@ def test_a_grant_names_rank_zero_s_node_and_a_port_derived_from_job_and_attempt(
     assert [(r.node, r.slot, r.rank) for r in grant.assignments] == [("b", 0, 0), ("b", 1, 1), ("b", 2, 2)]
     assert grant.master_addr == "10.0.0.1"
     assert grant.master_port == 29500 + zlib.crc32(b"job-1:0") % 1000
-    assert master_port("job-1", 1, Ports(base=40000, span=10)) in range(40000, 40010)
-    assert master_port("job-1", 0, Ports()) == grant.master_port  # stable: no per-process salt
+    assert master_port("job-1", 1, Settings(base=40000, span=10)) in range(40000, 40010)
+    assert master_port("job-1", 0, Settings()) == grant.master_port  # stable: no per-process salt
 
 
 def test_a_denial_says_why_and_books_nothing() -> None:
@@ -97,7 +97,7 @@ def test_asking_again_gets_the_same_answer_and_a_newer_attempt_replaces_the_old(
     assert again == first
     state, newer = ask(state, "j", 4, attempt=1)
     assert isinstance(newer, AllocationGranted) and len(newer.assignments) == 4
-    assert newer.master_port == master_port("j", 1, Ports())
+    assert newer.master_port == master_port("j", 1, Settings())
     state, stale = ask(state, "j", 2, attempt=0)
     assert isinstance(stale, AllocationDenied) and "stale" in stale.reason
 
@@ -130,7 +130,7 @@ def test_the_service_reads_what_it_needs_and_never_ticks() -> None:
 def test_two_live_jobs_with_rank_zero_on_one_node_never_share_a_port() -> None:
     """Ports hash into a small range here, so the jobs' own places collide: the later grant takes the next free
     port, a released job's port is free again, and with the whole range held the job keeps its own place."""
-    svc = core_service(ports=Ports(base=40000, span=2))
+    svc = core_service(ports=Settings(base=40000, span=2))
     state, _ = fold(svc, [NodeRegistered(node="a", kind="gpu", slots=4, address="10.0.0.1")])
     granted: dict[str, int] = {}
     for job in ("j1", "j2", "j3"):
@@ -138,7 +138,7 @@ def test_two_live_jobs_with_rank_zero_on_one_node_never_share_a_port() -> None:
         (grant,) = events_of(outs, AllocationGranted)
         granted[job] = grant.master_port
     assert {granted["j1"], granted["j2"]} == {40000, 40001}  # whatever their own places: never the same
-    assert granted["j3"] == master_port("j3", 0, Ports(base=40000, span=2))  # the range is full
+    assert granted["j3"] == master_port("j3", 0, Settings(base=40000, span=2))  # the range is full
     state, _ = step(svc, state, AllocationReleased(job_id="j1", attempt=0, reason="done"))
     state, outs = step(svc, state, AllocationRequested(job_id="j1", slots=1, attempt=1))
     (again,) = events_of(outs, AllocationGranted)
@@ -203,3 +203,21 @@ def test_snapshot_memory_is_accounted_at_grant_time_and_a_node_without_room_runs
     state, fifth = ask(state, "five", 4, snapshot_bytes=0)
     assert isinstance(fifth, AllocationGranted) and fifth.snapshots_off == {}
     assert ledger.snapshot_used(state.ledger, "a") == 0
+
+
+def test_a_denial_names_the_nodes_placement_could_not_use_and_why() -> None:
+    """Issue 51: a job whose node was lost sat in `recovering` for 10 minutes saying "0 free slots on 0 nodes"."""
+    state = fleet(("a", 2), ("b", 2), ("c", 2))
+    state, _ = step(SVC, state, NodeLost(node="a", reason="its agent has sent no heartbeat batch for 5s"))
+    state, _ = step(SVC, state, NodeCordoned(node="b", reason="store: it could not read checkpoint step30"))
+    _, denied = ask(state, "job-1", 4)
+    assert isinstance(denied, AllocationDenied)
+    assert denied.reason == ("needs 4 groups of 1 slot(s); the usable nodes have room for 2 (2 free slots on 1 nodes, "
+                             "spares excluded); not usable: a (lost: its agent has sent no heartbeat batch for 5s), "
+                             "b (store: it could not read checkpoint step30)")
+    before = State(settings=Settings())  # a history recorded before: the counts alone, as it was decided
+    for ev in [NodeRegistered(node="a", kind="gpu", slots=2), NodeLost(node="a", reason="silent")]:
+        before, _ = step(SVC, before, ev)
+    _, old = step(SVC, before, AllocationRequested(job_id="job-1", slots=4, attempt=0))
+    (old_denial,) = events_of(old)
+    assert isinstance(old_denial, AllocationDenied) and "not usable" not in old_denial.reason

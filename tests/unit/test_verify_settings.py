@@ -11,7 +11,7 @@ from flightdeck.events.clock import CoreConfigured
 from flightdeck.events.fleet import NodeRegistered
 from flightdeck.events.job import AllocationGranted, AllocationRequested
 from flightdeck.services import registry
-from flightdeck.services.resources.core import Ports, master_port
+from flightdeck.services.resources.core import Settings, master_port
 from flightdeck.services.tools.audit.cores import cores
 from flightdeck.services.tools.audit.verify import verify
 from flightdeck.services.tools.history import fdh
@@ -34,7 +34,8 @@ async def test_an_old_history_verifies_with_the_defaults_whatever_the_environmen
         "scheduler: no settings recorded in this history: replayed with the defaults "
         "(stop_timeout_s=120.0, landing_timeout_s=120.0, memory_wait=no, phases=no, restores=granted, claims=trust, "
         "agent_faults=charged)",
-        "resources: no settings recorded in this history: replayed with the defaults (base=29500, span=1000)",
+        "resources: no settings recorded in this history: replayed with the defaults (base=29500, span=1000, "
+        "denials=counts)",
         "checkpoints: no settings recorded in this history: replayed with the defaults "
         "(scrub_every_s=86400.0, scrub_mb_s=64.0, shards_from=staging, announce_pending=no, settle_on_exits=no, "
         "supersede=no, retention=commits, claims=trust, failing_after=0, fence=none)",
@@ -45,7 +46,7 @@ async def test_an_old_history_verifies_with_the_defaults_whatever_the_environmen
                                                  "memory_wait": "promised", "phases": "yes",
                                                  "restores": "requested", "claims": "verify",
                                                  "agent_faults": "free"},
-                                                {"base": 29500, "span": 1000}]
+                                                {"base": 29500, "span": 1000, "denials": "named"}]
 
 
 def test_a_core_with_its_defaults_decides_like_the_live_one_once_it_folds_the_recorded_settings() -> None:
@@ -60,9 +61,9 @@ def test_a_core_with_its_defaults_decides_like_the_live_one_once_it_folds_the_re
         (g,) = b.of(AllocationGranted)
         return g
 
-    assert grant(live, inputs).master_port == master_port("j-1", 0, Ports(base=40000, span=7))
+    assert grant(live, inputs).master_port == master_port("j-1", 0, Settings(base=40000, span=7))
     assert grant(audit, [configured, *inputs]) == grant(live, [configured, *inputs])
-    assert grant(audit, inputs).master_port == master_port("j-1", 0, Ports())  # without the record: the defaults
+    assert grant(audit, inputs).master_port == master_port("j-1", 0, Settings())  # without the record: the defaults
 
 
 def test_settings_a_core_cannot_run_with_are_refused() -> None:
