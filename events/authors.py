@@ -16,7 +16,8 @@ JOB_TYPES: dict[str, tuple[str, ...]] = {
                   "PauseRequested"),  # a spike rollback past policy.max_skip_fraction pauses for the operator
     "resources": ("AllocationGranted", "AllocationDenied"),
     "checkpoints": ("CheckpointCommitted", "CheckpointFailed", "CheckpointPending", "CheckpointDeleted",
-                    "CheckpointScrubbed", "CheckpointsFailing", "CheckpointsRecovered", "FinalStateUnsaved"),
+                    "CheckpointScrubbed", "CheckpointsFailing", "CheckpointsRecovered", "FinalStateUnsaved",
+                    "FinalStateSaved"),
     "health": ("RankLost", "RankHung", "StragglerDetected", "NonFiniteLoss", "LossSpikeDetected", "SpikeDiagnosed"),
     "resharder": ("ReshardPlanned",),
     "archiver": ("HistoryArchived",),

@@ -37,6 +37,7 @@ ALL_TYPES: tuple[type[Event], ...] = (
     checkpoint.CheckpointDeleted,
     checkpoint.CheckpointRejected, checkpoint.CheckpointRefused, checkpoint.CheckpointScrubbed,
     checkpoint.CheckpointsFailing, checkpoint.CheckpointsRecovered, checkpoint.FinalStateUnsaved,
+    checkpoint.FinalStateSaved,
     # health findings
     findings.RankLost, findings.RankHung, findings.StragglerDetected, findings.NonFiniteLoss,
     findings.LossSpikeDetected, findings.SpikeDiagnosed,

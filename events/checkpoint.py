@@ -134,6 +134,14 @@ class FinalStateUnsaved(JobEvent, frozen=True, kw_only=True):
     reason: str
 
 
+class FinalStateSaved(JobEvent, frozen=True, kw_only=True):
+    """A completed job said FinalStateUnsaved whose final checkpoint committed after all (its set came late): that
+    finding no longer holds, and views show the final state saved."""
+
+    step: int  # the job's last step
+    checkpoint_id: str  # the set that saved it
+
+
 class CheckpointRejected(JobEvent, frozen=True, kw_only=True):
     """A node's agent found a committed checkpoint bad when a restart was to restore it (a shard's size or sha256
     differs from its manifest, a file or the manifest is missing): never loaded. One node's claim: the checkpoint

@@ -237,7 +237,7 @@ def _evolve_job(job: JobState, ev: Event, settings: Settings, lost: frozenset[st
             job = replace(job, committed=(*job.committed, c),
                           committing={k: v for k, v in job.committing.items() if k != ev.checkpoint_id})
             if settings.failing_after > 0:
-                job, findings = incidents.committed(job, ev)
+                job, findings = incidents.committed(job, ev, amend=settings.final_late == "amended")
         case CheckpointDeleted():
             return replace(job, committed=tuple(c for c in job.committed if c.checkpoint_id != ev.checkpoint_id),
                            doomed=job.doomed - {ev.checkpoint_id}, doubted=job.doubted - {ev.checkpoint_id}), \
@@ -385,7 +385,7 @@ def core_service(effects: dict[str, EffectHandler], *, scrub_every_s: float = 0.
     `scrub_every_s` > 0; see uploader.py and scrubber.py)."""
     settings = Settings(scrub_every_s=scrub_every_s, scrub_mb_s=scrub_mb_s, shards_from="agents",
                         announce_pending="yes", settle_on_exits="yes", supersede="parked", retention="steps",
-                        claims="verify", failing_after=FAILING_AFTER, fence="lost")
+                        claims="verify", failing_after=FAILING_AFTER, fence="lost", final_late="amended")
     missing = {COMMIT, DELETE, SCRUB} - set(effects)  # a claim's read runs even with scheduled scrubs off
     if missing:
         raise ValueError(f"the checkpoint service needs effect handlers for {sorted(missing)}")
@@ -403,5 +403,6 @@ def core_service(effects: dict[str, EffectHandler], *, scrub_every_s: float = 0.
         settings=msgspec.structs.asdict(settings),
         unrecorded=msgspec.structs.asdict(replace(settings, shards_from="staging", announce_pending="no",
                                                   settle_on_exits="no", supersede="no", retention="commits",
-                                                  claims="trust", failing_after=0, fence="none")),
+                                                  claims="trust", failing_after=0, fence="none",
+                                                  final_late="kept")),
     )

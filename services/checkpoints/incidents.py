@@ -14,6 +14,7 @@ from flightdeck.events.checkpoint import (
     CheckpointFailed,
     CheckpointsFailing,
     CheckpointsRecovered,
+    FinalStateSaved,
     FinalStateUnsaved,
 )
 from flightdeck.events.job import JobCompleted
@@ -52,8 +53,9 @@ def failed(job: JobState, ev: CheckpointFailed, after: int) -> Found:
     return job, tuple(found)
 
 
-def committed(job: JobState, ev: CheckpointCommitted) -> Found:
-    """A set committed (read back): the store takes the job's checkpoints; the final one saves its final state."""
+def committed(job: JobState, ev: CheckpointCommitted, *, amend: bool = False) -> Found:
+    """A set committed (read back): the store takes the job's checkpoints; the final one saves its final state, and
+    with `amend` (Settings.final_late) one that comes after its final state was said unsaved says that is over."""
     found: list[JobEvent] = []
     if job.failing:
         found.append(CheckpointsRecovered(job_id=ev.job_id, step=ev.step, failures=job.failures))
@@ -61,6 +63,9 @@ def committed(job: JobState, ev: CheckpointCommitted) -> Found:
                   committing={k: v for k, v in job.committing.items() if k != ev.checkpoint_id})
     if job.completed and ev.step == job.last_step and not job.final_state:
         job = replace(job, final_state="saved")
+    elif job.completed and ev.step == job.last_step and job.final_state == "unsaved" and amend:
+        job = replace(job, final_state="saved")
+        found.append(FinalStateSaved(job_id=ev.job_id, step=ev.step, checkpoint_id=ev.checkpoint_id))
     return job, tuple(found)
 
 

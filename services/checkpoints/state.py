@@ -47,6 +47,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # stages or stores for them later is refused, as a frozen agent that resumes ships what its replaced ranks
     # trained unseen (issue 51); "none" for histories recorded before, so that they still verify.
     fence: Literal["none", "lost"] = "none"
+    # "amended": a final checkpoint that commits after FinalStateUnsaved was said (its set came late) is recorded as
+    # FinalStateSaved; "kept" for histories recorded before, so that they still verify.
+    final_late: Literal["kept", "amended"] = "kept"
 
     def __post_init__(self) -> None:
         if not (self.scrub_every_s >= 0 and self.scrub_mb_s > 0):

@@ -20,6 +20,7 @@ from flightdeck.events.checkpoint import (
     CheckpointsRecovered,
     CheckpointStaged,
     DataPosition,
+    FinalStateSaved,
     FinalStateUnsaved,
     ShardInfo,
     ShardsUploaded,
@@ -68,7 +69,7 @@ def submitted(keep: int, job: str = JOB) -> JobSubmitted:
 
 LIVE = State(settings=Settings(shards_from="agents", settle_on_exits="yes", supersede="parked",  # as the service runs
                                retention="steps", claims="verify", failing_after=core.FAILING_AFTER,
-                               fence="lost"))
+                               fence="lost", final_late="amended"))
 
 
 def stored(ev: CheckpointStaged, *, ranks: list[int] | None = None, failed: str = "") -> ShardsUploaded:
@@ -560,7 +561,7 @@ def refused(step: int, *, store: bool = True) -> CheckpointFailed:
 
 def findings(outs: Sequence[Sequence[Output]]) -> list[Event]:
     return [o.event for step in outs for o in step if isinstance(o, Emit)
-            and isinstance(o.event, CheckpointsFailing | CheckpointsRecovered | FinalStateUnsaved)]
+            and isinstance(o.event, CheckpointsFailing | CheckpointsRecovered | FinalStateUnsaved | FinalStateSaved)]
 
 
 def test_a_store_that_refuses_a_jobs_checkpoints_is_an_incident_until_one_commits() -> None:
@@ -603,6 +604,14 @@ def test_a_completed_job_whose_final_state_is_not_stored_says_so() -> None:
     (unsaved,) = findings(outs)
     assert "was not staged by every rank within 30s" in unsaved.reason
     assert not core.wants_tick(state, 500.0 + core.LINGER_S + 5)
+    # ... and its last rank's staging comes after all: handed over, and its commit amends what was said
+    late, outs = run([stored(staged(0, 100, 2)), staged(1, 100, 2)], state)
+    assert [c.checkpoint_id for c in commits(outs)] == [checkpoint_id(0, 100)]
+    _, outs = run([committed(100)], late)
+    assert findings(outs) == [FinalStateSaved(job_id=JOB, step=100, checkpoint_id=checkpoint_id(0, 100))]
+    kept = replace(late, settings=replace(late.settings, final_late="kept"))  # histories recorded before: as then
+    _, outs = run([committed(100)], kept)
+    assert findings(outs) == []
     # no final set due (100 is not a multiple of 30), while the store refused the last three
     thirty = JobSubmitted(job_id=JOB, spec=JobSpec(name="j", train=TrainSpec(steps=100, checkpoint_every=30)))
     _, outs = run([thirty, committed(30), refused(60), refused(90), refused(90, store=True), done])

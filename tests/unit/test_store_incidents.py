@@ -4,7 +4,7 @@ phase's reason until the store recovers; "pause" pauses the job and asks the ope
 
 from msgspec.structs import replace
 
-from flightdeck.events.checkpoint import CheckpointsFailing, CheckpointsRecovered, FinalStateUnsaved
+from flightdeck.events.checkpoint import CheckpointsFailing, CheckpointsRecovered, FinalStateSaved, FinalStateUnsaved
 from flightdeck.events.commands import PauseRequested
 from flightdeck.events.job import JobPhaseChanged, JobSubmitted
 from flightdeck.services.resources.core import core_service as resources_core
@@ -66,3 +66,6 @@ def test_status_reads_the_incident_and_the_unsaved_end_from_the_record() -> None
     assert view.phase == "completed" and "the newest saved state is step 50" in view.final_unsaved
     assert not view.final_checkpoint_pending  # nothing more to wait for: the verdict is in
     assert "NOT SAVED" in status.details(view, now=0.0)
+    # its final set committed after all (it came late): the service's FinalStateSaved ends the finding
+    amended = jobview.fold(JOB, [*done, FinalStateSaved(job_id=JOB, step=60, checkpoint_id="step000000060-a0")])
+    assert amended.final_unsaved == "" and "NOT SAVED" not in status.details(amended, now=0.0)

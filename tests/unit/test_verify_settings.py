@@ -38,7 +38,7 @@ async def test_an_old_history_verifies_with_the_defaults_whatever_the_environmen
         "denials=counts)",
         "checkpoints: no settings recorded in this history: replayed with the defaults "
         "(scrub_every_s=86400.0, scrub_mb_s=64.0, shards_from=staging, announce_pending=no, settle_on_exits=no, "
-        "supersede=no, retention=commits, claims=trust, failing_after=0, fence=none)",
+        "supersede=no, retention=commits, claims=trust, failing_after=0, fence=none, final_late=kept)",
         "health: no settings recorded in this history: replayed with the defaults (tick_s=1.0, stopping=unwatched, "
         "stranded=judged, idle_lost_s=0.0)",
     ]

@@ -7,7 +7,13 @@ from typing import Any
 from flightdeck.events import subjects
 from flightdeck.events.admission import admitted_events
 from flightdeck.events.archive import HistoryArchived
-from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointDeleted, CheckpointFailed, FinalStateUnsaved
+from flightdeck.events.checkpoint import (
+    CheckpointCommitted,
+    CheckpointDeleted,
+    CheckpointFailed,
+    FinalStateSaved,
+    FinalStateUnsaved,
+)
 from flightdeck.events.commands import RollbackRequested
 from flightdeck.events.findings import LossSpikeDetected, NonFiniteLoss, SpikeDiagnosed
 from flightdeck.events.history import HistoryGap, check_contiguous
@@ -89,10 +95,13 @@ def _completed_means_saved_or_said(run: Run, control: list[Stored]) -> list[str]
         final = f"step{done.steps:09d}-a{last}"  # its final set's id, whatever its timeline
         failed = any(isinstance(e, CheckpointFailed) and e.checkpoint_id.split("-t")[0] == final for e in events)
         said = [e for e in events if isinstance(e, FinalStateUnsaved)]
+        amended = [e for e in events if isinstance(e, FinalStateSaved)]  # a final set that committed late
         if failed and not saved and not said:
             out.append(f"{job_id} completed, its final checkpoint failed, and nothing says its final state is unsaved")
-        if saved and said:
+        if saved and said and not amended:
             out.append(f"{job_id}: its final state was saved, yet FinalStateUnsaved says {said[0].reason!r}")
+        if amended and not (saved and said):
+            out.append(f"{job_id}: FinalStateSaved recorded, but its final state was not said unsaved and then saved")
         if len(said) > 1:
             out.append(f"{job_id}: FinalStateUnsaved recorded {len(said)} times")
     return out

@@ -17,6 +17,7 @@ from flightdeck.events.checkpoint import (
     CheckpointScrubbed,
     CheckpointsFailing,
     CheckpointsRecovered,
+    FinalStateSaved,
     FinalStateUnsaved,
 )
 from flightdeck.events.commands import RollbackRequested
@@ -165,6 +166,8 @@ def _checkpoints(view: JobView, event: Event, at: float) -> JobView:
             return _replace(view, store_failing="")
         case FinalStateUnsaved(reason=why):
             return _replace(view, final_unsaved=why)
+        case FinalStateSaved():  # it committed after all
+            return _replace(view, final_unsaved="")
     return view
 
 
@@ -173,7 +176,8 @@ def evolve(view: JobView, event: Event) -> JobView:
     at = event.occurred_at
     view = _replace(view, updated_at=max(view.updated_at, at), version=getattr(event, "job_version", 0) or view.version)
     if isinstance(event, CheckpointCommitted | CheckpointDeleted | CheckpointScrubbed | CheckpointRejected
-                  | CheckpointFailed | CheckpointsFailing | CheckpointsRecovered | FinalStateUnsaved):
+                  | CheckpointFailed | CheckpointsFailing | CheckpointsRecovered | FinalStateUnsaved
+                  | FinalStateSaved):
         return _checkpoints(view, event, at)  # a job's checkpoints outlive it: kept, scrubbed, deleted, its last failed
     if view.ended:
         return view  # the scheduler changes nothing once a job has ended; neither do we
