@@ -102,6 +102,7 @@ class Ranks:
         # waits in `held` ((from a rank's link, event)) until it resumes (thaw)
         self.frozen: set[str] = set()
         self.held: dict[str, list[tuple[bool, Event]]] = {}
+        self.refusing: set[str] = set()  # nodes whose agent's uploads the store refuses (store_refusing)
         self.orphans: dict[str, list[tuple[Attempt, int]]] = {}  # node -> ranks that died with its agent
         self.n = 0
 
@@ -223,12 +224,17 @@ class Ranks:
                                                 shards=shards, data=data, stall_s=0.0, write_s=0.0, timeline=timeline,
                                                 from_memory=True, event_id=self._id("persisted"), occurred_at=now),
                                link=False)
-            refused = i == 0 and len(slots) > 1 and zlib.crc32(f"{a.job_id}:{cid}:{node}".encode()) % 4 == 0
+            refused = node in self.refusing or (
+                i == 0 and len(slots) > 1 and zlib.crc32(f"{a.job_id}:{cid}:{node}".encode()) % 4 == 0)
             await self.tel(ShardsUploaded(job_id=a.job_id, rank=ranks[0], attempt=a.attempt, node=node,
                                           step=saved.step, timeline=timeline, world_size=a.world_size, ranks=ranks,
                                           bytes=len(ranks), seconds=0.0, failed="refused by the store" * refused,
                                           event_id=self._id("uploaded"), occurred_at=now), link=False)
         return (slots[0][0], slots[0][1].step) if slots else None
+
+    def _refusal(self, node: str) -> str:
+        """What an upload from `node` fails with ("": stored)."""
+        return "OSError: [Errno 30] Read-only file system (store_refusing)" if node in self.refusing else ""
 
     def tell(self, node: str, job_id: str, attempt: int, command: Event) -> None:
         """A command down rank 0's link: only the agent that runs rank 0 hands it over (the boundary agrees it)."""
@@ -339,7 +345,8 @@ class Ranks:
         for node, rs in sorted(by_node.items()):
             await self.tel(ShardsUploaded(job_id=a.job_id, rank=rs[0], attempt=a.attempt, node=node, step=a.step,
                                           timeline=a.timeline, world_size=a.world_size, ranks=rs, bytes=len(rs),
-                                          seconds=0.0, event_id=self._id("uploaded"), occurred_at=now))
+                                          seconds=0.0, failed=self._refusal(node), event_id=self._id("uploaded"),
+                                          occurred_at=now))
 
     async def _commands(self, a: Attempt) -> None:
         while a.inbox and a.alive:

@@ -54,7 +54,12 @@ FAULT_KINDS_V4 = (*FAULT_KINDS_V3, "store_full")
 # crash_side: the resharder or the archiver crashes at one of the shell loop's crash points
 # age_out: the telemetry stream's oldest messages age out (its limits): what the archiver had not read is gone, and
 # a job's history must say where (HistoryArchived.lost_from..lost_to), never hold less without saying so
-FAULT_KINDS = (*FAULT_KINDS_V4, "crash_side", "age_out")
+FAULT_KINDS_V5 = (*FAULT_KINDS_V4, "crash_side", "age_out")
+# store_stale: a node's agent sees the object store as it was (a cache or replica that stopped syncing): restores of
+# checkpoints committed since are missing there, older ones are found
+# store_refusing: a node's agent can no longer write the object store (its credentials read-only, its mount full):
+# every upload from it fails, the other nodes' go on
+FAULT_KINDS = (*FAULT_KINDS_V5, "store_stale", "store_refusing")
 POLICY = PolicySpec(heartbeat_interval_s=0.5, heartbeat_misses=4, hang_min_s=3.0, max_restarts=8, spike_warmup=8,
                     spike_window=12, rollback_steps_back=5, rollback_skip_batches=4, commit_wait_s=2.0,
                     max_skip_fraction=1.0,  # no operator answers a pause here: every spike rolls back
@@ -105,7 +110,7 @@ def plan(seed: int, *, num_faults: int | None = None, kinds: Sequence[str] = FAU
                 faults.append(Fault(at, kind, target, rng.choice(CRASH_POINTS) if kind == "crash" else ""))
             case "rank_crash" | "rank_kill" | "rank_term" | "rank_hang" | "spike" | "poison" | "glitch":
                 faults.append(Fault(at, kind, f"job{rng.randrange(len(jobs))}", str(rng.randrange(2))))
-            case "agent_vanish" | "store_blind":
+            case "agent_vanish" | "store_blind" | "store_stale" | "store_refusing":
                 faults.append(Fault(at, kind, rng.choice(NODES)))
             case "agent_freeze":
                 faults.append(Fault(at, kind, rng.choice(NODES), f"{rng.uniform(1.0, 8.0):.1f}"))
@@ -118,7 +123,7 @@ def plan(seed: int, *, num_faults: int | None = None, kinds: Sequence[str] = FAU
     faults.sort(key=lambda f: f.at)
     # One node lost for good at most, vanished or blind to the store: the fleet must keep room for every job (3 nodes
     # x 2 slots, jobs of 2). Seed 257 drew two blind nodes and a vanished one, and its job had nowhere to run.
-    vanished = [f for f in faults if f.kind in ("agent_vanish", "store_blind")][1:]
+    vanished = [f for f in faults if f.kind in ("agent_vanish", "store_blind", "store_stale")][1:]
     faults = [f for f in faults if f not in vanished]
     return Plan(seed=seed, jobs=jobs, faults=faults, faults_until=until, bound_s=until + SETTLE_S)
 
@@ -156,6 +161,8 @@ class World:
         self.thaw_at: dict[str, float] = {}  # node -> when its frozen agent resumes
         self.frozen_at: dict[str, float] = {}  # ... and when it froze
         self.blind: set[str] = set()  # nodes whose agent cannot read the platform's object store
+        self.stale: dict[str, float] = {}  # node -> since when its agent's view of the store stopped moving
+        self.committed_at: dict[tuple[str, str], float] = {}  # (job, checkpoint id) -> when its commit was stored
         self.full = False  # the object store refuses every write
         self.job_ids: list[str] = []
         self.poison_ids: set[str] = set()
@@ -203,6 +210,7 @@ class World:
                                              "on device", schema_version=2)
             return [Emit(subjects.job(args.job_id, "CheckpointFailed"), failed)]
         if isinstance(args, CommitArgs):
+            self.committed_at[(args.job_id, args.checkpoint_id)] = self.clock()
             ev = CheckpointCommitted(job_id=args.job_id, checkpoint_id=args.checkpoint_id, step=args.step,
                                      world_size=args.world_size, uri=f"sim:///{args.job_id}/{args.checkpoint_id}",
                                      bytes=len(args.ranks), data=args.data, manifest_sha256="0" * 64,
@@ -218,8 +226,9 @@ class World:
                                       schema_version=2 if args.claim_node else 1)
             return [Emit(subjects.job(args.job_id, "CheckpointScrubbed"), read)]
         node = service.removeprefix("agent-")
-        if isinstance(args, agent_core.SpawnArgs) and node in self.blind and args.restore is not None \
-                and not args.restore.from_memory:
+        if isinstance(args, agent_core.SpawnArgs) and args.restore is not None and not args.restore.from_memory \
+                and (node in self.blind or self.committed_at.get((args.job_id, args.restore.checkpoint_id), 0.0)
+                     > self.stale.get(node, float("inf"))):
             await self._reject(node, args)
         elif isinstance(args, agent_core.SpawnArgs):
             restore = (args.restore.checkpoint_id, args.restore.step) if args.restore is not None else None
@@ -363,6 +372,10 @@ class World:
                 self.shells[f"agent-{f.target}"].crash()
             case "store_blind":
                 self.blind.add(f.target)
+            case "store_stale":
+                self.stale.setdefault(f.target, self.clock())
+            case "store_refusing":
+                self.ranks.refusing.add(f.target)
             case "store_full":
                 self.full = True
             case "age_out":  # the oldest part of what the stream holds now
