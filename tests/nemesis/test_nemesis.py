@@ -9,18 +9,20 @@ import os
 import random
 import shutil
 import signal
+from collections.abc import Callable
 
 import pytest
 
 from flightdeck.events import subjects
 from flightdeck.events.checkpoint import CheckpointFailed, CheckpointsFailing
-from flightdeck.events.fleet import NodeLost, NodeUncordoned
+from flightdeck.events.fleet import NodeCordoned, NodeLost, NodeUncordoned
 from flightdeck.events.job import WorkersStarted
 from flightdeck.events.training import StepCompleted
 from flightdeck.services.shell.objects.local import TMP
 from tests.chaos.harness import CHECKPOINT_EVERY, PACE_S, Chaos, chaos_spec, rank_pids, restart, sigkill, step_reached
 from tests.e2e.drill_harness import wait_lineage
 from tests.integration.lifecycle_harness import SERVICES, Platform
+from tests.integration.test_lifecycle_services import Cluster
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
 STEPS = 150
@@ -33,7 +35,10 @@ MOVES_V1 = ("kill_broker", "pause_broker", "kill_service", "stop_service", "term
 # and the job's lineage lacked their reports: a lost node's late writes are refused now (checkpoints Settings.fence).
 # refuse_writes: the object store refuses every write (a full or read-only store) for three checkpoints' time and
 # more, reads still served: the job trains on with the risk named (CheckpointsFailing), and recovers (issue 51).
-MOVES = (*MOVES_V1, "pause_agent", "refuse_writes")
+# blind_agent: the node agent SIGKILLed and started on a store location that holds nothing of the platform's (a
+# missing mount, wrong credentials) until its node is cordoned for it or a while has passed, then started right: no
+# checkpoint may be deleted on its word, and the node must come back (issue 51).
+MOVES = (*MOVES_V1, "pause_agent", "refuse_writes", "blind_agent")
 LOST_S = 0.5 * 8  # the chaos spec's heartbeats: every 0.5 s, lost after 8 missed
 
 
@@ -107,12 +112,38 @@ async def apply(c: Chaos, job_id: str, move: str, target: str, seconds: float) -
             return (f"the object store refused every write for {refusing:g} s (reads served): "
                     f"{len(p.seen(CheckpointFailed, job_id)) - failed} checkpoints failed, "
                     f"{len(p.seen(CheckpointsFailing, job_id)) - incidents} incident(s)")
+        case "blind_agent":
+            await sigkill(p, "agent-n1")
+            elsewhere = p.root / f"elsewhere-{len(p.control)}"
+            elsewhere.mkdir()
+            cordons = len([e for e in p.seen(NodeCordoned) if e.node == "n1"])
+            Cluster.agent(p, "n1", "--objects", str(elsewhere), "--grace-s", "2")
+            blinded = await _within(lambda: len([e for e in p.seen(NodeCordoned) if e.node == "n1"]) > cordons,
+                                    LOST_S + 10 + seconds)
+            await sigkill(p, "agent-n1")
+            back = len([e for e in p.seen(NodeUncordoned) if e.node == "n1"])
+            p.agent("n1", "--grace-s", "2")
+            if blinded:
+                await p.until(lambda: len([e for e in p.seen(NodeUncordoned) if e.node == "n1"]) > back, 60,
+                              "the node, started right, to be uncordoned", job_id)
+            return (f"the node agent restarted blind to the store, "
+                    f"{'its node cordoned for it' if blinded else 'not found blind'}, then restarted right")
         case "kill_agent":
             await sigkill(p, "agent-n1")
             await asyncio.sleep(seconds)
             p.agent("n1", "--grace-s", "2")
             return f"SIGKILL the node agent with its ranks, restarted {seconds:g} s later"
     raise AssertionError(move)
+
+
+async def _within(check: Callable[[], bool], seconds: float) -> bool:
+    """Whether `check` holds within `seconds` (polled)."""
+    deadline = asyncio.get_running_loop().time() + seconds
+    while not check():
+        if asyncio.get_running_loop().time() > deadline:
+            return False
+        await asyncio.sleep(0.2)
+    return True
 
 
 @pytest.mark.timeout(420)
