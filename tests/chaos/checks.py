@@ -24,6 +24,7 @@ from flightdeck.events.commands import RollbackRequested
 from flightdeck.events.findings import RankHung, RankLost
 from flightdeck.events.jetstream import JetStreamStore
 from flightdeck.events.job import (
+    AllocationDenied,
     AllocationGranted,
     AllocationReleased,
     AllocationRequested,
@@ -112,7 +113,15 @@ def repeated_decisions(control: list[Stored]) -> list[str]:
     events = [s.event for s in control if s.event is not None]
     ids = Counter(e.event_id for e in events)
     found = [f"event id {i} stored {n} times" for i, n in ids.items() if n > 1]
-    keys = Counter(k for e in events for k in identities(e))
+    # A request the resource manager denied is asked again once capacity returns (a node back from its cordon): a
+    # new decision, told apart by how many denials of that attempt came before it.
+    denials: Counter[tuple[str, int]] = Counter()
+    keys: Counter[tuple[Any, ...]] = Counter()
+    for e in events:
+        if isinstance(e, AllocationDenied):
+            denials[(e.job_id, e.attempt)] += 1
+        for k in identities(e):
+            keys[(*k, denials[(e.job_id, e.attempt)]) if isinstance(e, AllocationRequested) else k] += 1
     return found + [f"{k} decided {n} times" for k, n in keys.items() if n > 1]
 
 

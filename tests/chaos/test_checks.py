@@ -1,12 +1,19 @@
-"""What the chaos and nemesis runs count as a lost step (tests/chaos/checks.py `lineage`)."""
+"""What the chaos and nemesis runs count as a lost step and as a decision taken twice (tests/chaos/checks.py)."""
 
 from types import SimpleNamespace
 from typing import Any
 
 from flightdeck.events.base import Event
-from flightdeck.events.job import AllocationGranted, JobResumed, SlotRef, WorkersExited
+from flightdeck.events.job import (
+    AllocationDenied,
+    AllocationGranted,
+    AllocationRequested,
+    JobResumed,
+    SlotRef,
+    WorkersExited,
+)
 from flightdeck.events.training import StepCompleted
-from tests.chaos.checks import lineage
+from tests.chaos.checks import lineage, repeated_decisions
 
 J = "j"
 
@@ -40,3 +47,14 @@ def test_a_step_a_killed_rank_trained_but_never_reported_is_not_lost() -> None:
 def test_a_step_no_rank_reported_or_a_rank_that_exited_on_its_own_did_not_is_lost() -> None:
     assert run(-9, peer_reports_3=False) == [3]
     assert run(3) == [3]  # a crash by its own hand reports what it did first (its link is flushed on the way out)
+
+
+def test_a_request_asked_again_after_its_denial_is_a_new_decision_and_one_asked_twice_is_not() -> None:
+    """The nemesis (seed 6): the only node was cordoned for a failed read, attempt 4's request was denied, and asked
+    again once the node was back: two requests of one attempt, the second a decision of its own."""
+    def ask(n: int) -> AllocationRequested:
+        return AllocationRequested(job_id=J, slots=2, attempt=4, event_id=f"scheduler:FD_CONTROL:{n}:0")
+
+    denied = AllocationDenied(job_id=J, attempt=4, reason="needs 2 groups of 1 slot(s)", event_id="resources:1")
+    assert repeated_decisions(rows([ask(1), denied, ask(2)])) == []
+    assert repeated_decisions(rows([ask(1), ask(2)])) == ["('AllocationRequested', 'j', 4, 0) decided 2 times"]

@@ -19,7 +19,17 @@ from flightdeck.events.fleet import NodeCordoned, NodeLost, NodeUncordoned
 from flightdeck.events.job import WorkersStarted
 from flightdeck.events.training import StepCompleted
 from flightdeck.services.shell.objects.local import TMP
-from tests.chaos.harness import CHECKPOINT_EVERY, PACE_S, Chaos, chaos_spec, rank_pids, restart, sigkill, step_reached
+from tests.chaos.harness import (
+    CHECKPOINT_EVERY,
+    PACE_S,
+    Chaos,
+    chaos_spec,
+    ended,
+    rank_pids,
+    restart,
+    sigkill,
+    step_reached,
+)
 from tests.e2e.drill_harness import wait_lineage
 from tests.integration.lifecycle_harness import SERVICES, Platform
 from tests.integration.test_lifecycle_services import Cluster
@@ -119,7 +129,7 @@ async def apply(c: Chaos, job_id: str, move: str, target: str, seconds: float) -
             cordons = len([e for e in p.seen(NodeCordoned) if e.node == "n1"])
             Cluster.agent(p, "n1", "--objects", str(elsewhere), "--grace-s", "2")
             blinded = await _within(lambda: len([e for e in p.seen(NodeCordoned) if e.node == "n1"]) > cordons,
-                                    LOST_S + 10 + seconds)
+                                    LOST_S + 2 + seconds)
             await sigkill(p, "agent-n1")
             back = len([e for e in p.seen(NodeUncordoned) if e.node == "n1"])
             p.agent("n1", "--grace-s", "2")
@@ -161,7 +171,9 @@ async def test_a_seeded_schedule_of_process_faults(chaos: Chaos, seed: int) -> N
     for move, target, seconds in plan:
         done.append(await apply(c, job, move, target, seconds))
         before = steps_seen(p, job)
-        await p.until(lambda before=before: steps_seen(p, job) >= before + 4, 150, "the job to train again", job)
+        # trains on, or ended meanwhile (a blind agent's ranks may run to the last step with every upload lost)
+        await p.until(lambda before=before: steps_seen(p, job) >= before + 4 or ended(p, job), 150,
+                      "the job to train again", job)
     outcome = await c.outcome(job, STEPS, f"nemesis {seed}", done)
     assert await wait_lineage(p, job, STEPS) == []
     assert outcome.held, (seed, done, outcome)
