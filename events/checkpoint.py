@@ -94,7 +94,7 @@ class CheckpointPending(JobEvent, frozen=True, kw_only=True):
 
 
 class CheckpointFailed(JobEvent, frozen=True, kw_only=True):
-    SCHEMA = 2  # 2 added `store`; a failure that is not the store's is still written as version 1
+    SCHEMA = 3  # 2 added `store`, 3 `node`; each is written as the oldest version that holds what it says
 
     step: int
     reason: str
@@ -102,6 +102,9 @@ class CheckpointFailed(JobEvent, frozen=True, kw_only=True):
     # The store refused it (a node could not store its shards, or the commit's writes or read-back failed), as
     # opposed to a set that can never be whole: these count toward CheckpointsFailing.
     store: bool = False
+    # The node whose report the store contradicts: a shard its agent reported stored is missing from the store, or
+    # differs there, read back by the checkpoint service. The node is the suspect, not the store (issue 51).
+    node: str = ""
 
 
 class CheckpointsFailing(JobEvent, frozen=True, kw_only=True):

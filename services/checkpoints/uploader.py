@@ -26,7 +26,12 @@ log = structlog.get_logger(__name__)
 
 
 class Rejected(Exception):
-    """Why a checkpoint cannot be committed; becomes CheckpointFailed.reason."""
+    """Why a checkpoint cannot be committed; becomes CheckpointFailed.reason. `node`: the node whose report of a
+    stored shard the store contradicts (CheckpointFailed.node)."""
+
+    def __init__(self, why: str, node: str = "") -> None:
+        super().__init__(why)
+        self.node = node
 
 
 def build_manifest(args: CommitArgs) -> mf.Manifest:
@@ -43,10 +48,10 @@ async def _verify_shard(store: ObjectStore, args: CommitArgs, rank: StagedRank, 
     try:
         stored = await store.hash_object(key)
     except ObjectNotFound:
-        raise Rejected(f"{where} is not in the store, though its agent reported it stored") from None
+        raise Rejected(f"{where} is not in the store, though its agent reported it stored", rank.node) from None
     if stored != (shard.size, shard.sha256):
         raise Rejected(f"{where} does not match its rank's announcement: the store holds {stored[0]} bytes with "
-                       f"sha256 {stored[1]}, the rank announced {shard.size} bytes with {shard.sha256}")
+                       f"sha256 {stored[1]}, the rank announced {shard.size} bytes with {shard.sha256}", rank.node)
 
 
 async def _verify_all(store: ObjectStore, args: CommitArgs, file_concurrency: int) -> None:
@@ -105,7 +110,7 @@ async def commit(store: ObjectStore, args: CommitArgs, *, file_concurrency: int 
             ours = False  # the prefix belongs to the checkpoint that holds it: leave it alone
             raise Rejected(f"{store.uri(mkey)} already holds a different manifest")
     except Rejected as exc:
-        return await _failed(store, args, str(exc), cleanup=ours)
+        return await _failed(store, args, str(exc), cleanup=ours, node=exc.node)
     except Exception as exc:
         blog.error("checkpoint commit failed", exc_info=True)
         return await _failed(store, args, f"commit failed: {type(exc).__name__}: {exc}", cleanup=ours)
@@ -121,7 +126,8 @@ async def commit(store: ObjectStore, args: CommitArgs, *, file_concurrency: int 
     return [Emit(subjects.job(args.job_id, "CheckpointCommitted"), event)]
 
 
-async def _failed(store: ObjectStore, args: CommitArgs, reason: str, *, cleanup: bool) -> list[Emit]:
+async def _failed(store: ObjectStore, args: CommitArgs, reason: str, *, cleanup: bool,
+                  node: str = "") -> list[Emit]:
     log.warning("checkpoint failed", job_id=args.job_id, checkpoint_id=args.checkpoint_id, reason=reason)
     if cleanup:
         try:
@@ -129,7 +135,7 @@ async def _failed(store: ObjectStore, args: CommitArgs, reason: str, *, cleanup:
         except Exception:  # orphans without a manifest are harmless; the failure is what must be recorded
             log.error("could not remove a failed checkpoint's shards", checkpoint_id=args.checkpoint_id, exc_info=True)
     event = CheckpointFailed(job_id=args.job_id, step=args.step, reason=f"{args.checkpoint_id}: {reason}",
-                             checkpoint_id=args.checkpoint_id, store=True, schema_version=2)
+                             checkpoint_id=args.checkpoint_id, store=True, node=node, schema_version=3 if node else 2)
     return [Emit(subjects.job(args.job_id, "CheckpointFailed"), event)]
 
 

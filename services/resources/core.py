@@ -10,7 +10,7 @@ import msgspec
 
 from flightdeck.events import snapshot, subjects
 from flightdeck.events.base import Event
-from flightdeck.events.checkpoint import CheckpointScrubbed
+from flightdeck.events.checkpoint import CheckpointFailed, CheckpointScrubbed
 from flightdeck.events.clock import CoreConfigured
 from flightdeck.events.fleet import (
     NodeCordoned,
@@ -47,6 +47,7 @@ class Node(msgspec.Struct, frozen=True, kw_only=True):
     cordon_reason: str = ""
     lost: bool = False
     snapshot_bytes: int = -1  # its snapshot memory (NodeRegistered); -1: not reported, so not accounted
+    unreached: int = 0  # its reports of stored shards the store contradicted since it registered (Settings.writers)
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True):
@@ -59,6 +60,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # job waiting for slots says what holds it (issue 51: one sat in `recovering` for 10 minutes saying "0 free
     # slots on 0 nodes"); "counts" for histories recorded before, so that they still verify.
     denials: Literal["counts", "named"] = "counts"
+    # "judged": a node whose agent reported shards stored that the store does not hold (CheckpointFailed.node, the
+    # checkpoint service's read) UNREACHED_AFTER times since it registered is cordoned `store: ...` (its writes go
+    # elsewhere: a wrong mount or bucket); "trusted" for histories recorded before, so that they still verify.
+    writers: Literal["trusted", "judged"] = "trusted"
 
     def __post_init__(self) -> None:
         if not (1024 <= self.base <= 65535 and 1 <= self.span <= 65536 - self.base):
@@ -148,6 +153,23 @@ def _blind(state: State, ev: CheckpointScrubbed) -> Transition:
                    f"checkpoint service read back intact from the store ({ev.claim_cause[:300]})")
 
 
+UNREACHED_AFTER = 2  # one contradiction may be a write lost in flight; two since its registration are the node's
+
+
+def _unreached(state: State, ev: CheckpointFailed) -> Transition:
+    """The store (read by the checkpoint service) contradicts a node's report that it stored a set's shards: after
+    UNREACHED_AFTER such since it registered, the node is the suspect, cordoned until it registers again with a
+    passed self-check (a fixed mount); the job's own incident (CheckpointsFailing) is the checkpoint service's."""
+    node = state.nodes.get(ev.node)
+    if state.settings.writers != "judged" or node is None:
+        return state, ()
+    state = _with_node(state, ev.node, unreached=node.unreached + 1)
+    if node.unreached + 1 < UNREACHED_AFTER or node.cordoned:
+        return state, ()
+    return _cordon(state, ev.node, f"{BLIND_CORDON}its agent reported shards stored that the store does not hold, "
+                                   f"{node.unreached + 1} times since it registered ({ev.reason[:300]})")
+
+
 def _back(state: State, name: str) -> Transition:
     """A node found lost whose agent registered again and passed its self-check is usable again: the loss cordon
     (and only that one: an operator's or a failed self-check's stays) is lifted, recorded as NodeUncordoned. An
@@ -224,7 +246,7 @@ def transition(state: State, event: Event) -> Transition:
             return msgspec.structs.replace(state, settings=msgspec.convert(event.settings, Settings)), ()
         case NodeRegistered(node=name):
             return _with_node(state, name, kind=event.kind, slots=event.slots, spare=event.spare,
-                              address=event.address, lost=False, snapshot_bytes=event.snapshot_bytes), ()
+                              address=event.address, lost=False, snapshot_bytes=event.snapshot_bytes, unreached=0), ()
         case NodeCordoned(node=name, reason=reason):
             return _with_node(state, name, cordoned=True, cordon_reason=reason), ()
         case NodeUncordoned(node=name):
@@ -237,6 +259,8 @@ def transition(state: State, event: Event) -> Transition:
             return _cordon(state, name, f"{LOST_CORDON}{reason}", lost=True)
         case CheckpointScrubbed():
             return _blind(state, event)
+        case CheckpointFailed(node=node) if node:
+            return _unreached(state, event)
         case AllocationRequested():
             return _allocate(state, event)
         case AllocationReleased(job_id=job_id, attempt=attempt):
@@ -248,14 +272,14 @@ def transition(state: State, event: Event) -> Transition:
 
 
 CONTROL_TYPES = ("AllocationRequested", "AllocationReleased", "JobCompleted", "JobFailed", "JobCancelled",
-                 "CheckpointScrubbed")
+                 "CheckpointScrubbed", "CheckpointFailed")
 FLEET_TYPES = ("NodeRegistered", "NodeCordoned", "NodeUncordoned", "SelfCheckPassed", "SelfCheckFailed", "NodeLost")
 
 
 def core_service(*, ports: Settings | None = None) -> Service[State]:
     """The resources core wired as a Service, starting from this port range; the shell adds consumers, effects
     and logging."""
-    chosen = msgspec.structs.replace(ports or Settings(), denials="named")
+    chosen = msgspec.structs.replace(ports or Settings(), denials="named", writers="judged")
     return Service(
         name=NAME,
         initial=State(settings=chosen),
@@ -264,5 +288,5 @@ def core_service(*, ports: Settings | None = None) -> Service[State]:
                           *(f"fd.ctl.node.*.{t}" for t in FLEET_TYPES)),
         wants_tick=lambda state, now: False,  # nothing here waits on time
         settings=msgspec.structs.asdict(chosen),
-        unrecorded=msgspec.structs.asdict(msgspec.structs.replace(chosen, denials="counts")),
+        unrecorded=msgspec.structs.asdict(msgspec.structs.replace(chosen, denials="counts", writers="trusted")),
     )

@@ -142,12 +142,14 @@ async def test_the_commit_reads_the_store_back_and_refuses_what_differs_from_the
     assert isinstance(ev, CheckpointFailed)
     assert "shard '__1_0.distcp' of rank 1 (stored by node n0) does not match its rank's announcement: the store " \
            "holds 14 bytes" in ev.reason, ev.reason
+    assert ev.node == "n0" and ev.schema_version == 3  # the node's word against the store's: the node is the suspect
     assert await store.list("") == []
     args = await commit_args(store, stage(tmp_path / "staging", 70), tmp_path / "staging")
     await store.delete(mf.shard_key(JOB, args.checkpoint_id, ".metadata"))
     ev = await commit(store, args)
     assert isinstance(ev, CheckpointFailed) and "'.metadata' of rank 0 (stored by node n0) is not in the store" \
         in ev.reason, ev.reason
+    assert ev.node == "n0"
     assert await store.list("") == []
 
 

@@ -62,8 +62,9 @@ async def test_a_replay_anywhere_uses_the_settings_the_live_service_recorded(
                     proc.kill()
 
         recorded = await settings_recorded(bus.store)
-        assert [c.settings for c in recorded] == [{"base": 40000, "span": 10, "denials": "named"},
-                                                  {"base": 41000, "span": 5, "denials": "named"}]
+        named = {"denials": "named", "writers": "judged"}
+        assert [c.settings for c in recorded] == [{"base": 40000, "span": 10, **named},
+                                                  {"base": 41000, "span": 5, **named}]
         live = await grants(bus.store)
         assert [g.master_port in range(int(b), int(b) + int(s)) for g, (b, s) in zip(live, ranges, strict=True)] \
             == [True, True]

@@ -221,3 +221,35 @@ def test_a_denial_names_the_nodes_placement_could_not_use_and_why() -> None:
     _, old = step(SVC, before, AllocationRequested(job_id="job-1", slots=4, attempt=0))
     (old_denial,) = events_of(old)
     assert isinstance(old_denial, AllocationDenied) and "not usable" not in old_denial.reason
+
+
+def test_a_node_whose_reported_writes_the_store_does_not_hold_is_cordoned_until_it_comes_back_fixed() -> None:
+    """Its agent wrote to another store (a wrong mount or bucket) and reported the shards stored; the checkpoint
+    service's read of the store contradicts it (the nemesis: every checkpoint of a blind agent failed, counted as the
+    store's fault). Twice since it registered, and the node is the suspect; registered again with a passed
+    self-check, it is usable again."""
+    from flightdeck.events.checkpoint import CheckpointFailed
+
+    def contradicted(n: int) -> CheckpointFailed:
+        return CheckpointFailed(job_id="job-1", step=10 * n, checkpoint_id=f"c{n}", store=True, node="a",
+                                reason=f"c{n}: shard 'r0.bin' of rank 0 (stored by node a) is not in the store, though "
+                                       "its agent reported it stored")
+
+    state = fleet(("a", 2), ("b", 2))
+    state, outs = step(SVC, state, contradicted(1))
+    assert events_of(outs) == []  # one may be a write lost in flight
+    state, outs = step(SVC, state, contradicted(2))
+    (cordon,) = events_of(outs)
+    assert isinstance(cordon, NodeCordoned) and cordon.node == "a"
+    assert cordon.reason.startswith("store: its agent reported shards stored that the store does not hold, 2 times")
+    state, outs = step(SVC, state, contradicted(3))
+    assert events_of(outs) == []  # cordoned once
+    state, _ = step(SVC, state, NodeRegistered(node="a", kind="gpu", slots=2))
+    state, outs = step(SVC, state, SelfCheckPassed(node="a", seconds=1.0))
+    assert [type(e).__name__ for e in events_of(outs)] == ["NodeUncordoned"]
+    state, outs = step(SVC, state, contradicted(4))
+    assert events_of(outs) == []  # counted afresh since it registered
+    before = State(settings=Settings())  # a history recorded before: the node's word was not judged
+    for ev in [NodeRegistered(node="a", kind="gpu", slots=2), contradicted(1), contradicted(2)]:
+        before, outs = step(SVC, before, ev)
+        assert events_of(outs) == []

@@ -35,7 +35,7 @@ async def test_an_old_history_verifies_with_the_defaults_whatever_the_environmen
         "(stop_timeout_s=120.0, landing_timeout_s=120.0, memory_wait=no, phases=no, restores=granted, claims=trust, "
         "agent_faults=charged)",
         "resources: no settings recorded in this history: replayed with the defaults (base=29500, span=1000, "
-        "denials=counts)",
+        "denials=counts, writers=trusted)",
         "checkpoints: no settings recorded in this history: replayed with the defaults "
         "(scrub_every_s=86400.0, scrub_mb_s=64.0, shards_from=staging, announce_pending=no, settle_on_exits=no, "
         "supersede=no, retention=commits, claims=trust, failing_after=0, fence=none, final_late=kept)",
@@ -46,7 +46,8 @@ async def test_an_old_history_verifies_with_the_defaults_whatever_the_environmen
                                                  "memory_wait": "promised", "phases": "yes",
                                                  "restores": "requested", "claims": "verify",
                                                  "agent_faults": "free"},
-                                                {"base": 29500, "span": 1000, "denials": "named"}]
+                                                {"base": 29500, "span": 1000, "denials": "named",
+                                                 "writers": "judged"}]
 
 
 def test_a_core_with_its_defaults_decides_like_the_live_one_once_it_folds_the_recorded_settings() -> None:

@@ -59,7 +59,9 @@ FAULT_KINDS_V5 = (*FAULT_KINDS_V4, "crash_side", "age_out")
 # checkpoints committed since are missing there, older ones are found
 # store_refusing: a node's agent can no longer write the object store (its credentials read-only, its mount full):
 # every upload from it fails, the other nodes' go on
-FAULT_KINDS = (*FAULT_KINDS_V5, "store_stale", "store_refusing")
+# store_elsewhere: a node's agent writes to another store and reports its shards stored (a wrong mount or bucket):
+# the checkpoint service's read of the store contradicts it, and the node, not the store, is the suspect
+FAULT_KINDS = (*FAULT_KINDS_V5, "store_stale", "store_refusing", "store_elsewhere")
 POLICY = PolicySpec(heartbeat_interval_s=0.5, heartbeat_misses=4, hang_min_s=3.0, max_restarts=8, spike_warmup=8,
                     spike_window=12, rollback_steps_back=5, rollback_skip_batches=4, commit_wait_s=2.0,
                     max_skip_fraction=1.0,  # no operator answers a pause here: every spike rolls back
@@ -110,7 +112,7 @@ def plan(seed: int, *, num_faults: int | None = None, kinds: Sequence[str] = FAU
                 faults.append(Fault(at, kind, target, rng.choice(CRASH_POINTS) if kind == "crash" else ""))
             case "rank_crash" | "rank_kill" | "rank_term" | "rank_hang" | "spike" | "poison" | "glitch":
                 faults.append(Fault(at, kind, f"job{rng.randrange(len(jobs))}", str(rng.randrange(2))))
-            case "agent_vanish" | "store_blind" | "store_stale" | "store_refusing":
+            case "agent_vanish" | "store_blind" | "store_stale" | "store_refusing" | "store_elsewhere":
                 faults.append(Fault(at, kind, rng.choice(NODES)))
             case "agent_freeze":
                 faults.append(Fault(at, kind, rng.choice(NODES), f"{rng.uniform(1.0, 8.0):.1f}"))
@@ -162,6 +164,7 @@ class World:
         self.frozen_at: dict[str, float] = {}  # ... and when it froze
         self.blind: set[str] = set()  # nodes whose agent cannot read the platform's object store
         self.stale: dict[str, float] = {}  # node -> since when its agent's view of the store stopped moving
+        self.elsewhere: set[str] = set()  # nodes whose agent writes to another store (store_elsewhere)
         self.committed_at: dict[tuple[str, str], float] = {}  # (job, checkpoint id) -> when its commit was stored
         self.full = False  # the object store refuses every write
         self.job_ids: list[str] = []
@@ -208,6 +211,13 @@ class World:
             failed = CheckpointFailed(job_id=args.job_id, step=args.step, checkpoint_id=args.checkpoint_id, store=True,
                                       reason=f"{args.checkpoint_id}: commit failed: OSError: [Errno 28] No space left "
                                              "on device", schema_version=2)
+            return [Emit(subjects.job(args.job_id, "CheckpointFailed"), failed)]
+        misdirected = sorted({r.node for r in args.ranks} & self.elsewhere) if isinstance(args, CommitArgs) else []
+        if isinstance(args, CommitArgs) and misdirected:  # as uploader.commit when its read-back finds no shard
+            failed = CheckpointFailed(
+                job_id=args.job_id, step=args.step, checkpoint_id=args.checkpoint_id, store=True, node=misdirected[0],
+                reason=f"{args.checkpoint_id}: shard 'r0.bin' (stored by node {misdirected[0]}) is not in the store, "
+                       "though its agent reported it stored", schema_version=3)
             return [Emit(subjects.job(args.job_id, "CheckpointFailed"), failed)]
         if isinstance(args, CommitArgs):
             self.committed_at[(args.job_id, args.checkpoint_id)] = self.clock()
@@ -376,6 +386,8 @@ class World:
                 self.stale.setdefault(f.target, self.clock())
             case "store_refusing":
                 self.ranks.refusing.add(f.target)
+            case "store_elsewhere":
+                self.elsewhere.add(f.target)
             case "store_full":
                 self.full = True
             case "age_out":  # the oldest part of what the stream holds now
