@@ -33,7 +33,7 @@ from flightdeck.services.checkpoints.core import THROWN_AWAY
 from flightdeck.services.shell.deadletter import given_up
 from flightdeck.services.shell.fold import replay, same_decision
 from flightdeck.services.shell.objects import segments
-from flightdeck.services.tools.explore.world import Run
+from flightdeck.services.tools.explore.world import NODES, Run
 from flightdeck.services.tools.history import jobview
 from flightdeck.services.tools.history.archived import stream_rows
 
@@ -56,6 +56,7 @@ async def violations(run: Run) -> list[str]:
     out += _lineage_reported(run, control)
     out += await _history_whole(run, control)
     out += _waits_say_why(run, control)
+    out += _lost_nodes_return(run, control)
     out += [m for shell in run.shells.values() for m in shell.snapshot_mismatches]
     for name in VERIFIED:
         out += await _replay_reproduces(run, name, control)
@@ -183,6 +184,21 @@ def _waits_say_why(run: Run, control: list[Stored]) -> list[str]:
             if e.phase not in ("running", "completed", "failed", "cancelled") and not e.reason \
                     and until - at > WAIT_BOUND_S:
                 out.append(f"{job_id} waited {until - at:.0f}s in {e.phase} (attempt {e.attempt}) with no reason")
+    return out
+
+
+def _lost_nodes_return(run: Run, control: list[Stored]) -> list[str]:
+    """A node declared lost whose agent still runs (frozen and resumed, or idle and slow) has registered again since
+    (issue 51: an agent frozen 20 s left its node lost for ever). Nodes whose agent vanished, or is frozen as the run
+    ends, are not asked to."""
+    out = []
+    for node in NODES:
+        if node in run.ranks.nodes_down or node in run.ranks.frozen or not run.shells[f"agent-{node}"].up:
+            continue
+        lost = [s.seq for s in control if s.subject == subjects.node(node, "NodeLost")]
+        back = [s.seq for s in control if s.subject == subjects.node(node, "NodeRegistered")]
+        if lost and not any(seq > lost[-1] for seq in back):
+            out.append(f"{node} was declared lost and its agent runs on, but it never registered again")
     return out
 
 
