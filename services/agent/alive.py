@@ -36,7 +36,6 @@ class Alive:
                  interval_s: float = IDLE_BEAT_S) -> None:
         self.store, self.node, self.producer, self.busy, self.interval_s = store, node, producer, busy, interval_s
         self.task: asyncio.Task[None] | None = None
-        self.sent = 0
 
     def start(self) -> None:
         self.task = asyncio.create_task(self._beat())
@@ -55,7 +54,6 @@ class Alive:
                                 producer=self.producer, event_id=f"{self.producer}:alive:{uuid.uuid4().hex[:12]}")
                 try:
                     await self.store.append(subject, ev, msg_id=ev.event_id)
-                    self.sent += 1
                 except TRANSIENT as exc:  # the broker is away: the monitor counts silence from its return
                     log.warning("sign of life not sent; the next one follows", error=repr(exc))
             await asyncio.sleep(self.interval_s)

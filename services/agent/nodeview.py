@@ -27,7 +27,7 @@ def coarse(n: int) -> int:
     """`n` bytes rounded down to its top five bits (within 1/16th), at least a MiB's worth: a snapshot's slots are
     rewritten in place every step, so what they hold moves by a few pages, and a view that moves is an event."""
     if n <= 0:
-        return max(n, 0) if n == 0 else -1
+        return 0 if n == 0 else -1
     step = max(2**20, 2 ** max(n.bit_length() - 5, 0))
     return n // step * step
 
