@@ -37,7 +37,7 @@ from flightdeck.events.nodelocal import RESTORE_REFUSED_EXIT, STOPPED_EXIT
 from flightdeck.events.plan import ParallelPlan, coordinates, unplanned
 from flightdeck.events.spec import JobSpec
 from flightdeck.events.training import FaultInjected, RankStarted, SnapshotsOff
-from flightdeck.trainer import checkpointing, faults, loaders, modelinfo, restore_points, rollback, snapshots
+from flightdeck.trainer import checkpointing, faults, loaders, modelinfo, restore_points, rollback, seeding, snapshots
 from flightdeck.trainer.config import RunConfig
 from flightdeck.trainer.cursor import BatchCursor, Step
 from flightdeck.trainer.distributed import Dist
@@ -100,6 +100,7 @@ class Run:
         self._nan = False
         self._names: set[frozenset[str]] = set()  # metric-name sets already checked
         self._cmd_decoder = msgspec.msgpack.Decoder(list[bytes])
+        self._seed: int | None = None  # the script's seed of this rank, before any restore (trainer/seeding.py)
 
     # -- what a script calls -------------------------------------------------------------------------
 
@@ -110,6 +111,7 @@ class Run:
             raise refused(RuntimeError("register(...) comes before restore() and steps(): the state to restore "
                                        "into must be known first"))
         self.state = TrainState(model, optimizer, extras, rank=self.rank, device=self.device)
+        self._seed = seeding.base()
         plan, described = self._plan, None
         if model is not None and plan is not None and plan.pp > 1 and self.dist.ctl_group is not None:
             at = coordinates(plan, self.rank)  # a stage's blocks only: the model is the stages' sum
@@ -130,6 +132,8 @@ class Run:
         if self.restored:
             return self.step
         self.restored = True
+        if self._seed is None:  # before a restore sets the generator's state (and its seed) to the checkpoint's
+            self._seed = seeding.base()
         path = self.cfg.restore
         if path is None and self.cfg.resume_local:
             path = restore_points.newest_local(self.cfg.staging / self.job_id, self.dist)
@@ -187,6 +191,7 @@ class Run:
             step, index, started = self.step, self.cursor.next_index(), time.perf_counter()
             self._before_step(step, index)  # a drill's slow rank sleeps here: part of the step's time
             self._current, self._reported = (step, index, started), False
+            seeding.seed_step(self._seed, step)  # type: ignore[arg-type]  # restore() set it
             yield Step(step, index)
             self.reporter.end_step(step, started, self._reported)  # its report goes out now, with its whole time
             self._current = None

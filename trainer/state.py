@@ -18,6 +18,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from flightdeck.trainer import untouched
 from flightdeck.trainer.usage import refused
 
 
@@ -73,13 +74,17 @@ class TrainState:
         self._groups: dict[str, tuple[int, str]] = {}  # optim.param_groups.<i>.<name> -> (i, name), read fresh
         self._settled: tuple[tuple[int, ...] | None, frozenset[str]] = (None, frozenset())
         self._own_groups: list[list[str]] = []  # each optimizer group's parameter names here (load_target)
+        self._fresh_saved = False  # the checkpoint being loaded holds no optimizer state (load_target)
 
-    def _model_state(self) -> dict[str, Any]:
+    def _model_state(self) -> tuple[dict[str, Any], bool]:
+        """get_state_dict's nested items, and whether the optimizer is fresh (no state yet: the items' optimizer
+        state is what torch made up for it, and the optimizer holds none of it: trainer/untouched.py)."""
         if self.model is None:
-            return {}
+            return {}, False
         optims = (self.optimizer,) if self.optimizer is not None else ()
-        model_sd, optim_sd = get_state_dict(self.model, optims)
-        return {"model": model_sd, "optim": optim_sd} if optims else {"model": model_sd}
+        with untouched.untouched(self.optimizer) as fresh:
+            model_sd, optim_sd = get_state_dict(self.model, optims)
+        return ({"model": model_sd, "optim": optim_sd} if optims else {"model": model_sd}), fresh
 
     def _mark(self) -> tuple[int, ...] | None:
         """Which tensor objects, over which memory, hold the model's and optimizer's state now."""
@@ -109,7 +114,10 @@ class TrainState:
             for key, (i, name) in self._groups.items():
                 flat[key] = self.optimizer.param_groups[i][name]  # type: ignore[union-attr]
             return flat
-        flat, _ = flatten_state_dict(self._model_state())
+        nested, fresh = self._model_state()
+        flat, _ = flatten_state_dict(nested)
+        if fresh:  # saved as it is: groups, no state (a restore leaves the optimizer as fresh)
+            flat = untouched.without_state(flat)
         groups: dict[str, tuple[int, str]] = {}
         for key, value in flat.items():
             parts = key.split(".")
@@ -152,12 +160,16 @@ class TrainState:
         """What to load, nested as `get_state_dict` gives it (DCP loads into it in place): the model and
         optimizer items (all required), this rank's RNG and extras when they were saved; the model's alone with
         `model_only`."""
-        dest: dict[str, Any] = self._model_state()
+        dest, _ = self._model_state()
         if model_only:
             return {"model": dest["model"]} if "model" in dest else {}
         # Which parameters each group holds is this rank's own: a checkpoint keeps one rank's list, and a pipeline
         # stage's is not another's (a restore into another layout once gave stage 0 stage 1's, and AdamW failed).
         self._own_groups = [list(g["params"]) for g in dest.get("optim", {}).get("param_groups", [])]
+        # saved before the optimizer's first step: no state to load, and none to keep (a rollback to it)
+        self._fresh_saved = "optim" in dest and not any(k.startswith(untouched.STATE_PREFIX) for k in saved)
+        if self._fresh_saved:
+            dest["optim"] = {"param_groups": dest["optim"]["param_groups"]}
         for kind in ("cpu", "cuda"):
             key = f"rng.{kind}.{self.rank}"
             md = saved.get(key)
@@ -190,8 +202,13 @@ class TrainState:
             if len(groups) == len(self._own_groups):
                 for group, own in zip(groups, self._own_groups, strict=True):
                     group["params"] = own
-            set_state_dict(self.model, optims, model_state_dict=loaded["model"],
-                           optim_state_dict=loaded.get("optim", {}))
+            if self._fresh_saved and self.optimizer is not None:
+                set_state_dict(self.model, (), model_state_dict=loaded["model"], optim_state_dict={})
+                untouched.set_groups(self.optimizer, groups)
+            else:
+                with untouched.untouched(self.optimizer, loading=True):
+                    set_state_dict(self.model, optims, model_state_dict=loaded["model"],
+                                   optim_state_dict=loaded.get("optim", {}))
         if (cpu := loaded.get(f"rng.cpu.{self.rank}")) is not None:
             torch.set_rng_state(cpu)
         if (cuda := loaded.get(f"rng.cuda.{self.rank}")) is not None and self.device.type == "cuda":

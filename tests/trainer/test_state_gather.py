@@ -45,7 +45,8 @@ def test_reused_items_are_what_a_fresh_gather_gives_at_every_step(make: Any) -> 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
     opt = make(model.parameters())
     state = TrainState(model, opt, {}, rank=0, device=torch.device("cpu"))
-    same(state.live(), model, opt)  # before the first step: no optimizer state yet
+    before = state.live()  # before the first step: the groups, no state (torch's made-up one is not the script's)
+    assert not opt.state and not any(k.startswith("optim.state.") for k in before)
     for i in range(4):
         step(model, opt, lr=0.01 / (i + 1))  # the first step creates the optimizer's state tensors
         same(state.live(), model, opt)
