@@ -33,9 +33,11 @@ class StragglerDetected(Finding, frozen=True, kw_only=True):
 
 
 class NonFiniteLoss(Finding, frozen=True, kw_only=True):
+    SCHEMA = 2  # 2 let `grad_norm` be None (the script reported none); a finding with one is still version 1
+
     step: int
     loss: float
-    grad_norm: float
+    grad_norm: float | None
 
 
 class LossSpikeDetected(Finding, frozen=True, kw_only=True):
@@ -82,6 +84,11 @@ class SpikeDiagnosed(Finding, frozen=True, kw_only=True):
 def spike_onset(ev: LossSpikeDetected) -> int:
     """The first step whose loss carried the spike: its recorded onset (v2), or its one step (v1)."""
     return ev.onset if 0 <= ev.onset <= ev.step else ev.step
+
+
+def nonfinite_summary(ev: NonFiniteLoss) -> str:
+    norm = "not reported" if ev.grad_norm is None else ev.grad_norm
+    return f"non-finite loss at step {ev.step} on rank {ev.rank} (loss {ev.loss}, grad norm {norm})"
 
 
 def spike_summary(ev: LossSpikeDetected) -> str:

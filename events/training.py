@@ -6,11 +6,13 @@ from flightdeck.events.base import RankEvent
 
 
 class StepCompleted(RankEvent, frozen=True, kw_only=True):
-    SCHEMA = 2  # 2 added `metrics`; a step without custom metrics is still written as version 1
+    # 2 added `metrics`, 3 let `grad_norm` be None; a step with neither is still written as version 1
+    SCHEMA = 3
 
     step: int
     loss: float  # NaN and Inf survive msgpack; JSON would turn them into null; the detectors read this one
-    grad_norm: float  # 0: not reported; non-finite is a fault like a non-finite loss
+    # None: not reported (0 in records of version 1 and 2); non-finite is a fault like a non-finite loss
+    grad_norm: float | None
     lr: float  # NaN: not reported (0 in records written before 2026-11-29)
     tokens_per_s: float  # NaN: tokens not reported (0 in records written before 2026-11-29)
     step_time_s: float

@@ -136,10 +136,10 @@ class StepReporter:
 
     def record(self, step: int, values: dict[str, torch.Tensor | float], *, lr: float, tokens: float,
                started: float, scale: float = 1.0, running: bool = False) -> None:
-        """`values` holds "loss", "grad_norm" (0.0 when not known) and the custom metrics; `scale` is applied to
-        the loss when it is read (a drill's spike, or NaN). `running`: the report is of the step running now, which
-        goes out once the step ends (`end_step`), timed from its start to its end: a script may report before its
-        step's work is done (an ETA of "4 ms" came from timing such a step up to its report)."""
+        """`values` holds "loss", "grad_norm" (when the script reported one) and the custom metrics; `scale` is
+        applied to the loss when it is read (a drill's spike, or NaN). `running`: the report is of the step running
+        now, which goes out once the step ends (`end_step`), timed from its start to its end: a script may report
+        before its step's work is done (an ETA of "4 ms" came from timing such a step up to its report)."""
         if not self.cuda:
             read = {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in values.items()}
             if self._open is not None:  # a second report of one step: the first goes out as it stands
@@ -202,7 +202,8 @@ class StepReporter:
         self._last_report = now
         self.step_times.append(step_time)
         loss = float(values.pop("loss")) * scale
-        grad_norm = float(values.pop("grad_norm"))
+        norm = values.pop("grad_norm", None)
+        grad_norm = None if norm is None else float(norm)
         self.losses[step] = loss
         env = self.emitter.envelope
         metrics = {k: float(v) for k, v in values.items()}
@@ -210,8 +211,8 @@ class StepReporter:
                                         tokens_per_s=tokens if math.isnan(tokens) else
                                         tokens / step_time if step_time > 0 else 0.0,
                                         step_time_s=step_time, metrics=metrics,
-                                        schema_version=2 if metrics else 1, **env))
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                                        schema_version=3 if grad_norm is None else 2 if metrics else 1, **env))
+        if not (math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm))):
             self.emitter.emit(RankFault(kind="nonfinite", error_type="NonFiniteLoss", step=step,
                                         message=f"loss {loss}, grad norm {grad_norm} at step {step}", **env))
         self.emitter.set_step(step, step_time)

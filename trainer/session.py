@@ -214,9 +214,9 @@ class Run:
         if isinstance(step, bool) or not isinstance(step, int):
             raise refused(TypeError(f"report(step=...) takes the int step from steps(), "
                                     f"got {type(step).__name__}"))
-        values: dict[str, torch.Tensor | float] = {"loss": checked_value("loss", loss),
-                                                   "grad_norm": 0.0 if grad_norm is None else
-                                                   checked_value("grad_norm", grad_norm)}
+        values: dict[str, torch.Tensor | float] = {"loss": checked_value("loss", loss)}
+        if grad_norm is not None:  # else none: "not reported", never a made-up 0
+            values["grad_norm"] = checked_value("grad_norm", grad_norm)
         if metrics:
             names = frozenset(metrics)
             if names not in self._names:

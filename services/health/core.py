@@ -175,10 +175,11 @@ def _step(state: State, job: JobWatch, r: RankWatch, ev: StepCompleted, out: lis
     job.diagnoses.loss(r.rank, ev.step, ev.loss)
     if r.rank == 0:
         _diagnosed(out, job.diagnoses.stepped(ev.step))
-    finite = math.isfinite(ev.loss) and math.isfinite(ev.grad_norm)
+    finite = math.isfinite(ev.loss) and (ev.grad_norm is None or math.isfinite(ev.grad_norm))
     if job.nonfinite.observe(ev.step, finite) and job.first(r.rank, "NonFiniteLoss", job.nonfinite.episodes):
         _emit(out, NonFiniteLoss(job_id=job.job_id, rank=r.rank, attempt=job.attempt, evidence=[ev.event_id],
-                                   step=ev.step, loss=ev.loss, grad_norm=ev.grad_norm))
+                                   step=ev.step, loss=ev.loss, grad_norm=ev.grad_norm,
+                                   schema_version=2 if ev.grad_norm is None else 1))
     policy = job.policy
     if r.rank == 0:
         spike = job.spikes.observe(ev.step, ev.loss, policy, ev.lr, ev.event_id)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from flightdeck.events import lineage
 from flightdeck.events.checkpoint import DataPosition
-from flightdeck.events.findings import LossSpikeDetected, NonFiniteLoss, spike_onset, spike_summary
+from flightdeck.events.findings import LossSpikeDetected, NonFiniteLoss, nonfinite_summary, spike_onset, spike_summary
 from flightdeck.services.scheduler.policy import Fail
 from flightdeck.services.scheduler.state import Checkpoint, Incident, Job
 
@@ -114,7 +114,7 @@ def symptom(ev: LossFinding) -> str:
         case LossSpikeDetected():
             return spike_summary(ev)
         case NonFiniteLoss():
-            return f"non-finite loss at step {ev.step} on rank {ev.rank} (loss {ev.loss}, grad norm {ev.grad_norm})"
+            return nonfinite_summary(ev)
 
 
 def skipped(windows: tuple[tuple[int, int], ...]) -> int:

@@ -105,3 +105,18 @@ def test_a_step_reported_before_its_work_is_done_is_timed_whole(tmp_path: Path) 
     given = [(e["lr"], e["tokens_per_s"]) for e in logged]
     assert all(math.isnan(float(lr)) and math.isnan(float(tps)) for n, (lr, tps) in enumerate(given) if n != 2), given
     assert given[2][0] == 0.5 and float(given[2][1]) == pytest.approx(100 / reports[2][2])
+
+
+def test_a_gradient_norm_not_reported_is_recorded_as_unknown_never_as_0(tmp_path: Path) -> None:
+    """Issue 52, finding 4: a script that reported no gradient norm showed 0.0, so a comparison of gradient norms
+    between two runs of user scripts checked nothing, silently."""
+    run, _ = ranks.offline_run(tmp_path, {}, steps=3, every=100)
+    try:
+        for step in run.steps():
+            run.report(step, 1.0, **({"grad_norm": 0.0} if step == 1 else {"grad_norm": 2.5} if step == 2 else {}))
+    finally:
+        run.close()
+    logged = ranks.events(tmp_path / "events.jsonl", "StepCompleted")
+    assert [(e["step"], e["grad_norm"], e["schema_version"]) for e in logged] == [(0, None, 3), (1, 0.0, 1),
+                                                                                   (2, 2.5, 1)]
+    assert not ranks.events(tmp_path / "events.jsonl", "RankFault")  # unknown is not non-finite

@@ -105,7 +105,7 @@ def test_every_tag_is_its_class_name_and_unique() -> None:
 def test_a_newer_schema_version_is_refused() -> None:
     wire = codec.encode(StepCompleted(job_id="j", rank=0, step=1, loss=1.0, grad_norm=1.0, lr=1.0, tokens_per_s=1.0,
                                       step_time_s=1.0, schema_version=StepCompleted.SCHEMA + 1))
-    with pytest.raises(codec.UnknownSchemaVersion, match=r"StepCompleted schema version 3 is newer than 2"):
+    with pytest.raises(codec.UnknownSchemaVersion, match=r"StepCompleted schema version 4 is newer than 3"):
         codec.decode(wire)
     assert issubclass(codec.UnknownSchemaVersion, codec.UndecodableEvent)
 

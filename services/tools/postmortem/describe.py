@@ -29,6 +29,7 @@ from flightdeck.events.findings import (
     SpikeDiagnosed,
     StragglerDetected,
     diagnosis_summary,
+    nonfinite_summary,
     spike_summary,
 )
 from flightdeck.events.fleet import NodeCordoned, NodeLost, NodeUncordoned, SelfCheckFailed
@@ -102,7 +103,7 @@ def describe(ev: Event) -> str:
         case SpikeDiagnosed():
             return diagnosis_summary(ev)
         case NonFiniteLoss():
-            return f"non-finite loss at step {ev.step} on rank {ev.rank} (loss {ev.loss}, grad norm {ev.grad_norm})"
+            return nonfinite_summary(ev)
         case StragglerDetected():
             return f"rank {ev.rank} straggling: {ev.step_time_s:.3g} s a step, {ev.factor:.1f}x its peers' " \
                    f"{ev.peer_median_s:.3g} s"
