@@ -71,13 +71,19 @@ class Model(nn.Module):
         super().__init__()
         self.config = c
         per = c.n_layer // stages
-        self.embed = nn.Embedding(c.vocab_size, c.d_model) if stage == 0 else None
+        # Built whole from one seed on every stage, then cut: every layout starts from the same weights (an embedding
+        # made only on stage 0 drew from the seed there alone, and every later stage's blocks started elsewhere).
+        self.embed: nn.Embedding | None = nn.Embedding(c.vocab_size, c.d_model)
         self.layers = nn.ModuleDict({str(i): Block(c) for i in range(c.n_layer)})
-        self.norm = nn.LayerNorm(c.d_model) if stage == stages - 1 else None
-        self.head = nn.Linear(c.d_model, c.vocab_size) if stage == stages - 1 else None
-        for i in range(c.n_layer):  # built whole from one seed, then cut: every layout starts from the same weights
+        self.norm: nn.LayerNorm | None = nn.LayerNorm(c.d_model)
+        self.head: nn.Linear | None = nn.Linear(c.d_model, c.vocab_size)
+        for i in range(c.n_layer):
             if not stage * per <= i < (stage + 1) * per:
                 del self.layers[str(i)]
+        if stage != 0:
+            self.embed = None
+        if stage != stages - 1:
+            self.norm = self.head = None
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:

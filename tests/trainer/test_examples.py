@@ -19,6 +19,9 @@ from flightdeck.services.shell.broker import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 REPO = Path(__file__).resolve().parents[2]
+# How far one layout's losses may part from another's over 15 steps (relative): their sums run in another order.
+# Measured 1.5e-7 at most (TP 2 x PP 2, TP 2, PP 2 against one rank; docs/user-code.md): held at 1e-6.
+LAYOUT_TOLERANCE = 1e-6
 
 
 def spec(tmp: Path, steps: int, faults: str = "") -> Path:
@@ -138,6 +141,15 @@ def test_tp_pp_trains_as_planned_and_its_checkpoint_restores_into_other_layouts(
     assert (model["layers"], model["heads"], model["micro_batch"] * model["grad_accum"] * model["dp"]) == (4, 4, 8)
     # the whole model's parameters, though rank 0 holds the first stage's blocks only (54,528: 27,200 of them its own)
     assert (model["params"], model["param_bytes"]) == (54_528, 4 * 54_528)
+    # Every layout starts from the same weights and trains as one rank alone would, but for the order of its sums
+    # (issue 52, finding 3: stage 0 alone drew the embedding, and 4 ranks began at 4.357 against 4.302 alone).
+    one = tmp_path / "one"
+    one.mkdir()
+    done = torchrun(one, "tp_pp", layout_spec(one, 1, 1), ranks=1)
+    assert done.returncode == 0, done.stderr[-3000:]
+    alone = {e["step"]: e["loss"] for e in events(one, "StepCompleted", rank=0)}
+    assert sorted(alone) == sorted(whole)
+    assert max(abs(whole[s] - alone[s]) / abs(alone[s]) for s in alone) <= LAYOUT_TOLERANCE
     ckpt = four / ".flightdeck" / "staging" / "local" / "step-10"
     for ranks, tp, pp, dp in ((2, 2, 1, 1), (2, 1, 2, 1), (4, 2, 1, 2)):  # the last: FSDP2 over DP 2, with TP
         other = tmp_path / f"tp{tp}-pp{pp}-dp{dp}"
@@ -148,4 +160,4 @@ def test_tp_pp_trains_as_planned_and_its_checkpoint_restores_into_other_layouts(
         resumed = {e["step"]: e["loss"] for e in events(other, "StepCompleted", rank=0)}
         assert sorted(resumed) == list(range(10, 15))
         for step in range(10, 15):
-            assert resumed[step] == pytest.approx(whole[step], rel=1e-5), (tp, pp, dp, step)
+            assert resumed[step] == pytest.approx(whole[step], rel=LAYOUT_TOLERANCE), (tp, pp, dp, step)
