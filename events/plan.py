@@ -1,5 +1,7 @@
 """Parallel plans: how a job's model is laid out over the slots it has."""
 
+from collections.abc import Iterator
+
 import msgspec
 
 from flightdeck.events.base import JobEvent
@@ -49,11 +51,32 @@ def nearest_layouts(world: int, tp: int, pp: int) -> list[tuple[int, int]]:
     return sorted(found, key=lambda layout: (-layout[0] * layout[1], -layout[0]))
 
 
-def unplanned(world: int, tp: int = 1, pp: int = 1) -> ParallelPlan:
+MIN_MICRO_BATCHES_PER_STAGE = 4  # a pipeline's micro-batches per stage, at least: its bubble stays small
+
+
+def batch_splits(per_replica: int, pp: int) -> Iterator[tuple[int, int, int]]:
+    """(micro_batch_size, micro_batches, grad_accum) for one replica's share, largest micro-batch first."""
+    divisors = [d for d in range(per_replica, 0, -1) if per_replica % d == 0]
+    for size in divisors:
+        count = per_replica // size
+        if pp == 1:
+            yield size, 1, count
+        elif count >= MIN_MICRO_BATCHES_PER_STAGE * pp:
+            yield size, count, 1
+
+
+def unplanned(world: int, tp: int = 1, pp: int = 1, global_batch: int = 0) -> ParallelPlan:
     """A rank's layout when no plan was recorded (no resharder, or no platform): the asked TP x PP nearest to what
-    the world holds, data parallelism over the rest, and as many micro-batches as stages (the fewest 1F1B takes)."""
+    the world holds, data parallelism over the rest, and the batch split as the planner splits it when the layout
+    fits (services/resharder/planner.py): a script run alone then sums its micro-batches as on the platform, and
+    trains bitwise alike. Without a `global_batch` it splits over, as many micro-batches as stages."""
     t, p = nearest_layouts(world, tp, pp)[0]
-    return ParallelPlan(world_size=world, dp=world // (t * p), tp=t, pp=p, micro_batches=max(1, p))
+    dp = world // (t * p)
+    if global_batch > 0 and global_batch % dp == 0:
+        for size, micro, accum in batch_splits(global_batch // dp, p):
+            return ParallelPlan(world_size=world, dp=dp, tp=t, pp=p, micro_batches=micro, grad_accum=accum,
+                                micro_batch_size=size)
+    return ParallelPlan(world_size=world, dp=dp, tp=t, pp=p, micro_batches=max(1, p))
 
 
 class ReshardPlanned(JobEvent, frozen=True, kw_only=True):

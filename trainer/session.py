@@ -245,7 +245,8 @@ class Run:
         to what the world holds, or plain data parallelism."""
         if self._plan is None:
             recorded = self.inbox.plan(self.world_size, PLAN_WAIT_S) if self.cfg.platform else None
-            self._plan = recorded or unplanned(self.world_size, self.spec.parallel.tp, self.spec.parallel.pp)
+            self._plan = recorded or unplanned(self.world_size, self.spec.parallel.tp, self.spec.parallel.pp,
+                                               self.spec.train.batch_size)
             log.info("parallel plan", recorded=recorded is not None, plan=msgspec.to_builtins(self._plan))
         return self._plan
 

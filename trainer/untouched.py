@@ -60,13 +60,16 @@ def untouched(optimizer: torch.optim.Optimizer | None, *, loading: bool = False)
         yield False
         return
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    before = [p.detach().clone() for p in params]  # once per fresh optimizer's read: it is never stepped again
+    # Each rank's own shard of a DTensor: comparing whole DTensors is a collective, and ranks of other pipeline
+    # stages hold other parameters (a pipeline hung on it, each stage in another collective)
+    local = [getattr(p, "_local_tensor", p) for p in params]
+    before = [t.detach().clone() for t in local]  # once per fresh optimizer's read: it is never stepped again
     with _hooks_off(optimizer):
         _init_optim_state(optimizer)
     with torch.no_grad():
-        for p, was in zip(params, before, strict=True):
-            if not torch.equal(p, was):  # an update that ignores the learning rate (a relative-step Adafactor)
-                p.copy_(was)
+        for t, was in zip(local, before, strict=True):
+            if not torch.equal(t, was):  # an update that ignores the learning rate (a relative-step Adafactor)
+                t.copy_(was)
     for p in params:
         p.grad = None  # they were (fresh() says so); torch's zero_grad leaves them so too
     try:

@@ -5,16 +5,14 @@ Why it works this way: docs/internals.md, "4. Resources and the resharder".
 """
 
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 
-from flightdeck.events.plan import ParallelPlan, bubble, nearest_layouts
+from flightdeck.events.plan import MIN_MICRO_BATCHES_PER_STAGE, ParallelPlan, batch_splits, bubble, nearest_layouts
 from flightdeck.services.resharder import memory
 from flightdeck.services.resharder.gpus import GpuType
 from flightdeck.services.resharder.memory import MemoryEstimate
 from flightdeck.services.resharder.shapes import ModelShape
 
-MIN_MICRO_BATCHES_PER_STAGE = 4
 ZERO_STAGES = (0, 1, 2, 3)
 SECONDS_PER_DAY = 86_400
 
@@ -65,16 +63,6 @@ def layouts(model: ModelShape, slots: Slots, global_batch: int) -> list[tuple[in
                 continue
             found.append((tp, pp, dp))
     return sorted(found, key=lambda layout: (layout[0] * layout[1], layout[1]))
-
-
-def batch_splits(per_replica: int, pp: int) -> Iterator[tuple[int, int, int]]:
-    """(micro_batch_size, micro_batches, grad_accum) for one replica's share, largest micro-batch first."""
-    for size in reversed(divisors(per_replica)):
-        count = per_replica // size
-        if pp == 1:
-            yield size, 1, count
-        elif count >= MIN_MICRO_BATCHES_PER_STAGE * pp:
-            yield size, count, 1
 
 
 def plan(model: ModelShape, slots: Slots, global_batch: int, asked: tuple[int, int] = (1, 1)) -> Planned:

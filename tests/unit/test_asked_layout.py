@@ -86,3 +86,17 @@ def test_the_built_in_trainer_refuses_a_layout_its_model_cannot_split(tp: int, p
     assert check(JobSpec(name="builtin", slots=4, parallel=ParallelSpec(tp=2, pp=2))).parallel.tp == 2
     with pytest.raises(InvalidSpec, match=words):
         check(JobSpec(name="builtin", slots=4, parallel=ParallelSpec(tp=tp, pp=pp)))
+
+
+@pytest.mark.parametrize(("tp", "pp", "slots", "batch"), [(2, 2, 4, 8), (2, 2, 4, 16), (1, 2, 2, 8), (2, 1, 4, 8),
+                                                          (1, 1, 2, 8), (2, 2, 8, 16)])
+def test_a_run_without_a_plan_splits_its_batch_as_the_planner_does(tp: int, pp: int, slots: int, batch: int) -> None:
+    """The same script alone and on the platform sums the same micro-batches, so they train bitwise alike
+    (issue 52: the built-in TP x PP trainer ran 2 micro-batches alone and 8 on the platform, and parted at step 0)."""
+    nodes = [cpu(f"n{i}") for i in range(slots // 2)]
+    _, outs = fold(SERVICE, [*nodes, asking(tp, pp, slots=slots, batch=batch),
+                             grant({f"n{i}": 2 for i in range(slots // 2)})])
+    (planned,) = events_of(outs, ReshardPlanned)
+    alone = unplanned(slots, tp, pp, batch)
+    assert (layout(alone), alone.micro_batches, alone.grad_accum, alone.micro_batch_size) == \
+        (layout(planned.new), planned.new.micro_batches, planned.new.grad_accum, planned.new.micro_batch_size)
