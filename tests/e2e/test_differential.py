@@ -3,6 +3,7 @@ computes alone under torchrun: each step's loss and gradient norm, and the final
 and extras (tests/e2e/differential.py). Snapshots are on, as by default: their reads at step 0 once gave AdamW a
 step before the script's first, and every platform run trained about 1% worse than the script alone (issue 52)."""
 
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,10 @@ BATCHES = [
     [example_case("pytorch_ddp", STEPS, EVERY), example_case("hf_causal_lm", STEPS, EVERY),
      example_case("fsdp2", STEPS, EVERY), builtin("builtin-ddp", 2)],
 ]
+def ended(p: Platform, job: str) -> bool:
+    return bool(p.seen(JobCompleted, job) or p.seen(JobFailed, job))
+
+
 def logs(p: Platform, job: str) -> str:
     return "\n".join(f"{f.name}: {f.read_text()[-1500:]}" for f in sorted((p.data / "logs").glob(f"{job}-*.log")))
 
@@ -52,8 +57,7 @@ async def test_every_script_trains_on_the_platform_exactly_as_alone(drill: Platf
             jobs[job] = case
             started.append(job)
         for job in started:
-            await p.until(lambda job=job: bool(p.seen(JobCompleted, job) or p.seen(JobFailed, job)), 400,
-                          f"{job}'s end", job)
+            await p.until(partial(ended, p, job), 400, f"{job}'s end", job)
             assert p.seen(JobCompleted, job), (kinds(p.job(job)), logs(p, job))
     parted = {}
     for job, case in jobs.items():
