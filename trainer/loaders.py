@@ -42,8 +42,12 @@ class Feed:
         self._it: Iterator[Any] | None = None
 
     def state_dict(self) -> dict[str, Any]:
+        # Not the loader's own before its first batch: asked then, torchdata's StatefulDataLoader makes its iterator
+        # (drawing its seed from the script's RNG) at the snapshot instead of at the first step, and the dropout of a
+        # job on the platform parted from the script alone. Nothing is read yet: a restore starts it afresh.
+        begun = self._it is not None or self.at > 0
         return {"at": self.at, "epoch": self.epoch,
-                "loader": self.loader.state_dict() if self.stateful else None}  # type: ignore[attr-defined]
+                "loader": self.loader.state_dict() if self.stateful and begun else None}  # type: ignore[attr-defined]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.at, self.epoch = int(state["at"]), int(state["epoch"])

@@ -12,8 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from flightdeck.events import nodelocal as nl
+from flightdeck.trainer.loaders import Feed
 from tests.trainer import ranks
 
 STEPS, EVERY, CRASH_AT = 30, 5, 17
@@ -101,3 +104,19 @@ def test_a_loader_resumes_and_skips_on_the_same_samples_as_an_uninterrupted_run(
     assert rows[-1][:2] == (STEPS - 1, STEPS + 2)
     assert all(xs == by_batch.get(b, xs) for _, b, xs in rows)  # the batches the baseline also read: equal
     assert [xs for _, b, xs in rows if b < STEPS] == [by_batch[b] for _, b, _ in rows if b < STEPS]
+
+
+def test_a_snapshot_before_the_first_batch_leaves_the_loaders_draws_to_the_first_step() -> None:
+    """Asked for its state before its first batch, torchdata's StatefulDataLoader made its iterator then, drawing its
+    seed from the script's RNG at the step-0 snapshot rather than at the first step: a job on the platform drew other
+    dropout masks than the script alone (issue 52, tests/e2e/test_differential.py)."""
+    def first(snapshot_first: bool) -> tuple[list[int], float]:
+        data = torch.arange(40).float()
+        feed = Feed(StatefulDataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(7)))
+        if snapshot_first:
+            assert feed.state_dict()["loader"] is None  # nothing read yet: a restore starts it afresh
+        torch.manual_seed(5)  # the step's seed (trainer/seeding.py), set after the boundary's snapshot
+        batch = feed.take(0)
+        return batch.int().tolist(), torch.rand(()).item()  # the batch, and what the step's dropout would draw
+
+    assert first(snapshot_first=True) == first(snapshot_first=False)
