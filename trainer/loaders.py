@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import structlog
 import torch
 
+from flightdeck.trainer import seeding
 from flightdeck.trainer.cursor import Step
 from flightdeck.trainer.state import Stateful
 from flightdeck.trainer.usage import refused
@@ -32,8 +33,8 @@ EXTRA = "flightdeck_loader"  # the name the loader's position is checkpointed un
 class Feed:
     """The loader and how many of its batches the run has read (across epochs): a checkpointed extra."""
 
-    def __init__(self, loader: Iterable[Any]) -> None:
-        self.loader = loader
+    def __init__(self, loader: Iterable[Any], seed: int) -> None:
+        self.loader, self.seed = loader, seed  # the script's seed of this rank (trainer/seeding.py)
         self.stateful = isinstance(loader, Stateful)
         self.at = 0  # batches read from the loader since the run's first: the next one is global batch `at`
         self.epoch = 0  # iterations of the loader begun before the current one
@@ -65,9 +66,9 @@ class Feed:
                 self._begin()
                 if target:
                     log.info("replaying the loader to the restore point", batches=target)
-                for _ in range(target):
+                while self.at < target:  # each batch read as it was first read (_next)
                     self._next()
-                self.at = target
+                    self.at += 1
         if index < self.at:
             raise RuntimeError(f"the run asks for global batch {index}, but the loader is at {self.at}: "
                                "it cannot go back")
@@ -86,19 +87,24 @@ class Feed:
             set_epoch(self.epoch)
         elif self._seed is not None and not restored:
             self.loader.generator.manual_seed(self._seed + self.epoch)  # type: ignore[attr-defined]
-        self._it = iter(self.loader)
+        with seeding.apart(self.seed, self.epoch, "epoch"):  # its workers' base seed, drawn here
+            self._it = iter(self.loader)
 
     def _next(self) -> Any:
+        """The loader's next batch (global batch `at`), read on an RNG of its own: a restore that reads it again,
+        or first, draws what the uninterrupted run drew (a sampler's shuffle, which runs at an epoch's first batch,
+        an augmentation), and the step's dropout never sees the loader's draws."""
         assert self._it is not None
-        try:
-            return next(self._it)
-        except StopIteration:  # the next epoch
-            self.epoch += 1
-            self._begin()
+        with seeding.apart(self.seed, self.at, "batch"):
             try:
                 return next(self._it)
-            except StopIteration:
-                raise RuntimeError("the loader yields no batches") from None
+            except StopIteration:  # the next epoch
+                self.epoch += 1
+                self._begin()
+                try:
+                    return next(self._it)
+                except StopIteration:
+                    raise RuntimeError("the loader yields no batches") from None
 
 
 def batches(run: "Run", loader: Iterable[T], total: int | None = None) -> Iterator[tuple[Step, T]]:
@@ -106,7 +112,7 @@ def batches(run: "Run", loader: Iterable[T], total: int | None = None) -> Iterat
     if run.restored:
         raise refused(RuntimeError("batches(loader) comes before restore(): the loader's position is restored "
                                    "with the run"))
-    feed = Feed(loader)
+    feed = Feed(loader, run.seed)
     run.state.extras[EXTRA] = feed
     for step in run.steps(total):
         yield step, feed.take(step.batch)

@@ -8,7 +8,9 @@ whatever restores a step, from whichever copy, draws what the uninterrupted run 
 stay alike (tensor-parallel peers that must drop the same activations); ranks it seeded apart stay apart. It costs
 one `torch.manual_seed` a step (about 0.1 ms on the CPU); generators the script makes itself are its own."""
 
+import contextlib
 import hashlib
+from collections.abc import Iterator
 
 import torch
 
@@ -20,11 +22,24 @@ def base() -> int:
     return torch.initial_seed()
 
 
-def step_seed(seed: int, step: int) -> int:
-    """The seed of step `step` for a rank whose script seeded `seed`: well mixed, so nearby steps share nothing."""
-    digest = hashlib.blake2b(f"{seed}:{step}".encode(), digest_size=8, person=b"flightdeck-step").digest()
+def step_seed(seed: int, step: int, purpose: str = "step") -> int:
+    """The seed of step `step` for a rank whose script seeded `seed`: well mixed, so nearby steps share nothing.
+    `purpose` keeps apart the seeds of other draws keyed by a number (a data loader's epoch, its batches)."""
+    key = f"{seed}:{step}" if purpose == "step" else f"{purpose}:{seed}:{step}"
+    digest = hashlib.blake2b(key.encode(), digest_size=8, person=b"flightdeck-step").digest()
     return int.from_bytes(digest, "little") & _MASK
 
 
 def seed_step(seed: int, step: int) -> None:
     torch.manual_seed(step_seed(seed, step))
+
+
+@contextlib.contextmanager
+def apart(seed: int, number: int, purpose: str) -> Iterator[None]:
+    """Run the block on the CPU generator seeded for (`purpose`, `number`), and give the script's stream back after:
+    what a data loader draws (its sampler's shuffle, its workers' base seed, a dataset's augmentation) is then a
+    function of the epoch or batch it reads, whenever it reads it (from the start, or after a restore), and never
+    shifts the step's own draws."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(step_seed(seed, number, purpose))
+        yield

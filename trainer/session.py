@@ -191,7 +191,7 @@ class Run:
             step, index, started = self.step, self.cursor.next_index(), time.perf_counter()
             self._before_step(step, index)  # a drill's slow rank sleeps here: part of the step's time
             self._current, self._reported = (step, index, started), False
-            seeding.seed_step(self._seed, step)  # type: ignore[arg-type]  # restore() set it
+            seeding.seed_step(self.seed, step)
             yield Step(step, index)
             self.reporter.end_step(step, started, self._reported)  # its report goes out now, with its whole time
             self._current = None
@@ -237,6 +237,13 @@ class Run:
         self.reporter.record(int(step), values, lr=float("nan" if lr is None else lr), running=current is not None
                              and current[0] == step, tokens=float("nan" if tokens is None else tokens),
                              started=started, scale=scale)  # NaN: not reported, never a made-up 0
+
+    @property
+    def seed(self) -> int:
+        """The seed the script gave this rank, as the trainer API took it at `register` (trainer/seeding.py)."""
+        if self._seed is None:
+            self._seed = seeding.base()
+        return self._seed
 
     @property
     def plan(self) -> ParallelPlan:

@@ -94,8 +94,9 @@ def _without_none(value: Any) -> Any:
     return value
 
 
-def run_alone(tmp: Path, case: Case) -> Outcome:
-    """The case under plain torchrun, no platform; its events from the JSON-lines log, its last staged set."""
+def run_alone(tmp: Path, case: Case, *, restore: Path | None = None, skips: tuple[int, int] | None = None) -> Outcome:
+    """The case under plain torchrun, no platform; its events from the JSON-lines log, its last staged set. With
+    `restore`, from that checkpoint, skipping the batches `skips` (a run that skips what a rollback skipped)."""
     tmp.mkdir(parents=True, exist_ok=True)
     spec_path = tmp / "job.toml"
     spec_path.write_bytes(msgspec.toml.encode(_without_none(msgspec.to_builtins(case.spec))))
@@ -106,6 +107,10 @@ def run_alone(tmp: Path, case: Case) -> Outcome:
     env = {k: v for k, v in os.environ.items() if k not in (nl.JOB_ENV, LINK_ENV, nl.RESTORE_ENV)}
     env.update({"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", nl.SPEC_ENV: str(spec_path),
                 nl.EVENTS_LOG_ENV: str(tmp / "events.jsonl"), nl.DEVICE_ENV: "cpu"})
+    if restore is not None:
+        env[nl.RESTORE_ENV] = str(restore)
+    if skips is not None:
+        env[nl.RESTORE_SKIPS_ENV] = f"{skips[0]}:{skips[1]}"
     for key, value in (case.spec.entrypoint.env.items() if case.spec.entrypoint is not None else ()):
         env[key] = value
     done = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=400)
@@ -128,10 +133,10 @@ def store_folder(p: Platform, job_id: str, checkpoint_id: str) -> Path:
 
 def on_platform(p: Platform, job_id: str, case: Case) -> Outcome:
     """What the job computed: its ranks' step reports as the broker holds them, its last committed checkpoint."""
-    newest: dict[tuple[int, int], StepCompleted] = {}  # a step redone after a restart: the attempt that went on
+    newest: dict[tuple[int, int], StepCompleted] = {}  # a step redone (a restart, a rollback): the newest report
     for ev in p.seen(StepCompleted, job_id, stream=subjects.TELEMETRY):
         if (ev.rank, ev.step) not in newest or ev.attempt >= newest[(ev.rank, ev.step)].attempt:
-            newest[(ev.rank, ev.step)] = ev
+            newest[(ev.rank, ev.step)] = ev  # a rank's reports arrive in its order: a later one of an attempt wins
     steps: dict[int, list[tuple[int, float, float | None]]] = {}
     for (rank, step), ev in sorted(newest.items()):
         steps.setdefault(rank, []).append((step, ev.loss, ev.grad_norm))
@@ -141,6 +146,14 @@ def on_platform(p: Platform, job_id: str, case: Case) -> Outcome:
     if manifest is not None:  # as a rank restores it: every file checked against its hash first
         checkpointing.verify(folder, checkpointing.read_manifest(manifest))
     return Outcome(steps, digest(folder), last.step)
+
+
+def spliced(before: Outcome, after: Outcome, at: int) -> Outcome:
+    """One run's steps before `at` and another's from `at` on (a restore at `at`), with the second one's end."""
+    ranks = set(before.steps) | set(after.steps)
+    steps = {r: [s for s in before.steps.get(r, []) if s[0] < at] + [s for s in after.steps.get(r, []) if s[0] >= at]
+             for r in ranks}
+    return Outcome(steps, after.final, after.final_step)
 
 
 def differences(alone: Outcome, platform: Outcome) -> list[str]:
