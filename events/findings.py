@@ -32,6 +32,15 @@ class StragglerDetected(Finding, frozen=True, kw_only=True):
     factor: float
 
 
+class InexactRestore(Finding, frozen=True, kw_only=True):
+    """The attempt's ranks restored a state the uninterrupted run may not equal bitwise from `step` on: `reason`
+    is the first rank's (RankStarted.exactness: another layout, extras taken from another rank's copy). One per
+    attempt; a job's run is exact until the first of them."""
+
+    step: int
+    reason: str
+
+
 class NonFiniteLoss(Finding, frozen=True, kw_only=True):
     SCHEMA = 2  # 2 let `grad_norm` be None (the script reported none); a finding with one is still version 1
 

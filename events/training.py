@@ -66,12 +66,17 @@ class SpikeReplayed(RankEvent, frozen=True, kw_only=True):
 
 
 class RankStarted(RankEvent, frozen=True, kw_only=True):
+    SCHEMA = 2  # 2 added `exactness`; a rank restored exactly (or from nothing) is still written as version 1
+
     world_size: int
     from_step: int
     device: str
     # Where it restored from: "store" (a committed checkpoint's copy), "memory" (its node's snapshot of that
     # checkpoint, events/snapshot.py), "" (nothing: step 0), or "local" (no platform: the newest staged set).
     restored_from: str = ""
+    # Why the steps from here may part from the uninterrupted run's, bitwise (another layout, extras from another
+    # rank's copy: trainer/exactness.py); "": they do not.
+    exactness: str = ""
 
 
 class SnapshotsOff(RankEvent, frozen=True, kw_only=True):

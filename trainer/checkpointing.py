@@ -10,7 +10,7 @@ import json
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -145,12 +145,12 @@ class Checkpointer:
         if self._copied is not None:
             self._copied.synchronize()
 
-    def save(self, step: int, live: dict[str, Any], position: DataPosition) -> float:
+    def save(self, step: int, live: dict[str, Any], position: DataPosition, layout: Sequence[int] = ()) -> float:
         """Snapshot now and write in the background; returns the stall (seconds the caller was blocked)."""
         started = time.perf_counter()
         self.wait()  # the buffers are reused: the previous write must be done with them
         state = self.snapshot(live)
-        state[META_KEY] = meta_item(step, position, self.dist.world_size)
+        state[META_KEY] = meta_item(step, position, self.dist.world_size, layout)
         stall = time.perf_counter() - started
         path = self.staged_dir(step, self.timeline)
         copied = self._copied
@@ -223,10 +223,10 @@ def _cause(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def meta_item(step: int, position: DataPosition, world_size: int) -> str:
-    """The checkpoint's own record of where it stands (META_KEY)."""
+def meta_item(step: int, position: DataPosition, world_size: int, layout: Sequence[int] = ()) -> str:
+    """The checkpoint's own record of where it stands (META_KEY): with the DP x TP x PP it was saved in, when known."""
     return json.dumps({"step": step, "next_batch": position.next_batch, "skipped": position.skipped,
-                       "world_size": world_size})
+                       "world_size": world_size, **({"layout": list(layout)} if layout else {})})
 
 
 def has_dtensors(state: dict[str, Any]) -> bool:
@@ -280,6 +280,7 @@ def load(path: Path, state: TrainState, dist: Dist, shards: list[ShardInfo] | No
     except (Exception, CheckpointException) as exc:  # DCP's own is a BaseException: caught by name
         raise CorruptCheckpoint(f"cannot load checkpoint {path}: {_cause(exc)}") from exc
     meta = json.loads(str(dest.pop(META_KEY)))
+    state.loaded_meta = meta
     try:
         state.apply(dest, model_only=model_only)
     except Exception as exc:

@@ -37,7 +37,17 @@ from flightdeck.events.nodelocal import RESTORE_REFUSED_EXIT, STOPPED_EXIT
 from flightdeck.events.plan import ParallelPlan, coordinates, unplanned
 from flightdeck.events.spec import JobSpec
 from flightdeck.events.training import FaultInjected, RankStarted, SnapshotsOff
-from flightdeck.trainer import checkpointing, faults, loaders, modelinfo, restore_points, rollback, seeding, snapshots
+from flightdeck.trainer import (
+    checkpointing,
+    exactness,
+    faults,
+    loaders,
+    modelinfo,
+    restore_points,
+    rollback,
+    seeding,
+    snapshots,
+)
 from flightdeck.trainer.config import RunConfig
 from flightdeck.trainer.cursor import BatchCursor, Step
 from flightdeck.trainer.distributed import Dist
@@ -81,6 +91,7 @@ class Run:
                                  leave=self._leave_stuck) \
             if self.snapshots and self.device.type == "cpu" else None  # what a failed step can still snapshot
         self.restored_from = ""
+        self.exactness = ""  # why the restore may part from the uninterrupted run ("": it does not)
         self.saved_at: int | None = None  # the boundary whose state is already checkpointed
         self.paused = False
         self.sigterm = False
@@ -156,7 +167,11 @@ class Run:
             if self.cfg.restore_skips:
                 log.info("restored with the skip windows of rollbacks to it", skips=self.cfg.restore_skips)
             self.saved_at = self.step
-            log.info("restored", checkpoint=str(path), step=self.step)
+            if not self.cfg.restore_model_only or path != self.cfg.restore:
+                self.exactness = exactness.why_inexact(self.state.loaded_meta, self.world_size, self._layout(),
+                                                       self.state.borrowed)
+            log.info("restored", checkpoint=str(path), step=self.step, **(
+                {"inexact": self.exactness} if self.exactness else {}))
         return self.step
 
     def steps(self, total: int | None = None) -> Iterator[Step]:
@@ -165,7 +180,8 @@ class Run:
         self.stepping = True
         self.restore()
         self.emitter.emit(RankStarted(world_size=self.world_size, from_step=self.step, device=str(self.device),
-                                      restored_from=self.restored_from, **self.emitter.envelope))
+                                      restored_from=self.restored_from, exactness=self.exactness,
+                                      schema_version=2 if self.exactness else 1, **self.emitter.envelope))
         if self.cfg.snapshots_off and self.spec.train.snapshot_every > 0:  # the grant found its node no room
             self._snapshots_off(self.cfg.snapshots_off)
         self.emitter.set_step(self.step - 1)
@@ -377,7 +393,7 @@ class Run:
         if self.replay is not None:  # a re-run's state is thrown away: it is never saved
             return
         if self.saved_at != self.step:
-            self.ckpt.save(self.step, self.state.live(), self.cursor.position())
+            self.ckpt.save(self.step, self.state.live(), self.cursor.position(), self._layout())
             self.saved_at = self.step
         if wait:
             self.ckpt.wait()
@@ -387,13 +403,17 @@ class Run:
         (trainer/lastboundary.py); never a re-run's."""
         if self.snapshots is None or self.replay is not None:
             return
-        plan, due = self._plan, self.snapshots.due(self.step)
+        due = self.snapshots.due(self.step)
         if due and self.device.type != "cuda":  # the steps it holds go on record first (on CPU it costs nothing)
             self.reporter.flush()
         (self.snapshots.take if due or self.last is None else self.last.hold)(
             self.step, self.state.live, self.cursor.position(), self.world_size, timeline=self.ckpt.timeline,
-            checkpointing_=self.saved_at == self.step, settled=self.state.settled,
-            layout=(plan.dp, plan.tp, plan.pp) if plan is not None else (self.world_size, 1, 1))
+            checkpointing_=self.saved_at == self.step, settled=self.state.settled, layout=self._layout())
+
+    def _layout(self) -> tuple[int, int, int]:
+        """DP x TP x PP as this rank runs: its plan's when it asked for one, else plain data parallelism."""
+        plan = self._plan
+        return (plan.dp, plan.tp, plan.pp) if plan is not None else (self.world_size, 1, 1)
 
     def _before_update(self) -> None:
         self.ckpt.before_update()

@@ -68,7 +68,7 @@ class Cadence:
         assert self.snaps is not None
         started = time.perf_counter()
         items = live()
-        items[checkpointing.META_KEY] = checkpointing.meta_item(step, position, world_size)
+        items[checkpointing.META_KEY] = checkpointing.meta_item(step, position, world_size, layout)
         replicated = layout[1] * layout[2] == 1 and not checkpointing.has_dtensors(items)  # (dp, tp, pp)
         self.gather_s = time.perf_counter() - started
         self.gather_total_s += self.gather_s

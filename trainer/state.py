@@ -75,6 +75,8 @@ class TrainState:
         self._settled: tuple[tuple[int, ...] | None, frozenset[str]] = (None, frozenset())
         self._own_groups: list[list[str]] = []  # each optimizer group's parameter names here (load_target)
         self._fresh_saved = False  # the checkpoint being loaded holds no optimizer state (load_target)
+        self.loaded_meta: dict[str, Any] = {}  # the last loaded checkpoint's own record (checkpointing.load)
+        self.borrowed: dict[str, int] = {}  # extras the last load took from another rank's copy: name -> that rank
 
     def _model_state(self) -> tuple[dict[str, Any], bool]:
         """get_state_dict's nested items, and whether the optimizer is fresh (no state yet: the items' optimizer
@@ -160,6 +162,7 @@ class TrainState:
         """What to load, nested as `get_state_dict` gives it (DCP loads into it in place): the model and
         optimizer items (all required), this rank's RNG and extras when they were saved; the model's alone with
         `model_only`."""
+        self.borrowed = {}
         dest, _ = self._model_state()
         if model_only:
             return {"model": dest["model"]} if "model" in dest else {}
@@ -188,6 +191,8 @@ class TrainState:
                 key = f"extras.{rank}.{name}"
                 if isinstance(saved.get(key), BytesStorageMetadata):
                     dest[key] = b""
+                    if rank != self.rank:
+                        self.borrowed[name] = rank
                     break
         return dest
 

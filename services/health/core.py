@@ -12,6 +12,7 @@ from flightdeck.events.clock import ClockTick, CoreConfigured
 from flightdeck.events.commands import PauseRequested, ResumeRequested, RollbackRequested, StopRequested
 from flightdeck.events.findings import (
     Finding,
+    InexactRestore,
     LossSpikeDetected,
     NonFiniteLoss,
     RankHung,
@@ -249,6 +250,9 @@ def _telemetry(state: State, ev: Heartbeat | StepCompleted | RankFault | RankSta
     elif isinstance(ev, RankStarted):
         r.seen(ev.occurred_at, state.now, ev.event_id)
         r.progressed(ev.from_step - 1, ev.occurred_at, state.now, ev.event_id)
+        if ev.exactness and job.first(-1, "InexactRestore"):  # the attempt's first rank to say so speaks for it
+            _emit(out, InexactRestore(job_id=job.job_id, rank=r.rank, attempt=job.attempt, evidence=[ev.event_id],
+                                      step=ev.from_step, reason=ev.exactness))
     elif isinstance(ev, RankFault):
         r.seen(ev.occurred_at, state.now, ev.event_id)
         r.fault_id = ev.event_id

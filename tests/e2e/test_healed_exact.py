@@ -21,6 +21,7 @@ import pytest
 from flightdeck.events import subjects
 from flightdeck.events.checkpoint import CheckpointCommitted
 from flightdeck.events.commands import RollbackRequested
+from flightdeck.events.findings import InexactRestore
 from flightdeck.events.job import JobCompleted, JobFailed, JobResumed
 from flightdeck.events.spec import FaultSpec, JobSpec
 from flightdeck.events.training import RankStarted
@@ -127,4 +128,9 @@ async def test_a_healed_job_trains_exactly_as_the_uninterrupted_one(drill: Platf
         found = differences(want, on_platform(p, job, case))
         if found:
             parted[case.name] = found
-    assert (paths, parted) == ({c.name: c.name for c in CASES}, {})
+    # Exact in each, and said so: only the replica's rank 1 took an extra (its loader's position) from rank 0's copy,
+    # which the record says may part from the uninterrupted run (here it did not: the ranks' positions are alike).
+    said = {c.name: [f.reason for f in p.seen(InexactRestore, job_of(c))] for c in CASES}
+    assert said["replica"] and "flightdeck_loader (rank 0's)" in said["replica"][0], said
+    assert (paths, parted, {k: v for k, v in said.items() if v and k != "replica"}) == \
+        ({c.name: c.name for c in CASES}, {}, {})

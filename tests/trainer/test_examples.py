@@ -106,6 +106,7 @@ def test_fsdp2_runs_under_plain_torchrun_and_its_checkpoints_from_two_ranks_rest
     assert done.returncode == 0, done.stderr[-3000:]
     (started,) = events(one, "RankStarted")
     assert (started["world_size"], started["from_step"]) == (1, 10)
+    assert started["exactness"].startswith("saved by 2 ranks, restored into 1")  # said, never silent
     # The one rank sees the whole global batch: its loss is the mean of the two ranks' halves, step for step.
     alone = {e["step"]: e["loss"] for e in events(one, "StepCompleted")}
     halves = [{e["step"]: e["loss"] for e in events(two, "StepCompleted", rank=r)} for r in (0, 1)]
@@ -157,6 +158,10 @@ def test_tp_pp_trains_as_planned_and_its_checkpoint_restores_into_other_layouts(
         done = torchrun(other, "tp_pp", layout_spec(other, tp, pp), ranks=ranks, env={nl.RESTORE_ENV: str(ckpt)})
         assert done.returncode == 0, done.stderr[-3000:]
         assert f"done at step 15 as TP {tp} x PP {pp} x DP {dp}" in done.stdout
+        said = {e["exactness"] for e in events(other, "RankStarted")}  # said, never silent
+        other_layout = "saved as DP x TP x PP 1 x 2 x 2, restored as"
+        assert len(said) == 1 and said.pop().startswith(
+            f"saved by 4 ranks, restored into {ranks}" if ranks != 4 else other_layout)
         resumed = {e["step"]: e["loss"] for e in events(other, "StepCompleted", rank=0)}
         assert sorted(resumed) == list(range(10, 15))
         for step in range(10, 15):

@@ -98,6 +98,7 @@ def details(v: JobView, now: float) -> str:
          + (f", resumed from step {v.resumed_from_step}" if v.resumed_from_step is not None else "")),
         ("rollbacks", str(v.rollbacks)),
         *([("spike", v.spike_cause)] if v.spike_cause else []),
+        ("exactness", v.inexact or "exact: no restore parted it from the uninterrupted run"),
         *([("last fault", headline(v.last_fault))] if v.last_fault else []),
         ("submitted", f"{duration(now - v.submitted_at)} ago"),
     ]

@@ -21,7 +21,7 @@ from flightdeck.events.checkpoint import (
     FinalStateUnsaved,
 )
 from flightdeck.events.commands import RollbackRequested
-from flightdeck.events.findings import SpikeDiagnosed, diagnosis_summary
+from flightdeck.events.findings import InexactRestore, SpikeDiagnosed, diagnosis_summary
 from flightdeck.events.job import (
     AllocationGranted,
     AllocationReleased,
@@ -81,6 +81,7 @@ class JobView(msgspec.Struct, frozen=True, kw_only=True):
     max_restarts: int = 0
     rollbacks: int = 0
     spike_cause: str = ""  # the newest loss spike's diagnosis (SpikeDiagnosed), in words
+    inexact: str = ""  # where and why the run first parted from the uninterrupted one, bitwise (InexactRestore)
     checkpoint_failures: int = 0
     final_failed: bool = False  # a checkpoint of the last step failed
     store_failing: str = ""  # the store refuses its checkpoints (CheckpointsFailing, until CheckpointsRecovered)
@@ -238,6 +239,8 @@ def _facts(view: JobView, event: Event, at: float) -> JobView:
             return _replace(view, rollbacks=view.rollbacks + 1)
         case SpikeDiagnosed():
             return _replace(view, spike_cause=diagnosis_summary(event))
+        case InexactRestore(step=step, reason=why) if not view.inexact:
+            return _replace(view, inexact=f"from step {step} not guaranteed bitwise the uninterrupted run: {why}")
     return view
 
 

@@ -22,6 +22,7 @@ from flightdeck.events.commands import (
     StopRequested,
 )
 from flightdeck.events.findings import (
+    InexactRestore,
     LossSpikeDetected,
     NonFiniteLoss,
     RankHung,
@@ -104,6 +105,8 @@ def describe(ev: Event) -> str:
             return diagnosis_summary(ev)
         case NonFiniteLoss():
             return nonfinite_summary(ev)
+        case InexactRestore():
+            return f"restored at step {ev.step}, not guaranteed bitwise the uninterrupted run from there: {ev.reason}"
         case StragglerDetected():
             return f"rank {ev.rank} straggling: {ev.step_time_s:.3g} s a step, {ev.factor:.1f}x its peers' " \
                    f"{ev.peer_median_s:.3g} s"

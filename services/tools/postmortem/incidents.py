@@ -10,6 +10,7 @@ from flightdeck.events.base import Event, JobEvent
 from flightdeck.events.commands import StopRequested
 from flightdeck.events.findings import (
     Finding,
+    InexactRestore,
     LossSpikeDetected,
     NonFiniteLoss,
     RankHung,
@@ -79,7 +80,7 @@ class _Draft:
 
 
 def _is_trigger(ev: Event) -> bool:
-    if isinstance(ev, SpikeDiagnosed):  # a conclusion about an incident's finding, not a fault of its own
+    if isinstance(ev, SpikeDiagnosed | InexactRestore):  # about an incident's recovery, not a fault of its own
         return False
     return isinstance(ev, Finding | NodeLost) or (isinstance(ev, WorkersExited) and ev.is_fault())
 

@@ -9,6 +9,7 @@ import numpy.typing as npt
 
 from flightdeck.events.checkpoint import CheckpointCommitted
 from flightdeck.events.commands import RollbackRequested, StopRequested
+from flightdeck.events.findings import InexactRestore
 from flightdeck.events.job import (
     AllocationGranted,
     AllocationReleased,
@@ -131,6 +132,10 @@ def _restarted(sc: Scan, attempt: int, detected: float) -> Outcome:
         if memory:
             detail += (", loaded from the nodes' memory" if memory == len(ranks) else
                        f", {memory} of {len(ranks)} ranks loaded from their nodes' memory")
+        inexact = next((c.event for c in sc.control if isinstance(c.event, InexactRestore) and c.event.attempt == new),
+                       None)
+        if inexact is not None:  # never silent: from here the run is not what it would have been
+            detail += f"; not guaranteed bitwise the uninterrupted run: {inexact.reason}"
         from_step = ev.from_step
     else:
         from_step = int(old.max()) + 1 if old.size else 0
