@@ -11,7 +11,8 @@ checkpointed and healed by Flightdeck. The whole API:
     for step, (x, y) in run.batches(loader):     # or: your data loader, kept at step.batch (trainer/loaders.py)
 
 `run.rank`, `run.world_size`, `run.local_rank`, `run.device` say where this rank runs; `run.plan` is the
-parallel layout Flightdeck recorded for this world size (dp, tp, pp, micro-batches); `run.spec` the job spec.
+parallel layout Flightdeck recorded for this world size (dp, tp, pp, micro-batches); `run.spec` the job spec;
+`run.seed` the seed the script gave torch, from which each step's random numbers derive (seeded before each step).
 A stop or a preemption (SIGTERM) ends the process with exit code 75 after its checkpoint is saved; exit 0 means
 every step ran (a script that leaves `steps()` early exits 75 too). Details
 and the no-platform mode: docs/user-code.md.
