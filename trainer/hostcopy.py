@@ -15,6 +15,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 MAX_THREADS = 4  # past this the copy is bound by memory bandwidth, not by threads
+# Less than this is copied on the calling thread alone: handing a few kilobytes (a snapshot's RNG state and buffers)
+# to the pool cost a thread switch each way, milliseconds on a loaded box, for microseconds of copying
+INLINE_BYTES = 1 << 20
 THREADS_ENV = "FLIGHTDECK_SNAPSHOT_THREADS"
 
 Pair = tuple[torch.Tensor, torch.Tensor]  # (source, destination)
@@ -74,12 +77,12 @@ class HostCopier:
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="snapshot") if self.threads > 1 else None
         # Each destination's last plans and what they copied from (the same tensors over the same memory): cutting a
         # few hundred tensors into ranges costs milliseconds that a snapshot every step would pay each time.
-        self._plans: dict[tuple[int, bool], tuple[dict[str, tuple[int, int, int]], list[list[Pair]]]] = {}
+        self._plans: dict[tuple[int, bool], tuple[dict[str, tuple[int, int, int]], list[list[Pair]], int]] = {}
 
     def _parts(self, live: dict[str, Any], buffers: dict[str, Any], keys: Collection[str] | None,
-               background: bool) -> tuple[list[list[Pair]], list[Pair]]:
-        """The copy cut into per-thread parts, and the pairs to copy after them (those whose source changed since
-        the plan, when few: what the plan copied of them is overwritten)."""
+               background: bool) -> tuple[list[list[Pair]], list[Pair], int]:
+        """The copy cut into per-thread parts, the pairs to copy after them (those whose source changed since
+        the plan, when few: what the plan copied of them is overwritten), and the bytes the parts hold."""
         sources = {k: t for k in buffers if (keys is None or k in keys) and isinstance(t := live.get(k), torch.Tensor)}
         # the destination's memory too: a dict's id can be reused by the next slot's views
         marks = {k: (id(t), getattr(t, "_local_tensor", t).data_ptr(), _local(buffers[k]).data_ptr())
@@ -88,15 +91,21 @@ class HostCopier:
         changed = [k for k, m in marks.items() if known is None or known[0].get(k) != m]
         if known is not None and marks.keys() == known[0].keys() and (not background or not changed) and \
                 sum(sources[k].nelement() for k in changed) * 16 <= sum(t.nelement() for t in sources.values()):
-            return known[1], [(_local(sources[k]), _local(buffers[k])) for k in changed]
+            return known[1], [(_local(sources[k]), _local(buffers[k])) for k in changed], known[2]
         pairs = [(_local(t), _local(buffers[k])) for k, t in sources.items()]
-        parts = [part for part in split(pairs, self.threads) if part] if self._pool is not None else [pairs]
-        self._plans[(id(buffers), background)] = (marks, parts)
-        return parts, []
+        size = sum(s.numel() * s.element_size() for s, _ in pairs)
+        inline = self._pool is None or size < INLINE_BYTES
+        # Beside training, only the cores torch's threads leave: two copy threads beside a training thread on two
+        # cores took one from it, and slowed every step by more than the copy saved
+        threads = max(1, min(self.threads, len(os.sched_getaffinity(0)) - torch.get_num_threads())) \
+            if background else self.threads
+        parts = [pairs] if inline else [part for part in split(pairs, threads) if part]
+        self._plans[(id(buffers), background)] = (marks, parts, size)
+        return parts, [], size
 
     def copy(self, live: dict[str, Any], buffers: dict[str, Any], keys: Collection[str] | None = None) -> None:
         """Copy `live`'s tensors (those of `keys`, default all) into `buffers`; returns when they are copied."""
-        parts, late = self._parts(live, buffers, keys, background=False)
+        parts, late, _ = self._parts(live, buffers, keys, background=False)
         if parts:
             futures = [self._pool.submit(_run, part) for part in parts[1:]] if self._pool is not None else []
             _run(parts[0])  # this thread copies a share too, rather than wait idle
@@ -104,13 +113,17 @@ class HostCopier:
                 f.result()
         _run(late)
 
-    def start(self, live: dict[str, Any], buffers: dict[str, Any], keys: Collection[str]) -> list[Future[float]]:
+    def start(self, live: dict[str, Any], buffers: dict[str, Any], keys: Collection[str], *,
+              same: bool = False) -> list[Future[float]]:
         """Copy the tensors of `keys` on the copier's threads and return at once: each future gives its thread's
-        CPU seconds. With a single thread it copies them here (nothing left to wait for)."""
-        if self._pool is None:
-            self.copy(live, buffers, keys)
+        CPU seconds. With a single thread it copies them here (nothing left to wait for). `same`: the caller knows
+        the tensors are those of the last copy into `buffers`, over the same memory: its plan stands unchecked."""
+        known = self._plans.get((id(buffers), True)) if same else None
+        parts, _, size = (known[1], [], known[2]) if known is not None else \
+            self._parts(live, buffers, keys, background=True)
+        if self._pool is None or size < INLINE_BYTES:
+            _run([pair for part in parts for pair in part])
             return []
-        parts, _ = self._parts(live, buffers, keys, background=True)  # a change re-plans: nothing is late
         return [self._pool.submit(_run, part) for part in parts]
 
     def close(self) -> None:

@@ -408,7 +408,8 @@ class Run:
             self.reporter.flush()
         (self.snapshots.take if due or self.last is None else self.last.hold)(
             self.step, self.state.live, self.cursor.position(), self.world_size, timeline=self.ckpt.timeline,
-            checkpointing_=self.saved_at == self.step, settled=self.state.settled, layout=self._layout())
+            checkpointing_=self.saved_at == self.step, settled=self.state.settled, layout=self._layout(),
+            **({"generation": lambda: self.state.generation} if due else {}))
 
     def _layout(self) -> tuple[int, int, int]:
         """DP x TP x PP as this rank runs: its plan's when it asked for one, else plain data parallelism."""

@@ -62,9 +62,11 @@ class Cadence:
 
     def take(self, step: int, live: Callable[[], dict[str, Any]], position: DataPosition, world_size: int, *,
              timeline: int, checkpointing_: bool, layout: tuple[int, int, int],
-             settled: Callable[[dict[str, Any]], frozenset[str]] = lambda items: frozenset()) -> None:
+             settled: Callable[[dict[str, Any]], frozenset[str]] = lambda items: frozenset(),
+             generation: Callable[[], int | None] = lambda: None) -> None:
         """Snapshot the state `live()` gathers (call only when `due`); `settled(items)`: those only the optimizer's
-        step writes, copied beside training (Snapshots.take)."""
+        step writes, copied beside training (Snapshots.take); `generation()`: which tensors over which memory that
+        gather found (TrainState.generation; None: not known), so a snapshot of the same keeps its layout and plan."""
         assert self.snaps is not None
         started = time.perf_counter()
         items = live()
@@ -74,7 +76,7 @@ class Cadence:
         self.gather_total_s += self.gather_s
         try:
             self.snaps.take(step, items, position, timeline=timeline, checkpointing=checkpointing_,
-                            replicated=replicated, layout=layout, settled=settled(items))
+                            replicated=replicated, layout=layout, settled=settled(items), generation=generation())
         except SnapshotsOff as exc:
             self._off(str(exc))
             return

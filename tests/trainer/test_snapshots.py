@@ -394,3 +394,35 @@ def test_a_sharded_slot_restores_only_a_world_of_its_own_size(tmp_path: Path, re
     assert agent_snaps.in_memory(tmp_path, "j", "c9", 9, 0, mf, world_size=2, plan=pipeline) == (
         folder if replicated else None)
     snaps.close()
+
+
+def test_a_snapshot_keeps_its_copy_plan_only_for_the_tensors_it_was_made_for(tmp_path: Path,
+                                                                            dist: distributed.Dist) -> None:
+    """A snapshot of the tensors the last one saw reuses its layout and each slot's copy plan (TrainState.generation):
+    one taken after the state's tensors were swapped, into the slot whose plan predates the swap, copies the new
+    ones. Plans kept per slot by "the same as the gather before" copied the swapped-out tensors there."""
+    m, opt, cursor = parts(seed=1)
+    train(m, opt, cursor, 1)
+    st = state(m, opt)
+    cad = Cadence(snapshots.Snapshots(tmp_path, job_id="j", attempt=0, rank=0, world_size=1), every=1,
+                  max_overhead=1.0, off=lambda why: None)
+
+    def take(step: int) -> None:
+        cad.take(step, st.live, DataPosition(next_batch=step), 1, timeline=0, checkpointing_=False, layout=(1, 1, 1),
+                 settled=st.settled, generation=lambda: st.generation)
+        assert cad.snaps is not None
+        cad.snaps.copied()
+        cad.snaps.wait()
+
+    take(1)  # slot 0, planned for these tensors
+    with torch.no_grad():
+        first = next(iter(m.parameters()))
+        first.data = first.data.clone().add_(1.0)  # new memory under the same parameter
+    take(2)  # slot 1, planned anew
+    take(3)  # slot 0 again: its plan is of the tensors before the swap
+    ((header, folder), _) = fmt.complete_slots(tmp_path, "j", 0, 0)
+    assert header.step == 3
+    restored = state(*parts(seed=2)[:2])
+    checkpointing.load(folder, restored, dist)
+    want, got = flat_tensors(st), flat_tensors(restored)
+    assert all(torch.equal(want[k], got[k]) for k in want), [k for k in want if not torch.equal(want[k], got[k])]
