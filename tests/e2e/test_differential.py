@@ -1,7 +1,8 @@
-"""Every shipped example and the built-in trainer, fault-free on the platform, compute bitwise what the same script
-computes alone under torchrun: each step's loss and gradient norm, and the final parameters, optimizer state, RNG
-and extras (tests/e2e/differential.py). Snapshots are on, as by default: their reads at step 0 once gave AdamW a
-step before the script's first, and every platform run trained about 1% worse than the script alone (issue 52)."""
+"""Every shipped example and the built-in trainer (DDP, TP 2 x PP 2, DP 2 x TP 2 x PP 2), fault-free on the
+platform, compute bitwise what the same script computes alone under torchrun: each step's loss and gradient norm,
+and the final parameters, optimizer state, RNG and extras (tests/e2e/differential.py). Snapshots are on, as by
+default: their reads at step 0 once gave AdamW a step before the script's first, and every platform run trained
+about 1% worse than the script alone (issue 52)."""
 
 from functools import partial
 from pathlib import Path
@@ -19,15 +20,16 @@ STEPS, EVERY = 12, 6
 TINY = ModelSpec(n_layer=2, n_head=2, d_model=32, seq_len=32, vocab_size=64)
 
 
-def builtin(name: str, ranks: int, tp: int = 1, pp: int = 1) -> Case:
+def builtin(name: str, ranks: int, tp: int = 1, pp: int = 1, batch: int = 8) -> Case:
     spec = JobSpec(name=name, slots=ranks, model=TINY, parallel=ParallelSpec(tp=tp, pp=pp),
-                   train=TrainSpec(steps=STEPS, checkpoint_every=EVERY, batch_size=8, data="synthetic"))
+                   train=TrainSpec(steps=STEPS, checkpoint_every=EVERY, batch_size=batch, data="synthetic"))
     return Case(name, BUILTIN, spec, ranks)
 
 
 # Run together on one node, a batch at a time: at most 8 ranks at once on the 2-core box.
 BATCHES = [
     [example_case("tp_pp", STEPS, EVERY), builtin("builtin-tp-pp", 4, tp=2, pp=2)],
+    [builtin("builtin-3d", 8, tp=2, pp=2, batch=16)],  # DP 2 x TP 2 x PP 2, 8 micro-batches of one per replica
     [example_case("pytorch_ddp", STEPS, EVERY), example_case("hf_causal_lm", STEPS, EVERY),
      example_case("fsdp2", STEPS, EVERY), builtin("builtin-ddp", 2)],
 ]
