@@ -12,6 +12,7 @@ from flightdeck.events.spec import JobSpec, ModelSpec, TrainSpec
 from flightdeck.services import registry
 from flightdeck.services.shell import broker as broker_mod
 from flightdeck.services.shell.fold import comparable, replay
+from tests.e2e.drill_harness import export
 from tests.integration.lifecycle_harness import Objects, open_platform
 from tests.integration.test_lifecycle_services import kinds
 
@@ -50,4 +51,7 @@ async def test_a_stopped_scheduler_catches_up_from_its_durable_consumer(nats_ser
         for mid, event in recorded.items():
             assert comparable(replayed[mid]) == comparable(event), mid
     finally:
-        await p.close()
+        try:  # the history, kept whether it passed or not: a loaded suite run once recorded an output no replay made
+            await export(p, JOB, tmp_path / f"{JOB}.history.jsonl")
+        finally:
+            await p.close()
