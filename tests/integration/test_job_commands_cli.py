@@ -22,11 +22,11 @@ from tests.integration.test_postmortem_cli import CLI
 
 __all__ = ["local_objects"]  # fixture
 
-# No checkpoint of its own (every 1000 steps of 40): the only commit is the one asked for. Paced at 0.5 s a step so
-# the pause lands mid-run (one CLI call, a fresh interpreter: 2-10 s on a loaded CI box); every later command is
-# sent while the ranks are paused, so no pace can race them.
+# No checkpoint of its own (every 1000 steps of 100): the only commit is the one asked for. Paced at 0.5 s a step so
+# the pause lands mid-run: two CLI calls, each a fresh interpreter, took over 20 s together in a loaded suite run, so
+# the pause gets 50 s; every later command is sent while the ranks are paused, so no pace can race them.
 SPEC = JobSpec(name="commanded", slots=2, model=ModelSpec(d_model=32),
-               train=TrainSpec(steps=40, checkpoint_every=1000, data="synthetic"),
+               train=TrainSpec(steps=100, checkpoint_every=1000, data="synthetic"),
                faults=[FaultSpec(kind="slow", step=0, rank=0, seconds=0.5)])
 
 
