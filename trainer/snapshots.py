@@ -1,9 +1,10 @@
 """A rank's host snapshots in shared memory that outlive it (the format: events/snapshot.py).
 
 `Snapshots.take` copies the live state into the older of two slots at a step boundary (the stall: a memcpy over a
-few threads, as for a checkpoint), then a worker thread sums each item's checksum and writes the header that makes
-the slot complete. A rank killed at any point leaves its newest complete snapshot for its node agent to persist
-(services/agent/snapshots.py) and for its next attempt to restore from memory.
+few threads, as for a checkpoint), then a worker thread has each item's checksum summed (in a helper process, off
+this process's GIL: trainer/digester.py) and writes the header that makes the slot complete. A rank killed at any
+point leaves its newest complete snapshot for its node agent to persist (services/agent/snapshots.py) and for its
+next attempt to restore from memory.
 
 `SnapshotReader` is a torch.distributed.checkpoint StorageReader over such slots (a folder of `r<rank>.json` and
 `r<rank>.bin`): DCP plans the load, so a snapshot restores into any layout a DCP checkpoint would (FSDP2
@@ -41,6 +42,7 @@ from torch.futures import Future as TorchFuture
 
 from flightdeck.events import snapshot as fmt
 from flightdeck.events.checkpoint import DataPosition
+from flightdeck.trainer.digester import Digester
 from flightdeck.trainer.hostcopy import HostCopier
 
 log = structlog.get_logger("trainer")
@@ -72,6 +74,20 @@ def _dtype(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise fmt.BadSnapshot(f"snapshot names an unknown dtype {name!r}")
     return dtype
+
+
+_ATOMS = frozenset({str, bytes, int, float, bool, type(None)})
+
+
+def _kept(value: Any) -> Any:
+    """`value` as it is now, for the worker to pack later: an atom or a list of atoms (a group's parameter names)
+    copied by hand, anything else deep-copied (copy.deepcopy of a list of names was most of the stall's Python)."""
+    kind = type(value)
+    if kind in _ATOMS:
+        return value
+    if (kind is list or kind is tuple) and all(type(v) in _ATOMS for v in value):
+        return list(value) if kind is list else value
+    return copy.deepcopy(value)
 
 
 class _Layout(msgspec.Struct, frozen=True):
@@ -137,9 +153,16 @@ class Snapshots:
         self._copying: list[Future[float]] = []  # the copy of the settled items, running beside training
         # Totals over this process: the training thread's stalls and the CPU beside it, for what snapshots cost.
         self.stall_total_s = 0.0
+        # which of live's keys are tensors, which not, which copied on the training thread: by (generation, count
+        # of items, settled keys)
+        self._splits: tuple[tuple[int | None, int, Collection[str]], tuple[str, ...], tuple[str, ...],
+                            list[str]] | None = None
         self._packs: dict[str, tuple[Any, fmt.Item]] = {}  # the last packed value of each item not a tensor
         self._items: dict[str, tuple[tuple[Any, ...], fmt.Item]] = {}  # each tensor's item, but its digest
         self.worker_cpu_total_s = 0.0
+        self._digester = Digester()  # the items' sums, in a helper process: off this process's GIL
+        self._base_items: tuple[tuple[_Layout, dict[str, Any], dict[str, list[int]]] | None, list[fmt.Item]] = \
+            (None, [])
 
     def _prepare(self, tensors: dict[str, torch.Tensor]) -> None:
         local = {k: _local(t) for k, t in tensors.items()}
@@ -179,7 +202,7 @@ class Snapshots:
         generation the layout, or a slot's copy plan, was made for keeps it unchecked."""
         started = time.perf_counter()
         self.wait()
-        tensors = {k: v for k, v in live.items() if isinstance(v, torch.Tensor)}
+        tensors, others, inline = self._split(live, settled, generation)
         # the same items, shapes and dtypes as the last snapshot's (as they are, step after step; a DTensor's chunk
         # also by its object): its layout, chunks and shapes stand, and building them anew was a third of the stall
         known = generation is not None and self._seen is not None and generation == self._seen_generation
@@ -199,13 +222,9 @@ class Snapshots:
         self._planned[index] = generation
         slot.header.unlink(missing_ok=True)  # incomplete from here until its header is written again
         self._copier = self._copier or HostCopier()
+        self._copier.copy(tensors, slot.views, inline)
         if settled:
-            self._copier.copy(tensors, slot.views, [k for k in tensors if k not in settled])
             self._copying = self._copier.start(tensors, slot.views, settled, same=planned)
-        else:
-            self._copier.copy(tensors, slot.views)
-        others = {k: v if isinstance(v, str | bytes | int | float) else copy.deepcopy(v)
-                  for k, v in live.items() if not isinstance(v, torch.Tensor)}
         stall = time.perf_counter() - started
         args = (slot, step, position, timeline, checkpointing, replicated, others, chunks, shapes, self._copying,
                 self.recent(), list(layout))
@@ -218,6 +237,21 @@ class Snapshots:
         self.last_stall_s = stall
         self.stall_total_s += stall
         return stall
+
+    def _split(self, live: dict[str, Any], settled: Collection[str], generation: int | None,
+               ) -> tuple[dict[str, torch.Tensor], dict[str, Any], Sequence[str]]:
+        """`live`'s tensors, the rest (kept apart from what the script changes while the worker packs them), and the
+        tensors to copy on this thread (those not `settled`). Which key is which stands while the generation does
+        (the same cached items, the same RNG, extras and META keys), so only the few values not tensors, an
+        optimizer group's learning rate among them, are looked at anew: a pass over every item was 50 us each."""
+        split = self._splits
+        if generation is None or split is None or split[0] != (generation, len(live), settled) or \
+                any(isinstance(live[k], torch.Tensor) for k in split[2]):
+            tensor_keys = tuple(k for k, v in live.items() if isinstance(v, torch.Tensor))
+            split = self._splits = ((generation, len(live), settled), tensor_keys,
+                                    tuple(k for k in live if k not in set(tensor_keys)),
+                                    [k for k in tensor_keys if k not in settled])
+        return {k: live[k] for k in split[1]}, {k: _kept(live[k]) for k in split[2]}, split[3]
 
     def _serve(self) -> None:
         while (job := self._jobs.get()) is not None:
@@ -235,12 +269,15 @@ class Snapshots:
             for part in copying:
                 copy_cpu += part.result()
             assert self._layout is not None
-            items = []
+            bases = self._bases(slot, chunks, shapes)
             view = memoryview(slot.map)
-            for key, at, dtype in zip(self._layout.keys, self._offsets, self._layout.dtypes, strict=True):
-                item = self._item(key, at, dtype, slot.views[key], shapes[key], chunks[key])
-                items.append(msgspec.structs.replace(item, digest=fmt.digest(view[at:at + item.nbytes])))
-            view.release()
+            try:
+                digests = self._digester.digests(slot.folder / fmt.bin_name(self.rank),
+                                                 [(item.at, item.nbytes) for item in bases], view)
+            finally:
+                view.release()
+            copy_cpu += self._digester.cpu_s
+            items = [msgspec.structs.replace(item, digest=d) for item, d in zip(bases, digests, strict=True)]
             for key, value in others.items():
                 items.append(self._packed(key, value))
             header = fmt.Header(format=fmt.FORMAT, job_id=self.job_id, attempt=self.attempt, rank=self.rank,
@@ -258,6 +295,17 @@ class Snapshots:
             beside = time.thread_time() - cpu + copy_cpu
             self.worker_cpu_total_s += beside
             self.last_background_s = beside
+
+    def _bases(self, slot: _Slot, chunks: dict[str, Any], shapes: dict[str, list[int]]) -> list[fmt.Item]:
+        """Each tensor's item but its digest, in the slot's order: the last list while the layout, chunks and shapes
+        are the same objects (take keeps them while the items stay)."""
+        assert self._layout is not None
+        known = self._base_items[0]
+        if known is None or known[0] is not self._layout or known[1] is not chunks or known[2] is not shapes:
+            bases = [self._item(key, at, dtype, slot.views[key], shapes[key], chunks[key])
+                     for key, at, dtype in zip(self._layout.keys, self._offsets, self._layout.dtypes, strict=True)]
+            self._base_items = ((self._layout, chunks, shapes), bases)
+        return self._base_items[1]
 
     def _item(self, key: str, at: int, dtype: str, view: torch.Tensor, shape: list[int], chunk: Any) -> fmt.Item:
         """A tensor's item but its digest: the last one's while its place and shape stay (they do, step after step;
@@ -311,6 +359,7 @@ class Snapshots:
                 self._worker = None
             if self._copier is not None:
                 self._copier.close()
+            self._digester.close()
 
 
 def headers_in(folder: Path) -> list[fmt.Header]:

@@ -39,6 +39,7 @@ class Cadence:
         self.spare_cores: Callable[[], bool] = spare_core
         self.gather_s = 0.0  # gathering the state's items (get_state_dict): part of a snapshot's cost
         self.gather_total_s = 0.0
+        self._sharded: tuple[int | None, bool] = (None, False)  # (generation, whether it holds DTensors)
         self.holding_s = 0.0  # a step's hold of its boundary for a snapshot after a failure (trainer/lastboundary.py)
 
     def spacing(self, step_times: list[float]) -> int:
@@ -71,12 +72,15 @@ class Cadence:
         started = time.perf_counter()
         items = live()
         items[checkpointing.META_KEY] = checkpointing.meta_item(step, position, world_size, layout)
-        replicated = layout[1] * layout[2] == 1 and not checkpointing.has_dtensors(items)  # (dp, tp, pp)
+        gen = generation()
+        if gen is None or self._sharded[0] != gen:  # the same tensors as the last gather's: as sharded as they were
+            self._sharded = (gen, checkpointing.has_dtensors(items))
+        replicated = layout[1] * layout[2] == 1 and not self._sharded[1]  # (dp, tp, pp)
         self.gather_s = time.perf_counter() - started
         self.gather_total_s += self.gather_s
         try:
             self.snaps.take(step, items, position, timeline=timeline, checkpointing=checkpointing_,
-                            replicated=replicated, layout=layout, settled=settled(items), generation=generation())
+                            replicated=replicated, layout=layout, settled=settled(items), generation=gen)
         except SnapshotsOff as exc:
             self._off(str(exc))
             return
