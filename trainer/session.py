@@ -403,13 +403,17 @@ class Run:
         (trainer/lastboundary.py); never a re-run's."""
         if self.snapshots is None or self.replay is not None:
             return
-        due = self.snapshots.due(self.step)
-        if due and self.device.type != "cuda":  # the steps it holds go on record first (on CPU it costs nothing)
-            self.reporter.flush()
-        (self.snapshots.take if due or self.last is None else self.last.hold)(
-            self.step, self.state.live, self.cursor.position(), self.world_size, timeline=self.ckpt.timeline,
-            checkpointing_=self.saved_at == self.step, settled=self.state.settled, layout=self._layout(),
-            **({"generation": lambda: self.state.generation} if due else {}))
+        if self.snapshots.due(self.step):
+            if self.device.type != "cuda":  # the steps it holds go on record first (on CPU it costs nothing)
+                self.reporter.flush()
+            self.snapshots.take(self.step, self.state.live, self.cursor.position(), self.world_size,
+                                timeline=self.ckpt.timeline, checkpointing_=self.saved_at == self.step,
+                                settled=self.state.settled, layout=self._layout(),
+                                generation=lambda: self.state.generation)
+        elif self.last is not None:  # none on a GPU, where a step not due once took a snapshot all the same
+            self.last.hold(self.step, self.state.live, self.cursor.position(), self.world_size,
+                           timeline=self.ckpt.timeline, checkpointing_=self.saved_at == self.step,
+                           settled=self.state.settled, layout=self._layout())
 
     def _layout(self) -> tuple[int, int, int]:
         """DP x TP x PP as this rank runs: its plan's when it asked for one, else plain data parallelism."""

@@ -426,3 +426,35 @@ def test_a_snapshot_keeps_its_copy_plan_only_for_the_tensors_it_was_made_for(tmp
     checkpointing.load(folder, restored, dist)
     want, got = flat_tensors(st), flat_tensors(restored)
     assert all(torch.equal(want[k], got[k]) for k in want), [k for k in want if not torch.equal(want[k], got[k])]
+
+
+@pytest.mark.parametrize("holds", [True, False], ids=["cpu", "no-boundary-hold"])
+def test_a_rank_snapshots_only_the_steps_its_cadence_makes_due(tmp_path: Path, holds: bool) -> None:
+    """Every 4th step of 12, whether or not the rank holds the boundaries between (it does not on a GPU, where a step
+    not due once took a snapshot all the same: every step, whatever the spacing)."""
+    from flightdeck.events.spec import parse_spec
+    from flightdeck.trainer.config import RunConfig
+    from flightdeck.trainer.link import Offline
+    from flightdeck.trainer.loop import train as train_loop
+    from flightdeck.trainer.reports import Emitter
+    from flightdeck.trainer.session import Run
+
+    from .ranks import write_spec
+
+    spec = write_spec(tmp_path / "job.toml", train={"steps": 12, "checkpoint_every": 1000, "snapshot_every": 4,
+                                                    "snapshot_max_overhead": 1.0})
+    cfg = RunConfig(job_id="j", spec=parse_spec(spec.read_bytes()), attempt=0, node="n", agent=None,
+                    staging=tmp_path / "staging", restore=None, manifest=None, rank=0, world_size=1, local_rank=0,
+                    device="cpu", sync_every=1, events_log=None, snapshots=tmp_path / "shm")
+    run = Run(cfg, distributed.init(0, 1, 0, "cpu"), Emitter(Offline(), {"job_id": "j", "rank": 0, "attempt": 0,
+                                                                       "node": "n"}, None), Offline())
+    assert run.last is not None and run.snapshots is not None and run.snapshots.snaps is not None
+    if not holds:
+        run.last = None
+    snaps = run.snapshots.snaps
+    try:
+        assert train_loop(run) == 0
+    finally:
+        run.close()
+    assert snaps.taken == 3
+    assert sorted(h.step for h in map(fmt.read_header, (tmp_path / "shm" / "j").glob("*/r0.json"))) == [4, 8]
