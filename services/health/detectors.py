@@ -76,6 +76,10 @@ class RankWatch:
     granted_at: float = 0.0
     granted_folded: float = 0.0
     grant_id: str = ""
+    # A step completed in this attempt: before the first, the rank is still starting (its imports, a sharded model's
+    # set-up, the first step's warm-up), and only its start-up grace applies (an FSDP2 job under load was found hung
+    # "at step -1" with hang_min_s 3)
+    stepped: bool = False
 
     @property
     def live(self) -> bool:
@@ -86,7 +90,7 @@ class RankWatch:
                          self.seen_folded, self.seen_id, self.armed, self.progress_at, self.progress_folded,
                          self.progress_id, self.progress_step, self.step_times.copy(), self.fault_id, self.gone,
                          self.exited, self.hung, self.granted_node, self.granted_at, self.granted_folded,
-                         self.grant_id)
+                         self.grant_id, self.stepped)
 
     def granted(self, node: str, at: float, folded: float, event_id: str) -> None:
         self.granted_node, self.granted_at, self.granted_folded, self.grant_id = node, at, folded, event_id
@@ -123,6 +127,7 @@ class RankWatch:
             self.progressed(step, at, folded, event_id)
 
     def step_completed(self, step: int, step_time_s: float, at: float, folded: float, event_id: str) -> None:
+        self.stepped = True
         self.seen(at, folded, event_id)
         self.progressed(step, at, folded, event_id)
         if math.isfinite(step_time_s) and step_time_s > 0:
@@ -174,6 +179,8 @@ class RankWatch:
         if stalled <= policy.hang_min_s:  # the least deadline: no median needed (the common case)
             return None
         deadline = hang_deadline(policy, self.step_times)
+        if not self.stepped:
+            deadline = max(deadline, policy.startup_grace_s)
         if stalled <= deadline:
             return None
         evidence = (self.progress_id,) if self.progress_id == self.seen_id else (self.progress_id, self.seen_id)

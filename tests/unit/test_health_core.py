@@ -270,3 +270,26 @@ def test_a_hung_collective_is_reported_a_few_ranks_per_tick_worst_first() -> Non
     stopped.append(StopRequested(job_id=c.job_id, checkpoint=False, event_id="stop"))
     stopped += [e for e in c.events[len(stopped) - 1:] if isinstance(e, ClockTick)]
     assert len(fold(stopped)[1]) == 1 + MAX_FINDINGS_PER_TICK  # a stop ends the reports
+
+
+def test_before_its_first_step_a_rank_has_its_start_up_grace_not_the_hang_deadline() -> None:
+    """Started, heard from, and not yet through its first step (a sharded model's set-up under load): no hang at
+    step -1 before the start-up grace, however short hang_min_s; after it, found hung. A rank that has stepped has
+    only the hang deadline (5 s here)."""
+    c = Cluster(policy=POLICY)
+    c.start()
+    starting = RankPlan(step_time_s=lambda s: 0.5, hangs_at_step=0)
+    c.run([starting, starting], start=0.0, until=STARTUP_GRACE_S - 1)
+    _, found = fold(c.events)
+    assert found == []
+    c.run([starting, starting], start=STARTUP_GRACE_S - 1, until=STARTUP_GRACE_S + 3, announce=False)
+    _, found = fold(c.events)
+    assert sorted((f.rank, f.step) for f in found if isinstance(f, RankHung)) == [(0, -1), (1, -1)]
+    assert all(isinstance(f, RankHung) and f.deadline_s == STARTUP_GRACE_S for f in found), found
+
+    stepped = Cluster(policy=POLICY)
+    stepped.start()
+    stuck = RankPlan(step_time_s=lambda s: 0.5, hangs_at_step=1)
+    stepped.run([stuck, stuck], start=0.0, until=8.0)
+    _, found = fold(stepped.events)
+    assert sorted((f.rank, f.step) for f in found if isinstance(f, RankHung)) == [(0, 0), (1, 0)]
