@@ -19,7 +19,7 @@ JOB_TYPES: dict[str, tuple[str, ...]] = {
                     "CheckpointScrubbed", "CheckpointsFailing", "CheckpointsRecovered", "FinalStateUnsaved",
                     "FinalStateSaved"),
     "health": ("RankLost", "RankHung", "StragglerDetected", "NonFiniteLoss", "LossSpikeDetected", "SpikeDiagnosed",
-               "InexactRestore"),
+               "InexactRestore", "LossOutlier"),
     "resharder": ("ReshardPlanned",),
     "archiver": ("HistoryArchived",),
     "agent": ("WorkersStarted", "WorkersExited", "CheckpointRejected"),

@@ -40,7 +40,7 @@ ALL_TYPES: tuple[type[Event], ...] = (
     checkpoint.FinalStateSaved,
     # health findings
     findings.RankLost, findings.RankHung, findings.StragglerDetected, findings.NonFiniteLoss,
-    findings.LossSpikeDetected, findings.SpikeDiagnosed, findings.InexactRestore,
+    findings.LossSpikeDetected, findings.SpikeDiagnosed, findings.InexactRestore, findings.LossOutlier,
     # plan
     plan.ReshardPlanned,
     # the archive of a job's telemetry and output

@@ -67,6 +67,19 @@ class LossSpikeDetected(Finding, frozen=True, kw_only=True):
     log: bool = False  # judged on the log scale (v1: never)
 
 
+class LossOutlier(Finding, frozen=True, kw_only=True):
+    """One loss far above its baseline (a robust z of at least twice policy.spike_z) that the losses after it did
+    not follow: an excursion that ended without becoming a spike (services/health/spikes.py). Nothing is done about it
+    by design (a rollback for one bad batch throws away work and skips good data); it is recorded so a user can
+    look at the batch of that step. Rank 0's losses, as for spikes; `evidence` is its StepCompleted."""
+
+    step: int
+    loss: float
+    baseline: float  # the median loss of the window it was judged against
+    z: float  # its robust z (on the log scale when `log`)
+    log: bool = False
+
+
 Verdict = Literal["data", "optimisation", "hardware", "undetermined"]
 
 
@@ -107,6 +120,13 @@ def spike_summary(ev: LossSpikeDetected) -> str:
                 f"evidence {ev.score:.1f} >= {ev.threshold:g} (robust z {ev.z:.1f} at the last)")
     return (f"loss spike at step {ev.step}: {ev.loss:.4g} against a median of {ev.baseline:.4g} "
             f"(robust z {ev.z:.1f} > {ev.threshold:g})")
+
+
+def outlier_summary(ev: LossOutlier) -> str:
+    """The observation in a line, as `status`, the postmortem and the dashboard say it."""
+    return (f"loss outlier at step {ev.step}: {ev.loss:.4g} against a median of {ev.baseline:.4g} (robust z "
+            f"{ev.z:.1f}), and the losses after it back in line: one batch, not acted on; look at the batch of "
+            f"step {ev.step}")
 
 
 def diagnosis_summary(ev: SpikeDiagnosed) -> str:

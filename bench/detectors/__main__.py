@@ -20,7 +20,7 @@ from bench.detectors.corpus import recorded, synthetic, trials
 from bench.detectors.score import Score, score
 from bench.detectors.timing import measure
 from flightdeck.events.spec import PolicySpec
-from flightdeck.services.health.spikes import SpikeWatch
+from flightdeck.services.health.spikes import Spike, SpikeWatch
 
 
 class Shipped:
@@ -32,7 +32,7 @@ class Shipped:
 
     def observe(self, step: int, loss: float, lr: float) -> int | None:
         spike = self.watch.observe(step, loss, self.policy, lr)
-        return None if spike is None else spike.step
+        return spike.step if isinstance(spike, Spike) else None  # an Outlier is shown, not acted on
 
 
 def run(seeds: int, positions: int) -> tuple[list[Score], dict[str, int]]:

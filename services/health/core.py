@@ -13,6 +13,7 @@ from flightdeck.events.commands import PauseRequested, ResumeRequested, Rollback
 from flightdeck.events.findings import (
     Finding,
     InexactRestore,
+    LossOutlier,
     LossSpikeDetected,
     NonFiniteLoss,
     RankHung,
@@ -40,6 +41,7 @@ from flightdeck.events.training import Heartbeat, RankFault, RankStarted, Rolled
 from flightdeck.services.core import Emit, Output, Service
 from flightdeck.services.health import agents
 from flightdeck.services.health.detectors import EVIDENCE_MAX, Hung, Lost, RankWatch
+from flightdeck.services.health.spikes import Outlier
 from flightdeck.services.health.state import (
     IDLE_LOST,
     INITIAL,
@@ -184,7 +186,12 @@ def _step(state: State, job: JobWatch, r: RankWatch, ev: StepCompleted, out: lis
     policy = job.policy
     if r.rank == 0:
         spike = job.spikes.observe(ev.step, ev.loss, policy, ev.lr, ev.event_id)
-        if spike is not None and job.first(0, "LossSpikeDetected", spike.episode):
+        if isinstance(spike, Outlier):
+            if job.first(0, "LossOutlier", spike.step):
+                _emit(out, LossOutlier(job_id=job.job_id, rank=0, attempt=job.attempt, evidence=[spike.event_id],
+                                       step=spike.step, loss=spike.loss, baseline=spike.baseline, z=spike.z,
+                                       log=spike.log))
+        elif spike is not None and job.first(0, "LossSpikeDetected", spike.episode):
             _emit(out, LossSpikeDetected(
                 job_id=job.job_id, rank=0, attempt=job.attempt, evidence=list(spike.ids), step=spike.step,
                 loss=spike.loss, baseline=spike.baseline, mad=spike.mad, z=spike.z, threshold=spike.threshold,

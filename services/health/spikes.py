@@ -16,6 +16,9 @@ REL_EPS = 1e-3  # scale floor, relative to the baseline: a rise below spike_z x 
 ABS_EPS = 1e-12
 MIN_BASELINE = 8  # losses the spike baseline needs before it judges (besides spike_warmup)
 LR_RISE = 0.01  # a learning rate this much above every one in the spike baseline starts it over
+# A lone loss is shown (Outlier) from this many times spike_z: at spike_z itself, 8 of the 21,000 fault-free steps
+# of bench/detectors' recorded curves would be shown, noise; none reached 6
+OUTLIER_Z_FACTOR = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +35,19 @@ class Spike:
     episode: int
     losses: tuple[float, ...]  # the excursion's losses, oldest first (at most EVIDENCE_MAX, the newest)
     ids: tuple[str, ...]  # the StepCompleted each came in
+
+
+@dataclass(frozen=True, slots=True)
+class Outlier:
+    """A loss far out (z at least OUTLIER_Z_FACTOR x spike_z) in an excursion that ended without becoming a spike:
+    one bad batch, ignored by design (no rollback), shown so a user can look at it (LossOutlier)."""
+
+    step: int
+    loss: float
+    baseline: float  # the window's median loss when it came
+    z: float
+    log: bool
+    event_id: str
 
 
 def robust_z(x: float, median: float, mad: float, *, log: bool = False) -> float:
@@ -65,7 +81,8 @@ class SpikeWatch:
     MIN_BASELINE losses behind it.
     """
 
-    __slots__ = ("episodes", "excursion", "full", "log", "lrs", "onset", "score", "spiking", "steps", "window")
+    __slots__ = ("episodes", "excursion", "full", "log", "lrs", "onset", "peak", "score", "spiking", "steps",
+                 "window")
 
     def __init__(self, size: int) -> None:
         self.window = RobustWindow(size)  # of losses, on the log scale while `log`
@@ -78,13 +95,14 @@ class SpikeWatch:
         self.excursion: deque[tuple[float, str]] = deque(maxlen=EVIDENCE_MAX)  # its (loss, event id), newest last
         self.spiking = False  # a spike was found and the loss is not back within the drift yet
         self.episodes = 0  # spikes reported so far: a spike that comes back after a rollback is a new one
+        self.peak: Outlier | None = None  # the open excursion's highest loss far enough out to show
 
     def clone(self) -> "SpikeWatch":
         c = SpikeWatch.__new__(SpikeWatch)
         c.window, c.steps, c.lrs, c.log, c.full = self.window.clone(), self.steps.copy(), self.lrs.copy(), self.log, \
             self.full
         c.score, c.onset, c.excursion = self.score, self.onset, self.excursion.copy()
-        c.spiking, c.episodes = self.spiking, self.episodes
+        c.spiking, c.episodes, c.peak = self.spiking, self.episodes, self.peak
         return c
 
     def rewind(self) -> None:
@@ -94,7 +112,7 @@ class SpikeWatch:
         self.spiking = False
 
     def _calm(self) -> None:
-        self.score, self.onset = 0.0, -1
+        self.score, self.onset, self.peak = 0.0, -1, None
         self.excursion.clear()
 
     def _add(self, step: int, x: float, lr: float) -> None:
@@ -111,7 +129,10 @@ class SpikeWatch:
             self.lrs.pop()
             self.window.pop()
 
-    def observe(self, step: int, loss: float, policy: PolicySpec, lr: float = 0.0, event_id: str = "") -> Spike | None:
+    def observe(self, step: int, loss: float, policy: PolicySpec, lr: float = 0.0, event_id: str = "",
+                ) -> Spike | Outlier | None:
+        """A spike this loss completes; or, when it ends an excursion that never became one, that excursion's
+        highest loss if it was far out (an Outlier: a bad batch the rule lets pass, to be shown)."""
         if not math.isfinite(loss):
             return None
         if not math.isfinite(lr):
@@ -148,11 +169,14 @@ class SpikeWatch:
             return None
         self.score = max(0.0, self.score + min(z, policy.spike_z) - policy.spike_drift)
         if self.score <= 0.0:
+            passed = self.peak
             self._calm()
             self._add(step, x, lr)
-            return None
+            return passed
         if self.onset < 0:
             self.onset = step
+        if z >= OUTLIER_Z_FACTOR * policy.spike_z and (self.peak is None or z > self.peak.z):
+            self.peak = Outlier(step, loss, math.exp(median) if self.log else median, z, self.log, event_id)
         self.excursion.append((loss, event_id))
         threshold = spike_threshold(policy)
         if self.score < threshold:

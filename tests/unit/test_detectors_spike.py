@@ -8,9 +8,10 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flightdeck.events.findings import LossSpikeDetected
+from flightdeck.events.findings import LossOutlier, LossSpikeDetected
 from flightdeck.events.spec import PolicySpec
-from flightdeck.services.health.spikes import SpikeWatch, robust_z, spike_threshold
+from flightdeck.events.training import StepCompleted
+from flightdeck.services.health.spikes import OUTLIER_Z_FACTOR, Outlier, Spike, SpikeWatch, robust_z, spike_threshold
 from tests.unit.health_synth import Cluster, RankPlan, evidence_exists, fold, loss_curve, of
 
 POLICY = PolicySpec()  # spike_z 4, spike_drift 1.5, spike_steps 3, spike_window 50, spike_warmup 20
@@ -31,11 +32,22 @@ def noisy_curve(seed: int, steps: int, noise: float, tau: float, *, heavy: bool 
 
 def watch(losses: list[float], policy: PolicySpec = POLICY, first_step: int = 0,
           lrs: list[float] | None = None) -> tuple[SpikeWatch, list[int]]:
+    """The steps spikes were found at (a lone loss far out, an Outlier, is no spike: `outliers` has those)."""
+    w, found = observed(losses, policy, first_step, lrs)
+    return w, [f.step for f in found if isinstance(f, Spike)]
+
+
+def observed(losses: list[float], policy: PolicySpec = POLICY, first_step: int = 0,
+             lrs: list[float] | None = None) -> tuple[SpikeWatch, list[Spike | Outlier]]:
     w = SpikeWatch(policy.spike_window)
     rates = lrs or [0.0] * len(losses)
-    found = [first_step + i for i, (x, lr) in enumerate(zip(losses, rates, strict=True))
-             if w.observe(first_step + i, x, policy, lr) is not None]
+    found = [f for i, (x, lr) in enumerate(zip(losses, rates, strict=True))
+             if (f := w.observe(first_step + i, x, policy, lr)) is not None]
     return w, found
+
+
+def outliers(losses: list[float]) -> list[Outlier]:
+    return [f for f in observed(losses)[1] if isinstance(f, Outlier)]
 
 
 # Derandomized so that a rare seed never makes the suite flaky; bench/detectors measures the rates on a corpus.
@@ -56,6 +68,30 @@ def test_a_loss_far_out_for_fewer_steps_than_spike_steps_is_no_spike(seed: int, 
     for s in range(POLICY.spike_warmup + at, POLICY.spike_warmup + at + length):
         losses[s] *= factor
     assert watch(losses)[1] == []
+    # shown instead, once, at its farthest loss: an observation for the user, not an action (issue 53, finding 7)
+    (seen,) = outliers(losses)
+    assert POLICY.spike_warmup + at <= seen.step < POLICY.spike_warmup + at + length
+    assert seen.loss == losses[seen.step]
+    assert seen.z >= OUTLIER_Z_FACTOR * POLICY.spike_z and seen.log and seen.baseline < seen.loss / 1.5
+
+
+@settings(max_examples=50, deadline=None, derandomize=True)
+@given(st.integers(0, 2**32), st.floats(0.001, 0.3), st.floats(50, 2000))
+def test_gaussian_noise_shows_no_outlier(seed: int, noise: float, tau: float) -> None:
+    assert outliers(noisy_curve(seed, 1500, noise, tau)) == []
+
+
+def test_a_spike_is_no_outlier_and_a_rollback_forgets_an_open_excursion() -> None:
+    losses = noisy_curve(1, 300, 0.01, 300.0)
+    for s in range(100, 106):
+        losses[s] *= 5.0
+    assert [type(f).__name__ for f in observed(losses)[1]] == ["Spike"]
+    # a loss far out, then the run goes back (a rollback) before the excursion ends: that timeline is thrown away
+    w = SpikeWatch(POLICY.spike_window)
+    for s, x in enumerate(noisy_curve(2, 100, 0.01, 300.0)):
+        assert w.observe(s, x, POLICY) is None
+    assert w.observe(100, 20.0, POLICY) is None and w.peak is not None
+    assert w.observe(90, 1.9, POLICY) is None and w.peak is None
 
 
 @settings(max_examples=150, deadline=None, derandomize=True)
@@ -153,3 +189,45 @@ def test_spike_through_the_core_is_rank_zeros_with_evidence() -> None:
     assert len(spikes[0].evidence) == 3 and len(spikes[0].losses) == 3  # the StepCompleted of steps 40, 41, 42
     evidence_exists(found, c.events)
     assert found == spikes
+
+
+def test_a_lone_bad_batch_through_the_core_is_an_observation_the_views_and_postmortem_show() -> None:
+    """Loss 15.1 against ~2.2 at one step, the next back in line (the issue 53 case): no spike and no rollback, one
+    LossOutlier naming rank 0's report of that step; `status`, the dashboard's decisions and the postmortem show it."""
+    from flightdeck.events.base import JobEvent, RankEvent
+    from flightdeck.events.codec import encode
+    from flightdeck.events.store import Stored
+    from flightdeck.services.tools.console.status import details
+    from flightdeck.services.tools.history import jobview
+    from flightdeck.services.tools.postmortem.analysis import analyse
+    from flightdeck.services.tools.postmortem.describe import describe
+    from flightdeck.services.tools.postmortem.report import blocks, markdown
+    from tests.unit.helpers import numbered
+
+    c = Cluster(num_ranks=2, policy=PolicySpec(spike_warmup=10))
+    c.loss = lambda rank, step: (15.1 if step == 40 else 2.2) + 0.01 * math.sin(step * 7 + rank)
+    c.start()
+    c.run([RankPlan(step_time_s=lambda s: 0.25)] * 2, start=0.0, until=20.0)
+    _, found = fold(c.events)
+    assert [type(f).__name__ for f in found] == ["LossOutlier"]
+    (seen,) = found
+    assert isinstance(seen, LossOutlier) and (seen.rank, seen.step, seen.attempt) == (0, 40, 0)
+    assert abs(seen.loss - 15.1) < 0.02 and abs(seen.baseline - 2.2) < 0.02 and seen.log
+    evidence_exists(found, c.events)
+    (step40,) = [e for e in c.events if isinstance(e, StepCompleted) and e.rank == 0 and e.step == 40]
+    assert seen.evidence == [step40.event_id]
+
+    view = jobview.fold(c.job_id, [e for e in c.events if isinstance(e, JobEvent)] + [seen])
+    assert view.outliers_seen == 1 and "loss outlier at step 40: 15.1" in view.outliers[0]
+    assert "1 lone bad loss (not acted on); newest: loss outlier at step 40" in details(view, now=30.0)
+    assert describe(seen).startswith("loss outlier at step 40")  # the dashboard's decisions list says it so
+    control = numbered([e for e in c.events if isinstance(e, JobEvent) and not isinstance(e, RankEvent)] + [seen])
+    telemetry = [e for e in c.events if isinstance(e, RankEvent)]
+    rows = [Stored(stream=stream, subject=f"{prefix}.{c.job_id}.{type(e).__name__}", seq=i + 1, data=encode(e),
+                   msg_id=e.event_id, event=e)
+            for stream, prefix, events in (("FD_CONTROL", "fd.ctl.job", control), ("FD_TELEMETRY", "fd.tel.job",
+                                                                                    telemetry))
+            for i, e in enumerate(events)]
+    report = markdown(blocks(analyse(rows, c.job_id)))
+    assert "## Observations" in report and "loss outlier at step 40" in report
+    assert "None: no fault was injected or reported, and no finding was made." in report  # no incident

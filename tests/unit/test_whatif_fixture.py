@@ -8,7 +8,7 @@ import pytest
 import structlog
 
 from flightdeck.events.commands import RollbackRequested
-from flightdeck.events.findings import LossSpikeDetected, SpikeDiagnosed
+from flightdeck.events.findings import LossOutlier, LossSpikeDetected, SpikeDiagnosed
 from flightdeck.events.job import AllocationRequested, JobCompleted, JobFailed, JobSubmitted
 from flightdeck.events.training import RolledBack
 from flightdeck.services.tools.audit import settings
@@ -53,9 +53,11 @@ def test_more_spike_steps_than_the_spike_lasted_remove_the_rollback_and_save_its
     assert w.settings == {"policy.spike_steps": (3, 4)}
     assert [(c.kind, type(c.event)) for c in w.changes][:2] == [("vanishes", LossSpikeDetected),
                                                                ("vanishes", RollbackRequested)]
-    # retention keeps other checkpoints, and no spike is left to diagnose; nothing else
+    # retention keeps other checkpoints, no spike is left to diagnose, and the excursion that ended short of a
+    # spike is shown as a loss outlier instead; nothing else
     assert {c.service for c in w.changes[2:]} == {"checkpoints", "health"}
-    assert [(c.kind, type(c.event)) for c in w.changes[2:] if c.service == "health"] == [("vanishes", SpikeDiagnosed)]
+    assert [(c.kind, type(c.event)) for c in w.changes[2:] if c.service == "health"] == [
+        ("appears", LossOutlier), ("vanishes", SpikeDiagnosed)]
     trigger = w.changes[0].trigger  # the telemetry of the step that completed the spike
     assert trigger is not None and spike.msg_id == f"health:{trigger.stream}:{trigger.seq}:0"
     assert {type(s.event) for s in w.outcome.dropped} == {RolledBack}  # the ranks' rollback did not happen

@@ -99,6 +99,8 @@ def details(v: JobView, now: float) -> str:
         ("rollbacks", str(v.rollbacks)),
         *([("spike", v.spike_cause)] if v.spike_cause else []),
         ("exactness", v.inexact or "exact: no restore parted it from the uninterrupted run"),
+        *([("outliers", f"{v.outliers_seen} lone bad loss{'es' if v.outliers_seen > 1 else ''} (not acted on); "
+            f"newest: {v.outliers[-1]}")] if v.outliers else []),
         *([("last fault", headline(v.last_fault))] if v.last_fault else []),
         ("submitted", f"{duration(now - v.submitted_at)} ago"),
     ]

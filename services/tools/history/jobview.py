@@ -21,7 +21,7 @@ from flightdeck.events.checkpoint import (
     FinalStateUnsaved,
 )
 from flightdeck.events.commands import RollbackRequested
-from flightdeck.events.findings import InexactRestore, SpikeDiagnosed, diagnosis_summary
+from flightdeck.events.findings import InexactRestore, LossOutlier, SpikeDiagnosed, diagnosis_summary, outlier_summary
 from flightdeck.events.job import (
     AllocationGranted,
     AllocationReleased,
@@ -49,6 +49,7 @@ ENDED: frozenset[str] = frozenset({"completed", "failed", "cancelled"})
 # How long past JobCompleted a follower waits for the final checkpoint: the checkpoint service stops ticking for
 # it 30 s after the completion (services/checkpoints/core.py LINGER_S), so it never comes later than that.
 FINAL_WAIT_S = 60.0
+OUTLIERS_SHOWN = 3  # a view names the newest lone bad losses; the postmortem lists them all
 
 
 class CheckpointEntry(msgspec.Struct, frozen=True, kw_only=True):
@@ -82,6 +83,8 @@ class JobView(msgspec.Struct, frozen=True, kw_only=True):
     rollbacks: int = 0
     spike_cause: str = ""  # the newest loss spike's diagnosis (SpikeDiagnosed), in words
     inexact: str = ""  # where and why the run first parted from the uninterrupted one, bitwise (InexactRestore)
+    outliers: tuple[str, ...] = ()  # the newest OUTLIERS_SHOWN lone bad losses, in words (LossOutlier)
+    outliers_seen: int = 0
     checkpoint_failures: int = 0
     final_failed: bool = False  # a checkpoint of the last step failed
     store_failing: str = ""  # the store refuses its checkpoints (CheckpointsFailing, until CheckpointsRecovered)
@@ -239,6 +242,9 @@ def _facts(view: JobView, event: Event, at: float) -> JobView:
             return _replace(view, rollbacks=view.rollbacks + 1)
         case SpikeDiagnosed():
             return _replace(view, spike_cause=diagnosis_summary(event))
+        case LossOutlier():
+            return _replace(view, outliers=(*view.outliers, outlier_summary(event))[-OUTLIERS_SHOWN:],
+                            outliers_seen=view.outliers_seen + 1)
         case InexactRestore(step=step, reason=why) if not view.inexact:
             return _replace(view, inexact=f"from step {step} not guaranteed bitwise the uninterrupted run: {why}")
     return view

@@ -6,9 +6,10 @@ from dataclasses import dataclass
 from flightdeck.events.base import JobEvent, NodeEvent
 from flightdeck.events.checkpoint import CheckpointCommitted, CheckpointDeleted
 from flightdeck.events.commands import RollbackRequested
+from flightdeck.events.findings import LossOutlier
 from flightdeck.events.job import AllocationGranted, JobCancelled, JobCompleted, JobFailed, JobResumed, JobSubmitted
 from flightdeck.events.store import Stored
-from flightdeck.services.tools.postmortem.describe import Mark, describe
+from flightdeck.services.tools.postmortem.describe import Mark, describe, mark
 from flightdeck.services.tools.postmortem.goodput import Goodput, final_mask, goodput
 from flightdeck.services.tools.postmortem.incidents import Incident, cause_chain, incidents
 from flightdeck.services.tools.postmortem.scan import Scan, scan
@@ -43,6 +44,7 @@ class Postmortem:
     timeline: list[Mark]
     timeline_left_out: int
     causes: list[Mark]  # a failed job's cause chain, from the first fault to the last straw
+    observations: list[Mark]  # what was seen and by design not acted on (LossOutlier): a batch to look at
     scan: Scan  # the columns the plots draw
 
 
@@ -55,7 +57,9 @@ def analyse(rows: Iterable[Stored], job_id: str) -> Postmortem:
     failed = next((c.event for c in sc.control if isinstance(c.event, JobFailed)), None)
     timeline, left_out = _timeline(sc)
     return Postmortem(summary=_summary(sc, split), incidents=found, goodput=split, timeline=timeline,
-                      timeline_left_out=left_out, causes=cause_chain(sc, failed) if failed else [], scan=sc)
+                      timeline_left_out=left_out, causes=cause_chain(sc, failed) if failed else [],
+                      observations=[mark(c.event, c.known - sc.t0) for c in sc.control
+                                    if isinstance(c.event, LossOutlier)], scan=sc)
 
 
 def _summary(sc: Scan, split: Goodput) -> Summary:

@@ -23,6 +23,7 @@ from flightdeck.events.commands import (
 )
 from flightdeck.events.findings import (
     InexactRestore,
+    LossOutlier,
     LossSpikeDetected,
     NonFiniteLoss,
     RankHung,
@@ -31,6 +32,7 @@ from flightdeck.events.findings import (
     StragglerDetected,
     diagnosis_summary,
     nonfinite_summary,
+    outlier_summary,
     spike_summary,
 )
 from flightdeck.events.fleet import NodeCordoned, NodeLost, NodeUncordoned, SelfCheckFailed
@@ -105,6 +107,8 @@ def describe(ev: Event) -> str:
             return diagnosis_summary(ev)
         case NonFiniteLoss():
             return nonfinite_summary(ev)
+        case LossOutlier():
+            return outlier_summary(ev)
         case InexactRestore():
             return f"restored at step {ev.step}, not guaranteed bitwise the uninterrupted run from there: {ev.reason}"
         case StragglerDetected():

@@ -11,6 +11,7 @@ from flightdeck.events.commands import StopRequested
 from flightdeck.events.findings import (
     Finding,
     InexactRestore,
+    LossOutlier,
     LossSpikeDetected,
     NonFiniteLoss,
     RankHung,
@@ -80,7 +81,8 @@ class _Draft:
 
 
 def _is_trigger(ev: Event) -> bool:
-    if isinstance(ev, SpikeDiagnosed | InexactRestore):  # about an incident's recovery, not a fault of its own
+    # about an incident's recovery, or an observation nothing was done about (LossOutlier): not a fault of its own
+    if isinstance(ev, SpikeDiagnosed | InexactRestore | LossOutlier):
         return False
     return isinstance(ev, Finding | NodeLost) or (isinstance(ev, WorkersExited) and ev.is_fault())
 

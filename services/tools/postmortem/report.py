@@ -141,6 +141,11 @@ def blocks(pm: Postmortem) -> list[Block]:
             out.append(Table(("t (s)", "event", "id", "what"), _chain_rows(i.chain)))
             if i.related:
                 out += [Para("Also reported:"), Table(("t (s)", "event", "id", "what"), _chain_rows(i.related))]
+    if pm.observations:
+        out += [Heading(2, "Observations"),
+                Para("Seen and, by design, not acted on: a lone loss far above its baseline whose next losses were "
+                     "back in line (one bad batch needs no rollback); look at the batch each step read."),
+                Table(("t (s)", "event", "id", "what"), _chain_rows(pm.observations))]
     out += [Heading(2, "Goodput and badput"),
             Para(f"Goodput {g.goodput:.1%}: useful training time over wall time. Every instant of the wall time "
                  "is counted once, in the first part that covers it, in this order:"),
