@@ -29,7 +29,11 @@ import flightdeck
 from flightdeck.events import snapshot as fmt
 
 log = structlog.get_logger("trainer")
-ANSWER_S = 60.0  # a helper that has not answered in this long is stuck (a frozen process): the rank sums itself
+# A helper that has not answered in this long is stuck (a frozen process) and the rank sums by itself: the rank's
+# next snapshot waits on this one, so a long wait would stall training into a false hang (hang_min_s is 30 s)
+ANSWER_S = 5.0
+STARTUP_S = 120.0  # an interpreter not started in this long will not be: meanwhile the rank sums by itself
+SLOWEST_BYTES_PER_S = 100e6  # ... or longer for a large slot (xxh3 summed 10.5 MB in 0.53 ms here)
 _ROOT = str(Path(flightdeck.__file__).parent.parent)  # where `flightdeck` imports from, for the helper's sys.path
 
 
@@ -122,8 +126,8 @@ class Digester:
                 return True
             assert self._proc.stdout is not None
             if not select.select([self._proc.stdout], [], [], 0)[0]:
-                if time.monotonic() - self._started > ANSWER_S:
-                    raise OSError(f"the helper was not ready in {ANSWER_S:.0f} s")
+                if time.monotonic() - self._started > STARTUP_S:
+                    raise OSError(f"the helper was not ready in {STARTUP_S:g} s")
                 return False
             body = _read_frame(self._proc.stdout)
             if body is None or self._decode(body).error:
@@ -144,9 +148,10 @@ class Digester:
         assert proc is not None and proc.stdin is not None and proc.stdout is not None
         proc.stdin.write(_frame(msgspec.msgpack.encode(request)))
         proc.stdin.flush()
-        ready, _, _ = select.select([proc.stdout], [], [], ANSWER_S)
+        wait = max(ANSWER_S, sum(n for _, n in request.ranges) / SLOWEST_BYTES_PER_S)
+        ready, _, _ = select.select([proc.stdout], [], [], wait)
         if not ready:
-            raise OSError(f"the helper did not answer in {ANSWER_S:.0f} s")
+            raise OSError(f"the helper did not answer in {wait:g} s")
         body = _read_frame(proc.stdout)
         if body is None:
             raise OSError(f"the helper exited ({proc.poll()})")

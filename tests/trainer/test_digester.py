@@ -74,11 +74,11 @@ def test_a_helper_that_cannot_read_the_slot_says_why_and_the_rank_sums_itself(tm
 
 def test_a_stuck_helper_is_given_up_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path, data, ranges = _slot(tmp_path)
-    monkeypatch.setattr(digester_mod, "ANSWER_S", 0.5)
     d = Digester()
     try:
         helped(d, path, ranges, data)
         assert d.helped and d._proc is not None
+        monkeypatch.setattr(digester_mod, "ANSWER_S", 0.5)  # once it is up: a loaded box starts it slowly
         os.kill(d._proc.pid, signal.SIGSTOP)  # frozen, not dead: its pipe stays open
         assert d.digests(path, ranges, memoryview(data)) == sums(memoryview(data), ranges)
         assert d._broken is not None and "did not answer" in d._broken and d._proc is None
