@@ -143,8 +143,7 @@ class Run:
         if self.restored:
             return self.step
         self.restored = True
-        if self._seed is None:  # before a restore sets the generator's state (and its seed) to the checkpoint's
-            self._seed = seeding.base()
+        _ = self.seed  # taken now if not at register: a restore sets the generator (and its seed) to the checkpoint's
         path = self.cfg.restore
         if path is None and self.cfg.resume_local:
             path = restore_points.newest_local(self.cfg.staging / self.job_id, self.dist)
