@@ -249,7 +249,7 @@ class Snapshots:
                 any(isinstance(live[k], torch.Tensor) for k in split[2]):
             tensor_keys = tuple(k for k, v in live.items() if isinstance(v, torch.Tensor))
             split = self._splits = ((generation, len(live), settled), tensor_keys,
-                                    tuple(k for k in live if k not in set(tensor_keys)),
+                                    tuple(k for k, v in live.items() if not isinstance(v, torch.Tensor)),
                                     [k for k in tensor_keys if k not in settled])
         return {k: live[k] for k in split[1]}, {k: _kept(live[k]) for k in split[2]}, split[3]
 
