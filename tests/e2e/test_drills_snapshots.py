@@ -146,7 +146,10 @@ async def test_an_agent_killed_with_its_ranks_persists_their_snapshots_when_it_c
     p, job = drill, "snapagent-000001"
     p.agent("n1", "--grace-s", "2")
     await p.ready("n1")
-    await p.submit(every_step(drill_spec("snapagent", steps=60, checkpoint_every=100, faults=[paced()])), job)
+    # The node is lost after 10 s of silence, not the drills' 2: the restarted agent must be back first, and in a
+    # loaded suite run its start took longer than 2 s, the node was declared lost, and its staged set fenced
+    spec = drill_spec("snapagent", steps=60, checkpoint_every=100, faults=[paced()], heartbeat_misses=20)
+    await p.submit(every_step(spec), job)
     await kill_agent_mid_run(p, job, node="n1", after_step=25)
     p.agent("n1", "--grace-s", "2")
     await run_to_end(p, job, 200)
